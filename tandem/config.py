@@ -1,0 +1,169 @@
+"""Frozen configuration dataclasses, one per concern.
+
+Each is built once at start-up (from CLI flags or `LLM(...)` keyword arguments) and passed
+explicitly to whatever needs it; nothing reads configuration from globals.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        """Read both the transformers v5 `rope_parameters` and the older `rope_scaling`."""
+        params = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or {}
+        merged = {**scaling, **params}
+        theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported RoPE scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                merged.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the runner needs, read from an HF `config.json` dict."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or '(none given)'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen3 = arch == "Qwen3ForCausalLM"
+        use_sliding = hf.get("use_sliding_window", True) and hf.get("sliding_window")
+        return cls(
+            architecture=arch,
+            model_type=hf.get("model_type", ""),
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rope=RopeConfig.from_hf(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and never an o_proj bias; Llama-style models
+            # put `attention_bias` on all four projections.
+            qkv_bias=is_qwen2 or bool(hf.get("attention_bias", False)),
+            o_proj_bias=not is_qwen2 and bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=is_qwen3,
+            sliding_window=int(use_sliding) if use_sliding else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+            hf_config=hf,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: derived from free memory at start
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    dtype: str = "float32"
+    load_format: str = "auto"  # auto | dummy
+    seed: int = 0
+    cache_dir: str | None = None  # where converted GGUF checkpoints are kept
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    load: LoadConfig = LoadConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_memory_size(text: str | int) -> int:
+    """Parse '2GiB', '512MB', '1.5g' or a plain byte count into bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ValueError(f"cannot read memory size {text!r}; use e.g. 2GiB, 512MiB or a byte count")
+    number, unit, _ = match.groups()
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit.lower()]
+    return int(float(number) * scale)

@@ -1,0 +1,148 @@
+"""The one place that builds tensors: flattens a scheduled batch, runs the model, samples.
+
+A step's chunks become one flat token stream, decodes (one token each) first and prefill
+chunks after, with positions, slot mapping and block tables for the attention backend. Only
+the rows that produce a token go through the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import ModelConfig
+from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan, kv_cache_shape
+from tandem.layers.sampler import Sampler, SamplingRow
+from tandem.types import SampledToken
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # indices into the flat batch whose logits are needed
+    sample_chunks: list[ScheduledChunk]
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatch:
+    """Flatten chunks (decodes first) into the model inputs and attention metadata."""
+    decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
+    prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+    ordered = decodes + prefills
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_chunks: list[ScheduledChunk] = []
+    spans: list[PrefillSpan] = []
+    for index, chunk in enumerate(ordered):
+        q_start = len(input_ids)
+        input_ids.extend(chunk.token_ids)
+        chunk_positions = range(chunk.start, chunk.start + chunk.num_tokens)
+        positions.extend(chunk_positions)
+        blocks = chunk.block_ids
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in chunk_positions)
+        if chunk.samples:
+            sample_rows.append(len(input_ids) - 1)
+            sample_chunks.append(chunk)
+        if index >= len(decodes):
+            context_len = chunk.start + chunk.num_tokens
+            num_blocks = -(-context_len // block_size)
+            spans.append(PrefillSpan(q_start, chunk.num_tokens, context_len, torch.tensor(blocks[:num_blocks])))
+
+    context_lens = [c.start + 1 for c in decodes]
+    max_blocks = max((len(c.block_ids) for c in decodes), default=0)
+    tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+    for row, chunk in enumerate(decodes):
+        tables[row, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        num_decode_tokens=len(decodes),
+        decode_block_tables=tables,
+        decode_context_lens=torch.tensor(context_lens, dtype=torch.long),
+        decode_max_context_len=max(context_lens, default=0),
+        prefills=spans,
+        block_size=block_size,
+    )
+    return PreparedBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        meta=meta,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+        sample_chunks=sample_chunks,
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.backend = backend
+        self.block_size = block_size
+        self.dtype = dtype
+        shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # One allocation for all layers; torch.zeros maps pages lazily, so an oversized
+        # budget costs address space, not RAM, until blocks are used.
+        self.kv_cache = torch.zeros((config.num_hidden_layers, *shape), dtype=dtype)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.sampler = Sampler(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator().manual_seed(seed)
+            self._generators[request_id] = generator
+        return generator
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        for request_id in out.finished:
+            self._generators.pop(request_id, None)
+        if out.empty:
+            return {}
+        batch = prepare_batch(out.chunks, self.block_size)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sample_chunks:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        rows = [self._sampling_row(chunk) for chunk in batch.sample_chunks]
+        sampled = self.sampler(logits, rows)
+        return {c.request.request_id: s for c, s in zip(batch.sample_chunks, sampled, strict=True)}
+
+    def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
+        request = chunk.request
+        params = request.sampling_params
+        banned: list[int] = []
+        if request.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            generator=self._generator_for(request.request_id, params.seed),
+            banned_token_ids=banned,
+        )

