@@ -66,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):

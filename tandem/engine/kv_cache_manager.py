@@ -15,7 +15,7 @@ from tandem.types import Request
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # prompt tokens of admitted requests, each request counted once
     hits: int = 0  # prompt tokens found cached
 
 
@@ -54,6 +54,9 @@ class KVCacheManager:
 
         At least one token is always left to compute, because the model must run on the
         last prompt token to produce the next token's logits.
+
+        A pure lookup: the scheduler repeats it every step while the request waits for room,
+        so the hit statistics are counted on admission instead (`record_prefix_lookup`).
         """
         if not self.enable_caching:
             return [], 0
@@ -65,10 +68,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's prompt once in the prefix-cache hit rate."""
+        if self.enable_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()

@@ -73,6 +73,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.num_tokens:
+            # A zero-token chunk would count as sampling and read another request's logits.
+            raise ValueError("the prompt is empty; give at least one token")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_tokens} tokens; the context is {self.max_model_len}"
@@ -146,7 +149,10 @@ class Scheduler:
                 self.waiting.popleft()
                 request.num_computed_tokens = num_cached
                 if request.num_cached_tokens < 0:
+                    # First admission only: a recomputation after preemption hits its own
+                    # blocks, which says nothing about how well the prefix cache serves prompts.
                     request.num_cached_tokens = num_cached
+                    self.kv.record_prefix_lookup(request, num_cached)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 scheduled.append(self._chunk(request, num_new))

@@ -1,0 +1,262 @@
+"""Fixtures for the torch-free engine core: pools that must end all-free, and a fake model.
+
+Every block pool a test builds through `make_pool` (directly or through `make_engine`) is
+checked at teardown: each block back at reference count zero and on the free queue. A leak
+anywhere in the pool, the cache manager or the scheduler fails the test that caused it.
+
+`FakeModel` stands in for the model runner. It keeps a simulated paged KV memory: each chunk
+writes its tokens into the slots its block table names, and a sampling chunk reads its whole
+context back through the block table and derives the next token from what it read. Wrong
+block tables, wrong prefix-cache hits or overwritten shared blocks therefore change the output
+instead of passing silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import xxhash
+
+from tandem.config import SchedulerConfig
+from tandem.engine.block_hash import root_hash
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.scheduler import FinishedRequest, Scheduler, SchedulerOutput
+from tandem.types import Request, RequestStatus, SampledToken, SamplingParams
+
+BLOCK_SIZE = 4
+ROOT = root_hash("test-model", "float32", BLOCK_SIZE)
+EOS = 2
+VOCAB_LOW, VOCAB_HIGH = 100, 1100  # tokens the fake model emits: never EOS or a small id
+
+
+def assert_pool_consistent(pool: BlockPool) -> None:
+    """The pool's own accounting agrees with its blocks."""
+    idle = [b for b in pool.blocks if b.ref_count == 0]
+    assert all(b.ref_count >= 0 for b in pool.blocks)
+    assert pool.num_free_blocks == len(idle)
+    assert pool.num_used_blocks == pool.num_blocks - len(idle)
+    hashed = [b for b in pool.blocks if b.block_hash is not None]
+    assert pool.num_cached_blocks == len(hashed)
+    assert len({b.block_hash for b in hashed}) == len(hashed)
+    for block in hashed:
+        assert block.token_ids is not None
+        assert pool.lookup(block.block_hash, block.token_ids) is block
+
+
+def assert_all_free(pool: BlockPool) -> None:
+    assert_pool_consistent(pool)
+    assert pool.num_free_blocks == pool.num_blocks, (
+        f"{pool.num_blocks - pool.num_free_blocks} KV blocks leaked: "
+        f"{[(b.block_id, b.ref_count) for b in pool.blocks if b.ref_count]}"
+    )
+    assert pool.num_used_blocks == 0
+    assert pool.usage == 0.0
+
+
+@pytest.fixture
+def check_pool() -> Callable[[BlockPool], None]:
+    """The pool-consistency assertion, for test modules (conftest is not importable)."""
+    return assert_pool_consistent
+
+
+@pytest.fixture
+def make_pool() -> Iterator[Callable[..., BlockPool]]:
+    """Build block pools that must all be back to all-free when the test ends."""
+    pools: list[BlockPool] = []
+
+    def factory(num_blocks: int, enable_caching: bool = True) -> BlockPool:
+        pool = BlockPool(num_blocks, enable_caching)
+        pools.append(pool)
+        return pool
+
+    yield factory
+    for pool in pools:
+        assert_all_free(pool)
+
+
+@pytest.fixture
+def make_kv(make_pool: Callable[..., BlockPool]) -> Callable[..., KVCacheManager]:
+    def factory(
+        num_blocks: int = 16, block_size: int = BLOCK_SIZE, enable_caching: bool = True
+    ) -> KVCacheManager:
+        root = root_hash("test-model", "float32", block_size)
+        return KVCacheManager(make_pool(num_blocks, enable_caching), block_size, root)
+
+    return factory
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: a deterministic function of the whole context, never EOS."""
+    digest = xxhash.xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in context))
+    return VOCAB_LOW + digest % (VOCAB_HIGH - VOCAB_LOW)
+
+
+class FakeModel:
+    """Runs a scheduled step against a simulated paged KV memory (see the module docstring)."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        script: dict[str, list[int]] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.memory: list[list[int | None]] = [[None] * block_size for _ in range(pool.num_blocks)]
+        # Per-request token scripts: the i-th sampled token of request r is script[r][i].
+        self.script = script or {}
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        size = self.block_size
+        for chunk in out.chunks:
+            assert chunk.num_tokens > 0
+            end = chunk.start + chunk.num_tokens
+            assert len(chunk.block_ids) >= -(-end // size), "block table too short"
+            for pos, token in zip(range(chunk.start, end), chunk.token_ids, strict=True):
+                block = self.pool.blocks[chunk.block_ids[pos // size]]
+                # A published (hashed) or shared block is immutable: writing it would corrupt
+                # every other request that reuses it.
+                assert block.block_hash is None, f"write into cached block {block.block_id}"
+                assert block.ref_count == 1, f"write into shared block {block.block_id}"
+                self.memory[block.block_id][pos % size] = token
+        sampled = {}
+        for chunk in out.chunks:
+            if not chunk.samples:
+                continue
+            request = chunk.request
+            end = chunk.start + chunk.num_tokens
+            context = [self.memory[chunk.block_ids[p // size]][p % size] for p in range(end)]
+            assert context == request.all_token_ids[:end], "KV memory does not hold the context"
+            script = self.script.get(request.request_id)
+            token = next_token(context) if script is None else script[request.num_output_tokens]
+            sampled[request.request_id] = SampledToken(token)
+        return sampled
+
+
+@dataclass
+class Engine:
+    """Scheduler + cache manager + pool + fake model, stepped together with invariants checked."""
+
+    scheduler: Scheduler
+    model: FakeModel
+    finished: dict[str, FinishedRequest] = field(default_factory=dict)
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+    # (request id, start, num_tokens, samples) per chunk, taken before the model ran:
+    # `ScheduledChunk.samples` is computed from the live request, so it reads False once
+    # the sampled token has been appended.
+    summaries: list[list[tuple[str, int, int, bool]]] = field(default_factory=list)
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.scheduler.kv
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.scheduler.kv.pool
+
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        eos: frozenset[int] = frozenset({EOS}),
+        **params: object,
+    ) -> Request:
+        params.setdefault("max_tokens", 8)
+        request = Request(request_id, list(prompt), SamplingParams(**params), eos)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        self.check_schedule(out)
+        self.summaries.append(
+            [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in out.chunks]
+        )
+        sampled = self.model.execute(out)
+        _, finished = self.scheduler.update_from_output(out, sampled)
+        for done in finished:
+            self.finished[done.request.request_id] = done
+        self.check_state()
+        self.outputs.append(out)
+        return out
+
+    def run(self, max_steps: int = 1000) -> int:
+        steps = 0
+        while self.scheduler.has_unfinished():
+            self.step()
+            steps += 1
+            assert steps < max_steps, "no progress"
+        return steps
+
+    def check_schedule(self, out: SchedulerOutput) -> None:
+        config = self.scheduler.config
+        assert out.num_batched_tokens <= config.max_num_batched_tokens
+        assert len(self.scheduler.running) <= config.max_num_seqs
+        ids = [c.request.request_id for c in out.chunks]
+        assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+        for chunk in out.chunks:
+            assert chunk.request.status == RequestStatus.RUNNING
+            assert chunk.start == chunk.request.num_computed_tokens
+            assert chunk.start + chunk.num_tokens <= chunk.request.num_tokens
+        for request_id in out.preempted:
+            assert request_id not in ids
+
+    def check_state(self) -> None:
+        """Block ownership matches reference counts; progress matches blocks held."""
+        pool, kv, size = self.pool, self.kv, self.kv.block_size
+        assert_pool_consistent(pool)
+        refs = [0] * pool.num_blocks
+        for request in self.scheduler.requests.values():
+            held = kv.block_ids_of(request.request_id)
+            assert len(held) == len(set(held)), "a request holds a block twice"
+            for block_id in held:
+                refs[block_id] += 1
+            if request.status == RequestStatus.RUNNING:
+                assert len(held) == -(-request.num_computed_tokens // size)
+                assert request.num_computed_tokens < request.num_tokens
+            else:
+                assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                assert held == []
+                assert request.num_computed_tokens == 0
+        assert refs == [b.ref_count for b in pool.blocks], "reference counts do not match owners"
+        for request_id, done in self.finished.items():
+            assert request_id not in self.scheduler.requests
+            assert kv.blocks_of(request_id) == []
+            assert done.request.status.finished
+
+
+@pytest.fixture
+def make_engine(make_pool: Callable[..., BlockPool]) -> Callable[..., Engine]:
+    """Build a scheduler over a fresh pool; the pool must be all-free when the test ends."""
+
+    def factory(
+        num_blocks: int = 64,
+        max_num_batched_tokens: int = 32,
+        max_num_seqs: int = 8,
+        max_model_len: int = 256,
+        enable_caching: bool = True,
+        script: dict[str, list[int]] | None = None,
+    ) -> Engine:
+        pool = make_pool(num_blocks, enable_caching)
+        kv = KVCacheManager(pool, BLOCK_SIZE, ROOT)
+        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
+        scheduler = Scheduler(config, kv, max_model_len)
+        return Engine(scheduler, FakeModel(pool, BLOCK_SIZE, script))
+
+    return factory
+
+
+def reference_output(prompt: list[int], num_tokens: int) -> list[int]:
+    """What the fake model generates for a prompt when nothing goes wrong."""
+    context = list(prompt)
+    for _ in range(num_tokens):
+        context.append(next_token(context))
+    return context[len(prompt) :]
+
+
+@pytest.fixture
+def reference() -> Callable[[list[int], int], list[int]]:
+    return reference_output

@@ -1,0 +1,212 @@
+"""End to end on the default model (SmolLM2-135M, fp32): correctness against transformers,
+prefix caching, preemption, sampling options and bad input, through `LLM`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.loader.resolve import _smollm2_gguf
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three primary colors:",
+    "In 1969, the first man to walk on the moon",
+    "import numpy as np\nimport",
+    "The weather today is",
+    "Q: What is 7 times 8?\nA:",
+    "Photosynthesis is the process by which",
+    "SELECT name, age FROM users WHERE",
+    "The quick brown fox",
+    "Dear Sir or Madam, I am writing to",
+    "<html>\n<head>\n<title>",
+    "1, 2, 3, 5, 8, 13,",
+    "Les chats sont",
+    "To be or not to be,",
+    "Water boils at",
+    "The three laws of robotics are",
+]
+NEAR_TIE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(kv_cache_memory="256MiB", max_num_batched_tokens=512)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "llm" in request.fixturenames:
+        engine = request.getfixturevalue("llm").engine
+        assert not engine.has_unfinished()
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.nn.Module:
+    """transformers' own GGUF loader: independent of our dequantization and name mapping."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = _smollm2_gguf()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def test_greedy_matches_transformers(llm: LLM, reference: torch.nn.Module) -> None:
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    near_ties = 0
+    for output in outputs:
+        generated = output.outputs[0].token_ids
+        assert len(generated) == 64
+        history = output.prompt_token_ids + generated
+        with torch.no_grad():
+            logits = reference(torch.tensor([history])).logits[0]
+        start = len(output.prompt_token_ids) - 1
+        for offset, token in enumerate(generated):
+            row = logits[start + offset]
+            best = int(row.argmax())
+            if best == token:
+                continue
+            gap = float(row[best] - row[token])
+            assert gap <= NEAR_TIE * abs(float(row[best])), (
+                f"{output.prompt!r}: token {offset} is {token}, transformers picks {best} by {gap:.3g}"
+            )
+            near_ties += 1
+    assert near_ties <= 2, f"{near_ties} near-ties is more than rounding explains"
+
+
+def test_prefix_cache_hit_gives_cold_tokens(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    system = "You are a careful assistant. Answer briefly and cite the rule you used. " * 4
+    first = llm.generate([system + "What is a prime number?"], params)[0]
+    assert first.num_cached_tokens == 0
+    again = llm.generate([system + "What is a prime number?"], params)[0]
+    assert again.num_cached_tokens >= 16 * (len(again.prompt_token_ids) // 16 - 1)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    other = llm.generate([system + "What is an even number?"], params)[0]
+    assert other.num_cached_tokens > 0
+    llm.engine.block_pool.reset_prefix_cache()
+    cold = llm.generate([system + "What is an even number?"], params)[0]
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == other.outputs[0].token_ids
+
+
+def test_preemption_gives_same_tokens() -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS[:8]
+    roomy = LLM(kv_cache_memory="64MiB").generate(prompts, params)
+    # 24 blocks of 16 tokens cannot hold 8 sequences of ~50 tokens at once
+    block_bytes = 2 * 30 * 3 * 64 * 4 * 16
+    tight_llm = LLM(kv_cache_memory=24 * block_bytes, enable_prefix_caching=False)
+    tight = tight_llm.generate(prompts, params)
+    assert tight_llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+    pool = tight_llm.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_chat_uses_template(llm: LLM) -> None:
+    output = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert "<|im_start|>assistant" in output.prompt
+    assert output.outputs[0].text
+
+
+def test_stop_string_is_not_emitted(llm: LLM) -> None:
+    free = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
+    assert " 6" in free
+    stopped = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20, stop=[" 6"]))[0].outputs[0]
+    assert stopped.text == free[: free.index(" 6")]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == " 6"
+
+
+def test_stop_token_and_length(llm: LLM) -> None:
+    free = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 6
+    stop_at = free.token_ids[2]
+    stopped = llm.generate(["The quick brown fox"],
+                           SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at]))[0].outputs[0]
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
+
+
+def test_seeded_sampling_is_reproducible_and_n_samples(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, n=3)
+    first = llm.generate(["Tell me a story about"], params)[0]
+    # the same seed in a different batch gives the same samples
+    second = llm.generate(["Tell me a story about", "An unrelated prompt"], [params, SamplingParams(max_tokens=4)])[0]
+    assert len(first.outputs) == 3
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+
+
+def test_logprobs(llm: LLM) -> None:
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 4
+    for token, entries in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert entries[0].token_id == token and entries[0].rank == 1  # greedy picks rank 1
+        assert len(entries) == 4
+        assert entries[1].logprob >= entries[2].logprob >= entries[3].logprob
+    assert completion.cumulative_logprob == pytest.approx(sum(e[0].logprob for e in completion.logprobs))
+
+
+def test_multibyte_text_round_trips(llm: LLM) -> None:
+    text = "Café 東京 — naïve 🙂"
+    ids = llm.tokenizer.encode(text)
+    out = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=1))[0]  # warm path
+    assert out.outputs[0].token_ids
+    from tandem.engine.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(llm.tokenizer, [])
+    pieces = "".join(detok.add(t) for t in ids) + detok.flush()
+    assert pieces == text
+    assert "\ufffd" not in pieces
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_sampling_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_leave_engine_serving(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[1] * (llm.engine.max_model_len + 5)], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[10**9]], SamplingParams(max_tokens=2))
+    # one bad prompt in a batch rejects the call before anything is queued
+    with pytest.raises(ValueError):
+        llm.generate(["fine prompt", ""], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+    assert llm.generate(["Still serving?"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+
+
+def test_unknown_model_is_clear() -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM("/nonexistent/model/dir")
+
+
+def test_abort_frees_blocks(llm: LLM) -> None:
+    engine = llm.engine
+    request_id = engine.add_request(None, "A long story begins", SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.block_pool.num_free_blocks < engine.block_pool.num_blocks
+    engine.abort(request_id)
+    engine.step()
+    assert not engine.has_unfinished()
