@@ -81,7 +81,12 @@ class GGUFCheckpoint:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        self.reader = GGUFReader(str(self.path))
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except (ValueError, OSError) as exc:
+            # The reader's own messages ("GGUF magic invalid", numpy view errors on a truncated
+            # file) do not say which file they are about.
+            raise ValueError(f"{self.path}: not a readable GGUF file ({exc})") from exc
         self.arch = str(_field(self.reader, "general.architecture", ""))
         if self.arch not in _ARCHITECTURES:
             raise ValueError(
@@ -100,19 +105,30 @@ class GGUFCheckpoint:
     def _meta(self, key: str, default: Any = None) -> Any:
         return _field(self.reader, f"{self.arch}.{key}", default)
 
+    def _required(self, key: str) -> int:
+        """An integer hyperparameter with no sensible default; a clear error when it is absent,
+        not a bare `int(None)` TypeError."""
+        value = self._meta(key)
+        if value is None:
+            raise ValueError(
+                f"{self.path.name}: GGUF metadata lacks {self.arch}.{key}, "
+                f"which a {self.arch} model needs"
+            )
+        return int(value)
+
     def hf_config(self) -> dict[str, Any]:
         """An HF `config.json` equivalent built from the GGUF metadata."""
         names = {t.name for t in self.reader.tensors}
-        heads = int(self._meta("attention.head_count"))
-        hidden = int(self._meta("embedding_length"))
+        heads = self._required("attention.head_count")
+        hidden = self._required("embedding_length")
         tokens = _field(self.reader, "tokenizer.ggml.tokens") or []
         config: dict[str, Any] = {
             "architectures": [_ARCHITECTURES[self.arch]],
             "model_type": self.arch,
             "vocab_size": int(self._meta("vocab_size", len(tokens))),
             "hidden_size": hidden,
-            "intermediate_size": int(self._meta("feed_forward_length")),
-            "num_hidden_layers": int(self._meta("block_count")),
+            "intermediate_size": self._required("feed_forward_length"),
+            "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._meta("attention.head_count_kv", heads)),
             "head_dim": int(self._meta("attention.key_length", hidden // heads)),
