@@ -51,5 +51,9 @@ class AttentionBackend(Protocol):
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """One layer's cache: keys and values stacked, [2, num_blocks, block_size, kv_heads, head_dim]."""
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+    """One layer's cache: keys and values stacked, [2, kv_heads, num_blocks, block_size, head_dim].
+
+    Heads outermost: gathering a batch's blocks per head yields [kv_heads, seqs, tokens,
+    head_dim] already contiguous, which a batched matmul reads without another copy.
+    """
+    return (2, num_kv_heads, num_blocks, block_size, head_dim)

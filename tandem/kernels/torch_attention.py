@@ -1,7 +1,8 @@
 """Reference attention backend in plain PyTorch, the CPU path.
 
-Decodes are batched: every decode sequence's context is gathered from its block table into
-one padded tensor and attended in a single batched matmul with a length mask. Prefill
+Decodes are batched: every decode sequence's context is gathered from its block table, per
+KV head, into one padded [kv_heads * seqs, tokens, head_dim] tensor and attended with two
+batched matmuls and a length mask; the gather is the only pass over the cache. Prefill
 chunks run one SDPA call each; a chunk with no cached context attends to its own fresh K/V
 without touching the cache.
 """
@@ -20,10 +21,10 @@ class TorchAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        _, num_blocks, block_size, heads, dim = kv_cache.shape
-        flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-        flat[0].index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
+        _, heads, num_blocks, block_size, dim = kv_cache.shape
+        flat = kv_cache.view(2, heads, num_blocks * block_size, dim)
+        flat[0].index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
+        flat[1].index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -35,48 +36,41 @@ class TorchAttentionBackend:
             out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, meta, scale)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, meta, scale)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
         return out
 
-    @staticmethod
-    def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _, _, block_size, heads, dim = kv_cache.shape
-        keys = kv_cache[0, block_ids].reshape(-1, heads, dim)[:length]
-        values = kv_cache[1, block_ids].reshape(-1, heads, dim)[:length]
-        return keys, values
-
-    def _prefill(self, q, k, v, kv_cache, span, meta, scale) -> torch.Tensor:
+    def _prefill(self, q, k, v, kv_cache, span, scale) -> torch.Tensor:
         cached = span.context_len - span.q_len
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
         if cached > 0:
-            k, v = self._gather(kv_cache, span.block_ids, span.context_len)
+            _, heads, _, _, dim = kv_cache.shape
+            k = kv_cache[0][:, span.block_ids].reshape(heads, -1, dim)[:, : span.context_len].unsqueeze(0)
+            v = kv_cache[1][:, span.block_ids].reshape(heads, -1, dim)[:, : span.context_len].unsqueeze(0)
             k, v = k.to(q.dtype), v.to(q.dtype)
             query_pos = torch.arange(cached, span.context_len).unsqueeze(1)
             mask = torch.arange(span.context_len).unsqueeze(0) <= query_pos
         else:
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             mask = None
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         return out.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         num_seqs, heads, dim = q.shape
-        kv_heads = kv_cache.shape[3]
+        kv_heads = kv_cache.shape[1]
         group = heads // kv_heads
         max_blocks = -(-meta.decode_max_context_len // meta.block_size)
         tables = meta.decode_block_tables[:, :max_blocks]
         length = max_blocks * meta.block_size
-        keys = kv_cache[0, tables].reshape(num_seqs, length, kv_heads, dim).permute(0, 2, 3, 1)
-        values = kv_cache[1, tables].reshape(num_seqs, length, kv_heads, dim).transpose(1, 2)
-        grouped = q.view(num_seqs, kv_heads, group, dim)
-        scores = torch.matmul(grouped, keys.to(q.dtype)).float() * scale  # [S, kvh, g, L]
-        pad = torch.arange(length).unsqueeze(0) >= meta.decode_context_lens.unsqueeze(1)
-        scores.masked_fill_(pad.view(num_seqs, 1, 1, length), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values.to(q.dtype)).view(num_seqs, heads, dim)
+        # [kv_heads, seqs, max_blocks, block, dim] -> [kv_heads * seqs, length, dim], contiguous
+        keys = kv_cache[0][:, tables].view(kv_heads * num_seqs, length, dim).to(q.dtype)
+        values = kv_cache[1][:, tables].view(kv_heads * num_seqs, length, dim).to(q.dtype)
+        grouped = q.view(num_seqs, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads * num_seqs, group, dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * scale  # [kvh * S, g, L]
+        pad = torch.arange(length).unsqueeze(0) >= meta.decode_context_lens.unsqueeze(1)  # [S, L]
+        scores = scores.view(kv_heads, num_seqs, group, length).masked_fill_(pad.view(1, num_seqs, 1, length), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads * num_seqs, group, length)
+        out = torch.bmm(probs, values)  # [kvh * S, g, dim]
+        return out.view(kv_heads, num_seqs, group, dim).transpose(0, 1).reshape(num_seqs, heads, dim)
