@@ -144,6 +144,9 @@ class LoadConfig:
     seed: int = 0
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
     num_threads: int | None = None
+    # Steps of at most this many tokens use bf16 weight copies (0: never). See
+    # layers/linear.py LowPrecisionPolicy for why this helps small-batch decode on CPU.
+    bf16_decode_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tandem.engine.scheduler import Scheduler
 from tandem.kernels.torch_attention import TorchAttentionBackend
+from tandem.layers.linear import LowPrecisionPolicy, attach_low_precision
 from tandem.loader.model_loader import (
     build_model,
     init_dummy_weights,
@@ -128,6 +129,10 @@ class LLMEngine:
             init_dummy_weights(model, load.seed)
         else:
             load_weights(model, resolved.hf_dir)
+        if load.bf16_decode_tokens > 0 and self.dtype != torch.bfloat16:
+            added = attach_low_precision(model, LowPrecisionPolicy(load.bf16_decode_tokens))
+            logger.info("bf16 weight copies for steps of <= %d tokens (+%.0f MiB)",
+                        load.bf16_decode_tokens, added / (1 << 20))
 
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.linear import LowPrecisionCopy
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -16,14 +18,15 @@ class VocabEmbedding(nn.Module):
         return F.embedding(token_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(LowPrecisionCopy, nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.bias = None
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 whatever the run dtype, so sampling and logprobs are stable."""
-        return F.linear(hidden, self.weight).float()
+        return self.linear(hidden).float()
