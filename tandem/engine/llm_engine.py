@@ -111,7 +111,9 @@ class LLMEngine:
         resolved = resolve_model(config.model, load.dtype, load.cache_dir)
         self.model_name = resolved.name
         self.model_config: ModelConfig = read_model_config(resolved.hf_dir)
-        self.tokenizer = None if load.load_format == "dummy" and not _has_tokenizer(resolved.hf_dir) else load_tokenizer(resolved.hf_dir)
+        # Dummy weights may come with a bare config.json; then callers pass token ids.
+        skip_tokenizer = load.load_format == "dummy" and not _has_tokenizer(resolved.hf_dir)
+        self.tokenizer = None if skip_tokenizer else load_tokenizer(resolved.hf_dir)
 
         cache = config.cache
         block_bytes = kv_bytes_per_block(self.model_config, cache.block_size, self.dtype)

@@ -1,0 +1,53 @@
+"""Dummy weights for a bare config, and clear errors for configs we cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.loader.model_loader import read_model_config
+
+TINY = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 64, "hidden_size": 32,
+    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "eos_token_id": 0,
+}
+
+
+def _config_dir(tmp_path: Path, **overrides: object) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **overrides}))
+    return tmp_path
+
+
+def test_dummy_weights_run_any_config(tmp_path: Path) -> None:
+    llm = LLM(str(_config_dir(tmp_path)), load_format="dummy", kv_cache_memory="8MiB")
+    assert llm.tokenizer is None
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5
+    again = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    pool = llm.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_missing_weights_are_reported(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(_config_dir(tmp_path)), kv_cache_memory="8MiB")
+
+
+def test_unknown_architecture_lists_supported(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+        read_model_config(_config_dir(tmp_path, architectures=["GPT2LMHeadModel"]))
+
+
+def test_unsupported_rope_scaling_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="RoPE scaling type 'yarn'"):
+        read_model_config(_config_dir(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_kv_budget_too_small(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        LLM(str(_config_dir(tmp_path)), load_format="dummy", kv_cache_memory=100)
