@@ -144,9 +144,10 @@ class LoadConfig:
     seed: int = 0
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
     num_threads: int | None = None
-    # Steps of at most this many tokens use bf16 weight copies (0: never). See
-    # layers/linear.py LowPrecisionPolicy for why this helps small-batch decode on CPU.
-    bf16_decode_tokens: int = 0
+    # Fast mode: steps of at most `decode_weights_max_tokens` tokens read a half-precision
+    # copy of the weights ("none": never). See layers/linear.py LowPrecisionPolicy for why.
+    decode_weights: str = "none"  # none | bfloat16 | float16
+    decode_weights_max_tokens: int = 1
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,14 @@ class LLM:
         seed: int = 0,
         num_threads: int | None = None,
         cache_dir: str | None = None,
-        bf16_decode_tokens: int = 0,
+        decode_weights: str = "none",
+        decode_weights_max_tokens: int = 1,
     ) -> None:
         config = EngineConfig(
             model=model or "smollm2-135m",
             load=LoadConfig(dtype=dtype, load_format=load_format, seed=seed, cache_dir=cache_dir,
-                            num_threads=num_threads, bf16_decode_tokens=bf16_decode_tokens),
+                            num_threads=num_threads, decode_weights=decode_weights,
+                            decode_weights_max_tokens=decode_weights_max_tokens),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=None if kv_cache_memory is None else parse_memory_size(kv_cache_memory),

@@ -2,7 +2,7 @@
 
 Used to show that a fast weight format does not hurt quality: the text is fed in steps of
 `step_tokens` tokens, exactly as the engine would run it (steps of one token take the decode
-path, and with `--bf16-decode-tokens` the bf16 weights), and each position's next-token
+path, and with `--decode-weights` the half-precision weight copy), and each position's next-token
 log-likelihood is accumulated.
 """
 
@@ -66,11 +66,9 @@ def add_perplexity_parser(subparsers) -> None:  # noqa: ANN001 - argparse's priv
         "perplexity",
         help="perplexity of a fixed text: exact fp32 vs the fast weight formats",
         description="Perplexity of a fixed passage, fed one token per step (the decode path), "
-        "in exact fp32, in fp32 with bf16 decode weights (--bf16-decode-tokens) and in pure bf16.",
+        "in exact fp32, with fp16 and bf16 decode weights (--decode-weights) and in pure bf16.",
     )
     parser.add_argument("model", nargs="?", default=None, help="model (default: smollm2-135m)")
-    parser.add_argument("--bf16-decode-tokens", type=int, default=8, metavar="N",
-                        help="the fast mode measured (default: 8)")
     parser.set_defaults(handler=run_perplexity)
 
 
@@ -79,8 +77,8 @@ def run_perplexity(args) -> int:  # noqa: ANN001
 
     modes = [
         ("fp32 (exact)", {"dtype": "float32"}),
-        (f"fp32 + bf16 decode weights (N={args.bf16_decode_tokens})",
-         {"dtype": "float32", "bf16_decode_tokens": args.bf16_decode_tokens}),
+        ("fp32 + fp16 decode weights", {"dtype": "float32", "decode_weights": "float16"}),
+        ("fp32 + bf16 decode weights", {"dtype": "float32", "decode_weights": "bfloat16"}),
         ("bf16", {"dtype": "bfloat16"}),
     ]
     results = []

@@ -131,10 +131,13 @@ class LLMEngine:
             init_dummy_weights(model, load.seed)
         else:
             load_weights(model, resolved.hf_dir)
-        if load.bf16_decode_tokens > 0 and self.dtype != torch.bfloat16:
-            added = attach_low_precision(model, LowPrecisionPolicy(load.bf16_decode_tokens))
-            logger.info("bf16 weight copies for steps of <= %d tokens (+%.0f MiB)",
-                        load.bf16_decode_tokens, added / (1 << 20))
+        if load.decode_weights != "none":
+            if load.decode_weights not in ("bfloat16", "float16"):
+                raise ValueError(f"decode weights must be none, bfloat16 or float16, not {load.decode_weights!r}")
+            policy = LowPrecisionPolicy(load.decode_weights_max_tokens, getattr(torch, load.decode_weights))
+            added = attach_low_precision(model, policy)
+            logger.info("%s weight copies for steps of <= %d tokens (+%.0f MiB)",
+                        load.decode_weights, policy.max_tokens, added / (1 << 20))
 
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(
