@@ -40,6 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="'dummy' fills random weights (for performance work on configs without weights)")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    group.add_argument("--decode-weights", default="auto", choices=["auto", "none", "float32", "float16", "bfloat16"],
+                       help="copy of the weights for small (decode) steps, which are bound by weight "
+                            "bandwidth: auto = a transposed fp32 copy when --dtype is float32 (same "
+                            "arithmetic, faster GEMV); float16 / bfloat16 = fast mode (default: auto)")
+    group.add_argument("--decode-weights-max-tokens", type=int, default=2, metavar="N",
+                       help="largest step, in tokens, that reads the --decode-weights copy (default: 2)")
 
 
 def build_llm(args: argparse.Namespace) -> Any:
@@ -57,6 +63,8 @@ def build_llm(args: argparse.Namespace) -> Any:
         load_format=args.load_format,
         seed=args.seed,
         num_threads=args.threads,
+        decode_weights=args.decode_weights,
+        decode_weights_max_tokens=args.decode_weights_max_tokens,
     )
 
 
@@ -151,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks that print tandem beside a peer")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     from tandem.bench.offline import add_offline_parser
+    from tandem.bench.perplexity import add_perplexity_parser
 
     add_offline_parser(bench_commands)
+    add_perplexity_parser(bench_commands)
     return parser
 
 

@@ -144,10 +144,11 @@ class LoadConfig:
     seed: int = 0
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
     num_threads: int | None = None
-    # Fast mode: steps of at most `decode_weights_max_tokens` tokens read a half-precision
-    # copy of the weights ("none": never). See layers/linear.py LowPrecisionPolicy for why.
-    decode_weights: str = "none"  # none | bfloat16 | float16
-    decode_weights_max_tokens: int = 1
+    # Steps of at most `decode_weights_max_tokens` tokens read a copy of the weights laid
+    # out for GEMV (see layers/linear.py SmallStepWeights). "auto": a transposed copy in the
+    # run dtype when that is float32 (exact arithmetic); float16 / bfloat16: the fast mode.
+    decode_weights: str = "auto"  # auto | none | float32 | float16 | bfloat16
+    decode_weights_max_tokens: int = 2
 
 
 @dataclass(frozen=True)

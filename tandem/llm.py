@@ -32,8 +32,8 @@ class LLM:
         seed: int = 0,
         num_threads: int | None = None,
         cache_dir: str | None = None,
-        decode_weights: str = "none",
-        decode_weights_max_tokens: int = 1,
+        decode_weights: str = "auto",
+        decode_weights_max_tokens: int = 2,
     ) -> None:
         config = EngineConfig(
             model=model or "smollm2-135m",

@@ -1,10 +1,318 @@
-"""`tandem bench offline` (placeholder until the benchmark lands)."""
+"""`tandem bench offline`: offline throughput of tandem beside transformers and vLLM (CPU).
+
+Each (engine, workload) pair runs in its own process (``tandem.bench.offline_worker``), so
+start-to-ready and peak RSS belong to one engine and engines never share memory. The parent
+builds the fixed-seed workloads (token ids, so every engine gets the very same prompts),
+launches the runs one after another, and writes a JSON file, a PNG bar chart and a table of
+tandem beside each peer with the ratio tandem / peer.
+
+Engines:
+- ``tandem``: ``tandem.LLM`` with the engine flags given here (``--dtype`` etc.).
+- ``transformers``: ``AutoModelForCausalLM`` from the same HF directory (float32; a GGUF model
+  is the directory tandem converted it into), left-padded batched greedy ``generate``.
+- ``vllm``: vLLM's ``LLM`` in the interpreter given by ``--vllm-python`` (a venv with vllm;
+  tandem need not be installed there), float32, prefix caching on, the same KV budget and
+  scheduler limits as tandem.
+
+Every engine runs one short untimed warm-up request once it is ready. ``--threads`` applies
+to all three (vLLM through OMP_NUM_THREADS; left alone, vLLM serves with 1 torch thread while
+tandem and transformers take torch's default). On a small or shared machine, pass
+``--threads 1``: multi-threaded small GEMMs collapse when another process takes a core.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tandem.bench.offline_report import format_table, plot, ratio_rows, token_agreement
+from tandem.bench.offline_workloads import (
+    WARMUP_OUTPUT,
+    WORKLOAD_NAMES,
+    Workload,
+    build_workload,
+    compute_metrics,
+    warmup_prompt,
+)
+
+logger = logging.getLogger(__name__)
+
+ENGINE_NAMES = ("tandem", "transformers", "vllm")
+SCHEMA = "tandem.bench.offline/1"
+DEFAULT_BENCH_KV = "2GiB"
+_WORKER = Path(__file__).with_name("offline_worker.py")
 
 
 def add_offline_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("offline", help="offline throughput / latency vs peers")
-    parser.set_defaults(handler=lambda args: 0)
+    from tandem.cli import add_engine_args
+
+    parser = subparsers.add_parser(
+        "offline", help="offline throughput / latency vs peers (transformers, vLLM)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(parser)
+    bench = parser.add_argument_group("benchmark")
+    bench.add_argument("--workloads", default=",".join(WORKLOAD_NAMES),
+                       help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: all)")
+    bench.add_argument("--engines", default=None,
+                       help="comma-separated subset of tandem,transformers,vllm "
+                            "(default: tandem,transformers, plus vllm when --vllm-python is given)")
+    bench.add_argument("--vllm-python", default=None, metavar="PATH",
+                       help="Python of a venv with vllm installed (e.g. /opt/venvs/vllm/bin/python)")
+    bench.add_argument("--vllm-no-iomp-preload", action="store_true",
+                       help="do not LD_PRELOAD the venv's libiomp5.so into vLLM (preloaded by default "
+                            "when present, as vLLM's CPU guide recommends)")
+    bench.add_argument("--hf-batch-size", type=int, default=16,
+                       help="transformers peer: prompts per padded generate call (default: 16)")
+    bench.add_argument("--scale", type=float, default=1.0,
+                       help="shrink request counts and lengths, e.g. 0.1 for a quick run (default: 1.0)")
+    bench.add_argument("--workload-seed", type=int, default=0, help="seed offset of the request sets (default: 0)")
+    bench.add_argument("--output-dir", default="bench-results/offline",
+                       help="where the JSON, the PNG and the run logs go (default: bench-results/offline)")
+    bench.add_argument("--run-timeout", type=float, default=3600.0,
+                       help="seconds before one engine run is killed and reported as an error (default: 3600)")
+    parser.set_defaults(handler=cmd_offline)
+
+
+# --- planning ------------------------------------------------------------------------------
+
+def parse_list(text: str | None, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [x.strip() for x in (text or "").split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise ValueError(f"unknown {what} {', '.join(bad)}; choose from {', '.join(allowed)}")
+    if not items:
+        raise ValueError(f"give at least one {what[:-1] if what.endswith('s') else what}")
+    return list(dict.fromkeys(items))
+
+
+def select_engines(args: argparse.Namespace) -> list[str]:
+    if args.engines is None:
+        engines = ["tandem", "transformers"] + (["vllm"] if args.vllm_python else [])
+    else:
+        engines = parse_list(args.engines, ENGINE_NAMES, "engines")
+    if "tandem" not in engines:
+        engines.insert(0, "tandem")  # the reference every ratio is taken against
+    return engines
+
+
+def _engine_flag_defaults() -> dict[str, Any]:
+    """dest -> default of every flag `tandem.cli.add_engine_args` defines (whatever it defines)."""
+    from tandem.cli import add_engine_args
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    return {a.dest: a.default for a in probe._actions}
+
+
+def tandem_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags given with non-default values, as `--flag value` strings (for titles)."""
+    out = []
+    for dest, default in _engine_flag_defaults().items():
+        value = getattr(args, dest, default)
+        if dest not in ("model", "dtype", "kv_cache_memory") and value != default:
+            out.append(f"--{dest.replace('_', '-')}" + ("" if value is True else f" {value}"))
+    return out
+
+
+def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: int) -> dict[str, Any]:
+    if engine == "tandem":
+        # Every engine flag, passed to `tandem.cli.build_llm` in the worker, so a flag added to
+        # the engine is benchmarkable here without touching this file.
+        values = {dest: getattr(args, dest, default) for dest, default in _engine_flag_defaults().items()}
+        values["kv_cache_memory"] = kv_bytes  # the same budget as vLLM's
+        return values
+    if engine == "transformers":
+        return {"hf_dir": str(hf_dir), "batch_size": args.hf_batch_size, "threads": args.threads}
+    if engine == "vllm":
+        return {
+            "model": str(hf_dir), "dtype": "float32", "enable_prefix_caching": not args.no_prefix_caching,
+            "kv_cache_memory_bytes": kv_bytes, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+            "seed": args.seed,
+        }
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def _vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the vLLM venv must not see this venv's packages
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if threads:  # vLLM keeps torch at 1 thread for serving unless OMP_NUM_THREADS is set
+        env["OMP_NUM_THREADS"] = str(threads)
+    if preload_iomp:
+        iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"
+        if iomp.is_file():
+            env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+    return env
+
+
+def _command(engine: str, args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict[str, str]]:
+    if engine != "vllm":
+        return [sys.executable, "-m", "tandem.bench.offline_worker"], dict(os.environ)
+    if not args.vllm_python:
+        raise ValueError("the vllm engine needs --vllm-python PATH (the Python of a venv with vllm)")
+    if not Path(args.vllm_python).exists():
+        raise FileNotFoundError(f"--vllm-python {args.vllm_python} does not exist")
+    driver = scratch / "vllm_offline_driver.py"
+    if not driver.exists():
+        shutil.copyfile(_WORKER, driver)  # stdlib-only at module level: runs without tandem
+    return [args.vllm_python, str(driver)], _vllm_env(args.vllm_python, not args.vllm_no_iomp_preload, args.threads)
+
+
+def run_one(engine: str, workload: Workload, args: argparse.Namespace, hf_dir: Path, kv_bytes: int,
+            vocab_size: int, scratch: Path, log_dir: Path) -> dict[str, Any]:
+    """Launch one worker process and return its raw result (an error result if it failed)."""
+    spec_path = scratch / f"{engine}-{workload.name}.spec.json"
+    out_path = scratch / f"{engine}-{workload.name}.result.json"
+    log_path = log_dir / f"{engine}-{workload.name}.log"
+    base = {"engine": engine, "workload": workload.name, "ok": False, "log": str(log_path)}
+    try:
+        cmd, env = _command(engine, args, scratch)
+    except (ValueError, FileNotFoundError) as exc:
+        return {**base, "error": str(exc)}
+    spec = {
+        "engine": engine, "workload": workload.to_json(),
+        "engine_args": engine_args(engine, args, hf_dir, kv_bytes),
+        "warmup_prompt": warmup_prompt(vocab_size, args.workload_seed), "warmup_tokens": WARMUP_OUTPUT,
+    }
+    out_path.unlink(missing_ok=True)
+    with log_path.open("w") as log:
+        spec["launch_time"] = time.time()
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.Popen([*cmd, "--spec", str(spec_path), "--out", str(out_path)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=str(scratch), start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return {**base, "error": f"timed out after {args.run_timeout:.0f} s (log: {log_path})"}
+        except BaseException:
+            _kill_group(proc)
+            raise
+        _kill_group(proc)  # stray helpers (e.g. compile workers) the engine left behind
+    if not out_path.exists():
+        return {**base, "error": f"worker exited with code {returncode} and no result: {_log_tail(log_path)}"}
+    result = {**json.loads(out_path.read_text()), "log": str(log_path), "returncode": returncode}
+    if result.get("ok"):
+        result.update(compute_metrics(workload, result))
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _log_tail(path: Path, lines: int = 3) -> str:
+    try:
+        tail = [x for x in path.read_text(errors="replace").splitlines() if x.strip()][-lines:]
+    except OSError:
+        return f"(see {path})"
+    return " | ".join(tail)[-600:] + f" (log: {path})"
+
+
+# --- the command ---------------------------------------------------------------------------
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from tandem.config import parse_memory_size
+    from tandem.loader.resolve import resolve_model
+
+    workload_names = parse_list(args.workloads, WORKLOAD_NAMES, "workloads")
+    engines = select_engines(args)
+    if args.scale <= 0:
+        raise ValueError(f"--scale must be > 0, got {args.scale}")
+    kv_bytes = parse_memory_size(args.kv_cache_memory or DEFAULT_BENCH_KV)
+    resolved = resolve_model(args.model, "float32")  # the peers' checkpoint: always float32
+    hf_config = json.loads((resolved.hf_dir / "config.json").read_text())
+    vocab_size = int(hf_config["vocab_size"])
+    workloads = {name: build_workload(name, vocab_size, args.scale, args.workload_seed) for name in workload_names}
+
+    output_dir = Path(args.output_dir)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    log_dir = output_dir / "logs" / stamp
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("model %s (peers read %s); engines %s; workloads %s; scale %g; KV budget %.2f GiB each",
+                resolved.name, resolved.hf_dir, ",".join(engines), ",".join(workload_names), args.scale,
+                kv_bytes / (1 << 30))
+    for workload in workloads.values():
+        logger.info("%s: %s", workload.name, workload.description)
+
+    runs = [(engine, name) for name in workload_names for engine in engines]
+    results: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in workload_names}
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-offline-") as scratch, logging_redirect_tqdm():
+        bar = tqdm(runs, desc="bench offline", unit="run")
+        for engine, name in bar:
+            bar.set_postfix_str(f"{engine} / {name}")
+            load = os.getloadavg()[0]  # lags: the previous run counts too, hence no lower bar
+            if load > (os.cpu_count() or 1):
+                logger.warning("load average %.1f on %d CPUs before %s / %s: other processes will skew "
+                               "the timings", load, os.cpu_count() or 1, engine, name)
+            result = run_one(engine, workloads[name], args, resolved.hf_dir, kv_bytes, vocab_size,
+                             Path(scratch), log_dir)
+            results[name][engine] = result
+            if result.get("ok"):
+                logger.info("%s / %s: ready %.1f s, %.1f s timed, peak RSS %.0f MiB", engine, name,
+                            result["ready_s"], result["elapsed_s"], result["peak_rss_mib"])
+            else:
+                logger.warning("%s / %s failed: %s", engine, name, result.get("error"))
+
+    for by_engine in results.values():
+        reference = by_engine.get("tandem", {})
+        for engine, result in by_engine.items():
+            if result.get("ok") and reference.get("ok") and engine != "tandem":
+                result["agreement"] = token_agreement(reference["output_token_ids"], result["output_token_ids"])
+
+    flags = " ".join(tandem_flags(args))
+    title = (f"tandem bench offline: {resolved.name}, tandem {args.dtype}{' ' + flags if flags else ''}, "
+             f"peers float32, scale {args.scale:g}, {os.cpu_count()} CPUs")
+    table = format_table(results, engines, title)
+    report = {
+        "schema": SCHEMA,
+        "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "wall_s": time.time() - started,
+        "model": resolved.name,
+        "hf_dir": str(resolved.hf_dir),
+        "host": {"platform": platform.platform(), "python": platform.python_version(),
+                 "cpu_count": os.cpu_count(), "processor": platform.processor()},
+        "config": {
+            "engines": engines, "workloads": workload_names, "scale": args.scale,
+            "workload_seed": args.workload_seed, "tandem_dtype": args.dtype,
+            "kv_cache_memory_bytes": kv_bytes, "vllm_python": args.vllm_python,
+            "engine_args": {e: engine_args(e, args, resolved.hf_dir, kv_bytes) for e in engines},
+        },
+        "workloads": {name: w.summary() for name, w in workloads.items()},
+        "results": [
+            {k: v for k, v in result.items() if k != "output_token_ids"}
+            for by_engine in results.values() for result in by_engine.values()
+        ],
+        "ratios": ratio_rows(results, engines),
+        "table": table,
+    }
+    json_path = output_dir / f"offline-{stamp}.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    png_path = plot(results, engines, output_dir / f"offline-{stamp}.png", title)
+    print(table)
+    print(f"\nresults: {json_path}\nchart:   {png_path}\nlogs:    {log_dir}")
+    tandem_ok = all(by_engine.get("tandem", {}).get("ok") for by_engine in results.values())
+    return 0 if tandem_ok else 1

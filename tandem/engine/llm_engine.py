@@ -23,7 +23,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tandem.engine.scheduler import Scheduler
 from tandem.kernels.torch_attention import TorchAttentionBackend
-from tandem.layers.linear import LowPrecisionPolicy, attach_low_precision
+from tandem.layers.linear import SmallStepWeights, attach_small_step_weights
 from tandem.loader.model_loader import (
     build_model,
     init_dummy_weights,
@@ -131,13 +131,11 @@ class LLMEngine:
             init_dummy_weights(model, load.seed)
         else:
             load_weights(model, resolved.hf_dir)
-        if load.decode_weights != "none":
-            if load.decode_weights not in ("bfloat16", "float16"):
-                raise ValueError(f"decode weights must be none, bfloat16 or float16, not {load.decode_weights!r}")
-            policy = LowPrecisionPolicy(load.decode_weights_max_tokens, getattr(torch, load.decode_weights))
-            added = attach_low_precision(model, policy)
-            logger.info("%s weight copies for steps of <= %d tokens (+%.0f MiB)",
-                        load.decode_weights, policy.max_tokens, added / (1 << 20))
+        small_step = self._small_step_weights()
+        if small_step is not None:
+            added = attach_small_step_weights(model, small_step)
+            logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
+                        str(small_step.dtype).removeprefix("torch."), small_step.max_tokens, added / (1 << 20))
 
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(
@@ -154,6 +152,17 @@ class LLMEngine:
             num_blocks, num_blocks * cache.block_size, num_blocks * block_bytes / (1 << 30),
             load.dtype, self.max_model_len, self.startup_seconds,
         )
+
+    def _small_step_weights(self) -> SmallStepWeights | None:
+        load = self.config.load
+        choice = load.decode_weights
+        if choice == "auto":
+            choice = "float32" if self.dtype == torch.float32 else "none"
+        if choice == "none" or load.decode_weights_max_tokens < 1:
+            return None
+        if choice not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"decode weights must be auto, none, float32, float16 or bfloat16, not {choice!r}")
+        return SmallStepWeights(load.decode_weights_max_tokens, getattr(torch, choice))
 
     def _max_model_len(self, kv_tokens: int) -> int:
         limits = [self.model_config.max_position_embeddings, kv_tokens]

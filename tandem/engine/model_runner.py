@@ -102,9 +102,11 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # One allocation for all layers; torch.zeros maps pages lazily, so an oversized
-        # budget costs address space, not RAM, until blocks are used.
-        self.kv_cache = torch.zeros((config.num_hidden_layers, *shape), dtype=dtype)
+        # One allocation for all layers, left uninitialised: a large allocation is fresh
+        # anonymous memory, so its pages are zero and become resident only when a block is
+        # first written, and start-up does not pay to fill a budget it may never use.
+        # Attention masks every slot past a sequence's length, so no stale value is read.
+        self.kv_cache = torch.empty((config.num_hidden_layers, *shape), dtype=dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
