@@ -40,12 +40,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="'dummy' fills random weights (for performance work on configs without weights)")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    group.add_argument("--decode-weights", default="auto", choices=["auto", "none", "float32", "float16", "bfloat16"],
-                       help="copy of the weights for small (decode) steps, which are bound by weight "
-                            "bandwidth: auto = a transposed fp32 copy when --dtype is float32 (same "
-                            "arithmetic, faster GEMV); float16 / bfloat16 = fast mode (default: auto)")
+    group.add_argument("--decode-weights", default="none", choices=["none", "float16", "bfloat16"],
+                       help="fast mode: small (decode) steps, bound by weight bandwidth, read a "
+                            "half-precision copy of the weights (default: none, exact)")
     group.add_argument("--decode-weights-max-tokens", type=int, default=2, metavar="N",
                        help="largest step, in tokens, that reads the --decode-weights copy (default: 2)")
+    group.add_argument("--no-weight-packing", action="store_true",
+                       help="keep weights dense for F.linear instead of oneDNN's packed layout")
 
 
 def build_llm(args: argparse.Namespace) -> Any:
@@ -65,6 +66,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         num_threads=args.threads,
         decode_weights=args.decode_weights,
         decode_weights_max_tokens=args.decode_weights_max_tokens,
+        pack_weights=not args.no_weight_packing,
     )
 
 

@@ -144,11 +144,12 @@ class LoadConfig:
     seed: int = 0
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
     num_threads: int | None = None
-    # Steps of at most `decode_weights_max_tokens` tokens read a copy of the weights laid
-    # out for GEMV (see layers/linear.py SmallStepWeights). "auto": a transposed copy in the
-    # run dtype when that is float32 (exact arithmetic); float16 / bfloat16: the fast mode.
-    decode_weights: str = "auto"  # auto | none | float32 | float16 | bfloat16
+    # Fast mode: steps of at most `decode_weights_max_tokens` tokens read a half-precision
+    # copy of the weights (see layers/linear.py SmallStepWeights). "none": exact.
+    decode_weights: str = "none"  # none | float16 | bfloat16
     decode_weights_max_tokens: int = 2
+    # Reorder weights into oneDNN's layout on CPU (same arithmetic, faster kernels).
+    pack_weights: bool = True
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,6 @@ def run_perplexity(args) -> int:  # noqa: ANN001
 
     modes = [
         ("fp32 (exact)", {"dtype": "float32", "decode_weights": "none"}),
-        ("fp32 + transposed fp32 decode weights", {"dtype": "float32", "decode_weights": "float32"}),
         ("fp32 + fp16 decode weights", {"dtype": "float32", "decode_weights": "float16"}),
         ("fp32 + bf16 decode weights", {"dtype": "float32", "decode_weights": "bfloat16"}),
         ("bf16", {"dtype": "bfloat16"}),

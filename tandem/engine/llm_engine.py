@@ -23,7 +23,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tandem.engine.scheduler import Scheduler
 from tandem.kernels.torch_attention import TorchAttentionBackend
-from tandem.layers.linear import SmallStepWeights, attach_small_step_weights
+from tandem.layers.linear import SmallStepWeights, attach_small_step_weights, pack_weights_for_cpu
 from tandem.loader.model_loader import (
     build_model,
     init_dummy_weights,
@@ -136,6 +136,8 @@ class LLMEngine:
             added = attach_small_step_weights(model, small_step)
             logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
                         str(small_step.dtype).removeprefix("torch."), small_step.max_tokens, added / (1 << 20))
+        if load.pack_weights and pack_weights_for_cpu(model):
+            logger.info("linear weights packed for oneDNN")
 
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(
@@ -156,12 +158,10 @@ class LLMEngine:
     def _small_step_weights(self) -> SmallStepWeights | None:
         load = self.config.load
         choice = load.decode_weights
-        if choice == "auto":
-            choice = "float32" if self.dtype == torch.float32 else "none"
         if choice == "none" or load.decode_weights_max_tokens < 1:
             return None
-        if choice not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"decode weights must be auto, none, float32, float16 or bfloat16, not {choice!r}")
+        if choice not in ("float16", "bfloat16"):
+            raise ValueError(f"decode weights must be none, float16 or bfloat16, not {choice!r}")
         return SmallStepWeights(load.decode_weights_max_tokens, getattr(torch, choice))
 
     def _max_model_len(self, kv_tokens: int) -> int:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.linear import SmallStepCopy
+from tandem.layers.linear import LinearWeights
 
 
 class VocabEmbedding(nn.Module):
@@ -18,7 +18,7 @@ class VocabEmbedding(nn.Module):
         return F.embedding(token_ids, self.weight)
 
 
-class LMHead(SmallStepCopy, nn.Module):
+class LMHead(LinearWeights, nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)

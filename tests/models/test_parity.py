@@ -17,6 +17,7 @@ from tandem.engine.model_runner import prepare_batch
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
+from tandem.layers.linear import pack_weights_for_cpu
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
 from tandem.types import Request, SamplingParams
 
@@ -103,6 +104,7 @@ def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
     config = read_model_config(tmp_path)
     model = build_model(config, TorchAttentionBackend(), 128, torch.float32)
     load_weights(model, tmp_path)
+    pack_weights_for_cpu(model)  # as the engine runs it
 
     generator = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (23, 17, 9)]
