@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import DTYPES, EngineConfig, ModelConfig
 from tandem.engine.block_hash import root_hash
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
@@ -105,6 +106,8 @@ class LLMEngine:
         started = time.perf_counter()
         self.config = config
         load = config.load
+        if load.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
         if load.num_threads:
             torch.set_num_threads(load.num_threads)
         self.dtype = getattr(torch, load.dtype)
@@ -126,18 +129,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks * cache.block_size)
 
         backend = TorchAttentionBackend()
-        model = build_model(self.model_config, backend, self.max_model_len, self.dtype)
-        if load.load_format == "dummy":
-            init_dummy_weights(model, load.seed)
-        else:
-            load_weights(model, resolved.hf_dir)
-        small_step = self._small_step_weights()
-        if small_step is not None:
-            added = attach_small_step_weights(model, small_step)
-            logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
-                        str(small_step.dtype).removeprefix("torch."), small_step.max_tokens, added / (1 << 20))
-        if load.pack_weights and pack_weights_for_cpu(model):
-            logger.info("linear weights packed for oneDNN")
+        model = self._load_model(resolved.hf_dir, backend)
 
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(
@@ -154,6 +146,23 @@ class LLMEngine:
             num_blocks, num_blocks * cache.block_size, num_blocks * block_bytes / (1 << 30),
             load.dtype, self.max_model_len, self.startup_seconds,
         )
+
+    def _load_model(self, hf_dir: Path, backend: TorchAttentionBackend) -> torch.nn.Module:
+        """Build the model, fill its weights, then lay them out for the kernels that read them."""
+        load = self.config.load
+        model = build_model(self.model_config, backend, self.max_model_len, self.dtype)
+        if load.load_format == "dummy":
+            init_dummy_weights(model, load.seed)
+        else:
+            load_weights(model, hf_dir)
+        small_step = self._small_step_weights()
+        if small_step is not None:
+            added = attach_small_step_weights(model, small_step)
+            logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
+                        str(small_step.dtype).removeprefix("torch."), small_step.max_tokens, added / (1 << 20))
+        if load.pack_weights and pack_weights_for_cpu(model):
+            logger.info("linear weights packed for oneDNN")
+        return model
 
     def _small_step_weights(self) -> SmallStepWeights | None:
         load = self.config.load
@@ -309,5 +318,5 @@ class LLMEngine:
                 self.scheduler.finish(seq.request.request_id, RequestStatus.FINISHED_STOPPED)
 
 
-def _has_tokenizer(hf_dir: Any) -> bool:
+def _has_tokenizer(hf_dir: Path) -> bool:
     return any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

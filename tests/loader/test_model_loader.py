@@ -51,3 +51,8 @@ def test_unsupported_rope_scaling_is_reported(tmp_path: Path) -> None:
 def test_kv_budget_too_small(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kv-cache-memory"):
         LLM(str(_config_dir(tmp_path)), load_format="dummy", kv_cache_memory=100)
+
+
+def test_unknown_dtype_lists_supported(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="dtype must be one of float32"):
+        LLM(str(_config_dir(tmp_path)), load_format="dummy", dtype="fp8", kv_cache_memory="8MiB")
