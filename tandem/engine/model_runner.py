@@ -8,6 +8,8 @@ the rows that produce a token go through the LM head.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +87,19 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
     )
 
 
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor backed by an anonymous mmap: the OS hands out zero pages on first write.
+
+    The KV budget may be gigabytes; zero-filling it would cost seconds at start-up and make
+    it all resident. Uninitialised memory would be free but may hold any bit pattern, and a
+    padded attention read multiplies slots past a sequence's end by zero probability, which
+    a NaN survives. Fresh anonymous pages are both free and zero. The tensor keeps the
+    mapping alive.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -102,11 +117,7 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # One allocation for all layers, left uninitialised: a large allocation is fresh
-        # anonymous memory, so its pages are zero and become resident only when a block is
-        # first written, and start-up does not pay to fill a budget it may never use.
-        # Attention masks every slot past a sequence's length, so no stale value is read.
-        self.kv_cache = torch.empty((config.num_hidden_layers, *shape), dtype=dtype)
+        self.kv_cache = lazily_zeroed((config.num_hidden_layers, *shape), dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
