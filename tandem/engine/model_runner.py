@@ -39,7 +39,8 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatch:
     """Flatten chunks (decodes first) into the model inputs and attention metadata."""
-    decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
+    # Decodes ordered by context length: the attention backend pads similar lengths together.
+    decodes = sorted((c for c in chunks if c.num_tokens == 1 and c.start > 0), key=lambda c: c.start)
     prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
     ordered = decodes + prefills
 
