@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 _CONVERTER_VERSION = "1"
+_KEY_SPAN = 4 << 20
 
 
 def _smollm2_gguf() -> Path:
@@ -75,9 +76,20 @@ def resolve_model(model: str | None, dtype: str = "float32", cache_dir: str | Pa
 
 
 def _cache_key(path: Path, dtype: str) -> str:
-    stat = path.stat()
-    raw = f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{dtype}|{_CONVERTER_VERSION}"
-    return xxhash.xxh64_hexdigest(raw.encode())[:12]
+    """A key from the file's content, not its path.
+
+    Every fresh virtualenv installs the same GGUF at a new path; keying by path left one
+    converted copy per venv. The size plus a digest of the head and tail (header, tensor
+    index and the last tensors) tells distinct files apart without reading all of it.
+    """
+    size = path.stat().st_size
+    digest = xxhash.xxh64()
+    with path.open("rb") as handle:
+        digest.update(handle.read(_KEY_SPAN))
+        handle.seek(max(0, size - _KEY_SPAN))
+        digest.update(handle.read(_KEY_SPAN))
+    digest.update(f"|{size}|{dtype}|{_CONVERTER_VERSION}".encode())
+    return digest.hexdigest()[:12]
 
 
 def convert_gguf(path: Path, dtype: str, cache_dir: str | Path | None = None) -> Path:

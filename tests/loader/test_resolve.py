@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +155,15 @@ def test_second_call_reuses_the_cache(
     resolved = resolve_model(str(tiny_llama), "float32", tmp_path / "cache")
     assert resolved == ResolvedModel(str(tiny_llama), out, tiny_llama)
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_same_file_at_another_path_shares_the_cache(tiny_llama: Path, tmp_path: Path) -> None:
+    """Each fresh venv installs the GGUF at a new path; it must not be converted again."""
+    first = convert_gguf(tiny_llama, "float32", tmp_path / "cache")
+    elsewhere = tmp_path / "other-venv" / tiny_llama.name
+    elsewhere.parent.mkdir()
+    shutil.copyfile(tiny_llama, elsewhere)
+    assert convert_gguf(elsewhere, "float32", tmp_path / "cache") == first
 
 
 def test_changed_gguf_is_converted_again(tiny_llama: Path, tmp_path: Path) -> None:
