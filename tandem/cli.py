@@ -1,4 +1,4 @@
-"""The `tandem` command line: generate, chat, bench (serve / route / up arrive with their issues)."""
+"""The `tandem` command line: serve, generate, chat, bench (route / up arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,63 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="largest step, in tokens, that reads the --decode-weights copy (default: 2)")
     group.add_argument("--no-weight-packing", action="store_true",
                        help="keep weights dense for F.linear instead of oneDNN's packed layout")
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from tandem.config import (
+        CacheConfig,
+        EngineConfig,
+        LoadConfig,
+        SchedulerConfig,
+        parse_memory_size,
+    )
+
+    return EngineConfig(
+        model=args.model,
+        load=LoadConfig(dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+                        num_threads=args.threads, decode_weights=args.decode_weights,
+                        decode_weights_max_tokens=args.decode_weights_max_tokens,
+                        pack_weights=not args.no_weight_packing),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_memory_size(args.kv_cache_memory),
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
+    )
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) clients send; the first is reported (default: the MODEL argument)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: env TANDEM_API_KEY)")
+    group.add_argument("--max-waiting", type=int, default=512, metavar="N",
+                       help="queued requests beyond N get 503 with Retry-After; 0 = no limit (default: 512)")
+    group.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
+                       help="tool-call format (default: chosen from the chat template; hermes when it has none)")
+    group.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from tandem.config import ServerConfig
+    from tandem.server.app import run_server
+
+    config = ServerConfig(
+        host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
+        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, max_waiting=args.max_waiting,
+        tool_call_parser=args.tool_call_parser, log_level=args.log_level.lower(),
+    )
+    if config.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {config.max_waiting}")
+    run_server(engine_config(args), config, access_log=not args.no_access_log)
+    return 0
 
 
 def build_llm(args: argparse.Namespace) -> Any:
@@ -142,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server",
+        description="Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models) plus /health, /load, /metrics, /tokenize and /detokenize. The engine runs "
+                    "in its own process; Ctrl-C stops both.")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(handler=cmd_serve)
 
     generate = commands.add_parser("generate", help="complete prompts offline and print the text",
                                    description="Complete prompts (batched together) and print the completions.")

@@ -160,6 +160,20 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI server around one engine (`tandem serve`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()  # empty: the model argument as given
+    api_key: str | None = None
+    max_waiting: int = 512  # queued requests beyond this get 503 + Retry-After; 0 = no limit
+    tool_call_parser: str | None = None  # None: chosen from the chat template
+    engine_start_timeout: float = 900.0  # a first start converts the GGUF; allow for it
+    log_level: str = "info"
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 

@@ -123,6 +123,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -191,3 +192,28 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    queue_seconds: float | None = None  # arrival to first scheduling
+
+
+@dataclass
+class EngineLoad:
+    """What a router or an admission check needs to know about an engine, in tokens and blocks.
+
+    Counted in sequences (n > 1 fans a request out into n of them) because that is what the
+    scheduler runs and what occupies KV blocks.
+    """
+
+    num_waiting: int = 0
+    num_running: int = 0
+    waiting_prefill_tokens: int = 0  # prompt tokens not yet computed, waiting and running
+    running_kv_tokens: int = 0  # tokens held in the KV cache by running sequences
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # blocks holding a hashed, reusable prefix (in use or free)
+    prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # of which found cached, cumulative
+    num_preemptions: int = 0  # cumulative
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

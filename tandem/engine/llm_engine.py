@@ -35,6 +35,7 @@ from tandem.loader.resolve import resolve_model
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.types import (
     CompletionOutput,
+    EngineLoad,
     Request,
     RequestOutput,
     RequestStatus,
@@ -86,6 +87,10 @@ class _Group:
 
     def output(self) -> RequestOutput:
         cached = max((s.request.num_cached_tokens for s in self.sequences), default=0)
+        first = self.sequences[0].request if self.sequences else None
+        queue_seconds = None
+        if first is not None and first.first_scheduled_time is not None:
+            queue_seconds = first.first_scheduled_time - first.arrival_time
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -93,6 +98,7 @@ class _Group:
             outputs=[s.output() for s in self.sequences],
             finished=self.finished,
             num_cached_tokens=max(cached, 0),
+            queue_seconds=queue_seconds,
         )
 
 
@@ -102,9 +108,17 @@ def default_kv_cache_bytes() -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """Requests in, steps out.
+
+    `detokenize=False` is for an engine core behind an API server: the server turns tokens
+    into text (and finds stop strings) in its own process so text work never delays a step,
+    and this engine then reports token ids only.
+    """
+
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         started = time.perf_counter()
         self.config = config
+        self.detokenize = detokenize
         load = config.load
         if load.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
@@ -113,6 +127,7 @@ class LLMEngine:
         self.dtype = getattr(torch, load.dtype)
         resolved = resolve_model(config.model, load.dtype, load.cache_dir)
         self.model_name = resolved.name
+        self.hf_dir = resolved.hf_dir
         self.model_config: ModelConfig = read_model_config(resolved.hf_dir)
         # Dummy weights may come with a bare config.json; then callers pass token ids.
         skip_tokenizer = load.load_format == "dummy" and not _has_tokenizer(resolved.hf_dir)
@@ -238,7 +253,7 @@ class LLMEngine:
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(seq_id, list(prompt_token_ids), child_params, self.eos_token_ids)
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and self.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params.skip_special_tokens)
             seq = _Sequence(index, request, detok, [] if child_params.logprobs is not None else None,
                             0.0 if child_params.logprobs is not None else None)
@@ -259,8 +274,46 @@ class LLMEngine:
                 seq.finish_reason = RequestStatus.FINISHED_ABORTED.value
         self.scheduler.abort(s.request.request_id for s in group.sequences)
 
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """Stop one sequence of a request for a reason found outside (a stop string in text)."""
+        group = self._groups.get(request_id)
+        if group is None or not 0 <= index < len(group.sequences):
+            return
+        seq = group.sequences[index]
+        if seq.finish_reason is None:
+            seq.finish_reason = RequestStatus.FINISHED_STOPPED.value
+            self.scheduler.finish(seq.request.request_id, RequestStatus.FINISHED_STOPPED)
+        if group.finished:
+            self._groups.pop(request_id, None)
+            for s in group.sequences:
+                self._sequences.pop(s.request.request_id, None)
+
+    def load(self) -> EngineLoad:
+        scheduler, pool = self.scheduler, self.block_pool
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        prefilling = sum(
+            r.num_tokens - r.num_computed_tokens for r in scheduler.running
+            if r.num_tokens - r.num_computed_tokens > 1
+        )
+        stats = self.kv_manager.stats
+        return EngineLoad(
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            waiting_prefill_tokens=waiting_tokens + prefilling,
+            running_kv_tokens=sum(r.num_computed_tokens for r in scheduler.running),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_cached=pool.num_cached_blocks,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
     def has_unfinished(self) -> bool:
         return bool(self._groups)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._groups
 
     @property
     def num_unfinished(self) -> int:

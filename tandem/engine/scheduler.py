@@ -9,6 +9,7 @@ out, the most recently admitted running request is preempted and later recompute
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -154,6 +155,8 @@ class Scheduler:
                     request.num_cached_tokens = num_cached
                     self.kv.record_prefix_lookup(request, num_cached)
                 request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
                 self.running.append(request)
                 scheduled.append(self._chunk(request, num_new))
                 budget -= num_new

@@ -1,0 +1,198 @@
+"""The FastAPI app of `tandem serve`: OpenAI endpoints plus the worker endpoints of DESIGN.md.
+
+The engine core starts in the app's lifespan, before uvicorn binds the port: a server that
+accepts connections can serve them, which is what a health-gated launcher (`tandem up`,
+the bench) relies on. Every failure is answered in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.config import EngineConfig, ServerConfig
+from tandem.loader.tokenizer import load_tokenizer
+from tandem.server.chat_prompt import render_chat_prompt
+from tandem.server.engine_client import AsyncEngineClient
+from tandem.server.errors import (
+    APIError,
+    api_error_handler,
+    bad_request,
+    error_body,
+    http_error_handler,
+    validation_error_handler,
+)
+from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tandem.server.serving import ClientDisconnected, ServingState
+from tandem.server.serving_chat import create_chat_completion
+from tandem.server.serving_completion import create_completion
+from tandem.server.tool_parsers import detect_tool_parser, get_tool_parser
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = await AsyncEngineClient.start(engine_config, config.engine_start_timeout)
+        try:
+            tokenizer = load_tokenizer(Path(client.info.hf_dir))
+            parser_name = config.tool_call_parser or detect_tool_parser(tokenizer.chat_template)
+            names = config.served_model_names or (engine_config.model,)
+            metrics = ServerMetrics(names[0], lambda: client.load, lambda: client.num_in_flight)
+            app.state.serving = ServingState(config, client, tokenizer, tuple(names), metrics,
+                                             get_tool_parser(parser_name))
+            logger.info("serving %s at http://%s:%d/v1 (tool-call format: %s)", ", ".join(names),
+                        config.host, config.port, parser_name)
+            yield
+        finally:
+            logger.info("stopping the engine core")
+            await client.shutdown()
+
+    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(ClientDisconnected, _disconnected_handler)
+    app.add_exception_handler(Exception, _internal_error_handler)
+
+    def state(request: Request) -> ServingState:
+        return request.app.state.serving
+
+    def authorized(request: Request) -> None:
+        if not config.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
+            raise APIError(401, "Incorrect API key provided; pass it as 'Authorization: Bearer <key>'",
+                           None, "invalid_api_key")
+
+    guarded = [Depends(authorized)]
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if state(request).client.healthy:
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, "the engine core is not running"), status_code=503)
+
+    @app.get("/load")
+    async def load(request: Request) -> dict[str, Any]:
+        serving = state(request)
+        current = serving.client.load
+        return {
+            "num_waiting_requests": current.num_waiting,
+            "num_waiting_prefill_tokens": current.waiting_prefill_tokens,
+            "num_running_requests": current.num_running,
+            "num_requests_in_flight": serving.client.num_in_flight,
+            "running_kv_tokens": current.running_kv_tokens,
+            "kv_blocks_used": current.kv_blocks_used,
+            "kv_blocks_total": current.kv_blocks_total,
+            "kv_blocks_cached": current.kv_blocks_cached,
+            "kv_usage": current.kv_usage,
+            "block_size": serving.client.info.block_size,
+            "max_model_len": serving.max_model_len,
+            "prefix_cache_queries": current.prefix_cache_queries,
+            "prefix_cache_hits": current.prefix_cache_hits,
+            "tiers": {"device": {"blocks_used": current.kv_blocks_used, "blocks_total": current.kv_blocks_total}},
+        }
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from importlib.metadata import version as package_version
+
+        return {"version": package_version("tandem-serve")}
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models(request: Request) -> dict[str, Any]:
+        serving = state(request)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": serving.created, "owned_by": "tandem",
+             "root": engine_config.model, "parent": None, "max_model_len": serving.max_model_len}
+            for name in serving.model_names
+        ]}
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        serving = state(request)
+        try:
+            return await create_chat_completion(serving, body, request)
+        except APIError as exc:
+            serving.metrics.observe_error(exc.status)
+            raise
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        serving = state(request)
+        try:
+            return await create_completion(serving, body, request)
+        except APIError as exc:
+            serving.metrics.observe_error(exc.status)
+            raise
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        serving = state(request)
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt", "invalid_value")
+        if body.messages is not None:
+            prompt = render_chat_prompt(serving.tokenizer, body.messages, None, None, serving.tool_parser,
+                                        body.add_generation_prompt)
+            tokens = serving.encode(prompt.text, add_special_tokens=False)
+        else:
+            tokens = serving.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        serving = state(request)
+        serving.check_model(body.model)
+        vocab = serving.client.info.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab})", "tokens", "invalid_token_id")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    @app.post("/reset_prefix_cache", dependencies=guarded)
+    async def reset_prefix_cache(request: Request) -> dict[str, bool]:
+        return {"reset": await state(request).client.reset_prefix_cache()}
+
+    return app
+
+
+async def _disconnected_handler(_: Request, __: Exception) -> Response:
+    # Nobody reads this: the client left. 499 is the conventional log status for it.
+    return Response(status_code=499)
+
+
+async def _internal_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error", exc_info=exc)
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig, access_log: bool = True) -> None:
+    """Serve until SIGINT / SIGTERM; the lifespan then stops the engine core."""
+    app = build_app(engine_config, config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=access_log,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,138 @@
+"""Chat messages (+ tools) → the prompt text the model was trained on.
+
+The model's own chat template renders the conversation. When it knows about tools (it uses
+the `tools` variable, as Qwen's and Llama 3.1's do) it gets the tools and the tool history
+as they are. When it does not (SmolLM2's), the tool parser's format is taught through the
+system message and the tool history is written out in that format, so any chat model can
+be asked for tool calls in a format we can parse back.
+
+`tool_choice` "required" or a named function appends the opening of a call after the
+generation prompt (the parser's `forced_prefix`): the model then continues inside a call.
+This is a prefix, not a grammar; a model that then writes invalid JSON gets its text back
+as content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from tandem.server.errors import bad_request
+from tandem.server.protocol import ChatMessage, NamedToolChoice, Tool
+from tandem.server.tool_parsers import ToolParser, template_supports_tools
+
+
+@dataclass
+class ChatPrompt:
+    text: str
+    forced_prefix: str  # already part of `text`; the parser must see it before the output
+    tools_enabled: bool
+
+
+def tool_choice_name(tool_choice: Any) -> str | None:
+    return tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
+
+
+def check_tool_choice(tools: list[Tool] | None, tool_choice: Any) -> None:
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return
+    if not tools:
+        raise bad_request(f"tool_choice {_describe(tool_choice)} needs a non-empty 'tools' list",
+                          "tool_choice", "invalid_value")
+    name = tool_choice_name(tool_choice)
+    if name is not None and name not in {t.function.name for t in tools}:
+        raise bad_request(f"tool_choice names function '{name}', which is not in 'tools' "
+                          f"({', '.join(t.function.name for t in tools)})", "tool_choice", "invalid_value")
+
+
+def _describe(tool_choice: Any) -> str:
+    name = tool_choice_name(tool_choice)
+    return f"function '{name}'" if name else repr(tool_choice)
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[Tool] | None,
+                       tool_choice: Any, parser: ToolParser, add_generation_prompt: bool = True,
+                       continue_final_message: bool = False) -> ChatPrompt:
+    template = tokenizer.chat_template
+    if template is None:
+        raise bad_request("this model has no chat template; use /v1/completions", "messages", "no_chat_template")
+    check_tool_choice(tools, tool_choice)
+    tools_enabled = bool(tools) and tool_choice != "none"
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools_enabled and tools else None
+    native = template_supports_tools(template)
+    try:
+        if native:
+            conversation = [_native_message(m) for m in messages]
+        else:
+            conversation = _rewrite_for_plain_template(messages, parser, tool_dicts)
+            tool_dicts = None
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages", "invalid_value") from exc
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message", "invalid_value")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tools=tool_dicts, tokenize=False,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        )
+    except (TemplateError, ValueError, TypeError, KeyError) as exc:
+        raise bad_request(f"the chat template could not render these messages: {exc}", "messages",
+                          "template_error") from exc
+    forced = ""
+    if tools_enabled and tool_choice not in (None, "auto"):
+        forced = parser.forced_prefix(tool_choice_name(tool_choice))
+        text += forced
+    return ChatPrompt(text, forced, tools_enabled)
+
+
+def _native_message(message: ChatMessage) -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message.text()}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _json_or_text(arguments: str) -> Any:
+    """Templates render arguments with `tojson`; give them the object, not a quoted string."""
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return arguments
+
+
+def _rewrite_for_plain_template(messages: list[ChatMessage], parser: ToolParser,
+                                tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Tool definitions, calls and results written as text, for a template that knows none."""
+    names_by_id = {c.id: c.function.name for m in messages for c in (m.tool_calls or []) if c.id}
+    conversation: list[dict[str, Any]] = []
+    for message in messages:
+        role = "system" if message.role == "developer" else message.role
+        text = message.text()
+        if role == "assistant" and message.tool_calls:
+            calls = [{"function": {"name": c.function.name, "arguments": c.function.arguments}}
+                     for c in message.tool_calls]
+            conversation.append({"role": "assistant", "content": parser.render_assistant(text, calls)})
+        elif role == "tool":
+            name = message.name or names_by_id.get(message.tool_call_id or "")
+            conversation.append({"role": "user", "content": parser.render_tool_result(text, name)})
+        else:
+            conversation.append({"role": role, "content": text})
+    if tools:
+        if conversation and conversation[0]["role"] == "system":
+            conversation[0]["content"] = parser.system_prompt(tools, system=conversation[0]["content"])
+        else:
+            conversation.insert(0, {"role": "system", "content": parser.system_prompt(tools)})
+    return conversation

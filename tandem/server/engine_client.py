@@ -1,0 +1,241 @@
+"""The API server's handle on an engine core process.
+
+It starts the core (`tandem.engine.core`) in a spawned process, talks to it over two ZMQ
+IPC sockets, and hands each request's token deltas to the coroutine that is serving it.
+A reader task routes the core's outputs; a watchdog notices a dead core so that waiting
+requests fail fast instead of hanging and `/health` turns red.
+
+This module imports no torch: the server process stays light, and the core alone pays
+for the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+import zmq
+import zmq.asyncio
+
+from tandem.config import EngineConfig
+from tandem.engine.core import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreOutputs,
+    EngineInfo,
+    FinishSequence,
+    RequestDelta,
+    ResetPrefixCache,
+    Shutdown,
+    run_engine_core,
+)
+from tandem.types import EngineLoad, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone; no request can be served."""
+
+
+class EngineRequestError(ValueError):
+    """The engine core refused a request (a validation the server did not catch)."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[RequestDelta | BaseException]
+
+
+class AsyncEngineClient:
+    def __init__(self, process: BaseProcess, contexts: tuple[zmq.Context, zmq.asyncio.Context],
+                 inputs: zmq.Socket, outputs: zmq.asyncio.Socket, info: EngineInfo, socket_dir: str) -> None:
+        self.process = process
+        self.info = info
+        self.load = EngineLoad(kv_blocks_total=info.num_blocks)
+        self._contexts = contexts
+        self._inputs = inputs
+        self._outputs = outputs
+        self._socket_dir = socket_dir
+        self._streams: dict[str, _Stream] = {}
+        self._dead: str | None = None
+        self._reset_waiters: list[asyncio.Future[bool]] = []
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch())]
+
+    # --- life cycle -----------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: EngineConfig, startup_timeout: float = 900.0) -> AsyncEngineClient:
+        socket_dir = tempfile.mkdtemp(prefix="tandem-core-")
+        input_addr = f"ipc://{socket_dir}/input"
+        output_addr = f"ipc://{socket_dir}/output"
+        # Sends are a local queue append, so a plain socket serves them from sync code too
+        # (an abort in a `finally` of a cancelled request must not need another await).
+        sync_context = zmq.Context()
+        inputs = sync_context.socket(zmq.PUSH)
+        inputs.bind(input_addr)
+        context = zmq.asyncio.Context()
+        outputs = context.socket(zmq.PULL)
+        outputs.bind(output_addr)
+        spawn = multiprocessing.get_context("spawn")
+        process = spawn.Process(
+            target=run_engine_core,
+            args=(config, input_addr, output_addr, os.getpid(), logging.getLogger("tandem").getEffectiveLevel()),
+            name="tandem-engine-core",
+            daemon=True,
+        )
+        process.start()
+        try:
+            first = await cls._await_ready(process, outputs, startup_timeout)
+        except BaseException:
+            _stop_process(process)
+            inputs.close(linger=0)
+            outputs.close(linger=0)
+            sync_context.term()
+            context.term()
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
+        logger.info("engine core ready (pid %d): %s, %d KV blocks of %d tokens, context %d",
+                    first.pid, first.model_name, first.num_blocks, first.block_size, first.max_model_len)
+        return cls(process, (sync_context, context), inputs, outputs, first, socket_dir)
+
+    @staticmethod
+    async def _await_ready(process: BaseProcess, outputs: zmq.asyncio.Socket, timeout: float) -> EngineInfo:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if await outputs.poll(500):
+                message = await outputs.recv_pyobj()
+                if isinstance(message, CoreFailed):
+                    raise RuntimeError(f"engine failed to start: {message.message}")
+                if isinstance(message, EngineInfo):
+                    return message
+                continue
+            if not process.is_alive():
+                raise RuntimeError(f"engine core exited during start-up (exit code {process.exitcode})")
+            if loop.time() > deadline:
+                raise TimeoutError(f"engine core not ready after {timeout:.0f} s")
+
+    async def shutdown(self) -> None:
+        if self.process.is_alive():
+            self._send(Shutdown())
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await asyncio.to_thread(_stop_process, self.process)
+        self._fail_all("the server is shutting down")
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        for context in self._contexts:
+            context.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self.process.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # --- requests -------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestDelta]:
+        """Deltas of one request until it finishes; abort it if the consumer stops early."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if request_id in self._streams:
+            raise EngineRequestError(f"request id {request_id!r} is already in use")
+        stream = _Stream(asyncio.Queue())
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            if not self._send(AddRequest(request_id, prompt_token_ids, params)):
+                raise EngineDeadError("the engine core does not take requests")
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    finished = True
+                    raise EngineRequestError(item.error)
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._dead is None:
+                self.abort([request_id])
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+        self._send(AbortRequests(list(request_ids)))
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        self._send(FinishSequence(request_id, index))
+
+    async def reset_prefix_cache(self) -> bool:
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._reset_waiters.append(waiter)
+        self._send(ResetPrefixCache())
+        return await asyncio.wait_for(waiter, timeout=30)
+
+    def _send(self, message: object) -> bool:
+        try:
+            self._inputs.send_pyobj(message, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # Only when the core is gone or hopelessly behind; the watchdog reports the former.
+            logger.error("could not send %s to the engine core: %s", type(message).__name__, exc)
+            return False
+        return True
+
+    # --- background -----------------------------------------------------------------
+    async def _read_outputs(self) -> None:
+        while True:
+            message = await self._outputs.recv_pyobj()
+            if not isinstance(message, CoreOutputs):
+                continue
+            if message.load is not None:
+                self.load = message.load
+            if message.reset_prefix_cache is not None and self._reset_waiters:
+                self._reset_waiters.pop(0).set_result(message.reset_prefix_cache)
+            for delta in message.deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(delta)
+
+    async def _watch(self) -> None:
+        while self.process.is_alive():
+            await asyncio.sleep(0.5)
+        self._dead = f"the engine core process exited (code {self.process.exitcode})"
+        logger.error("%s; requests in flight fail", self._dead)
+        self._fail_all(self._dead)
+
+    def _fail_all(self, reason: str) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(reason))
+        for waiter in self._reset_waiters:
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(reason))
+        self._reset_waiters.clear()
+
+
+def _stop_process(process: BaseProcess, grace: float = 10.0) -> None:
+    process.join(grace)
+    if process.is_alive():
+        logger.warning("engine core did not stop in %.0f s; terminating it", grace)
+        process.terminate()
+        process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join()

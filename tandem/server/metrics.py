@@ -1,0 +1,108 @@
+"""Prometheus metrics with vLLM's names under a `tandem:` prefix.
+
+Dashboards built for vLLM (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`,
+...) carry over by swapping the prefix. Engine state (queue lengths, KV usage, prefix-cache
+counters) is read from the engine's latest load report at scrape time, so it is never
+stale; per-request figures are observed when a request ends. Each server owns its own
+registry: two servers in one process (tests) never mix their numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tandem.server.output_processor import RequestTimings
+from tandem.types import EngineLoad
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0)
+_LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0)
+
+
+class _EngineStateCollector(Collector):
+    def __init__(self, model_name: str, load: Callable[[], EngineLoad], in_flight: Callable[[], int]) -> None:
+        self.model_name = model_name
+        self.load = load
+        self.in_flight = in_flight
+
+    def collect(self) -> Iterable[Metric]:
+        load = self.load()
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            metric = GaugeMetricFamily(f"tandem:{name}", doc, labels=labels)
+            metric.add_metric(values, value)
+            return metric
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            metric = CounterMetricFamily(f"tandem:{name}", doc, labels=labels)
+            metric.add_metric(values, value)
+            return metric
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", load.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", load.num_waiting)
+        yield gauge("num_requests_in_flight", "Requests the API server is serving.", self.in_flight())
+        yield gauge("num_waiting_prefill_tokens", "Prompt tokens not yet computed.", load.waiting_prefill_tokens)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", load.kv_usage)
+        yield gauge("kv_cache_blocks_total", "KV blocks in the pool.", load.kv_blocks_total)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      load.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", load.prefix_cache_hits)
+        yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.", load.num_preemptions)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, load: Callable[[], EngineLoad], in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineStateCollector(model_name, load, in_flight))
+        labels = ["model_name"]
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests.",
+                                     labels, registry=self.registry)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens.",
+                                         labels, registry=self.registry)
+        self.cached_tokens = Counter("tandem:prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
+                                     labels, registry=self.registry)
+        self.request_success = Counter("tandem:request_success", "Finished requests by finish reason.",
+                                       [*labels, "finished_reason"], registry=self.registry)
+        self.request_errors = Counter("tandem:request_errors", "Requests refused or failed, by HTTP status.",
+                                      [*labels, "status"], registry=self.registry)
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens.",
+                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("tandem:request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def observe_finished(self, timings: RequestTimings, end: float, prompt_tokens: int, cached_tokens: int,
+                         generation_tokens: int, finish_reasons: list[str]) -> None:
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.cached_tokens.labels(name).inc(cached_tokens)
+        self.generation_tokens.labels(name).inc(generation_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(name, reason).inc()
+        if timings.first_token is not None:
+            self.ttft.labels(name).observe(timings.first_token - timings.arrival)
+        itl = self.itl.labels(name)
+        for gap in timings.inter_token:
+            itl.observe(gap)
+        self.e2e.labels(name).observe(end - timings.arrival)
+        if timings.queue_seconds is not None:
+            self.queue_time.labels(name).observe(timings.queue_seconds)
+
+    def observe_error(self, status: int) -> None:
+        self.request_errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,214 @@
+"""What every endpoint shares: the engine client, the tokenizer, checks and response pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from tandem.config import ServerConfig
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from tandem.server.errors import APIError, bad_request, error_body
+from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import SamplingFields
+from tandem.server.tool_parsers import ToolParser
+from tandem.types import SamplingParams, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_DISCONNECT_POLL_SECONDS = 0.25
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class ServingState:
+    config: ServerConfig
+    client: AsyncEngineClient
+    tokenizer: Any
+    model_names: tuple[str, ...]
+    metrics: ServerMetrics
+    tool_parser: ToolParser
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    # --- checks, in the order a request meets them ----------------------------------
+    def check_model(self, requested: str | None) -> str:
+        if requested is None or requested == "" or requested in self.model_names:
+            return requested or self.model_name
+        raise APIError(404, f"The model `{requested}` does not exist; this server serves "
+                            f"{', '.join(self.model_names)}.", "model", "model_not_found")
+
+    def check_admission(self) -> None:
+        if not self.client.healthy:
+            raise APIError(503, "the engine is not running", None, "engine_dead")
+        limit = self.config.max_waiting
+        waiting = max(0, self.client.num_in_flight - self.client.load.num_running)
+        if limit and waiting >= limit:
+            raise APIError(503, f"the server is at capacity ({waiting} requests waiting, limit {limit}); "
+                                "retry shortly", None, "overloaded", headers={"Retry-After": "1"})
+
+    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None, param: str) -> int:
+        """The max_tokens to run with: the request's, or what is left of the context."""
+        if not prompt_token_ids:
+            raise bad_request("the prompt is empty", param, "empty_prompt")
+        vocab = self.client.info.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", param, "invalid_token_id")
+        limit = self.max_model_len
+        prompt_len = len(prompt_token_ids)
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
+        if prompt_len + (max_tokens or 1) > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the prompt, {max_tokens or 0} "
+                "in the completion). Please reduce the length of the prompt or the completion.",
+                param, "context_length_exceeded")
+        return max_tokens if max_tokens is not None else limit - prompt_len
+
+    @staticmethod
+    def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if request.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
+        try:
+            return request.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0]
+            raise bad_request(str(exc), param if param.isidentifier() else None, "invalid_value") from exc
+
+    # --- text ---------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def chat_logprobs(self, entries: list[list[TokenLogprob]]) -> list[dict[str, Any]]:
+        """OpenAI chat `logprobs.content`: the sampled token first, then its top alternatives."""
+        content = []
+        for entry in entries:
+            chosen, top = entry[0], entry[1:]
+            content.append({
+                **self._logprob_item(chosen),
+                "top_logprobs": [self._logprob_item(t) for t in top],
+            })
+        return content
+
+    def _logprob_item(self, item: TokenLogprob) -> dict[str, Any]:
+        text = self.token_text(item.token_id)
+        logprob = max(item.logprob, -9999.0)  # JSON has no -inf
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error(exc: Exception) -> str:
+    """An error after the stream began: OpenAI sends it as one more data event."""
+    if isinstance(exc, APIError):
+        return sse(exc.body())
+    status = 400 if isinstance(exc, EngineRequestError) else 503 if isinstance(exc, EngineDeadError) else 500
+    return sse(error_body(status, str(exc) or type(exc).__name__))
+
+
+def as_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineRequestError):
+        return bad_request(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), None, "engine_dead")
+    logger.exception("request failed")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine request) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive; (stream index, item)."""
+    queue: asyncio.Queue[tuple[int, T] | tuple[int, Exception] | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        except Exception as exc:  # delivered to the consumer, which re-raises it
+            await queue.put((index, exc))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            entry = await queue.get()
+            if entry is None:
+                remaining -= 1
+                continue
+            index, item = entry
+            if isinstance(item, Exception):
+                raise item
+            yield index, item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+

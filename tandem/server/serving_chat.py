@@ -1,0 +1,197 @@
+"""`POST /v1/chat/completions`: validate, render, run, and answer whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
+from tandem.server.errors import bad_request
+from tandem.server.output_processor import RequestTimings, process_request
+from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.serving import (
+    SSE_DONE,
+    ServingState,
+    as_api_error,
+    sse,
+    stream_error,
+    unless_disconnected,
+    usage,
+)
+from tandem.server.tool_parsers import ToolParser
+from tandem.types import SamplingParams, TokenLogprob
+
+
+@dataclass
+class _ChatRun:
+    """Everything about one accepted chat request that the response needs."""
+
+    request_id: str
+    model: str
+    prompt: ChatPrompt
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    parser: ToolParser | None
+    want_logprobs: bool
+    include_usage: bool
+    single_call: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    timings: RequestTimings = field(default_factory=RequestTimings)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+async def create_chat_completion(state: ServingState, body: ChatCompletionRequest, raw: Request) -> Response:
+    model = state.check_model(body.model)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(f"response_format {body.response_format.type!r} is not supported: tandem has no "
+                          "constrained decoding yet; ask for JSON in the prompt instead",
+                          "response_format", "unsupported")
+    try:
+        logprobs = body.num_logprobs()
+    except ValueError as exc:
+        raise bad_request(str(exc), "top_logprobs", "invalid_value") from exc
+    prompt = render_chat_prompt(state.tokenizer, body.messages, body.tools, body.tool_choice,
+                                state.tool_parser, body.add_generation_prompt, body.continue_final_message)
+    token_ids = state.encode(prompt.text, add_special_tokens=False)
+    max_tokens = state.check_prompt(token_ids, body.requested_max_tokens(), "messages")
+    params = state.sampling_params(body, max_tokens, logprobs)
+    single_call = body.parallel_tool_calls is False or tool_choice_name(body.tool_choice) is not None
+    if prompt.tools_enabled and single_call:
+        # One call is all that is wanted: stop decoding when it closes.
+        params.stop = [*params.stop, *state.tool_parser.stop_strings(parallel_tool_calls=False)]
+    state.check_admission()
+    run = _ChatRun(
+        request_id=state.new_id("chatcmpl"), model=model, prompt=prompt, prompt_token_ids=token_ids,
+        params=params, parser=state.tool_parser if prompt.tools_enabled else None,
+        want_logprobs=logprobs is not None,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        single_call=single_call,
+    )
+    if body.stream:
+        return StreamingResponse(_stream(state, run), media_type="text/event-stream")
+    try:
+        return JSONResponse(await unless_disconnected(raw, _complete(state, run)))
+    finally:
+        _observe(state, run)
+
+
+def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    return "tool_calls" if reason == "stop" and called_tools else reason
+
+
+async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
+    n = run.params.n
+    texts = [""] * n
+    entries: list[list[list[TokenLogprob]]] = [[] for _ in range(n)]
+    finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+    async with aclosing(process_request(state.client, state.tokenizer, run.request_id, run.prompt_token_ids,
+                                        run.params, run.timings)) as steps:
+        async for step in steps:
+            run.cached_tokens = step.num_cached_tokens
+            for seq in step.sequences:
+                texts[seq.index] += seq.text
+                run.completion_tokens += len(seq.token_ids)
+                if seq.logprobs:
+                    entries[seq.index].extend(seq.logprobs)
+                if seq.finish_reason is not None:
+                    finish[seq.index] = (seq.finish_reason, seq.stop_reason)
+    choices = []
+    for index in range(n):
+        message: dict[str, Any] = {"role": "assistant", "content": texts[index]}
+        reason, stop_reason = finish[index]
+        if run.parser is not None:
+            parsed = run.parser.parse(run.prompt.forced_prefix + texts[index])
+            calls = parsed.tool_calls[:1] if run.single_call else parsed.tool_calls
+            message["content"] = parsed.content if calls else (parsed.content or "")
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+            reason = _finish_reason(reason, bool(calls))
+        run.finish_reasons.append(reason or "abort")
+        choices.append({
+            "index": index,
+            "message": message,
+            "logprobs": {"content": state.chat_logprobs(entries[index])} if run.want_logprobs else None,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
+        })
+    return {
+        "id": run.request_id,
+        "object": "chat.completion",
+        "created": run.created,
+        "model": run.model,
+        "choices": choices,
+        "usage": usage(len(run.prompt_token_ids), run.completion_tokens, run.cached_tokens),
+    }
+
+
+async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
+    n = run.params.n
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        payload: dict[str, Any] = {"id": run.request_id, "object": "chat.completion.chunk",
+                                   "created": run.created, "model": run.model, "choices": choices}
+        if run.include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    parsers = [run.parser.stream(run.prompt.forced_prefix) for _ in range(n)] if run.parser else None
+    calls_sent = [0] * n
+    try:
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(n)])
+        async with aclosing(process_request(state.client, state.tokenizer, run.request_id,
+                                            run.prompt_token_ids, run.params, run.timings)) as steps:
+            async for step in steps:
+                run.cached_tokens = step.num_cached_tokens
+                choices = []
+                for seq in step.sequences:
+                    run.completion_tokens += len(seq.token_ids)
+                    delta: dict[str, Any] = {}
+                    reason = seq.finish_reason
+                    if parsers is not None:
+                        parser = parsers[seq.index]
+                        pieces = parser.feed(seq.text)
+                        if reason is not None:
+                            pieces.extend(parser.finish())
+                        if pieces.content:
+                            delta["content"] = pieces.content
+                        calls = [c for c in pieces.tool_calls if not run.single_call or c.index == 0]
+                        if calls:
+                            delta["tool_calls"] = [c.to_openai() for c in calls]
+                            calls_sent[seq.index] += sum(1 for c in calls if c.id is not None)
+                        reason = _finish_reason(reason, parser.called_tools)
+                    elif seq.text:
+                        delta["content"] = seq.text
+                    logprobs = None
+                    if run.want_logprobs and seq.logprobs:
+                        logprobs = {"content": state.chat_logprobs(seq.logprobs)}
+                    if reason is not None:
+                        run.finish_reasons.append(reason)
+                    if delta or reason is not None or logprobs is not None:
+                        choices.append({"index": seq.index, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": reason})
+                if choices:
+                    yield chunk(choices)
+        if run.include_usage:
+            yield sse({"id": run.request_id, "object": "chat.completion.chunk", "created": run.created,
+                       "model": run.model, "choices": [],
+                       "usage": usage(len(run.prompt_token_ids), run.completion_tokens, run.cached_tokens)})
+        yield SSE_DONE
+    except Exception as exc:  # headers are sent: the error goes into the stream
+        yield stream_error(as_api_error(exc))
+        yield SSE_DONE
+    finally:
+        _observe(state, run)
+
+
+def _observe(state: ServingState, run: _ChatRun) -> None:
+    state.metrics.observe_finished(run.timings, time.monotonic(), len(run.prompt_token_ids), run.cached_tokens,
+                                   run.completion_tokens, run.finish_reasons or ["abort"])

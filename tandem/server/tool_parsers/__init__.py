@@ -1,0 +1,41 @@
+"""Tool-call parsing for the OpenAI server: model text <-> OpenAI `tool_calls`.
+
+See `base` for the contract between the server and a parser (prompt rendering, forced calls,
+streaming guarantees).
+"""
+
+from tandem.server.tool_parsers.base import (
+    ParsedMessage,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    ToolStreamParser,
+    new_call_id,
+)
+from tandem.server.tool_parsers.hermes import HermesToolParser
+from tandem.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from tandem.server.tool_parsers.registry import (
+    DEFAULT_TOOL_PARSER,
+    TOOL_PARSERS,
+    detect_tool_parser,
+    get_tool_parser,
+    template_supports_tools,
+)
+
+__all__ = [
+    "DEFAULT_TOOL_PARSER",
+    "TOOL_PARSERS",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+    "ParsedMessage",
+    "StreamDelta",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "ToolStreamParser",
+    "detect_tool_parser",
+    "get_tool_parser",
+    "new_call_id",
+    "template_supports_tools",
+]

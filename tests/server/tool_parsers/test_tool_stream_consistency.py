@@ -1,0 +1,96 @@
+"""Streaming must reproduce the non-streaming result however the text is split into deltas.
+
+Each case is fed as every fixed chunk size (1 = character by character), cut once at every
+position, and cut at random: content and every call's name and arguments must come out the
+same as `parse` on the whole text, with ids and names once per call.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tool_stream_helpers import run_stream, splits, summary
+
+from tandem.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+CALL2 = '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}'
+
+HERMES_CASES = [
+    "",
+    "   \n",
+    "Hello, world!",
+    "Hello, world!\n\n",
+    "  leading spaces kept",
+    f"<tool_call>\n{CALL}\n</tool_call>",
+    f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL2}\n</tool_call>",
+    f"<tool_call>{CALL}</tool_call><tool_call>{CALL2}</tool_call>",
+    f"Let me check.\n\n<tool_call>\n{CALL}\n</tool_call>",
+    f"Before.\n<tool_call>\n{CALL}\n</tool_call>\n\nAfter.\n",
+    "<tool_call>\n{not json}\n</tool_call>",
+    'Text <tool_call>\n{"arguments": {}}\n</tool_call> more',
+    f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{{bad\n</tool_call>\n"
+    f"<tool_call>\n{CALL2}\n</tool_call>",
+    f"<tool_call>\n{CALL}\n",
+    f"Sure.\n<tool_call>\n{CALL}\n</tool",
+    '<tool_call>\n{"name": "f", "arguments": {"a"',
+    '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "parameters": {"a": [1, 2]}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": null}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
+    '<tool_call>\n{"name": "translate", "arguments": {"text": "東京 😀 café"}}\n</tool_call>',
+    "a < b, <b>bold</b>, <tool> and <tool_cal",
+    "ends with a partial marker <tool_ca",
+    "<<tool_call>\n" + CALL + "\n</tool_call>>",
+    "x<tool_call>",
+]
+
+LLAMA_CASES = [
+    "",
+    "  \n ",
+    "Hello, world!",
+    "  indented text\n",
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    ' \n<|python_tag|> {"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
+    '{"name": "a", "parameters": {}}\n{"name": "b", "arguments": {"y": "東京"}}',
+    '{"name": "get_weather", "parameters": {"city": ',
+    '{"a": 1} is a JSON object',
+    '{"name": "f", "parameters": "{\\"q\\": 2}"}',
+    '{"name": "f", "parameters": {}} and some words',
+    '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {',
+    "<|python_tag|>print('hi')",
+    "<|python_t",
+    "<|python_tag|>",
+    "<b>bold</b>",
+]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [(HermesToolParser(), t) for t in HERMES_CASES]
+    + [(Llama3JsonToolParser(), t) for t in LLAMA_CASES],
+    ids=lambda x: x.name if isinstance(x, ToolParser) else repr(x)[:40],
+)
+def test_every_split_matches_parse(parser: ToolParser, text: str) -> None:
+    expected = summary(parser.parse(text))
+    for chunks in splits(text, seed=len(text)):
+        assert summary(run_stream(parser, chunks)) == expected, chunks
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()], ids=str)
+@pytest.mark.parametrize("name", [None, "get_weather"])
+def test_forced_prefix_every_split(parser: ToolParser, name: str | None) -> None:
+    prefix = parser.forced_prefix(name)
+    if name is None:
+        full = parser.render_tool_calls([{"function": {"name": "get_weather", "arguments": "{}"}}])
+    else:
+        full = parser.render_tool_calls(
+            [{"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+        )
+    assert full.startswith(prefix)
+    generated = full[len(prefix) :]
+    expected = parser.parse(prefix + generated)
+    assert [c.name for c in expected.tool_calls] == ["get_weather"]
+    assert expected.content is None
+    for chunks in splits(generated):
+        assert summary(run_stream(parser, chunks, prefix=prefix)) == summary(expected)
