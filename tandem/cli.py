@@ -83,7 +83,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: env TANDEM_API_KEY)")
     group.add_argument("--max-waiting", type=int, default=512, metavar="N",
-                       help="queued requests beyond N get 503 with Retry-After; 0 = no limit (default: 512)")
+                       help="with N requests accepted but not yet generating, more get 503 with Retry-After; "
+                            "0 = no limit (default: 512)")
     group.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
                        help="tool-call format (default: chosen from the chat template; hermes when it has none)")
     group.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
@@ -228,9 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     from tandem.bench.offline import add_offline_parser
     from tandem.bench.perplexity import add_perplexity_parser
+    from tandem.bench.serve import add_serve_parser
 
     add_offline_parser(bench_commands)
     add_perplexity_parser(bench_commands)
+    add_serve_parser(bench_commands)
     return parser
 
 

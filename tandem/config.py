@@ -168,7 +168,7 @@ class ServerConfig:
     port: int = 8000
     served_model_names: tuple[str, ...] = ()  # empty: the model argument as given
     api_key: str | None = None
-    max_waiting: int = 512  # queued requests beyond this get 503 + Retry-After; 0 = no limit
+    max_waiting: int = 512  # accepted, not yet generating; beyond: 503 + Retry-After; 0 = no limit
     tool_call_parser: str | None = None  # None: chosen from the chat template
     engine_start_timeout: float = 900.0  # a first start converts the GGUF; allow for it
     log_level: str = "info"

@@ -56,7 +56,9 @@ class LiveServer:
 
 def start_server(log_path: Path, *args: str) -> LiveServer:
     port = free_port()
-    command = [sys.executable, "-m", "tandem", "serve", "--port", str(port), "--no-access-log", *args]
+    level = os.environ.get("TANDEM_TEST_SERVER_LOG_LEVEL", "INFO")
+    command = [sys.executable, "-m", "tandem", "--log-level", level, "serve", "--port", str(port),
+               "--no-access-log", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -75,14 +77,14 @@ def start_server(log_path: Path, *args: str) -> LiveServer:
     raise RuntimeError(f"tandem serve not healthy after {_START_TIMEOUT:.0f} s:\n{server.log()[-3000:]}")
 
 
-def stop_server(server: LiveServer) -> list[int]:
-    """SIGINT, as Ctrl-C sends; returns the pids of processes left behind (should be none)."""
+def stop_server(server: LiveServer, sig: signal.Signals = signal.SIGINT) -> list[int]:
+    """SIGINT (Ctrl-C) or SIGTERM; returns the pids of processes left behind (should be none)."""
     try:
         children = psutil.Process(server.process.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         children = []
     if server.process.poll() is None:
-        server.process.send_signal(signal.SIGINT)
+        server.process.send_signal(sig)
         try:
             server.process.wait(30)
         except subprocess.TimeoutExpired:

@@ -191,9 +191,11 @@ class EngineCore:
             except ValueError as exc:
                 out.deltas.append(RequestDelta(message.request_id, [], True, 0, error=str(exc)))
                 return
+            logger.debug("added %s (%d prompt tokens)", message.request_id, len(message.prompt_token_ids))
             self.tracker.add(message.request_id, message.params.n)
             self._unreported_queue.add(message.request_id)
         elif isinstance(message, AbortRequests):
+            logger.debug("aborted %s", ", ".join(message.request_ids))
             for request_id in message.request_ids:
                 engine.abort(request_id)
                 self.tracker.drop(request_id)

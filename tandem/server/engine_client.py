@@ -54,6 +54,7 @@ class EngineRequestError(ValueError):
 @dataclass
 class _Stream:
     queue: asyncio.Queue[RequestDelta | BaseException]
+    started: bool = False  # the engine has reported on it (its first step ran)
 
 
 class AsyncEngineClient:
@@ -148,6 +149,15 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_queued(self) -> int:
+        """Requests sent to the engine that have not produced anything yet.
+
+        Counted here rather than read from the engine's load report, which arrives a step
+        late: admission control must see a burst of requests as it comes in.
+        """
+        return sum(1 for stream in self._streams.values() if not stream.started)
+
     # --- requests -------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestDelta]:
@@ -212,6 +222,7 @@ class AsyncEngineClient:
             for delta in message.deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
+                    stream.started = True
                     stream.queue.put_nowait(delta)
 
     async def _watch(self) -> None:

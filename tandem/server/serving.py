@@ -63,7 +63,7 @@ class ServingState:
         if not self.client.healthy:
             raise APIError(503, "the engine is not running", None, "engine_dead")
         limit = self.config.max_waiting
-        waiting = max(0, self.client.num_in_flight - self.client.load.num_running)
+        waiting = self.client.num_queued
         if limit and waiting >= limit:
             raise APIError(503, f"the server is at capacity ({waiting} requests waiting, limit {limit}); "
                                 "retry shortly", None, "overloaded", headers={"Retry-After": "1"})

