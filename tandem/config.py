@@ -152,12 +152,36 @@ class LoadConfig:
     pack_weights: bool = True
 
 
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode handoff (see tandem/kvcache/transfer/base.py for the protocol)."""
+
+    role: str = "both"  # prefill: serves KV to others; decode: fetches it; both: either
+    host: str = "127.0.0.1"  # where this worker's KV source listens
+    port: int = 0  # 0: any free port
+    hold_timeout: float = 60.0  # kept blocks are freed after this if nobody released them
+    fetch_timeout: float = 10.0  # a decode worker computes the prompt itself after this
+    shared_memory: bool = False  # KV cache in /dev/shm so same-host peers copy it directly
+
+    @property
+    def serves_kv(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def fetches_kv(self) -> bool:
+        return self.role in ("decode", "both")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
     load: LoadConfig = LoadConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,7 @@ class EngineLoad:
     prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
     prefix_cache_hits: int = 0  # of which found cached, cumulative
     num_preemptions: int = 0  # cumulative
+    kv_transfer: dict[str, float] = field(default_factory=dict)  # handoff counters (engine core)
 
     @property
     def kv_usage(self) -> float:

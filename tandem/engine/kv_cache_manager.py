@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tandem.engine.block_hash import block_hashes
 from tandem.engine.block_pool import BlockPool, KVBlock
-from tandem.types import Request
+from tandem.types import Request, RequestStatus
 
 
 @dataclass
@@ -28,6 +28,9 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # Prefill/decode handoff: requests whose prompt blocks outlive them (see `free`).
+        self._keep_on_free: set[str] = set()
+        self.kept: dict[str, list[KVBlock]] = {}
 
     @property
     def enable_caching(self) -> bool:
@@ -110,9 +113,56 @@ class KVCacheManager:
             self.pool.cache(held[index], hashes[index], request.all_token_ids[start : start + self.block_size])
         self._num_cached_blocks[request.request_id] = max(done, len(hashes))
 
+    def keep_prompt_blocks(self, request_id: str) -> None:
+        """When this request ends, keep its full prompt blocks referenced (for a KV handoff).
+
+        A prefill worker's request ends after its first token, but a decode worker has yet
+        to read the prompt's KV; the blocks must not return to the free queue, where the
+        next allocation could overwrite them. They wait in `kept` until taken.
+        """
+        self._keep_on_free.add(request_id)
+
+    def take_kept(self, request_id: str) -> list[KVBlock]:
+        return self.kept.pop(request_id, [])
+
     def free(self, request: Request) -> None:
         """Release every block of a finished or preempted request (tail first, for LRU)."""
         held = self._blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self._hashes.pop(request.request_id, None)
+        if request.status.finished and request.request_id in self._keep_on_free:
+            self._keep_on_free.discard(request.request_id)
+            if request.status != RequestStatus.FINISHED_ABORTED:
+                num_full = min(len(held), request.num_prompt_tokens // self.block_size)
+                self.kept[request.request_id] = held[:num_full]
+                held = held[num_full:]
         self.pool.free(list(reversed(held)))
+
+    # --- KV adopted from another worker ---------------------------------------------
+    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of these tokens this cache already holds."""
+        if not self.enable_caching:
+            return 0
+        hashes = block_hashes(token_ids[: len(token_ids) // self.block_size * self.block_size],
+                              self.block_size, self.root_hash)
+        for index, block_hash in enumerate(hashes):
+            start = index * self.block_size
+            if self.pool.lookup(block_hash, token_ids[start : start + self.block_size]) is None:
+                return index
+        return len(hashes)
+
+    def prompt_block_hashes(self, token_ids: list[int]) -> list[int]:
+        full = len(token_ids) // self.block_size * self.block_size
+        return list(block_hashes(token_ids[:full], self.block_size, self.root_hash))
+
+    def adopt(self, token_ids: list[int], first_index: int, blocks: list[KVBlock]) -> int:
+        """Publish blocks filled from elsewhere as the cached blocks `first_index`... of these
+        tokens; returns how many were published (a block already cached elsewhere is not)."""
+        hashes = self.prompt_block_hashes(token_ids)
+        published = 0
+        for offset, block in enumerate(blocks):
+            index = first_index + offset
+            start = index * self.block_size
+            if self.pool.cache(block, hashes[index], token_ids[start : start + self.block_size]):
+                published += 1
+        return published

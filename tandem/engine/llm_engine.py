@@ -7,8 +7,11 @@ out into n sequences that share the prompt's cached blocks once the first has co
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ import torch
 
 from tandem.config import DTYPES, EngineConfig, ModelConfig
 from tandem.engine.block_hash import root_hash
-from tandem.engine.block_pool import BlockPool
+from tandem.engine.block_pool import BlockPool, KVBlock
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -151,7 +154,11 @@ class LLMEngine:
             self.block_pool, cache.block_size, root_hash(self.model_name, load.dtype, cache.block_size)
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
-        self.runner = ModelRunner(model, self.model_config, backend, num_blocks, cache.block_size, self.dtype, load.seed)
+        self.kv_shm_path = None
+        if config.kv_transfer.shared_memory:
+            self.kv_shm_path = f"/dev/shm/tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.runner = ModelRunner(model, self.model_config, backend, num_blocks, cache.block_size, self.dtype,
+                                  load.seed, kv_shm_path=self.kv_shm_path)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}
         self._next_id = 0
@@ -161,6 +168,13 @@ class LLMEngine:
             num_blocks, num_blocks * cache.block_size, num_blocks * block_bytes / (1 << 30),
             load.dtype, self.max_model_len, self.startup_seconds,
         )
+
+    def close(self) -> None:
+        """Remove the shared KV cache file, if any (the mapping lives on until exit)."""
+        if self.kv_shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.kv_shm_path)
+            self.kv_shm_path = None
 
     def _load_model(self, hf_dir: Path, backend: TorchAttentionBackend) -> torch.nn.Module:
         """Build the model, fill its weights, then lay them out for the kernels that read them."""
@@ -238,7 +252,16 @@ class LLMEngine:
         prompt: str | None,
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
+        prior_output_ids: list[int] | None = None,
+        keep_prompt_kv: bool = False,
     ) -> str:
+        """Queue a request; returns its id.
+
+        `prior_output_ids` are tokens already generated elsewhere (a prefill worker's first
+        token): they count as output for max_tokens and penalties, and their KV is computed
+        here. `keep_prompt_kv` keeps the prompt's full KV blocks referenced when the request
+        ends, for a decode worker to read (`take_kept_blocks`).
+        """
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
@@ -247,17 +270,22 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if (prior_output_ids or keep_prompt_kv) and params.n != 1:
+            raise ValueError("a KV handoff (prior output or kept prompt KV) needs n == 1")
         group = _Group(request_id, prompt, list(prompt_token_ids))
         for index in range(params.n):
             child_params = params if params.n == 1 else params.for_child(index)
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = Request(seq_id, list(prompt_token_ids), child_params, self.eos_token_ids)
+            request = Request(seq_id, list(prompt_token_ids), child_params, self.eos_token_ids,
+                              output_token_ids=list(prior_output_ids or []))
             detok = None
             if self.tokenizer is not None and self.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params.skip_special_tokens)
             seq = _Sequence(index, request, detok, [] if child_params.logprobs is not None else None,
                             0.0 if child_params.logprobs is not None else None)
             group.sequences.append(seq)
+        if keep_prompt_kv:
+            self.kv_manager.keep_prompt_blocks(request_id)
         for seq in group.sequences:
             self.scheduler.add_request(seq.request)
             self._sequences[seq.request.request_id] = (group, seq)
@@ -311,6 +339,25 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._groups)
+
+    # --- KV handoff between workers ----------------------------------------------------
+    def take_kept_blocks(self, request_id: str) -> list[KVBlock]:
+        """The prompt blocks kept for a handoff; the caller owns one reference on each."""
+        return self.kv_manager.take_kept(request_id)
+
+    def reserve_blocks(self, count: int) -> list[KVBlock] | None:
+        """Blocks to fill with KV from another worker, or None when the pool is too full."""
+        if count > self.block_pool.num_free_blocks:
+            return None
+        return self.block_pool.allocate(count)
+
+    def release_blocks(self, blocks: list[KVBlock]) -> None:
+        self.block_pool.free(list(reversed(blocks)))
+
+    def is_scheduled(self, request_id: str) -> bool:
+        """True once every sequence of the request has been admitted at least once."""
+        group = self._groups.get(request_id)
+        return group is not None and all(s.request.first_scheduled_time is not None for s in group.sequences)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._groups

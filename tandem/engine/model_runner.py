@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,23 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
+def shared_zeroed(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Like `lazily_zeroed`, but in a file (under /dev/shm) that other processes can map.
+
+    A decode worker on the same host reads a prefill worker's KV blocks straight from this
+    mapping instead of over a socket. A sparse file reads as zeros and commits pages on first
+    write, so the lazy-zero property holds.
+    """
+    nbytes = max(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), 1)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -111,6 +129,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         seed: int = 0,
+        kv_shm_path: str | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -118,10 +137,23 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_cache = lazily_zeroed((config.num_hidden_layers, *shape), dtype)
+        full_shape = (config.num_hidden_layers, *shape)
+        self.kv_shm_path = kv_shm_path
+        if kv_shm_path:
+            self.kv_cache = shared_zeroed(kv_shm_path, full_shape, dtype)
+        else:
+            self.kv_cache = lazily_zeroed(full_shape, dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
+
+    # --- KV blocks as data, for handoffs between workers ------------------------------
+    # Dimension 3 of the cache is the block: [layers, k/v, kv_heads, blocks, block_size, head_dim].
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.kv_cache.index_select(3, torch.tensor(block_ids, dtype=torch.long))
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.kv_cache.index_copy_(3, torch.tensor(block_ids, dtype=torch.long), data)
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -112,6 +112,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             "prefix_cache_queries": current.prefix_cache_queries,
             "prefix_cache_hits": current.prefix_cache_hits,
             "tiers": {"device": {"blocks_used": current.kv_blocks_used, "blocks_total": current.kv_blocks_total}},
+            "role": serving.client.info.role,
+            "kv_source": serving.client.info.kv_source,
+            "kv_transfer": current.kv_transfer,
         }
 
     @app.get("/metrics")

@@ -19,8 +19,9 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -33,6 +34,7 @@ from tandem.engine.core import (
     CoreOutputs,
     EngineInfo,
     FinishSequence,
+    ReleaseTransfer,
     RequestDelta,
     ResetPrefixCache,
     Shutdown,
@@ -49,6 +51,16 @@ class EngineDeadError(RuntimeError):
 
 class EngineRequestError(ValueError):
     """The engine core refused a request (a validation the server did not catch)."""
+
+
+@dataclass
+class Handoff:
+    """A request's part in a prefill/decode handoff (all empty for an ordinary request)."""
+
+    keep_prompt_kv: bool = False  # prefill side: keep the prompt's KV for a decode worker
+    kv_pull: dict[str, Any] | None = None  # decode side: the handle to fetch the prompt's KV from
+    prior_output_ids: list[int] = field(default_factory=list)  # decode side: the first token(s)
+    emit_prior: bool = False  # decode side: also send the prior tokens' text to the client
 
 
 @dataclass
@@ -159,8 +171,8 @@ class AsyncEngineClient:
         return sum(1 for stream in self._streams.values() if not stream.started)
 
     # --- requests -------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       handoff: Handoff | None = None) -> AsyncIterator[RequestDelta]:
         """Deltas of one request until it finishes; abort it if the consumer stops early."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -170,7 +182,10 @@ class AsyncEngineClient:
         self._streams[request_id] = stream
         finished = False
         try:
-            if not self._send(AddRequest(request_id, prompt_token_ids, params)):
+            handoff = handoff or Handoff()
+            message = AddRequest(request_id, prompt_token_ids, params, handoff.prior_output_ids or None,
+                                 handoff.keep_prompt_kv, handoff.kv_pull)
+            if not self._send(message):
                 raise EngineDeadError("the engine core does not take requests")
             while not finished:
                 item = await stream.queue.get()
@@ -190,6 +205,9 @@ class AsyncEngineClient:
         for request_id in request_ids:
             self._streams.pop(request_id, None)
         self._send(AbortRequests(list(request_ids)))
+
+    def release_transfer(self, transfer_id: str) -> None:
+        self._send(ReleaseTransfer(transfer_id))
 
     def finish_sequence(self, request_id: str, index: int) -> None:
         self._send(FinishSequence(request_id, index))

@@ -57,6 +57,16 @@ class _EngineStateCollector(Collector):
                       load.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", load.prefix_cache_hits)
         yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.", load.num_preemptions)
+        transfer = load.kv_transfer
+        yield gauge("kv_transfer_held", "Prompt KV handoffs kept for a decode worker.", transfer.get("held", 0))
+        yield counter("kv_transfer_blocks_sent", "KV blocks served to decode workers.",
+                      transfer.get("blocks_sent", 0))
+        yield counter("kv_transfer_blocks_received", "KV blocks fetched from prefill workers.",
+                      transfer.get("blocks_received", 0))
+        yield counter("kv_transfer_pull_failures", "Handoffs whose fetch failed (prompt recomputed).",
+                      transfer.get("pull_failures", 0))
+        yield counter("kv_transfer_pull_seconds", "Time spent fetching KV from prefill workers.",
+                      transfer.get("pull_seconds", 0.0))
 
 
 class ServerMetrics:

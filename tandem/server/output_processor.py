@@ -15,7 +15,7 @@ from typing import Any
 
 from tandem.engine.core import RequestDelta
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
-from tandem.server.engine_client import AsyncEngineClient
+from tandem.server.engine_client import AsyncEngineClient, Handoff
 from tandem.types import RequestStatus, SamplingParams, TokenLogprob
 
 
@@ -36,6 +36,8 @@ class RequestStep:
     sequences: list[SequenceStep]
     num_cached_tokens: int
     queue_seconds: float | None
+    kv_transfer: dict[str, Any] | None = None  # the prefill side's handle, on the last step
+    kv_adopted_blocks: int = 0
 
 
 class SequenceText:
@@ -57,6 +59,15 @@ class SequenceText:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def prime(self, token_ids: list[int], emit: bool) -> None:
+        """Tokens generated elsewhere (a prefill worker's first token): they are context for
+        detokenization and stop strings, and reach the client only if `emit`."""
+        for token_id in token_ids:
+            self.num_tokens += 1
+            self._append(self.detokenizer.add(token_id))
+        if not emit:
+            self.emitted = len(self.text)
 
     def add(self, token_ids: list[int], logprobs: list[list[TokenLogprob]] | None,
             finish_reason: str | None, stop_reason: int | str | None) -> SequenceStep | None:
@@ -108,14 +119,20 @@ class RequestTimings:
 
 async def process_request(
     client: AsyncEngineClient, tokenizer: Any, request_id: str, prompt_token_ids: list[int],
-    params: SamplingParams, timings: RequestTimings,
+    params: SamplingParams, timings: RequestTimings, handoff: Handoff | None = None,
 ) -> AsyncIterator[RequestStep]:
     """Run one request on the engine and yield its text steps until every sequence is done."""
     sequences = [SequenceText(tokenizer, i, prompt_token_ids, params) for i in range(params.n)]
-    async with aclosing(client.generate(request_id, prompt_token_ids, params)) as deltas:
+    if handoff is not None and handoff.prior_output_ids:
+        sequences[0].prime(handoff.prior_output_ids, handoff.emit_prior)
+    async with aclosing(client.generate(request_id, prompt_token_ids, params, handoff)) as deltas:
         async for delta in deltas:
             step = _text_step(client, request_id, sequences, delta, timings)
+            if step is None and (delta.kv_transfer is not None or delta.kv_adopted_blocks):
+                step = RequestStep([], delta.num_cached_tokens, timings.queue_seconds)
             if step is not None:
+                step.kv_transfer = delta.kv_transfer
+                step.kv_adopted_blocks = delta.kv_adopted_blocks
                 yield step
             if all(s.finished for s in sequences):
                 return  # closing `deltas` aborts whatever the engine still runs for this request

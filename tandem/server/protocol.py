@@ -114,6 +114,8 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Prefill/decode handoff, set by the router (vLLM's field name; see tandem/kvcache/transfer).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod

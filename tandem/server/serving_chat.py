@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
+from tandem.server.engine_client import Handoff
 from tandem.server.errors import bad_request
 from tandem.server.output_processor import RequestTimings, process_request
 from tandem.server.protocol import ChatCompletionRequest
@@ -41,6 +42,7 @@ class _ChatRun:
     want_logprobs: bool
     include_usage: bool
     single_call: bool
+    handoff: Handoff | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     timings: RequestTimings = field(default_factory=RequestTimings)
     completion_tokens: int = 0
@@ -67,6 +69,7 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
     if prompt.tools_enabled and single_call:
         # One call is all that is wanted: stop decoding when it closes.
         params.stop = [*params.stop, *state.tool_parser.stop_strings(parallel_tool_calls=False)]
+    handoff = state.handoff(body.kv_transfer_params, params, body.stream)
     state.check_admission()
     run = _ChatRun(
         request_id=state.new_id("chatcmpl"), model=model, prompt=prompt, prompt_token_ids=token_ids,
@@ -74,6 +77,8 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
         want_logprobs=logprobs is not None,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         single_call=single_call,
+        handoff=handoff,
+        completion_tokens=len(handoff.prior_output_ids) if handoff else 0,
     )
     if body.stream:
         return StreamingResponse(_stream(state, run), media_type="text/event-stream")
@@ -92,11 +97,17 @@ async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
     texts = [""] * n
     entries: list[list[list[TokenLogprob]]] = [[] for _ in range(n)]
     finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+    token_ids: list[int] = []
+    kv_transfer, adopted = None, 0
     async with aclosing(process_request(state.client, state.tokenizer, run.request_id, run.prompt_token_ids,
-                                        run.params, run.timings)) as steps:
+                                        run.params, run.timings, run.handoff)) as steps:
         async for step in steps:
             run.cached_tokens = step.num_cached_tokens
+            kv_transfer = step.kv_transfer or kv_transfer
+            adopted = step.kv_adopted_blocks or adopted
             for seq in step.sequences:
+                if seq.index == 0:
+                    token_ids.extend(seq.token_ids)
                 texts[seq.index] += seq.text
                 run.completion_tokens += len(seq.token_ids)
                 if seq.logprobs:
@@ -122,7 +133,7 @@ async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
             "finish_reason": reason,
             "stop_reason": stop_reason,
         })
-    return {
+    body = {
         "id": run.request_id,
         "object": "chat.completion",
         "created": run.created,
@@ -130,6 +141,9 @@ async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
         "choices": choices,
         "usage": usage(len(run.prompt_token_ids), run.completion_tokens, run.cached_tokens),
     }
+    if run.handoff is not None:
+        body["kv_transfer_params"] = state.handoff_reply(run.handoff, kv_transfer, finish[0][0], token_ids, adopted)
+    return body
 
 
 async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
@@ -148,7 +162,8 @@ async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(n)])
         async with aclosing(process_request(state.client, state.tokenizer, run.request_id,
-                                            run.prompt_token_ids, run.params, run.timings)) as steps:
+                                            run.prompt_token_ids, run.params, run.timings,
+                                            run.handoff)) as steps:
             async for step in steps:
                 run.cached_tokens = step.num_cached_tokens
                 choices = []

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.server.engine_client import Handoff
 from tandem.server.errors import bad_request
 from tandem.server.output_processor import RequestStep, RequestTimings, process_request
 from tandem.server.protocol import CompletionRequest
@@ -50,6 +51,7 @@ class _CompletionRun:
     echo: bool
     want_logprobs: bool
     include_usage: bool
+    handoff: Handoff | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     finish_reasons: list[str] = field(default_factory=list)
 
@@ -78,9 +80,14 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
         runs.append(_Prompt(f"{request_id}-{index}", text, token_ids))
     assert max_tokens is not None
     params = state.sampling_params(body, max_tokens, logprobs)
+    handoff = state.handoff(body.kv_transfer_params, params, body.stream)
+    if handoff is not None and len(runs) != 1:
+        raise bad_request("a prefill/decode handoff takes one prompt", "kv_transfer_params", "invalid_value")
     state.check_admission()
     run = _CompletionRun(request_id, model, runs, params, body.echo, logprobs is not None,
-                         bool(body.stream_options and body.stream_options.include_usage))
+                         bool(body.stream_options and body.stream_options.include_usage), handoff)
+    if handoff is not None:
+        runs[0].completion_tokens = len(handoff.prior_output_ids)
     if body.stream:
         return StreamingResponse(_stream(state, run), media_type="text/event-stream")
     try:
@@ -90,8 +97,8 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
 
 
 def _steps(state: ServingState, run: _CompletionRun) -> AsyncIterator[tuple[int, RequestStep]]:
-    return merge([process_request(state.client, state.tokenizer, p.request_id, p.token_ids, run.params, p.timings)
-                  for p in run.prompts])
+    return merge([process_request(state.client, state.tokenizer, p.request_id, p.token_ids, run.params, p.timings,
+                                  run.handoff) for p in run.prompts])
 
 
 def _echo(state: ServingState, prompt: _Prompt) -> str:
@@ -129,11 +136,17 @@ async def _complete(state: ServingState, run: _CompletionRun) -> dict[str, Any]:
     texts = [""] * total
     builders = [_LogprobBuilder(state, 0) for _ in range(total)]
     finish: list[tuple[str | None, int | str | None]] = [(None, None)] * total
+    token_ids: list[int] = []
+    kv_transfer, adopted = None, 0
     async with aclosing(_steps(state, run)) as steps:
         async for prompt_index, step in steps:
             prompt = run.prompts[prompt_index]
             prompt.cached_tokens = step.num_cached_tokens
+            kv_transfer = step.kv_transfer or kv_transfer
+            adopted = step.kv_adopted_blocks or adopted
             for seq in step.sequences:
+                if prompt_index == 0 and seq.index == 0:
+                    token_ids.extend(seq.token_ids)
                 choice = prompt_index * n + seq.index
                 texts[choice] += seq.text
                 prompt.completion_tokens += len(seq.token_ids)
@@ -150,8 +163,11 @@ async def _complete(state: ServingState, run: _CompletionRun) -> dict[str, Any]:
         choices.append({"index": choice, "text": text,
                         "logprobs": builders[choice].body() if run.want_logprobs else None,
                         "finish_reason": reason, "stop_reason": stop_reason})
-    return {"id": run.request_id, "object": "text_completion", "created": run.created, "model": run.model,
+    body = {"id": run.request_id, "object": "text_completion", "created": run.created, "model": run.model,
             "choices": choices, "usage": _usage(run)}
+    if run.handoff is not None:
+        body["kv_transfer_params"] = state.handoff_reply(run.handoff, kv_transfer, finish[0][0], token_ids, adopted)
+    return body
 
 
 def _usage(run: _CompletionRun) -> dict[str, Any]:
