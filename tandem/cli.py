@@ -88,6 +88,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
                        help="tool-call format (default: chosen from the chat template; hermes when it has none)")
     group.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                    help="prefill: computes prompts and hands their KV to decode workers; decode: fetches "
+                         "that KV and generates; both: either, or whole requests (default: both)")
+    pd.add_argument("--kv-transfer-host", default="127.0.0.1",
+                    help="address this worker's KV source listens on (default: 127.0.0.1)")
+    pd.add_argument("--kv-transfer-port", type=int, default=0, help="its port (default: any free port)")
+    pd.add_argument("--kv-transfer-hold-timeout", type=float, default=60.0, metavar="S",
+                    help="free kept prompt KV after S seconds if no decode worker released it (default: 60)")
+    pd.add_argument("--kv-transfer-fetch-timeout", type=float, default=10.0, metavar="S",
+                    help="a decode worker computes the prompt itself after S seconds (default: 10)")
+    pd.add_argument("--kv-transfer-shm", action="store_true",
+                    help="keep the KV cache in /dev/shm so decode workers on this host copy it directly")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -103,7 +116,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if config.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {config.max_waiting}")
-    run_server(engine_config(args), config, access_log=not args.no_access_log)
+    from dataclasses import replace
+
+    from tandem.config import KVTransferConfig
+
+    transfer = KVTransferConfig(role=args.role, host=args.kv_transfer_host, port=args.kv_transfer_port,
+                                hold_timeout=args.kv_transfer_hold_timeout,
+                                fetch_timeout=args.kv_transfer_fetch_timeout, shared_memory=args.kv_transfer_shm)
+    run_server(replace(engine_config(args), kv_transfer=transfer), config, access_log=not args.no_access_log)
     return 0
 
 
