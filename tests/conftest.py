@@ -54,12 +54,12 @@ class LiveServer:
             time.sleep(0.1)
 
 
-def start_server(log_path: Path, *args: str) -> LiveServer:
+def start_server(log_path: Path, *args: str, env: dict[str, str] | None = None) -> LiveServer:
     port = free_port()
     level = os.environ.get("TANDEM_TEST_SERVER_LOG_LEVEL", "INFO")
     command = [sys.executable, "-m", "tandem", "--log-level", level, "serve", "--port", str(port),
                "--no-access-log", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = LiveServer(f"http://127.0.0.1:{port}", process, log_path)

@@ -200,6 +200,7 @@ class EngineCore:
         self._running = True
 
     def run(self) -> None:
+        self.outputs.send_pyobj(CoreOutputs(load=self._load()))  # the server's first /load
         while self._running:
             if os.getppid() != self.parent_pid:
                 logger.warning("the API server (pid %d) is gone; engine core exits", self.parent_pid)

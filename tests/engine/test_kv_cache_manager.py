@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.engine.block_hash import block_hashes
+from tandem.engine.block_hash import block_hashes, root_hash
+from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.types import Request, SamplingParams
 
@@ -335,3 +336,50 @@ def test_caching_disabled(make_kv) -> None:
     assert (kv.stats.queries, kv.stats.hits) == (0, 0)
     kv.free(a)
     kv.free(b)
+
+
+# --- KV handoff between workers ----------------------------------------------------------
+def test_kept_prompt_blocks_outlive_the_request() -> None:
+    from tandem.types import RequestStatus
+
+    pool = BlockPool(8)
+    manager = KVCacheManager(pool, 4, root_hash("m", "float32", 4))
+    request = Request("r", list(range(10)), SamplingParams())
+    manager.keep_prompt_blocks("r")
+    assert manager.allocate_slots(request, 10)
+    request.num_computed_tokens = 10
+    manager.cache_computed_blocks(request)
+    request.status = RequestStatus.FINISHED_LENGTH
+    manager.free(request)
+    kept = manager.take_kept("r")
+    assert len(kept) == 2 and all(b.ref_count == 1 for b in kept)  # the 2 full prompt blocks
+    assert pool.num_used_blocks == 2
+    pool.free(kept)
+    assert pool.num_used_blocks == 0
+
+
+def test_aborted_request_keeps_nothing() -> None:
+    from tandem.types import RequestStatus
+
+    pool = BlockPool(8)
+    manager = KVCacheManager(pool, 4, root_hash("m", "float32", 4))
+    request = Request("r", list(range(10)), SamplingParams())
+    manager.keep_prompt_blocks("r")
+    assert manager.allocate_slots(request, 10)
+    request.status = RequestStatus.FINISHED_ABORTED
+    manager.free(request)
+    assert manager.take_kept("r") == [] and pool.num_used_blocks == 0
+
+
+def test_adopted_blocks_become_prefix_hits() -> None:
+    pool = BlockPool(8)
+    manager = KVCacheManager(pool, 4, root_hash("m", "float32", 4))
+    tokens = list(range(13))
+    assert manager.cached_prefix_blocks(tokens) == 0
+    blocks = pool.allocate(3)
+    assert manager.adopt(tokens, 0, blocks) == 3
+    assert manager.cached_prefix_blocks(tokens) == 3
+    pool.free(blocks)
+    request = Request("r", tokens, SamplingParams())
+    hits, num_cached = manager.get_computed_blocks(request)
+    assert [b.block_id for b in hits] == [b.block_id for b in blocks] and num_cached == 12

@@ -1,0 +1,171 @@
+"""The prefill/decode handoff between two live `tandem serve` workers, without a router.
+
+The test plays the router: it asks the prefill worker for the first token with
+`do_remote_decode`, then gives the decode worker the handle. The decode worker must really
+fetch the KV (its received-block counter moves) and must produce exactly what one worker
+produces alone; every failure of the fetch must end in the same output, computed locally.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from conftest import LiveServer, start_server, stop_server
+
+MODEL = "smollm2-135m"
+WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1")
+SYSTEM = "You are a helpful assistant who answers questions about cities briefly and precisely. " * 6
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
+    logs = tmp_path_factory.mktemp("handoff")
+    prefill = start_server(logs / "prefill.log", "--role", "prefill", "--kv-transfer-shm",
+                           "--kv-transfer-hold-timeout", "3", *WORKER_ARGS)
+    try:
+        decode = start_server(logs / "decode.log", "--role", "decode", "--kv-transfer-fetch-timeout", "3",
+                              *WORKER_ARGS)
+    except Exception:
+        stop_server(prefill)
+        raise
+    yield prefill, decode
+    for server in (prefill, decode):
+        assert not stop_server(server)
+
+
+def _messages(question: str) -> list[dict[str, str]]:
+    """A system prompt unique to the question, so no test finds another's blocks cached."""
+    return [{"role": "system", "content": f"[{question}] {SYSTEM}"}, {"role": "user", "content": question}]
+
+
+def _post(server: LiveServer, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _prefill(server: LiveServer, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
+    reply = _post(server, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, path)
+    handle = reply["kv_transfer_params"]
+    assert handle is not None and len(handle["first_token_ids"]) == 1 and handle["block_hashes"]
+    return reply
+
+
+def _counters(server: LiveServer) -> dict[str, float]:
+    return server.load()["kv_transfer"]
+
+
+def test_decode_continues_from_transferred_kv(workers: tuple[LiveServer, LiveServer]) -> None:
+    prefill, decode = workers
+    body = {"model": MODEL, "messages": _messages("Tell me about Lisbon."), "temperature": 0, "max_tokens": 24}
+    alone = _post(prefill, body)  # one worker doing everything: the reference
+    before = _counters(decode)
+    first = _prefill(prefill, body)
+    handle = first["kv_transfer_params"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the reference warmed it
+    reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                          "emit_first_token": True}})
+    after = _counters(decode)
+    assert reply["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert reply["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+    # The decode worker fetched every prompt block instead of computing the prompt.
+    assert after["blocks_received"] - before["blocks_received"] == len(handle["block_hashes"])
+    assert reply["kv_transfer_params"]["adopted_blocks"] == len(handle["block_hashes"])
+    assert after["pull_failures"] == before["pull_failures"]
+    assert prefill.wait_idle()["kv_blocks_used"] == 0 and prefill.load()["kv_transfer"]["held"] == 0
+    assert decode.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_streamed_continuation_starts_after_the_first_token(workers: tuple[LiveServer, LiveServer]) -> None:
+    prefill, decode = workers
+    body = {"model": MODEL, "messages": _messages("Tell me about Oslo."), "temperature": 0, "max_tokens": 20}
+    alone = _post(prefill, body)["choices"][0]["message"]["content"]
+    first = _prefill(prefill, body)
+    handle = dict(first["kv_transfer_params"])
+    handle["shm_path"] = None  # over TCP this time
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True},
+                   "kv_transfer_params": {**handle, "do_remote_prefill": True, "emit_first_token": False}}
+    text, usage = "", None
+    with httpx.stream("POST", f"{decode.url}/v1/chat/completions", json=stream_body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    text += choice["delta"].get("content") or ""
+    assert first["choices"][0]["message"]["content"] + text == alone
+    assert usage["completion_tokens"] == 20
+    assert decode.wait_idle()["kv_blocks_used"] == 0 and prefill.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_completions_handoff(workers: tuple[LiveServer, LiveServer]) -> None:
+    prefill, decode = workers
+    body = {"model": MODEL, "prompt": SYSTEM + " The capital of Portugal is", "temperature": 0, "max_tokens": 12}
+    alone = _post(prefill, body, "/v1/completions")["choices"][0]["text"]
+    first = _prefill(prefill, body, "/v1/completions")
+    reply = _post(decode, {**body, "kv_transfer_params": {**first["kv_transfer_params"], "do_remote_prefill": True,
+                                                          "emit_first_token": True}}, "/v1/completions")
+    assert reply["choices"][0]["text"] == alone
+    assert reply["kv_transfer_params"]["adopted_blocks"] > 0
+
+
+def test_unfetched_handoff_expires(workers: tuple[LiveServer, LiveServer]) -> None:
+    """A decode worker that never comes (it died before the transfer) strands nothing."""
+    prefill, _ = workers
+    body = {"model": MODEL, "messages": _messages("Tell me about Rome."), "temperature": 0}
+    _prefill(prefill, body)
+    assert prefill.load()["kv_transfer"]["held"] == 1 and prefill.load()["kv_blocks_used"] > 0
+    time.sleep(3.5)
+    load = prefill.wait_idle()
+    assert load["kv_transfer"]["held"] == 0 and load["kv_blocks_used"] == 0
+
+
+def test_unreachable_source_means_local_prefill(workers: tuple[LiveServer, LiveServer]) -> None:
+    prefill, decode = workers
+    body = {"model": MODEL, "messages": _messages("Tell me about Bern."), "temperature": 0, "max_tokens": 16}
+    alone = _post(prefill, body)["choices"][0]["message"]["content"]
+    first = _prefill(prefill, body)
+    handle = {**first["kv_transfer_params"], "shm_path": None, "port": 9}  # nobody listens there
+    failures = _counters(decode)["pull_failures"]
+    reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                          "emit_first_token": True}})
+    assert reply["choices"][0]["message"]["content"] == alone
+    assert reply["kv_transfer_params"]["adopted_blocks"] == 0
+    assert _counters(decode)["pull_failures"] == failures + 1
+    assert decode.wait_idle()["kv_blocks_used"] == 0
+    assert prefill.wait_idle(timeout=10)["kv_blocks_used"] == 0  # expired, never released
+
+
+def test_corrupted_transfer_and_dead_prefill_worker(workers: tuple[LiveServer, LiveServer],
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A payload that fails its checksum, then a source that died: both end in local prefill."""
+    _, decode = workers
+    faulty = start_server(tmp_path_factory.mktemp("faulty") / "prefill.log", "--role", "prefill",
+                          *WORKER_ARGS, env={"TANDEM_KV_FAULT": "corrupt"})
+    try:
+        body = {"model": MODEL, "messages": _messages("Tell me about Vienna."), "temperature": 0, "max_tokens": 16}
+        alone = _post(faulty, body)["choices"][0]["message"]["content"]
+        failures = _counters(decode)["pull_failures"]
+        handle = _prefill(faulty, body)["kv_transfer_params"]
+        reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                              "emit_first_token": True}})
+        assert reply["choices"][0]["message"]["content"] == alone
+        assert _counters(decode)["pull_failures"] == failures + 1
+        assert faulty.wait_idle()["kv_blocks_used"] == 0  # released after the failed fetch
+
+        body = {**body, "messages": _messages("Tell me about Prague.")}
+        alone = _post(faulty, body)["choices"][0]["message"]["content"]
+        handle = _prefill(faulty, body)["kv_transfer_params"]
+    finally:
+        stop_server(faulty, signal.SIGKILL)
+    reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                          "emit_first_token": True}})
+    assert reply["choices"][0]["message"]["content"] == alone
+    assert _counters(decode)["pull_failures"] == failures + 2
+    assert decode.wait_idle()["kv_blocks_used"] == 0
