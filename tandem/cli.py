@@ -1,4 +1,4 @@
-"""The `tandem` command line: serve, generate, chat, bench (route / up arrive with their issues)."""
+"""The `tandem` command line: up, serve, route, generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -229,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(handler=cmd_serve)
+
+    from tandem.router.cli import add_route_parser
+    from tandem.up import add_up_parser
+
+    add_route_parser(commands)
+    add_up_parser(commands)
 
     generate = commands.add_parser("generate", help="complete prompts offline and print the text",
                                    description="Complete prompts (batched together) and print the completions.")

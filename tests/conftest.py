@@ -1,99 +1,11 @@
-"""Live servers for tests that speak HTTP: a real `tandem serve` process on 127.0.0.1.
-
-The server is started as a user would start it (`python -m tandem serve ...`) on a free
-port, waited for through `GET /health`, and stopped with SIGINT at the end; stopping
-checks that the server and its engine core process both exited (no orphans).
-"""
+"""Session fixtures: one live `tandem serve` on the default model (see live_server.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
-import psutil
 import pytest
-
-_START_TIMEOUT = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class LiveServer:
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def load(self) -> dict:
-        return httpx.get(f"{self.url}/load", timeout=10).json()
-
-    def wait_idle(self, timeout: float = 15.0) -> dict:
-        """The /load report once no request is in flight and no KV block is held."""
-        deadline = time.monotonic() + timeout
-        while True:
-            load = self.load()
-            idle = (load["num_requests_in_flight"] == 0 and load["kv_blocks_used"] == 0
-                    and load["num_running_requests"] == 0 and load["num_waiting_requests"] == 0)
-            if idle or time.monotonic() > deadline:
-                return load
-            time.sleep(0.1)
-
-
-def start_server(log_path: Path, *args: str, env: dict[str, str] | None = None) -> LiveServer:
-    port = free_port()
-    level = os.environ.get("TANDEM_TEST_SERVER_LOG_LEVEL", "INFO")
-    command = [sys.executable, "-m", "tandem", "--log-level", level, "serve", "--port", str(port),
-               "--no-access-log", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = LiveServer(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + _START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"tandem serve exited with {process.returncode}:\n{server.log()[-3000:]}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    stop_server(server)
-    raise RuntimeError(f"tandem serve not healthy after {_START_TIMEOUT:.0f} s:\n{server.log()[-3000:]}")
-
-
-def stop_server(server: LiveServer, sig: signal.Signals = signal.SIGINT) -> list[int]:
-    """SIGINT (Ctrl-C) or SIGTERM; returns the pids of processes left behind (should be none)."""
-    try:
-        children = psutil.Process(server.process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    if server.process.poll() is None:
-        server.process.send_signal(sig)
-        try:
-            server.process.wait(30)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
-    _, alive = psutil.wait_procs(children, timeout=15)
-    for process in alive:
-        process.kill()
-    return [p.pid for p in alive]
+from live_server import LiveServer, start_server, stop_server
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import LiveServer, start_server, stop_server
+from live_server import LiveServer, start_server, stop_server
 
 MODEL = "smollm2-135m"
 WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1")

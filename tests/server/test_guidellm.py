@@ -26,7 +26,7 @@ import pytest
 from tandem.loader.resolve import resolve_model
 
 if TYPE_CHECKING:
-    from conftest import LiveServer  # tests/conftest.py
+    from live_server import LiveServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GUIDELLM_VENV = REPO_ROOT / ".venv-guidellm"

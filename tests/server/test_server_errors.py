@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import LiveServer
+from live_server import LiveServer
 
 MODEL = "smollm2-135m"
 HELLO = [{"role": "user", "content": "Hello"}]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import LiveServer, start_server, stop_server
+from live_server import LiveServer, start_server, stop_server
 
 KEY = "sk-test-key"
 LONG = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write a long story."}],

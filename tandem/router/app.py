@@ -1,0 +1,247 @@
+"""The router's FastAPI app: OpenAI endpoints in front of the workers, plus its own views.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (proxy.py), GET /v1/models (from a
+healthy worker), GET /health (200 while some worker can serve a whole request), GET /workers,
+POST /workers/reload (re-reads --config; SIGHUP does the same), GET /metrics.
+
+Everything stateful (the httpx client, the worker registry, the health monitor, metrics) is
+built in the lifespan and hung on `app.state`: no module-level state, so tests can run
+several routers in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.router.config import RouterConfig, all_worker_specs
+from tandem.router.errors import RouterError, error_body
+from tandem.router.health import HealthMonitor
+from tandem.router.metrics import RouterMetrics
+from tandem.router.prompt_tokens import PromptCounter
+from tandem.router.proxy import WHOLE_ROLES, Proxy
+from tandem.router.upstream import HopFailure, Upstream, make_client
+from tandem.router.workers import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    client: httpx.AsyncClient
+    registry: WorkerRegistry
+    monitor: HealthMonitor
+    metrics: RouterMetrics
+    proxy: Proxy
+    reload_lock: asyncio.Lock
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the worker file; workers that stay keep their health and load."""
+        async with self.reload_lock:
+            specs = all_worker_specs(self.config)
+            added, removed = self.registry.replace(specs)
+            self.monitor.sync()
+            await asyncio.gather(*(self.monitor.probe(w) for w in added))
+        logger.info(
+            "worker list reloaded: %d workers (%d added, %d removed)",
+            len(specs),
+            len(added),
+            len(removed),
+        )
+        return {"added": [w.url for w in added], "removed": [w.url for w in removed]}
+
+
+def build_state(config: RouterConfig) -> RouterState:
+    client = make_client(config.timeouts)
+    registry = WorkerRegistry(all_worker_specs(config), config.health)
+    monitor = HealthMonitor(registry, client, config.health, config.scoring)
+    metrics = RouterMetrics(lambda: registry.workers)
+
+    def on_failure(hop: str, failure: HopFailure) -> None:
+        outcome = (
+            "timeout"
+            if failure.timed_out
+            else ("error" if failure.transport else str(failure.status))
+        )
+        metrics.hops.labels(failure.worker.url, hop, outcome).inc()
+        if failure.transport:
+            monitor.record(failure.worker, False, failure.reason)
+
+    upstream = Upstream(
+        client,
+        config.timeouts,
+        config.retry,
+        on_failure,
+        lambda hop: metrics.retries.labels(hop).inc(),
+    )
+    proxy = Proxy(config, registry, upstream, PromptCounter(config.tokenizer), metrics)
+    return RouterState(config, client, registry, monitor, metrics, proxy, asyncio.Lock())
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = build_state(config)
+        app.state.router = state
+        background: set[asyncio.Task[Any]] = set()
+        await state.monitor.probe_all()
+        state.monitor.sync()
+        if config.install_sighup:
+            _install_sighup(state, background)
+        healthy = sum(w.healthy for w in state.registry.workers)
+        logger.info(
+            "routing at http://%s:%d/v1 over %d workers (%d up): %s",
+            config.host,
+            config.port,
+            len(state.registry.workers),
+            healthy,
+            ", ".join(f"{w.role} {w.url}" for w in state.registry.workers) or "none",
+        )
+        try:
+            yield
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            await state.monitor.stop()
+            await state.client.aclose()
+
+    app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_exception_handler(RouterError, _router_error_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(Exception, _internal_error_handler)
+
+    def state_of(request: Request) -> RouterState:
+        return request.app.state.router
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await state_of(request).proxy.serve("chat", "/v1/chat/completions", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state_of(request).proxy.serve("completion", "/v1/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        state = state_of(request)
+        workers = state.registry.pool(WHOLE_ROLES) + state.registry.pool(("prefill",))
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        for worker in workers:
+            try:
+                reply = await state.client.get(
+                    f"{worker.url}/v1/models",
+                    headers=headers,
+                    timeout=httpx.Timeout(config.health.timeout_s * 5),
+                )
+            except httpx.HTTPError as exc:
+                logger.debug("GET %s/v1/models failed: %s", worker.url, exc)
+                continue
+            if reply.status_code < 500:
+                return Response(
+                    reply.content,
+                    status_code=reply.status_code,
+                    media_type=reply.headers.get("content-type", "application/json"),
+                )
+        raise RouterError(503, "no healthy worker answered GET /v1/models", "no_healthy_worker")
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        state = state_of(request)
+        serving = state.registry.pool(WHOLE_ROLES)
+        if serving:
+            return JSONResponse(
+                {"status": "ok", "workers_up": sum(w.healthy for w in state.registry.workers)}
+            )
+        return JSONResponse(
+            error_body(503, "no healthy worker can serve requests", None, "no_healthy_worker"),
+            status_code=503,
+        )
+
+    @app.get("/workers")
+    async def workers(request: Request) -> dict[str, Any]:
+        now = time.monotonic()
+        return {"workers": [w.describe(now) for w in state_of(request).registry.workers]}
+
+    @app.post("/workers/reload")
+    async def reload(request: Request) -> dict[str, Any]:
+        state = state_of(request)
+        try:
+            change = await state.reload()
+        except (ValueError, OSError) as exc:
+            raise RouterError(
+                400, f"cannot reload the worker list: {exc}", "invalid_config"
+            ) from exc
+        now = time.monotonic()
+        return {**change, "workers": [w.describe(now) for w in state.registry.workers]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _install_sighup(state: RouterState, background: set[asyncio.Task[Any]]) -> None:
+    def on_sighup() -> None:
+        task = asyncio.ensure_future(_reload_logged(state))
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
+    except (
+        NotImplementedError,
+        RuntimeError,
+        ValueError,
+    ) as exc:  # not the main thread, or Windows
+        logger.debug("SIGHUP reload not available: %s", exc)
+
+
+async def _reload_logged(state: RouterState) -> None:
+    try:
+        await state.reload()
+    except (ValueError, OSError) as exc:
+        logger.error("SIGHUP: cannot reload the worker list: %s", exc)
+
+
+async def _router_error_handler(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RouterError)
+    return exc.response()
+
+
+async def _http_error_handler(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    message = exc.detail if isinstance(exc.detail, str) else "error"
+    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
+
+async def _internal_error_handler(_: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error", exc_info=exc)
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
+def run_router(config: RouterConfig) -> None:
+    """Serve until SIGINT / SIGTERM."""
+    uvicorn.run(
+        build_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=5,
+    )

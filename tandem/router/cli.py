@@ -1,0 +1,196 @@
+"""`tandem route`: flags → RouterConfig → the router's uvicorn server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from tandem.router.config import (
+    HealthPolicy,
+    RetryPolicy,
+    RouterConfig,
+    ScoringConfig,
+    Timeouts,
+    all_worker_specs,
+    specs_from_lists,
+)
+
+_DESCRIPTION = """\
+One OpenAI endpoint in front of tandem workers. Long prompts are split into a prefill hop
+(on a --prefill worker, max_tokens=1) and a decode hop (on a --decode or --worker worker) and
+merged into one response; short prompts, n>1 and logprobs go whole to one decode/colocated
+worker. Workers are chosen by tokens (queued prefill tokens; KV in use), polled every
+--health-interval seconds, marked down after --down-after failures and up after --up-after
+successes. Failures before the client saw a byte are retried on another worker.
+
+Worker file (--config, JSON or YAML; POST /workers/reload or SIGHUP re-reads it):
+  {"prefill": ["http://10.0.0.1:8001"], "decode": ["http://10.0.0.2:8001"], "worker": []}
+"""
+
+
+def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "route",
+        help="router in front of prefill / decode workers",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    workers = parser.add_argument_group("workers")
+    workers.add_argument(
+        "--prefill", action="append", default=[], metavar="URL", help="prefill worker (repeatable)"
+    )
+    workers.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="decode worker; also serves short requests whole (repeatable)",
+    )
+    workers.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="colocated worker (--role both): whole requests and decode hops (repeatable)",
+    )
+    workers.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="JSON/YAML file {prefill: [...], decode: [...], worker: [...]}, added to the flags",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    server.add_argument(
+        "--access-log", action="store_true", help="log every HTTP request (uvicorn)"
+    )
+    routing = parser.add_argument_group("routing")
+    routing.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="tokenizer.json or a model directory holding one, to count prompt "
+        "tokens (default: estimate 4 characters per token)",
+    )
+    routing.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="shorter prompts skip the prefill hop (default: 256)",
+    )
+    routing.add_argument(
+        "--decode-sequence-weight",
+        type=float,
+        default=ScoringConfig.decode_sequence_weight,
+        metavar="W",
+        help="decode score per running sequence, next to the KV fraction "
+        f"in use (default: {ScoringConfig.decode_sequence_weight})",
+    )
+    health = parser.add_argument_group("health and retries")
+    health.add_argument(
+        "--health-interval",
+        type=float,
+        default=HealthPolicy.interval_s,
+        metavar="S",
+        help=f"poll /health and /load every S seconds (default: {HealthPolicy.interval_s})",
+    )
+    health.add_argument(
+        "--health-timeout",
+        type=float,
+        default=HealthPolicy.timeout_s,
+        metavar="S",
+        help=f"per poll (default: {HealthPolicy.timeout_s})",
+    )
+    health.add_argument(
+        "--down-after",
+        type=int,
+        default=HealthPolicy.failures_to_down,
+        metavar="N",
+        help="consecutive failures that mark a worker down "
+        f"(default: {HealthPolicy.failures_to_down})",
+    )
+    health.add_argument(
+        "--up-after",
+        type=int,
+        default=HealthPolicy.successes_to_up,
+        metavar="N",
+        help="consecutive successes that mark it up again "
+        f"(default: {HealthPolicy.successes_to_up})",
+    )
+    health.add_argument(
+        "--max-attempts",
+        type=int,
+        default=RetryPolicy.max_attempts,
+        metavar="N",
+        help=f"tries per hop before the client saw a byte (default: {RetryPolicy.max_attempts})",
+    )
+    health.add_argument(
+        "--retry-backoff",
+        type=float,
+        default=RetryPolicy.backoff_s,
+        metavar="S",
+        help=f"first retry delay, doubling after (default: {RetryPolicy.backoff_s})",
+    )
+    health.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=Timeouts.connect_s,
+        metavar="S",
+        help=f"per hop (default: {Timeouts.connect_s})",
+    )
+    health.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=Timeouts.first_byte_s,
+        metavar="S",
+        help="per hop, until the worker's response headers; a non-streamed reply "
+        f"sends them at its end (default: {Timeouts.first_byte_s})",
+    )
+    health.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=Timeouts.idle_s,
+        metavar="S",
+        help=f"longest silence between stream chunks (default: {Timeouts.idle_s})",
+    )
+    parser.set_defaults(handler=cmd_route)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        workers=specs_from_lists(args.prefill, args.decode, args.worker),
+        config_file=args.config,
+        tokenizer=args.tokenizer,
+        pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+        health=HealthPolicy(
+            args.health_interval, args.health_timeout, args.down_after, args.up_after
+        ),
+        timeouts=Timeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout),
+        retry=RetryPolicy(args.max_attempts, args.retry_backoff),
+        scoring=ScoringConfig(decode_sequence_weight=args.decode_sequence_weight),
+        install_sighup=True,
+        log_level=args.log_level.lower(),
+        access_log=args.access_log,
+    )
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    config = router_config(args)
+    if not config.workers and config.config_file is None:
+        raise ValueError("give workers with --prefill/--decode/--worker URL or --config FILE")
+    if config.config_file is not None and not config.config_file.is_file():
+        raise FileNotFoundError(f"worker file not found: {config.config_file}")
+    all_worker_specs(config)  # a broken file is a clear error now, not a failed start-up
+    from tandem.router.app import run_router
+
+    # One line per poll would drown the router's own log lines.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    run_router(config)
+    return 0

@@ -1,0 +1,194 @@
+"""Router configuration: frozen dataclasses, plus the worker-list file (`--config`).
+
+The worker list is the only part that changes while the router runs (`POST /workers/reload`
+or SIGHUP re-read the file), so it is parsed by a plain function that returns a new tuple
+of `WorkerSpec`s instead of mutating the config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+# File keys: `worker` names colocated workers (role "both"), as the --worker flag does.
+_FILE_KEYS: dict[str, Role] = {
+    "prefill": "prefill",
+    "decode": "decode",
+    "worker": "both",
+    "workers": "both",
+    "both": "both",
+}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str
+    role: Role
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """Polling and the up/down state machine (SGLang's gateway uses 3 down / 2 up too)."""
+
+    interval_s: float = 0.5
+    timeout_s: float = 2.0
+    failures_to_down: int = 3
+    successes_to_up: int = 2
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Per hop. A non-streamed reply sends its headers only when generation ends, so the
+    first-byte limit bounds a whole non-streamed request and is generous by default."""
+
+    connect_s: float = 5.0
+    first_byte_s: float = 600.0
+    idle_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries before the client saw a byte: other workers of the same pool first."""
+
+    max_attempts: int = 3
+    backoff_s: float = 0.05
+    backoff_multiplier: float = 2.0
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    # Weight of one running sequence in the decode score, whose main term is the KV fraction
+    # in use (0..1): 0.01 makes 100 sequences weigh as much as a full KV cache.
+    decode_sequence_weight: float = 0.01
+    # A routed request stays in the router's own count of a worker's load until a /load poll
+    # that started this long after the dispatch has answered (the worker's figures lag).
+    reflect_delay_s: float = 0.25
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: tuple[WorkerSpec, ...] = ()  # from flags; the file's workers are added to these
+    config_file: Path | None = None
+    tokenizer: Path | None = None
+    # Below this many prompt tokens the prefill hop costs more than it saves: a second HTTP
+    # round trip and a KV transfer to spare the decode worker a prefill of a few ms.
+    pd_min_prompt_tokens: int = 256
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    install_sighup: bool = False  # only the main thread of a `tandem route` process may
+    log_level: str = "info"
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError(
+                f"--pd-min-prompt-tokens must be >= 0, got {self.pd_min_prompt_tokens}"
+            )
+        if self.retry.max_attempts < 1:
+            raise ValueError(f"--max-attempts must be >= 1, got {self.retry.max_attempts}")
+        if self.health.failures_to_down < 1 or self.health.successes_to_up < 1:
+            raise ValueError("--down-after and --up-after must be >= 1")
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or `http://host:port/` → `http://host:port` (no trailing slash, no /v1)."""
+    url = url.strip()
+    if not url:
+        raise ValueError("empty worker URL")
+    if "://" not in url:
+        url = f"http://{url}"
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def specs_from_lists(
+    prefill: list[str] | tuple[str, ...] = (),
+    decode: list[str] | tuple[str, ...] = (),
+    both: list[str] | tuple[str, ...] = (),
+) -> tuple[WorkerSpec, ...]:
+    specs = [WorkerSpec(normalize_url(u), "prefill") for u in prefill]
+    specs += [WorkerSpec(normalize_url(u), "decode") for u in decode]
+    specs += [WorkerSpec(normalize_url(u), "both") for u in both]
+    return dedupe(specs)
+
+
+def dedupe(specs: list[WorkerSpec]) -> tuple[WorkerSpec, ...]:
+    seen: set[WorkerSpec] = set()
+    out = []
+    for spec in specs:
+        if spec not in seen:
+            seen.add(spec)
+            out.append(spec)
+    return tuple(out)
+
+
+def parse_worker_file(text: str, suffix: str = ".json") -> tuple[WorkerSpec, ...]:
+    """`{prefill: [url...], decode: [...], worker: [...]}` as JSON, or YAML when PyYAML is there.
+
+    An entry is a URL string or `{url: ...}`. Unknown keys are refused: a typo (`decoder:`)
+    would otherwise silently empty a pool.
+    """
+    data = _load(text, suffix)
+    if data is None:
+        return ()
+    if not isinstance(data, dict):
+        raise ValueError(
+            "the worker file must hold a mapping {prefill: [...], decode: [...], worker: [...]}"
+        )
+    specs: list[WorkerSpec] = []
+    for key, entries in data.items():
+        role = _FILE_KEYS.get(str(key))
+        if role is None:
+            raise ValueError(
+                f"unknown key {key!r} in the worker file (expected prefill, decode or worker)"
+            )
+        if entries is None:
+            continue
+        if isinstance(entries, str | dict):
+            entries = [entries]
+        if not isinstance(entries, list):
+            raise ValueError(f"{key}: expected a list of URLs")
+        for entry in entries:
+            url = entry.get("url") if isinstance(entry, dict) else entry
+            if not isinstance(url, str):
+                raise ValueError(f"{key}: each entry must be a URL or {{url: ...}}, got {entry!r}")
+            specs.append(WorkerSpec(normalize_url(url), role))
+    return dedupe(specs)
+
+
+def _load(text: str, suffix: str) -> Any:
+    if suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as exc:  # pragma: no cover - PyYAML comes with transformers
+            raise ValueError(
+                "YAML worker files need PyYAML (pip install pyyaml); or write the file as JSON"
+            ) from exc
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"the worker file is not valid YAML: {exc}") from exc
+    try:
+        return json.loads(text) if text.strip() else None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the worker file is not valid JSON: {exc}") from exc
+
+
+def read_worker_file(path: Path) -> tuple[WorkerSpec, ...]:
+    return parse_worker_file(path.read_text(), path.suffix)
+
+
+def all_worker_specs(config: RouterConfig) -> tuple[WorkerSpec, ...]:
+    """The flags' workers plus the file's (read now: this is what a reload calls)."""
+    from_file = read_worker_file(config.config_file) if config.config_file else ()
+    return dedupe([*config.workers, *from_file])

@@ -1,0 +1,107 @@
+"""Background polling of every worker's /health and /load, one task per worker.
+
+One task per worker (not one loop over all) so that a hung worker, whose polls each wait the
+full timeout, does not make every other worker's load figures stale. Requests that fail to
+reach a worker count as failed probes too, so a dead worker goes down within a few requests
+even between polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+
+from tandem.router.config import HealthPolicy, ScoringConfig
+from tandem.router.workers import LoadSnapshot, Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        client: httpx.AsyncClient,
+        policy: HealthPolicy,
+        scoring: ScoringConfig,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.policy = policy
+        self.scoring = scoring
+        self._tasks: dict[Worker, asyncio.Task[None]] = {}
+
+    def record(self, worker: Worker, ok: bool, reason: str = "") -> None:
+        """Count one outcome and log the transitions (the only place that does)."""
+        first = not worker.health.probed
+        if worker.health.record(ok):
+            if worker.healthy:
+                logger.info("worker %s (%s) is up", worker.url, worker.role)
+            else:
+                logger.warning(
+                    "worker %s (%s) is down after %d failures: %s",
+                    worker.url,
+                    worker.role,
+                    worker.health.consecutive_failures,
+                    reason or "unreachable",
+                )
+        elif first and not ok:
+            logger.warning(
+                "worker %s (%s) is not reachable yet: %s", worker.url, worker.role, reason
+            )
+
+    async def probe(self, worker: Worker) -> None:
+        started = time.monotonic()
+        timeout = httpx.Timeout(self.policy.timeout_s)
+        try:
+            response = await self.client.get(f"{worker.url}/health", timeout=timeout)
+            ok, reason = response.status_code == 200, f"/health answered {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, reason = False, f"{type(exc).__name__}: {exc}".rstrip(": ")
+        self.record(worker, ok, reason)
+        if not ok:
+            return
+        try:
+            response = await self.client.get(f"{worker.url}/load", timeout=timeout)
+            if response.status_code == 200:
+                worker.on_load(
+                    LoadSnapshot.from_json(response.json()), started, self.scoring.reflect_delay_s
+                )
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.debug("GET %s/load failed: %s", worker.url, exc)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(w) for w in self.registry.workers))
+
+    def sync(self) -> None:
+        """One polling task per current worker: start new ones, stop removed ones."""
+        current = set(self.registry.workers)
+        for worker in list(self._tasks):
+            if worker not in current:
+                self._tasks.pop(worker).cancel()
+        for worker in current:
+            if worker not in self._tasks:
+                self._tasks[worker] = asyncio.create_task(
+                    self._poll(worker), name=f"poll {worker.url}"
+                )
+
+    async def _poll(self, worker: Worker) -> None:
+        while True:
+            await asyncio.sleep(self.policy.interval_s)
+            try:
+                await self.probe(worker)
+            except Exception:  # a bug here must not stop polling for good
+                logger.exception("polling %s failed", worker.url)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,642 @@
+"""One client request through the workers: whole on one worker, or prefill hop + decode hop.
+
+The response status the client sees is decided before any byte is sent: the first hop is
+opened (with retries) before the response starts, so a worker's 4xx passes through with its
+own status and an unreachable pool is a 503. For a disaggregated stream, the router sends
+the role chunk and the first token right after the prefill hop, then opens the decode hop
+inside the stream; a decode failure after that point can only be reported in the stream.
+
+Client disconnects propagate: a stream's generator is cancelled by Starlette and closes its
+upstream stream; a whole (non-streamed) request is watched and cancelled the same way. A
+worker aborts a request whose connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tandem.router.config import Role, RouterConfig
+from tandem.router.errors import RouterError, error_body, no_worker
+from tandem.router.merge import (
+    SSE_DONE,
+    ChunkRewriter,
+    Identity,
+    Kind,
+    has_output,
+    reply_to_chunks,
+    rewrite_reply,
+    role_chunk,
+    sse,
+    text_chunk,
+)
+from tandem.router.metrics import RouterMetrics
+from tandem.router.pd import (
+    PrefillOutcome,
+    decide_route,
+    decode_body,
+    emit_first_token,
+    prefill_body,
+    prefill_outcome,
+    with_upstream_usage,
+)
+from tandem.router.prompt_tokens import PromptCounter
+from tandem.router.scoring import pick_decode, pick_prefill
+from tandem.router.upstream import Hop, HopFailure, StreamBroken, Upstream
+from tandem.router.workers import DispatchKind, Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PREFILL_ROLES: tuple[Role, ...] = ("prefill",)
+WHOLE_ROLES: tuple[Role, ...] = ("decode", "both")  # serve whole requests and decode hops
+_DISCONNECT_POLL_S = 0.25
+_PASSED_HEADERS = ("authorization",)
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Answered(Exception):
+    """A worker's own error reply, passed to the client as it is."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+@dataclass
+class Call:
+    """One client request and what the log line and metrics report about it."""
+
+    kind: Kind
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    identity: Identity
+    received: float
+    prompt_tokens: int = 0
+    route: str = "direct"
+    reason: str = ""
+    prefill_worker: Worker | None = None
+    decode_worker: Worker | None = None
+    first_hop_at: float | None = None
+    ttft: float | None = None
+    first_output_worker: Worker | None = None
+    status: int = 200
+    usage: dict[str, Any] | None = None
+    retries: int = 0
+    finished: bool = False
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def include_usage(self) -> bool:
+        options = self.body.get("stream_options")
+        return bool(isinstance(options, dict) and options.get("include_usage"))
+
+    def mark_first_output(self, worker: Worker | None) -> None:
+        if self.ttft is None:
+            self.ttft = time.monotonic() - self.received
+            self.first_output_worker = worker
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        upstream: Upstream,
+        counter: PromptCounter,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.upstream = upstream
+        self.counter = counter
+        self.metrics = metrics
+        self._warned_no_pd: set[str] = set()
+
+    # --- entry -----------------------------------------------------------------------
+    async def serve(self, kind: Kind, path: str, request: Request) -> Response:
+        received = time.monotonic()
+        body = await _json_body(request)
+        model = body.get("model")
+        call = Call(
+            kind,
+            path,
+            body,
+            _passed_headers(request),
+            Identity.new(kind, model if isinstance(model, str) else ""),
+            received,
+        )
+        try:
+            call.prompt_tokens = await self.counter.count(body, kind)
+            decision = decide_route(
+                body,
+                kind,
+                call.prompt_tokens,
+                self.config.pd_min_prompt_tokens,
+                have_prefill=bool(self.registry.pool(PREFILL_ROLES)),
+            )
+            call.reason = decision.reason
+            if decision.pd:
+                response = await self._pd(call, request)
+            else:
+                response = await self._whole(call, request)
+        except ClientGone:
+            call.status = 499
+            self._finish(call)
+            return Response(status_code=499)
+        except RouterError as exc:
+            call.status = exc.status
+            self._finish(call)
+            return exc.response()
+        except Answered as answered:
+            call.status = answered.response.status_code
+            self._finish(call)
+            return answered.response
+        if not isinstance(response, StreamingResponse):
+            self._finish(call)
+        return response
+
+    # --- one worker --------------------------------------------------------------------
+    async def _whole(self, call: Call, request: Request) -> Response:
+        call.route = "direct"
+        hop = await self._open(
+            call,
+            request,
+            "direct",
+            WHOLE_ROLES,
+            with_upstream_usage(call.body),
+            "prefill",
+            call.prompt_tokens,
+        )
+        call.decode_worker = hop.worker
+        await self._raise_client_error(call, hop)
+        if call.stream:
+            return _SSE(self._stream_whole(call, hop), self._cleanup(call, hop))
+        reply = await self._read_reply(hop, request)
+        out = rewrite_reply(reply, call.identity)
+        call.usage = out.get("usage")
+        return JSONResponse(out)
+
+    async def _stream_whole(self, call: Call, hop: Hop) -> AsyncIterator[str]:
+        try:
+            rewriter = ChunkRewriter(call.identity, call.include_usage, drop_role=False)
+            async for piece in self._relay(call, hop, rewriter):
+                yield piece
+        except (GeneratorExit, asyncio.CancelledError):
+            call.status = 499  # the client left; closing the hop aborts the worker's request
+            raise
+        finally:
+            await hop.close()
+            self._finish(call)
+
+    # --- prefill + decode --------------------------------------------------------------
+    async def _pd(self, call: Call, request: Request) -> Response:
+        decode = pick_decode(
+            self.registry.pool(WHOLE_ROLES),
+            call.prompt_tokens,
+            self.config.scoring.decode_sequence_weight,
+        )
+        if decode is None:
+            raise no_worker("decode")
+        self.registry.mark_picked(decode)
+        call.route = "pd"
+        sent = time.monotonic()
+        try:
+            hop = await self._open(
+                call,
+                request,
+                "prefill",
+                PREFILL_ROLES,
+                prefill_body(call.body, decode.url),
+                "prefill",
+                call.prompt_tokens,
+            )
+        except (RouterError, Answered) as exc:
+            reason = (
+                exc.message if isinstance(exc, RouterError) else f"HTTP {exc.response.status_code}"
+            )
+            logger.warning("prefill hop failed (%s); serving the request whole instead", reason)
+            self.metrics.fallbacks.inc()
+            call.reason = "prefill failed"
+            return await self._whole(call, request)
+        call.prefill_worker = hop.worker
+        await self._raise_client_error(call, hop)
+        reply = await self._read_reply(hop, request)
+        self.metrics.prefill_hop.observe(time.monotonic() - sent)
+        outcome = prefill_outcome(reply, call.body, call.kind)
+        if not outcome.takes_part:
+            self._warn_no_pd(hop.worker)
+        if outcome.complete:
+            call.reason = "done at prefill"
+            out = rewrite_reply(reply, call.identity)
+            call.usage = out.get("usage")
+            if call.stream:
+                return _SSE(self._stream_reply(call, out), self._cleanup(call))
+            return JSONResponse(out)
+        # A first token that is part of a multi-byte character decodes to U+FFFD alone; the
+        # decode worker, which sees the next token too, sends the character whole instead.
+        emit = emit_first_token(call.body) or not outcome.takes_part or "\ufffd" in outcome.first_text
+        body = decode_body(call.body, outcome.kv if outcome.takes_part else None, emit)
+        if call.stream:
+            return _SSE(self._stream_pd(call, outcome, decode, body, emit), self._cleanup(call))
+        hop = await self._open(
+            call,
+            request,
+            "decode",
+            WHOLE_ROLES,
+            body,
+            "decode",
+            call.prompt_tokens,
+            preferred=decode,
+        )
+        call.decode_worker = hop.worker
+        await self._raise_client_error(call, hop)
+        reply = await self._read_reply(hop, request)
+        out = rewrite_reply(reply, call.identity, _prefill_usage(outcome))
+        call.usage = out.get("usage")
+        return JSONResponse(out)
+
+    async def _stream_pd(
+        self, call: Call, outcome: PrefillOutcome, decode: Worker, body: dict[str, Any], emit: bool
+    ) -> AsyncIterator[str]:
+        hop: Hop | None = None
+        try:
+            if call.kind == "chat":
+                yield sse(role_chunk(call.identity, call.include_usage))
+            if not emit and outcome.first_text:
+                call.mark_first_output(call.prefill_worker)
+                yield sse(text_chunk(call.identity, outcome.first_text, call.include_usage))
+            sent = time.monotonic()
+            try:
+                hop = await self._open(
+                    call,
+                    None,
+                    "decode",
+                    WHOLE_ROLES,
+                    body,
+                    "decode",
+                    call.prompt_tokens,
+                    preferred=decode,
+                )
+            except RouterError as exc:
+                call.status = exc.status
+                yield sse(exc.body())
+                yield SSE_DONE
+                return
+            except Answered as answered:
+                call.status = answered.response.status_code
+                yield sse(_error_payload(bytes(answered.response.body), call.status))
+                yield SSE_DONE
+                return
+            call.decode_worker = hop.worker
+            if hop.status >= 400:
+                call.status = hop.status
+                yield sse(_error_payload(await self.upstream.read(hop.response), hop.status))
+                yield SSE_DONE
+                return
+            rewriter = ChunkRewriter(
+                call.identity,
+                call.include_usage,
+                drop_role=True,
+                prefill_usage=_prefill_usage(outcome),
+            )
+            async for piece in self._relay(call, hop, rewriter, decode_sent=sent):
+                yield piece
+        except (GeneratorExit, asyncio.CancelledError):
+            call.status = 499
+            raise
+        finally:
+            if hop is not None:
+                await hop.close()
+            self._finish(call)
+
+    async def _stream_reply(self, call: Call, reply: dict[str, Any]) -> AsyncIterator[str]:
+        try:
+            for chunk in reply_to_chunks(reply, call.identity, call.include_usage):
+                if has_output(chunk):
+                    call.mark_first_output(call.prefill_worker)
+                yield sse(chunk)
+            yield SSE_DONE
+        except (GeneratorExit, asyncio.CancelledError):
+            call.status = 499
+            raise
+        finally:
+            self._finish(call)
+
+    # --- hops --------------------------------------------------------------------------
+    async def _open(
+        self,
+        call: Call,
+        request: Request | None,
+        hop_name: str,
+        roles: tuple[Role, ...],
+        body: dict[str, Any],
+        kind: DispatchKind,
+        tokens: int,
+        preferred: Worker | None = None,
+    ) -> Hop:
+        """Open a hop on the best worker of `roles`, retrying on others; errors as responses."""
+        weight = self.config.scoring.decode_sequence_weight
+
+        def pick(exclude: set[str]) -> Worker | None:
+            if preferred is not None and preferred.healthy and preferred.url not in exclude:
+                return preferred
+            pool = [w for w in self.registry.pool(roles) if w.url not in exclude]
+            chosen = (
+                pick_prefill(pool, tokens)
+                if hop_name == "prefill"
+                else pick_decode(pool, tokens, weight)
+            )
+            if chosen is not None:
+                self.registry.mark_picked(chosen)
+            return chosen
+
+        if call.first_hop_at is None:
+            call.first_hop_at = time.monotonic()
+            self.metrics.overhead.observe(call.first_hop_at - call.received)
+        work = self.upstream.open_with_retries(
+            hop_name, pick, call.path, body, call.headers, kind, tokens
+        )
+        try:
+            hop = await (work if request is None else _unless_disconnected(request, work))
+        except LookupError:
+            raise no_worker("prefill" if hop_name == "prefill" else "decode") from None
+        except HopFailure as failure:
+            raise _failure_response(failure) from None
+        call.retries += hop.attempts - 1
+        self.metrics.hops.labels(hop.worker.url, hop_name, str(hop.status)).inc()
+        return hop
+
+    async def _raise_client_error(self, call: Call, hop: Hop) -> None:
+        """A 4xx from a worker is the client's: the same status and body, no retry."""
+        if hop.status < 400:
+            return
+        try:
+            data = await self.upstream.read(hop.response)
+        finally:
+            await hop.close()
+        headers = {k: v for k, v in hop.response.headers.items() if k.lower() == "retry-after"}
+        raise Answered(
+            Response(
+                data,
+                status_code=hop.status,
+                headers=headers,
+                media_type=hop.response.headers.get("content-type", "application/json"),
+            )
+        )
+
+    async def _read_reply(self, hop: Hop, request: Request) -> dict[str, Any]:
+        try:
+            data = await _unless_disconnected(request, self.upstream.read(hop.response))
+        except TimeoutError:
+            raise RouterError(
+                504, f"worker {hop.worker.url} stopped sending its reply", "worker_timeout"
+            ) from None
+        except Exception as exc:
+            if isinstance(exc, ClientGone):
+                raise
+            raise RouterError(
+                502, f"worker {hop.worker.url} failed: {type(exc).__name__}: {exc}", "worker_failed"
+            ) from None
+        finally:
+            await hop.close()
+        try:
+            reply = json.loads(data)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise RouterError(
+                502,
+                f"worker {hop.worker.url} sent a reply that is not a JSON object",
+                "worker_failed",
+            )
+        return reply
+
+    async def _relay(
+        self, call: Call, hop: Hop, rewriter: ChunkRewriter, decode_sent: float | None = None
+    ) -> AsyncIterator[str]:
+        """A worker's SSE stream, rewritten chunk by chunk, always ending with [DONE]."""
+        try:
+            async for data in self.upstream.events(hop.response):
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    logger.warning(
+                        "skipping a malformed event from %s: %.200s", hop.worker.url, data
+                    )
+                    continue
+                if not isinstance(chunk, dict):
+                    continue
+                if "error" in chunk and "choices" not in chunk:
+                    call.status = _status_of(chunk)
+                    yield sse(chunk)
+                    continue
+                out = rewriter(chunk)
+                if out is None:
+                    continue
+                if has_output(out):
+                    if decode_sent is not None:
+                        self.metrics.decode_first.observe(time.monotonic() - decode_sent)
+                        decode_sent = None
+                    call.mark_first_output(hop.worker)
+                yield sse(out)
+        except StreamBroken as exc:
+            call.status = 502
+            logger.warning("stream from %s broke: %s", hop.worker.url, exc)
+            self.metrics.hops.labels(hop.worker.url, "stream", "broken").inc()
+            yield sse(
+                error_body(
+                    502,
+                    f"worker {hop.worker.url} failed mid-stream: {exc}",
+                    None,
+                    "worker_stream_broken",
+                )
+            )
+        call.usage = rewriter.usage
+        yield SSE_DONE
+
+    # --- bookkeeping -------------------------------------------------------------------
+    def _warn_no_pd(self, worker: Worker) -> None:
+        if worker.url not in self._warned_no_pd:
+            self._warned_no_pd.add(worker.url)
+            logger.warning(
+                "prefill worker %s does not hand over KV (no kv_transfer_params in its "
+                "reply: started without --role prefill?); decode workers will compute "
+                "whole requests",
+                worker.url,
+            )
+
+    def _cleanup(self, call: Call, hop: Hop | None = None) -> Callable[[], Awaitable[None]]:
+        """What a stream must do even if its body never ran (the client left first)."""
+
+        async def cleanup() -> None:
+            if hop is not None:
+                await hop.close()
+            if not call.finished:
+                call.status = 499
+                self._finish(call)
+
+        return cleanup
+
+    def _finish(self, call: Call) -> None:
+        if call.finished:
+            return
+        call.finished = True
+        end = time.monotonic()
+        route = call.route
+        self.metrics.requests.labels(route, call.kind, str(call.status)).inc()
+        self.metrics.e2e.labels(route).observe(end - call.received)
+        if call.ttft is not None and call.first_output_worker is not None:
+            self.metrics.ttft.labels(route, call.first_output_worker.url).observe(call.ttft)
+        self.metrics.observe_usage(
+            call.prefill_worker or call.decode_worker,
+            call.decode_worker or call.prefill_worker,
+            call.usage,
+        )
+        prompt = call.usage.get("prompt_tokens") if call.usage else None
+        counted = f"{prompt}" if prompt is not None else f"~{call.prompt_tokens}"
+        logger.info(
+            "%s %s route=%s (%s) prefill=%s decode=%s prompt_tokens=%s ttft=%s e2e=%.3fs "
+            "retries=%d status=%d",
+            call.kind,
+            "stream" if call.stream else "whole",
+            route,
+            call.reason,
+            call.prefill_worker.url if call.prefill_worker else "-",
+            call.decode_worker.url if call.decode_worker else "-",
+            counted,
+            f"{call.ttft:.3f}s" if call.ttft is not None else "-",
+            end - call.received,
+            call.retries,
+            call.status,
+        )
+
+
+# --- helpers ---------------------------------------------------------------------------
+class _SSE(StreamingResponse):
+    """An event stream that releases its upstream hop however the response ends.
+
+    A generator's `finally` runs only if the generator started and is closed; when the
+    client leaves before the body starts (or while the generator waits at a `yield`),
+    Starlette just drops it. Closing it here, shielded from the cancellation, makes the
+    worker see its connection close (and abort) at once.
+    """
+
+    def __init__(self, body: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                body = self.body_iterator
+                if isinstance(body, AsyncGenerator):
+                    await body.aclose()
+                await self._cleanup()
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise RouterError(
+            400, f"the request body is not valid JSON: {exc}", "invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "the request body must be a JSON object", "invalid_value")
+    return body
+
+
+def _passed_headers(request: Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in _PASSED_HEADERS if name in request.headers}
+
+
+def _prefill_usage(outcome: PrefillOutcome) -> dict[str, Any] | None:
+    """Usage merges only when the decode hop continued the prefill hop's work."""
+    return outcome.usage if outcome.takes_part else None
+
+
+def _failure_response(failure: HopFailure) -> Exception:
+    if failure.status is not None:
+        body = failure.body
+        try:
+            valid = isinstance(json.loads(body), dict)
+        except ValueError:
+            valid = False
+        if not valid:
+            body = json.dumps(
+                error_body(
+                    failure.status, f"worker {failure.worker.url} answered HTTP {failure.status}"
+                )
+            ).encode()
+        return Answered(
+            Response(
+                body,
+                status_code=failure.status,
+                headers=failure.headers,
+                media_type="application/json",
+            )
+        )
+    if failure.timed_out:
+        return RouterError(504, f"worker {failure.worker.url}: {failure.reason}", "worker_timeout")
+    return RouterError(
+        502,
+        f"no worker could be reached (last: {failure.worker.url}: {failure.reason})",
+        "worker_unavailable",
+    )
+
+
+def _error_payload(data: bytes, status: int) -> dict[str, Any]:
+    try:
+        payload = json.loads(data)
+        if isinstance(payload, dict) and "error" in payload:
+            return payload
+    except ValueError:
+        pass
+    return error_body(status, data.decode(errors="replace")[:500] or f"HTTP {status}")
+
+
+def _status_of(chunk: dict[str, Any]) -> int:
+    error = chunk.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) else 500
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which closes its upstream connection) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -1,0 +1,253 @@
+"""HTTP to workers: one hop with its timeouts, retries before the first byte, SSE reading.
+
+A hop is "open" once the worker's response headers arrived. Everything that can go wrong
+before that (connection refused or reset, a 5xx, no headers within the first-byte limit) is
+retried on another worker of the same pool with a short backoff, because the client has seen
+nothing yet. A 4xx is the client's fault and comes back as it is. After the headers, each
+read waits at most the idle limit.
+
+httpx's own read timeout is off: it would apply to the wait for headers as well, and a
+non-streamed reply sends its headers only when generation ends, so the first-byte and idle
+limits are enforced here with `asyncio.timeout` around each await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+
+from tandem.router.config import RetryPolicy, Timeouts
+from tandem.router.workers import DispatchKind, Worker
+
+logger = logging.getLogger(__name__)
+
+
+class HopFailure(Exception):
+    """A worker failed before sending a usable response (or mid-stream, for `StreamBroken`)."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        reason: str,
+        status: int | None = None,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        timed_out: bool = False,
+    ) -> None:
+        super().__init__(f"{worker.url}: {reason}")
+        self.worker = worker
+        self.reason = reason
+        self.status = status
+        self.body = body
+        self.headers = headers or {}
+        self.timed_out = timed_out
+
+    @property
+    def transport(self) -> bool:
+        """No HTTP answer at all (the worker may be dead), as opposed to a 5xx status."""
+        return self.status is None
+
+
+class StreamBroken(Exception):
+    """The worker's stream stopped without `[DONE]`: dropped, reset or idle too long."""
+
+
+def make_client(timeouts: Timeouts) -> httpx.AsyncClient:
+    """One shared client. No connection cap (the default 100 would queue requests behind
+    each other), keep-alive shorter than uvicorn's 5 s so a reused connection is never one
+    the worker is closing, and no proxies from the environment: workers are local."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            connect=timeouts.connect_s, read=None, write=timeouts.idle_s, pool=None
+        ),
+        limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
+        ),
+        trust_env=False,
+    )
+
+
+@dataclass
+class Hop:
+    """One open request to one worker; the worker's accounting lasts as long as the hop."""
+
+    worker: Worker
+    response: httpx.Response
+    started: float
+    handle: int
+    attempts: int
+    headers_at: float = field(default_factory=time.monotonic)
+    _closed: bool = False
+
+    @property
+    def status(self) -> int:
+        return self.response.status_code
+
+    async def close(self) -> None:
+        """Idempotent; shielded so that a cancelled request still closes its upstream stream,
+        which is how the worker learns to abort."""
+        if self._closed:
+            return
+        self._closed = True
+        self.worker.in_flight -= 1
+        self.worker.settle(self.handle)
+        with anyio.CancelScope(shield=True):
+            await self.response.aclose()
+
+
+class Upstream:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        timeouts: Timeouts,
+        retry: RetryPolicy,
+        on_failure: Callable[[str, HopFailure], None],
+        on_retry: Callable[[str], None],
+    ) -> None:
+        self.client = client
+        self.timeouts = timeouts
+        self.retry = retry
+        self._on_failure = on_failure
+        self._on_retry = on_retry
+
+    async def open(
+        self,
+        worker: Worker,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        kind: DispatchKind,
+        tokens: int,
+    ) -> Hop:
+        """POST and wait for the headers; 5xx and transport errors raise HopFailure."""
+        started = time.monotonic()
+        worker.in_flight += 1
+        handle = worker.dispatch(kind, tokens, started)
+        response: httpx.Response | None = None
+        try:
+            request = self.client.build_request(
+                "POST", worker.url + path, json=body, headers=headers
+            )
+            try:
+                async with asyncio.timeout(self.timeouts.first_byte_s):
+                    response = await self.client.send(request, stream=True)
+            except TimeoutError as exc:
+                raise HopFailure(
+                    worker, f"no response within {self.timeouts.first_byte_s:g} s", timed_out=True
+                ) from exc
+            except httpx.TransportError as exc:
+                raise HopFailure(worker, f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+            if response.status_code >= 500:
+                data = b""
+                with contextlib.suppress(httpx.HTTPError, TimeoutError):
+                    data = await self.read(response)
+                raise HopFailure(
+                    worker,
+                    f"HTTP {response.status_code}",
+                    response.status_code,
+                    data,
+                    _passed_headers(response),
+                )
+            return Hop(worker, response, started, handle, 1)
+        except BaseException:
+            worker.in_flight -= 1
+            worker.settle(handle)
+            if response is not None:
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+            raise
+
+    async def open_with_retries(
+        self,
+        hop_name: str,
+        pick: Callable[[set[str]], Worker | None],
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        kind: DispatchKind,
+        tokens: int,
+    ) -> Hop:
+        """Try workers from `pick` (which skips the URLs it is given) until one answers.
+
+        Raises the last HopFailure when every attempt failed, or LookupError when `pick` had
+        no worker to offer at all.
+        """
+        tried: set[str] = set()
+        dead: set[str] = set()
+        last: HopFailure | None = None
+        delay = self.retry.backoff_s
+        for attempt in range(self.retry.max_attempts):
+            worker = pick(tried) or pick(dead)  # a worker that answered 5xx may be tried again
+            if worker is None:
+                break
+            if attempt:
+                self._on_retry(hop_name)
+                await asyncio.sleep(delay)
+                delay *= self.retry.backoff_multiplier
+            try:
+                hop = await self.open(worker, path, body, headers, kind, tokens)
+            except HopFailure as failure:
+                last = failure
+                tried.add(worker.url)
+                if failure.transport:
+                    dead.add(worker.url)
+                self._on_failure(hop_name, failure)
+                logger.warning(
+                    "%s hop to %s failed (attempt %d/%d): %s",
+                    hop_name,
+                    worker.url,
+                    attempt + 1,
+                    self.retry.max_attempts,
+                    failure.reason,
+                )
+                continue
+            hop.attempts = attempt + 1
+            return hop
+        if last is None:
+            raise LookupError(hop_name)
+        raise last
+
+    async def read(self, response: httpx.Response) -> bytes:
+        async with asyncio.timeout(self.timeouts.idle_s):
+            return await response.aread()
+
+    async def events(self, response: httpx.Response) -> AsyncIterator[str]:
+        """The `data:` payloads of an SSE stream, through `[DONE]`; StreamBroken otherwise."""
+        lines = response.aiter_lines()
+        data: list[str] = []
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.timeouts.idle_s):
+                        line = await anext(lines)
+                except StopAsyncIteration:
+                    raise StreamBroken("the worker closed the stream before [DONE]") from None
+                except TimeoutError:
+                    raise StreamBroken(f"no data for {self.timeouts.idle_s:g} s") from None
+                except httpx.HTTPError as exc:
+                    raise StreamBroken(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+                if line.startswith("data:"):
+                    data.append(line[5:].lstrip(" "))
+                    continue
+                if line or not data:
+                    continue  # comments, other fields, keep-alive blank lines
+                payload = "\n".join(data)
+                data = []
+                yield payload
+                if payload == "[DONE]":
+                    return
+        finally:
+            await lines.aclose()
+
+
+def _passed_headers(response: httpx.Response) -> dict[str, str]:
+    """Worker headers worth passing on with an error (Retry-After on a full worker)."""
+    return {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}

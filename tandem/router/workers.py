@@ -1,0 +1,196 @@
+"""What the router knows about each worker: health, last polled load, and its own dispatches.
+
+A worker's /load lags reality by a poll interval (and by an engine step), so the router also
+remembers the tokens it has routed to each worker since: a burst of requests arriving between
+two polls must not all land on the worker that looked idle at the last poll.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tandem.router.config import HealthPolicy, Role, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+DispatchKind = Literal["prefill", "decode"]
+
+
+@dataclass
+class HealthState:
+    """Down after N consecutive failures, up after M consecutive successes.
+
+    A worker never probed yet comes up on its first success: a router (or a reload) should not
+    wait M poll intervals before using workers that are already there.
+    """
+
+    failures_to_down: int = 3
+    successes_to_up: int = 2
+    healthy: bool = False
+    probed: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+
+    def record(self, ok: bool) -> bool:
+        """Count one probe or request outcome; True when `healthy` flipped."""
+        first = not self.probed
+        self.probed = True
+        if ok:
+            self.consecutive_successes += 1
+            self.consecutive_failures = 0
+            if not self.healthy and (first or self.consecutive_successes >= self.successes_to_up):
+                self.healthy = True
+                return True
+            return False
+        self.consecutive_failures += 1
+        self.consecutive_successes = 0
+        if self.healthy and self.consecutive_failures >= self.failures_to_down:
+            self.healthy = False
+            return True
+        return False
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The fields of a worker's `GET /load` the scores use (the whole reply is kept in `raw`)."""
+
+    waiting_prefill_tokens: int = 0
+    waiting_requests: int = 0
+    running_requests: int = 0
+    running_kv_tokens: int = 0
+    kv_blocks_total: int = 0
+    block_size: int = 16
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LoadSnapshot:
+        def num(key: str, default: int = 0) -> int:
+            value = data.get(key, default)
+            return int(value) if isinstance(value, int | float) else default
+
+        return cls(
+            waiting_prefill_tokens=num("num_waiting_prefill_tokens"),
+            waiting_requests=num("num_waiting_requests"),
+            running_requests=num("num_running_requests"),
+            running_kv_tokens=num("running_kv_tokens"),
+            kv_blocks_total=num("kv_blocks_total"),
+            block_size=num("block_size", 16) or 16,
+            raw=data,
+        )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_blocks_total * self.block_size
+
+
+@dataclass
+class _Dispatch:
+    kind: DispatchKind
+    tokens: int
+    at: float
+
+
+class Worker:
+    """One worker endpoint in one role; the router's only mutable view of it."""
+
+    def __init__(self, spec: WorkerSpec, policy: HealthPolicy) -> None:
+        self.spec = spec
+        self.health = HealthState(policy.failures_to_down, policy.successes_to_up)
+        self.load: LoadSnapshot | None = None
+        self.load_at: float | None = None
+        self.in_flight = 0
+        self.last_picked = 0  # the registry's pick counter when last chosen (ties → least recent)
+        self._dispatches: dict[int, _Dispatch] = {}
+        self._ids = itertools.count()
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def role(self) -> Role:
+        return self.spec.role
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
+
+    # --- the router's own record of what it sent -----------------------------------
+    def dispatch(self, kind: DispatchKind, tokens: int, now: float) -> int:
+        handle = next(self._ids)
+        self._dispatches[handle] = _Dispatch(kind, tokens, now)
+        return handle
+
+    def settle(self, handle: int) -> None:
+        """The dispatch adds no load the poll cannot see (its prefill is over, or it ended)."""
+        self._dispatches.pop(handle, None)
+
+    def unreflected_tokens(self, kind: DispatchKind | None = None) -> int:
+        return sum(d.tokens for d in self._dispatches.values() if kind is None or d.kind == kind)
+
+    def unreflected_requests(self) -> int:
+        return len(self._dispatches)
+
+    def on_load(
+        self, snapshot: LoadSnapshot, poll_started_at: float, reflect_delay_s: float
+    ) -> None:
+        """A fresh /load: dispatches sent well before the poll started are in its figures now."""
+        self.load = snapshot
+        self.load_at = poll_started_at
+        stale = [
+            h for h, d in self._dispatches.items() if d.at + reflect_delay_s <= poll_started_at
+        ]
+        for handle in stale:
+            del self._dispatches[handle]
+
+    def describe(self, now: float) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "consecutive_failures": self.health.consecutive_failures,
+            "consecutive_successes": self.health.consecutive_successes,
+            "in_flight": self.in_flight,
+            "unreflected_tokens": self.unreflected_tokens(),
+            "load_age_s": None if self.load_at is None else round(now - self.load_at, 3),
+            "load": None if self.load is None else self.load.raw,
+        }
+
+
+class WorkerRegistry:
+    """The current worker list; a reload keeps the state of workers that stay."""
+
+    def __init__(self, specs: tuple[WorkerSpec, ...], policy: HealthPolicy) -> None:
+        self._policy = policy
+        self._workers: dict[WorkerSpec, Worker] = {}
+        self._picks = itertools.count(1)
+        self.replace(specs)
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return tuple(self._workers.values())
+
+    def replace(self, specs: tuple[WorkerSpec, ...]) -> tuple[list[Worker], list[Worker]]:
+        """Adopt a new list; returns (added, removed). In-flight requests keep their Worker."""
+        removed = [w for spec, w in self._workers.items() if spec not in specs]
+        added = []
+        workers = {}
+        for spec in specs:
+            worker = self._workers.get(spec)
+            if worker is None:
+                worker = Worker(spec, self._policy)
+                added.append(worker)
+            workers[spec] = worker
+        self._workers = workers
+        return added, removed
+
+    def pool(self, roles: tuple[Role, ...], healthy_only: bool = True) -> list[Worker]:
+        return [
+            w for w in self._workers.values() if w.role in roles and (w.healthy or not healthy_only)
+        ]
+
+    def mark_picked(self, worker: Worker) -> None:
+        worker.last_picked = next(self._picks)

@@ -1,0 +1,483 @@
+"""`tandem up`: a local cluster in one command: prefill + decode workers behind a router.
+
+Every part is a separate `python -m tandem ...` process, started as a user would start it, with
+its own log file in the log directory: N `tandem serve --role prefill` and M `--role decode`
+workers (or K colocated `--role both` workers with --workers K) on free ports, then
+`tandem route` in front of them. Each start is gated on the process's GET /health, workers in
+parallel, so the printed endpoint works as soon as it is printed.
+
+Children run in their own session, so a terminal's Ctrl-C reaches only this process, which
+stops them in order (router first, then workers: SIGINT, wait, kill, including their own
+children such as the engine core). On Linux they also get SIGTERM if this process dies
+without cleaning up, so a killed `tandem up` leaves no orphans. If any child exits on its own
+the cluster is incomplete: everything is stopped and `tandem up` exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 300.0
+_STOP_TIMEOUT_S = 30.0
+_LOG_TAIL_LINES = 40
+# Flags of the engine group that `tandem up` sets itself or splits per role.
+_OWN_ENGINE_FLAGS = {"--threads"}
+# Per-role overrides: (flag on `tandem up`, flag passed to that role's workers).
+_ROLE_OVERRIDES = {
+    "prefill": ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory"),
+    "decode": ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory"),
+}
+
+
+def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
+    from tandem.cli import add_engine_args
+
+    parser = subparsers.add_parser(
+        "up",
+        help="start a local cluster: prefill + decode workers behind a router",
+        description="Start N prefill and M decode workers (`tandem serve --role ...`) and a "
+        "`tandem route` in front of them on MODEL; print the endpoint; Ctrl-C stops "
+        "everything. Engine flags apply to every worker; --prefill-*/--decode-* "
+        "override them per role.",
+    )
+    add_engine_args(parser)
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument(
+        "--prefill-workers", type=int, default=1, metavar="N", help="prefill workers (default: 1)"
+    )
+    cluster.add_argument(
+        "--decode-workers", type=int, default=1, metavar="M", help="decode workers (default: 1)"
+    )
+    cluster.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="K",
+        help="K colocated workers (--role both) instead of prefill + decode",
+    )
+    cluster.add_argument("--host", default="127.0.0.1", help="router address (default: 127.0.0.1)")
+    cluster.add_argument("--port", type=int, default=8000, help="router port (default: 8000)")
+    cluster.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="one log file per process (default: ./tandem-logs/up-<timestamp>/)",
+    )
+    cluster.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="router: shorter prompts skip the prefill hop (default: 256)",
+    )
+    cluster.add_argument(
+        "--start-timeout",
+        type=float,
+        default=_START_TIMEOUT_S,
+        metavar="S",
+        help=f"per start-up phase (default: {_START_TIMEOUT_S:.0f})",
+    )
+    roles = parser.add_argument_group("per-role engine flags (override the engine flags above)")
+    for role, names in _ROLE_OVERRIDES.items():
+        for name in names:
+            flag = name.replace("_", "-")
+            roles.add_argument(
+                f"--{role}-{flag}",
+                dest=f"{role}_{name}",
+                default=None,
+                metavar="SIZE" if name == "kv_cache_memory" else "N",
+                help=f"--{flag} for {role} workers",
+            )
+    parser.set_defaults(handler=cmd_up)
+
+
+# --- planning (pure) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProcessPlan:
+    name: str
+    url: str
+    argv: tuple[str, ...]
+    log_path: Path
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    model: str
+    router: ProcessPlan
+    workers: tuple[ProcessPlan, ...]
+    log_dir: Path
+    role_flag: bool
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags the user set (those differing from their defaults), as argv again."""
+    from tandem.cli import add_engine_args
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    argv: list[str] = []
+    for action in probe._actions:
+        if not action.option_strings or action.option_strings[0] in _OWN_ENGINE_FLAGS:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _role_argv(args: argparse.Namespace, role: str) -> list[str]:
+    argv: list[str] = []
+    for name in _ROLE_OVERRIDES.get(role, ()):
+        value = getattr(args, f"{role}_{name}", None)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def worker_roles(args: argparse.Namespace) -> list[str]:
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        return ["both"] * args.workers
+    if args.prefill_workers < 1 or args.decode_workers < 1:
+        raise ValueError("--prefill-workers and --decode-workers must be >= 1 (or use --workers K)")
+    return ["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
+
+
+def default_threads(num_workers: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // num_workers)
+
+
+def plan_cluster(
+    args: argparse.Namespace,
+    tokenizer_dir: Path | None,
+    role_flag: bool,
+    free_port: Callable[[], int],
+) -> ClusterPlan:
+    roles = worker_roles(args)
+    log_dir = args.log_dir or Path("tandem-logs") / f"up-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    threads = args.threads or default_threads(len(roles))
+    python = [sys.executable, "-m", "tandem", "--log-level", args.log_level]
+    common = engine_argv(args)
+    counts: dict[str, int] = {}
+    workers = []
+    for role in roles:
+        index = counts.get(role, 0)
+        counts[role] = index + 1
+        name = f"{'worker' if role == 'both' else role}-{index}"
+        port = free_port()
+        argv = [
+            *python,
+            "serve",
+            args.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--threads",
+            str(threads),
+            *common,
+            *_role_argv(args, role),
+        ]
+        if role_flag:
+            argv += ["--role", role]
+        workers.append(
+            ProcessPlan(name, f"http://127.0.0.1:{port}", tuple(argv), log_dir / f"{name}.log")
+        )
+    router_argv = [
+        *python,
+        "route",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--pd-min-prompt-tokens",
+        str(args.pd_min_prompt_tokens),
+    ]
+    flags = {"prefill": "--prefill", "decode": "--decode", "both": "--worker"}
+    for role, worker in zip(roles, workers, strict=True):
+        router_argv += [flags[role], worker.url]
+    if tokenizer_dir is not None:
+        router_argv += ["--tokenizer", str(tokenizer_dir)]
+    shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    router = ProcessPlan(
+        "router", f"http://{shown_host}:{args.port}", tuple(router_argv), log_dir / "router.log"
+    )
+    return ClusterPlan(args.model, router, tuple(workers), log_dir, role_flag)
+
+
+def serve_supports_role() -> bool:
+    """Whether `tandem serve` takes --role (workers without it serve whole requests)."""
+    from tandem.cli import build_parser
+
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
+            return any("--role" in a.option_strings for a in action.choices["serve"]._actions)
+    return False
+
+
+def pick_free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host if host not in ("", "::") else "0.0.0.0", port))
+        except OSError as exc:
+            raise ValueError(
+                f"cannot use port {port} for the router: {exc.strerror}; pick another with --port"
+            ) from exc
+
+
+# --- processes -------------------------------------------------------------------------
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM this child when `tandem up` dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Child:
+    plan: ProcessPlan
+    process: subprocess.Popen[bytes]
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            text = self.plan.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def launch(plan: ProcessPlan) -> Child:
+    plan.log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with plan.log_path.open("wb") as log:
+        process = subprocess.Popen(
+            plan.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+    logger.info(
+        "started %s (pid %d) on %s; log: %s", plan.name, process.pid, plan.url, plan.log_path
+    )
+    return Child(plan, process)
+
+
+def wait_healthy(children: list[Child], timeout: float, stop: threading.Event) -> None:
+    """Until every child answers GET /health with 200; RuntimeError naming the first that
+    exited or the ones still not up at the deadline."""
+    pending = list(children)
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        while pending:
+            if stop.is_set():
+                raise KeyboardInterrupt
+            for child in list(pending):
+                code = child.process.poll()
+                if code is not None:
+                    raise RuntimeError(
+                        f"{child.name} exited with {code} while starting; last lines of "
+                        f"{child.plan.log_path}:\n{child.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{child.plan.url}/health").status_code == 200:
+                        logger.info("%s is healthy", child.name)
+                        pending.remove(child)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {c.plan.log_path}:\n{c.log_tail()}" for c in pending)
+                raise RuntimeError(
+                    f"not healthy after {timeout:.0f} s: "
+                    f"{', '.join(c.name for c in pending)}\n{tails}"
+                )
+            if pending:
+                stop.wait(0.25)
+
+
+def stop_children(children: list[Child], timeout: float = _STOP_TIMEOUT_S) -> list[int]:
+    """SIGINT (as Ctrl-C would), wait, then SIGKILL what is left, descendants included.
+    Returns the pids that had to be killed."""
+    descendants: list[psutil.Process] = []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            descendants += psutil.Process(child.process.pid).children(recursive=True)
+        if child.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGINT)
+    killed = []
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0f s; killing it", child.name, timeout)
+            child.process.kill()
+            child.process.wait()
+            killed.append(child.process.pid)
+    _, alive = psutil.wait_procs(descendants, timeout=max(1.0, deadline - time.monotonic()))
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+            killed.append(process.pid)
+    return killed
+
+
+class Cluster:
+    """The running processes; `run` is the whole life of `tandem up`."""
+
+    def __init__(self, plan: ClusterPlan, start_timeout: float, stop: threading.Event) -> None:
+        self.plan = plan
+        self.start_timeout = start_timeout
+        self.stop = stop
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+
+    def run(self) -> int:
+        try:
+            self.workers = [launch(p) for p in self.plan.workers]
+            wait_healthy(self.workers, self.start_timeout, self.stop)
+            self.router = launch(self.plan.router)
+            wait_healthy([self.router], self.start_timeout, self.stop)
+        except KeyboardInterrupt:
+            logger.info("interrupted while starting; stopping")
+            self.shutdown()
+            return 130
+        except RuntimeError as exc:
+            logger.error("%s", exc)
+            self.shutdown()
+            return 1
+        print(banner(self.plan), flush=True)
+        code = self.watch()
+        self.shutdown()
+        return code
+
+    def watch(self) -> int:
+        """Until a stop signal (0) or a child's unexpected exit (1)."""
+        children = [*self.workers, *([self.router] if self.router else [])]
+        while not self.stop.wait(0.5):
+            for child in children:
+                code = child.process.poll()
+                if code is not None:
+                    logger.error(
+                        "%s exited unexpectedly with %s; stopping the cluster. Last lines of "
+                        "%s:\n%s",
+                        child.name,
+                        code,
+                        child.plan.log_path,
+                        child.log_tail(),
+                    )
+                    return 1
+        logger.info("stopping the cluster")
+        return 0
+
+    def shutdown(self) -> None:
+        if self.router is not None:
+            stop_children([self.router])
+        stop_children(self.workers)
+
+
+def banner(plan: ClusterPlan) -> str:
+    url = plan.router.url
+    counts: dict[str, int] = {}
+    for worker in plan.workers:
+        role = worker.name.rsplit("-", 1)[0]
+        counts[role] = counts.get(role, 0) + 1
+    shape = " + ".join(f"{n} {role}" for role, n in counts.items())
+    lines = [f"tandem up: {shape} worker(s) serving {plan.model}; OpenAI endpoint {url}/v1", ""]
+    for process in (*plan.workers, plan.router):
+        lines.append(f"  {process.name:<10} {process.url:<24} log: {process.log_path}")
+    if not plan.role_flag and any(not w.name.startswith("worker") for w in plan.workers):
+        lines.append(
+            "  (this tandem serve has no --role: workers serve whole requests; the decode "
+            "workers compute each request)"
+        )
+    chat = json.dumps({"model": plan.model, "messages": [{"role": "user", "content": "Hello!"}]})
+    lines += [
+        "",
+        "curl:",
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"    -d '{chat}'",
+        "",
+        "openai-python:",
+        "  from openai import OpenAI",
+        f'  client = OpenAI(base_url="{url}/v1", api_key="unused")',
+        "  reply = client.chat.completions.create(",
+        f'      model="{plan.model}", messages=[{{"role": "user", "content": "Hello!"}}])',
+        "  print(reply.choices[0].message.content)",
+        "",
+        "Ctrl-C stops the cluster.",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tandem.loader.resolve import resolve_model
+
+    worker_roles(args)  # bad counts fail before anything starts
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    _check_port_free(args.host, args.port)
+    # Resolve (and, for a GGUF, convert) once here rather than in N workers at once; the
+    # router counts prompt tokens with the same tokenizer.json.
+    resolved = resolve_model(args.model, args.dtype)
+    tokenizer_dir = resolved.hf_dir if (resolved.hf_dir / "tokenizer.json").is_file() else None
+    role_flag = serve_supports_role()
+    if not role_flag:
+        logger.warning("this `tandem serve` has no --role flag yet: workers start colocated")
+    plan = plan_cluster(args, tokenizer_dir, role_flag, pick_free_port)
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        return Cluster(plan, args.start_timeout, stop).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

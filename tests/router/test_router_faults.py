@@ -1,0 +1,331 @@
+"""The router against fake workers on real ports: the protocol, merging, and every failure a
+real worker will not produce on demand (500s, hangs, streams cut in the middle, 400s)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from router_helpers import FakeWorker, read_stream, stream_text, wait_for
+
+from tandem.router.config import WorkerSpec
+
+FakeFactory = Callable[[str], tuple[FakeWorker, str]]
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}
+COMPLETION = {"model": "fake", "prompt": "Say hello.", "max_tokens": 5}
+FULL = "Hello there, friend."
+
+
+def _pd_router(
+    fake_workers: FakeFactory, start_router: Callable[..., str], **fields: object
+) -> tuple[FakeWorker, FakeWorker, str]:
+    prefill, prefill_url = fake_workers("prefill")
+    decode, decode_url = fake_workers("decode")
+    url = start_router(
+        [WorkerSpec(prefill_url, "prefill"), WorkerSpec(decode_url, "decode")], **fields
+    )
+    return prefill, decode, url
+
+
+def _ids(events: list) -> set[tuple[str, int]]:
+    return {(e["id"], e["created"]) for e in events if isinstance(e, dict)}
+
+
+# --- the protocol and the merge ------------------------------------------------------------
+def test_pd_stream_sends_the_first_token_itself_and_merges(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    prefill, decode, url = _pd_router(fake_workers, start_router)
+    events = read_stream(url, {**CHAT, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert stream_text(events) == FULL  # every token once, in order
+    assert len(_ids(events)) == 1 and next(iter(_ids(events)))[0].startswith("chatcmpl-")
+    assert sum("role" in (c["choices"] or [{}])[0].get("delta", {}) for c in chunks) == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 32  # the prefill worker's, once
+    assert usage["completion_tokens"] == 5 and usage["total_tokens"] == 55
+    # The hops: a one-token prefill naming the decode worker, then the client's request.
+    hop1, hop2 = prefill.requests[-1], decode.requests[-1]
+    assert hop1["max_tokens"] == 1 and hop1["stream"] is False
+    assert hop1["kv_transfer_params"]["remote_decode"] == url_of(decode, url)
+    assert hop2["max_tokens"] == 5 and hop2["stream"] is True
+    assert hop2["kv_transfer_params"]["emit_first_token"] is False
+    assert hop2["kv_transfer_params"]["first_token_ids"] == [7]
+
+
+def url_of(worker: FakeWorker, router_url: str) -> str:
+    workers = httpx.get(f"{router_url}/workers").json()["workers"]
+    return next(w["url"] for w in workers if w["role"] == worker.name)
+
+
+def test_pd_whole_and_completions(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    _, decode, url = _pd_router(fake_workers, start_router)
+    reply = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).json()
+    assert reply["choices"][0]["message"]["content"] == FULL
+    assert reply["id"].startswith("chatcmpl-") and reply["id"] != "decode-reply"
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    assert "kv_transfer_params" not in reply
+    assert decode.requests[-1]["kv_transfer_params"]["emit_first_token"] is True
+    reply = httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30).json()
+    assert reply["choices"][0]["text"] == FULL and reply["id"].startswith("cmpl-")
+    events = read_stream(url, COMPLETION, "/v1/completions")
+    assert stream_text(events) == FULL and len(_ids(events)) == 1
+    assert all("usage" not in e for e in events if isinstance(e, dict))  # not asked for
+
+
+def test_tools_stream_lets_the_decode_worker_emit_everything(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    _, decode, url = _pd_router(fake_workers, start_router)
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object"}},
+    }
+    events = read_stream(url, {**CHAT, "tools": [tool]})
+    assert stream_text(events) == FULL
+    assert decode.requests[-1]["kv_transfer_params"]["emit_first_token"] is True
+
+
+def test_answer_complete_at_prefill_is_streamed_by_the_router(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    prefill, decode, url = _pd_router(fake_workers, start_router)
+    prefill.behaviour.tokens = ("Hi",)  # stops at the first token: nothing to hand over
+    events = read_stream(url, {**CHAT, "stream_options": {"include_usage": True}})
+    assert stream_text(events) == "Hi" and events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 1
+    assert decode.requests == []
+
+
+def test_short_prompts_and_n_skip_the_prefill_hop(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    prefill, decode, url = _pd_router(fake_workers, start_router, pd_min_prompt_tokens=100)
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+    long = {**CHAT, "messages": [{"role": "user", "content": "word " * 500}]}
+    assert (
+        httpx.post(f"{url}/v1/chat/completions", json={**long, "n": 2}, timeout=30).status_code
+        == 200
+    )
+    assert prefill.requests == [] and len(decode.requests) == 2
+    assert "kv_transfer_params" not in decode.requests[0]
+    assert httpx.post(f"{url}/v1/chat/completions", json=long, timeout=30).status_code == 200
+    assert len(prefill.requests) == 1
+
+
+def test_prefill_worker_outside_the_protocol(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    """A prefill reply without kv_transfer_params: the decode hop runs the whole request."""
+    prefill, decode, url = _pd_router(fake_workers, start_router)
+    prefill.behaviour.pd = False
+    events = read_stream(url, {**CHAT, "stream_options": {"include_usage": True}})
+    assert stream_text(events) == FULL
+    assert "kv_transfer_params" not in decode.requests[-1]
+    assert (
+        events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    )  # the decode worker's own
+
+
+# --- failures --------------------------------------------------------------------------------
+def test_500_and_refused_connections_are_retried_on_another_worker(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    bad, bad_url = fake_workers("bad")
+    good, good_url = fake_workers("good")
+    bad.behaviour.mode = "error500"
+    url = start_router(
+        [
+            WorkerSpec(bad_url, "both"),
+            WorkerSpec(good_url, "both"),
+            WorkerSpec("http://127.0.0.1:9", "both"),
+        ]
+    )
+    for _ in range(4):
+        reply = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == FULL
+        assert stream_text(read_stream(url, CHAT)) == FULL
+    assert bad.requests  # it was tried, and the request still succeeded elsewhere
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "tandem_router_retries_total" in metrics
+
+
+def test_all_workers_failing_passes_the_last_5xx_through(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    bad, bad_url = fake_workers("bad")
+    bad.behaviour.mode = "error500"
+    url = start_router([WorkerSpec(bad_url, "decode")])
+    reply = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+    assert reply.status_code == 500 and reply.json()["error"]["message"] == "bad broke"
+    assert len(bad.requests) == 3  # max_attempts
+
+
+def test_hung_worker_times_out_and_the_request_moves(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    hung, hung_url = fake_workers("hung")
+    good, good_url = fake_workers("good")
+    hung.behaviour.mode = "hang"
+    hung.behaviour.waiting_prefill_tokens = 0
+    good.behaviour.running_kv_tokens = 10  # the hung one looks idler: it is tried first
+    url = start_router([WorkerSpec(hung_url, "decode"), WorkerSpec(good_url, "decode")])
+    time.sleep(0.3)  # a poll has seen both loads
+    started = time.monotonic()
+    reply = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == FULL
+    assert (
+        len(hung.requests) == 1 and 1.0 <= time.monotonic() - started < 4.0
+    )  # first-byte limit 1 s
+
+
+def test_stream_cut_in_the_middle_ends_with_an_error_event(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    worker, worker_url = fake_workers("dropper")
+    worker.behaviour.mode = "drop"
+    url = start_router([WorkerSpec(worker_url, "both")])
+    events = read_stream(url, CHAT)
+    assert stream_text(events) == "Hello there"
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_stream_broken"
+
+
+def test_client_errors_pass_through_unchanged(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    prefill, decode, url = _pd_router(fake_workers, start_router)
+    prefill.behaviour.mode = "bad_request"
+    for stream in (False, True):
+        reply = httpx.post(
+            f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30
+        )
+        assert reply.status_code == 400
+        assert reply.json()["error"] == {
+            "message": "bad temperature",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "invalid_value",
+        }
+    assert len(prefill.requests) == 2 and decode.requests == []  # no retry, no fallback
+    bad = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
+def test_failed_prefill_hop_falls_back_to_the_decode_worker(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    prefill, decode, url = _pd_router(fake_workers, start_router)
+    prefill.behaviour.mode = "error500"
+    events = read_stream(url, CHAT)
+    assert stream_text(events) == FULL
+    assert "kv_transfer_params" not in decode.requests[-1]
+    assert "tandem_router_pd_fallbacks_total 1.0" in httpx.get(f"{url}/metrics").text
+
+
+def test_no_pool_is_a_503_in_openai_shape(start_router: Callable[..., str]) -> None:
+    url = start_router([WorkerSpec("http://127.0.0.1:9", "decode")])
+    assert httpx.get(f"{url}/health").status_code == 503
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        reply = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == "no_healthy_worker"
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_health_goes_down_after_three_failures_and_up_after_two(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    worker, worker_url = fake_workers("flaky")
+    url = start_router([WorkerSpec(worker_url, "both")])
+
+    def state() -> dict:
+        return httpx.get(f"{url}/workers").json()["workers"][0]
+
+    assert state()["healthy"] and httpx.get(f"{url}/health").status_code == 200
+    worker.behaviour.health_status = 503
+    assert wait_for(lambda: not state()["healthy"], timeout=5)
+    assert state()["consecutive_failures"] >= 3
+    assert httpx.get(f"{url}/health").status_code == 503
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 503
+    worker.behaviour.health_status = 200
+    assert wait_for(lambda: state()["healthy"], timeout=5)
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+
+
+def test_client_disconnect_closes_the_upstream_stream(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    worker, worker_url = fake_workers("slow")
+    worker.behaviour.tokens = tuple(f" t{i}" for i in range(2000))
+    url = start_router([WorkerSpec(worker_url, "both")])
+    body = {**CHAT, "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+    assert wait_for(lambda: worker.disconnects == 1, timeout=5)
+    assert wait_for(
+        lambda: httpx.get(f"{url}/workers").json()["workers"][0]["in_flight"] == 0, timeout=5
+    )
+
+
+# --- the worker list ---------------------------------------------------------------------
+def test_reload_from_the_config_file(
+    tmp_path: Path, fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    first, first_url = fake_workers("first")
+    second, second_url = fake_workers("second")
+    config = tmp_path / "workers.yaml"
+    config.write_text(f"worker:\n  - {first_url}\n")
+    url = start_router(config_file=config)
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+    config.write_text(f"decode: [{second_url}]\n")
+    change = httpx.post(f"{url}/workers/reload", timeout=30).json()
+    assert change["added"] == [second_url] and change["removed"] == [first_url]
+    assert [(w["url"], w["role"], w["healthy"]) for w in change["workers"]] == [
+        (second_url, "decode", True)
+    ]
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+    assert len(first.requests) == 1 and len(second.requests) == 1
+    config.write_text("decoder: []\n")
+    reply = httpx.post(f"{url}/workers/reload", timeout=30)
+    assert reply.status_code == 400 and "decoder" in reply.json()["error"]["message"]
+
+
+def test_models_and_metrics(fake_workers: FakeFactory, start_router: Callable[..., str]) -> None:
+    _, _, url = _pd_router(fake_workers, start_router)
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "fake"
+    read_stream(url, {**CHAT, "stream_options": {"include_usage": True}})
+    text = httpx.get(f"{url}/metrics").text
+    for name in (
+        "tandem_router_requests_total{",
+        "tandem_router_time_to_first_token_seconds_bucket",
+        "tandem_router_pd_prefill_hop_seconds_count 1.0",
+        "tandem_router_overhead_seconds_count",
+        "tandem_router_pd_decode_first_output_seconds_count 1.0",
+        "tandem_router_worker_healthy{",
+        "tandem_router_generation_tokens_total{",
+        "tandem_router_prompt_tokens_total{",
+    ):
+        assert name in text, name
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_authorization_is_passed_to_workers(
+    path: str, fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    prefill, decode, url = _pd_router(fake_workers, start_router)
+    body = CHAT if "chat" in path else COMPLETION
+    reply = httpx.post(
+        f"{url}{path}", json=body, headers={"Authorization": "Bearer sk-x"}, timeout=30
+    )
+    assert reply.status_code == 200
+    assert prefill.authorization == ["Bearer sk-x"] and decode.authorization == ["Bearer sk-x"]

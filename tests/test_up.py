@@ -1,0 +1,219 @@
+"""`tandem up`: the plan it makes (no processes), then real clusters started and stopped."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tandem.cli import build_parser
+from tandem.up import banner, engine_argv, plan_cluster
+
+SMALL = ["--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8"]
+
+
+def _args(*argv: str):  # noqa: ANN202 - argparse.Namespace
+    return build_parser().parse_args(["up", *argv])
+
+
+def _ports():  # noqa: ANN202
+    counter = itertools.count(9100)
+    return lambda: next(counter)
+
+
+def test_plan_prefill_and_decode_workers(tmp_path: Path) -> None:
+    args = _args(
+        "--prefill-workers",
+        "2",
+        "--kv-cache-memory",
+        "256MiB",
+        "--decode-max-num-seqs",
+        "8",
+        "--prefill-max-num-batched-tokens",
+        "4096",
+        "--log-dir",
+        str(tmp_path),
+        "--port",
+        "8123",
+    )
+    plan = plan_cluster(args, Path("/models/smol"), role_flag=True, free_port=_ports())
+    assert [w.name for w in plan.workers] == ["prefill-0", "prefill-1", "decode-0"]
+    prefill, _, decode = (list(w.argv) for w in plan.workers)
+    assert (
+        prefill[prefill.index("--role") + 1] == "prefill"
+        and decode[decode.index("--role") + 1] == "decode"
+    )
+    assert prefill[prefill.index("--kv-cache-memory") + 1] == "256MiB"
+    assert "--max-num-seqs" not in prefill and decode[-4:-2] == ["--max-num-seqs", "8"]
+    assert prefill[prefill.index("--max-num-batched-tokens") + 1] == "4096"
+    assert (
+        prefill[prefill.index("--port") + 1] == "9100"
+        and plan.workers[0].url == "http://127.0.0.1:9100"
+    )
+    router = list(plan.router.argv)
+    assert router[router.index("route") : router.index("route") + 5] == [
+        "route",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+    ]
+    assert router.count("--prefill") == 2 and router.count("--decode") == 1
+    assert router[router.index("--tokenizer") + 1] == "/models/smol"
+    assert plan.router.log_path == tmp_path / "router.log"
+    text = banner(plan)
+    assert (
+        "http://127.0.0.1:8123/v1" in text
+        and "curl http://127.0.0.1:8123/v1/chat/completions" in text
+    )
+    assert "OpenAI(base_url=" in text
+
+
+def test_plan_colocated_workers_and_thread_split(tmp_path: Path) -> None:
+    plan = plan_cluster(
+        _args("--workers", "2", "--log-dir", str(tmp_path)),
+        None,
+        role_flag=True,
+        free_port=_ports(),
+    )
+    assert [w.name for w in plan.workers] == ["worker-0", "worker-1"]
+    assert all(w.argv[w.argv.index("--role") + 1] == "both" for w in plan.workers)
+    assert list(plan.router.argv).count("--worker") == 2 and "--tokenizer" not in plan.router.argv
+    assert all(int(w.argv[w.argv.index("--threads") + 1]) >= 1 for w in plan.workers)
+    assert (
+        "--role"
+        not in plan_cluster(_args("--workers", "1"), None, role_flag=False, free_port=_ports())
+        .workers[0]
+        .argv
+    )
+
+
+def test_engine_argv_repeats_only_what_was_set() -> None:
+    assert engine_argv(_args()) == []
+    argv = engine_argv(
+        _args(
+            "--dtype",
+            "bfloat16",
+            "--no-prefix-caching",
+            "--max-model-len",
+            "2048",
+            "--threads",
+            "3",
+        )
+    )
+    assert argv == ["--dtype", "bfloat16", "--max-model-len", "2048", "--no-prefix-caching"]
+
+
+def test_bad_counts_are_refused() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem", "up", "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "--workers must be >= 1" in result.stderr
+
+
+# --- real clusters -------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_up(tmp_path: Path, *argv: str) -> tuple[subprocess.Popen[str], str, Path]:
+    port = _free_port()
+    err = (tmp_path / "up.stderr").open("w")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "up",
+            "--port",
+            str(port),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            *SMALL,
+            *argv,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log = (tmp_path / "up.stderr").read_text()
+            pytest.fail(f"tandem up exited with {process.returncode}:\n{log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url, tmp_path / "up.stderr"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    pytest.fail(f"no healthy router:\n{(tmp_path / 'up.stderr').read_text()}")
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
+    process, url, stderr = _start_up(tmp_path)
+    try:
+        children = _tree(process.pid)
+        # router + 2 workers, each worker with its engine core process
+        assert len(children) >= 5, [c.cmdline() for c in children]
+        reply = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": "smollm2-135m",
+                "messages": [{"role": "user", "content": "Hello!"}],
+                "max_tokens": 8,
+            },
+        )
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+        workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
+        assert sorted(w["role"] for w in workers) == ["decode", "prefill"] and all(
+            w["healthy"] for w in workers
+        )
+        assert {w["load"]["role"] for w in workers} == {"prefill", "decode"}  # started with --role
+    finally:
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=90)
+    assert process.returncode == 0, stderr.read_text()[-3000:]
+    assert "Ctrl-C stops the cluster." in out and f"{url}/v1" in out
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [p.pid for p in alive]
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["decode-0.log", "prefill-0.log", "router.log"]
+
+
+def test_a_dying_worker_stops_the_cluster(tmp_path: Path) -> None:
+    process, url, stderr = _start_up(tmp_path, "--workers", "1")
+    children = _tree(process.pid)
+    worker = next(c for c in psutil.Process(process.pid).children() if "serve" in c.cmdline())
+    worker.kill()
+    try:
+        code = process.wait(90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert code == 1
+    assert "worker-0 exited unexpectedly" in stderr.read_text()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [p.pid for p in alive]
