@@ -74,6 +74,9 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="K",
         help="K colocated workers (--role both) instead of prefill + decode",
     )
+    cluster.add_argument("--kv-transfer", default="shm", choices=["shm", "tcp"],
+                        help="how decode workers fetch prompt KV from prefill workers: shm (through "
+                             "/dev/shm, the default: all workers share this host) or tcp")
     cluster.add_argument("--host", default="127.0.0.1", help="router address (default: 127.0.0.1)")
     cluster.add_argument("--port", type=int, default=8000, help="router port (default: 8000)")
     cluster.add_argument(
@@ -210,6 +213,10 @@ def plan_cluster(
         ]
         if role_flag:
             argv += ["--role", role]
+            if role != "decode" and args.kv_transfer != "tcp":
+                # Every worker shares this host: decode workers copy prompt KV straight out
+                # of the prefill worker's cache file instead of over a socket.
+                argv += ["--kv-transfer-shm"]
         workers.append(
             ProcessPlan(name, f"http://127.0.0.1:{port}", tuple(argv), log_dir / f"{name}.log")
         )

@@ -59,7 +59,14 @@ from tandem.bench.serve_workloads import (
 
 logger = logging.getLogger(__name__)
 
-LAUNCHABLE = ("tandem", "vllm")
+LAUNCHABLE = ("tandem", "routed", "colocated", "pd", "vllm")
+# `tandem up` clusters behind the router: one colocated worker (the router's own cost beside
+# --launch tandem), two colocated workers, and one prefill + one decode worker.
+CLUSTERS = {
+    "routed": ["--workers", "1"],
+    "colocated": ["--workers", "2"],
+    "pd": ["--prefill-workers", "1", "--decode-workers", "1"],
+}
 DEFAULT_MODEL = (
     "smollm2-135m"  # the alias tandem.loader.resolve knows (kept here: no loader import)
 )
@@ -88,7 +95,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="ENGINE",
-        help="start and measure a server: tandem and/or vllm (repeatable or comma-separated)",
+        help="start and measure a server: tandem (one `tandem serve`), routed (router + 1 "
+        "worker), colocated (router + 2 workers), pd (router + 1 prefill + 1 decode worker), "
+        "vllm (repeatable or comma-separated); clusters split the cores among their workers",
     )
     targets.add_argument(
         "--model",
@@ -426,6 +435,26 @@ def tandem_command(
     return cmd + shlex.split(args.tandem_args)
 
 
+def cluster_command(args: argparse.Namespace, port: int, kind: str) -> list[str]:
+    """`tandem up` for a cluster target: the same engine flags as --launch tandem, per worker.
+
+    Threads: each worker gets the cores divided by the number of workers (tandem up's own
+    default) unless --threads is given, so every target runs on the same cores in total.
+    """
+    cmd = [sys.executable, "-m", "tandem", "up", args.model, "--port", str(port), *CLUSTERS[kind]]
+    for flag, value in (
+        ("--kv-cache-memory", args.kv_cache_memory),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--max-model-len", args.max_model_len),
+    ):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if kind == "routed" and args.threads:
+        cmd += ["--threads", str(args.threads)]
+    return cmd
+
+
 def vllm_command(
     args: argparse.Namespace, port: int, hf_dir: Path, served_name: str, kv_bytes: int
 ) -> list[str]:
@@ -586,8 +615,12 @@ def build_server(
     target: Target, args: argparse.Namespace, ctx: LaunchContext, log_dir: Path
 ) -> LaunchedServer:
     port = free_port()
-    if target.launch == "tandem":
-        cmd, env = tandem_command(args, port, ctx.tandem_options), dict(os.environ)
+    if target.launch in ("tandem", *CLUSTERS):
+        if target.launch == "tandem":
+            cmd = tandem_command(args, port, ctx.tandem_options)
+        else:
+            cmd = cluster_command(args, port, target.launch)
+        env = dict(os.environ)
         env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
         env["PYTHONUNBUFFERED"] = "1"  # the log shows progress as it happens
     else:
