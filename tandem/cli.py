@@ -221,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    from tandem.router.cli import add_route_parser
+    from tandem.up import add_up_parser
+
+    add_up_parser(commands)
     serve = commands.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
         description="Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
@@ -229,12 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(handler=cmd_serve)
-
-    from tandem.router.cli import add_route_parser
-    from tandem.up import add_up_parser
-
     add_route_parser(commands)
-    add_up_parser(commands)
+
 
     generate = commands.add_parser("generate", help="complete prompts offline and print the text",
                                    description="Complete prompts (batched together) and print the completions.")

@@ -147,10 +147,18 @@ def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: i
     raise ValueError(f"unknown engine {engine!r}")
 
 
-def _vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None) -> dict[str, str]:
+def vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None,
+             in_process_engine: bool = True) -> dict[str, str]:
+    """The environment of a vLLM peer: its venv alone, the KV size from the flag only.
+
+    `in_process_engine` keeps vLLM's V1 engine core in the driver process (the offline
+    bench times one process); its OpenAI server keeps the default, a separate process.
+    """
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the vLLM venv must not see this venv's packages
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override the KV budget given as a flag
+    if in_process_engine:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if threads:  # vLLM keeps torch at 1 thread for serving unless OMP_NUM_THREADS is set
         env["OMP_NUM_THREADS"] = str(threads)
     if preload_iomp:
@@ -170,7 +178,7 @@ def _command(engine: str, args: argparse.Namespace, scratch: Path) -> tuple[list
     driver = scratch / "vllm_offline_driver.py"
     if not driver.exists():
         shutil.copyfile(_WORKER, driver)  # stdlib-only at module level: runs without tandem
-    return [args.vllm_python, str(driver)], _vllm_env(args.vllm_python, not args.vllm_no_iomp_preload, args.threads)
+    return [args.vllm_python, str(driver)], vllm_env(args.vllm_python, not args.vllm_no_iomp_preload, args.threads)
 
 
 def run_one(engine: str, workload: Workload, args: argparse.Namespace, hf_dir: Path, kv_bytes: int,

@@ -490,21 +490,11 @@ def vllm_command(
 
 
 def vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None) -> dict[str, str]:
-    """The environment of the vLLM server: its venv alone, the KV size from the flag only.
+    """As for `tandem bench offline`, but the OpenAI server keeps its engine core in a
+    process of its own (vLLM's default)."""
+    from tandem.bench.offline import vllm_env as peer_env
 
-    As in `tandem bench offline`, but V1 multiprocessing stays at vLLM's default: the
-    OpenAI server runs its engine core in a separate process.
-    """
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # the vLLM venv must not see this venv's packages
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes
-    if threads:  # vLLM keeps torch at 1 thread for serving unless OMP_NUM_THREADS is set
-        env["OMP_NUM_THREADS"] = str(threads)
-    if preload_iomp:
-        iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"
-        if iomp.is_file():
-            env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
-    return env
+    return peer_env(vllm_python, preload_iomp, threads, in_process_engine=False)
 
 
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
