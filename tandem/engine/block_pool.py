@@ -25,7 +25,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -35,6 +35,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        # KV events for routers (DESIGN.md): ("stored" | "removed", hash) or ("cleared", 0), in
+        # order, until drained. Off unless someone drains them (an engine core behind a server).
+        self.record_events = record_events
+        self.events: list[tuple[str, int]] = []
 
     # --- accounting -----------------------------------------------------------------
     @property
@@ -107,7 +111,13 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        if self.record_events:
+            self.events.append(("stored", block_hash))
         return True
+
+    def drain_events(self) -> list[tuple[str, int]]:
+        events, self.events = self.events, []
+        return events
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""
@@ -115,6 +125,8 @@ class BlockPool:
             return False
         for block in self.blocks:
             self._evict(block)
+        if self.record_events:
+            self.events = [("cleared", 0)]
         return True
 
     def _evict(self, block: KVBlock) -> None:
@@ -122,5 +134,7 @@ class BlockPool:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
                 self.num_evictions += 1
+                if self.record_events:
+                    self.events.append(("removed", block.block_hash))
             block.block_hash = None
             block.token_ids = None

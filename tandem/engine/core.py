@@ -85,6 +85,7 @@ class EngineInfo:
     num_blocks: int
     startup_seconds: float
     pid: int
+    root_hash: int = 0  # of the block-hash chain (DESIGN.md), for routers hashing prompts
     role: str = "both"
     kv_source: str | None = None  # tcp://host:port of this worker's KV source
 
@@ -122,6 +123,7 @@ class CoreOutputs:
     deltas: list[RequestDelta] = field(default_factory=list)
     load: EngineLoad | None = None
     reset_prefix_cache: bool | None = None
+    kv_events: list[tuple[str, int]] = field(default_factory=list)  # the block pool's, in order
 
 
 class _DeltaTracker:
@@ -214,7 +216,8 @@ class EngineCore:
             if self._running and self.engine.has_unfinished():
                 self._step(out)
                 changed = True
-            if changed:
+            out.kv_events = self.engine.block_pool.drain_events()
+            if changed or out.kv_events:
                 out.load = self._load()
                 self.outputs.send_pyobj(out)
 
@@ -422,9 +425,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         num_blocks=engine.block_pool.num_blocks,
         startup_seconds=engine.startup_seconds,
         pid=os.getpid(),
+        root_hash=engine.kv_manager.root_hash,
         role=config.kv_transfer.role,
         kv_source=None if source is None else f"tcp://{source.host}:{source.port}",
     ))
+    engine.block_pool.record_events = True  # the server publishes them at /kv/events
     started = time.monotonic()
     try:
         EngineCore(engine, inputs, outputs, parent_pid, source, sink).run()

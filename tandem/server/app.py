@@ -117,6 +117,15 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             "kv_transfer": current.kv_transfer,
         }
 
+    @app.get("/kv/events")
+    async def kv_events(request: Request, since: int = 0, limit: int = 1000) -> dict[str, Any]:
+        """Stored / removed block hashes after event `since` (DESIGN.md); `gap` means resync."""
+        return state(request).client.kv_events.since(since, max(1, min(limit, 10_000)))
+
+    @app.get("/kv/snapshot")
+    async def kv_snapshot(request: Request) -> dict[str, Any]:
+        return state(request).client.kv_events.snapshot()
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -161,8 +170,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt", "invalid_value")
         if body.messages is not None:
-            prompt = render_chat_prompt(serving.tokenizer, body.messages, None, None, serving.tool_parser,
-                                        body.add_generation_prompt)
+            prompt = render_chat_prompt(serving.tokenizer, body.messages, body.tools, body.tool_choice,
+                                        serving.tool_parser, body.add_generation_prompt)
             tokens = serving.encode(prompt.text, add_special_tokens=False)
         else:
             tokens = serving.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)

@@ -40,6 +40,7 @@ from tandem.engine.core import (
     Shutdown,
     run_engine_core,
 )
+from tandem.kvcache.events import KVEventLog
 from tandem.types import EngineLoad, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class AsyncEngineClient:
         self.process = process
         self.info = info
         self.load = EngineLoad(kv_blocks_total=info.num_blocks)
+        self.kv_events = KVEventLog(info.root_hash, info.block_size)
         self._contexts = contexts
         self._inputs = inputs
         self._outputs = outputs
@@ -235,6 +237,8 @@ class AsyncEngineClient:
                 continue
             if message.load is not None:
                 self.load = message.load
+            if message.kv_events:
+                self.kv_events.append(message.kv_events)
             if message.reset_prefix_cache is not None and self._reset_waiters:
                 self._reset_waiters.pop(0).set_result(message.reset_prefix_cache)
             for delta in message.deltas:

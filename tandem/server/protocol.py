@@ -208,9 +208,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
+    """A prompt, or chat fields (with tools) rendered exactly as a chat request would be."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
