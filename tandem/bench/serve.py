@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -98,6 +99,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="start and measure a server: tandem (one `tandem serve`), routed (router + 1 "
         "worker), colocated (router + 2 workers), pd (router + 1 prefill + 1 decode worker), "
         "vllm (repeatable or comma-separated); clusters split the cores among their workers",
+    )
+    targets.add_argument(
+        "--policies",
+        action="append",
+        default=[],
+        metavar="POLICY",
+        help="compare router policies, each on its own `tandem up --workers N` cluster: "
+        f"{', '.join(POLICY_TARGETS)} (session and kv_aware+header send x-session-affinity; "
+        "repeatable or comma-separated)",
+    )
+    targets.add_argument(
+        "--policy-workers", type=int, default=3, metavar="N",
+        help="colocated workers behind the router of each --policies target (default: 3)",
     )
     targets.add_argument(
         "--model",
@@ -300,11 +314,36 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 @dataclass(frozen=True)
 class Target:
-    """A server to measure: running at ``url``, or to be launched (``launch`` = engine)."""
+    """A server to measure: running at ``url``, or to be launched (``launch`` = engine).
+
+    A ``policy`` target is a `tandem up` cluster of ``--policy-workers`` colocated workers
+    whose router uses that routing policy; ``session_header`` sends x-session-affinity.
+    """
 
     name: str
     url: str | None = None
     launch: str | None = None
+    policy: str | None = None
+    session_header: bool | None = None  # None: the --session-header flag
+
+
+POLICY_TARGETS = {
+    # target name: (router policy, send x-session-affinity)
+    "round_robin": ("round_robin", False),
+    "least_tokens": ("least_tokens", False),
+    "session": ("session", True),
+    "kv_aware": ("kv_aware", False),
+    "kv_aware+header": ("kv_aware", True),
+}
+
+
+def plan_policy_targets(policies: list[str]) -> list[Target]:
+    wanted = [x.strip() for item in policies for x in item.split(",") if x.strip()]
+    bad = [p for p in wanted if p not in POLICY_TARGETS]
+    if bad:
+        raise ValueError(f"--policies {', '.join(bad)}: choose from {', '.join(POLICY_TARGETS)}")
+    return [Target(name, launch="policy", policy=POLICY_TARGETS[name][0],
+                   session_header=POLICY_TARGETS[name][1]) for name in wanted]
 
 
 def parse_url_target(text: str) -> Target:
@@ -318,7 +357,7 @@ def parse_url_target(text: str) -> Target:
     return Target(name or parsed.netloc, url=url.rstrip("/"))
 
 
-def plan_targets(urls: list[str], launches: list[str]) -> list[Target]:
+def plan_targets(urls: list[str], launches: list[str], policies: list[str] = ()) -> list[Target]:
     """Launched targets first (tandem before vllm: tandem is the reference), then the URLs."""
     wanted = {x.strip() for item in launches for x in item.split(",") if x.strip()}
     bad = wanted - set(LAUNCHABLE)
@@ -326,6 +365,7 @@ def plan_targets(urls: list[str], launches: list[str]) -> list[Target]:
         raise ValueError(f"--launch {', '.join(sorted(bad))}: choose from {', '.join(LAUNCHABLE)}")
     targets = [Target(engine, launch=engine) for engine in LAUNCHABLE if engine in wanted]
     targets += [parse_url_target(u) for u in urls]
+    targets += plan_policy_targets(policies)
     if not targets:
         raise ValueError("give at least one target: --url URL or --launch tandem/vllm")
     names = [t.name for t in targets]
@@ -435,13 +475,14 @@ def tandem_command(
     return cmd + shlex.split(args.tandem_args)
 
 
-def cluster_command(args: argparse.Namespace, port: int, kind: str) -> list[str]:
+def cluster_command(args: argparse.Namespace, port: int, kind: str, policy: str | None = None) -> list[str]:
     """`tandem up` for a cluster target: the same engine flags as --launch tandem, per worker.
 
     Threads: each worker gets the cores divided by the number of workers (tandem up's own
     default) unless --threads is given, so every target runs on the same cores in total.
     """
-    cmd = [sys.executable, "-m", "tandem", "up", args.model, "--port", str(port), *CLUSTERS[kind]]
+    shape = CLUSTERS[kind] if policy is None else ["--workers", str(args.policy_workers), "--policy", policy]
+    cmd = [sys.executable, "-m", "tandem", "up", args.model, "--port", str(port), *shape]
     for flag, value in (
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--max-num-seqs", args.max_num_seqs),
@@ -605,11 +646,11 @@ def build_server(
     target: Target, args: argparse.Namespace, ctx: LaunchContext, log_dir: Path
 ) -> LaunchedServer:
     port = free_port()
-    if target.launch in ("tandem", *CLUSTERS):
+    if target.launch in ("tandem", "policy", *CLUSTERS):
         if target.launch == "tandem":
             cmd = tandem_command(args, port, ctx.tandem_options)
         else:
-            cmd = cluster_command(args, port, target.launch)
+            cmd = cluster_command(args, port, target.launch, target.policy)
         env = dict(os.environ)
         env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
         env["PYTHONUNBUFFERED"] = "1"  # the log shows progress as it happens
@@ -647,6 +688,12 @@ def _vllm_version(vllm_python: str) -> str | None:
 
 
 # --- running -------------------------------------------------------------------------------
+
+
+def _for_target(config: LoadConfig, target: Target) -> LoadConfig:
+    if target.session_header is None:
+        return config
+    return dataclasses.replace(config, session_header=target.session_header)
 
 
 def measure(
@@ -699,6 +746,19 @@ def goal_line(outcomes: list[TargetOutcome], workload: str) -> str | None:
     )
 
 
+def policy_goal_line(outcomes: list[TargetOutcome]) -> str | None:
+    """Issue 5's goal: kv_aware without the header caches >= 90% of prompt tokens, within 3
+    points of session affinity, and both well above round robin."""
+    pct = {o.name: o.metrics.get("cached_pct") for o in outcomes if o.ok}
+    kv, session, rr = pct.get("kv_aware"), pct.get("session"), pct.get("round_robin")
+    if kv is None or session is None:
+        return None
+    ok = kv >= 90.0 and kv >= session - 3.0 and (rr is None or min(kv, session) > rr + 10.0)
+    versus = f", round_robin {rr:.1f}%" if rr is not None else ""
+    return (f"goal (policies): kv_aware {kv:.1f}% cached without the header, session {session:.1f}%"
+            f"{versus}: {'met' if ok else 'NOT met'}")
+
+
 def _args_json(args: argparse.Namespace) -> dict[str, Any]:
     return {
         k: v for k, v in vars(args).items() if k not in ("handler", "api_key") and not callable(v)
@@ -711,7 +771,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # httpx logs every request at INFO: thousands of lines that would bury the progress bar
     httpx_logger = logging.getLogger("httpx")
     httpx_logger.setLevel(max(httpx_logger.getEffectiveLevel(), logging.WARNING))
-    targets = plan_targets(args.url, args.launch)
+    targets = plan_targets(args.url, args.launch, args.policies)
     config = load_config(args)
     ctx = LaunchContext(served_name=args.served_model_name or args.model)
     tokenizer = args.tokenizer
@@ -775,7 +835,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 server.start()
                 ready = server.wait_ready(args.server_timeout)
                 logger.info("%s ready on %s after %.1f s", target.name, server.base_url, ready)
-                outcome = measure(target, server.base_url, workload, config, warmup)
+                outcome = measure(target, server.base_url, workload, _for_target(config, target), warmup)
             except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
                 outcome = TargetOutcome(
                     target.name, server.base_url if server else "", error=str(exc)
@@ -806,9 +866,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"{os.cpu_count()} CPUs"
     )
     table = format_table(outcomes, title)
-    goal = goal_line(outcomes, workload.name)
-    if goal:
-        table += "\n" + goal
+    for goal in (goal_line(outcomes, workload.name), policy_goal_line(outcomes)):
+        if goal:
+            table += "\n" + goal
     report = build_report(
         outcomes,
         workload=workload.summary(),

@@ -23,6 +23,8 @@ from tandem.bench.load_client import RunResult
 
 SCHEMA = "tandem.bench.serve/1"
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
+PRICE_INPUT = 0.10  # $ per 1M uncached prompt tokens, for the cost row
+PRICE_CACHED_INPUT = 0.025  # $ per 1M cached prompt tokens (a 75% discount)
 STATS = ("mean", "p50", "p90", "p99")
 
 # (key, label, higher is better or None for no ratio)
@@ -37,6 +39,7 @@ TABLE_ROWS: tuple[tuple[str, str, bool | None], ...] = (
     *((f"tpot_{s}_ms", f"TPOT {s} ms", False) for s in ("mean", "p50")),
     *((f"e2e_{s}_ms", f"end-to-end {s} ms", False) for s in STATS),
     ("cached_pct", "cached prompt tokens %", True),
+    ("input_cost_per_m", "input $ per 1M prompt tokens", False),
     ("prompt_tokens", "prompt tokens (usage)", None),
     ("completion_tokens", "output tokens (usage)", None),
     ("duration_s", "duration s", False),
@@ -129,6 +132,12 @@ def compute_metrics(result: RunResult) -> dict[str, Any]:
     }
     metrics["cached_pct"] = (
         None if metrics["cached_ratio"] is None else 100 * metrics["cached_ratio"]
+    )
+    # What the prompt tokens cost with cached ones discounted (illustrative list prices,
+    # PRICE_INPUT / PRICE_CACHED_INPUT per 1M tokens): the cached ratio in dollars.
+    metrics["input_cost_per_m"] = (
+        None if metrics["cached_ratio"] is None
+        else PRICE_INPUT * (1 - metrics["cached_ratio"]) + PRICE_CACHED_INPUT * metrics["cached_ratio"]
     )
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e)):
         metrics.update(_stats_ms(name, values))
