@@ -749,7 +749,7 @@ def goal_line(outcomes: list[TargetOutcome], workload: str) -> str | None:
 def policy_goal_line(outcomes: list[TargetOutcome]) -> str | None:
     """Issue 5's goal: kv_aware without the header caches >= 90% of prompt tokens, within 3
     points of session affinity, and both well above round robin."""
-    pct = {o.name: o.metrics.get("cached_pct") for o in outcomes if o.ok}
+    pct = {o.name: o.metrics.get("cached_pct") for o in outcomes if o.error is None and o.metrics}
     kv, session, rr = pct.get("kv_aware"), pct.get("session"), pct.get("round_robin")
     if kv is None or session is None:
         return None

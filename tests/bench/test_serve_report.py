@@ -371,3 +371,32 @@ def test_launched_server_that_dies_reports_its_log(tmp_path: Path) -> None:
     finally:
         slow.stop(grace_s=1)
     assert slow.proc is not None and slow.proc.poll() is not None
+
+
+def test_cluster_and_policy_targets() -> None:
+    from tandem.bench.serve import _for_target, cluster_command, policy_goal_line
+
+    targets = plan_targets([], ["pd,colocated"], ["round_robin,kv_aware+header"])
+    assert [t.name for t in targets] == ["colocated", "pd", "round_robin", "kv_aware+header"]
+    policy = targets[3]
+    assert policy.launch == "policy" and policy.policy == "kv_aware" and policy.session_header
+    with pytest.raises(ValueError):
+        plan_targets([], [], ["random"])
+    args = _args("--policies", "kv_aware", "--policy-workers", "3", "--kv-cache-memory", "96MiB")
+    cmd = cluster_command(args, 4321, "policy", "kv_aware")
+    assert cmd[3:5] == ["up", "smollm2-135m"]
+    assert cmd[cmd.index("--workers") + 1] == "3" and cmd[cmd.index("--policy") + 1] == "kv_aware"
+    assert cmd[cmd.index("--kv-cache-memory") + 1] == "96MiB"
+    pd = cluster_command(args, 4321, "pd")
+    assert pd[pd.index("--prefill-workers") + 1] == "1" and "--policy" not in pd
+    config = load_config(args)
+    assert _for_target(config, policy).session_header and not _for_target(config, targets[2]).session_header
+
+    def outcome(name: str, cached_pct: float) -> TargetOutcome:
+        return TargetOutcome(name, "", metrics={"cached_pct": cached_pct})
+
+    met = [outcome("round_robin", 55.0), outcome("session", 92.0), outcome("kv_aware", 91.0)]
+    assert policy_goal_line(met).endswith(": met")
+    missed = [outcome("round_robin", 55.0), outcome("session", 95.0), outcome("kv_aware", 88.0)]
+    assert policy_goal_line(missed).endswith("NOT met")
+    assert policy_goal_line([outcome("session", 90.0)]) is None
