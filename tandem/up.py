@@ -34,6 +34,14 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tandem.router.accounting_flags import (
+    accounting_argv,
+    accounting_config,
+    add_accounting_args,
+    check_accounting,
+)
+from tandem.router.policy_flags import add_policy_args, policy_argv
+
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 300.0
@@ -99,6 +107,8 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"per start-up phase (default: {_START_TIMEOUT_S:.0f})",
     )
+    add_policy_args(parser, full=False)  # passed on to the router
+    add_accounting_args(parser, worker_key=False)  # passed to the router
     roles = parser.add_argument_group("per-role engine flags (override the engine flags above)")
     for role, names in _ROLE_OVERRIDES.items():
         for name in names:
@@ -129,6 +139,7 @@ class ClusterPlan:
     workers: tuple[ProcessPlan, ...]
     log_dir: Path
     role_flag: bool
+    api_keys: bool = False  # the router wants a key: the banner's examples say so
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -229,17 +240,21 @@ def plan_cluster(
         str(args.port),
         "--pd-min-prompt-tokens",
         str(args.pd_min_prompt_tokens),
+        *policy_argv(args),
     ]
     flags = {"prefill": "--prefill", "decode": "--decode", "both": "--worker"}
     for role, worker in zip(roles, workers, strict=True):
         router_argv += [flags[role], worker.url]
     if tokenizer_dir is not None:
         router_argv += ["--tokenizer", str(tokenizer_dir)]
+    router_argv += accounting_argv(args)
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     router = ProcessPlan(
         "router", f"http://{shown_host}:{args.port}", tuple(router_argv), log_dir / "router.log"
     )
-    return ClusterPlan(args.model, router, tuple(workers), log_dir, role_flag)
+    return ClusterPlan(
+        args.model, router, tuple(workers), log_dir, role_flag, args.api_keys is not None
+    )
 
 
 def serve_supports_role() -> bool:
@@ -446,15 +461,17 @@ def banner(plan: ClusterPlan) -> str:
             "workers compute each request)"
         )
     chat = json.dumps({"model": plan.model, "messages": [{"role": "user", "content": "Hello!"}]})
+    auth = " -H 'Authorization: Bearer $KEY'" if plan.api_keys else ""
+    client_key = "<KEY>" if plan.api_keys else "unused"
     lines += [
         "",
-        "curl:",
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        "curl:" + (" (KEY: a key from the --api-keys file)" if plan.api_keys else ""),
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
         f"    -d '{chat}'",
         "",
         "openai-python:",
         "  from openai import OpenAI",
-        f'  client = OpenAI(base_url="{url}/v1", api_key="unused")',
+        f'  client = OpenAI(base_url="{url}/v1", api_key="{client_key}")',
         "  reply = client.chat.completions.create(",
         f'      model="{plan.model}", messages=[{{"role": "user", "content": "Hello!"}}])',
         "  print(reply.choices[0].message.content)",
@@ -468,6 +485,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tandem.loader.resolve import resolve_model
 
     worker_roles(args)  # bad counts fail before anything starts
+    check_accounting(accounting_config(args))  # so do bad price / key files
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     _check_port_free(args.host, args.port)
     # Resolve (and, for a GGUF, convert) once here rather than in N workers at once; the

@@ -97,6 +97,32 @@ def test_plan_colocated_workers_and_thread_split(tmp_path: Path) -> None:
     )
 
 
+def test_plan_passes_pricing_ledger_and_keys_to_the_router(tmp_path: Path) -> None:
+    default = list(plan_cluster(_args(), None, role_flag=True, free_port=_ports()).router.argv)
+    assert default[default.index("--ledger") + 1] == "tandem-usage.sqlite3"
+    assert "--api-keys" not in default and "--prices" not in default
+    args = _args(
+        "--prices",
+        "p.json",
+        "--api-keys",
+        "keys.txt",
+        "--no-ledger",
+        "--usage-admin",
+        "ops",
+        "--log-dir",
+        str(tmp_path),
+    )
+    plan = plan_cluster(args, None, role_flag=True, free_port=_ports())
+    router = list(plan.router.argv)
+    assert router[router.index("--prices") + 1] == "p.json"
+    assert router[router.index("--api-keys") + 1] == "keys.txt"
+    assert router[router.index("--usage-admin") + 1] == "ops"
+    assert "--no-ledger" in router and "--ledger" not in router
+    assert all("--api-keys" not in w.argv for w in plan.workers)  # workers get no router flags
+    text = banner(plan)
+    assert "-H 'Authorization: Bearer $KEY'" in text and 'api_key="<KEY>"' in text
+
+
 def test_engine_argv_repeats_only_what_was_set() -> None:
     assert engine_argv(_args()) == []
     argv = engine_argv(
@@ -143,6 +169,8 @@ def _start_up(tmp_path: Path, *argv: str) -> tuple[subprocess.Popen[str], str, P
             str(port),
             "--log-dir",
             str(tmp_path / "logs"),
+            "--ledger",
+            str(tmp_path / "usage.sqlite3"),
             *SMALL,
             *argv,
         ],

@@ -651,6 +651,8 @@ def build_server(
             cmd = tandem_command(args, port, ctx.tandem_options)
         else:
             cmd = cluster_command(args, port, target.launch, target.policy)
+            # The router's usage ledger goes with the run's logs, not into the working directory.
+            cmd += ["--ledger", str(log_dir / f"{target.name}-usage.sqlite3")]
         env = dict(os.environ)
         env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
         env["PYTHONUNBUFFERED"] = "1"  # the log shows progress as it happens

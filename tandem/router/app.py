@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (proxy.py), GET /v1/models (from a
 healthy worker), GET /health (200 while some worker can serve a whole request), GET /workers,
-POST /workers/reload (re-reads --config; SIGHUP does the same), GET /metrics.
+POST /workers/reload (re-reads --config; SIGHUP does the same), GET /metrics, GET /v1/usage
+(totals from the usage ledger, usage_api.py). With --api-keys, /v1/* needs a key (auth.py).
 
 Everything stateful (the httpx client, the worker registry, the health monitor, metrics) is
 built in the lifespan and hung on `app.state`: no module-level state, so tests can run
@@ -28,13 +29,20 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.router.accounting import load_keys, open_accounting
+from tandem.router.auth import ApiKeyMiddleware, ApiKeys, caller_of
 from tandem.router.config import RouterConfig, all_worker_specs
 from tandem.router.errors import RouterError, error_body
 from tandem.router.health import HealthMonitor
+from tandem.router.kv_events import KvEventPoller
+from tandem.router.kv_index import KvIndex
 from tandem.router.metrics import RouterMetrics
+from tandem.router.placement import Placement, PlacementMetrics
 from tandem.router.prompt_tokens import PromptCounter
 from tandem.router.proxy import WHOLE_ROLES, Proxy
+from tandem.router.tokenize import RemoteTokenizer
 from tandem.router.upstream import HopFailure, Upstream, make_client
+from tandem.router.usage_api import usage_report
 from tandem.router.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ class RouterState:
     metrics: RouterMetrics
     proxy: Proxy
     reload_lock: asyncio.Lock
+    kv_index: KvIndex
+    kv_events: KvEventPoller
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the worker file; workers that stay keep their health and load."""
@@ -56,6 +66,7 @@ class RouterState:
             specs = all_worker_specs(self.config)
             added, removed = self.registry.replace(specs)
             self.monitor.sync()
+            self.kv_events.sync()
             await asyncio.gather(*(self.monitor.probe(w) for w in added))
         logger.info(
             "worker list reloaded: %d workers (%d added, %d removed)",
@@ -66,7 +77,7 @@ class RouterState:
         return {"added": [w.url for w in added], "removed": [w.url for w in removed]}
 
 
-def build_state(config: RouterConfig) -> RouterState:
+def build_state(config: RouterConfig, keys: ApiKeys | None = None) -> RouterState:
     client = make_client(config.timeouts)
     registry = WorkerRegistry(all_worker_specs(config), config.health)
     monitor = HealthMonitor(registry, client, config.health, config.scoring)
@@ -89,18 +100,55 @@ def build_state(config: RouterConfig) -> RouterState:
         on_failure,
         lambda hop: metrics.retries.labels(hop).inc(),
     )
-    proxy = Proxy(config, registry, upstream, PromptCounter(config.tokenizer), metrics)
-    return RouterState(config, client, registry, monitor, metrics, proxy, asyncio.Lock())
+    kv_index = KvIndex()
+    placement_metrics = PlacementMetrics(metrics.registry, kv_index, registry)
+    kv_events = KvEventPoller(
+        registry,
+        client,
+        kv_index,
+        config.policy.kv_events_interval_s,
+        config.health.timeout_s,
+        lambda worker, reason: placement_metrics.resyncs.labels(worker.url, reason).inc(),
+    )
+    placement = Placement(
+        config.policy,
+        config.scoring,
+        registry,
+        kv_index,
+        RemoteTokenizer(client, config.policy.tokenize_timeout_s),
+        placement_metrics,
+        monitor.refresh_load,
+    )
+    accounting = open_accounting(
+        config.accounting,
+        keys,
+        lambda rows, ok: metrics.ledger_rows.labels("written" if ok else "failed").inc(rows),
+    )
+    proxy = Proxy(
+        config,
+        registry,
+        upstream,
+        PromptCounter(config.tokenizer),
+        metrics,
+        placement,
+        accounting=accounting,
+    )
+    return RouterState(
+        config, client, registry, monitor, metrics, proxy, asyncio.Lock(), kv_index, kv_events
+    )
 
 
 def build_app(config: RouterConfig) -> FastAPI:
+    keys = load_keys(config.accounting)  # a bad key file fails here, before serving
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = build_state(config)
+        state = build_state(config, keys)
         app.state.router = state
         background: set[asyncio.Task[Any]] = set()
         await state.monitor.probe_all()
         state.monitor.sync()
+        state.kv_events.sync()
         if config.install_sighup:
             _install_sighup(state, background)
         healthy = sum(w.healthy for w in state.registry.workers)
@@ -112,15 +160,20 @@ def build_app(config: RouterConfig) -> FastAPI:
             healthy,
             ", ".join(f"{w.role} {w.url}" for w in state.registry.workers) or "none",
         )
+        logger.info("%s", state.proxy.accounting.describe())
         try:
             yield
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await state.monitor.stop()
+            await state.kv_events.stop()
             await state.client.aclose()
+            # After the in-flight requests: every row they recorded is written before exit.
+            await asyncio.to_thread(state.proxy.accounting.close)
 
     app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_exception_handler(RouterError, _router_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
@@ -140,7 +193,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def models(request: Request) -> Response:
         state = state_of(request)
         workers = state.registry.pool(WHOLE_ROLES) + state.registry.pool(("prefill",))
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        headers = state.proxy.accounting.worker_headers(request.headers)
         for worker in workers:
             try:
                 reply = await state.client.get(
@@ -159,6 +212,11 @@ def build_app(config: RouterConfig) -> FastAPI:
                 )
         raise RouterError(503, "no healthy worker answered GET /v1/models", "no_healthy_worker")
 
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> dict[str, Any]:
+        accounting = state_of(request).proxy.accounting
+        return await usage_report(accounting, caller_of(request), request.query_params)
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         state = state_of(request)
@@ -174,8 +232,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/workers")
     async def workers(request: Request) -> dict[str, Any]:
-        now = time.monotonic()
-        return {"workers": [w.describe(now) for w in state_of(request).registry.workers]}
+        return {"workers": _describe_workers(state_of(request))}
 
     @app.post("/workers/reload")
     async def reload(request: Request) -> dict[str, Any]:
@@ -186,14 +243,21 @@ def build_app(config: RouterConfig) -> FastAPI:
             raise RouterError(
                 400, f"cannot reload the worker list: {exc}", "invalid_config"
             ) from exc
-        now = time.monotonic()
-        return {**change, "workers": [w.describe(now) for w in state.registry.workers]}
+        return {**change, "workers": _describe_workers(state)}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _describe_workers(state: RouterState) -> list[dict[str, Any]]:
+    """Each worker's state and load, plus what the KV index holds for it (`kv`)."""
+    now = time.monotonic()
+    return [
+        {**w.describe(now), "kv": state.kv_index.describe(w.url)} for w in state.registry.workers
+    ]
 
 
 def _install_sighup(state: RouterState, background: set[asyncio.Task[Any]]) -> None:

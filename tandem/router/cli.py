@@ -6,6 +6,11 @@ import argparse
 import logging
 from pathlib import Path
 
+from tandem.router.accounting_flags import (
+    accounting_config,
+    add_accounting_args,
+    check_accounting,
+)
 from tandem.router.config import (
     HealthPolicy,
     RetryPolicy,
@@ -15,14 +20,18 @@ from tandem.router.config import (
     all_worker_specs,
     specs_from_lists,
 )
+from tandem.router.policy_flags import add_policy_args, policy_config
 
 _DESCRIPTION = """\
 One OpenAI endpoint in front of tandem workers. Long prompts are split into a prefill hop
 (on a --prefill worker, max_tokens=1) and a decode hop (on a --decode or --worker worker) and
 merged into one response; short prompts, n>1 and logprobs go whole to one decode/colocated
-worker. Workers are chosen by tokens (queued prefill tokens; KV in use), polled every
---health-interval seconds, marked down after --down-after failures and up after --up-after
-successes. Failures before the client saw a byte are retried on another worker.
+worker. By default (--policy kv_aware) the first hop goes to the worker that already holds
+the longest prefix of the prompt's KV, weighed against its queue; requests with an
+x-session-affinity header (or --affinity-header, or a `user` field) stick to one worker by
+consistent hashing with bounded loads. Workers are polled every --health-interval seconds,
+marked down after --down-after failures and up after --up-after successes. Failures before
+the client saw a byte are retried on another worker.
 
 Worker file (--config, JSON or YAML; POST /workers/reload or SIGHUP re-reads it):
   {"prefill": ["http://10.0.0.1:8001"], "decode": ["http://10.0.0.2:8001"], "worker": []}
@@ -158,6 +167,8 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"longest silence between stream chunks (default: {Timeouts.idle_s})",
     )
+    add_policy_args(parser)
+    add_accounting_args(parser)
     parser.set_defaults(handler=cmd_route)
 
 
@@ -175,6 +186,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         timeouts=Timeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout),
         retry=RetryPolicy(args.max_attempts, args.retry_backoff),
         scoring=ScoringConfig(decode_sequence_weight=args.decode_sequence_weight),
+        policy=policy_config(args),
+        accounting=accounting_config(args),
         install_sighup=True,
         log_level=args.log_level.lower(),
         access_log=args.access_log,
@@ -188,6 +201,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     if config.config_file is not None and not config.config_file.is_file():
         raise FileNotFoundError(f"worker file not found: {config.config_file}")
     all_worker_specs(config)  # a broken file is a clear error now, not a failed start-up
+    check_accounting(config.accounting)  # so are a bad price or key file, or ledger path
     from tandem.router.app import run_router
 
     # One line per poll would drown the router's own log lines.

@@ -69,6 +69,45 @@ class ScoringConfig:
     reflect_delay_s: float = 0.25
 
 
+PolicyName = Literal["round_robin", "least_tokens", "session", "kv_aware"]
+POLICIES: tuple[PolicyName, ...] = ("kv_aware", "least_tokens", "session", "round_robin")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How a request's worker is chosen; the rules and formula are in router/policies.py."""
+
+    name: PolicyName = "kv_aware"
+    # Read after x-session-affinity and before the body's `user` field.
+    affinity_header: str | None = None
+    # Bounded loads: no worker above ceil(c × average in-flight requests) takes a new one.
+    balance_factor: float = 1.25
+    virtual_nodes: int = 150
+    # w in kv_aware's cost = (w × prefill tokens + decode tokens) / block size.
+    prefill_weight: float = 1.0
+    tokenize_timeout_s: float = 2.0
+    kv_events_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
+        if self.balance_factor < 1.0:
+            raise ValueError(f"--balance-factor must be >= 1, got {self.balance_factor}")
+        if self.virtual_nodes < 1 or self.prefill_weight < 0:
+            raise ValueError("virtual_nodes must be >= 1 and --prefill-weight >= 0")
+
+
+@dataclass(frozen=True)
+class AccountingConfig:
+    """Prices, the usage ledger and API keys (pricing.py, ledger.py, auth.py)."""
+
+    prices_file: Path | None = None  # None: every model is free (costs reported as 0)
+    ledger_path: Path | None = None  # None: no ledger (`tandem route` defaults to a file)
+    api_keys_file: Path | None = None  # None: no keys; every caller is "anonymous"
+    worker_api_key: str | None = field(default=None, repr=False)
+    usage_admins: tuple[str, ...] = ()  # identities that may read everyone's /v1/usage
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
@@ -83,6 +122,8 @@ class RouterConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
     install_sighup: bool = False  # only the main thread of a `tandem route` process may
     log_level: str = "info"
     access_log: bool = False

@@ -4,6 +4,12 @@ One task per worker (not one loop over all) so that a hung worker, whose polls e
 full timeout, does not make every other worker's load figures stale. Requests that fail to
 reach a worker count as failed probes too, so a dead worker goes down within a few requests
 even between polls.
+
+When a request through this router ends on a worker, the last /load still counts it (as
+running KV tokens, say) until the next poll: `refresh_load` polls that worker's /load at once,
+so the next placement does not see the load of a request that is already gone. This matters
+most for kv_aware routing, where a conversation's previous turn, still counted as load, would
+otherwise cancel out exactly the cache hit its next turn should get there.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class HealthMonitor:
         self.policy = policy
         self.scoring = scoring
         self._tasks: dict[Worker, asyncio.Task[None]] = {}
+        self._refreshing: set[Worker] = set()
+        self._refresh_again: set[Worker] = set()
+        self._refreshes: set[asyncio.Task[None]] = set()
 
     def record(self, worker: Worker, ok: bool, reason: str = "") -> None:
         """Count one outcome and log the transitions (the only place that does)."""
@@ -63,16 +72,40 @@ class HealthMonitor:
         except httpx.HTTPError as exc:
             ok, reason = False, f"{type(exc).__name__}: {exc}".rstrip(": ")
         self.record(worker, ok, reason)
-        if not ok:
-            return
+        if ok:
+            await self._poll_load(worker, started)
+
+    async def _poll_load(self, worker: Worker, started: float) -> None:
         try:
-            response = await self.client.get(f"{worker.url}/load", timeout=timeout)
+            response = await self.client.get(
+                f"{worker.url}/load", timeout=httpx.Timeout(self.policy.timeout_s)
+            )
             if response.status_code == 200:
                 worker.on_load(
                     LoadSnapshot.from_json(response.json()), started, self.scoring.reflect_delay_s
                 )
         except (httpx.HTTPError, ValueError) as exc:
             logger.debug("GET %s/load failed: %s", worker.url, exc)
+
+    def refresh_load(self, worker: Worker) -> None:
+        """Poll the worker's /load now; one poll at a time, another after it if asked again."""
+        if worker in self._refreshing:
+            self._refresh_again.add(worker)
+            return
+        self._refreshing.add(worker)
+        task = asyncio.create_task(self._refresh(worker), name=f"refresh {worker.url}")
+        self._refreshes.add(task)
+        task.add_done_callback(self._refreshes.discard)
+
+    async def _refresh(self, worker: Worker) -> None:
+        try:
+            while True:
+                self._refresh_again.discard(worker)
+                await self._poll_load(worker, time.monotonic())
+                if worker not in self._refresh_again:
+                    return
+        finally:
+            self._refreshing.discard(worker)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self.registry.workers))
@@ -98,7 +131,7 @@ class HealthMonitor:
                 logger.exception("polling %s failed", worker.url)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._refreshes]
         self._tasks.clear()
         for task in tasks:
             task.cancel()

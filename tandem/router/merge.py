@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -285,6 +286,7 @@ class ChunkRewriter:
     The router always asks workers for usage (so it can count tokens); `include_usage` says
     whether the client asked, and if not the usage fields and the usage-only chunk go.
     `drop_role` removes the worker's role delta when the router already sent one.
+    `on_usage` decorates the merged usage (the router adds its price there).
     """
 
     def __init__(
@@ -293,11 +295,13 @@ class ChunkRewriter:
         include_usage: bool,
         drop_role: bool,
         prefill_usage: dict[str, Any] | None = None,
+        on_usage: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.identity = identity
         self.include_usage = include_usage
         self.drop_role = drop_role
         self.prefill_usage = prefill_usage
+        self.on_usage = on_usage
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
 
@@ -306,6 +310,8 @@ class ChunkRewriter:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             usage = merged_usage(self.prefill_usage, usage)
+            if self.on_usage is not None:
+                usage = self.on_usage(usage)
             self.usage = usage
         if self.include_usage:
             out["usage"] = usage

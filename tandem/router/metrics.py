@@ -107,6 +107,12 @@ class RouterMetrics:
         self.retries = Counter(
             "tandem_router_retries", "hops retried on another worker", ["hop"], registry=r
         )
+        self.ledger_rows = Counter(
+            "tandem_router_ledger_rows",
+            "usage ledger rows by outcome (written, or failed after retries: lost)",
+            ["outcome"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "tandem_router_pd_fallbacks",
             "PD requests served whole by one worker after the prefill hop failed",

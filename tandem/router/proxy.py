@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -27,6 +27,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tandem.router.accounting import Accounting
+from tandem.router.auth import caller_of
 from tandem.router.config import Role, RouterConfig
 from tandem.router.errors import RouterError, error_body, no_worker
 from tandem.router.merge import (
@@ -51,8 +53,9 @@ from tandem.router.pd import (
     prefill_outcome,
     with_upstream_usage,
 )
+from tandem.router.placement import Placement
+from tandem.router.policies import PromptRoute
 from tandem.router.prompt_tokens import PromptCounter
-from tandem.router.scoring import pick_decode, pick_prefill
 from tandem.router.upstream import Hop, HopFailure, StreamBroken, Upstream
 from tandem.router.workers import DispatchKind, Worker, WorkerRegistry
 
@@ -63,7 +66,6 @@ T = TypeVar("T")
 PREFILL_ROLES: tuple[Role, ...] = ("prefill",)
 WHOLE_ROLES: tuple[Role, ...] = ("decode", "both")  # serve whole requests and decode hops
 _DISCONNECT_POLL_S = 0.25
-_PASSED_HEADERS = ("authorization",)
 
 
 class ClientGone(Exception):
@@ -100,6 +102,11 @@ class Call:
     usage: dict[str, Any] | None = None
     retries: int = 0
     finished: bool = False
+    prompt_route: PromptRoute = field(default_factory=lambda: PromptRoute(0))
+    # For the usage ledger (accounting.py): who called, and what is known if no usage comes.
+    caller: str = ""
+    prefill_usage: dict[str, Any] | None = None
+    output_chunks: int = 0
 
     @property
     def stream(self) -> bool:
@@ -124,12 +131,16 @@ class Proxy:
         upstream: Upstream,
         counter: PromptCounter,
         metrics: RouterMetrics,
+        placement: Placement,
+        accounting: Accounting | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
         self.upstream = upstream
         self.counter = counter
         self.metrics = metrics
+        self.placement = placement
+        self.accounting = accounting or Accounting()
         self._warned_no_pd: set[str] = set()
 
     # --- entry -----------------------------------------------------------------------
@@ -141,12 +152,17 @@ class Proxy:
             kind,
             path,
             body,
-            _passed_headers(request),
+            self.accounting.worker_headers(request.headers),
             Identity.new(kind, model if isinstance(model, str) else ""),
             received,
+            caller=caller_of(request),
         )
         try:
             call.prompt_tokens = await self.counter.count(body, kind)
+            call.prompt_route = await self.placement.prepare(
+                body, kind, request.headers, call.headers, call.prompt_tokens
+            )
+            call.prompt_tokens = call.prompt_route.prompt_tokens  # exact after a tokenize hop
             decision = decide_route(
                 body,
                 kind,
@@ -192,13 +208,18 @@ class Proxy:
         if call.stream:
             return _SSE(self._stream_whole(call, hop), self._cleanup(call, hop))
         reply = await self._read_reply(hop, request)
-        out = rewrite_reply(reply, call.identity)
+        out = self._priced(call, rewrite_reply(reply, call.identity))
         call.usage = out.get("usage")
         return JSONResponse(out)
 
     async def _stream_whole(self, call: Call, hop: Hop) -> AsyncIterator[str]:
         try:
-            rewriter = ChunkRewriter(call.identity, call.include_usage, drop_role=False)
+            rewriter = ChunkRewriter(
+                call.identity,
+                call.include_usage,
+                drop_role=False,
+                on_usage=self.accounting.pricer(call.identity.model),
+            )
             async for piece in self._relay(call, hop, rewriter):
                 yield piece
         except (GeneratorExit, asyncio.CancelledError):
@@ -210,14 +231,9 @@ class Proxy:
 
     # --- prefill + decode --------------------------------------------------------------
     async def _pd(self, call: Call, request: Request) -> Response:
-        decode = pick_decode(
-            self.registry.pool(WHOLE_ROLES),
-            call.prompt_tokens,
-            self.config.scoring.decode_sequence_weight,
-        )
+        decode = self.placement.choose(self.registry.pool(WHOLE_ROLES), call.prompt_route, "decode")
         if decode is None:
             raise no_worker("decode")
-        self.registry.mark_picked(decode)
         call.route = "pd"
         sent = time.monotonic()
         try:
@@ -243,11 +259,12 @@ class Proxy:
         reply = await self._read_reply(hop, request)
         self.metrics.prefill_hop.observe(time.monotonic() - sent)
         outcome = prefill_outcome(reply, call.body, call.kind)
+        call.prefill_usage = outcome.usage
         if not outcome.takes_part:
             self._warn_no_pd(hop.worker)
         if outcome.complete:
             call.reason = "done at prefill"
-            out = rewrite_reply(reply, call.identity)
+            out = self._priced(call, rewrite_reply(reply, call.identity))
             call.usage = out.get("usage")
             if call.stream:
                 return _SSE(self._stream_reply(call, out), self._cleanup(call))
@@ -271,7 +288,7 @@ class Proxy:
         call.decode_worker = hop.worker
         await self._raise_client_error(call, hop)
         reply = await self._read_reply(hop, request)
-        out = rewrite_reply(reply, call.identity, _prefill_usage(outcome))
+        out = self._priced(call, rewrite_reply(reply, call.identity, _prefill_usage(outcome)))
         call.usage = out.get("usage")
         return JSONResponse(out)
 
@@ -284,6 +301,7 @@ class Proxy:
                 yield sse(role_chunk(call.identity, call.include_usage))
             if not emit and outcome.first_text:
                 call.mark_first_output(call.prefill_worker)
+                call.output_chunks += 1
                 yield sse(text_chunk(call.identity, outcome.first_text, call.include_usage))
             sent = time.monotonic()
             try:
@@ -318,6 +336,7 @@ class Proxy:
                 call.include_usage,
                 drop_role=True,
                 prefill_usage=_prefill_usage(outcome),
+                on_usage=self.accounting.pricer(call.identity.model),
             )
             async for piece in self._relay(call, hop, rewriter, decode_sent=sent):
                 yield piece
@@ -355,20 +374,12 @@ class Proxy:
         preferred: Worker | None = None,
     ) -> Hop:
         """Open a hop on the best worker of `roles`, retrying on others; errors as responses."""
-        weight = self.config.scoring.decode_sequence_weight
 
         def pick(exclude: set[str]) -> Worker | None:
             if preferred is not None and preferred.healthy and preferred.url not in exclude:
                 return preferred
             pool = [w for w in self.registry.pool(roles) if w.url not in exclude]
-            chosen = (
-                pick_prefill(pool, tokens)
-                if hop_name == "prefill"
-                else pick_decode(pool, tokens, weight)
-            )
-            if chosen is not None:
-                self.registry.mark_picked(chosen)
-            return chosen
+            return self.placement.choose(pool, call.prompt_route, hop_name)
 
         if call.first_hop_at is None:
             call.first_hop_at = time.monotonic()
@@ -456,6 +467,7 @@ class Proxy:
                 if out is None:
                     continue
                 if has_output(out):
+                    call.output_chunks += 1
                     if decode_sent is not None:
                         self.metrics.decode_first.observe(time.monotonic() - decode_sent)
                         decode_sent = None
@@ -487,6 +499,9 @@ class Proxy:
                 worker.url,
             )
 
+    def _priced(self, call: Call, reply: dict[str, Any]) -> dict[str, Any]:
+        return self.accounting.priced_reply(reply, call.identity.model)
+
     def _cleanup(self, call: Call, hop: Hop | None = None) -> Callable[[], Awaitable[None]]:
         """What a stream must do even if its body never ran (the client left first)."""
 
@@ -514,11 +529,13 @@ class Proxy:
             call.decode_worker or call.prefill_worker,
             call.usage,
         )
+        self.accounting.record(call, end)
+        self.placement.ended(call.prefill_worker, call.decode_worker)
         prompt = call.usage.get("prompt_tokens") if call.usage else None
         counted = f"{prompt}" if prompt is not None else f"~{call.prompt_tokens}"
         logger.info(
             "%s %s route=%s (%s) prefill=%s decode=%s prompt_tokens=%s ttft=%s e2e=%.3fs "
-            "retries=%d status=%d",
+            "retries=%d status=%d placement=%s",
             call.kind,
             "stream" if call.stream else "whole",
             route,
@@ -530,6 +547,7 @@ class Proxy:
             end - call.received,
             call.retries,
             call.status,
+            ",".join(call.prompt_route.notes) or "-",
         )
 
 
@@ -568,10 +586,6 @@ async def _json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RouterError(400, "the request body must be a JSON object", "invalid_value")
     return body
-
-
-def _passed_headers(request: Request) -> dict[str, str]:
-    return {name: request.headers[name] for name in _PASSED_HEADERS if name in request.headers}
 
 
 def _prefill_usage(outcome: PrefillOutcome) -> dict[str, Any] | None:

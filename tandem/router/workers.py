@@ -138,6 +138,8 @@ class Worker:
         self, snapshot: LoadSnapshot, poll_started_at: float, reflect_delay_s: float
     ) -> None:
         """A fresh /load: dispatches sent well before the poll started are in its figures now."""
+        if self.load_at is not None and poll_started_at < self.load_at:
+            return  # an older poll answering late (a refresh overtook it)
         self.load = snapshot
         self.load_at = poll_started_at
         stale = [

@@ -170,8 +170,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt", "invalid_value")
         if body.messages is not None:
+            add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
             prompt = render_chat_prompt(serving.tokenizer, body.messages, body.tools, body.tool_choice,
-                                        serving.tool_parser, body.add_generation_prompt)
+                                        serving.tool_parser, add_generation_prompt, body.continue_final_message)
             tokens = serving.encode(prompt.text, add_special_tokens=False)
         else:
             tokens = serving.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)

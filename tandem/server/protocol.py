@@ -217,6 +217,7 @@ class TokenizeRequest(OpenAIModel):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(OpenAIModel):

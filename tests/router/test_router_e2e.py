@@ -125,6 +125,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             str(tokenizer),
             "--pd-min-prompt-tokens",
             str(PD_MIN),
+            "--ledger",
+            str(logs / "usage.sqlite3"),
         )
         yield Cluster(prefill, decode, url, process, logs / "router.log")
         process.send_signal(signal.SIGINT)
@@ -253,6 +255,26 @@ def test_cached_tokens_are_the_prefill_workers_counted_once(cluster: Cluster) ->
     direct = _post(cluster.prefill.url, "/v1/chat/completions", body)["usage"]
     cached = again["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached == direct["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
+
+
+def test_usage_ledger_matches_the_responses(cluster: Cluster) -> None:
+    """Real workers, PD and direct, whole and streamed: GET /v1/usage sums what they said."""
+    user = f"ledger-{uuid.uuid4().hex[:8]}"
+    runs = [
+        _run(cluster.router, path, {"model": MODEL, "temperature": 0, "user": user, **make()}, s)
+        for (_, path, make), s in zip(CASES, (False, True, True, False), strict=True)
+    ]
+    usages = [usage for _, _, usage in runs]
+    assert all(u is not None and "cost" in u for u in usages)
+    report = httpx.get(f"{cluster.router}/v1/usage", params={"user": user}, timeout=30).json()
+    total = report["total"]
+    assert total["requests"] == len(runs) and total["aborted"] == total["errors"] == 0
+    for field, pick in (
+        ("prompt_tokens", lambda u: u["prompt_tokens"]),
+        ("cached_tokens", lambda u: u["prompt_tokens_details"]["cached_tokens"]),
+        ("completion_tokens", lambda u: u["completion_tokens"]),
+    ):
+        assert total[field] == sum(pick(u) for u in usages if u is not None), field
 
 
 def test_concurrent_batch_of_varied_prompts(cluster: Cluster, tandem_server: str) -> None:

@@ -1,0 +1,102 @@
+"""The pricing / ledger / API-key flags, shared by `tandem route` and `tandem up`.
+
+`tandem up` takes the same flags and hands them to the router it starts (`accounting_argv`),
+so both commands document and default them the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sqlite3
+from pathlib import Path
+
+from tandem.router.accounting import load_keys
+from tandem.router.config import AccountingConfig
+from tandem.router.ledger import connect
+from tandem.router.pricing import read_price_file
+
+DEFAULT_LEDGER = Path("tandem-usage.sqlite3")
+WORKER_KEY_ENV = "TANDEM_WORKER_API_KEY"
+
+
+def add_accounting_args(parser: argparse.ArgumentParser, worker_key: bool = True) -> None:
+    group = parser.add_argument_group("pricing, usage ledger and API keys")
+    group.add_argument(
+        "--prices",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='JSON/YAML {"MODEL": {"input": USD, "cached_input": USD, "output": USD}} per 1M '
+        'tokens; "*" for other models (default: every model free, costs reported as 0)',
+    )
+    group.add_argument(
+        "--ledger",
+        type=Path,
+        default=DEFAULT_LEDGER,
+        metavar="PATH",
+        help=f"SQLite usage ledger, one row per request (default: ./{DEFAULT_LEDGER})",
+    )
+    group.add_argument("--no-ledger", action="store_true", help="keep no usage ledger")
+    group.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="require 'Authorization: Bearer KEY' on /v1/*: JSON/YAML {KEY: IDENTITY} or "
+        "lines 'KEY IDENTITY' (default: no keys)",
+    )
+    group.add_argument(
+        "--usage-admin",
+        action="append",
+        default=[],
+        metavar="IDENTITY",
+        help="an identity that may read everyone's GET /v1/usage (repeatable)",
+    )
+    if worker_key:
+        group.add_argument(
+            "--worker-api-key",
+            default=None,
+            metavar="KEY",
+            help="send workers 'Authorization: Bearer KEY' (default: env "
+            f"{WORKER_KEY_ENV}; without it the client's header passes through unless "
+            "--api-keys is on)",
+        )
+
+
+def accounting_config(args: argparse.Namespace) -> AccountingConfig:
+    worker_key = getattr(args, "worker_api_key", None) or os.environ.get(WORKER_KEY_ENV)
+    return AccountingConfig(
+        prices_file=args.prices,
+        ledger_path=None if args.no_ledger else args.ledger,
+        api_keys_file=args.api_keys,
+        worker_api_key=worker_key or None,
+        usage_admins=tuple(args.usage_admin),
+    )
+
+
+def accounting_argv(args: argparse.Namespace) -> list[str]:
+    """The flags again, for the router `tandem up` starts (paths as the user gave them: the
+    router runs in the same working directory)."""
+    argv: list[str] = []
+    if args.prices is not None:
+        argv += ["--prices", str(args.prices)]
+    argv += ["--no-ledger"] if args.no_ledger else ["--ledger", str(args.ledger)]
+    if args.api_keys is not None:
+        argv += ["--api-keys", str(args.api_keys)]
+    for identity in args.usage_admin:
+        argv += ["--usage-admin", identity]
+    return argv
+
+
+def check_accounting(config: AccountingConfig) -> None:
+    """Fail before start-up on a bad price or key file or an unusable ledger path."""
+    if config.prices_file is not None:
+        read_price_file(config.prices_file)
+    load_keys(config)
+    if config.ledger_path is not None:
+        try:
+            config.ledger_path.parent.mkdir(parents=True, exist_ok=True)
+            connect(config.ledger_path).close()
+        except (OSError, sqlite3.Error) as exc:
+            raise ValueError(f"cannot open the usage ledger {config.ledger_path}: {exc}") from exc

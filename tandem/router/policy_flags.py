@@ -1,0 +1,84 @@
+"""The routing-policy flags, shared by `tandem route` and `tandem up` (which passes them on)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.router.config import POLICIES, PolicyConfig
+
+_DEFAULTS = PolicyConfig()
+
+
+def add_policy_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
+    """`full` adds the tuning flags too; `tandem up` offers only the three main ones."""
+    group = parser.add_argument_group("routing policy")
+    group.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=_DEFAULTS.name,
+        help="how the first hop's worker is chosen: kv_aware (the worker holding the "
+        "longest cached prefix of the prompt, weighed against its load), least_tokens "
+        "(fewest queued tokens), session (affinity ring only), round_robin. An affinity key "
+        f"decides first under every policy (default: {_DEFAULTS.name})",
+    )
+    group.add_argument(
+        "--affinity-header",
+        default=_DEFAULTS.affinity_header,
+        metavar="NAME",
+        help="a request header read as the session affinity key when x-session-affinity is "
+        "absent; the body's `user` field comes last (default: none)",
+    )
+    group.add_argument(
+        "--balance-factor",
+        type=float,
+        default=_DEFAULTS.balance_factor,
+        metavar="C",
+        help="bounded loads: a worker with more than ceil(C x average) in-flight requests "
+        "passes sessions and kv_aware picks on to the next worker "
+        f"(default: {_DEFAULTS.balance_factor})",
+    )
+    if not full:
+        return
+    group.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=_DEFAULTS.prefill_weight,
+        metavar="W",
+        help="kv_aware cost = (W x prefill tokens + decode tokens) / block size "
+        f"(default: {_DEFAULTS.prefill_weight})",
+    )
+    group.add_argument(
+        "--kv-events-interval",
+        type=float,
+        default=_DEFAULTS.kv_events_interval_s,
+        metavar="S",
+        help="poll each worker's GET /kv/events every S seconds "
+        f"(default: {_DEFAULTS.kv_events_interval_s})",
+    )
+    group.add_argument(
+        "--tokenize-timeout",
+        type=float,
+        default=_DEFAULTS.tokenize_timeout_s,
+        metavar="S",
+        help="kv_aware asks a worker to tokenize the prompt; slower than this, the request "
+        f"is routed by load (default: {_DEFAULTS.tokenize_timeout_s})",
+    )
+
+
+def policy_config(args: argparse.Namespace) -> PolicyConfig:
+    return PolicyConfig(
+        name=args.policy,
+        affinity_header=args.affinity_header or None,
+        balance_factor=args.balance_factor,
+        prefill_weight=getattr(args, "prefill_weight", _DEFAULTS.prefill_weight),
+        tokenize_timeout_s=getattr(args, "tokenize_timeout", _DEFAULTS.tokenize_timeout_s),
+        kv_events_interval_s=getattr(args, "kv_events_interval", _DEFAULTS.kv_events_interval_s),
+    )
+
+
+def policy_argv(args: argparse.Namespace) -> list[str]:
+    """The flags `tandem up` passes on to its `tandem route`."""
+    argv = ["--policy", args.policy, "--balance-factor", str(args.balance_factor)]
+    if args.affinity_header:
+        argv += ["--affinity-header", args.affinity_header]
+    return argv
