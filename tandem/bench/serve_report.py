@@ -167,7 +167,9 @@ def _cell(value: Any) -> str:
         return f"{value:.0f}"
     if abs(value) >= 10:
         return f"{value:.1f}"
-    return f"{value:.2f}"
+    if abs(value) >= 1 or value == 0:
+        return f"{value:.2f}"
+    return f"{value:.3g}"  # small values (dollars per 1M tokens) keep 3 significant digits
 
 
 def _ratio_cell(value: float | None, higher_is_better: bool) -> str:
