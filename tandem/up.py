@@ -203,11 +203,21 @@ def plan_cluster(
     common = engine_argv(args)
     counts: dict[str, int] = {}
     workers = []
+    taken: set[int] = {args.port}
+
+    def distinct_port() -> int:
+        """A free port no other process of this cluster was given."""
+        while True:
+            port = free_port()
+            if port not in taken:
+                taken.add(port)
+                return port
+
     for role in roles:
         index = counts.get(role, 0)
         counts[role] = index + 1
         name = f"{'worker' if role == 'both' else role}-{index}"
-        port = free_port()
+        port = distinct_port()
         argv = [
             *python,
             "serve",
@@ -224,6 +234,10 @@ def plan_cluster(
         ]
         if role_flag:
             argv += ["--role", role]
+            if role != "decode":
+                # Chosen here, not by the worker: a KV source binding a random port of its own
+                # could take the HTTP port just handed to the next worker.
+                argv += ["--kv-transfer-port", str(distinct_port())]
             if role != "decode" and args.kv_transfer != "tcp":
                 # Every worker shares this host: decode workers copy prompt KV straight out
                 # of the prefill worker's cache file instead of over a socket.
