@@ -245,3 +245,20 @@ def test_a_dying_worker_stops_the_cluster(tmp_path: Path) -> None:
     assert "worker-0 exited unexpectedly" in stderr.read_text()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, [p.pid for p in alive]
+
+
+def test_every_http_and_kv_port_is_distinct_even_if_the_picker_repeats(tmp_path: Path) -> None:
+    """A KV source binding a random port once took a worker's HTTP port: up picks them all."""
+    repeats = iter([9100, 9100, 9101, 9101, 8123, 9102, 9103, 9104, 9105])
+    args = _args("--prefill-workers", "2", "--log-dir", str(tmp_path), "--port", "8123")
+    plan = plan_cluster(args, None, role_flag=True, free_port=lambda: next(repeats))
+    ports = []
+    for worker in plan.workers:
+        argv = list(worker.argv)
+        ports.append(int(argv[argv.index("--port") + 1]))
+        if "--kv-transfer-port" in argv:
+            ports.append(int(argv[argv.index("--kv-transfer-port") + 1]))
+            assert "--kv-transfer-shm" in argv  # same host: the decode worker copies from /dev/shm
+        else:
+            assert argv[argv.index("--role") + 1] == "decode"
+    assert len(ports) == len(set(ports)) == 5 and 8123 not in ports

@@ -152,6 +152,10 @@ def prefill_outcome(reply: dict[str, Any], body: dict[str, Any], kind: Kind) -> 
     return PrefillOutcome(reply, kv, takes_part, complete, first_text(reply))
 
 
-def emit_first_token(body: dict[str, Any]) -> bool:
-    """Whether the decode worker sends the first token itself (see the module docstring)."""
-    return not body.get("stream") or wants_tools(body)
+def emit_first_token(body: dict[str, Any], first_text: str = "") -> bool:
+    """Whether the decode worker sends the first token itself (see the module docstring).
+
+    Also when the first token is part of a multi-byte character: alone it decodes to U+FFFD,
+    and the decode worker, which sees the next token too, sends the character whole.
+    """
+    return not body.get("stream") or wants_tools(body) or "\ufffd" in first_text

@@ -269,9 +269,7 @@ class Proxy:
             if call.stream:
                 return _SSE(self._stream_reply(call, out), self._cleanup(call))
             return JSONResponse(out)
-        # A first token that is part of a multi-byte character decodes to U+FFFD alone; the
-        # decode worker, which sees the next token too, sends the character whole instead.
-        emit = emit_first_token(call.body) or not outcome.takes_part or "\ufffd" in outcome.first_text
+        emit = emit_first_token(call.body, outcome.first_text) or not outcome.takes_part
         body = decode_body(call.body, outcome.kv if outcome.takes_part else None, emit)
         if call.stream:
             return _SSE(self._stream_pd(call, outcome, decode, body, emit), self._cleanup(call))

@@ -67,7 +67,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             await client.shutdown()
 
     app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(APIError, _counted_api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(ClientDisconnected, _disconnected_handler)
@@ -147,21 +147,11 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        serving = state(request)
-        try:
-            return await create_chat_completion(serving, body, request)
-        except APIError as exc:
-            serving.metrics.observe_error(exc.status)
-            raise
+        return await create_chat_completion(state(request), body, request)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        serving = state(request)
-        try:
-            return await create_completion(serving, body, request)
-        except APIError as exc:
-            serving.metrics.observe_error(exc.status)
-            raise
+        return await create_completion(state(request), body, request)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
@@ -192,6 +182,14 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
         return {"reset": await state(request).client.reset_prefix_cache()}
 
     return app
+
+
+async def _counted_api_error_handler(request: Request, exc: Exception) -> Response:
+    """Every refusal is answered here, so here is where it is counted (tandem:request_errors)."""
+    serving = getattr(request.app.state, "serving", None)
+    if serving is not None and isinstance(exc, APIError):
+        serving.metrics.observe_error(exc.status)
+    return await api_error_handler(request, exc)
 
 
 async def _disconnected_handler(_: Request, __: Exception) -> Response:

@@ -8,7 +8,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -195,6 +196,25 @@ def stream_error(exc: Exception) -> str:
         return sse(exc.body())
     status = 400 if isinstance(exc, EngineRequestError) else 503 if isinstance(exc, EngineDeadError) else 500
     return sse(error_body(status, str(exc) or type(exc).__name__))
+
+
+async def sse_events(events: AsyncIterator[str], on_end: Callable[[], None]) -> AsyncIterator[str]:
+    """The body of a streamed response: its events, then `[DONE]`.
+
+    The status line went out with the first event, so a later failure becomes one more
+    event in OpenAI's error shape. `on_end` runs however the stream ends, a client that
+    left included (its metrics are observed once, there).
+    """
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+        yield SSE_DONE
+    except Exception as exc:
+        yield stream_error(as_api_error(exc))
+        yield SSE_DONE
+    finally:
+        on_end()
 
 
 def as_api_error(exc: Exception) -> APIError:

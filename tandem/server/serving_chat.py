@@ -17,11 +17,9 @@ from tandem.server.errors import bad_request
 from tandem.server.output_processor import RequestTimings, process_request
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.serving import (
-    SSE_DONE,
     ServingState,
-    as_api_error,
     sse,
-    stream_error,
+    sse_events,
     unless_disconnected,
     usage,
 )
@@ -81,7 +79,8 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
         completion_tokens=len(handoff.prior_output_ids) if handoff else 0,
     )
     if body.stream:
-        return StreamingResponse(_stream(state, run), media_type="text/event-stream")
+        return StreamingResponse(sse_events(_stream(state, run), lambda: _observe(state, run)),
+                                 media_type="text/event-stream")
     try:
         return JSONResponse(await unless_disconnected(raw, _complete(state, run)))
     finally:
@@ -157,54 +156,45 @@ async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
         return sse(payload)
 
     parsers = [run.parser.stream(run.prompt.forced_prefix) for _ in range(n)] if run.parser else None
-    calls_sent = [0] * n
-    try:
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(n)])
-        async with aclosing(process_request(state.client, state.tokenizer, run.request_id,
-                                            run.prompt_token_ids, run.params, run.timings,
-                                            run.handoff)) as steps:
-            async for step in steps:
-                run.cached_tokens = step.num_cached_tokens
-                choices = []
-                for seq in step.sequences:
-                    run.completion_tokens += len(seq.token_ids)
-                    delta: dict[str, Any] = {}
-                    reason = seq.finish_reason
-                    if parsers is not None:
-                        parser = parsers[seq.index]
-                        pieces = parser.feed(seq.text)
-                        if reason is not None:
-                            pieces.extend(parser.finish())
-                        if pieces.content:
-                            delta["content"] = pieces.content
-                        calls = [c for c in pieces.tool_calls if not run.single_call or c.index == 0]
-                        if calls:
-                            delta["tool_calls"] = [c.to_openai() for c in calls]
-                            calls_sent[seq.index] += sum(1 for c in calls if c.id is not None)
-                        reason = _finish_reason(reason, parser.called_tools)
-                    elif seq.text:
-                        delta["content"] = seq.text
-                    logprobs = None
-                    if run.want_logprobs and seq.logprobs:
-                        logprobs = {"content": state.chat_logprobs(seq.logprobs)}
+    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(n)])
+    async with aclosing(process_request(state.client, state.tokenizer, run.request_id,
+                                        run.prompt_token_ids, run.params, run.timings,
+                                        run.handoff)) as steps:
+        async for step in steps:
+            run.cached_tokens = step.num_cached_tokens
+            choices = []
+            for seq in step.sequences:
+                run.completion_tokens += len(seq.token_ids)
+                delta: dict[str, Any] = {}
+                reason = seq.finish_reason
+                if parsers is not None:
+                    parser = parsers[seq.index]
+                    pieces = parser.feed(seq.text)
                     if reason is not None:
-                        run.finish_reasons.append(reason)
-                    if delta or reason is not None or logprobs is not None:
-                        choices.append({"index": seq.index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": reason})
-                if choices:
-                    yield chunk(choices)
-        if run.include_usage:
-            yield sse({"id": run.request_id, "object": "chat.completion.chunk", "created": run.created,
-                       "model": run.model, "choices": [],
-                       "usage": usage(len(run.prompt_token_ids), run.completion_tokens, run.cached_tokens)})
-        yield SSE_DONE
-    except Exception as exc:  # headers are sent: the error goes into the stream
-        yield stream_error(as_api_error(exc))
-        yield SSE_DONE
-    finally:
-        _observe(state, run)
+                        pieces.extend(parser.finish())
+                    if pieces.content:
+                        delta["content"] = pieces.content
+                    calls = [c for c in pieces.tool_calls if not run.single_call or c.index == 0]
+                    if calls:
+                        delta["tool_calls"] = [c.to_openai() for c in calls]
+                    reason = _finish_reason(reason, parser.called_tools)
+                elif seq.text:
+                    delta["content"] = seq.text
+                logprobs = None
+                if run.want_logprobs and seq.logprobs:
+                    logprobs = {"content": state.chat_logprobs(seq.logprobs)}
+                if reason is not None:
+                    run.finish_reasons.append(reason)
+                if delta or reason is not None or logprobs is not None:
+                    choices.append({"index": seq.index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": reason})
+            if choices:
+                yield chunk(choices)
+    if run.include_usage:
+        yield sse({"id": run.request_id, "object": "chat.completion.chunk", "created": run.created,
+                   "model": run.model, "choices": [],
+                   "usage": usage(len(run.prompt_token_ids), run.completion_tokens, run.cached_tokens)})
 
 
 def _observe(state: ServingState, run: _ChatRun) -> None:

@@ -20,12 +20,10 @@ from tandem.server.errors import bad_request
 from tandem.server.output_processor import RequestStep, RequestTimings, process_request
 from tandem.server.protocol import CompletionRequest
 from tandem.server.serving import (
-    SSE_DONE,
     ServingState,
-    as_api_error,
     merge,
     sse,
-    stream_error,
+    sse_events,
     unless_disconnected,
     usage,
 )
@@ -89,7 +87,8 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
     if handoff is not None:
         runs[0].completion_tokens = len(handoff.prior_output_ids)
     if body.stream:
-        return StreamingResponse(_stream(state, run), media_type="text/event-stream")
+        return StreamingResponse(sse_events(_stream(state, run), lambda: _observe(state, run)),
+                                 media_type="text/event-stream")
     try:
         return JSONResponse(await unless_disconnected(raw, _complete(state, run)))
     finally:
@@ -190,39 +189,32 @@ async def _stream(state: ServingState, run: _CompletionRun) -> AsyncIterator[str
         return sse(payload)
 
     offsets = [0] * (len(run.prompts) * n)
-    try:
-        if run.echo:
-            for prompt_index, prompt in enumerate(run.prompts):
-                for i in range(n):
-                    echoed = _echo(state, prompt)
-                    offsets[prompt_index * n + i] = len(echoed)
-                    yield chunk(prompt_index * n + i, echoed, None, None)
-        async with aclosing(_steps(state, run)) as steps:
-            async for prompt_index, step in steps:
-                prompt = run.prompts[prompt_index]
-                prompt.cached_tokens = step.num_cached_tokens
-                for seq in step.sequences:
-                    choice = prompt_index * n + seq.index
-                    prompt.completion_tokens += len(seq.token_ids)
-                    logprobs = None
-                    if run.want_logprobs and seq.logprobs:
-                        builder = _LogprobBuilder(state, offsets[choice])
-                        builder.add(seq.logprobs)
-                        offsets[choice] = builder.offset
-                        logprobs = builder.body()
-                    if seq.finish_reason is not None:
-                        run.finish_reasons.append(seq.finish_reason)
-                    if seq.text or seq.finish_reason is not None or logprobs is not None:
-                        yield chunk(choice, seq.text, logprobs, seq.finish_reason, seq.stop_reason)
-        if run.include_usage:
-            yield sse({"id": run.request_id, "object": "text_completion", "created": run.created,
-                       "model": run.model, "choices": [], "usage": _usage(run)})
-        yield SSE_DONE
-    except Exception as exc:  # headers are sent: the error goes into the stream
-        yield stream_error(as_api_error(exc))
-        yield SSE_DONE
-    finally:
-        _observe(state, run)
+    if run.echo:
+        for prompt_index, prompt in enumerate(run.prompts):
+            for i in range(n):
+                echoed = _echo(state, prompt)
+                offsets[prompt_index * n + i] = len(echoed)
+                yield chunk(prompt_index * n + i, echoed, None, None)
+    async with aclosing(_steps(state, run)) as steps:
+        async for prompt_index, step in steps:
+            prompt = run.prompts[prompt_index]
+            prompt.cached_tokens = step.num_cached_tokens
+            for seq in step.sequences:
+                choice = prompt_index * n + seq.index
+                prompt.completion_tokens += len(seq.token_ids)
+                logprobs = None
+                if run.want_logprobs and seq.logprobs:
+                    builder = _LogprobBuilder(state, offsets[choice])
+                    builder.add(seq.logprobs)
+                    offsets[choice] = builder.offset
+                    logprobs = builder.body()
+                if seq.finish_reason is not None:
+                    run.finish_reasons.append(seq.finish_reason)
+                if seq.text or seq.finish_reason is not None or logprobs is not None:
+                    yield chunk(choice, seq.text, logprobs, seq.finish_reason, seq.stop_reason)
+    if run.include_usage:
+        yield sse({"id": run.request_id, "object": "text_completion", "created": run.created,
+                   "model": run.model, "choices": [], "usage": _usage(run)})
 
 
 def _observe(state: ServingState, run: _CompletionRun) -> None:

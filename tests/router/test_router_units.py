@@ -223,6 +223,9 @@ def test_emit_first_token_only_where_the_router_cannot_send_it_early() -> None:
     assert emit_first_token({"stream": True}) is False
     assert emit_first_token({"stream": True, "tools": [tool]}) is True
     assert emit_first_token({"stream": True, "tools": [tool], "tool_choice": "none"}) is False
+    # Half a multi-byte character: the decode worker sends it whole with the next token.
+    assert emit_first_token({"stream": True}, "caf\ufffd") is True
+    assert emit_first_token({"stream": True}, "café") is False
 
 
 def _prefill_reply(reason: str = "length", kv: object = "missing") -> dict:

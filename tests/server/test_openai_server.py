@@ -264,3 +264,20 @@ def test_health_load_and_metrics(tandem_server: str, client: openai.OpenAI) -> N
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"tandem:{name}{model}" in samples
     assert f"tandem:inter_token_latency_seconds_count{model}" in samples
+
+
+def test_tokenize_renders_chat_fields_like_a_chat_request(tandem_server: str) -> None:
+    """Routers hash these tokens to find cached prefixes: they must be the served prompt's."""
+    url = tandem_server
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    plain = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    continued = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                   "continue_final_message": True}).json()["tokens"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": continued}).json()["prompt"]
+    assert text.endswith("Hello, I am") and continued != plain
+    with_tools = httpx.post(f"{url}/tokenize", json={"messages": TOOL_PROMPT, "tools": [WEATHER_TOOL]}).json()
+    without = httpx.post(f"{url}/tokenize", json={"messages": TOOL_PROMPT}).json()
+    assert with_tools["count"] > without["count"]  # the tools went into the system message
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": TOOL_PROMPT, "tools": [WEATHER_TOOL], "max_tokens": 1}).json()
+    assert reply["usage"]["prompt_tokens"] == with_tools["count"]

@@ -98,3 +98,11 @@ def test_server_still_serves_after_bad_input(tandem_server_process: LiveServer) 
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
     load = tandem_server_process.wait_idle()
     assert load["kv_blocks_used"] == 0 and load["num_requests_in_flight"] == 0
+    # Refusals are counted by status (validation errors and API errors alike go through one
+    # handler each; the API ones here: unknown model, context, sampling values, tools, ...).
+    metrics = httpx.get(f"{url}/metrics").text
+    counted = [line for line in metrics.splitlines()
+               if line.startswith("tandem:request_errors_total") and 'status="400"' in line]
+    assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 10
+    assert any(line.startswith("tandem:request_errors_total") and 'status="404"' in line
+               for line in metrics.splitlines())
