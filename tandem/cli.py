@@ -47,6 +47,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="largest step, in tokens, that reads the --decode-weights copy (default: 2)")
     group.add_argument("--no-weight-packing", action="store_true",
                        help="keep weights dense for F.linear instead of oneDNN's packed layout")
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"],
+                       help="decode attention: cpu = a C kernel reading the paged cache in place "
+                            "(compiled on first use with the system C compiler), torch = gather + "
+                            "matmuls, auto = cpu when it compiles, else torch (default: auto)")
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -63,7 +67,8 @@ def engine_config(args: argparse.Namespace) -> Any:
         load=LoadConfig(dtype=args.dtype, load_format=args.load_format, seed=args.seed,
                         num_threads=args.threads, decode_weights=args.decode_weights,
                         decode_weights_max_tokens=args.decode_weights_max_tokens,
-                        pack_weights=not args.no_weight_packing),
+                        pack_weights=not args.no_weight_packing,
+                        attention_backend=args.attention_backend),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_memory_size(args.kv_cache_memory),
@@ -145,6 +150,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         decode_weights=args.decode_weights,
         decode_weights_max_tokens=args.decode_weights_max_tokens,
         pack_weights=not args.no_weight_packing,
+        attention_backend=args.attention_backend,
     )
 
 

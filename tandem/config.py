@@ -150,6 +150,9 @@ class LoadConfig:
     decode_weights_max_tokens: int = 2
     # Reorder weights into oneDNN's layout on CPU (same arithmetic, faster kernels).
     pack_weights: bool = True
+    # Decode attention: "cpu" = the C kernel over the paged cache (kernels/cpu_attention.py),
+    # "torch" = gather + batched matmuls, "auto" = the kernel when it compiles here.
+    attention_backend: str = "auto"  # auto | cpu | torch
 
 
 ROLES = ("both", "prefill", "decode")

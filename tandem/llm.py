@@ -35,12 +35,14 @@ class LLM:
         decode_weights: str = "none",
         decode_weights_max_tokens: int = 2,
         pack_weights: bool = True,
+        attention_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model or "smollm2-135m",
             load=LoadConfig(dtype=dtype, load_format=load_format, seed=seed, cache_dir=cache_dir,
                             num_threads=num_threads, decode_weights=decode_weights,
-                            decode_weights_max_tokens=decode_weights_max_tokens, pack_weights=pack_weights),
+                            decode_weights_max_tokens=decode_weights_max_tokens, pack_weights=pack_weights,
+                            attention_backend=attention_backend),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=None if kv_cache_memory is None else parse_memory_size(kv_cache_memory),

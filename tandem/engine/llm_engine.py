@@ -26,6 +26,7 @@ from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tandem.engine.scheduler import Scheduler
+from tandem.kernels.cpu_attention import make_attention_backend
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.linear import SmallStepWeights, attach_small_step_weights, pack_weights_for_cpu
 from tandem.loader.model_loader import (
@@ -34,7 +35,7 @@ from tandem.loader.model_loader import (
     load_weights,
     read_model_config,
 )
-from tandem.loader.resolve import resolve_model
+from tandem.loader.resolve import default_cache_dir, resolve_model
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.types import (
     CompletionOutput,

@@ -1,0 +1,87 @@
+/*
+ * Decode attention straight from the paged KV cache, for CPUs.
+ *
+ * One query token per sequence attends to its sequence's cached keys/values, read block by
+ * block through the block table: no gathered copy of the context, one pass over K and one
+ * over V. Exact softmax (scores kept, then max, exp, sum), fp32 throughout.
+ *
+ * Layout (tandem/kernels/base.py): one layer's cache is [2, kv_heads, num_blocks,
+ * block_size, head_dim]; q and out are [num_seqs, num_heads, head_dim]; query head h reads
+ * kv head h / (num_heads / num_kv_heads). Work items are (sequence, kv head, slice of its
+ * query heads), spread over the OpenMP threads of the process (torch's own runtime: the
+ * library links libgomp.so.1, which torch has already loaded).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static float dot(const float *restrict a, const float *restrict b, int n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static void axpy(float *restrict y, float alpha, const float *restrict x, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
+int tandem_paged_decode_attention(
+    const float *q, const float *kv_cache, const int64_t *block_tables,
+    const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+    int64_t table_stride, int64_t heads_per_item, float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t slices = group / heads_per_item;
+    const int64_t items = num_seqs * num_kv_heads * slices;
+    const int64_t head_stride = num_blocks * block_size * head_dim; /* one kv head's blocks */
+    const float *k_base = kv_cache;
+    const float *v_base = kv_cache + num_kv_heads * head_stride;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t seq = item / (num_kv_heads * slices);
+        const int64_t kv_head = (item / slices) % num_kv_heads;
+        const int64_t first_head = kv_head * group + (item % slices) * heads_per_item;
+        const int64_t len = context_lens[seq];
+        const int64_t *table = block_tables + seq * table_stride;
+        const float *k_head = k_base + kv_head * head_stride;
+        const float *v_head = v_base + kv_head * head_stride;
+        const float *q_rows = q + (seq * num_heads + first_head) * head_dim;
+        float *out_rows = out + (seq * num_heads + first_head) * head_dim;
+        float *scores = malloc(sizeof(float) * (size_t)(heads_per_item * (len > 0 ? len : 1)));
+        if (scores == NULL) {
+            failed = 1;
+            continue;
+        }
+        for (int64_t t = 0; t < len; t++) {
+            const float *k = k_head + (table[t / block_size] * block_size + t % block_size) * head_dim;
+            for (int64_t g = 0; g < heads_per_item; g++)
+                scores[g * len + t] = dot(q_rows + g * head_dim, k, (int)head_dim) * scale;
+        }
+        for (int64_t g = 0; g < heads_per_item; g++) {
+            float *row = scores + g * len;
+            float top = -INFINITY;
+            for (int64_t t = 0; t < len; t++) top = row[t] > top ? row[t] : top;
+            float total = 0.0f;
+            for (int64_t t = 0; t < len; t++) {
+                row[t] = expf(row[t] - top);
+                total += row[t];
+            }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            for (int64_t t = 0; t < len; t++) row[t] *= inv;
+            memset(out_rows + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
+        }
+        for (int64_t t = 0; t < len; t++) {
+            const float *v = v_head + (table[t / block_size] * block_size + t % block_size) * head_dim;
+            for (int64_t g = 0; g < heads_per_item; g++)
+                axpy(out_rows + g * head_dim, scores[g * len + t], v, (int)head_dim);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

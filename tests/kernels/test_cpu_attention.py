@@ -1,0 +1,109 @@
+"""The C decode-attention kernel against a dense reference, and how the backend is chosen."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.kernels import cpu_attention
+from tandem.kernels.base import AttentionMetadata, kv_cache_shape
+from tandem.kernels.cpu_attention import (
+    CpuAttentionBackend,
+    KernelBuildError,
+    PagedDecodeKernel,
+    build_kernel_library,
+    make_attention_backend,
+)
+from tandem.kernels.torch_attention import TorchAttentionBackend
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> PagedDecodeKernel:
+    return PagedDecodeKernel(build_kernel_library(tmp_path_factory.mktemp("cache")))
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query [H, D] over a dense [L, kv_heads, D] context, query heads grouped per kv head."""
+    group = q.shape[0] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    probs = torch.softmax((q.unsqueeze(1) @ k.transpose(1, 2)) * scale, dim=-1)
+    return (probs @ v).squeeze(1)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "dim", "block"),
+    [
+        ([1], 9, 3, 64, 16),  # one token of context
+        ([37], 9, 3, 64, 16),  # a lone stream: work split per query head
+        ([5, 200, 17, 64, 3, 90], 9, 3, 64, 16),  # unsorted lengths, partial last blocks
+        ([40] * 70, 9, 3, 64, 16),  # many sequences: work split per kv head
+        ([7, 33, 12], 8, 8, 32, 4),  # no grouping (MHA), small blocks
+        ([300, 129], 16, 2, 128, 32),  # wide heads, 8 query heads per kv head
+    ],
+)
+def test_kernel_matches_dense_reference(kernel, lengths, heads, kv_heads, dim, block) -> None:
+    generator = torch.Generator().manual_seed(len(lengths) * 1000 + heads)
+    per_seq = [-(-n // block) for n in lengths]
+    num_blocks = sum(per_seq) + 3  # spare blocks nobody reads
+    cache = torch.randn(kv_cache_shape(num_blocks, block, kv_heads, dim), generator=generator)
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.long)  # padded with block 0
+    used = 0
+    for row, count in enumerate(per_seq):
+        tables[row, :count] = order[used : used + count]
+        used += count
+    queries = torch.randn(len(lengths), heads, dim, generator=generator)
+    scale = dim**-0.5
+    got = kernel(queries, cache, tables, torch.tensor(lengths), scale)
+    for row, length in enumerate(lengths):
+        keys = cache[0][:, tables[row]].reshape(kv_heads, -1, dim)[:, :length].transpose(0, 1)
+        values = cache[1][:, tables[row]].reshape(kv_heads, -1, dim)[:, :length].transpose(0, 1)
+        torch.testing.assert_close(got[row], _reference(queries[row], keys, values, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_backend_uses_the_kernel_for_fp32_and_torch_otherwise(kernel) -> None:
+    generator = torch.Generator().manual_seed(1)
+    cache = torch.randn(kv_cache_shape(8, 4, 2, 8), generator=generator)
+    tables = torch.arange(8).view(2, 4)
+    lengths = torch.tensor([9, 16])
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 2, tables, lengths, 16, [], 4)
+    queries = torch.randn(2, 4, 8, generator=generator)
+    backend = CpuAttentionBackend(kernel)
+    torch_backend = TorchAttentionBackend()
+    torch.testing.assert_close(backend._decode(queries, cache, meta, 0.3), torch_backend._decode(queries, cache, meta, 0.3))
+    half = backend._decode(queries.bfloat16(), cache.bfloat16(), meta, 0.3)  # not the kernel's dtype
+    torch.testing.assert_close(half, torch_backend._decode(queries.bfloat16(), cache.bfloat16(), meta, 0.3))
+
+
+def test_library_is_built_once_and_reused(tmp_path: Path) -> None:
+    first = build_kernel_library(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert build_kernel_library(tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_no_compiler_falls_back_under_auto_and_fails_under_cpu(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="tandem.kernels.cpu_attention"):
+        backend = make_attention_backend("auto", tmp_path)
+    assert type(backend) is TorchAttentionBackend
+    assert "no C compiler found" in caplog.text
+    with pytest.raises(KernelBuildError, match="no C compiler found"):
+        make_attention_backend("cpu", tmp_path)
+    assert type(make_attention_backend("torch", tmp_path)) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_attention_backend("cuda", tmp_path)
+
+
+def test_a_failed_compile_says_what_ran_and_leaves_nothing(monkeypatch, tmp_path) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C;\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", broken)
+    with pytest.raises(KernelBuildError, match="broken.c"):
+        build_kernel_library(tmp_path / "cache")
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []
