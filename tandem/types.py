@@ -128,6 +128,9 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
+    # Prefix-cache hit seen when the request was queued: what load reports count as already
+    # computed while it waits (admission finds the real hit, which may have changed since).
+    expected_cached_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

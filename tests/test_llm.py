@@ -110,6 +110,21 @@ def test_prefix_cache_hit_gives_cold_tokens(llm: LLM) -> None:
     assert cold.outputs[0].token_ids == other.outputs[0].token_ids
 
 
+def test_load_counts_a_waiting_prompt_net_of_its_cached_prefix(llm: LLM) -> None:
+    """A router balances prefill work by this figure: a queued agent turn whose history is
+    cached must count only its new tokens."""
+    engine = llm.engine
+    history = "Tool output: the build passed, 41 tests ran, none failed. " * 6
+    first = llm.generate([history], SamplingParams(max_tokens=1))[0]
+    ids = first.prompt_token_ids + engine.tokenize(" Now run the linter and report back.")
+    cached = len(first.prompt_token_ids) // 16 * 16
+    request_id = engine.add_request(None, None, SamplingParams(max_tokens=1), prompt_token_ids=ids)
+    try:
+        assert engine.load().waiting_prefill_tokens == len(ids) - cached
+    finally:
+        engine.abort(request_id)
+
+
 def test_preemption_gives_same_tokens() -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = PROMPTS[:8]

@@ -333,7 +333,9 @@ def plot(outcomes: Sequence[TargetOutcome], path: Path, title: str = "") -> Path
             fontsize=8,
         )
         ax.set_xticks(range(len(outcomes)))
-        ax.set_xticklabels(names, fontsize=9)
+        # many or long target names would run into each other level
+        crowded = sum(len(n) for n in names) > 48
+        ax.set_xticklabels(names, fontsize=9, rotation=20 if crowded else 0, ha="right" if crowded else "center")
         ax.set_title(f"{label} (higher is better)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     if title:

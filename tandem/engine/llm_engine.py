@@ -147,7 +147,7 @@ class LLMEngine:
             )
         self.max_model_len = self._max_model_len(num_blocks * cache.block_size)
 
-        backend = TorchAttentionBackend()
+        backend = make_attention_backend(load.attention_backend, Path(load.cache_dir) if load.cache_dir else default_cache_dir())
         model = self._load_model(resolved.hf_dir, backend)
 
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
@@ -274,11 +274,13 @@ class LLMEngine:
         if (prior_output_ids or keep_prompt_kv) and params.n != 1:
             raise ValueError("a KV handoff (prior output or kept prompt KV) needs n == 1")
         group = _Group(request_id, prompt, list(prompt_token_ids))
+        expected_hit = self.kv_manager.cached_prefix_blocks(list(prompt_token_ids)) * self.kv_manager.block_size
         for index in range(params.n):
             child_params = params if params.n == 1 else params.for_child(index)
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(seq_id, list(prompt_token_ids), child_params, self.eos_token_ids,
-                              output_token_ids=list(prior_output_ids or []))
+                              output_token_ids=list(prior_output_ids or []),
+                              expected_cached_tokens=min(expected_hit, len(prompt_token_ids) - 1))
             detok = None
             if self.tokenizer is not None and self.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params.skip_special_tokens)
@@ -319,7 +321,11 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         scheduler, pool = self.scheduler, self.block_pool
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        # A waiting request's cached prefix costs nothing to compute: a router balancing
+        # prefill work must not see a 6,000-token turn with 5,700 cached as 6,000 tokens.
+        waiting_tokens = sum(
+            r.num_tokens - max(r.num_computed_tokens, r.expected_cached_tokens) for r in scheduler.waiting
+        )
         prefilling = sum(
             r.num_tokens - r.num_computed_tokens for r in scheduler.running
             if r.num_tokens - r.num_computed_tokens > 1

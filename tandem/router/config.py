@@ -83,8 +83,10 @@ class PolicyConfig:
     # Bounded loads: no worker above ceil(c × average in-flight requests) takes a new one.
     balance_factor: float = 1.25
     virtual_nodes: int = 150
-    # w in kv_aware's cost = (w × prefill tokens + decode tokens) / block size.
-    prefill_weight: float = 1.0
+    # w in kv_aware's cost = w × prefill tokens + decode tokens. Dynamo's default is 1; 4
+    # here because a prefill token costs a whole forward pass while a token of a running
+    # sequence's KV costs one attention read per decode step (policies.py).
+    prefill_weight: float = 4.0
     tokenize_timeout_s: float = 2.0
     kv_events_interval_s: float = 0.25
 

@@ -162,7 +162,11 @@ class Placement:
             self.metrics.prompt_blocks.labels(worker.url).inc(choice.prompt_blocks)
         note = f"{hop}:{choice.rule}"
         if choice.rule == "kv_aware":
-            note += f"({choice.cached_blocks}/{choice.prompt_blocks})"  # cached / prompt blocks
+            note += f"({choice.cached_blocks}/{choice.prompt_blocks}"  # cached / prompt blocks
+            if choice.best_cached_blocks > choice.cached_blocks:
+                # passed over a longer hit: where it was, and why
+                note += f", best {choice.best_cached_blocks}: {choice.best_skipped}"
+            note += ")"
         if choice.overflow:
             note += f"(+{choice.overflow})"  # ring owners passed over at the load bound
         route.notes.append(note)

@@ -9,7 +9,7 @@ Without a key, `--policy`:
 
 - `kv_aware` (default): the worker with the lowest cost, in tokens,
 
-      cost = w × prefill_tokens + decode_tokens                            w = 1.0
+      cost = w × prefill_tokens + decode_tokens                            w = 4.0
       prefill_tokens = waiting prefill tokens + unreflected prefill tokens
                        + max(0, prompt tokens − cached_blocks × B)
       decode_tokens  = running KV tokens + unreflected decode tokens
@@ -17,8 +17,14 @@ Without a key, `--policy`:
   where `cached_blocks` is the longest prefix of the prompt's block-hash chain (blocks of B
   tokens) that the worker holds, from its KV events. This is Dynamo's `w × uncached prefill
   blocks + decode blocks`, times B so that workers with different block sizes compare, and
-  with the worker's queue counted in: a hit is worth exactly the prefill it saves, and a
-  worker whose queue outweighs its hit loses to an idle one. Once the pool is busy (on
+  with the worker's queue counted in: a hit is worth the prefill it saves, and a worker whose
+  queue outweighs its hit loses to an idle one. Queues count only tokens still to compute:
+  workers report waiting requests net of the cached prefix they found on arrival, and the
+  router counts what it has just sent by the uncached tokens it predicted for that worker.
+  Dynamo weighs the two terms equally (w = 1); here w = 4, because a prefill token costs a
+  forward pass while a running sequence's KV token costs one attention read per decode step:
+  with w = 1 an agent's turn, 90% cached on a worker that was decoding another long session,
+  moved to an idle worker and recomputed thousands of tokens there. Once the pool is busy (on
   average a request in flight per worker), workers at the load bound are skipped as for
   sessions, so one hot prefix cannot pile every request onto one worker; below that the cost
   alone decides, because batching a request with one or two others costs far less than
@@ -74,6 +80,8 @@ class PromptRoute:
     affinity_key: str | None = None
     token_ids: Sequence[int] | None = None
     notes: list[str] = field(default_factory=list)  # one per placement, for the log line
+    # kv_aware: the prompt tokens each worker (by URL) would compute, after its cached prefix
+    uncached: dict[str, int] = field(default_factory=dict)
     _chains: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
 
     def block_hash(self, root: int, block_size: int, index: int) -> int | None:
@@ -88,6 +96,11 @@ class PromptRoute:
             chain.append(chain_hash(parent, tokens[start : start + block_size]))
         return chain[index]
 
+    def prefill_work(self, url: str) -> int:
+        """Tokens this prompt adds to the worker's prefill queue: what kv_aware predicted it
+        would compute there, else the whole prompt."""
+        return self.uncached.get(url, self.prompt_tokens)
+
     def full_blocks(self, block_size: int) -> int:
         return len(self.token_ids) // block_size if self.token_ids is not None else 0
 
@@ -100,6 +113,8 @@ class Choice:
     rule: str  # the rule that decided: session, kv_aware, least_tokens, round_robin
     cached_blocks: int = 0  # kv_aware: the predicted prefix hit on the chosen worker
     prompt_blocks: int = 0
+    best_cached_blocks: int = 0  # kv_aware: the longest prefix any worker of the pool held
+    best_skipped: str = ""  # kv_aware: why that worker lost (over the load bound, or its cost)
     overflow: int = 0  # session: ring owners passed over because they were full
 
 
@@ -159,18 +174,27 @@ class Placer:
         if sum(loads) >= len(loads):  # the pool is busy: guard against hot spots
             bound = load_bound(loads, self.config.balance_factor)
             candidates = [w for w in pool if w.in_flight + 1 <= bound] or candidates
-        costs: dict[Worker, tuple[float, int, int]] = {}
+        cached = {
+            w: self.index.cached_prefix(w.url, route.block_hash) for w in pool
+        }
+        for worker in pool:
+            uncached = route.prompt_tokens - cached[worker] * self._block_size(worker)
+            route.uncached[worker.url] = max(0, uncached)
+        costs: dict[Worker, float] = {}
         for worker in candidates:
-            block_size = self._block_size(worker)
-            cached = self.index.cached_prefix(worker.url, route.block_hash)
-            cost = kv_cost(
-                worker, cached, route.prompt_tokens, block_size, self.config.prefill_weight
+            costs[worker] = kv_cost(
+                worker, cached[worker], route.prompt_tokens, self._block_size(worker),
+                self.config.prefill_weight,
             )
-            costs[worker] = (cost, cached, route.full_blocks(block_size))
-        chosen = pick_lowest(candidates, lambda w: costs[w][0])
+        chosen = pick_lowest(candidates, lambda w: costs[w])
         assert chosen is not None
-        _, cached, blocks = costs[chosen]
-        return Choice(chosen, "kv_aware", cached_blocks=cached, prompt_blocks=blocks)
+        best = max(pool, key=lambda w: cached[w])
+        return Choice(
+            chosen, "kv_aware", cached_blocks=cached[chosen],
+            prompt_blocks=route.full_blocks(self._block_size(chosen)),
+            best_cached_blocks=cached[best],
+            best_skipped="load bound" if best not in costs else f"cost {costs[best] - costs[chosen]:+.0f}",
+        )
 
     def _least_tokens(self, pool: Sequence[Worker], route: PromptRoute, hop: HopName) -> Choice:
         if hop == "prefill":

@@ -44,7 +44,8 @@ def add_policy_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
         type=float,
         default=_DEFAULTS.prefill_weight,
         metavar="W",
-        help="kv_aware cost = (W x prefill tokens + decode tokens) / block size "
+        help="kv_aware cost = W x prefill tokens + decode tokens; higher keeps turns where "
+        "their prefix is cached even when that worker is decoding more "
         f"(default: {_DEFAULTS.prefill_weight})",
     )
     group.add_argument(

@@ -382,8 +382,12 @@ class Proxy:
         if call.first_hop_at is None:
             call.first_hop_at = time.monotonic()
             self.metrics.overhead.observe(call.first_hop_at - call.received)
+        def prefill_work(worker: Worker) -> int:
+            return call.prompt_route.prefill_work(worker.url)
+
+        load: int | Callable[[Worker], int] = prefill_work if kind == "prefill" else tokens
         work = self.upstream.open_with_retries(
-            hop_name, pick, call.path, body, call.headers, kind, tokens
+            hop_name, pick, call.path, body, call.headers, kind, load
         )
         try:
             hop = await (work if request is None else _unless_disconnected(request, work))

@@ -173,9 +173,12 @@ class Upstream:
         body: dict[str, Any],
         headers: dict[str, str],
         kind: DispatchKind,
-        tokens: int,
+        tokens: int | Callable[[Worker], int],
     ) -> Hop:
         """Try workers from `pick` (which skips the URLs it is given) until one answers.
+
+        `tokens` is the load the hop adds to a worker until its polled load shows it (a
+        number, or a function of the worker when that depends on what it has cached).
 
         Raises the last HopFailure when every attempt failed, or LookupError when `pick` had
         no worker to offer at all.
@@ -193,7 +196,8 @@ class Upstream:
                 await asyncio.sleep(delay)
                 delay *= self.retry.backoff_multiplier
             try:
-                hop = await self.open(worker, path, body, headers, kind, tokens)
+                load = tokens(worker) if callable(tokens) else tokens
+                hop = await self.open(worker, path, body, headers, kind, load)
             except HopFailure as failure:
                 last = failure
                 tried.add(worker.url)

@@ -356,6 +356,33 @@ def test_kv_aware_weighs_the_hit_against_the_queue() -> None:
     assert choice is not None and choice.worker is b
 
 
+def test_kv_aware_keeps_a_session_on_its_worker_while_that_worker_decodes_another() -> None:
+    """An agent turn: 5,000 tokens, 4,700 cached on `a`, only the shared 2,000-token prefix on
+    `b`. `a` is decoding another session with 6,000 tokens of KV, `b` is idle. Moving the turn
+    would recompute 2,700 tokens (and split the session's history over two workers); staying
+    costs a share of decode steps. With the default prefill weight the turn stays."""
+    block = BS
+    tokens = list(range(5000))
+    chain = block_hashes(tokens, block, ROOT)
+    index = KvIndex()
+    index.apply_snapshot("http://a", _snapshot("w-a", chain[: 4700 // block]))
+    index.apply_snapshot("http://b", _snapshot("w-b", chain[: 2000 // block]))
+    a = _worker("http://a", running_kv_tokens=6000, num_running_requests=1)
+    b = _worker("http://b")
+    route = _chain_route(tokens)
+    choice = _placer(index=index).choose([a, b], route, "direct")
+    assert choice is not None and choice.worker is a
+    assert (choice.cached_blocks, choice.best_cached_blocks) == (4700 // block, 4700 // block)
+    # What the router counts on each worker until its load shows the request: the uncached part.
+    assert route.prefill_work("http://a") == 5000 - 4700 // block * block
+    assert route.prefill_work("http://b") == 5000 - 2000 // block * block
+    assert route.prefill_work("http://elsewhere") == 5000
+    # Weighing a prefill token like a token of decode KV (Dynamo's w = 1) moves it.
+    choice = _placer(index=index, prefill_weight=1.0).choose([a, b], _chain_route(tokens), "direct")
+    assert choice is not None and choice.worker is b
+    assert choice.best_skipped.startswith("cost +")  # the log line says why the hit lost
+
+
 def test_kv_aware_skips_a_worker_above_the_load_bound() -> None:
     tokens = list(range(400))
     index = _index_with("http://b", block_hashes(tokens, BS, ROOT))

@@ -551,6 +551,32 @@ def test_retry_moves_to_another_worker_before_the_first_byte() -> None:
     assert all(w.in_flight == 0 and w.unreflected_tokens() == 0 for w in workers)
 
 
+def test_the_load_a_hop_adds_can_depend_on_the_worker() -> None:
+    """kv_aware counts a just-sent request by the tokens that worker must compute (its cached
+    prefix excluded), so each retry dispatches that worker's own figure."""
+    workers = [_worker("http://a"), _worker("http://b")]
+    predicted = {"http://a": 300, "http://b": 2500}
+    seen: dict[str, int] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = f"http://{request.url.host}"
+        seen[url] = next(w for w in workers if w.url == url).unreflected_tokens("prefill")
+        if url == "http://a":
+            return httpx.Response(503, json={"error": {"message": "full"}})
+        return httpx.Response(200, json={"ok": True})
+
+    upstream, _ = _upstream(handler)
+
+    async def run() -> None:
+        hop = await upstream.open_with_retries(
+            "direct", _picker(workers), "/x", {}, {}, "prefill", lambda w: predicted[w.url]
+        )
+        await hop.close()
+
+    asyncio.run(run())
+    assert seen == predicted
+
+
 def test_client_errors_are_not_retried() -> None:
     calls: list[str] = []
 
