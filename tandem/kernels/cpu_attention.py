@@ -34,7 +34,7 @@ from tandem.kernels.torch_attention import TorchAttentionBackend
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c11")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 

@@ -28,6 +28,56 @@ static void axpy(float *restrict y, float alpha, const float *restrict x, int n)
     for (int i = 0; i < n; i++) y[i] += alpha * x[i];
 }
 
+/* Blocks lie anywhere in the pool, and one kv head's block is often a page of its own, where
+ * hardware prefetchers stop: ask for the next block while this one is being read. */
+static void prefetch_block(const float *block, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 1);
+}
+
+/* One work item: `heads` query heads (rows of q/out) over one kv head of one sequence.
+ * Inlined with head_dim a literal where it is a common size, so the dot products and
+ * accumulations unroll into whole vector registers. */
+static inline __attribute__((always_inline)) void attend_item(
+    const float *q_rows, float *out_rows, const float *k_head, const float *v_head,
+    const int64_t *table, int64_t len, int64_t heads, const int64_t head_dim,
+    int64_t block_size, float scale, float *scores) {
+    const int64_t used_blocks = (len + block_size - 1) / block_size;
+    const int64_t block_floats = block_size * head_dim;
+    for (int64_t b = 0; b < used_blocks; b++) {
+        if (b + 1 < used_blocks) prefetch_block(k_head + table[b + 1] * block_floats, block_floats);
+        prefetch_block(v_head + table[b] * block_floats, block_floats); /* for the V pass */
+        const float *k_block = k_head + table[b] * block_floats;
+        const int64_t end = (b + 1) * block_size < len ? (b + 1) * block_size : len;
+        for (int64_t t = b * block_size; t < end; t++) {
+            const float *k = k_block + (t - b * block_size) * head_dim;
+            for (int64_t g = 0; g < heads; g++)
+                scores[g * len + t] = dot(q_rows + g * head_dim, k, (int)head_dim) * scale;
+        }
+    }
+    for (int64_t g = 0; g < heads; g++) {
+        float *row = scores + g * len;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < len; t++) top = row[t] > top ? row[t] : top;
+        float total = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            row[t] = expf(row[t] - top);
+            total += row[t];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t t = 0; t < len; t++) row[t] *= inv;
+        memset(out_rows + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
+    }
+    for (int64_t b = 0; b < used_blocks; b++) {
+        const float *v_block = v_head + table[b] * block_floats;
+        const int64_t end = (b + 1) * block_size < len ? (b + 1) * block_size : len;
+        for (int64_t t = b * block_size; t < end; t++) {
+            const float *v = v_block + (t - b * block_size) * head_dim;
+            for (int64_t g = 0; g < heads; g++)
+                axpy(out_rows + g * head_dim, scores[g * len + t], v, (int)head_dim);
+        }
+    }
+}
+
 /* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
 int tandem_paged_decode_attention(
     const float *q, const float *kv_cache, const int64_t *block_tables,
@@ -58,28 +108,18 @@ int tandem_paged_decode_attention(
             failed = 1;
             continue;
         }
-        for (int64_t t = 0; t < len; t++) {
-            const float *k = k_head + (table[t / block_size] * block_size + t % block_size) * head_dim;
-            for (int64_t g = 0; g < heads_per_item; g++)
-                scores[g * len + t] = dot(q_rows + g * head_dim, k, (int)head_dim) * scale;
-        }
-        for (int64_t g = 0; g < heads_per_item; g++) {
-            float *row = scores + g * len;
-            float top = -INFINITY;
-            for (int64_t t = 0; t < len; t++) top = row[t] > top ? row[t] : top;
-            float total = 0.0f;
-            for (int64_t t = 0; t < len; t++) {
-                row[t] = expf(row[t] - top);
-                total += row[t];
-            }
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            for (int64_t t = 0; t < len; t++) row[t] *= inv;
-            memset(out_rows + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
-        }
-        for (int64_t t = 0; t < len; t++) {
-            const float *v = v_head + (table[t / block_size] * block_size + t % block_size) * head_dim;
-            for (int64_t g = 0; g < heads_per_item; g++)
-                axpy(out_rows + g * head_dim, scores[g * len + t], v, (int)head_dim);
+        switch (head_dim) {
+        case 64:
+            attend_item(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, 64,
+                        block_size, scale, scores);
+            break;
+        case 128:
+            attend_item(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, 128,
+                        block_size, scale, scores);
+            break;
+        default:
+            attend_item(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, head_dim,
+                        block_size, scale, scores);
         }
         free(scores);
     }
