@@ -98,6 +98,19 @@ class PagedDecodeKernel:
             raise KernelBuildError(f"cannot load {library}: {error}") from error
         self._function.restype = ctypes.c_int
         self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float, ctypes.c_int]
+        self._write = ctypes.CDLL(str(library)).tandem_write_kv
+        self._write.restype = None
+        self._write.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 6, ctypes.c_int]
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """key/value [tokens, kv_heads, dim] fp32 with rows of one token contiguous."""
+        num_tokens, num_kv_heads, head_dim = key.shape
+        _, _, num_blocks, block_size, _ = kv_cache.shape
+        self._write(
+            key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), num_tokens,
+            key.stride(0), value.stride(0), num_kv_heads, head_dim, num_blocks * block_size,
+            torch.get_num_threads(),
+        )
 
     def __call__(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -130,10 +143,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernel: PagedDecodeKernel) -> None:
         self.kernel = kernel
 
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        fp32 = kv_cache.dtype == key.dtype == value.dtype == torch.float32
+        if fp32 and kv_cache.is_contiguous() and _rows_contiguous(key) and _rows_contiguous(value):
+            self.kernel.write_kv(key, value, kv_cache, meta.slot_mapping)
+        else:
+            super().write_kv(key, value, kv_cache, meta)
+
     def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
             return super()._decode(q, kv_cache, meta, scale)
         return self.kernel(q.contiguous(), kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """[tokens, heads, dim] whose heads and dims of one token are dense (a token stride may be
+    anything, as in a view into the fused qkv projection)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def make_attention_backend(choice: str, cache_dir: Path) -> TorchAttentionBackend:

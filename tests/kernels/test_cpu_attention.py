@@ -79,6 +79,25 @@ def test_backend_uses_the_kernel_for_fp32_and_torch_otherwise(kernel) -> None:
     torch.testing.assert_close(half, torch_backend._decode(queries.bfloat16(), cache.bfloat16(), meta, 0.3))
 
 
+def test_write_kv_matches_the_torch_path_for_views_into_a_fused_projection(kernel) -> None:
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, tokens = 6, 2, 8, 5
+    # q, k and v side by side per token, as the fused qkv projection lays them out
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+    k = qk.view(tokens, heads + kv_heads, dim)[:, heads:]
+    v = v.view(tokens, kv_heads, dim)
+    slots = torch.tensor([0, 5, 6, 17, 31])  # across blocks of 4, in any order
+    meta = AttentionMetadata(slots, 0, torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0, [], 4)
+    ours = torch.randn(kv_cache_shape(8, 4, kv_heads, dim), generator=generator)
+    theirs = ours.clone()
+    CpuAttentionBackend(kernel).write_kv(k, v, ours, meta)
+    TorchAttentionBackend().write_kv(k, v, theirs, meta)
+    assert torch.equal(ours, theirs)
+    flat = ours.view(2, kv_heads, -1, dim)
+    assert torch.equal(flat[0, 1, 17], k[3, 1]) and torch.equal(flat[1, 0, 31], v[4, 0])
+
+
 def test_library_is_built_once_and_reused(tmp_path: Path) -> None:
     first = build_kernel_library(tmp_path)
     stamp = first.stat().st_mtime_ns

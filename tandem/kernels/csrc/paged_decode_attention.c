@@ -125,3 +125,26 @@ int tandem_paged_decode_attention(
     }
     return failed ? -1 : 0;
 }
+
+/* Store this step's keys and values ([tokens, kv_heads, head_dim] rows, `key_stride` /
+ * `value_stride` floats apart: views into the fused qkv projection) into their cache slots.
+ * One small copy per (token, kv head, K or V); index_copy_ costs ~70 us a call here. */
+void tandem_write_kv(
+    const float *key, const float *value, float *kv_cache, const int64_t *slots,
+    int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
+    int64_t head_dim, int64_t num_slots, int num_threads) {
+    float *k_base = kv_cache;
+    float *v_base = kv_cache + num_kv_heads * num_slots * head_dim;
+    const size_t row_bytes = sizeof(float) * (size_t)head_dim;
+    /* Slots are scattered, so each row is a cache miss on write: split the rows over the
+     * threads when there are enough to pay for waking them. */
+#pragma omp parallel for schedule(static) num_threads(num_tokens >= 16 ? num_threads : 1)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t offset = (h * num_slots + slot) * head_dim;
+            memcpy(k_base + offset, key + t * key_stride + h * head_dim, row_bytes);
+            memcpy(v_base + offset, value + t * value_stride + h * head_dim, row_bytes);
+        }
+    }
+}
