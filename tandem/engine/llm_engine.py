@@ -165,9 +165,9 @@ class LLMEngine:
         self._next_id = 0
         self.startup_seconds = time.perf_counter() - started
         logger.info(
-            "KV cache: %d blocks = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
+            "KV cache: %d blocks = %d tokens (%.2f GiB, %s); max model len %d; %s attention; ready in %.1f s",
             num_blocks, num_blocks * cache.block_size, num_blocks * block_bytes / (1 << 30),
-            load.dtype, self.max_model_len, self.startup_seconds,
+            load.dtype, self.max_model_len, backend.name, self.startup_seconds,
         )
 
     def close(self) -> None:
