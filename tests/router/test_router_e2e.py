@@ -255,6 +255,8 @@ def test_cached_tokens_are_the_prefill_workers_counted_once(cluster: Cluster) ->
     direct = _post(cluster.prefill.url, "/v1/chat/completions", body)["usage"]
     cached = again["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached == direct["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
+    # Exactly the prompt's whole 16-token blocks, short of the last token (always computed).
+    assert cached == (again["prompt_tokens"] - 1) // 16 * 16
 
 
 def test_usage_ledger_matches_the_responses(cluster: Cluster) -> None:

@@ -114,6 +114,22 @@ def test_kv_aware_sends_the_second_turn_to_the_worker_holding_the_first(pair: Pa
     assert 'rule="kv_aware"' in metrics and "tandem_router_tokenize_seconds_count" in metrics
 
 
+def test_a_repeated_prompt_reports_exactly_its_cached_blocks(pair: Pair) -> None:
+    """Colocated mode: usage.cached_tokens is the serving worker's count, passed through as is."""
+    prompt = [
+        {"role": "system", "content": f"Ticket {uuid.uuid4().hex[:12]}. {SYSTEM}"},
+        {"role": "user", "content": "Which city has the best museums?"},
+    ]
+    before = {w.url: pair.cached_blocks(w.url) for w in pair.workers}
+    first, url = pair.chat(prompt)
+    assert _cached_tokens(first) == 0  # a new prompt
+    assert wait_for(lambda: pair.cached_blocks(url) > before[url], timeout=10)
+    again, url2 = pair.chat(prompt)
+    assert url2 == url
+    # Every whole 16-token block of the prompt, short of the last token (always computed).
+    assert _cached_tokens(again) == (again["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
+
+
 def test_a_session_header_keeps_unrelated_prompts_on_one_worker(pair: Pair) -> None:
     for key in ("session-a", "session-b"):
         urls = set()
