@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.layers.attention import PagedAttention
 from tandem.layers.embedding import LMHead, VocabEmbedding
-from tandem.layers.linear import Linear, MergedLinear
+from tandem.layers.linear import GateUpLinear, Linear, MergedLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -47,8 +46,9 @@ class DecoderAttention(nn.Module):
 
     def forward(
         self, angles: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, residual: torch.Tensor,
     ) -> torch.Tensor:
+        """`residual` + attention output (the add fused into o_proj)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -60,19 +60,18 @@ class DecoderAttention(nn.Module):
         qk = self.rotary(angles, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), residual)
 
 
 class DecoderMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [self.intermediate] * 2, cfg.mlp_bias)
-        self.down_proj = Linear(self.intermediate, cfg.hidden_size, cfg.mlp_bias)
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` + MLP output (the add fused into down_proj)."""
+        return self.down_proj(self.gate_up_proj(x), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -87,8 +86,8 @@ class DecoderLayer(nn.Module):
         self, angles: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(angles, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = self.self_attn(angles, self.input_layernorm(hidden), kv_cache, meta, residual=hidden)
+        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
 
 
 class DecoderBody(nn.Module):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tandem.layers.linear import (
+    GateUpLinear,
     Linear,
     MergedLinear,
     SmallStepWeights,
@@ -60,3 +62,68 @@ def test_small_step_copy_used_only_for_small_steps(dtype: torch.dtype, tolerance
     torch.testing.assert_close(out, exact(small), rtol=tolerance, atol=tolerance * 8)
     layer.small_weight.zero_()  # proves which copy a small step reads
     assert torch.equal(layer(small), torch.zeros_like(out) + layer.small_bias.float())
+
+
+def _gate_up(bias: bool) -> tuple[GateUpLinear, torch.Tensor, torch.Tensor | None]:
+    torch.manual_seed(1)
+    layer = GateUpLinear(64, 48, bias=bias)
+    weight = torch.randn(96, 64) / 8
+    layer.load("weight", weight[:48], shard=0)
+    layer.load("weight", weight[48:], shard=1)
+    full_bias = None
+    if bias:
+        full_bias = torch.randn(96)
+        layer.load("bias", full_bias[:48], shard=0)
+        layer.load("bias", full_bias[48:], shard=1)
+    return layer, weight, full_bias
+
+
+def _silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    gate, up = F.linear(x, weight, bias).split(48, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gate_up_gives_silu_of_gate_times_up(bias: bool) -> None:
+    layer, weight, full_bias = _gate_up(bias)
+    x = torch.randn(7, 64)
+    torch.testing.assert_close(layer(x), _silu_mul(x, weight, full_bias))
+    with pytest.raises(ValueError, match="no residual"):
+        layer(x, torch.zeros(7, 48))
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_gate_up_fuses_silu_and_mul_into_the_gemms(bias: bool) -> None:
+    layer, weight, full_bias = _gate_up(bias)
+    assert pack_weights_for_cpu(layer) == 1
+    assert layer.packed_halves is not None and layer.packed_weight is None
+    assert layer.weight.numel() == 0  # dense copy released: the packed halves are what runs
+    for tokens in (1, 3, 64, 300):
+        x = torch.randn(tokens, 64)
+        torch.testing.assert_close(layer(x), _silu_mul(x, weight, full_bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_residual_is_added_to_the_projection(packed: bool) -> None:
+    if packed and not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    layer, exact = _random_pair(bias=True)
+    if packed:
+        pack_weights_for_cpu(layer)
+    for tokens in (1, 64):
+        x, residual = torch.randn(tokens, 64), torch.randn(tokens, 32)
+        torch.testing.assert_close(layer(x, residual), residual + exact(x), rtol=1e-5, atol=1e-5)
+
+
+def test_small_steps_of_a_packed_gate_up_read_the_half_precision_copy() -> None:
+    layer, weight, full_bias = _gate_up(bias=True)
+    attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, dtype=torch.float16))
+    pack_weights_for_cpu(layer)
+    small = torch.randn(2, 64)
+    out = layer(small)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, _silu_mul(small, weight, full_bias), rtol=0.02, atol=0.05)
+    layer.small_weight.zero_()  # the small step now sees silu(bias_gate) * bias_up
+    expected = F.silu(full_bias[:48].half().float()) * full_bias[48:].half().float()
+    torch.testing.assert_close(layer(small), expected.expand(2, 48), rtol=1e-3, atol=1e-3)
