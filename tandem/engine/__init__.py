@@ -1,5 +1,1 @@
-"""Engine: block pool, KV cache manager and scheduler (torch-free), model runner, LLM engine.
-
-This package's __init__ imports nothing, so `tandem.engine.block_hash` can be used by the
-router without loading torch.
-"""
+"""Engine: block pool, KV cache manager and scheduler (torch-free), engine core, LLM engine."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.engine.block_hash import block_hashes
 from tandem.engine.block_pool import BlockPool, KVBlock
+from tandem.kvcache.block_hash import block_hashes
 from tandem.types import Request, RequestStatus
 
 

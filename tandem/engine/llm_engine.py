@@ -20,7 +20,6 @@ import psutil
 import torch
 
 from tandem.config import DTYPES, EngineConfig, ModelConfig
-from tandem.engine.block_hash import root_hash
 from tandem.engine.block_pool import BlockPool, KVBlock
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.kv_cache_manager import KVCacheManager
@@ -28,6 +27,7 @@ from tandem.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tandem.engine.scheduler import Scheduler
 from tandem.kernels.cpu_attention import make_attention_backend
 from tandem.kernels.torch_attention import TorchAttentionBackend
+from tandem.kvcache.block_hash import root_hash
 from tandem.layers.linear import SmallStepWeights, attach_small_step_weights, pack_weights_for_cpu
 from tandem.loader.model_loader import (
     build_model,

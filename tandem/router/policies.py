@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.block_hash import chain_hash
+from tandem.kvcache.block_hash import chain_hash
 from tandem.router.config import PolicyConfig, ScoringConfig
 from tandem.router.kv_index import KvIndex
 from tandem.router.ring import HashRing, bounded_pick, load_bound

@@ -20,10 +20,10 @@ import pytest
 import xxhash
 
 from tandem.config import SchedulerConfig
-from tandem.engine.block_hash import root_hash
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.scheduler import FinishedRequest, Scheduler, SchedulerOutput
+from tandem.kvcache.block_hash import root_hash
 from tandem.types import Request, RequestStatus, SampledToken, SamplingParams
 
 BLOCK_SIZE = 4

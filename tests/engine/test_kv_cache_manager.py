@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tandem.engine.block_hash import block_hashes, root_hash
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.kvcache.block_hash import block_hashes, root_hash
 from tandem.types import Request, SamplingParams
 
 B = 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from tandem.engine.block_hash import block_hashes
 from tandem.engine.block_pool import BlockPool
+from tandem.kvcache.block_hash import block_hashes
 from tandem.kvcache.events import KVEventLog
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tandem.engine.block_hash import block_hashes
+from tandem.kvcache.block_hash import block_hashes
 from tandem.router.config import HealthPolicy, PolicyConfig, ScoringConfig, WorkerSpec
 from tandem.router.health import HealthMonitor
 from tandem.router.kv_events import KvEventPoller

@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI, Request
 from router_helpers import FakeWorker, ThreadServer, wait_for
 
-from tandem.engine.block_hash import block_hashes
+from tandem.kvcache.block_hash import block_hashes
 from tandem.router.config import PolicyConfig, WorkerSpec
 
 ROOT = 987654321

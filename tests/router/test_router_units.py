@@ -53,12 +53,12 @@ def _worker(url: str, role: str = "decode", **load: int) -> Worker:
 
 # --- imports ---------------------------------------------------------------------------
 def test_router_app_does_not_import_torch() -> None:
-    # tandem.engine.block_hash (xxhash only) is the one engine module the router may use.
+    # tandem.kvcache.block_hash (xxhash only) is the one engine module the router may use.
     code = (
         "import sys, tandem.router.app, tandem.router.cli; "
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
         "or (m.startswith('tandem.engine') and m not in ('tandem.engine', "
-        "'tandem.engine.block_hash')) or m.startswith('tandem.server')]; print(heavy)"
+        "'tandem.kvcache.block_hash')) or m.startswith('tandem.server')]; print(heavy)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120

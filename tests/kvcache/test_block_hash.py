@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from tandem.engine.block_hash import block_hashes, chain_hash, root_hash
+from tandem.kvcache.block_hash import block_hashes, chain_hash, root_hash
 
 B = 16
 REPO = Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def test_root_fields_do_not_run_together() -> None:
 def test_hash_is_stable_across_processes() -> None:
     """No dependence on Python's per-process string hashing (PYTHONHASHSEED)."""
     code = (
-        "from tandem.engine.block_hash import block_hashes, root_hash\n"
+        "from tandem.kvcache.block_hash import block_hashes, root_hash\n"
         "r = root_hash('org/model', 'bfloat16', 4)\n"
         "print(r, block_hashes(list(range(12)), 4, r))\n"
     )
@@ -213,7 +213,7 @@ def test_engine_core_imports_no_torch() -> None:
     """The router and the KV store import these modules: they must never pull in torch."""
     code = (
         "import sys\n"
-        "import tandem.engine.block_hash, tandem.engine.block_pool\n"
+        "import tandem.kvcache.block_hash, tandem.engine.block_pool\n"
         "import tandem.engine.kv_cache_manager, tandem.engine.scheduler\n"
         "import tandem.types, tandem.config\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'transformers'))\n"
