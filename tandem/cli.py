@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tandem.config import KVTransferConfig
 
-    transfer = KVTransferConfig(role=args.role, host=args.kv_transfer_host, port=args.kv_transfer_port,
+    transfer = KVTransferConfig(connectors=("pd",), role=args.role, host=args.kv_transfer_host, port=args.kv_transfer_port,
                                 hold_timeout=args.kv_transfer_hold_timeout,
                                 fetch_timeout=args.kv_transfer_fetch_timeout, shared_memory=args.kv_transfer_shm)
     run_server(replace(engine_config(args), kv_transfer=transfer), config, access_log=not args.no_access_log)

@@ -160,8 +160,11 @@ ROLES = ("both", "prefill", "decode")
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Prefill/decode handoff (see tandem/kvcache/transfer/base.py for the protocol)."""
+    """KV connectors, and the prefill/decode handoff's settings (tandem/kvcache/connector/pd.py)."""
 
+    # KV connectors chained in front of the local prefix cache, by name (connector/factory.py);
+    # empty: none. `tandem serve` always runs "pd", the prefill/decode handoff.
+    connectors: tuple[str, ...] = ()
     role: str = "both"  # prefill: serves KV to others; decode: fetches it; both: either
     host: str = "127.0.0.1"  # where this worker's KV source listens
     port: int = 0  # 0: any free port
@@ -178,6 +181,25 @@ class KVTransferConfig:
         return self.role in ("decode", "both")
 
 
+EXECUTOR_BACKENDS = ("auto", "uni", "mp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks run the model, and how the engine reaches them (engine/executor/)."""
+
+    world_size: int = 1
+    # uni: one worker inside the engine core; mp: one process per rank joined by
+    # torch.distributed; auto: uni for one rank, mp for more.
+    executor_backend: str = "auto"
+    # torch.distributed backend: gloo on CPU, nccl on CUDA; auto picks by device.
+    distributed_backend: str = "auto"
+
+    @property
+    def uses_processes(self) -> bool:
+        return self.executor_backend == "mp" or (self.executor_backend == "auto" and self.world_size > 1)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -185,6 +207,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
 
 @dataclass(frozen=True)

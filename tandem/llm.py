@@ -7,7 +7,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tandem.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_memory_size
+from tandem.config import (
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_memory_size,
+)
 from tandem.engine.llm_engine import LLMEngine
 from tandem.loader.tokenizer import render_chat
 from tandem.types import RequestOutput, SamplingParams
@@ -36,6 +43,8 @@ class LLM:
         decode_weights_max_tokens: int = 2,
         pack_weights: bool = True,
         attention_backend: str = "auto",
+        world_size: int = 1,
+        distributed_executor_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model or "smollm2-135m",
@@ -53,8 +62,19 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
             ),
+            parallel=ParallelConfig(world_size=world_size, executor_backend=distributed_executor_backend),
         )
         self.engine = LLMEngine(config)
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its rank processes, if any)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self) -> Any:
@@ -84,7 +104,8 @@ class LLM:
                 token_ids = self.engine.tokenize(text)
             self.engine.validate_prompt(token_ids, params)
             staged.append((text, token_ids, params))
-        ids = [self.engine.add_request(None, text, params, token_ids) for text, token_ids, params in staged]
+        ids = [self.engine.add_request(None, text, params, token_ids, validated=True)
+               for text, token_ids, params in staged]
         return self._run(ids, use_tqdm)
 
     def chat(

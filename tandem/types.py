@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -95,6 +96,9 @@ class SamplingParams:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Blocks allocated, their KV arriving from elsewhere (a KV connector's asynchronous
+    # load); the engine steps the others meanwhile.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -134,6 +138,13 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Chain hashes of the full blocks of `all_token_ids`, computed once when the request
+    # arrives and extended as blocks fill (KVCacheManager.update_block_hashes). Every
+    # consumer (prefix cache, KV connectors, handoffs) reads them from here.
+    block_hashes: list[int] = field(default_factory=list)
+    cache_salt: str | None = None  # isolates a tenant's cache: the chain's root is salted
+    # A KV connector's instructions for this request (e.g. the prefill/decode handoff).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

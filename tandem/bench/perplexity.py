@@ -13,9 +13,8 @@ import math
 import torch
 
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.model_runner import prepare_batch
-from tandem.engine.scheduler import ScheduledChunk
 from tandem.types import Request, SamplingParams
+from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 # A fixed English passage (public-domain style prose written for this benchmark).
 REFERENCE_TEXT = (
@@ -50,7 +49,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int) -> flo
         total_nll = 0.0
         for start in range(0, len(token_ids) - 1, step_tokens):
             count = min(step_tokens, len(token_ids) - 1 - start)
-            chunk = ScheduledChunk(request, start, count, block_ids)
+            chunk = ScheduledChunk(request.request_id, token_ids[start : start + count], start, block_ids, True)
             batch = prepare_batch([chunk], kv.block_size)
             hidden = engine.runner.model(batch.input_ids, batch.positions, engine.runner.kv_caches, batch.meta)
             logprobs = torch.log_softmax(engine.runner.model.compute_logits(hidden), dim=-1)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.engine.block_pool import BlockPool, KVBlock
-from tandem.kvcache.block_hash import block_hashes
-from tandem.types import Request, RequestStatus
+from tandem.kvcache.block_hash import block_hashes, salted_root
+from tandem.types import Request
 
 
 @dataclass
@@ -26,11 +26,7 @@ class KVCacheManager:
         self.root_hash = root_hash
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
-        self._hashes: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # Prefill/decode handoff: requests whose prompt blocks outlive them (see `free`).
-        self._keep_on_free: set[str] = set()
-        self.kept: dict[str, list[KVBlock]] = {}
 
     @property
     def enable_caching(self) -> bool:
@@ -42,15 +38,33 @@ class KVCacheManager:
     def block_ids_of(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
 
-    def _full_block_hashes(self, request: Request, num_tokens: int) -> list[int]:
-        """The request's chain hashes up to `num_tokens`, extended incrementally."""
-        hashes = self._hashes.setdefault(request.request_id, [])
-        wanted = num_tokens // self.block_size
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    def update_block_hashes(self, request: Request) -> list[int]:
+        """Extend `request.block_hashes` over its full blocks; each block is hashed once.
+
+        Called when a request arrives and whenever its tokens grow; cheap when nothing new
+        filled a block (a length comparison).
+        """
+        hashes = request.block_hashes
+        wanted = request.num_tokens // self.block_size
         if len(hashes) < wanted:
-            tokens = request.all_token_ids[: wanted * self.block_size]
-            parent = hashes[-1] if hashes else None
-            hashes.extend(block_hashes(tokens, self.block_size, self.root_hash, len(hashes), parent))
-        return hashes[:wanted]
+            parent = hashes[-1] if hashes else salted_root(self.root_hash, request.cache_salt)
+            hashes.extend(block_hashes(request.all_token_ids[: wanted * self.block_size], self.block_size,
+                                       self.root_hash, len(hashes), parent))
+        return hashes
+
+    def _cached_prefix(self, request: Request, max_blocks: int) -> list[KVBlock]:
+        hashes = self.update_block_hashes(request)
+        hits: list[KVBlock] = []
+        for index, block_hash in enumerate(hashes[:max_blocks]):
+            start = index * self.block_size
+            block = self.pool.lookup(block_hash, request.all_token_ids[start : start + self.block_size])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of a request that holds no blocks yet.
@@ -63,15 +77,14 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        max_tokens = request.num_tokens - 1
-        hits: list[KVBlock] = []
-        for index, block_hash in enumerate(self._full_block_hashes(request, max_tokens)):
-            start = index * self.block_size
-            block = self.pool.lookup(block_hash, request.all_token_ids[start : start + self.block_size])
-            if block is None:
-                break
-            hits.append(block)
+        hits = self._cached_prefix(request, (request.num_tokens - 1) // self.block_size)
         return hits, len(hits) * self.block_size
+
+    def cached_prefix_blocks(self, request: Request) -> int:
+        """How many leading full blocks of the request's tokens this cache holds now."""
+        if not self.enable_caching:
+            return 0
+        return len(self._cached_prefix(request, request.num_tokens // self.block_size))
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admitted request's prompt once in the prefix-cache hit rate."""
@@ -107,62 +120,26 @@ class KVCacheManager:
         if not held:
             return
         done = self._num_cached_blocks.get(request.request_id, 0)
-        hashes = self._full_block_hashes(request, request.num_computed_tokens)
-        for index in range(done, len(hashes)):
+        num_full = min(request.num_computed_tokens // self.block_size, len(held))
+        hashes = self.update_block_hashes(request)
+        for index in range(done, num_full):
             start = index * self.block_size
             self.pool.cache(held[index], hashes[index], request.all_token_ids[start : start + self.block_size])
-        self._num_cached_blocks[request.request_id] = max(done, len(hashes))
+        self._num_cached_blocks[request.request_id] = max(done, num_full)
 
-    def keep_prompt_blocks(self, request_id: str) -> None:
-        """When this request ends, keep its full prompt blocks referenced (for a KV handoff).
+    def free(self, request: Request, hold_blocks: int = 0) -> list[KVBlock]:
+        """Release the blocks of a finished or preempted request (tail first, for LRU).
 
-        A prefill worker's request ends after its first token, but a decode worker has yet
-        to read the prompt's KV; the blocks must not return to the free queue, where the
-        next allocation could overwrite them. They wait in `kept` until taken.
+        The first `hold_blocks` blocks stay referenced and are returned: a KV connector keeps
+        them under a lease (a prefill worker's prompt, until a decode worker has read it) and
+        hands them back to `release` when the lease ends.
         """
-        self._keep_on_free.add(request_id)
-
-    def take_kept(self, request_id: str) -> list[KVBlock]:
-        return self.kept.pop(request_id, [])
-
-    def free(self, request: Request) -> None:
-        """Release every block of a finished or preempted request (tail first, for LRU)."""
         held = self._blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self._hashes.pop(request.request_id, None)
-        if request.status.finished and request.request_id in self._keep_on_free:
-            self._keep_on_free.discard(request.request_id)
-            if request.status != RequestStatus.FINISHED_ABORTED:
-                num_full = min(len(held), request.num_prompt_tokens // self.block_size)
-                self.kept[request.request_id] = held[:num_full]
-                held = held[num_full:]
-        self.pool.free(list(reversed(held)))
+        kept, rest = held[:hold_blocks], held[hold_blocks:]
+        self.pool.free(list(reversed(rest)))
+        return kept
 
-    # --- KV adopted from another worker ---------------------------------------------
-    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
-        """How many leading full blocks of these tokens this cache already holds."""
-        if not self.enable_caching:
-            return 0
-        hashes = block_hashes(token_ids[: len(token_ids) // self.block_size * self.block_size],
-                              self.block_size, self.root_hash)
-        for index, block_hash in enumerate(hashes):
-            start = index * self.block_size
-            if self.pool.lookup(block_hash, token_ids[start : start + self.block_size]) is None:
-                return index
-        return len(hashes)
-
-    def prompt_block_hashes(self, token_ids: list[int]) -> list[int]:
-        full = len(token_ids) // self.block_size * self.block_size
-        return list(block_hashes(token_ids[:full], self.block_size, self.root_hash))
-
-    def adopt(self, token_ids: list[int], first_index: int, blocks: list[KVBlock]) -> int:
-        """Publish blocks filled from elsewhere as the cached blocks `first_index`... of these
-        tokens; returns how many were published (a block already cached elsewhere is not)."""
-        hashes = self.prompt_block_hashes(token_ids)
-        published = 0
-        for offset, block in enumerate(blocks):
-            index = first_index + offset
-            start = index * self.block_size
-            if self.pool.cache(block, hashes[index], token_ids[start : start + self.block_size]):
-                published += 1
-        return published
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Drop blocks `free` kept for a connector, tail first."""
+        self.pool.free(list(reversed(blocks)))

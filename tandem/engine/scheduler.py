@@ -5,6 +5,12 @@ a decode is one token, a prefill is as many prompt tokens as the budget allows (
 prefill). Running requests go first, in arrival order, so decodes are never starved by new
 prefills; waiting requests are admitted FCFS with their cached prefix skipped. When blocks run
 out, the most recently admitted running request is preempted and later recomputed.
+
+A KV connector may supply more of a prompt than the local prefix cache holds: its tokens are
+loaded into blocks allocated here, asynchronously while the request waits in
+WAITING_FOR_REMOTE_KV (the others keep stepping), or synchronously within the step. The
+scheduler emits a plain `SchedulerOutput` (scheduler_output.py): model runners, in this
+process or on other ranks, never see a live `Request`.
 """
 
 from __future__ import annotations
@@ -12,76 +18,92 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from tandem.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tandem.kvcache.connector.base import KVConnectorOutput, KVConnectorScheduler
 from tandem.types import Request, RequestStatus, SampledToken
-
-
-@dataclass
-class ScheduledChunk:
-    """The slice of one request that runs this step."""
-
-    request: Request
-    start: int  # first position computed this step
-    num_tokens: int
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """Only a chunk that reaches the end of the known tokens produces a new token."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)  # since the last step (runner state cleanup)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def empty(self) -> bool:
-        return not self.chunks
 
 
 @dataclass
 class FinishedRequest:
     request: Request
     reason: RequestStatus
+    kv_transfer_params: dict[str, Any] | None = None  # a connector's word on the request's KV
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: a new token, an end, or both."""
+
+    request: Request
+    token: SampledToken | None = None
+    finished: FinishedRequest | None = None
+
+
+@dataclass
+class _ExternalKV:
+    """A request whose prompt KV partly comes through a connector."""
+
+    num_local_tokens: int  # the local prefix hit, already computed
+    num_external_tokens: int
+    load_async: bool
+    loaded_this_step: bool = False
+    loaded: bool = False  # the load succeeded: its tokens count as cached
+
+
+@dataclass
+class _RunnerView:
+    """How much of a request the model runner has seen (it is sent only what is new)."""
+
+    num_tokens: int
+    num_blocks: int
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0  # cumulative
+    num_loaded_tokens: int = 0  # prompt tokens whose KV a connector supplied, cumulative
+    num_failed_loads: int = 0
+    num_timed_out_loads: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
         self._finished_since_step: list[str] = []
-        self.num_preemptions = 0
+        self._runner: dict[str, _RunnerView] = {}
+        self._external: dict[str, _ExternalKV] = {}
+        self._held: dict[str, list] = {}  # hold id -> blocks a connector keeps after their request ended
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
 
     # --- queue management -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request. Its prompt and parameters were validated at the edge (the API
+        server or `LLM`); only engine state is checked here."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not request.num_tokens:
-            # A zero-token chunk would count as sampling and read another request's logits.
-            raise ValueError("the prompt is empty; give at least one token")
-        if request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_tokens} tokens; the context is {self.max_model_len}"
-            )
         request.status = RequestStatus.WAITING
+        self.kv.update_block_hashes(request)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -100,15 +122,24 @@ class Scheduler:
         if request is not None:
             self._finish(request, reason)
 
-    def _finish(self, request: Request, reason: RequestStatus) -> None:
+    def _finish(self, request: Request, reason: RequestStatus) -> FinishedRequest:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = reason
-        self.kv.free(request)
+        decision = None
+        if self.connector is not None:
+            decision = self.connector.request_finished(request, self.kv.block_ids_of(request.request_id))
+        kept = self.kv.free(request, decision.num_blocks if decision else 0)
+        if kept:
+            assert decision is not None and decision.hold_id is not None
+            self._held[decision.hold_id] = kept
         del self.requests[request.request_id]
+        self._external.pop(request.request_id, None)
+        self._runner.pop(request.request_id, None)
         self._finished_since_step.append(request.request_id)
+        return FinishedRequest(request, reason, decision.kv_transfer_params if decision else None)
 
     @property
     def num_unfinished(self) -> int:
@@ -117,12 +148,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._held.values())
+
     # --- one step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished=self._finished_since_step)
+        out = SchedulerOutput(finished_request_ids=self._finished_since_step)
         self._finished_since_step = []
+        self._give_up_late_loads()
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledChunk] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -131,79 +166,234 @@ class Scheduler:
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 break
-            scheduled.append(self._chunk(request, num_new))
+            self._schedule_chunk(out, request, num_new)
             budget -= num_new
             index += 1
 
-        if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
-                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_cached, budget)
-                if not self.kv.allocate_slots(request, num_new, computed_blocks):
-                    break
-                self.waiting.popleft()
-                request.num_computed_tokens = num_cached
-                if request.num_cached_tokens < 0:
-                    # First admission only: a recomputation after preemption hits its own
-                    # blocks, which says nothing about how well the prefix cache serves prompts.
-                    request.num_cached_tokens = num_cached
-                    self.kv.record_prefix_lookup(request, num_cached)
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.monotonic()
-                self.running.append(request)
-                scheduled.append(self._chunk(request, num_new))
-                budget -= num_new
+        if not out.preempted_request_ids:
+            budget = self._admit_waiting(out, budget)
 
-        out.chunks = scheduled
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        return ScheduledChunk(
-            request=request,
-            start=request.num_computed_tokens,
-            num_tokens=num_new,
-            block_ids=self.kv.block_ids_of(request.request_id),
-        )
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        skipped: deque[Request] = deque()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                skipped.append(request)
+                continue
+            if self.kv.num_blocks_of(request.request_id):
+                # Its KV was loaded (or the load failed) into blocks it already holds.
+                computed_blocks, num_cached = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+                external = self._ask_connector(request, num_cached)
+                if external is None:
+                    skipped.append(request)
+                    continue
+                if external.num_external_tokens and external.load_async:
+                    if not self.kv.allocate_slots(request, external.num_external_tokens, computed_blocks):
+                        self.waiting.appendleft(request)
+                        break
+                    self._start_async_load(request, num_cached, external)
+                    skipped.append(request)
+                    continue
+                if external.num_external_tokens:
+                    num_new = min(request.num_tokens - num_cached - external.num_external_tokens, budget)
+                    if not self._allocate_with_sync_load(request, computed_blocks, external, num_new):
+                        self.waiting.appendleft(request)
+                        break
+                    num_cached += external.num_external_tokens
+                    computed_blocks = None  # allocated
+            num_new = min(request.num_tokens - num_cached, budget)
+            if computed_blocks is not None and not self.kv.allocate_slots(request, num_new, computed_blocks):
+                self.waiting.appendleft(request)
+                break
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                # First admission only: a recomputation after preemption hits its own
+                # blocks, which says nothing about how well the prefix cache serves prompts.
+                request.num_cached_tokens = num_cached
+                external = self._external.get(request.request_id)
+                local = num_cached if external is None else external.num_local_tokens
+                self.kv.record_prefix_lookup(request, local)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            self._schedule_chunk(out, request, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _ask_connector(self, request: Request, num_cached: int) -> _ExternalKV | None:
+        """How much more of the prompt a connector supplies; None: ask again next step."""
+        if self.connector is None or request.num_preemptions or request.request_id in self._external:
+            return _ExternalKV(num_cached, 0, False)
+        offer = self.connector.get_num_new_matched_tokens(request, num_cached)
+        if offer is None:
+            return None
+        num_external, load_async = offer
+        # The last token is always computed here: its logits give the next token.
+        num_external = max(0, min(num_external, request.num_tokens - 1 - num_cached))
+        return _ExternalKV(num_cached, num_external, load_async)
+
+    def _start_async_load(self, request: Request, num_cached: int, external: _ExternalKV) -> None:
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._external[request.request_id] = external
+        assert self.connector is not None
+        self.connector.update_state_after_alloc(request, self.kv.block_ids_of(request.request_id),
+                                                external.num_external_tokens)
+
+    def _allocate_with_sync_load(self, request: Request, computed_blocks: list, external: _ExternalKV,
+                                 num_new: int) -> bool:
+        """Room for a synchronous load and this step's chunk at once, or nothing changes.
+
+        The worker side loads the external tokens before this step's forward reads them.
+        """
+        if not self.kv.allocate_slots(request, external.num_external_tokens + num_new, computed_blocks):
+            return False
+        request.num_computed_tokens = external.num_local_tokens
+        external.loaded_this_step = external.loaded = True
+        self._external[request.request_id] = external
+        assert self.connector is not None
+        self.connector.update_state_after_alloc(request, self.kv.block_ids_of(request.request_id),
+                                                external.num_external_tokens)
+        self.stats.num_loaded_tokens += external.num_external_tokens
+        return True
+
+    def _schedule_chunk(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Describe the request to the runner: all of it the first time, then what is new."""
+        request_id = request.request_id
+        block_ids = self.kv.block_ids_of(request_id)
+        view = self._runner.get(request_id)
+        if view is None:
+            out.new_requests.append(NewRequestData(
+                request_id=request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                eos_token_ids=tuple(sorted(request.eos_token_ids)),
+                block_ids=block_ids,
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+        else:
+            out.cached_requests.append(CachedRequestData(
+                request_id=request_id,
+                new_token_ids=request.all_token_ids[view.num_tokens:],
+                new_block_ids=block_ids[view.num_blocks:],
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+        self._runner[request_id] = _RunnerView(request.num_tokens, len(block_ids))
+        out.num_scheduled_tokens[request_id] = num_new
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.running.remove(request)
         self.kv.free(request)
+        self._runner.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
 
-    def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
-    ) -> tuple[list[Request], list[FinishedRequest]]:
-        """Advance progress after the model ran; returns (requests with a new token, finished)."""
-        progressed: list[Request] = []
-        finished: list[FinishedRequest] = []
-        for chunk in out.chunks:
-            request = chunk.request
-            if request.status != RequestStatus.RUNNING:
+    # --- after the model ran ----------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance progress after a step; returns what happened to each request it touched."""
+        updates: list[RequestUpdate] = []
+        failed = result.kv_connector_output.failed_loads
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            external = self._external.get(request_id)
+            if external is not None and external.loaded_this_step:
+                external.loaded_this_step = False
+                if request_id in failed:
+                    self._roll_back_failed_sync_load(request, external)
+                    continue
+            request.num_computed_tokens += num_tokens
             self.kv.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
+            token = result.sampled.get(request_id)
             if token is None:
                 continue
             request.append_output_token(token.token_id)
-            progressed.append(request)
+            self.kv.update_block_hashes(request)
+            update = RequestUpdate(request, token)
             reason = self._stop_reason(request, token.token_id)
             if reason is not None:
-                self._finish(request, reason)
-                finished.append(FinishedRequest(request, reason))
-        return progressed, finished
+                update.finished = self._finish(request, reason)
+            updates.append(update)
+        self._apply_connector_output(result.kv_connector_output)
+        return updates
+
+    def _roll_back_failed_sync_load(self, request: Request, external: _ExternalKV) -> None:
+        """The forward read KV that never arrived: discard its token, compute the prompt here."""
+        request.num_computed_tokens = external.num_local_tokens
+        request.num_cached_tokens = external.num_local_tokens
+        external.loaded = False
+        self.stats.num_failed_loads += 1
+        self.stats.num_loaded_tokens -= external.num_external_tokens
+
+    def _apply_connector_output(self, output: KVConnectorOutput) -> None:
+        if self.connector is None:
+            return
+        self.connector.update_connector_output(output)
+        for request_id in output.finished_loads | output.failed_loads:
+            request = self.requests.get(request_id)
+            external = self._external.get(request_id)
+            if request is None or external is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue
+            self._load_done(request, external, ok=request_id not in output.failed_loads)
+        for hold_id in output.finished_holds:
+            blocks = self._held.pop(hold_id, None)
+            if blocks:
+                self.kv.release(blocks)
+
+    def _load_done(self, request: Request, external: _ExternalKV, ok: bool) -> None:
+        if ok:
+            external.loaded = True
+            request.num_computed_tokens = external.num_local_tokens + external.num_external_tokens
+            self.kv.cache_computed_blocks(request)
+            self.stats.num_loaded_tokens += external.num_external_tokens
+        else:
+            # Its blocks stay allocated; the prompt is computed into them.
+            request.num_computed_tokens = external.num_local_tokens
+            self.stats.num_failed_loads += 1
+        request.status = RequestStatus.WAITING
+
+    def _give_up_late_loads(self) -> None:
+        if self.connector is None:
+            return
+        for request_id in self.connector.timed_out_loads(time.monotonic()):
+            request = self.requests.get(request_id)
+            external = self._external.get(request_id)
+            if request is not None and external is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self.stats.num_timed_out_loads += 1
+                self._load_done(request, external, ok=False)
+
+    def loaded_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a request whose KV a connector supplied (0 if none or it failed)."""
+        external = self._external.get(request_id)
+        return external.num_external_tokens if external is not None and external.loaded else 0
+
+    def release_hold(self, hold_id: str) -> None:
+        """Nobody will read a held handoff: let its connector end the hold."""
+        if self.connector is not None and hold_id in self._held:
+            self.connector.release(hold_id)
+
+    def pending_kv_work(self) -> float | None:
+        """Seconds until the connectors' worker sides should be polled, or None."""
+        return None if self.connector is None else self.connector.pending_work()
 
     def _stop_reason(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

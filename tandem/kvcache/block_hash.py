@@ -1,10 +1,16 @@
 """The block hash chain: the one definition of a KV block's identity.
 
-The engine's prefix cache, the KV tiers, the KV events and the router's index all key blocks
-by this chain, so it lives in one torch-free module that each of them imports.
+The engine's prefix cache, the KV connectors and tiers, the KV events and the router's index
+all key blocks by this chain, so it lives in one torch-free module that each of them imports.
 
-    h0  = xxh3_64(JSON [model_id, kv_dtype, block_size, extra_keys])
-    h_i = xxh3_64(h_{i-1} as 8 little-endian bytes ‖ block i's tokens as little-endian uint32)
+    root = xxh3_64(JSON [model_fingerprint, kv_dtype, block_size, extra_keys])
+    h0   = root, or xxh3_64(b"salt" ‖ root as 8 little-endian bytes ‖ cache_salt as UTF-8)
+    h_i  = xxh3_64(h_{i-1} as 8 little-endian bytes ‖ block i's tokens as little-endian uint32)
+
+The model fingerprint (tandem/loader/fingerprint.py) names the architecture, dtype and a
+digest of the weights' identity, so KV of another model or revision can never match. A
+request's optional `cache_salt` (vLLM's field) salts the chain so tenants never share blocks;
+a router that knows a worker's root (its `/kv/events` say it) salts it the same way.
 
 Only full blocks are hashed: a partial block's content is still changing.
 """
@@ -18,10 +24,17 @@ from collections.abc import Sequence
 import xxhash
 
 
-def root_hash(model_id: str, kv_dtype: str, block_size: int, extra_keys: Sequence[str] = ()) -> int:
+def root_hash(model_fingerprint: str, kv_dtype: str, block_size: int, extra_keys: Sequence[str] = ()) -> int:
     """Seed of the chain: blocks of different models, dtypes or sizes never collide."""
-    payload = json.dumps([model_id, kv_dtype, int(block_size), list(extra_keys)]).encode()
+    payload = json.dumps([model_fingerprint, kv_dtype, int(block_size), list(extra_keys)]).encode()
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def salted_root(root: int, cache_salt: str | None) -> int:
+    """The chain's first parent for a request: the root itself, or the root salted."""
+    if not cache_salt:
+        return root
+    return xxhash.xxh3_64_intdigest(b"salt" + struct.pack("<Q", root) + cache_salt.encode())
 
 
 def chain_hash(parent_hash: int, block_tokens: Sequence[int]) -> int:

@@ -1,6 +1,6 @@
 """The API server's handle on an engine core process.
 
-It starts the core (`tandem.engine.core`) in a spawned process, talks to it over two ZMQ
+It starts the core (`tandem.engine.core_process`) in a spawned process, talks to it over two ZMQ
 IPC sockets, and hands each request's token deltas to the coroutine that is serving it.
 A reader task routes the core's outputs; a watchdog notices a dead core so that waiting
 requests fail fast instead of hanging and `/health` turns red.
@@ -27,7 +27,8 @@ import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
-from tandem.engine.core import (
+from tandem.engine.core_process import run_engine_core
+from tandem.engine.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -38,7 +39,6 @@ from tandem.engine.core import (
     RequestDelta,
     ResetPrefixCache,
     Shutdown,
-    run_engine_core,
 )
 from tandem.kvcache.events import KVEventLog
 from tandem.types import EngineLoad, SamplingParams
@@ -58,10 +58,15 @@ class EngineRequestError(ValueError):
 class Handoff:
     """A request's part in a prefill/decode handoff (all empty for an ordinary request)."""
 
-    keep_prompt_kv: bool = False  # prefill side: keep the prompt's KV for a decode worker
-    kv_pull: dict[str, Any] | None = None  # decode side: the handle to fetch the prompt's KV from
+    # For the engine's KV connector: {"do_remote_decode": true} on the prefill side; the
+    # prefill worker's handle plus {"do_remote_prefill": true} on the decode side.
+    kv_transfer_params: dict[str, Any] | None = None
     prior_output_ids: list[int] = field(default_factory=list)  # decode side: the first token(s)
     emit_prior: bool = False  # decode side: also send the prior tokens' text to the client
+
+    @property
+    def prefill_side(self) -> bool:
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_decode"))
 
 
 @dataclass
@@ -174,7 +179,7 @@ class AsyncEngineClient:
 
     # --- requests -------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       handoff: Handoff | None = None) -> AsyncIterator[RequestDelta]:
+                       handoff: Handoff | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
         """Deltas of one request until it finishes; abort it if the consumer stops early."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -186,7 +191,7 @@ class AsyncEngineClient:
         try:
             handoff = handoff or Handoff()
             message = AddRequest(request_id, prompt_token_ids, params, handoff.prior_output_ids or None,
-                                 handoff.keep_prompt_kv, handoff.kv_pull)
+                                 handoff.kv_transfer_params, cache_salt)
             if not self._send(message):
                 raise EngineDeadError("the engine core does not take requests")
             while not finished:

@@ -114,8 +114,11 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Prefill/decode handoff, set by the router (vLLM's field name; see tandem/kvcache/transfer).
+    # Prefill/decode handoff, set by the router (vLLM's field name; see tandem/kvcache/connector/pd.py).
     kv_transfer_params: dict[str, Any] | None = None
+    # Salts the prompt's KV block hashes so only requests with the same salt share cached
+    # blocks (vLLM's field): tenants' prompts never hit each other's cache.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
 from tandem.server.engine_client import Handoff
 from tandem.server.errors import bad_request
-from tandem.server.output_processor import RequestTimings, process_request
+from tandem.server.generate import RequestTimings, process_request
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.serving import (
     ServingState,
@@ -41,6 +41,7 @@ class _ChatRun:
     include_usage: bool
     single_call: bool
     handoff: Handoff | None = None
+    cache_salt: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     timings: RequestTimings = field(default_factory=RequestTimings)
     completion_tokens: int = 0
@@ -76,6 +77,7 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         single_call=single_call,
         handoff=handoff,
+        cache_salt=body.cache_salt,
         completion_tokens=len(handoff.prior_output_ids) if handoff else 0,
     )
     if body.stream:
@@ -97,13 +99,13 @@ async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
     entries: list[list[list[TokenLogprob]]] = [[] for _ in range(n)]
     finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
     token_ids: list[int] = []
-    kv_transfer, adopted = None, 0
+    kv_transfer, loaded = None, 0
     async with aclosing(process_request(state.client, state.tokenizer, run.request_id, run.prompt_token_ids,
-                                        run.params, run.timings, run.handoff)) as steps:
+                                        run.params, run.timings, run.handoff, run.cache_salt)) as steps:
         async for step in steps:
             run.cached_tokens = step.num_cached_tokens
-            kv_transfer = step.kv_transfer or kv_transfer
-            adopted = step.kv_adopted_blocks or adopted
+            kv_transfer = step.kv_transfer_params or kv_transfer
+            loaded = step.num_loaded_tokens or loaded
             for seq in step.sequences:
                 if seq.index == 0:
                     token_ids.extend(seq.token_ids)
@@ -141,7 +143,7 @@ async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
         "usage": usage(len(run.prompt_token_ids), run.completion_tokens, run.cached_tokens),
     }
     if run.handoff is not None:
-        body["kv_transfer_params"] = state.handoff_reply(run.handoff, kv_transfer, finish[0][0], token_ids, adopted)
+        body["kv_transfer_params"] = state.handoff_reply(run.handoff, kv_transfer, finish[0][0], token_ids, loaded)
     return body
 
 
@@ -160,7 +162,7 @@ async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
                   "finish_reason": None} for i in range(n)])
     async with aclosing(process_request(state.client, state.tokenizer, run.request_id,
                                         run.prompt_token_ids, run.params, run.timings,
-                                        run.handoff)) as steps:
+                                        run.handoff, run.cache_salt)) as steps:
         async for step in steps:
             run.cached_tokens = step.num_cached_tokens
             choices = []

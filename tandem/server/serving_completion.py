@@ -15,9 +15,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.engine.output_processor import RequestStep
 from tandem.server.engine_client import Handoff
 from tandem.server.errors import bad_request
-from tandem.server.output_processor import RequestStep, RequestTimings, process_request
+from tandem.server.generate import RequestTimings, process_request
 from tandem.server.protocol import CompletionRequest
 from tandem.server.serving import (
     ServingState,
@@ -50,6 +51,7 @@ class _CompletionRun:
     want_logprobs: bool
     include_usage: bool
     handoff: Handoff | None = None
+    cache_salt: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     finish_reasons: list[str] = field(default_factory=list)
 
@@ -83,7 +85,8 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
         raise bad_request("a prefill/decode handoff takes one prompt", "kv_transfer_params", "invalid_value")
     state.check_admission()
     run = _CompletionRun(request_id, model, runs, params, body.echo, logprobs is not None,
-                         bool(body.stream_options and body.stream_options.include_usage), handoff)
+                         bool(body.stream_options and body.stream_options.include_usage), handoff,
+                         cache_salt=body.cache_salt)
     if handoff is not None:
         runs[0].completion_tokens = len(handoff.prior_output_ids)
     if body.stream:
@@ -97,7 +100,7 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
 
 def _steps(state: ServingState, run: _CompletionRun) -> AsyncIterator[tuple[int, RequestStep]]:
     return merge([process_request(state.client, state.tokenizer, p.request_id, p.token_ids, run.params, p.timings,
-                                  run.handoff) for p in run.prompts])
+                                  run.handoff, run.cache_salt) for p in run.prompts])
 
 
 def _echo(state: ServingState, prompt: _Prompt) -> str:
@@ -136,13 +139,13 @@ async def _complete(state: ServingState, run: _CompletionRun) -> dict[str, Any]:
     builders = [_LogprobBuilder(state, 0) for _ in range(total)]
     finish: list[tuple[str | None, int | str | None]] = [(None, None)] * total
     token_ids: list[int] = []
-    kv_transfer, adopted = None, 0
+    kv_transfer, loaded = None, 0
     async with aclosing(_steps(state, run)) as steps:
         async for prompt_index, step in steps:
             prompt = run.prompts[prompt_index]
             prompt.cached_tokens = step.num_cached_tokens
-            kv_transfer = step.kv_transfer or kv_transfer
-            adopted = step.kv_adopted_blocks or adopted
+            kv_transfer = step.kv_transfer_params or kv_transfer
+            loaded = step.num_loaded_tokens or loaded
             for seq in step.sequences:
                 if prompt_index == 0 and seq.index == 0:
                     token_ids.extend(seq.token_ids)
@@ -165,7 +168,7 @@ async def _complete(state: ServingState, run: _CompletionRun) -> dict[str, Any]:
     body = {"id": run.request_id, "object": "text_completion", "created": run.created, "model": run.model,
             "choices": choices, "usage": _usage(run)}
     if run.handoff is not None:
-        body["kv_transfer_params"] = state.handoff_reply(run.handoff, kv_transfer, finish[0][0], token_ids, adopted)
+        body["kv_transfer_params"] = state.handoff_reply(run.handoff, kv_transfer, finish[0][0], token_ids, loaded)
     return body
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import xxhash
@@ -22,8 +23,10 @@ import xxhash
 from tandem.config import SchedulerConfig
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.scheduler import FinishedRequest, Scheduler, SchedulerOutput
+from tandem.engine.scheduler import FinishedRequest, Scheduler
+from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kvcache.block_hash import root_hash
+from tandem.kvcache.connector.base import KVConnectorOutput
 from tandem.types import Request, RequestStatus, SampledToken, SamplingParams
 
 BLOCK_SIZE = 4
@@ -94,8 +97,37 @@ def next_token(context: list[int]) -> int:
     return VOCAB_LOW + digest % (VOCAB_HIGH - VOCAB_LOW)
 
 
+@dataclass
+class FakeRequestState:
+    """What the fake runner knows of a request: only what the plain SchedulerOutput said."""
+
+    prompt: list[int]
+    outputs: list[int]
+    block_ids: list[int]
+    num_computed: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+@dataclass
+class Chunk:
+    request_id: str
+    start: int
+    num_tokens: int
+    samples: bool
+    block_ids: list[int]
+    token_ids: list[int]
+
+
 class FakeModel:
-    """Runs a scheduled step against a simulated paged KV memory (see the module docstring)."""
+    """A model runner over a simulated paged KV memory (see the module docstring).
+
+    Like the real runner it reads only the scheduler's plain output and keeps its own
+    per-request state; `oracle` (the scheduler's live requests) is used only to assert that
+    this state and the KV memory match the truth.
+    """
 
     def __init__(
         self,
@@ -108,32 +140,66 @@ class FakeModel:
         self.memory: list[list[int | None]] = [[None] * block_size for _ in range(pool.num_blocks)]
         # Per-request token scripts: the i-th sampled token of request r is script[r][i].
         self.script = script or {}
+        self.requests: dict[str, FakeRequestState] = {}
+        self.last_chunks: list[Chunk] = []
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def update_states(self, out: SchedulerOutput) -> None:
+        for request_id in [*out.finished_request_ids, *out.preempted_request_ids]:
+            self.requests.pop(request_id, None)
+        for new in out.new_requests:
+            self.requests[new.request_id] = FakeRequestState(list(new.prompt_token_ids), list(new.output_token_ids),
+                                                             list(new.block_ids), new.num_computed_tokens)
+        for cached in out.cached_requests:
+            state = self.requests[cached.request_id]
+            state.outputs.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed = cached.num_computed_tokens
+
+    def chunks(self, out: SchedulerOutput) -> list[Chunk]:
+        chunks = []
+        for request_id, count in out.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            tokens = state.tokens
+            start = state.num_computed
+            chunks.append(Chunk(request_id, start, count, start + count == len(tokens), state.block_ids,
+                                tokens[start : start + count]))
+        return chunks
+
+    def write(self, block_ids: list[int], start: int, tokens: list[int]) -> None:
+        """Put tokens into the KV memory at positions start..., through a block table."""
         size = self.block_size
-        for chunk in out.chunks:
+        for pos, token in zip(range(start, start + len(tokens)), tokens, strict=True):
+            block = self.pool.blocks[block_ids[pos // size]]
+            # A published (hashed) or shared block is immutable: writing it would corrupt
+            # every other request that reuses it.
+            assert block.block_hash is None, f"write into cached block {block.block_id}"
+            assert block.ref_count == 1, f"write into shared block {block.block_id}"
+            self.memory[block.block_id][pos % size] = token
+
+    def execute(self, out: SchedulerOutput, oracle: dict[str, Request] | None = None,
+                connector_output: KVConnectorOutput | None = None) -> ModelRunnerOutput:
+        self.update_states(out)
+        size = self.block_size
+        chunks = self.last_chunks = self.chunks(out)
+        for chunk in chunks:
             assert chunk.num_tokens > 0
             end = chunk.start + chunk.num_tokens
             assert len(chunk.block_ids) >= -(-end // size), "block table too short"
-            for pos, token in zip(range(chunk.start, end), chunk.token_ids, strict=True):
-                block = self.pool.blocks[chunk.block_ids[pos // size]]
-                # A published (hashed) or shared block is immutable: writing it would corrupt
-                # every other request that reuses it.
-                assert block.block_hash is None, f"write into cached block {block.block_id}"
-                assert block.ref_count == 1, f"write into shared block {block.block_id}"
-                self.memory[block.block_id][pos % size] = token
-        sampled = {}
-        for chunk in out.chunks:
+            self.write(chunk.block_ids, chunk.start, chunk.token_ids)
+        result = ModelRunnerOutput(kv_connector_output=connector_output or KVConnectorOutput())
+        for chunk in chunks:
             if not chunk.samples:
                 continue
-            request = chunk.request
+            state = self.requests[chunk.request_id]
             end = chunk.start + chunk.num_tokens
             context = [self.memory[chunk.block_ids[p // size]][p % size] for p in range(end)]
-            assert context == request.all_token_ids[:end], "KV memory does not hold the context"
-            script = self.script.get(request.request_id)
-            token = next_token(context) if script is None else script[request.num_output_tokens]
-            sampled[request.request_id] = SampledToken(token)
-        return sampled
+            if oracle is not None and chunk.request_id in oracle:
+                assert state.tokens == oracle[chunk.request_id].all_token_ids, "runner state drifted"
+            assert context == state.tokens[:end], "KV memory does not hold the context"
+            script = self.script.get(chunk.request_id)
+            token = next_token(context) if script is None else script[len(state.outputs)]
+            result.sampled[chunk.request_id] = SampledToken(token)
+        return result
 
 
 @dataclass
@@ -144,10 +210,9 @@ class Engine:
     model: FakeModel
     finished: dict[str, FinishedRequest] = field(default_factory=dict)
     outputs: list[SchedulerOutput] = field(default_factory=list)
-    # (request id, start, num_tokens, samples) per chunk, taken before the model ran:
-    # `ScheduledChunk.samples` is computed from the live request, so it reads False once
-    # the sampled token has been appended.
+    # (request id, start, num_tokens, samples) per chunk of each step.
     summaries: list[list[tuple[str, int, int, bool]]] = field(default_factory=list)
+    connector_output: Callable[[], KVConnectorOutput] | None = None  # a fake connector's worker side
 
     @property
     def kv(self) -> KVCacheManager:
@@ -165,20 +230,27 @@ class Engine:
         **params: object,
     ) -> Request:
         params.setdefault("max_tokens", 8)
-        request = Request(request_id, list(prompt), SamplingParams(**params), eos)
+        kv_transfer_params = params.pop("kv_transfer_params", None)
+        request = Request(request_id, list(prompt), SamplingParams(**params), eos,
+                          kv_transfer_params=kv_transfer_params)  # type: ignore[arg-type]
         self.scheduler.add_request(request)
         return request
+
+    def chunks(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
+        """(request id, start, tokens) per scheduled request, from the plain output alone."""
+        starts = {n.request_id: n.num_computed_tokens for n in out.new_requests}
+        starts.update({c.request_id: c.num_computed_tokens for c in out.cached_requests})
+        return [(rid, starts[rid], n) for rid, n in out.num_scheduled_tokens.items()]
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         self.check_schedule(out)
-        self.summaries.append(
-            [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in out.chunks]
-        )
-        sampled = self.model.execute(out)
-        _, finished = self.scheduler.update_from_output(out, sampled)
-        for done in finished:
-            self.finished[done.request.request_id] = done
+        connector_output = self.connector_output() if self.connector_output else None
+        result = self.model.execute(out, dict(self.scheduler.requests), connector_output)
+        self.summaries.append([(c.request_id, c.start, c.num_tokens, c.samples) for c in self.model.last_chunks])
+        for update in self.scheduler.update_from_output(out, result):
+            if update.finished is not None:
+                self.finished[update.request.request_id] = update.finished
         self.check_state()
         self.outputs.append(out)
         return out
@@ -193,15 +265,17 @@ class Engine:
 
     def check_schedule(self, out: SchedulerOutput) -> None:
         config = self.scheduler.config
-        assert out.num_batched_tokens <= config.max_num_batched_tokens
+        assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(self.scheduler.running) <= config.max_num_seqs
-        ids = [c.request.request_id for c in out.chunks]
-        assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
-        for chunk in out.chunks:
-            assert chunk.request.status == RequestStatus.RUNNING
-            assert chunk.start == chunk.request.num_computed_tokens
-            assert chunk.start + chunk.num_tokens <= chunk.request.num_tokens
-        for request_id in out.preempted:
+        ids = list(out.num_scheduled_tokens)
+        described = [n.request_id for n in out.new_requests] + [c.request_id for c in out.cached_requests]
+        assert sorted(ids) == sorted(described), "every scheduled request is described exactly once"
+        for request_id, start, num_tokens in self.chunks(out):
+            request = self.scheduler.requests[request_id]
+            assert request.status == RequestStatus.RUNNING
+            assert start == request.num_computed_tokens
+            assert start + num_tokens <= request.num_tokens
+        for request_id in out.preempted_request_ids:
             assert request_id not in ids
 
     def check_state(self) -> None:
@@ -209,6 +283,9 @@ class Engine:
         pool, kv, size = self.pool, self.kv, self.kv.block_size
         assert_pool_consistent(pool)
         refs = [0] * pool.num_blocks
+        for blocks in self.scheduler._held.values():
+            for block in blocks:
+                refs[block.block_id] += 1
         for request in self.scheduler.requests.values():
             held = kv.block_ids_of(request.request_id)
             assert len(held) == len(set(held)), "a request holds a block twice"
@@ -217,9 +294,12 @@ class Engine:
             if request.status == RequestStatus.RUNNING:
                 assert len(held) == -(-request.num_computed_tokens // size)
                 assert request.num_computed_tokens < request.num_tokens
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                assert held and request.num_computed_tokens < request.num_tokens
+            elif held:  # waiting again after its KV arrived (or failed to): keeps its blocks
+                assert request.status == RequestStatus.WAITING
             else:
                 assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-                assert held == []
                 assert request.num_computed_tokens == 0
         assert refs == [b.ref_count for b in pool.blocks], "reference counts do not match owners"
         for request_id, done in self.finished.items():
@@ -239,11 +319,12 @@ def make_engine(make_pool: Callable[..., BlockPool]) -> Callable[..., Engine]:
         max_model_len: int = 256,
         enable_caching: bool = True,
         script: dict[str, list[int]] | None = None,
+        connector: Any = None,
     ) -> Engine:
         pool = make_pool(num_blocks, enable_caching)
         kv = KVCacheManager(pool, BLOCK_SIZE, ROOT)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
-        scheduler = Scheduler(config, kv, max_model_len)
+        scheduler = Scheduler(config, kv, max_model_len, connector)
         return Engine(scheduler, FakeModel(pool, BLOCK_SIZE, script))
 
     return factory

@@ -338,48 +338,80 @@ def test_caching_disabled(make_kv) -> None:
     kv.free(b)
 
 
-# --- KV handoff between workers ----------------------------------------------------------
-def test_kept_prompt_blocks_outlive_the_request() -> None:
-    from tandem.types import RequestStatus
-
+# --- blocks a KV connector holds or fills ------------------------------------------------
+def test_held_prompt_blocks_outlive_the_request() -> None:
     pool = BlockPool(8)
     manager = KVCacheManager(pool, 4, root_hash("m", "float32", 4))
     request = Request("r", list(range(10)), SamplingParams())
-    manager.keep_prompt_blocks("r")
     assert manager.allocate_slots(request, 10)
     request.num_computed_tokens = 10
     manager.cache_computed_blocks(request)
-    request.status = RequestStatus.FINISHED_LENGTH
-    manager.free(request)
-    kept = manager.take_kept("r")
-    assert len(kept) == 2 and all(b.ref_count == 1 for b in kept)  # the 2 full prompt blocks
-    assert pool.num_used_blocks == 2
-    pool.free(kept)
+    kept = manager.free(request, hold_blocks=2)  # the 2 full prompt blocks, for a handoff
+    assert [b.block_id for b in kept] == [0, 1] and all(b.ref_count == 1 for b in kept)
+    assert pool.num_used_blocks == 2 and manager.blocks_of("r") == []
+    manager.release(kept)
     assert pool.num_used_blocks == 0
 
 
-def test_aborted_request_keeps_nothing() -> None:
-    from tandem.types import RequestStatus
-
+def test_free_holds_nothing_by_default() -> None:
     pool = BlockPool(8)
     manager = KVCacheManager(pool, 4, root_hash("m", "float32", 4))
     request = Request("r", list(range(10)), SamplingParams())
-    manager.keep_prompt_blocks("r")
     assert manager.allocate_slots(request, 10)
-    request.status = RequestStatus.FINISHED_ABORTED
-    manager.free(request)
-    assert manager.take_kept("r") == [] and pool.num_used_blocks == 0
+    assert manager.free(request) == [] and pool.num_used_blocks == 0
 
 
-def test_adopted_blocks_become_prefix_hits() -> None:
+def test_loaded_blocks_become_prefix_hits() -> None:
+    """Blocks a connector filled count as computed, and are published like computed ones."""
     pool = BlockPool(8)
     manager = KVCacheManager(pool, 4, root_hash("m", "float32", 4))
     tokens = list(range(13))
-    assert manager.cached_prefix_blocks(tokens) == 0
-    blocks = pool.allocate(3)
-    assert manager.adopt(tokens, 0, blocks) == 3
-    assert manager.cached_prefix_blocks(tokens) == 3
-    pool.free(blocks)
+    loader = Request("loader", tokens, SamplingParams())
+    assert manager.cached_prefix_blocks(loader) == 0
+    assert manager.allocate_slots(loader, 12)  # room for the 3 full blocks that arrive
+    loader.num_computed_tokens = 12  # the load finished
+    manager.cache_computed_blocks(loader)
+    assert manager.cached_prefix_blocks(loader) == 3
+    loaded = manager.block_ids_of("loader")
+    manager.free(loader)
     request = Request("r", tokens, SamplingParams())
     hits, num_cached = manager.get_computed_blocks(request)
-    assert [b.block_id for b in hits] == [b.block_id for b in blocks] and num_cached == 12
+    assert [b.block_id for b in hits] == loaded and num_cached == 12
+
+
+def test_block_hashes_are_computed_once_and_kept_on_the_request(make_kv, monkeypatch) -> None:
+    from tandem.engine import kv_cache_manager
+
+    kv = make_kv()
+    calls = []
+    real = kv_cache_manager.block_hashes
+
+    def counting(tokens, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        result = real(tokens, *args, **kwargs)
+        calls.append(len(result))
+        return result
+
+    monkeypatch.setattr(kv_cache_manager, "block_hashes", counting)
+    req = request("a", PROMPT)  # 14 tokens: 3 full blocks
+    kv.update_block_hashes(req)
+    prefill(kv, req)
+    kv.cached_prefix_blocks(req)
+    assert sum(calls) == 3 and len(req.block_hashes) == 3
+    for token in (1, 2):  # the 16th token fills block 4: hashed once, when it fills
+        decode(kv, req, token)
+    assert sum(calls) == 4 and len(req.block_hashes) == 4
+    kv.free(req)
+
+
+def test_cache_salt_separates_chains(make_kv) -> None:
+    kv = make_kv()
+    plain = request("plain", PROMPT)
+    prefill(kv, plain)
+    salted = Request("salted", list(PROMPT), SamplingParams(), cache_salt="tenant-a")
+    assert kv.get_computed_blocks(salted) == ([], 0)  # same tokens, another tenant: no hit
+    assert salted.block_hashes[0] != plain.block_hashes[0]
+    prefill(kv, salted)
+    again = Request("again", list(PROMPT), SamplingParams(), cache_salt="tenant-a")
+    assert kv.get_computed_blocks(again)[1] == 12  # same salt: hits
+    kv.free(plain)
+    kv.free(salted)

@@ -19,6 +19,7 @@ import pytest
 from live_server import LiveServer, start_server, stop_server
 
 MODEL = "smollm2-135m"
+BLOCK = 16  # tokens per KV block (the default --block-size)
 WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1")
 SYSTEM = "You are a helpful assistant who answers questions about cities briefly and precisely. " * 6
 
@@ -45,6 +46,7 @@ def _messages(question: str) -> list[dict[str, str]]:
 
 
 def _post(server: LiveServer, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
+    """POST and expect 200."""
     response = httpx.post(f"{server.url}{path}", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -74,9 +76,13 @@ def test_decode_continues_from_transferred_kv(workers: tuple[LiveServer, LiveSer
     after = _counters(decode)
     assert reply["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
     assert reply["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
-    # The decode worker fetched every prompt block instead of computing the prompt.
-    assert after["blocks_received"] - before["blocks_received"] == len(handle["block_hashes"])
-    assert reply["kv_transfer_params"]["adopted_blocks"] == len(handle["block_hashes"])
+    # The decode worker fetched every prompt block instead of computing the prompt, and used
+    # them: its prefix cache served exactly the handed-over tokens.
+    handed = len(handle["block_hashes"])
+    assert after["blocks_received"] - before["blocks_received"] == handed
+    assert after["pulls"] - before["pulls"] == 1
+    assert reply["kv_transfer_params"]["adopted_blocks"] == handed
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == handed * BLOCK
     assert after["pull_failures"] == before["pull_failures"]
     assert prefill.wait_idle()["kv_blocks_used"] == 0 and prefill.load()["kv_transfer"]["held"] == 0
     assert decode.wait_idle()["kv_blocks_used"] == 0
@@ -89,6 +95,7 @@ def test_streamed_continuation_starts_after_the_first_token(workers: tuple[LiveS
     first = _prefill(prefill, body)
     handle = dict(first["kv_transfer_params"])
     handle["shm_path"] = None  # over TCP this time
+    before = _counters(decode)
     stream_body = {**body, "stream": True, "stream_options": {"include_usage": True},
                    "kv_transfer_params": {**handle, "do_remote_prefill": True, "emit_first_token": False}}
     text, usage = "", None
@@ -101,6 +108,39 @@ def test_streamed_continuation_starts_after_the_first_token(workers: tuple[LiveS
                     text += choice["delta"].get("content") or ""
     assert first["choices"][0]["message"]["content"] + text == alone
     assert usage["completion_tokens"] == 20
+    # The TCP path moved the blocks and the decode worker used them, as over shared memory.
+    after = _counters(decode)
+    assert after["blocks_received"] - before["blocks_received"] == len(handle["block_hashes"])
+    assert after["pull_failures"] == before["pull_failures"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == len(handle["block_hashes"]) * BLOCK
+    assert decode.wait_idle()["kv_blocks_used"] == 0 and prefill.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_decode_worker_fetches_only_what_it_lacks(workers: tuple[LiveServer, LiveServer]) -> None:
+    """A decode worker that already caches part of the prompt receives only the rest."""
+    prefill, decode = workers
+    shared = "[partial] " + SYSTEM
+    warm = {"model": MODEL, "prompt": shared + " The capital of Spain is", "temperature": 0, "max_tokens": 4}
+    _post(decode, warm, "/v1/completions")  # the decode worker now caches the shared prefix
+    italy = (" Italy has many old cities: Rome, Milan, Naples, Turin, Florence, Venice, Bologna and Genoa,"
+             " each with a long history. The capital of Italy is")
+    body = {"model": MODEL, "prompt": shared + italy, "temperature": 0, "max_tokens": 6}
+    ours = _post(decode, {"model": MODEL, "prompt": body["prompt"]}, "/tokenize")["tokens"]
+    theirs = _post(decode, {"model": MODEL, "prompt": warm["prompt"]}, "/tokenize")["tokens"]
+    common = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+    already = common // BLOCK
+    alone = _post(prefill, body, "/v1/completions")["choices"][0]["text"]
+    handle = _prefill(prefill, body, "/v1/completions")["kv_transfer_params"]
+    handed = len(handle["block_hashes"])
+    assert 0 < already < handed
+    before = _counters(decode)
+    reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                          "emit_first_token": True}}, "/v1/completions")
+    after = _counters(decode)
+    assert reply["choices"][0]["text"] == alone
+    assert after["blocks_already_cached"] - before["blocks_already_cached"] == already
+    assert after["blocks_received"] - before["blocks_received"] == handed - already
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == handed * BLOCK
     assert decode.wait_idle()["kv_blocks_used"] == 0 and prefill.wait_idle()["kv_blocks_used"] == 0
 
 

@@ -13,13 +13,12 @@ import pytest
 import torch
 import transformers
 
-from tandem.engine.model_runner import prepare_batch
-from tandem.engine.scheduler import ScheduledChunk
 from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.linear import pack_weights_for_cpu
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
 from tandem.types import Request, SamplingParams
+from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 BLOCK = 4
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -82,7 +81,8 @@ class _PagedSequences:
         chunks = []
         for index, (start, count) in plan.items():
             request = self.requests[index]
-            chunks.append(ScheduledChunk(request, start, count, self.block_ids[index]))
+            chunks.append(ScheduledChunk(request.request_id, request.all_token_ids[start : start + count], start,
+                                         self.block_ids[index], start + count == request.num_tokens))
         batch = prepare_batch(chunks, BLOCK)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
@@ -92,7 +92,7 @@ class _PagedSequences:
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
         row = 0
         for chunk in decodes + prefills:
-            index = self.requests.index(chunk.request)
+            index = [r.request_id for r in self.requests].index(chunk.request_id)
             for offset in range(chunk.num_tokens):
                 self.logits[index][chunk.start + offset] = logits[row]
                 row += 1

@@ -1,10 +1,13 @@
 """The KV handoff from a prefill worker to a decode worker: the handle and the transport seam.
 
 Design: **the decode worker pulls.** The prefill worker computes the prompt, keeps the
-prompt's full KV blocks referenced under a transfer id, and returns a handle (where to
-fetch, which blocks, their hashes). The decode worker fetches only the blocks it does not
-already hold (it checks each block hash against its own prefix cache first), writes them
-into blocks of its own, then tells the prefill worker to release.
+prompt's full KV blocks referenced under a lease (an id and an expiry), and returns a handle
+(where to fetch, which blocks, their hashes, the lease id as `transfer_id`). The decode
+worker fetches only the blocks it does not already hold (it checks each block hash against
+its own prefix cache first), writes them into blocks of its own, then tells the prefill
+worker to release. A fetch after the lease ended (released or expired) is refused, and a
+shared-memory copy is confirmed against the lease after it was taken, so a decode worker
+never adopts blocks that were freed and reused in the meantime.
 
 Why pull rather than push: the decode side alone knows which blocks it already has and
 when it has room for the rest, so nothing is pre-allocated on a guess; and every failure
@@ -23,9 +26,10 @@ copies the blocks directly). GPU transports (CUDA IPC, NCCL) would slot in as mo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # the scheduler side builds handles and layouts without torch
+    import torch
 
 
 class KVTransferError(RuntimeError):
@@ -48,6 +52,8 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
 

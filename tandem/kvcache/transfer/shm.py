@@ -2,8 +2,10 @@
 
 The source's KV cache lives in a file under /dev/shm; the handle names the file and the
 source-side block ids. Mapping it read-only and copying the blocks costs one memory copy,
-no socket and no serialisation. Blocks stay valid because the source keeps them referenced
-until the release (sent over TCP, as for every transport).
+no socket and no serialisation. The copy is then confirmed against the lease (a CHECK over
+TCP): the source frees leased blocks only after the lease ended, so if it still lives after
+the copy, the copy is the leased data; if it ended (expired), the blocks may have been reused
+and the copy is thrown away.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import numpy as np
 import torch
 
+from tandem.kvcache.transfer import tcp
 from tandem.kvcache.transfer.base import KVTransferError, KVTransferHandle
 
 
@@ -49,9 +52,10 @@ class ShmTransport:
         return array
 
     def fetch(self, handle: KVTransferHandle, indices: list[int], timeout: float) -> torch.Tensor:
-        del timeout  # a memory copy
         block_ids = handle.extra.get("block_ids", [])
         if any(not 0 <= i < len(block_ids) for i in indices):
             raise KVTransferError("block index out of range")
         source = self._mapping(handle)
-        return torch.from_numpy(np.ascontiguousarray(source[:, :, :, [block_ids[i] for i in indices]]))
+        data = torch.from_numpy(np.ascontiguousarray(source[:, :, :, [block_ids[i] for i in indices]]))
+        tcp.check(handle, timeout=min(5.0, timeout))
+        return data

@@ -1,12 +1,12 @@
-"""The decode side: fetch a prompt's missing blocks in a background thread, then hand back.
+"""The decode side: fetch a prompt's missing blocks in a background thread.
 
-The engine thread reserves destination blocks and submits a job; this thread fetches the
-data (shared memory when the source's file is reachable, else TCP), writes it into the
-reserved blocks (nothing else reads or writes them yet), releases the source, and reports.
-The engine thread then publishes the blocks to its prefix cache and queues the request,
-which finds them as cache hits. A failed job reports why; the engine then computes the
-prompt itself. The source is released whatever happened, so its blocks never wait for
-an expiry they need not.
+The scheduler allocated destination blocks and the request waits in WAITING_FOR_REMOTE_KV.
+This thread fetches the data (shared memory when the source's file is reachable, else TCP)
+and writes it into those blocks, which nothing else reads or writes until the load is
+reported. A load cancelled meanwhile (the request was aborted, or the scheduler gave up on
+it) never writes after `cancel` returned: the write and the cancel take the same lock, so
+blocks handed to another request are never touched. Releases of the source's lease run on a
+second thread, so a dead source (its release times out) does not delay the next load.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ class PullJob:
     handle: KVTransferHandle
     indices: list[int]  # handle block indices to fetch
     dest_block_ids: list[int]
-    context: Any = None  # the engine's own bookkeeping, returned untouched
 
 
 @dataclass
@@ -44,7 +43,6 @@ class PullResult:
     error: str | None = None
     transport: str = ""
     seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -59,14 +57,28 @@ class KVSink:
         self.shm = ShmTransport() if use_shm else None
         self.tcp = TcpTransport()
         self._jobs: queue.Queue[PullJob | None] = queue.Queue()
+        self._releases: queue.Queue[KVTransferHandle | None] = queue.Queue()
         self._results: queue.Queue[PullResult] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kv-sink", daemon=True)
-        self._thread.start()
-        self.pending = 0
+        self._write_lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._threads = [threading.Thread(target=self._run, name="kv-sink", daemon=True),
+                         threading.Thread(target=self._run_releases, name="kv-sink-release", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: PullJob) -> None:
-        self.pending += 1
+        with self._write_lock:
+            self._cancelled.discard(job.request_id)
         self._jobs.put(job)
+
+    def cancel(self, request_id: str) -> None:
+        """After this returns, the request's load writes nothing more and reports nothing."""
+        with self._write_lock:
+            self._cancelled.add(request_id)
+
+    def release_remote(self, handle: KVTransferHandle) -> None:
+        """Tell the source its lease may end (in the background)."""
+        self._releases.put(handle)
 
     def results(self) -> list[PullResult]:
         done = []
@@ -74,13 +86,13 @@ class KVSink:
             try:
                 done.append(self._results.get_nowait())
             except queue.Empty:
-                break
-        self.pending -= len(done)
-        return done
+                return done
 
     def close(self) -> None:
         self._jobs.put(None)
-        self._thread.join(2)
+        self._releases.put(None)
+        for thread in self._threads:
+            thread.join(2)
 
     def _run(self) -> None:
         while True:
@@ -90,19 +102,40 @@ class KVSink:
             started = time.monotonic()
             result = PullResult(job)
             try:
-                if job.indices:
-                    transport = self.shm if self.shm is not None and self.shm.available(job.handle) else self.tcp
-                    result.transport = transport.name
-                    data = transport.fetch(job.handle, job.indices, self.fetch_timeout)
-                    expected = job.handle.layout.block_shape(len(job.indices))
-                    if tuple(data.shape) != expected:
-                        raise KVTransferError(f"fetched shape {tuple(data.shape)}, expected {expected}")
-                    self.write_blocks(job.dest_block_ids, data)
+                data = self._fetch(job, result)
+                with self._write_lock:
+                    if job.request_id in self._cancelled:
+                        self._cancelled.discard(job.request_id)
+                        continue
+                    if data is not None:
+                        self.write_blocks(job.dest_block_ids, data)
             except Exception as exc:  # every failure means: compute the prompt here instead
                 result.error = f"{type(exc).__name__}: {exc}"
-            try:
-                tcp.release(job.handle, timeout=min(5.0, self.fetch_timeout))
-            except Exception as exc:
-                logger.debug("release of %s failed (it will expire): %s", job.handle.transfer_id, exc)
+            with self._write_lock:
+                if job.request_id in self._cancelled:
+                    self._cancelled.discard(job.request_id)
+                    continue
             result.seconds = time.monotonic() - started
             self._results.put(result)
+
+    def _fetch(self, job: PullJob, result: PullResult) -> torch.Tensor | None:
+        if not job.indices:
+            return None
+        use_shm = self.shm is not None and self.shm.available(job.handle)
+        transport: Any = self.shm if use_shm else self.tcp
+        result.transport = transport.name
+        data = transport.fetch(job.handle, job.indices, self.fetch_timeout)
+        expected = job.handle.layout.block_shape(len(job.indices))
+        if tuple(data.shape) != expected:
+            raise KVTransferError(f"fetched shape {tuple(data.shape)}, expected {expected}")
+        return data
+
+    def _run_releases(self) -> None:
+        while True:
+            handle = self._releases.get()
+            if handle is None:
+                return
+            try:
+                tcp.release(handle, timeout=min(5.0, self.fetch_timeout))
+            except Exception as exc:
+                logger.debug("release of %s failed (it will expire): %s", handle.transfer_id, exc)

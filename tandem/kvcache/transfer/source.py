@@ -1,16 +1,20 @@
-"""The prefill side: prompt blocks kept under a transfer id, served to decode workers.
+"""The prefill side: prompt blocks held under a lease, served to decode workers.
 
 A thread answers fetches on a ZMQ ROUTER socket, so the engine loop never waits on the
-network. The engine thread owns the block pool; the server thread only reads pinned block
-data (under a lock shared with expiry, so a block is never recycled mid-read) and queues
-release requests for the engine thread to apply.
+network. The scheduler owns the blocks: it keeps them referenced while their lease lives and
+frees them only after this source reported the lease finished (released or expired). Reads
+and expiry share one lock, so a lease never ends in the middle of a read, and nothing is read
+after a lease ended: the blocks may belong to another request by then.
 
-Wire format (multipart ZMQ messages, one request → one reply):
+Wire format (multipart ZMQ messages, one request → one reply; `transfer_id` is the lease id):
     FETCH   [b"FETCH", json {transfer_id, indices}]
         →   [b"OK", json {transfer_id, indices, block_hashes, layout, shape, nbytes, checksum}, payload]
+    CHECK   [b"CHECK", json {transfer_id}]    →  [b"OK", b"{}"] while the lease lives
     RELEASE [b"RELEASE", json {transfer_id}]  →  [b"OK", b"{}"]
     errors  →   [b"ERR", json {message}]
-`checksum` is xxh64 of the payload, checked by the receiver.
+`checksum` is xxh64 of the payload, checked by the receiver. A reader that copied blocks
+through shared memory sends CHECK afterwards: if the lease still lives, what it copied was
+the leased data.
 """
 
 from __future__ import annotations
@@ -22,13 +26,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import xxhash
 import zmq
 
-from tandem.kvcache.transfer.base import KVLayout, KVTransferHandle
+from tandem.kvcache.transfer.base import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -36,27 +39,25 @@ FAULT_ENV = "TANDEM_KV_FAULT"  # "corrupt": flip payload bytes after checksummin
 
 
 @dataclass
-class _Held:
+class _Lease:
     block_ids: list[int]
     block_hashes: list[int]
     deadline: float
-    blocks: list[Any]  # the engine's KVBlock objects, handed back on release
 
 
 class KVSource:
     def __init__(self, read_blocks: Callable[[list[int]], torch.Tensor], layout: KVLayout,
-                 host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
-                 shm_path: str | None = None, shm_num_blocks: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, shm_path: str | None = None,
+                 shm_num_blocks: int = 0) -> None:
         self.read_blocks = read_blocks
         self.layout = layout
         self.host = host
-        self.timeout = timeout
         self.shm_path = shm_path
         self.shm_num_blocks = shm_num_blocks
         self.fault = os.environ.get(FAULT_ENV, "")
-        self._held: dict[str, _Held] = {}
+        self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
-        self._released: list[str] = []
+        self._ended: list[str] = []  # released or expired, not yet reported
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -72,40 +73,35 @@ class KVSource:
         logger.info("KV transfer source listening on tcp://%s:%d%s", host, self.port,
                     f" (shared memory {shm_path})" if shm_path else "")
 
-    # --- engine thread ----------------------------------------------------------------
-    def hold(self, transfer_id: str, blocks: list[Any], block_hashes: list[int]) -> KVTransferHandle:
-        """Keep `blocks` (the engine holds one reference on each) until released or expired."""
-        held = _Held([b.block_id for b in blocks], list(block_hashes), time.monotonic() + self.timeout, blocks)
+    # --- worker thread ----------------------------------------------------------------
+    def hold(self, lease_id: str, block_ids: list[int], block_hashes: list[int], timeout: float) -> None:
+        """Serve these blocks under `lease_id` until released or `timeout` seconds pass."""
         with self._lock:
-            self._held[transfer_id] = held
-        return KVTransferHandle(transfer_id, self.host, self.port, list(block_hashes), self.layout,
-                                self.shm_path, self.shm_num_blocks, self.timeout,
-                                extra={"block_ids": held.block_ids} if self.shm_path else {})
+            self._leases[lease_id] = _Lease(list(block_ids), list(block_hashes), time.monotonic() + timeout)
 
-    def collect_released(self) -> list[list[Any]]:
-        """Blocks whose transfer was released or expired; the engine frees them."""
-        now = time.monotonic()
-        freed = []
+    def release(self, lease_id: str) -> None:
         with self._lock:
-            released, self._released = self._released, []
-            for transfer_id in released:
-                held = self._held.pop(transfer_id, None)
-                if held is not None:
-                    freed.append(held.blocks)
-            for transfer_id in [t for t, h in self._held.items() if h.deadline < now]:
-                logger.warning("KV transfer %s expired unread after %.0f s; freeing its blocks",
-                               transfer_id, self.timeout)
-                freed.append(self._held.pop(transfer_id).blocks)
-        return freed
+            if self._leases.pop(lease_id, None) is not None:
+                self._ended.append(lease_id)
 
-    def release(self, transfer_id: str) -> None:
+    def finished(self) -> list[str]:
+        """Leases that ended (released or expired) since the last call: their blocks may go."""
         with self._lock:
-            self._released.append(transfer_id)
+            self._expire(time.monotonic())
+            ended, self._ended = self._ended, []
+        return ended
+
+    def _expire(self, now: float) -> None:
+        """Under the lock: end every lease past its deadline."""
+        for lease_id in [i for i, lease in self._leases.items() if lease.deadline < now]:
+            del self._leases[lease_id]
+            self._ended.append(lease_id)
+            logger.warning("KV lease %s expired unread; its blocks are freed", lease_id)
 
     @property
     def num_held(self) -> int:
         with self._lock:
-            return len(self._held)
+            return len(self._leases)
 
     def close(self) -> None:
         self._stop.set()
@@ -128,28 +124,35 @@ class KVSource:
                 reply = [b"ERR", json.dumps({"message": f"{type(exc).__name__}: {exc}"}).encode()]
             self._socket.send_multipart([identity, *reply], copy=False)
 
+    @staticmethod
+    def _error(message: str) -> list[bytes | memoryview]:
+        return [b"ERR", json.dumps({"message": message}).encode()]
+
     def _handle(self, frames: list[bytes]) -> list[bytes | memoryview]:
         if len(frames) < 2:
-            return [b"ERR", b'{"message": "malformed request"}']
+            return self._error("malformed request")
         kind, body = frames[0], json.loads(frames[1])
-        transfer_id = str(body.get("transfer_id", ""))
+        lease_id = str(body.get("transfer_id", ""))
         if kind == b"RELEASE":
-            self.release(transfer_id)
+            self.release(lease_id)
             return [b"OK", b"{}"]
-        if kind != b"FETCH":
-            return [b"ERR", json.dumps({"message": f"unknown request {kind[:20]!r}"}).encode()]
+        if kind not in (b"FETCH", b"CHECK"):
+            return self._error(f"unknown request {kind[:20]!r}")
         indices = [int(i) for i in body.get("indices", [])]
         with self._lock:  # expiry waits for this read, so no block is recycled under it
-            held = self._held.get(transfer_id)
-            if held is None:
-                return [b"ERR", json.dumps({"message": f"unknown or expired transfer {transfer_id}"}).encode()]
-            if any(not 0 <= i < len(held.block_ids) for i in indices):
-                return [b"ERR", b'{"message": "block index out of range"}']
-            data = self.read_blocks([held.block_ids[i] for i in indices]).contiguous()
-            hashes = [held.block_hashes[i] for i in indices]
+            self._expire(time.monotonic())
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return self._error(f"unknown or expired lease {lease_id}")
+            if kind == b"CHECK":
+                return [b"OK", b"{}"]
+            if any(not 0 <= i < len(lease.block_ids) for i in indices):
+                return self._error("block index out of range")
+            data = self.read_blocks([lease.block_ids[i] for i in indices]).contiguous()
+            hashes = [lease.block_hashes[i] for i in indices]
         payload = data.numpy().tobytes()
         header = {
-            "transfer_id": transfer_id, "indices": indices, "block_hashes": hashes,
+            "transfer_id": lease_id, "indices": indices, "block_hashes": hashes,
             "layout": self.layout.__dict__, "shape": list(data.shape), "nbytes": len(payload),
             "checksum": xxhash.xxh64_hexdigest(payload),
         }

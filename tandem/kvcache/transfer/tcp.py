@@ -35,6 +35,11 @@ def release(handle: KVTransferHandle, timeout: float = 5.0) -> None:
     _request(handle, [b"RELEASE", json.dumps({"transfer_id": handle.transfer_id}).encode()], timeout)
 
 
+def check(handle: KVTransferHandle, timeout: float = 5.0) -> None:
+    """Raise KVTransferError unless the handle's lease still lives at the source."""
+    _request(handle, [b"CHECK", json.dumps({"transfer_id": handle.transfer_id}).encode()], timeout)
+
+
 class TcpTransport:
     name = "tcp"
 

@@ -1,8 +1,10 @@
 """The one place that builds tensors: flattens a scheduled batch, runs the model, samples.
 
-A step's chunks become one flat token stream, decodes (one token each) first and prefill
-chunks after, with positions, slot mapping and block tables for the attention backend. Only
-the rows that produce a token go through the LM head.
+The runner reads only the plain `SchedulerOutput` and keeps its own state per request (its
+tokens, blocks and sampling parameters), so it can live in another process or on another
+rank than the scheduler. A step's chunks become one flat token stream, decodes (one token
+each) first and prefill chunks after, with positions, slot mapping and block tables for the
+attention backend. Only the rows that produce a token go through the LM head.
 """
 
 from __future__ import annotations
@@ -11,17 +13,60 @@ import logging
 import math
 import mmap
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.config import ModelConfig
-from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan, kv_cache_shape
 from tandem.layers.sampler import Sampler, SamplingRow
-from tandem.types import SampledToken
+from tandem.types import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """What the runner knows of one request, built from the scheduler's plain messages."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        """Tokens [start, start + count) of prompt + output, without concatenating them."""
+        prompt_len = len(self.prompt_token_ids)
+        if start + count <= prompt_len:
+            return self.prompt_token_ids[start : start + count]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : start - prompt_len + count]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: start + count - prompt_len]
+
+
+@dataclass
+class ScheduledChunk:
+    """The slice of one request that runs this step, as the batch builder needs it."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int  # first position computed this step
+    block_ids: list[int]
+    samples: bool  # reaches the end of the known tokens, so produces the next token
+    state: RequestState | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -145,6 +190,7 @@ class ModelRunner:
             self.kv_cache = lazily_zeroed(full_shape, dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
+        self.requests: dict[str, RequestState] = {}
         self._generators: dict[str, torch.Generator] = {}
 
     # --- KV blocks as data, for handoffs between workers ------------------------------
@@ -164,31 +210,59 @@ class ModelRunner:
             self._generators[request_id] = generator
         return generator
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        for request_id in out.finished:
-            self._generators.pop(request_id, None)
-        if out.empty:
-            return {}
-        batch = prepare_batch(out.chunks, self.block_size)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not batch.sample_chunks:
-            return {}
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
-        rows = [self._sampling_row(chunk) for chunk in batch.sample_chunks]
-        sampled = self.sampler(logits, rows)
-        return {c.request.request_id: s for c, s in zip(batch.sample_chunks, sampled, strict=True)}
+    # --- per-request state, from the scheduler's messages ---------------------------
+    def update_states(self, out: SchedulerOutput) -> None:
+        for request_id in out.finished_request_ids:
+            self.requests.pop(request_id, None)
+            self._generators.pop(request_id, None)  # a seeded stream ends with its request
+        for request_id in out.preempted_request_ids:
+            self.requests.pop(request_id, None)  # it comes back as a new request
+        for new in out.new_requests:
+            self.requests[new.request_id] = RequestState(
+                new.request_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
+                new.eos_token_ids, list(new.block_ids), new.num_computed_tokens)
+        for cached in out.cached_requests:
+            state = self.requests[cached.request_id]
+            state.output_token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
 
-    def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
-        request = chunk.request
-        params = request.sampling_params
+    def chunks(self, out: SchedulerOutput) -> list[ScheduledChunk]:
+        chunks = []
+        for request_id, count in out.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            chunks.append(ScheduledChunk(request_id, state.tokens(start, count), start, state.block_ids,
+                                         start + count == state.num_tokens, state))
+        return chunks
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(out)
+        result = ModelRunnerOutput()
+        if out.empty:
+            return result
+        started = time.perf_counter()
+        batch = prepare_batch(self.chunks(out), self.block_size)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if batch.sample_chunks:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            rows = [self._sampling_row(chunk.state) for chunk in batch.sample_chunks]
+            sampled = self.sampler(logits, rows)
+            result.sampled = {c.request_id: s for c, s in zip(batch.sample_chunks, sampled, strict=True)}
+        result.forward_seconds = time.perf_counter() - started
+        return result
+
+    def _sampling_row(self, state: RequestState | None) -> SamplingRow:
+        assert state is not None
+        params = state.sampling_params
         banned: list[int] = []
-        if request.num_output_tokens < params.min_tokens:
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
+        if len(state.output_token_ids) < params.min_tokens:
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(state.eos_token_ids))
         return SamplingRow(
             params=params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            generator=self._generator_for(request.request_id, params.seed),
+            prompt_token_ids=state.prompt_token_ids,
+            output_token_ids=state.output_token_ids,
+            generator=self._generator_for(state.request_id, params.seed),
             banned_token_ids=banned,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-from tandem.engine.model_runner import lazily_zeroed
+from tandem.worker.model_runner import lazily_zeroed
 
 
 def test_lazily_zeroed_is_zero_and_writable() -> None:

@@ -1,0 +1,289 @@
+"""The engine core: scheduler, KV cache manager and KV connectors in front of an executor.
+
+It holds no model. At start it has the executor start the workers (each loads the model and
+reports what its KV budget holds), agrees on one block count, roots the block-hash chain in
+the model's fingerprint and builds the torch-free scheduling state. Each `step` schedules,
+has the executor run the plain `SchedulerOutput` on every rank, applies the result and
+returns per-step deltas: only the tokens that are new, per sequence, so the work and the
+bytes per step do not grow with the length of a sequence.
+
+A request with n > 1 is fanned out into n sequences (`id#i`) that share the prompt's cached
+blocks once the first has computed them; their deltas are grouped back under the request.
+The same object serves the engine core process (core_process.py) and the offline `LLM`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.config import EngineConfig
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.executor.base import Executor, make_executor
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.messages import RequestDelta, SequenceDelta
+from tandem.engine.scheduler import RequestUpdate, Scheduler
+from tandem.kvcache.block_hash import root_hash
+from tandem.kvcache.connector.factory import make_connector_scheduler
+from tandem.types import EngineLoad, Request, RequestStatus, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreRequest:
+    """A validated request, as the engine core takes it (token ids, no text)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prior_output_ids: list[int] | None = None  # generated elsewhere; count as output
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Group:
+    """A user request: one prompt, n sequences."""
+
+    request_id: str
+    sequences: list[Request]
+    unfinished: set[int]
+    reported: bool = False  # its first delta (queue time, loaded tokens) went out
+
+
+@dataclass
+class StepStats:
+    """Where a step's time goes: the model forward vs. everything the engine does around it."""
+
+    steps: int = 0
+    step_seconds: float = 0.0  # schedule + execute + update + deltas
+    forward_seconds: float = 0.0  # model forward + sampling, as the runner measured it
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.step_seconds - self.forward_seconds
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 record_kv_events: bool = False) -> None:
+        started = time.perf_counter()
+        self.config = config
+        self.executor = executor or make_executor(config)
+        try:
+            infos = self.executor.start()
+            block_size = config.cache.block_size
+            num_blocks = min(info.num_blocks for info in infos)
+            handshakes = self.executor.initialize_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        info = infos[0]
+        self.worker_info = info
+        self.model_config = info.model_config
+        self.model_name = info.model_name
+        self.hf_dir = info.hf_dir
+        self.fingerprint = info.fingerprint
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.max_model_len = min(min(i.max_model_len for i in infos), num_blocks * block_size)
+        self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, record_kv_events)
+        self.kv_manager = KVCacheManager(self.block_pool, block_size,
+                                         root_hash(info.fingerprint, config.load.dtype, block_size))
+        connector = make_connector_scheduler(config)
+        if connector is not None:
+            connector.set_worker_info(handshakes)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, connector)
+        self.kv_source = next((f"tcp://{h['host']}:{h['port']}" for h in _flat(handshakes) if h.get("port")), None)
+        self.stats = StepStats()
+        self._groups: dict[str, _Group] = {}
+        self._parent: dict[str, tuple[_Group, int]] = {}  # sequence id -> its group and index
+        self.startup_seconds = time.perf_counter() - started
+        logger.info(
+            "KV cache: %d blocks = %d tokens (%.2f GiB, %s); max model len %d; %s attention; %s; ready in %.1f s",
+            num_blocks, num_blocks * block_size, num_blocks * info.block_bytes / (1 << 30), config.load.dtype,
+            self.max_model_len, info.attention_backend,
+            "1 rank" if len(infos) == 1 else f"{len(infos)} ranks", self.startup_seconds,
+        )
+
+    @property
+    def root_hash(self) -> int:
+        return self.kv_manager.root_hash
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_manager.block_size
+
+    # --- requests -------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request validated at the edge; a clash with engine state raises ValueError."""
+        request_id = request.request_id
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = request.params
+        if (request.prior_output_ids or request.kv_transfer_params) and params.n != 1:
+            raise ValueError("a KV handoff (prior output or kv_transfer_params) needs n == 1")
+        sequences = []
+        for index in range(params.n):
+            child_params = params if params.n == 1 else params.for_child(index)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            sequences.append(Request(seq_id, list(request.prompt_token_ids), child_params, self.eos_token_ids,
+                                     arrival_time=request.arrival_time,
+                                     output_token_ids=list(request.prior_output_ids or []),
+                                     cache_salt=request.cache_salt,
+                                     kv_transfer_params=request.kv_transfer_params))
+        group = _Group(request_id, sequences, set(range(params.n)))
+        first = sequences[0]
+        self.kv_manager.update_block_hashes(first)
+        expected_hit = self.kv_manager.cached_prefix_blocks(first) * self.block_size
+        for index, sequence in enumerate(sequences):
+            if index:
+                sequence.block_hashes = list(first.block_hashes)  # same tokens, same chain
+            sequence.expected_cached_tokens = min(expected_hit, first.num_prompt_tokens - 1)
+            self.scheduler.add_request(sequence)
+            self._parent[sequence.request_id] = (group, index)
+        self._groups[request_id] = group
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            for sequence in group.sequences:
+                self._parent.pop(sequence.request_id, None)
+            self.scheduler.abort(s.request_id for s in group.sequences)
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """Stop one sequence of a request for a reason found outside (a stop string in text)."""
+        group = self._groups.get(request_id)
+        if group is None or index not in group.unfinished:
+            return
+        self.scheduler.finish(group.sequences[index].request_id, RequestStatus.FINISHED_STOPPED)
+        self._sequence_done(group, index)
+
+    def _sequence_done(self, group: _Group, index: int) -> None:
+        group.unfinished.discard(index)
+        if not group.unfinished:
+            self._groups.pop(group.request_id, None)
+            for sequence in group.sequences:
+                self._parent.pop(sequence.request_id, None)
+
+    def release_hold(self, hold_id: str) -> None:
+        self.scheduler.release_hold(hold_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._groups)
+
+    def pending_kv_work(self) -> float | None:
+        return self.scheduler.pending_kv_work()
+
+    # --- stepping -------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        """One scheduler + model step; a delta for every request that changed."""
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        if (out.empty and out.kv_connector_metadata is None and not out.finished_request_ids
+                and self.pending_kv_work() is None):
+            return []
+        result = self.executor.execute_model(out)
+        updates = self.scheduler.update_from_output(out, result)
+        deltas = self._deltas(updates)
+        if not out.empty:
+            self.stats.steps += 1
+            self.stats.step_seconds += time.perf_counter() - started
+            self.stats.forward_seconds += result.forward_seconds
+        return deltas
+
+    def _deltas(self, updates: list[RequestUpdate]) -> list[RequestDelta]:
+        deltas: dict[str, RequestDelta] = {}
+        for update in updates:
+            entry = self._parent.get(update.request.request_id)
+            if entry is None:
+                continue
+            group, index = entry
+            delta = deltas.get(group.request_id)
+            if delta is None:
+                delta = deltas[group.request_id] = self._new_delta(group)
+            request, token, finished = update.request, update.token, update.finished
+            logprobs = None
+            if request.sampling_params.logprobs is not None and token is not None:
+                logprobs = [token.top_logprobs or []]
+            delta.sequences.append(SequenceDelta(
+                index=index,
+                token_ids=[] if token is None else [token.token_id],
+                logprobs=logprobs,
+                finish_reason=None if finished is None else finished.reason.value,
+                stop_reason=None if finished is None else request.stop_reason,
+            ))
+            if finished is not None:
+                if finished.kv_transfer_params is not None:
+                    delta.kv_transfer_params = finished.kv_transfer_params
+                self._sequence_done(group, index)
+                delta.finished = group.request_id not in self._groups
+        return list(deltas.values())
+
+    def _new_delta(self, group: _Group) -> RequestDelta:
+        cached = max(max(s.num_cached_tokens for s in group.sequences), 0)
+        delta = RequestDelta(group.request_id, [], False, cached)
+        if not group.reported:
+            group.reported = True
+            first = group.sequences[0]
+            if first.first_scheduled_time is not None:
+                delta.queue_seconds = first.first_scheduled_time - first.arrival_time
+            delta.num_loaded_tokens = self.scheduler.loaded_tokens(first.request_id)
+        return delta
+
+    # --- state ----------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        scheduler, pool = self.scheduler, self.block_pool
+        # A waiting request's cached prefix costs nothing to compute: a router balancing
+        # prefill work must not see a 6,000-token turn with 5,700 cached as 6,000 tokens.
+        waiting_tokens = sum(
+            r.num_tokens - max(r.num_computed_tokens, r.expected_cached_tokens) for r in scheduler.waiting
+        )
+        prefilling = sum(
+            r.num_tokens - r.num_computed_tokens for r in scheduler.running
+            if r.num_tokens - r.num_computed_tokens > 1
+        )
+        stats = self.kv_manager.stats
+        connector = scheduler.connector
+        return EngineLoad(
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            waiting_prefill_tokens=waiting_tokens + prefilling,
+            running_kv_tokens=sum(r.num_computed_tokens for r in scheduler.running),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_cached=pool.num_cached_blocks,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_preemptions=scheduler.num_preemptions,
+            kv_transfer=connector.counters() if connector is not None else {},
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _flat(handshakes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's handshake, or each chained connector's part of it."""
+    flat: list[dict[str, Any]] = []
+    for handshake in handshakes:
+        if handshake and all(isinstance(v, dict) for v in handshake.values()):
+            flat.extend(handshake.values())
+        else:
+            flat.append(handshake)
+    return flat

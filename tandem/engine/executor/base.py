@@ -1,0 +1,72 @@
+"""The executor seam: the engine core's only way to its workers.
+
+The core never holds a model. It asks the executor to start the workers (each loads the model
+and sizes its KV cache), to allocate every rank's cache for one agreed block count, and to
+run each step's plain `SchedulerOutput` on every rank; it gets back one `ModelRunnerOutput`,
+the output rank's sampled tokens with the ranks' KV connector reports merged. An executor
+with one worker runs it in this process; one with many runs a process per rank, joined by
+torch.distributed, which tensor / pipeline / expert parallelism fill in.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from tandem.config import EngineConfig
+from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from tandem.worker.worker import WorkerInfo
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank's process is gone: the engine cannot step any more."""
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @property
+    def world_size(self) -> int:
+        return self.config.parallel.world_size
+
+    @abstractmethod
+    def start(self) -> list[WorkerInfo]:
+        """Start the workers and load the model on each; one report per rank."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> list[dict[str, Any]]:
+        """Allocate every rank's KV cache; the connectors' handshake info, per rank."""
+
+    @abstractmethod
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; the output rank's result, connector reports merged."""
+
+    def check_health(self) -> None:  # noqa: B027 - nothing to check in-process
+        """Raise WorkerDiedError if a rank is gone."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker; no process is left behind."""
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    from tandem.config import EXECUTOR_BACKENDS
+
+    parallel = config.parallel
+    if parallel.executor_backend not in EXECUTOR_BACKENDS:
+        raise ValueError(f"executor backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                         f"not {parallel.executor_backend!r}")
+    if parallel.world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {parallel.world_size}")
+    if parallel.uses_processes:
+        from tandem.engine.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    if parallel.world_size != 1:
+        raise ValueError("the in-process executor runs one rank; use --distributed-executor-backend mp")
+    from tandem.engine.executor.uniproc import InProcessExecutor
+
+    return InProcessExecutor(config)

@@ -1,0 +1,37 @@
+"""One worker inside the engine core's own process: no IPC, the default for one rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tandem.config import EngineConfig
+from tandem.engine.executor.base import Executor
+from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from tandem.worker.worker import Worker, WorkerInfo
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.worker: Worker | None = None
+
+    def start(self) -> list[WorkerInfo]:
+        from tandem.worker.worker import Worker
+
+        self.worker = Worker(self.config)
+        return [self.worker.load_model()]
+
+    def initialize_cache(self, num_blocks: int) -> list[dict[str, Any]]:
+        assert self.worker is not None
+        return [self.worker.initialize_cache(num_blocks)]
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.worker is not None
+        return self.worker.execute_model(out)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None

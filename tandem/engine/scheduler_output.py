@@ -1,0 +1,68 @@
+"""What crosses the line between the scheduler and the workers each step, as plain data.
+
+The scheduler runs in the engine core; model runners may run in other processes or on other
+ranks. So nothing live crosses: a `SchedulerOutput` names requests by id and carries only
+what changed since the runner last saw each one, and a `ModelRunnerOutput` carries back the
+sampled tokens. Both pickle small and in time independent of sequence length, except a
+request's first appearance (and its re-appearance after a preemption), which carries its
+tokens once. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.kvcache.connector.base import KVConnectorOutput
+from tandem.types import SampledToken, SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: everything it needs, once."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before: elsewhere (a prefill worker) or before a preemption
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int  # where this step's chunk starts
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed since its last step."""
+
+    request_id: str
+    new_token_ids: list[int]  # appended since (the token sampled last step)
+    new_block_ids: list[int]  # allocated since
+    num_computed_tokens: int  # where this step's chunk starts
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
+    # Requests the runner should forget: finished or aborted since the last step...
+    finished_request_ids: list[str] = field(default_factory=list)
+    # ...and preempted this step (they come back as new requests, recomputed).
+    preempted_request_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: Any = None  # the KV connectors' per-step instructions to their worker sides
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def empty(self) -> bool:
+        """No model forward this step (connector work may still be due)."""
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)  # request id -> its new token
+    kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+    forward_seconds: float = 0.0  # model forward + sampling, for the engine's overhead figure

@@ -1,0 +1,223 @@
+"""A rank: loads its model, sizes and owns its KV cache, runs its model runner each step.
+
+The engine core never touches weights or tensors. It asks each worker (through an executor,
+in-process or one process per rank) to load the model and report what it found (context
+length, KV blocks that fit the budget, the model's fingerprint), to allocate its KV cache for
+the block count every rank can hold, then to execute each step's plain `SchedulerOutput`.
+The worker also hosts the worker sides of the KV connectors, which move KV in and out of its
+cache around the forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from tandem.config import DTYPES, EngineConfig, ModelConfig
+from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.kernels.cpu_attention import make_attention_backend
+from tandem.kernels.torch_attention import TorchAttentionBackend
+from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorWorker
+from tandem.kvcache.connector.factory import make_connector_worker
+from tandem.layers.linear import SmallStepWeights, attach_small_step_weights, pack_weights_for_cpu
+from tandem.loader.fingerprint import model_fingerprint
+from tandem.loader.model_loader import (
+    build_model,
+    init_dummy_weights,
+    load_weights,
+    read_model_config,
+)
+from tandem.loader.resolve import default_cache_dir, resolve_model
+from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_KV_FRACTION = 0.25
+_DEFAULT_KV_CAP = 4 << 30
+
+
+def default_kv_cache_bytes(num_local_ranks: int = 1) -> int:
+    """25% of the memory available now, at most 4 GiB, shared by the ranks on this host."""
+    available = psutil.virtual_memory().available
+    return int(min(available * _DEFAULT_KV_FRACTION, _DEFAULT_KV_CAP)) // max(1, num_local_ranks)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker found when it loaded the model; the engine core sizes itself from it."""
+
+    rank: int
+    model_name: str
+    hf_dir: str
+    fingerprint: str
+    model_config: ModelConfig
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int  # blocks that fit this rank's KV budget
+    block_bytes: int
+    max_model_len: int
+    attention_backend: str
+    load_seconds: float
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        load = config.load
+        if load.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
+        self.dtype = getattr(torch, load.dtype)
+        self.runner: ModelRunner | None = None
+        self.connector: KVConnectorWorker | None = None
+        self.kv_shm_path: str | None = None
+        self._model: torch.nn.Module | None = None
+        self._info: WorkerInfo | None = None
+
+    # --- start-up -------------------------------------------------------------------
+    def load_model(self) -> WorkerInfo:
+        started = time.perf_counter()
+        config, load = self.config, self.config.load
+        if load.num_threads:
+            torch.set_num_threads(load.num_threads)
+        resolved = resolve_model(config.model, load.dtype, load.cache_dir)
+        model_config = read_model_config(resolved.hf_dir)
+        cache = config.cache
+        block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.dtype)
+        budget = cache.kv_cache_memory_bytes or default_kv_cache_bytes(self.world_size)
+        num_blocks = budget // block_bytes
+        if num_blocks < 2:
+            raise ValueError(
+                f"--kv-cache-memory {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; need at least 2"
+            )
+        max_model_len = self._max_model_len(model_config, num_blocks * cache.block_size)
+        backend = make_attention_backend(load.attention_backend,
+                                         Path(load.cache_dir) if load.cache_dir else default_cache_dir())
+        self._backend = backend
+        self._model = self._build_model(model_config, resolved.hf_dir, backend, max_model_len)
+        self._model_config = model_config
+        self._info = WorkerInfo(
+            rank=self.rank,
+            model_name=resolved.name,
+            hf_dir=str(resolved.hf_dir),
+            fingerprint=model_fingerprint(model_config.architecture, load.dtype, resolved.source,
+                                          load.load_format, load.seed),
+            model_config=model_config,
+            eos_token_ids=_eos_token_ids(model_config, resolved.hf_dir),
+            num_blocks=num_blocks,
+            block_bytes=block_bytes,
+            max_model_len=max_model_len,
+            attention_backend=backend.name,
+            load_seconds=time.perf_counter() - started,
+        )
+        return self._info
+
+    def _build_model(self, model_config: ModelConfig, hf_dir: Path, backend: TorchAttentionBackend,
+                     max_model_len: int) -> torch.nn.Module:
+        """Build the model, fill its weights, then lay them out for the kernels that read them."""
+        load = self.config.load
+        model = build_model(model_config, backend, max_model_len, self.dtype)
+        if load.load_format == "dummy":
+            init_dummy_weights(model, load.seed)
+        else:
+            load_weights(model, hf_dir)
+        small_step = self._small_step_weights()
+        if small_step is not None:
+            added = attach_small_step_weights(model, small_step)
+            if self.rank == 0:
+                logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
+                            str(small_step.dtype).removeprefix("torch."), small_step.max_tokens, added / (1 << 20))
+        if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
+            logger.info("linear weights packed for oneDNN")
+        return model
+
+    def _small_step_weights(self) -> SmallStepWeights | None:
+        load = self.config.load
+        choice = load.decode_weights
+        if choice == "none" or load.decode_weights_max_tokens < 1:
+            return None
+        if choice not in ("float16", "bfloat16"):
+            raise ValueError(f"decode weights must be none, float16 or bfloat16, not {choice!r}")
+        return SmallStepWeights(load.decode_weights_max_tokens, getattr(torch, choice))
+
+    def _max_model_len(self, model_config: ModelConfig, kv_tokens: int) -> int:
+        limits = [model_config.max_position_embeddings, kv_tokens]
+        if model_config.sliding_window:
+            limits.append(model_config.sliding_window)
+        wanted = self.config.scheduler.max_model_len
+        if wanted:
+            if wanted > model_config.max_position_embeddings:
+                raise ValueError(
+                    f"max_model_len {wanted} exceeds the model's {model_config.max_position_embeddings} positions"
+                )
+            limits.append(wanted)
+        return min(limits)
+
+    def initialize_cache(self, num_blocks: int) -> dict[str, Any]:
+        """Allocate the KV cache for `num_blocks` and start the connectors' worker sides;
+        returns what the connectors' scheduler sides need to know (addresses, layout)."""
+        assert self._model is not None and self._info is not None, "load_model first"
+        config = self.config
+        if config.kv_transfer.shared_memory and self.rank == 0:
+            self.kv_shm_path = f"/dev/shm/tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
+                                  config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path)
+        self.connector = make_connector_worker(config, self.rank)
+        if self.connector is None:
+            return {}
+        from tandem.kvcache.transfer.base import KVLayout
+
+        model = self._model_config
+        layout = KVLayout(model.num_hidden_layers, model.num_key_value_heads, config.cache.block_size,
+                          model.head_dim, config.load.dtype)
+        access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
+                               self.rank, self.world_size, self.kv_shm_path)
+        return self.connector.register_kv_cache(access)
+
+    def weights_checksum(self) -> float:
+        """A cheap digest of the loaded weights, for ranks to confirm they hold the same model."""
+        assert self._model is not None
+        return float(sum(p.detach().float().abs().sum() for p in list(self._model.parameters())[:4]))
+
+    # --- steps ----------------------------------------------------------------------
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "initialize_cache first"
+        connector = self.connector
+        if connector is not None:
+            connector.start_load_kv(out.kv_connector_metadata)
+            connector.wait_for_load()
+        result = self.runner.execute_model(out)
+        if connector is not None:
+            connector.wait_for_save()
+            result.kv_connector_output = connector.get_finished()
+        return result
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+            self.connector = None
+        if self.kv_shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.kv_shm_path)
+            self.kv_shm_path = None
+
+
+def _eos_token_ids(model_config: ModelConfig, hf_dir: Path) -> tuple[int, ...]:
+    """The config's end-of-sequence ids plus the tokenizer's, when the directory has one."""
+    ids = set(model_config.eos_token_ids)
+    if any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        from tandem.loader.tokenizer import load_tokenizer
+
+        eos = load_tokenizer(hf_dir).eos_token_id
+        if eos is not None:
+            ids.add(int(eos))
+    return tuple(sorted(ids))
