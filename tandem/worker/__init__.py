@@ -1,0 +1,1 @@
+"""A rank: loads its part of the model, sizes and owns its KV cache, runs the model runner."""
