@@ -25,14 +25,21 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.errors import (
+    APIError,
+    api_error_handler,
+    error_body,
+    http_error_handler,
+    validation_error_handler,
+)
 from tandem.router.accounting import load_keys, open_accounting
 from tandem.router.auth import ApiKeyMiddleware, ApiKeys, caller_of
 from tandem.router.config import RouterConfig, all_worker_specs
-from tandem.router.errors import RouterError, error_body
 from tandem.router.health import HealthMonitor
 from tandem.router.kv_events import KvEventPoller
 from tandem.router.kv_index import KvIndex
@@ -174,8 +181,9 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(ApiKeyMiddleware, keys=keys)
-    app.add_exception_handler(RouterError, _router_error_handler)
-    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
 
     def state_of(request: Request) -> RouterState:
@@ -210,7 +218,7 @@ def build_app(config: RouterConfig) -> FastAPI:
                     status_code=reply.status_code,
                     media_type=reply.headers.get("content-type", "application/json"),
                 )
-        raise RouterError(503, "no healthy worker answered GET /v1/models", "no_healthy_worker")
+        raise APIError(503, "no healthy worker answered GET /v1/models", code="no_healthy_worker")
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> dict[str, Any]:
@@ -240,8 +248,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         try:
             change = await state.reload()
         except (ValueError, OSError) as exc:
-            raise RouterError(
-                400, f"cannot reload the worker list: {exc}", "invalid_config"
+            raise APIError(
+                400, f"cannot reload the worker list: {exc}", code="invalid_config"
             ) from exc
         return {**change, "workers": _describe_workers(state)}
 
@@ -281,17 +289,6 @@ async def _reload_logged(state: RouterState) -> None:
         await state.reload()
     except (ValueError, OSError) as exc:
         logger.error("SIGHUP: cannot reload the worker list: %s", exc)
-
-
-async def _router_error_handler(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RouterError)
-    return exc.response()
-
-
-async def _http_error_handler(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    message = exc.detail if isinstance(exc.detail, str) else "error"
-    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
 
 
 async def _internal_error_handler(_: Request, exc: Exception) -> Response:

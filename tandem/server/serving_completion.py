@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.errors import bad_request
 from tandem.server.engine_client import Handoff
-from tandem.server.errors import bad_request
 from tandem.server.output_processor import RequestStep, RequestTimings, process_request
 from tandem.server.protocol import CompletionRequest
 from tandem.server.serving import (

@@ -224,7 +224,7 @@ def test_v1_needs_a_valid_key(routers: Routers, headers: dict[str, str]) -> None
         assert reply.status_code == 401, (path, reply.text)
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
-        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
         assert reply.headers["www-authenticate"] == "Bearer"
     for path in ("/health", "/metrics", "/workers"):  # the operator's views stay open
         assert httpx.get(f"{server.url}{path}").status_code == 200, path
