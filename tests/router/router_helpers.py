@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from live_server import free_port
 
-from tandem.router.merge import sse
+from tandem.router.pd.merge import sse
 
 PROMPT_TOKENS = 50
 

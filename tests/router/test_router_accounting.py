@@ -16,8 +16,8 @@ import httpx
 import pytest
 from router_helpers import PROMPT_TOKENS, FakeWorker, ThreadServer, read_stream, wait_for
 
-from tandem.router.accounting_flags import check_accounting
-from tandem.router.app import build_app
+from tandem.router.accounting.flags import check_accounting
+from tandem.router.accounting.pricing import Price, cost
 from tandem.router.config import (
     AccountingConfig,
     HealthPolicy,
@@ -26,7 +26,7 @@ from tandem.router.config import (
     Timeouts,
     WorkerSpec,
 )
-from tandem.router.pricing import Price, cost
+from tandem.router.http.app import build_app
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
 CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from tandem.errors import APIError
-from tandem.router.accounting import Accounting, status_name
-from tandem.router.auth import ApiKeys, parse_api_keys, read_api_keys, worker_headers
-from tandem.router.ledger import Ledger, Totals, UsageRow
-from tandem.router.merge import ChunkRewriter, Identity
-from tandem.router.pricing import (
+from tandem.router.accounting.accounting import Accounting, status_name
+from tandem.router.accounting.auth import ApiKeys, parse_api_keys, read_api_keys, worker_headers
+from tandem.router.accounting.ledger import Ledger, Totals, UsageRow
+from tandem.router.accounting.pricing import (
     FREE,
     Price,
     PriceTable,
@@ -23,7 +22,8 @@ from tandem.router.pricing import (
     read_price_file,
     usage_cost,
 )
-from tandem.router.usage_api import iso, parse_time, whose
+from tandem.router.accounting.usage_api import iso, parse_time, whose
+from tandem.router.pd.merge import ChunkRewriter, Identity
 
 SMOL = Price(input=0.10, cached_input=0.025, output=0.40)
 

@@ -19,8 +19,8 @@ import pytest
 from live_server import LiveServer, start_server, stop_server
 from router_helpers import ThreadServer, wait_for
 
-from tandem.router.app import build_app
 from tandem.router.config import HealthPolicy, RouterConfig, WorkerSpec
+from tandem.router.http.app import build_app
 
 MODEL = "smollm2-135m"
 WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8")

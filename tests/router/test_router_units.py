@@ -21,24 +21,24 @@ from tandem.router.config import (
     read_worker_file,
     specs_from_lists,
 )
-from tandem.router.merge import (
+from tandem.router.http.upstream import HopFailure, StreamBroken, Upstream
+from tandem.router.pd.merge import (
     ChunkRewriter,
     Identity,
     merged_usage,
     reply_to_chunks,
     rewrite_reply,
 )
-from tandem.router.pd import (
+from tandem.router.pd.split import (
     decide_route,
     decode_body,
     emit_first_token,
     prefill_body,
     prefill_outcome,
 )
-from tandem.router.prompt_tokens import PromptCounter
-from tandem.router.scoring import decode_score, pick_decode, pick_prefill, prefill_score
-from tandem.router.upstream import HopFailure, StreamBroken, Upstream
-from tandem.router.workers import HealthState, LoadSnapshot, Worker, WorkerRegistry
+from tandem.router.placement.prompt_tokens import PromptCounter
+from tandem.router.placement.scoring import decode_score, pick_decode, pick_prefill, prefill_score
+from tandem.router.workers.registry import HealthState, LoadSnapshot, Worker, WorkerRegistry
 
 POLICY = HealthPolicy()
 
@@ -55,7 +55,7 @@ def _worker(url: str, role: str = "decode", **load: int) -> Worker:
 def test_router_app_does_not_import_torch() -> None:
     # tandem.kvcache.block_hash (xxhash only) is the one engine module the router may use.
     code = (
-        "import sys, tandem.router.app, tandem.router.cli; "
+        "import sys, tandem.router.http.app, tandem.router.cli; "
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
         "or (m.startswith('tandem.engine') and m not in ('tandem.engine', "
         "'tandem.kvcache.block_hash')) or m.startswith('tandem.server')]; print(heavy)"

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.errors import error_body
-from tandem.router.datafile import parse_structured, read_text
+from tandem.router.accounting.datafile import parse_structured, read_text
 
 ANONYMOUS = "anonymous"  # the ledger identity of every caller when keys are off
 _STATE_KEY = "tandem_caller"

@@ -23,9 +23,9 @@ from dataclasses import asdict
 from typing import Any
 
 from tandem.errors import APIError
-from tandem.router.accounting import Accounting
-from tandem.router.ledger import Totals
-from tandem.router.pricing import CURRENCY
+from tandem.router.accounting.accounting import Accounting
+from tandem.router.accounting.ledger import Totals
+from tandem.router.accounting.pricing import CURRENCY
 
 _FLUSH_TIMEOUT_S = 5.0
 ALL = "*"

@@ -28,10 +28,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.errors import APIError, error_body
-from tandem.router.accounting import Accounting
-from tandem.router.auth import caller_of
+from tandem.router.accounting.accounting import Accounting
+from tandem.router.accounting.auth import caller_of
 from tandem.router.config import Role, RouterConfig
-from tandem.router.merge import (
+from tandem.router.http.metrics import RouterMetrics
+from tandem.router.http.upstream import Hop, HopFailure, StreamBroken, Upstream
+from tandem.router.pd.merge import (
     SSE_DONE,
     ChunkRewriter,
     Identity,
@@ -43,8 +45,7 @@ from tandem.router.merge import (
     sse,
     text_chunk,
 )
-from tandem.router.metrics import RouterMetrics
-from tandem.router.pd import (
+from tandem.router.pd.split import (
     PrefillOutcome,
     decide_route,
     decode_body,
@@ -53,11 +54,10 @@ from tandem.router.pd import (
     prefill_outcome,
     with_upstream_usage,
 )
-from tandem.router.placement import Placement
-from tandem.router.policies import PromptRoute
-from tandem.router.prompt_tokens import PromptCounter
-from tandem.router.upstream import Hop, HopFailure, StreamBroken, Upstream
-from tandem.router.workers import DispatchKind, Worker, WorkerRegistry
+from tandem.router.placement.placement import Placement
+from tandem.router.placement.policies import PromptRoute
+from tandem.router.placement.prompt_tokens import PromptCounter
+from tandem.router.workers.registry import DispatchKind, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class Call:
     retries: int = 0
     finished: bool = False
     prompt_route: PromptRoute = field(default_factory=lambda: PromptRoute(0))
-    # For the usage ledger (accounting.py): who called, and what is known if no usage comes.
+    # For the usage ledger (accounting/accounting.py): who called, and what is known if no
+    # usage comes.
     caller: str = ""
     prefill_usage: dict[str, Any] | None = None
     output_chunks: int = 0

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (proxy.py), GET /v1/models (from a
 healthy worker), GET /health (200 while some worker can serve a whole request), GET /workers,
 POST /workers/reload (re-reads --config; SIGHUP does the same), GET /metrics, GET /v1/usage
-(totals from the usage ledger, usage_api.py). With --api-keys, /v1/* needs a key (auth.py).
+(totals from the usage ledger, accounting/usage_api.py). With --api-keys, /v1/* needs a key
+(accounting/auth.py).
 
 Everything stateful (the httpx client, the worker registry, the health monitor, metrics) is
 built in the lifespan and hung on `app.state`: no module-level state, so tests can run
@@ -37,20 +38,20 @@ from tandem.errors import (
     http_error_handler,
     validation_error_handler,
 )
-from tandem.router.accounting import load_keys, open_accounting
-from tandem.router.auth import ApiKeyMiddleware, ApiKeys, caller_of
+from tandem.router.accounting.accounting import load_keys, open_accounting
+from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, caller_of
+from tandem.router.accounting.usage_api import usage_report
 from tandem.router.config import RouterConfig, all_worker_specs
-from tandem.router.health import HealthMonitor
-from tandem.router.kv_events import KvEventPoller
-from tandem.router.kv_index import KvIndex
-from tandem.router.metrics import RouterMetrics
-from tandem.router.placement import Placement, PlacementMetrics
-from tandem.router.prompt_tokens import PromptCounter
-from tandem.router.proxy import WHOLE_ROLES, Proxy
-from tandem.router.tokenize import RemoteTokenizer
-from tandem.router.upstream import HopFailure, Upstream, make_client
-from tandem.router.usage_api import usage_report
-from tandem.router.workers import WorkerRegistry
+from tandem.router.http.metrics import RouterMetrics
+from tandem.router.http.proxy import WHOLE_ROLES, Proxy
+from tandem.router.http.upstream import HopFailure, Upstream, make_client
+from tandem.router.placement.kv_events import KvEventPoller
+from tandem.router.placement.kv_index import KvIndex
+from tandem.router.placement.placement import Placement, PlacementMetrics
+from tandem.router.placement.prompt_tokens import PromptCounter
+from tandem.router.placement.tokenize import RemoteTokenizer
+from tandem.router.workers.health import HealthMonitor
+from tandem.router.workers.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
