@@ -20,9 +20,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from live_server import free_port
 
+from tandem.router.config import HealthPolicy, WorkerSpec
 from tandem.router.pd.merge import sse
+from tandem.router.workers.registry import LoadSnapshot, Worker
 
 PROMPT_TOKENS = 50
+
+
+def healthy_worker(url: str, role: str = "decode", **load: int) -> Worker:
+    """A worker that passed its first health probe, with `load` (GET /load fields) polled."""
+    worker = Worker(WorkerSpec(url, role), HealthPolicy())  # type: ignore[arg-type]
+    worker.health.record(True)
+    if load:
+        worker.on_load(LoadSnapshot.from_json(load), poll_started_at=0.0, reflect_delay_s=0.25)
+    return worker
 
 
 
