@@ -34,13 +34,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tandem.router.accounting_flags import (
+from tandem.router.accounting.flags import (
     accounting_argv,
     accounting_config,
     add_accounting_args,
     check_accounting,
 )
-from tandem.router.policy_flags import add_policy_args, policy_argv
+from tandem.router.placement.flags import add_policy_args, policy_argv
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from tandem.router.accounting_flags import (
+from tandem.router.accounting.flags import (
     accounting_config,
     add_accounting_args,
     check_accounting,
@@ -20,7 +20,7 @@ from tandem.router.config import (
     all_worker_specs,
     specs_from_lists,
 )
-from tandem.router.policy_flags import add_policy_args, policy_config
+from tandem.router.placement.flags import add_policy_args, policy_config
 
 _DESCRIPTION = """\
 One OpenAI endpoint in front of tandem workers. Long prompts are split into a prefill hop
@@ -202,7 +202,7 @@ def cmd_route(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"worker file not found: {config.config_file}")
     all_worker_specs(config)  # a broken file is a clear error now, not a failed start-up
     check_accounting(config.accounting)  # so are a bad price or key file, or ledger path
-    from tandem.router.app import run_router
+    from tandem.router.http.app import run_router
 
     # One line per poll would drown the router's own log lines.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))

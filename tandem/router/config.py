@@ -75,7 +75,7 @@ POLICIES: tuple[PolicyName, ...] = ("kv_aware", "least_tokens", "session", "roun
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """How a request's worker is chosen; the rules and formula are in router/policies.py."""
+    """How a request's worker is chosen; the rules and formula are in router/placement/policies.py."""
 
     name: PolicyName = "kv_aware"
     # Read after x-session-affinity and before the body's `user` field.
@@ -85,7 +85,7 @@ class PolicyConfig:
     virtual_nodes: int = 150
     # w in kv_aware's cost = w × prefill tokens + decode tokens. Dynamo's default is 1; 4
     # here because a prefill token costs a whole forward pass while a token of a running
-    # sequence's KV costs one attention read per decode step (policies.py).
+    # sequence's KV costs one attention read per decode step (placement/policies.py).
     prefill_weight: float = 4.0
     tokenize_timeout_s: float = 2.0
     kv_events_interval_s: float = 0.25
@@ -101,7 +101,7 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class AccountingConfig:
-    """Prices, the usage ledger and API keys (pricing.py, ledger.py, auth.py)."""
+    """Prices, the usage ledger and API keys (router/accounting/: pricing, ledger, auth)."""
 
     prices_file: Path | None = None  # None: every model is free (costs reported as 0)
     ledger_path: Path | None = None  # None: no ledger (`tandem route` defaults to a file)

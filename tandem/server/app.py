@@ -22,10 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import EngineConfig, ServerConfig
-from tandem.loader.tokenizer import load_tokenizer
-from tandem.server.chat_prompt import render_chat_prompt
-from tandem.server.engine_client import AsyncEngineClient
-from tandem.server.errors import (
+from tandem.errors import (
     APIError,
     api_error_handler,
     bad_request,
@@ -33,6 +30,9 @@ from tandem.server.errors import (
     http_error_handler,
     validation_error_handler,
 )
+from tandem.loader.tokenizer import load_tokenizer
+from tandem.server.chat_prompt import render_chat_prompt
+from tandem.server.engine_client import AsyncEngineClient
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,

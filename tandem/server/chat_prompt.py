@@ -20,7 +20,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from tandem.server.errors import bad_request
+from tandem.errors import bad_request
 from tandem.server.protocol import ChatMessage, NamedToolChoice, Tool
 from tandem.server.tool_parsers import ToolParser, template_supports_tools
 

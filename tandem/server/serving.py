@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from tandem.config import ServerConfig
+from tandem.errors import APIError, bad_request, error_body
 from tandem.server.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
     EngineRequestError,
     Handoff,
 )
-from tandem.server.errors import APIError, bad_request, error_body
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import SamplingFields
 from tandem.server.tool_parsers import ToolParser

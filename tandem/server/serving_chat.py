@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.errors import bad_request
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
 from tandem.server.engine_client import Handoff
-from tandem.server.errors import bad_request
 from tandem.server.generate import RequestTimings, process_request
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.serving import (

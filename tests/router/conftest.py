@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from router_helpers import FakeWorker, ThreadServer
 
-from tandem.router.app import build_app
 from tandem.router.config import HealthPolicy, RetryPolicy, RouterConfig, Timeouts, WorkerSpec
+from tandem.router.http.app import build_app
 
 # Quick reactions, so fault tests take seconds.
 FAST_HEALTH = HealthPolicy(interval_s=0.1, timeout_s=1.0, failures_to_down=3, successes_to_up=2)

@@ -19,10 +19,22 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from live_server import free_port
+from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.router.merge import sse
+from tandem.router.config import HealthPolicy, WorkerSpec
+from tandem.router.pd.merge import sse
+from tandem.router.workers.registry import LoadSnapshot, Worker
 
 PROMPT_TOKENS = 50
+
+
+def healthy_worker(url: str, role: str = "decode", **load: int) -> Worker:
+    """A worker that passed its first health probe, with `load` (GET /load fields) polled."""
+    worker = Worker(WorkerSpec(url, role), HealthPolicy())  # type: ignore[arg-type]
+    worker.health.record(True)
+    if load:
+        worker.on_load(LoadSnapshot.from_json(load), poll_started_at=0.0, reflect_delay_s=0.25)
+    return worker
 
 
 
@@ -309,6 +321,21 @@ def stream_text(events: list[dict[str, Any] | str]) -> str:
             for choice in event.get("choices") or []:
                 text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     return text
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples `name` (`tandem_router_requests_total`, `..._seconds_count`) whose
+    labels include `labels`, parsed from Prometheus text; 0.0 when there is none.
+
+    Finding a metric's name in the text proves nothing: its `# HELP` and `# TYPE` lines are
+    printed whatever the value, and an unlabelled histogram prints its zero samples too.
+    """
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:

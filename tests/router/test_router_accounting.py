@@ -16,8 +16,8 @@ import httpx
 import pytest
 from router_helpers import PROMPT_TOKENS, FakeWorker, ThreadServer, read_stream, wait_for
 
-from tandem.router.accounting_flags import check_accounting
-from tandem.router.app import build_app
+from tandem.router.accounting.flags import check_accounting
+from tandem.router.accounting.pricing import Price, cost
 from tandem.router.config import (
     AccountingConfig,
     HealthPolicy,
@@ -26,7 +26,7 @@ from tandem.router.config import (
     Timeouts,
     WorkerSpec,
 )
-from tandem.router.pricing import Price, cost
+from tandem.router.http.app import build_app
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
 CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}
@@ -224,7 +224,7 @@ def test_v1_needs_a_valid_key(routers: Routers, headers: dict[str, str]) -> None
         assert reply.status_code == 401, (path, reply.text)
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
-        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
         assert reply.headers["www-authenticate"] == "Bearer"
     for path in ("/health", "/metrics", "/workers"):  # the operator's views stay open
         assert httpx.get(f"{server.url}{path}").status_code == 200, path
@@ -322,7 +322,7 @@ def test_without_keys_usage_covers_everyone_and_no_ledger_is_404(routers: Router
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "ledger_disabled"
     # ...and responses still carry their cost.
     priced = httpx.post(f"{off.url}/v1/chat/completions", json=CHAT, timeout=30).json()
-    assert priced["usage"]["cost"]["total"] > 0
+    assert priced["usage"]["cost"] == cost(PROMPT_TOKENS, 32, 5, SMOL)
 
 
 # --- the command line ----------------------------------------------------------------------

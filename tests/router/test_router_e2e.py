@@ -434,7 +434,10 @@ def test_killed_worker_is_marked_down_and_the_other_serves(
         assert wait_for(lambda: not spare_state()["healthy"], timeout=10)
         assert spare_state()["consecutive_failures"] >= 3
         reply = httpx.post(f"{alone}/v1/chat/completions", json=body, timeout=30)
-        assert reply.status_code in (502, 503) and reply.json()["error"]["message"]
+        # Before the router notices, the dead worker refuses (502); after, no worker is up (503).
+        codes = {502: "worker_unavailable", 503: "no_healthy_worker"}
+        assert reply.status_code in codes, reply.text
+        assert reply.json()["error"]["code"] == codes[reply.status_code], reply.text
         assert wait_for(
             lambda: httpx.get(f"{alone}/health", timeout=5).status_code == 503, timeout=10
         )

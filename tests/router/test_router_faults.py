@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_helpers import FakeWorker, read_stream, stream_text, wait_for
+from router_helpers import PROMPT_TOKENS, FakeWorker, metric, read_stream, stream_text, wait_for
 
 from tandem.router.config import WorkerSpec
 
@@ -153,9 +153,12 @@ def test_500_and_refused_connections_are_retried_on_another_worker(
         reply = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == FULL
         assert stream_text(read_stream(url, CHAT)) == FULL
-    assert bad.requests  # it was tried, and the request still succeeded elsewhere
     metrics = httpx.get(f"{url}/metrics").text
-    assert "tandem_router_retries_total" in metrics
+    bad_500s = metric(metrics, "tandem_router_worker_requests_total", worker=bad_url, outcome="500")
+    refused = metric(metrics, "tandem_router_worker_requests_total", outcome="error")
+    # bad was tried, and every failed attempt was retried: the requests succeeded elsewhere.
+    assert bad_500s == len(bad.requests) > 0
+    assert metric(metrics, "tandem_router_retries_total") == bad_500s + refused
 
 
 def test_all_workers_failing_passes_the_last_5xx_through(
@@ -301,21 +304,25 @@ def test_reload_from_the_config_file(
 
 
 def test_models_and_metrics(fake_workers: FakeFactory, start_router: Callable[..., str]) -> None:
-    _, _, url = _pd_router(fake_workers, start_router)
+    prefill, decode, url = _pd_router(fake_workers, start_router)
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "fake"
     read_stream(url, {**CHAT, "stream_options": {"include_usage": True}})
     text = httpx.get(f"{url}/metrics").text
-    for name in (
-        "tandem_router_requests_total{",
-        "tandem_router_time_to_first_token_seconds_bucket",
-        "tandem_router_pd_prefill_hop_seconds_count 1.0",
-        "tandem_router_overhead_seconds_count",
-        "tandem_router_pd_decode_first_output_seconds_count 1.0",
-        "tandem_router_worker_healthy{",
-        "tandem_router_generation_tokens_total{",
-        "tandem_router_prompt_tokens_total{",
-    ):
-        assert name in text, name
+    prefill_url, decode_url = url_of(prefill, url), url_of(decode, url)
+    # One streamed PD request, counted once everywhere (GET /v1/models is not a request).
+    requests = metric(text, "tandem_router_requests_total")
+    assert requests == 1 == metric(
+        text, "tandem_router_requests_total", route="pd", endpoint="chat", status="200"
+    )
+    assert metric(text, "tandem_router_time_to_first_token_seconds_count", route="pd") == 1
+    assert metric(text, "tandem_router_pd_prefill_hop_seconds_count") == 1
+    assert metric(text, "tandem_router_overhead_seconds_count") == 1
+    assert metric(text, "tandem_router_pd_decode_first_output_seconds_count") == 1
+    for worker, role in ((prefill_url, "prefill"), (decode_url, "decode")):
+        assert metric(text, "tandem_router_worker_healthy", worker=worker, role=role) == 1
+    # Prompt tokens on the worker that read the prompt, generated ones on the decode worker.
+    assert metric(text, "tandem_router_prompt_tokens_total", worker=prefill_url) == PROMPT_TOKENS
+    assert metric(text, "tandem_router_generation_tokens_total", worker=decode_url) == 5
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

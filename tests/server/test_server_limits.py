@@ -37,6 +37,7 @@ def test_api_key_is_required_on_v1(strict_server: LiveServer) -> None:
         response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers)
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
+        assert response.json()["error"]["type"] == "authentication_error"  # as the router's 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.router.datafile import parse_structured, read_text
+from tandem.router.accounting.datafile import parse_structured, read_text
 
 CURRENCY = "USD"
 _PRICE_KEYS = ("input", "cached_input", "output")

@@ -31,8 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.router.datafile import parse_structured, read_text
-from tandem.router.errors import error_body
+from tandem.errors import error_body
+from tandem.router.accounting.datafile import parse_structured, read_text
 
 ANONYMOUS = "anonymous"  # the ledger identity of every caller when keys are off
 _STATE_KEY = "tandem_caller"

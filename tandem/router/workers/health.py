@@ -22,7 +22,7 @@ import time
 import httpx
 
 from tandem.router.config import HealthPolicy, ScoringConfig
-from tandem.router.workers import LoadSnapshot, Worker, WorkerRegistry
+from tandem.router.workers.registry import LoadSnapshot, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tandem.router.workers import Worker
+from tandem.router.workers.registry import Worker
 
 _LATENCY_BUCKETS = (
     0.01,

@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from tandem.router.kv_index import KvIndex
-from tandem.router.workers import Worker, WorkerRegistry
+from tandem.router.placement.kv_index import KvIndex
+from tandem.router.workers.registry import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from tandem.router.workers import Worker
+from tandem.router.workers.registry import Worker
 
 logger = logging.getLogger(__name__)
 

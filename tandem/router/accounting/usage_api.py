@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from tandem.router.accounting import Accounting
-from tandem.router.errors import RouterError
-from tandem.router.ledger import Totals
-from tandem.router.pricing import CURRENCY
+from tandem.errors import APIError
+from tandem.router.accounting.accounting import Accounting
+from tandem.router.accounting.ledger import Totals
+from tandem.router.accounting.pricing import CURRENCY
 
 _FLUSH_TIMEOUT_S = 5.0
 ALL = "*"
@@ -40,15 +40,15 @@ def parse_time(value: str, param: str) -> float:
         pass
     else:
         if not math.isfinite(seconds):
-            raise RouterError(400, f"{param}: not a finite time: {value!r}", "invalid_value")
+            raise APIError(400, f"{param}: not a finite time: {value!r}", code="invalid_value")
         return seconds
     try:
         moment = dt.datetime.fromisoformat(text)
     except ValueError:
-        raise RouterError(
+        raise APIError(
             400,
             f"{param}: expected ISO 8601 (2026-11-21T10:00:00Z) or unix seconds, got {value!r}",
-            "invalid_value",
+            code="invalid_value",
         ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=dt.UTC)
@@ -67,10 +67,10 @@ def whose(accounting: Accounting, caller: str, asked: str | None) -> str | None:
     if asked in (None, ""):
         return caller
     if asked != caller and caller not in accounting.usage_admins:
-        raise RouterError(
+        raise APIError(
             403,
             f"the key of {caller!r} may read only its own usage (identity={caller})",
-            "permission_denied",
+            code="permission_denied",
         )
     return None if asked == ALL else asked
 
@@ -99,8 +99,10 @@ async def usage_report(
 ) -> dict[str, Any]:
     ledger = accounting.ledger
     if ledger is None:
-        raise RouterError(
-            404, "the usage ledger is off (the router runs with --no-ledger)", "ledger_disabled"
+        raise APIError(
+            404,
+            "the usage ledger is off (the router runs with --no-ledger)",
+            code="ledger_disabled",
         )
     identity = whose(accounting, caller, params.get("identity"))
     user = params.get("user") or None
@@ -113,7 +115,7 @@ async def usage_report(
         first = await asyncio.to_thread(ledger.first_time)
         start = min(first, end) if first is not None else min(now, end)
     if start > end:
-        raise RouterError(400, "start must not be after end", "invalid_value")
+        raise APIError(400, "start must not be after end", code="invalid_value")
     by_identity = await asyncio.to_thread(ledger.totals, start, end, identity, user)
     total = sum(by_identity.values(), Totals())
     return {

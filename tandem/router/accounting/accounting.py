@@ -21,12 +21,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tandem.router.auth import ANONYMOUS, ApiKeys, read_api_keys, worker_headers
+from tandem.router.accounting.auth import ANONYMOUS, ApiKeys, read_api_keys, worker_headers
+from tandem.router.accounting.ledger import Ledger, UsageRow
+from tandem.router.accounting.pricing import (
+    PriceTable,
+    cached_tokens,
+    cost,
+    read_price_file,
+    usage_cost,
+)
 from tandem.router.config import AccountingConfig
-from tandem.router.ledger import Ledger, UsageRow
-from tandem.router.merge import Identity
-from tandem.router.pricing import PriceTable, cached_tokens, cost, read_price_file, usage_cost
-from tandem.router.workers import Worker
+from tandem.router.pd.merge import Identity
+from tandem.router.workers.registry import Worker
 
 _USER_MAX_CHARS = 256
 

@@ -20,10 +20,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tandem.router.config import PolicyConfig, ScoringConfig
-from tandem.router.kv_index import KvIndex
-from tandem.router.policies import HopName, Placer, PromptRoute, affinity_key
-from tandem.router.tokenize import RemoteTokenizer, token_id_prompt, tokenize_body
-from tandem.router.workers import Worker, WorkerRegistry
+from tandem.router.placement.kv_index import KvIndex
+from tandem.router.placement.policies import HopName, Placer, PromptRoute, affinity_key
+from tandem.router.placement.tokenize import RemoteTokenizer, token_id_prompt, tokenize_body
+from tandem.router.workers.registry import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 

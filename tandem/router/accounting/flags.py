@@ -11,10 +11,10 @@ import os
 import sqlite3
 from pathlib import Path
 
-from tandem.router.accounting import load_keys
+from tandem.router.accounting.accounting import load_keys
+from tandem.router.accounting.ledger import connect
+from tandem.router.accounting.pricing import read_price_file
 from tandem.router.config import AccountingConfig
-from tandem.router.ledger import connect
-from tandem.router.pricing import read_price_file
 
 DEFAULT_LEDGER = Path("tandem-usage.sqlite3")
 WORKER_KEY_ENV = "TANDEM_WORKER_API_KEY"

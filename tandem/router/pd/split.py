@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.router.merge import Kind, finish_reason, first_text
+from tandem.router.pd.merge import Kind, finish_reason, first_text
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,14 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, for server and router.
 
-Every refusal the server makes goes through `APIError`, so clients (the openai SDK maps the
-status to an exception class and reads `error.message`) always get the same structure.
+Every refusal the server (`tandem serve`) or the router (`tandem route`) makes goes through
+`APIError` or `error_body`, so clients get one structure and one error type per status
+whichever of the two answered: the openai SDK maps the status to an exception class and reads
+`error.message`, and code that switches on `error.type` must not see a router 401 typed
+differently from a worker's. One module instead of a copy per package keeps the two from
+drifting.
+
+It imports FastAPI / Starlette only (no torch, no tandem.engine, no tandem.server), because the
+router imports it and must stay deployable on a small CPU box.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# OpenAI's error type per status; other 4xx are invalid_request_error, 5xx server_error.
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -24,9 +32,34 @@ _TYPES = {
 }
 
 
+def error_type(status: int) -> str:
+    """OpenAI's `error.type` for an HTTP status."""
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The JSON body of an error response (or of an SSE error event) with this status."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    """A request answered with an error: raise it anywhere under a route, the handler answers.
+
+    `param` names the offending request field (dotted for nested ones), `code` is a stable
+    machine-readable reason (`invalid_api_key`, `no_healthy_worker`, ...), and `headers` go on
+    the response (`Retry-After`, `WWW-Authenticate`).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -41,16 +74,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    error_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 
 
 async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """`app.add_exception_handler(APIError, api_error_handler)`."""
     assert isinstance(exc, APIError)
     return exc.response()
 
@@ -78,6 +107,7 @@ async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (unknown route 404, wrong method 405) in OpenAI's shape."""
     assert isinstance(exc, StarletteHTTPException)
     try:
         phrase = HTTPStatus(exc.status_code).phrase

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tandem.router.workers import LoadSnapshot, Worker
+from tandem.router.workers.registry import LoadSnapshot, Worker
 
 _UNKNOWN_CAPACITY = 1 << 20
 

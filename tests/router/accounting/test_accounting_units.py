@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tandem.router.accounting import Accounting, status_name
-from tandem.router.auth import ApiKeys, parse_api_keys, read_api_keys, worker_headers
-from tandem.router.errors import RouterError
-from tandem.router.ledger import Ledger, Totals, UsageRow
-from tandem.router.merge import ChunkRewriter, Identity
-from tandem.router.pricing import (
+from tandem.errors import APIError
+from tandem.router.accounting.accounting import Accounting, status_name
+from tandem.router.accounting.auth import ApiKeys, parse_api_keys, read_api_keys, worker_headers
+from tandem.router.accounting.ledger import Ledger, Totals, UsageRow
+from tandem.router.accounting.pricing import (
     FREE,
     Price,
     PriceTable,
@@ -23,7 +22,8 @@ from tandem.router.pricing import (
     read_price_file,
     usage_cost,
 )
-from tandem.router.usage_api import iso, parse_time, whose
+from tandem.router.accounting.usage_api import iso, parse_time, whose
+from tandem.router.pd.merge import ChunkRewriter, Identity
 
 SMOL = Price(input=0.10, cached_input=0.025, output=0.40)
 
@@ -161,7 +161,7 @@ def test_parse_time_accepts_iso_and_unix() -> None:
     assert parse_time("2026-01-01", "start") == 1767225600.0  # naive: UTC
     assert iso(1767225600.25) == "2026-01-01T00:00:00.250Z"
     for bad in ("yesterday", "nan", "2026-13-01"):
-        with pytest.raises(RouterError) as caught:
+        with pytest.raises(APIError) as caught:
             parse_time(bad, "end")
         assert caught.value.status == 400 and caught.value.message.startswith("end")
 
@@ -173,7 +173,7 @@ def test_who_may_read_whose_usage() -> None:
     keyed = Accounting(keys=ApiKeys.from_mapping({"k": "alice"}), usage_admins=frozenset({"ops"}))
     assert whose(keyed, "alice", None) == "alice"
     assert whose(keyed, "alice", "alice") == "alice"
-    with pytest.raises(RouterError) as caught:
+    with pytest.raises(APIError) as caught:
         whose(keyed, "alice", "bob")
     assert caught.value.status == 403 and caught.value.code == "permission_denied"
     assert whose(keyed, "ops", "bob") == "bob" and whose(keyed, "ops", "*") is None

@@ -27,11 +27,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.router.accounting import Accounting
-from tandem.router.auth import caller_of
+from tandem.errors import APIError, error_body
+from tandem.router.accounting.accounting import Accounting
+from tandem.router.accounting.auth import caller_of
 from tandem.router.config import Role, RouterConfig
-from tandem.router.errors import RouterError, error_body, no_worker
-from tandem.router.merge import (
+from tandem.router.http.metrics import RouterMetrics
+from tandem.router.http.upstream import Hop, HopFailure, StreamBroken, Upstream
+from tandem.router.pd.merge import (
     SSE_DONE,
     ChunkRewriter,
     Identity,
@@ -43,8 +45,7 @@ from tandem.router.merge import (
     sse,
     text_chunk,
 )
-from tandem.router.metrics import RouterMetrics
-from tandem.router.pd import (
+from tandem.router.pd.split import (
     PrefillOutcome,
     decide_route,
     decode_body,
@@ -53,11 +54,10 @@ from tandem.router.pd import (
     prefill_outcome,
     with_upstream_usage,
 )
-from tandem.router.placement import Placement
-from tandem.router.policies import PromptRoute
-from tandem.router.prompt_tokens import PromptCounter
-from tandem.router.upstream import Hop, HopFailure, StreamBroken, Upstream
-from tandem.router.workers import DispatchKind, Worker, WorkerRegistry
+from tandem.router.placement.placement import Placement
+from tandem.router.placement.policies import PromptRoute
+from tandem.router.placement.prompt_tokens import PromptCounter
+from tandem.router.workers.registry import DispatchKind, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class Call:
     retries: int = 0
     finished: bool = False
     prompt_route: PromptRoute = field(default_factory=lambda: PromptRoute(0))
-    # For the usage ledger (accounting.py): who called, and what is known if no usage comes.
+    # For the usage ledger (accounting/accounting.py): who called, and what is known if no
+    # usage comes.
     caller: str = ""
     prefill_usage: dict[str, Any] | None = None
     output_chunks: int = 0
@@ -179,7 +180,7 @@ class Proxy:
             call.status = 499
             self._finish(call)
             return Response(status_code=499)
-        except RouterError as exc:
+        except APIError as exc:
             call.status = exc.status
             self._finish(call)
             return exc.response()
@@ -246,9 +247,9 @@ class Proxy:
                 "prefill",
                 call.prompt_tokens,
             )
-        except (RouterError, Answered) as exc:
+        except (APIError, Answered) as exc:
             reason = (
-                exc.message if isinstance(exc, RouterError) else f"HTTP {exc.response.status_code}"
+                exc.message if isinstance(exc, APIError) else f"HTTP {exc.response.status_code}"
             )
             logger.warning("prefill hop failed (%s); serving the request whole instead", reason)
             self.metrics.fallbacks.inc()
@@ -313,7 +314,7 @@ class Proxy:
                     call.prompt_tokens,
                     preferred=decode,
                 )
-            except RouterError as exc:
+            except APIError as exc:
                 call.status = exc.status
                 yield sse(exc.body())
                 yield SSE_DONE
@@ -421,14 +422,16 @@ class Proxy:
         try:
             data = await _unless_disconnected(request, self.upstream.read(hop.response))
         except TimeoutError:
-            raise RouterError(
-                504, f"worker {hop.worker.url} stopped sending its reply", "worker_timeout"
+            raise APIError(
+                504, f"worker {hop.worker.url} stopped sending its reply", code="worker_timeout"
             ) from None
         except Exception as exc:
             if isinstance(exc, ClientGone):
                 raise
-            raise RouterError(
-                502, f"worker {hop.worker.url} failed: {type(exc).__name__}: {exc}", "worker_failed"
+            raise APIError(
+                502,
+                f"worker {hop.worker.url} failed: {type(exc).__name__}: {exc}",
+                code="worker_failed",
             ) from None
         finally:
             await hop.close()
@@ -437,10 +440,10 @@ class Proxy:
         except ValueError:
             reply = None
         if not isinstance(reply, dict):
-            raise RouterError(
+            raise APIError(
                 502,
                 f"worker {hop.worker.url} sent a reply that is not a JSON object",
-                "worker_failed",
+                code="worker_failed",
             )
         return reply
 
@@ -582,17 +585,27 @@ async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.body())
     except ValueError as exc:
-        raise RouterError(
-            400, f"the request body is not valid JSON: {exc}", "invalid_json"
+        raise APIError(
+            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
     if not isinstance(body, dict):
-        raise RouterError(400, "the request body must be a JSON object", "invalid_value")
+        raise APIError(400, "the request body must be a JSON object", code="invalid_value")
     return body
 
 
 def _prefill_usage(outcome: PrefillOutcome) -> dict[str, Any] | None:
     """Usage merges only when the decode hop continued the prefill hop's work."""
     return outcome.usage if outcome.takes_part else None
+
+
+def no_worker(pool: str) -> APIError:
+    """503 with Retry-After: the pool has no healthy worker now, but health polls may find one."""
+    return APIError(
+        503,
+        f"no healthy {pool} worker is available; retry shortly",
+        code="no_healthy_worker",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _failure_response(failure: HopFailure) -> Exception:
@@ -617,11 +630,13 @@ def _failure_response(failure: HopFailure) -> Exception:
             )
         )
     if failure.timed_out:
-        return RouterError(504, f"worker {failure.worker.url}: {failure.reason}", "worker_timeout")
-    return RouterError(
+        return APIError(
+            504, f"worker {failure.worker.url}: {failure.reason}", code="worker_timeout"
+        )
+    return APIError(
         502,
         f"no worker could be reached (last: {failure.worker.url}: {failure.reason})",
-        "worker_unavailable",
+        code="worker_unavailable",
     )
 
 

@@ -25,7 +25,7 @@ import anyio
 import httpx
 
 from tandem.router.config import RetryPolicy, Timeouts
-from tandem.router.workers import DispatchKind, Worker
+from tandem.router.workers.registry import DispatchKind, Worker
 
 logger = logging.getLogger(__name__)
 

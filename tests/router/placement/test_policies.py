@@ -17,14 +17,14 @@ from prometheus_client import CollectorRegistry
 
 from tandem.kvcache.block_hash import block_hashes
 from tandem.router.config import HealthPolicy, PolicyConfig, ScoringConfig, WorkerSpec
-from tandem.router.health import HealthMonitor
-from tandem.router.kv_events import KvEventPoller
-from tandem.router.kv_index import KvIndex
-from tandem.router.placement import Placement, PlacementMetrics
-from tandem.router.policies import Placer, PromptRoute, affinity_key, kv_cost
-from tandem.router.ring import HashRing, bounded_pick, load_bound
-from tandem.router.tokenize import RemoteTokenizer, token_id_prompt, tokenize_body
-from tandem.router.workers import LoadSnapshot, Worker, WorkerRegistry
+from tandem.router.placement.kv_events import KvEventPoller
+from tandem.router.placement.kv_index import KvIndex
+from tandem.router.placement.placement import Placement, PlacementMetrics
+from tandem.router.placement.policies import Placer, PromptRoute, affinity_key, kv_cost
+from tandem.router.placement.ring import HashRing, bounded_pick, load_bound
+from tandem.router.placement.tokenize import RemoteTokenizer, token_id_prompt, tokenize_body
+from tandem.router.workers.health import HealthMonitor
+from tandem.router.workers.registry import LoadSnapshot, Worker, WorkerRegistry
 
 ROOT = 12345
 BS = 4

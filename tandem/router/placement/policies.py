@@ -48,10 +48,10 @@ from typing import Any
 
 from tandem.kvcache.block_hash import chain_hash
 from tandem.router.config import PolicyConfig, ScoringConfig
-from tandem.router.kv_index import KvIndex
-from tandem.router.ring import HashRing, bounded_pick, load_bound
-from tandem.router.scoring import pick_decode, pick_lowest, pick_prefill
-from tandem.router.workers import LoadSnapshot, Worker
+from tandem.router.placement.kv_index import KvIndex
+from tandem.router.placement.ring import HashRing, bounded_pick, load_bound
+from tandem.router.placement.scoring import pick_decode, pick_lowest, pick_prefill
+from tandem.router.workers.registry import LoadSnapshot, Worker
 
 AFFINITY_HEADER = "x-session-affinity"
 # A hop's name: "prefill" and "decode" (PD mode) or "direct" (a whole request on one worker).

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (proxy.py), GET /v1/models (from a
 healthy worker), GET /health (200 while some worker can serve a whole request), GET /workers,
 POST /workers/reload (re-reads --config; SIGHUP does the same), GET /metrics, GET /v1/usage
-(totals from the usage ledger, usage_api.py). With --api-keys, /v1/* needs a key (auth.py).
+(totals from the usage ledger, accounting/usage_api.py). With --api-keys, /v1/* needs a key
+(accounting/auth.py).
 
 Everything stateful (the httpx client, the worker registry, the health monitor, metrics) is
 built in the lifespan and hung on `app.state`: no module-level state, so tests can run
@@ -25,25 +26,32 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.router.accounting import load_keys, open_accounting
-from tandem.router.auth import ApiKeyMiddleware, ApiKeys, caller_of
+from tandem.errors import (
+    APIError,
+    api_error_handler,
+    error_body,
+    http_error_handler,
+    validation_error_handler,
+)
+from tandem.router.accounting.accounting import load_keys, open_accounting
+from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, caller_of
+from tandem.router.accounting.usage_api import usage_report
 from tandem.router.config import RouterConfig, all_worker_specs
-from tandem.router.errors import RouterError, error_body
-from tandem.router.health import HealthMonitor
-from tandem.router.kv_events import KvEventPoller
-from tandem.router.kv_index import KvIndex
-from tandem.router.metrics import RouterMetrics
-from tandem.router.placement import Placement, PlacementMetrics
-from tandem.router.prompt_tokens import PromptCounter
-from tandem.router.proxy import WHOLE_ROLES, Proxy
-from tandem.router.tokenize import RemoteTokenizer
-from tandem.router.upstream import HopFailure, Upstream, make_client
-from tandem.router.usage_api import usage_report
-from tandem.router.workers import WorkerRegistry
+from tandem.router.http.metrics import RouterMetrics
+from tandem.router.http.proxy import WHOLE_ROLES, Proxy
+from tandem.router.http.upstream import HopFailure, Upstream, make_client
+from tandem.router.placement.kv_events import KvEventPoller
+from tandem.router.placement.kv_index import KvIndex
+from tandem.router.placement.placement import Placement, PlacementMetrics
+from tandem.router.placement.prompt_tokens import PromptCounter
+from tandem.router.placement.tokenize import RemoteTokenizer
+from tandem.router.workers.health import HealthMonitor
+from tandem.router.workers.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +182,9 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(ApiKeyMiddleware, keys=keys)
-    app.add_exception_handler(RouterError, _router_error_handler)
-    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
 
     def state_of(request: Request) -> RouterState:
@@ -210,7 +219,7 @@ def build_app(config: RouterConfig) -> FastAPI:
                     status_code=reply.status_code,
                     media_type=reply.headers.get("content-type", "application/json"),
                 )
-        raise RouterError(503, "no healthy worker answered GET /v1/models", "no_healthy_worker")
+        raise APIError(503, "no healthy worker answered GET /v1/models", code="no_healthy_worker")
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> dict[str, Any]:
@@ -240,8 +249,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         try:
             change = await state.reload()
         except (ValueError, OSError) as exc:
-            raise RouterError(
-                400, f"cannot reload the worker list: {exc}", "invalid_config"
+            raise APIError(
+                400, f"cannot reload the worker list: {exc}", code="invalid_config"
             ) from exc
         return {**change, "workers": _describe_workers(state)}
 
@@ -281,17 +290,6 @@ async def _reload_logged(state: RouterState) -> None:
         await state.reload()
     except (ValueError, OSError) as exc:
         logger.error("SIGHUP: cannot reload the worker list: %s", exc)
-
-
-async def _router_error_handler(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RouterError)
-    return exc.response()
-
-
-async def _http_error_handler(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    message = exc.detail if isinstance(exc.detail, str) else "error"
-    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
 
 
 async def _internal_error_handler(_: Request, exc: Exception) -> Response:

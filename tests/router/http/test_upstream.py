@@ -1,0 +1,154 @@
+"""HTTP to workers without processes (httpx mock transports): retries before the first byte,
+and reading SSE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from router_helpers import healthy_worker
+
+from tandem.router.config import RetryPolicy, Timeouts
+from tandem.router.http.upstream import HopFailure, StreamBroken, Upstream
+from tandem.router.workers.registry import Worker
+
+
+# --- retries before the first byte -------------------------------------------------------
+def _upstream(handler, retry: RetryPolicy | None = None) -> tuple[Upstream, list[str]]:  # noqa: ANN001
+    failures: list[str] = []
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    upstream = Upstream(
+        client,
+        Timeouts(connect_s=1, first_byte_s=0.5, idle_s=0.5),
+        retry or RetryPolicy(max_attempts=3, backoff_s=0.001),
+        lambda hop, failure: failures.append(f"{failure.worker.url}:{failure.status}"),
+        lambda hop: None,
+    )
+    return upstream, failures
+
+
+def _picker(workers: list[Worker]):  # noqa: ANN202
+    def pick(exclude: set[str]) -> Worker | None:
+        return next((w for w in workers if w.url not in exclude), None)
+
+    return pick
+
+
+def test_retry_moves_to_another_worker_before_the_first_byte() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a":
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.host == "b":
+            return httpx.Response(503, json={"error": {"message": "full"}})
+        return httpx.Response(200, json={"ok": True})
+
+    workers = [healthy_worker("http://a"), healthy_worker("http://b"), healthy_worker("http://c")]
+    upstream, failures = _upstream(handler)
+
+    async def run() -> tuple[str, int, bytes]:
+        hop = await upstream.open_with_retries(
+            "direct", _picker(workers), "/v1/chat/completions", {}, {}, "prefill", 10
+        )
+        data = await upstream.read(hop.response)
+        await hop.close()
+        return hop.worker.url, hop.attempts, data
+
+    url, attempts, data = asyncio.run(run())
+    assert url == "http://c" and attempts == 3 and json.loads(data) == {"ok": True}
+    assert failures == ["http://a:None", "http://b:503"]
+    assert all(w.in_flight == 0 and w.unreflected_tokens() == 0 for w in workers)
+
+
+def test_the_load_a_hop_adds_can_depend_on_the_worker() -> None:
+    """kv_aware counts a just-sent request by the tokens that worker must compute (its cached
+    prefix excluded), so each retry dispatches that worker's own figure."""
+    workers = [healthy_worker("http://a"), healthy_worker("http://b")]
+    predicted = {"http://a": 300, "http://b": 2500}
+    seen: dict[str, int] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = f"http://{request.url.host}"
+        seen[url] = next(w for w in workers if w.url == url).unreflected_tokens("prefill")
+        if url == "http://a":
+            return httpx.Response(503, json={"error": {"message": "full"}})
+        return httpx.Response(200, json={"ok": True})
+
+    upstream, _ = _upstream(handler)
+
+    async def run() -> None:
+        hop = await upstream.open_with_retries(
+            "direct", _picker(workers), "/x", {}, {}, "prefill", lambda w: predicted[w.url]
+        )
+        await hop.close()
+
+    asyncio.run(run())
+    assert seen == predicted
+
+
+def test_client_errors_are_not_retried() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.host)
+        return httpx.Response(400, json={"error": {"message": "bad"}})
+
+    upstream, _ = _upstream(handler)
+
+    async def run() -> int:
+        hop = await upstream.open_with_retries(
+            "direct",
+            _picker([healthy_worker("http://a"), healthy_worker("http://b")]),
+            "/v1/completions",
+            {},
+            {},
+            "prefill",
+            1,
+        )
+        await hop.close()
+        return hop.status
+
+    assert asyncio.run(run()) == 400 and calls == ["a"]
+
+
+def test_all_attempts_failing_raises_the_last_failure() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"message": "boom"}})
+
+    upstream, failures = _upstream(handler, RetryPolicy(max_attempts=2, backoff_s=0.001))
+    only = healthy_worker("http://a")
+
+    async def run() -> None:
+        await upstream.open_with_retries("direct", _picker([only]), "/x", {}, {}, "prefill", 1)
+
+    with pytest.raises(HopFailure) as info:
+        asyncio.run(run())
+    # One worker that answered 5xx may be tried again: it was alive.
+    assert info.value.status == 500 and failures == ["http://a:500", "http://a:500"]
+    assert only.in_flight == 0
+
+
+def test_no_worker_at_all_is_a_lookup_error() -> None:
+    upstream, _ = _upstream(lambda request: httpx.Response(200))
+    with pytest.raises(LookupError):
+        asyncio.run(
+            upstream.open_with_retries("decode", lambda exclude: None, "/x", {}, {}, "decode", 1)
+        )
+
+
+def test_sse_events_and_broken_streams() -> None:
+    good = b'data: {"a":1}\n\n: keep-alive\n\ndata: [DONE]\n\n'
+    cut = b'data: {"a":1}\n\n'
+
+    async def events(payload: bytes) -> list[str]:
+        upstream, _ = _upstream(lambda request: httpx.Response(200, content=payload))
+        response = await upstream.client.send(
+            upstream.client.build_request("GET", "http://a/"), stream=True
+        )
+        return [e async for e in upstream.events(response)]
+
+    assert asyncio.run(events(good)) == ['{"a":1}', "[DONE]"]
+    with pytest.raises(StreamBroken, match="before \\[DONE\\]"):
+        asyncio.run(events(cut))

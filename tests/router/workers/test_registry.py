@@ -1,0 +1,49 @@
+"""The worker registry without processes: the health state machine, and reloading the list."""
+
+from __future__ import annotations
+
+from tandem.router.config import HealthPolicy, WorkerSpec
+from tandem.router.workers.registry import HealthState, WorkerRegistry
+
+POLICY = HealthPolicy()
+
+
+# --- health ----------------------------------------------------------------------------
+def test_health_state_machine() -> None:
+    state = HealthState(failures_to_down=3, successes_to_up=2)
+    assert not state.healthy
+    assert state.record(True) and state.healthy  # first probe: up at once
+    assert not state.record(False) and not state.record(False)
+    assert state.healthy
+    assert state.record(False) and not state.healthy  # third failure in a row
+    assert not state.record(True) and not state.healthy  # one success is not enough
+    assert not state.record(False)
+    assert not state.record(True)
+    assert state.record(True) and state.healthy  # two in a row
+    assert state.consecutive_failures == 0
+
+
+def test_failures_interrupted_by_a_success_do_not_mark_down() -> None:
+    state = HealthState(3, 2)
+    state.record(True)
+    for ok in (False, False, True, False, False):
+        state.record(ok)
+    assert state.healthy
+
+
+
+
+def test_reload_keeps_the_state_of_workers_that_stay() -> None:
+    a, b, c = (
+        WorkerSpec("http://a", "decode"),
+        WorkerSpec("http://b", "decode"),
+        WorkerSpec("http://c", "prefill"),
+    )
+    registry = WorkerRegistry((a, b), POLICY)
+    kept = registry.workers[0]
+    kept.health.record(True)
+    kept.in_flight = 2
+    added, removed = registry.replace((a, c))
+    assert [w.spec for w in added] == [c] and [w.spec for w in removed] == [b]
+    assert registry.workers[0] is kept and kept.healthy and kept.in_flight == 2
+    assert [w.spec for w in registry.pool(("prefill",), healthy_only=False)] == [c]
