@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tandem import flags
 from tandem.router.accounting_flags import (
     accounting_argv,
     accounting_config,
@@ -57,8 +58,6 @@ _ROLE_OVERRIDES = {
 
 
 def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
-    from tandem.cli import add_engine_args
-
     parser = subparsers.add_parser(
         "up",
         help="start a local cluster: prefill + decode workers behind a router",
@@ -67,7 +66,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "everything. Engine flags apply to every worker; --prefill-*/--decode-* "
         "override them per role.",
     )
-    add_engine_args(parser)
+    flags.add_engine_args(parser)
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument(
         "--prefill-workers", type=int, default=1, metavar="N", help="prefill workers (default: 1)"
@@ -143,24 +142,9 @@ class ClusterPlan:
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags the user set (those differing from their defaults), as argv again."""
-    from tandem.cli import add_engine_args
-
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    argv: list[str] = []
-    for action in probe._actions:
-        if not action.option_strings or action.option_strings[0] in _OWN_ENGINE_FLAGS:
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        else:
-            argv += [flag, str(value)]
-    return argv
+    """The engine flags the user set (those differing from their defaults), as argv again;
+    every worker gets them. --threads is left out: `tandem up` splits the cores itself."""
+    return flags.engine_argv(args, exclude=_OWN_ENGINE_FLAGS)
 
 
 def _role_argv(args: argparse.Namespace, role: str) -> list[str]:

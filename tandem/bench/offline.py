@@ -47,6 +47,7 @@ from tandem.bench.offline_workloads import (
     compute_metrics,
     warmup_prompt,
 )
+from tandem.flags import ENGINE_FLAGS, add_engine_args, engine_values
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ _WORKER = Path(__file__).with_name("offline_worker.py")
 
 
 def add_offline_parser(subparsers: argparse._SubParsersAction) -> None:
-    from tandem.cli import add_engine_args
-
     parser = subparsers.add_parser(
         "offline", help="offline throughput / latency vs peers (transformers, vLLM)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -109,30 +108,18 @@ def select_engines(args: argparse.Namespace) -> list[str]:
     return engines
 
 
-def _engine_flag_defaults() -> dict[str, Any]:
-    """dest -> default of every flag `tandem.cli.add_engine_args` defines (whatever it defines)."""
-    from tandem.cli import add_engine_args
-
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    return {a.dest: a.default for a in probe._actions}
-
-
 def tandem_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags given with non-default values, as `--flag value` strings (for titles)."""
-    out = []
-    for dest, default in _engine_flag_defaults().items():
-        value = getattr(args, dest, default)
-        if dest not in ("model", "dtype", "kv_cache_memory") and value != default:
-            out.append(f"--{dest.replace('_', '-')}" + ("" if value is True else f" {value}"))
-    return out
+    shown = [flag for flag in ENGINE_FLAGS if flag.option not in ("--dtype", "--kv-cache-memory")]
+    return [" ".join(flag.to_argv(value)) for flag in shown
+            if (value := getattr(args, flag.dest, flag.default)) != flag.default]
 
 
 def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: int) -> dict[str, Any]:
     if engine == "tandem":
-        # Every engine flag, passed to `tandem.cli.build_llm` in the worker, so a flag added to
-        # the engine is benchmarkable here without touching this file.
-        values = {dest: getattr(args, dest, default) for dest, default in _engine_flag_defaults().items()}
+        # Every engine flag, turned into `tandem.LLM` keywords in the worker (tandem.flags), so a
+        # flag added to the engine is benchmarkable here without touching this file.
+        values = engine_values(args)
         values["kv_cache_memory"] = kv_bytes  # the same budget as vLLM's
         return values
     if engine == "transformers":

@@ -24,6 +24,7 @@ from tandem.bench.offline_workloads import (
     compute_metrics,
     warmup_prompt,
 )
+from tandem.flags import engine_defaults, llm_kwargs
 
 VOCAB = 49152
 
@@ -163,18 +164,20 @@ def test_parser_and_engine_selection() -> None:
 
 
 def test_engine_args_forward_every_engine_flag() -> None:
-    from tandem.cli import add_engine_args
-
     args = _parser().parse_args(["offline", "--threads", "1", "--no-prefix-caching", "--dtype", "bfloat16"])
-    probe = argparse.ArgumentParser()
-    add_engine_args(probe)
-    dests = {a.dest for a in probe._actions if a.dest != "help"}
     tandem = engine_args("tandem", args, Path("/hf"), 1 << 30)
-    assert dests <= set(tandem) and tandem["kv_cache_memory"] == 1 << 30 and tandem["threads"] == 1
+    assert set(tandem) == set(engine_defaults())  # MODEL and every engine flag
+    assert tandem["kv_cache_memory"] == 1 << 30 and tandem["threads"] == 1 and tandem["dtype"] == "bfloat16"
+    # the worker's side: the very keywords `tandem generate` gives tandem.LLM
+    kwargs = llm_kwargs(argparse.Namespace(**tandem))
+    assert kwargs["num_threads"] == 1 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["kv_cache_memory"] == 1 << 30
     assert tandem_flags(args) == ["--no-prefix-caching", "--threads 1"]
     vllm = engine_args("vllm", args, Path("/hf"), 1 << 30)
-    assert vllm["model"] == "/hf" and vllm["dtype"] == "float32" and vllm["enable_prefix_caching"] is False
-    assert vllm["kv_cache_memory_bytes"] == 1 << 30
+    assert vllm == {
+        "model": "/hf", "dtype": "float32", "enable_prefix_caching": False, "kv_cache_memory_bytes": 1 << 30,
+        "max_num_seqs": 128, "max_num_batched_tokens": 2048, "max_model_len": None, "seed": 0,
+    }
 
 
 # --- end to end ---------------------------------------------------------------------------
