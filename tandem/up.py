@@ -137,7 +137,6 @@ class ClusterPlan:
     router: ProcessPlan
     workers: tuple[ProcessPlan, ...]
     log_dir: Path
-    role_flag: bool
     api_keys: bool = False  # the router wants a key: the banner's examples say so
 
 
@@ -177,7 +176,6 @@ def default_threads(num_workers: int) -> int:
 def plan_cluster(
     args: argparse.Namespace,
     tokenizer_dir: Path | None,
-    role_flag: bool,
     free_port: Callable[[], int],
 ) -> ClusterPlan:
     roles = worker_roles(args)
@@ -215,17 +213,17 @@ def plan_cluster(
             str(threads),
             *common,
             *_role_argv(args, role),
+            "--role",
+            role,
         ]
-        if role_flag:
-            argv += ["--role", role]
-            if role != "decode":
-                # Chosen here, not by the worker: a KV source binding a random port of its own
-                # could take the HTTP port just handed to the next worker.
-                argv += ["--kv-transfer-port", str(distinct_port())]
-            if role != "decode" and args.kv_transfer != "tcp":
-                # Every worker shares this host: decode workers copy prompt KV straight out
-                # of the prefill worker's cache file instead of over a socket.
-                argv += ["--kv-transfer-shm"]
+        if role != "decode":
+            # Chosen here, not by the worker: a KV source binding a random port of its own
+            # could take the HTTP port just handed to the next worker.
+            argv += ["--kv-transfer-port", str(distinct_port())]
+        if role != "decode" and args.kv_transfer != "tcp":
+            # Every worker shares this host: decode workers copy prompt KV straight out
+            # of the prefill worker's cache file instead of over a socket.
+            argv += ["--kv-transfer-shm"]
         workers.append(
             ProcessPlan(name, f"http://127.0.0.1:{port}", tuple(argv), log_dir / f"{name}.log")
         )
@@ -250,19 +248,7 @@ def plan_cluster(
     router = ProcessPlan(
         "router", f"http://{shown_host}:{args.port}", tuple(router_argv), log_dir / "router.log"
     )
-    return ClusterPlan(
-        args.model, router, tuple(workers), log_dir, role_flag, args.api_keys is not None
-    )
-
-
-def serve_supports_role() -> bool:
-    """Whether `tandem serve` takes --role (workers without it serve whole requests)."""
-    from tandem.cli import build_parser
-
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
-            return any("--role" in a.option_strings for a in action.choices["serve"]._actions)
-    return False
+    return ClusterPlan(args.model, router, tuple(workers), log_dir, args.api_keys is not None)
 
 
 def pick_free_port() -> int:
@@ -453,11 +439,6 @@ def banner(plan: ClusterPlan) -> str:
     lines = [f"tandem up: {shape} worker(s) serving {plan.model}; OpenAI endpoint {url}/v1", ""]
     for process in (*plan.workers, plan.router):
         lines.append(f"  {process.name:<10} {process.url:<24} log: {process.log_path}")
-    if not plan.role_flag and any(not w.name.startswith("worker") for w in plan.workers):
-        lines.append(
-            "  (this tandem serve has no --role: workers serve whole requests; the decode "
-            "workers compute each request)"
-        )
     chat = json.dumps({"model": plan.model, "messages": [{"role": "user", "content": "Hello!"}]})
     auth = " -H 'Authorization: Bearer $KEY'" if plan.api_keys else ""
     client_key = "<KEY>" if plan.api_keys else "unused"
@@ -490,10 +471,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # router counts prompt tokens with the same tokenizer.json.
     resolved = resolve_model(args.model, args.dtype)
     tokenizer_dir = resolved.hf_dir if (resolved.hf_dir / "tokenizer.json").is_file() else None
-    role_flag = serve_supports_role()
-    if not role_flag:
-        logger.warning("this `tandem serve` has no --role flag yet: workers start colocated")
-    plan = plan_cluster(args, tokenizer_dir, role_flag, pick_free_port)
+    plan = plan_cluster(args, tokenizer_dir, pick_free_port)
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     previous = {

@@ -45,7 +45,7 @@ def test_plan_prefill_and_decode_workers(tmp_path: Path) -> None:
         "--port",
         "8123",
     )
-    plan = plan_cluster(args, Path("/models/smol"), role_flag=True, free_port=_ports())
+    plan = plan_cluster(args, Path("/models/smol"), free_port=_ports())
     assert [w.name for w in plan.workers] == ["prefill-0", "prefill-1", "decode-0"]
     prefill, _, decode = (list(w.argv) for w in plan.workers)
     assert (
@@ -80,25 +80,16 @@ def test_plan_prefill_and_decode_workers(tmp_path: Path) -> None:
 
 def test_plan_colocated_workers_and_thread_split(tmp_path: Path) -> None:
     plan = plan_cluster(
-        _args("--workers", "2", "--log-dir", str(tmp_path)),
-        None,
-        role_flag=True,
-        free_port=_ports(),
+        _args("--workers", "2", "--log-dir", str(tmp_path)), None, free_port=_ports()
     )
     assert [w.name for w in plan.workers] == ["worker-0", "worker-1"]
     assert all(w.argv[w.argv.index("--role") + 1] == "both" for w in plan.workers)
     assert list(plan.router.argv).count("--worker") == 2 and "--tokenizer" not in plan.router.argv
     assert all(int(w.argv[w.argv.index("--threads") + 1]) >= 1 for w in plan.workers)
-    assert (
-        "--role"
-        not in plan_cluster(_args("--workers", "1"), None, role_flag=False, free_port=_ports())
-        .workers[0]
-        .argv
-    )
 
 
 def test_plan_passes_pricing_ledger_and_keys_to_the_router(tmp_path: Path) -> None:
-    default = list(plan_cluster(_args(), None, role_flag=True, free_port=_ports()).router.argv)
+    default = list(plan_cluster(_args(), None, free_port=_ports()).router.argv)
     assert default[default.index("--ledger") + 1] == "tandem-usage.sqlite3"
     assert "--api-keys" not in default and "--prices" not in default
     args = _args(
@@ -112,7 +103,7 @@ def test_plan_passes_pricing_ledger_and_keys_to_the_router(tmp_path: Path) -> No
         "--log-dir",
         str(tmp_path),
     )
-    plan = plan_cluster(args, None, role_flag=True, free_port=_ports())
+    plan = plan_cluster(args, None, free_port=_ports())
     router = list(plan.router.argv)
     assert router[router.index("--prices") + 1] == "p.json"
     assert router[router.index("--api-keys") + 1] == "keys.txt"
@@ -251,7 +242,7 @@ def test_every_http_and_kv_port_is_distinct_even_if_the_picker_repeats(tmp_path:
     """A KV source binding a random port once took a worker's HTTP port: up picks them all."""
     repeats = iter([9100, 9100, 9101, 9101, 8123, 9102, 9103, 9104, 9105])
     args = _args("--prefill-workers", "2", "--log-dir", str(tmp_path), "--port", "8123")
-    plan = plan_cluster(args, None, role_flag=True, free_port=lambda: next(repeats))
+    plan = plan_cluster(args, None, free_port=lambda: next(repeats))
     ports = []
     for worker in plan.workers:
         argv = list(worker.argv)

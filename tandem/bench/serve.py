@@ -426,33 +426,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _tandem_serve_options() -> set[str]:
-    """The option strings `tandem serve` accepts, read from the CLI parser (no server start):
-    flags it lacks are left out rather than making the launch fail."""
-    from tandem.cli import build_parser
-
-    def find(parser: argparse.ArgumentParser, path: list[str]) -> argparse.ArgumentParser | None:
-        if not path:
-            return parser
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction) and path[0] in action.choices:
-                return find(action.choices[path[0]], path[1:])
-        return None
-
-    serve = find(build_parser(), ["serve"])
-    if serve is None:
-        raise ValueError(
-            "this tandem has no `serve` command yet; measure a running server with --url"
-        )
-    return {opt for action in serve._actions for opt in action.option_strings}
-
-
-def tandem_command(
-    args: argparse.Namespace, port: int, options: set[str] | None = None
-) -> list[str]:
-    options = _tandem_serve_options() if options is None else options
+def tandem_command(args: argparse.Namespace, port: int) -> list[str]:
+    """`tandem serve` on 127.0.0.1:`port` with the launched-server flags, then --tandem-args."""
     cmd = [sys.executable, "-m", "tandem", "serve", args.model]
-    wanted: list[tuple[str, Any]] = [
+    for flag, value in (
         ("--host", "127.0.0.1"),
         ("--port", port),
         ("--kv-cache-memory", args.kv_cache_memory),
@@ -461,18 +438,10 @@ def tandem_command(
         ("--max-model-len", args.max_model_len),
         ("--threads", args.threads),
         ("--api-key", args.api_key),
-        ("--no-access-log", True),
-    ]
-    for flag, value in wanted:
-        if value is None:
-            continue
-        if flag not in options:
-            if flag in ("--port", "--kv-cache-memory"):
-                raise ValueError(f"`tandem serve` has no {flag} flag")
-            logger.warning("`tandem serve` has no %s flag; launching without it", flag)
-            continue
-        cmd += [flag] if value is True else [flag, str(value)]
-    return cmd + shlex.split(args.tandem_args)
+    ):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd + ["--no-access-log", *shlex.split(args.tandem_args)]
 
 
 def cluster_command(args: argparse.Namespace, port: int, kind: str, policy: str | None = None) -> list[str]:
@@ -639,7 +608,6 @@ class LaunchContext:
     hf_dir: Path | None = None
     served_name: str = DEFAULT_MODEL
     kv_bytes: int = 0
-    tandem_options: set[str] | None = None
 
 
 def build_server(
@@ -648,7 +616,7 @@ def build_server(
     port = free_port()
     if target.launch in ("tandem", "policy", *CLUSTERS):
         if target.launch == "tandem":
-            cmd = tandem_command(args, port, ctx.tandem_options)
+            cmd = tandem_command(args, port)
         else:
             cmd = cluster_command(args, port, target.launch, target.policy)
             # The router's usage ledger goes with the run's logs, not into the working directory.
@@ -789,8 +757,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_max_len = hf_config.get("max_position_embeddings")
         if tokenizer is None and (resolved.hf_dir / "tokenizer.json").is_file():
             tokenizer = str(resolved.hf_dir / "tokenizer.json")
-        if any(t.launch == "tandem" for t in targets):
-            ctx.tandem_options = _tandem_serve_options()
     sizer = make_sizer(tokenizer)
     if tokenizer is None:
         logger.warning("no --tokenizer: prompt lengths are approximate (1 token a word)")

@@ -274,27 +274,18 @@ def test_server_commands() -> None:
         "--max-model-len",
         "4096",
     )
-    cmd = tandem_command(
-        args,
-        1234,
-        options={
-            "--port",
-            "--kv-cache-memory",
-            "--max-num-seqs",
-            "--max-num-batched-tokens",
-            "--threads",
-        },
-    )
-    assert cmd[:5] == [sys.executable, "-m", "tandem", "serve", "smollm2-135m"]
-    assert (
-        cmd[cmd.index("--port") + 1] == "1234" and cmd[cmd.index("--kv-cache-memory") + 1] == "1GiB"
-    )
-    assert (
-        "--host" not in cmd and "--max-model-len" not in cmd
-    )  # flags the server lacks are left out
-    assert cmd[-2:] == ["--dtype", "bfloat16"]
-    with pytest.raises(ValueError):
-        tandem_command(args, 1, options={"--kv-cache-memory"})
+    cmd = tandem_command(args, 1234)
+    assert cmd == [
+        sys.executable, "-m", "tandem", "serve", "smollm2-135m", "--host", "127.0.0.1",
+        "--port", "1234", "--kv-cache-memory", "1GiB", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "2048", "--max-model-len", "4096", "--threads", "2",
+        "--no-access-log", "--dtype", "bfloat16",
+    ]
+    # every flag it passes is one `tandem serve` takes: the command parses
+    from tandem.cli import build_parser
+
+    serve = build_parser().parse_args(cmd[3:])
+    assert (serve.port, serve.kv_cache_memory, serve.dtype, serve.no_access_log) == (1234, "1GiB", "bfloat16", True)
     cmd = vllm_command(args, 99, Path("/hf"), "smollm2-135m", 1 << 30)
     assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     for flag, value in (
