@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.bench.offline import add_offline_parser
-from tandem.bench.perplexity import add_perplexity_parser
+from tandem.bench.perplexity_cli import add_perplexity_parser
 from tandem.bench.serve import add_serve_parser
 from tandem.flags import (
     add_engine_args,
