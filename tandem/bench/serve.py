@@ -23,23 +23,22 @@ usage either way.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime as dt
 import json
 import logging
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tandem import supervisor
 from tandem.bench.load_client import ENDPOINTS, LoadConfig, RequestRecord, run_load
 from tandem.bench.serve_report import (
     TargetOutcome,
@@ -72,7 +71,6 @@ DEFAULT_MODEL = (
     "smollm2-135m"  # the alias tandem.loader.resolve knows (kept here: no loader import)
 )
 DEFAULT_KV = "2GiB"
-_LOG_TAIL_LINES = 20
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -507,89 +505,46 @@ def vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None) -> dict[
     return peer_env(vllm_python, preload_iomp, threads, in_process_engine=False)
 
 
-def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace").replace("\r", "\n")
-    except OSError:
-        return f"(no log at {path})"
-    tail = [x for x in text.splitlines() if x.strip()][-lines:]
-    return "\n".join("    " + x[-300:] for x in tail)
-
-
 @dataclass
 class LaunchedServer:
-    """A server subprocess in its own process group, so stopping it leaves no orphans."""
+    """A launched target: its command and log, run by `tandem.supervisor` (own session, health
+    gate, the whole process tree stopped), and how its start and stop went, for the report."""
 
     name: str
     command: list[str]
     env: dict[str, str]
     log_path: Path
     port: int
-    proc: subprocess.Popen | None = None
-    ready_s: float | None = None
+    child: supervisor.Child | None = None
     returncode: int | None = None
-    _log: Any = field(default=None, repr=False)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def ready_s(self) -> float | None:
+        return None if self.child is None else self.child.ready_s
+
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("w")
-        self._log.write("$ " + shlex.join(self.command) + "\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            start_new_session=True,
-        )
+        spec = supervisor.ProcessSpec(self.name, tuple(self.command), self.log_path,
+                                      url=self.base_url, env=self.env, echo_command=True)
+        self.child = supervisor.start(spec)
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Poll ``GET /health`` until it answers 200; raise with the log's tail if the server
-        exits or takes longer than ``timeout_s``."""
-        import httpx
-
-        assert self.proc is not None
-        started = time.monotonic()
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"{self.name} server exited with code {code} before it was ready; "
-                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/health", timeout=5.0).status_code == 200:
-                    self.ready_s = time.monotonic() - started
-                    return self.ready_s
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(
-                    f"{self.name} server not ready after {timeout_s:.0f} s; "
-                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
-                )
-            time.sleep(1.0)
+        """Seconds from start until ``GET /health`` answered 200; supervisor.StartError (a
+        RuntimeError, with the log's tail) if the server exits or takes over ``timeout_s``."""
+        assert self.child is not None
+        supervisor.wait_healthy([self.child], timeout_s, interval=1.0)
+        assert self.child.ready_s is not None
+        return self.child.ready_s
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGINT (graceful shutdown), then SIGTERM, then SIGKILL, always to the whole group."""
-        if self.proc is None:
+        """SIGINT (graceful shutdown), then SIGKILL after ``grace_s``, its children included."""
+        if self.child is None:
             return
-        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0)):
-            if self.proc.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=wait_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: engine-core children too
-        self.returncode = self.proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        supervisor.stop([self.child], grace_s, log=logger)
+        self.returncode = self.child.process.returncode
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -623,7 +578,6 @@ def build_server(
             cmd += ["--ledger", str(log_dir / f"{target.name}-usage.sqlite3")]
         env = dict(os.environ)
         env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
-        env["PYTHONUNBUFFERED"] = "1"  # the log shows progress as it happens
     else:
         if not args.vllm_python:
             raise ValueError(

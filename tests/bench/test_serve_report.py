@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -324,17 +325,21 @@ def test_launched_server_ready_and_stopped(tmp_path: Path) -> None:
     port = free_port()
     script = tmp_path / "health.py"
     script.write_text(_HEALTH_SERVER)
-    server = LaunchedServer(
-        "fake", [sys.executable, str(script), str(port)], {}, tmp_path / "fake.log", port
-    )
+    command = [sys.executable, str(script), str(port)]
+    server = LaunchedServer("fake", command, {}, tmp_path / "fake.log", port)
     server.start()
     try:
-        assert server.wait_ready(30) >= 0
+        ready = server.wait_ready(30)
+        assert 0 < ready < 30 and server.base_url == f"http://127.0.0.1:{port}"
     finally:
         server.stop(grace_s=5)
-    assert server.proc is not None and server.proc.poll() is not None
-    assert "serving" in (tmp_path / "fake.log").read_text()
-    assert server.describe()["ready_s"] is not None
+    assert server.child is not None and server.child.poll() is not None
+    log = (tmp_path / "fake.log").read_text().splitlines()
+    assert log[0].startswith("$ ") and log[0].endswith(f"health.py {port}") and log[1] == "serving"
+    assert server.describe() == {
+        "command": command, "log": str(tmp_path / "fake.log"), "port": port, "ready_s": ready,
+        "returncode": -signal.SIGINT,  # stopped by SIGINT, as Ctrl-C would
+    }
 
 
 def test_launched_server_that_dies_reports_its_log(tmp_path: Path) -> None:
@@ -344,10 +349,11 @@ def test_launched_server_that_dies_reports_its_log(tmp_path: Path) -> None:
     )
     server.start()
     try:
-        with pytest.raises(RuntimeError, match="(?s)code 3.*fatal: out of memory"):
+        with pytest.raises(RuntimeError, match="(?s)bad exited with 3 while starting.*fatal: out of memory"):
             server.wait_ready(30)
     finally:
         server.stop(grace_s=1)
+    assert server.describe()["returncode"] == 3 and server.describe()["ready_s"] is None
     slow = LaunchedServer(
         "slow",
         [sys.executable, "-c", "import time; time.sleep(60)"],
@@ -357,11 +363,11 @@ def test_launched_server_that_dies_reports_its_log(tmp_path: Path) -> None:
     )
     slow.start()
     try:
-        with pytest.raises(RuntimeError, match="not ready after"):
+        with pytest.raises(RuntimeError, match="not healthy after 2 s: slow"):
             slow.wait_ready(1.5)
     finally:
         slow.stop(grace_s=1)
-    assert slow.proc is not None and slow.proc.poll() is not None
+    assert slow.child is not None and slow.child.poll() is not None
 
 
 def test_cluster_and_policy_targets() -> None:
