@@ -203,11 +203,16 @@ def test_tiny_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     ])
     assert args.handler(args) == 0
     printed = capsys.readouterr().out
-    assert "tandem/transformers" in printed and "vllm / decode-heavy" in printed
-
     (json_path,) = (tmp_path / "out").glob("offline-*.json")
-    assert list((tmp_path / "out").glob("offline-*.png"))
+    (png_path,) = (tmp_path / "out").glob("offline-*.png")
     report = json.loads(json_path.read_text())
+    # the table as printed is the report's, then where its files went
+    assert printed.startswith(report["table"] + "\n")
+    assert f"results: {json_path}\nchart:   {png_path}\n" in printed
+    header = report["table"].splitlines()[1].split()
+    assert header == ["workload", "metric", "tandem", "transformers", "tandem/transformers", "vllm",
+                      "tandem/vllm"]
+    assert "vllm / decode-heavy: " in report["table"] and "vllm / single-stream: " in report["table"]
     assert report["schema"] == "tandem.bench.offline/1"
     assert set(report["workloads"]) == {"decode-heavy", "single-stream"}
     runs = {(r["engine"], r["workload"]): r for r in report["results"]}
@@ -216,10 +221,18 @@ def test_tiny_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         run = runs[(engine, "decode-heavy")]
         assert run["ok"], run.get("error")
         assert run["output_tokens"] == report["workloads"]["decode-heavy"]["output_tokens"]
-        assert run["output_tok_s"] > 0 and run["prompt_tok_s"] > 0
+        assert run["prompt_tokens"] == report["workloads"]["decode-heavy"]["prompt_tokens"]
+        assert run["output_tok_s"] == pytest.approx(run["output_tokens"] / run["elapsed_s"])
+        assert run["prompt_tok_s"] == pytest.approx(run["prompt_tokens"] / run["elapsed_s"])
         assert run["ready_s"] > 0 and run["peak_rss_mib"] > 50
         assert runs[(engine, "single-stream")]["decode_tok_s"] > 0
-    assert not runs[("vllm", "decode-heavy")]["ok"]
-    assert "does not exist" in runs[("vllm", "decode-heavy")]["error"]
+    for name in ("decode-heavy", "single-stream"):
+        assert not runs[("vllm", name)]["ok"]
+        assert runs[("vllm", name)]["error"] == f"--vllm-python {fake_python} does not exist"
+    ratios = {(r["workload"], r["metric"], r["peer"]): r for r in report["ratios"]}
+    output = ratios[("decode-heavy", "output_tok_s", "transformers")]
+    assert output["tandem"] == runs[("tandem", "decode-heavy")]["output_tok_s"]
+    assert output["ratio"] == pytest.approx(output["tandem"] / output["peer_value"])
+    assert ratios[("decode-heavy", "output_tok_s", "vllm")]["ratio"] is None
     # Same weights, same token ids, greedy: transformers should agree with tandem (fp32).
     assert runs[("transformers", "decode-heavy")]["agreement"] >= 90
