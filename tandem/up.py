@@ -6,34 +6,30 @@ workers (or K colocated `--role both` workers with --workers K) on free ports, t
 `tandem route` in front of them. Each start is gated on the process's GET /health, workers in
 parallel, so the printed endpoint works as soon as it is printed.
 
-Children run in their own session, so a terminal's Ctrl-C reaches only this process, which
-stops them in order (router first, then workers: SIGINT, wait, kill, including their own
-children such as the engine core). On Linux they also get SIGTERM if this process dies
-without cleaning up, so a killed `tandem up` leaves no orphans. If any child exits on its own
-the cluster is incomplete: everything is stopped and `tandem up` exits non-zero.
+Children are started and stopped by `tandem.supervisor`: in their own session, so a terminal's
+Ctrl-C reaches only this process, which stops them in order (router first, then workers:
+SIGINT, wait, kill, including their own children such as the engine core). On Linux they also
+get SIGTERM if this process dies without cleaning up, so a killed `tandem up` leaves no
+orphans. If any child exits on its own the cluster is incomplete: everything is stopped and
+`tandem up` exits non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import psutil
-
+from tandem import flags, supervisor
 from tandem.router.accounting.flags import (
     accounting_argv,
     accounting_config,
@@ -46,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
-_LOG_TAIL_LINES = 40
 # Flags of the engine group that `tandem up` sets itself or splits per role.
 _OWN_ENGINE_FLAGS = {"--threads"}
 # Per-role overrides: (flag on `tandem up`, flag passed to that role's workers).
@@ -57,8 +52,6 @@ _ROLE_OVERRIDES = {
 
 
 def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
-    from tandem.cli import add_engine_args
-
     parser = subparsers.add_parser(
         "up",
         help="start a local cluster: prefill + decode workers behind a router",
@@ -67,7 +60,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "everything. Engine flags apply to every worker; --prefill-*/--decode-* "
         "override them per role.",
     )
-    add_engine_args(parser)
+    flags.add_engine_args(parser)
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument(
         "--prefill-workers", type=int, default=1, metavar="N", help="prefill workers (default: 1)"
@@ -125,42 +118,18 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
 
 # --- planning (pure) -------------------------------------------------------------------
 @dataclass(frozen=True)
-class ProcessPlan:
-    name: str
-    url: str
-    argv: tuple[str, ...]
-    log_path: Path
-
-
-@dataclass(frozen=True)
 class ClusterPlan:
     model: str
-    router: ProcessPlan
-    workers: tuple[ProcessPlan, ...]
+    router: supervisor.ProcessSpec
+    workers: tuple[supervisor.ProcessSpec, ...]
     log_dir: Path
-    role_flag: bool
     api_keys: bool = False  # the router wants a key: the banner's examples say so
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags the user set (those differing from their defaults), as argv again."""
-    from tandem.cli import add_engine_args
-
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    argv: list[str] = []
-    for action in probe._actions:
-        if not action.option_strings or action.option_strings[0] in _OWN_ENGINE_FLAGS:
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        else:
-            argv += [flag, str(value)]
-    return argv
+    """The engine flags the user set (those differing from their defaults), as argv again;
+    every worker gets them. --threads is left out: `tandem up` splits the cores itself."""
+    return flags.engine_argv(args, exclude=_OWN_ENGINE_FLAGS)
 
 
 def _role_argv(args: argparse.Namespace, role: str) -> list[str]:
@@ -193,7 +162,6 @@ def default_threads(num_workers: int) -> int:
 def plan_cluster(
     args: argparse.Namespace,
     tokenizer_dir: Path | None,
-    role_flag: bool,
     free_port: Callable[[], int],
 ) -> ClusterPlan:
     roles = worker_roles(args)
@@ -231,19 +199,21 @@ def plan_cluster(
             str(threads),
             *common,
             *_role_argv(args, role),
+            "--role",
+            role,
         ]
-        if role_flag:
-            argv += ["--role", role]
-            if role != "decode":
-                # Chosen here, not by the worker: a KV source binding a random port of its own
-                # could take the HTTP port just handed to the next worker.
-                argv += ["--kv-transfer-port", str(distinct_port())]
-            if role != "decode" and args.kv_transfer != "tcp":
-                # Every worker shares this host: decode workers copy prompt KV straight out
-                # of the prefill worker's cache file instead of over a socket.
-                argv += ["--kv-transfer-shm"]
+        if role != "decode":
+            # Chosen here, not by the worker: a KV source binding a random port of its own
+            # could take the HTTP port just handed to the next worker.
+            argv += ["--kv-transfer-port", str(distinct_port())]
+        if role != "decode" and args.kv_transfer != "tcp":
+            # Every worker shares this host: decode workers copy prompt KV straight out
+            # of the prefill worker's cache file instead of over a socket.
+            argv += ["--kv-transfer-shm"]
         workers.append(
-            ProcessPlan(name, f"http://127.0.0.1:{port}", tuple(argv), log_dir / f"{name}.log")
+            supervisor.ProcessSpec(
+                name, tuple(argv), log_dir / f"{name}.log", url=f"http://127.0.0.1:{port}"
+            )
         )
     router_argv = [
         *python,
@@ -263,22 +233,10 @@ def plan_cluster(
         router_argv += ["--tokenizer", str(tokenizer_dir)]
     router_argv += accounting_argv(args)
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    router = ProcessPlan(
-        "router", f"http://{shown_host}:{args.port}", tuple(router_argv), log_dir / "router.log"
+    router = supervisor.ProcessSpec(
+        "router", tuple(router_argv), log_dir / "router.log", url=f"http://{shown_host}:{args.port}"
     )
-    return ClusterPlan(
-        args.model, router, tuple(workers), log_dir, role_flag, args.api_keys is not None
-    )
-
-
-def serve_supports_role() -> bool:
-    """Whether `tandem serve` takes --role (workers without it serve whole requests)."""
-    from tandem.cli import build_parser
-
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
-            return any("--role" in a.option_strings for a in action.choices["serve"]._actions)
-    return False
+    return ClusterPlan(args.model, router, tuple(workers), log_dir, args.api_keys is not None)
 
 
 def pick_free_port() -> int:
@@ -299,110 +257,27 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 # --- processes -------------------------------------------------------------------------
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM this child when `tandem up` dies, even by SIGKILL."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def launch(spec: supervisor.ProcessSpec) -> supervisor.Child:
+    """Start one process of the cluster and log where it runs and where its log goes."""
+    child = supervisor.start(spec)
+    logger.info("started %s (pid %d) on %s; log: %s", spec.name, child.pid, spec.url, spec.log_path)
+    return child
 
 
-@dataclass
-class Child:
-    plan: ProcessPlan
-    process: subprocess.Popen[bytes]
-
-    @property
-    def name(self) -> str:
-        return self.plan.name
-
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        try:
-            text = self.plan.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def launch(plan: ProcessPlan) -> Child:
-    plan.log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with plan.log_path.open("wb") as log:
-        process = subprocess.Popen(
-            plan.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
-    logger.info(
-        "started %s (pid %d) on %s; log: %s", plan.name, process.pid, plan.url, plan.log_path
+def wait_healthy(
+    children: list[supervisor.Child], timeout: float, stop: threading.Event
+) -> None:
+    """Until every child answers GET /health; supervisor.StartError (a RuntimeError) names
+    the first that exited or the ones still not up at the deadline."""
+    supervisor.wait_healthy(
+        children, timeout, stop, on_healthy=lambda child: logger.info("%s is healthy", child.name)
     )
-    return Child(plan, process)
 
 
-def wait_healthy(children: list[Child], timeout: float, stop: threading.Event) -> None:
-    """Until every child answers GET /health with 200; RuntimeError naming the first that
-    exited or the ones still not up at the deadline."""
-    pending = list(children)
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0, trust_env=False) as client:
-        while pending:
-            if stop.is_set():
-                raise KeyboardInterrupt
-            for child in list(pending):
-                code = child.process.poll()
-                if code is not None:
-                    raise RuntimeError(
-                        f"{child.name} exited with {code} while starting; last lines of "
-                        f"{child.plan.log_path}:\n{child.log_tail()}"
-                    )
-                try:
-                    if client.get(f"{child.plan.url}/health").status_code == 200:
-                        logger.info("%s is healthy", child.name)
-                        pending.remove(child)
-                except httpx.HTTPError:
-                    pass
-            if pending and time.monotonic() > deadline:
-                tails = "\n".join(f"--- {c.plan.log_path}:\n{c.log_tail()}" for c in pending)
-                raise RuntimeError(
-                    f"not healthy after {timeout:.0f} s: "
-                    f"{', '.join(c.name for c in pending)}\n{tails}"
-                )
-            if pending:
-                stop.wait(0.25)
-
-
-def stop_children(children: list[Child], timeout: float = _STOP_TIMEOUT_S) -> list[int]:
+def stop_children(children: list[supervisor.Child], timeout: float = _STOP_TIMEOUT_S) -> list[int]:
     """SIGINT (as Ctrl-C would), wait, then SIGKILL what is left, descendants included.
     Returns the pids that had to be killed."""
-    descendants: list[psutil.Process] = []
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            descendants += psutil.Process(child.process.pid).children(recursive=True)
-        if child.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.process.send_signal(signal.SIGINT)
-    killed = []
-    deadline = time.monotonic() + timeout
-    for child in children:
-        try:
-            child.process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop within %.0f s; killing it", child.name, timeout)
-            child.process.kill()
-            child.process.wait()
-            killed.append(child.process.pid)
-    _, alive = psutil.wait_procs(descendants, timeout=max(1.0, deadline - time.monotonic()))
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-            killed.append(process.pid)
-    return killed
+    return supervisor.stop(children, timeout, log=logger)
 
 
 class Cluster:
@@ -412,8 +287,8 @@ class Cluster:
         self.plan = plan
         self.start_timeout = start_timeout
         self.stop = stop
-        self.workers: list[Child] = []
-        self.router: Child | None = None
+        self.workers: list[supervisor.Child] = []
+        self.router: supervisor.Child | None = None
 
     def run(self) -> int:
         try:
@@ -439,14 +314,14 @@ class Cluster:
         children = [*self.workers, *([self.router] if self.router else [])]
         while not self.stop.wait(0.5):
             for child in children:
-                code = child.process.poll()
+                code = child.poll()
                 if code is not None:
                     logger.error(
                         "%s exited unexpectedly with %s; stopping the cluster. Last lines of "
                         "%s:\n%s",
                         child.name,
                         code,
-                        child.plan.log_path,
+                        child.spec.log_path,
                         child.log_tail(),
                     )
                     return 1
@@ -469,11 +344,6 @@ def banner(plan: ClusterPlan) -> str:
     lines = [f"tandem up: {shape} worker(s) serving {plan.model}; OpenAI endpoint {url}/v1", ""]
     for process in (*plan.workers, plan.router):
         lines.append(f"  {process.name:<10} {process.url:<24} log: {process.log_path}")
-    if not plan.role_flag and any(not w.name.startswith("worker") for w in plan.workers):
-        lines.append(
-            "  (this tandem serve has no --role: workers serve whole requests; the decode "
-            "workers compute each request)"
-        )
     chat = json.dumps({"model": plan.model, "messages": [{"role": "user", "content": "Hello!"}]})
     auth = " -H 'Authorization: Bearer $KEY'" if plan.api_keys else ""
     client_key = "<KEY>" if plan.api_keys else "unused"
@@ -506,10 +376,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # router counts prompt tokens with the same tokenizer.json.
     resolved = resolve_model(args.model, args.dtype)
     tokenizer_dir = resolved.hf_dir if (resolved.hf_dir / "tokenizer.json").is_file() else None
-    role_flag = serve_supports_role()
-    if not role_flag:
-        logger.warning("this `tandem serve` has no --role flag yet: workers start colocated")
-    plan = plan_cluster(args, tokenizer_dir, role_flag, pick_free_port)
+    plan = plan_cluster(args, tokenizer_dir, pick_free_port)
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     previous = {

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -16,7 +19,7 @@ import psutil
 import pytest
 
 from tandem.cli import build_parser
-from tandem.up import banner, engine_argv, plan_cluster
+from tandem.up import banner, default_threads, engine_argv, plan_cluster
 
 SMALL = ["--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8"]
 
@@ -45,7 +48,7 @@ def test_plan_prefill_and_decode_workers(tmp_path: Path) -> None:
         "--port",
         "8123",
     )
-    plan = plan_cluster(args, Path("/models/smol"), role_flag=True, free_port=_ports())
+    plan = plan_cluster(args, Path("/models/smol"), free_port=_ports())
     assert [w.name for w in plan.workers] == ["prefill-0", "prefill-1", "decode-0"]
     prefill, _, decode = (list(w.argv) for w in plan.workers)
     assert (
@@ -80,25 +83,17 @@ def test_plan_prefill_and_decode_workers(tmp_path: Path) -> None:
 
 def test_plan_colocated_workers_and_thread_split(tmp_path: Path) -> None:
     plan = plan_cluster(
-        _args("--workers", "2", "--log-dir", str(tmp_path)),
-        None,
-        role_flag=True,
-        free_port=_ports(),
+        _args("--workers", "2", "--log-dir", str(tmp_path)), None, free_port=_ports()
     )
     assert [w.name for w in plan.workers] == ["worker-0", "worker-1"]
     assert all(w.argv[w.argv.index("--role") + 1] == "both" for w in plan.workers)
     assert list(plan.router.argv).count("--worker") == 2 and "--tokenizer" not in plan.router.argv
-    assert all(int(w.argv[w.argv.index("--threads") + 1]) >= 1 for w in plan.workers)
-    assert (
-        "--role"
-        not in plan_cluster(_args("--workers", "1"), None, role_flag=False, free_port=_ports())
-        .workers[0]
-        .argv
-    )
+    threads = str(default_threads(2))  # the cores split between the two workers
+    assert all(w.argv[w.argv.index("--threads") + 1] == threads for w in plan.workers)
 
 
 def test_plan_passes_pricing_ledger_and_keys_to_the_router(tmp_path: Path) -> None:
-    default = list(plan_cluster(_args(), None, role_flag=True, free_port=_ports()).router.argv)
+    default = list(plan_cluster(_args(), None, free_port=_ports()).router.argv)
     assert default[default.index("--ledger") + 1] == "tandem-usage.sqlite3"
     assert "--api-keys" not in default and "--prices" not in default
     args = _args(
@@ -112,7 +107,7 @@ def test_plan_passes_pricing_ledger_and_keys_to_the_router(tmp_path: Path) -> No
         "--log-dir",
         str(tmp_path),
     )
-    plan = plan_cluster(args, None, role_flag=True, free_port=_ports())
+    plan = plan_cluster(args, None, free_port=_ports())
     router = list(plan.router.argv)
     assert router[router.index("--prices") + 1] == "p.json"
     assert router[router.index("--api-keys") + 1] == "keys.txt"
@@ -156,83 +151,147 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_up(tmp_path: Path, *argv: str) -> tuple[subprocess.Popen[str], str, Path]:
+@dataclass
+class Up:
+    """A running `tandem up`: its router URL, its printed banner and its output files."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    stdout: Path
+    stderr: Path
+    banner: str
+
+    def endpoints(self) -> dict[str, str]:
+        """name -> URL of every process the banner lists ("  decode-0  http://...  log: ...")."""
+        rows = re.findall(r"^  (\S+)\s+(http://\S+)\s+log: ", self.banner, re.MULTILINE)
+        return dict(rows)
+
+
+def _start_up(tmp_path: Path, *argv: str) -> Up:
+    """`tandem up` as a user runs it, until its router is healthy and its banner printed."""
     port = _free_port()
-    err = (tmp_path / "up.stderr").open("w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tandem",
-            "up",
-            "--port",
-            str(port),
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--ledger",
-            str(tmp_path / "usage.sqlite3"),
-            *SMALL,
-            *argv,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=err,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
+    stdout, stderr = tmp_path / "up.stdout", tmp_path / "up.stderr"
+    with stdout.open("wb") as out, stderr.open("wb") as err:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem",
+                "up",
+                "--port",
+                str(port),
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--ledger",
+                str(tmp_path / "usage.sqlite3"),
+                *SMALL,
+                *argv,
+            ],
+            stdout=out,
+            stderr=err,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            log = (tmp_path / "up.stderr").read_text()
-            pytest.fail(f"tandem up exited with {process.returncode}:\n{log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url, tmp_path / "up.stderr"
-        except httpx.HTTPError:
-            pass
+            pytest.fail(f"tandem up exited with {process.returncode}:\n{stderr.read_text()}")
+        printed = stdout.read_text()
+        if "Ctrl-C stops the cluster." in printed:
+            assert httpx.get(f"{url}/health", timeout=2).status_code == 200  # printed once healthy
+            return Up(process, url, stdout, stderr, printed)
         time.sleep(0.25)
     process.kill()
-    pytest.fail(f"no healthy router:\n{(tmp_path / 'up.stderr').read_text()}")
+    pytest.fail(f"no banner from tandem up:\n{stderr.read_text()}")
 
 
 def _tree(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
+def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
+    reply = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=180,
+        json={"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens,
+              "temperature": 0},
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _transfers(worker_url: str) -> dict:
+    return httpx.get(f"{worker_url}/load", timeout=10).json()["kv_transfer"]
+
+
+# Well above --pd-min-prompt-tokens (256): the router splits it into a prefill and a decode hop.
+LONG_SYSTEM = (
+    "You are a helpful assistant for a travel agency. You answer questions about cities, "
+    "their history, food and weather briefly and precisely. "
+) * 12
+
+
 def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
-    process, url, stderr = _start_up(tmp_path)
+    up = _start_up(tmp_path)
+    process, url = up.process, up.url
     try:
         children = _tree(process.pid)
         # router + 2 workers, each worker with its engine core process
         assert len(children) >= 5, [c.cmdline() for c in children]
-        reply = httpx.post(
-            f"{url}/v1/chat/completions",
-            timeout=120,
-            json={
-                "model": "smollm2-135m",
-                "messages": [{"role": "user", "content": "Hello!"}],
-                "max_tokens": 8,
-            },
-        )
-        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+        endpoints = up.endpoints()
+        assert sorted(endpoints) == ["decode-0", "prefill-0", "router"] and endpoints["router"] == url
         workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"] and all(
             w["healthy"] for w in workers
         )
         assert {w["load"]["role"] for w in workers} == {"prefill", "decode"}  # started with --role
+
+        # A short prompt goes whole to the decode worker: greedy, the README's answer.
+        short = _chat(url, [{"role": "user", "content": "What is the capital of France?"}], 20)
+        assert short["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        assert short["choices"][0]["finish_reason"] == "stop"
+
+        # A long one is prefilled on prefill-0, and decode-0 pulls its KV blocks.
+        messages = [
+            {"role": "system", "content": f"Ticket {uuid.uuid4().hex[:12]}. {LONG_SYSTEM}"},
+            {"role": "user", "content": "What should I eat in Lisbon?"},
+        ]
+        before = _transfers(endpoints["decode-0"])
+        first = _chat(url, messages, 8)
+        after = _transfers(endpoints["decode-0"])
+        usage = first["usage"]
+        assert usage["prompt_tokens"] > 256 and usage["completion_tokens"] == 8
+        assert after["pulls"] == before["pulls"] + 1
+        assert after["pull_failures"] == before["pull_failures"]
+        # every whole block of the prompt moved (none was cached on the decode worker yet)
+        assert after["blocks_received"] - before["blocks_received"] == usage["prompt_tokens"] // 16
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # a new prompt
+
+        # Again: split again, and the prefill worker finds the prompt in its prefix cache:
+        # every whole 16-token block short of the last token (always computed).
+        again = _chat(url, messages, 8)
+        assert _transfers(endpoints["decode-0"])["pulls"] == after["pulls"] + 1
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (again["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
     finally:
         process.send_signal(signal.SIGINT)
-        out, _ = process.communicate(timeout=90)
-    assert process.returncode == 0, stderr.read_text()[-3000:]
-    assert "Ctrl-C stops the cluster." in out and f"{url}/v1" in out
+        process.wait(timeout=90)
+    assert process.returncode == 0, up.stderr.read_text()[-3000:]
+    out = up.stdout.read_text()
+    assert out.startswith("tandem up: 1 prefill + 1 decode worker(s) serving smollm2-135m; "
+                          f"OpenAI endpoint {url}/v1\n")
+    assert out.rstrip().endswith("Ctrl-C stops the cluster.")
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, [p.pid for p in alive]
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == ["decode-0.log", "prefill-0.log", "router.log"]
+    assert "stopping the cluster" in up.stderr.read_text()
 
 
 def test_a_dying_worker_stops_the_cluster(tmp_path: Path) -> None:
-    process, url, stderr = _start_up(tmp_path, "--workers", "1")
+    up = _start_up(tmp_path, "--workers", "1")
+    process = up.process
     children = _tree(process.pid)
     worker = next(c for c in psutil.Process(process.pid).children() if "serve" in c.cmdline())
     worker.kill()
@@ -242,7 +301,7 @@ def test_a_dying_worker_stops_the_cluster(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
     assert code == 1
-    assert "worker-0 exited unexpectedly" in stderr.read_text()
+    assert "worker-0 exited unexpectedly" in up.stderr.read_text()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, [p.pid for p in alive]
 
@@ -251,7 +310,7 @@ def test_every_http_and_kv_port_is_distinct_even_if_the_picker_repeats(tmp_path:
     """A KV source binding a random port once took a worker's HTTP port: up picks them all."""
     repeats = iter([9100, 9100, 9101, 9101, 8123, 9102, 9103, 9104, 9105])
     args = _args("--prefill-workers", "2", "--log-dir", str(tmp_path), "--port", "8123")
-    plan = plan_cluster(args, None, role_flag=True, free_port=lambda: next(repeats))
+    plan = plan_cluster(args, None, free_port=lambda: next(repeats))
     ports = []
     for worker in plan.workers:
         argv = list(worker.argv)

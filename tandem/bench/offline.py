@@ -23,14 +23,12 @@ tandem and transformers take torch's default). On a small or shared machine, pas
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import logging
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem import supervisor
 from tandem.bench.offline_report import format_table, plot, ratio_rows, token_agreement
 from tandem.bench.offline_workloads import (
     WARMUP_OUTPUT,
@@ -47,6 +46,7 @@ from tandem.bench.offline_workloads import (
     compute_metrics,
     warmup_prompt,
 )
+from tandem.flags import ENGINE_FLAGS, add_engine_args, engine_values
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,10 @@ ENGINE_NAMES = ("tandem", "transformers", "vllm")
 SCHEMA = "tandem.bench.offline/1"
 DEFAULT_BENCH_KV = "2GiB"
 _WORKER = Path(__file__).with_name("offline_worker.py")
+_STOP_TIMEOUT_S = 5.0  # a run that timed out or was interrupted: SIGINT, then this, then SIGKILL
 
 
 def add_offline_parser(subparsers: argparse._SubParsersAction) -> None:
-    from tandem.cli import add_engine_args
-
     parser = subparsers.add_parser(
         "offline", help="offline throughput / latency vs peers (transformers, vLLM)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -109,30 +108,18 @@ def select_engines(args: argparse.Namespace) -> list[str]:
     return engines
 
 
-def _engine_flag_defaults() -> dict[str, Any]:
-    """dest -> default of every flag `tandem.cli.add_engine_args` defines (whatever it defines)."""
-    from tandem.cli import add_engine_args
-
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    return {a.dest: a.default for a in probe._actions}
-
-
 def tandem_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags given with non-default values, as `--flag value` strings (for titles)."""
-    out = []
-    for dest, default in _engine_flag_defaults().items():
-        value = getattr(args, dest, default)
-        if dest not in ("model", "dtype", "kv_cache_memory") and value != default:
-            out.append(f"--{dest.replace('_', '-')}" + ("" if value is True else f" {value}"))
-    return out
+    shown = [flag for flag in ENGINE_FLAGS if flag.option not in ("--dtype", "--kv-cache-memory")]
+    return [" ".join(flag.to_argv(value)) for flag in shown
+            if (value := getattr(args, flag.dest, flag.default)) != flag.default]
 
 
 def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: int) -> dict[str, Any]:
     if engine == "tandem":
-        # Every engine flag, passed to `tandem.cli.build_llm` in the worker, so a flag added to
-        # the engine is benchmarkable here without touching this file.
-        values = {dest: getattr(args, dest, default) for dest, default in _engine_flag_defaults().items()}
+        # Every engine flag, turned into `tandem.LLM` keywords in the worker (tandem.flags), so a
+        # flag added to the engine is benchmarkable here without touching this file.
+        values = engine_values(args)
         values["kv_cache_memory"] = kv_bytes  # the same budget as vLLM's
         return values
     if engine == "transformers":
@@ -198,33 +185,24 @@ def run_one(engine: str, workload: Workload, args: argparse.Namespace, hf_dir: P
         "warmup_prompt": warmup_prompt(vocab_size, args.workload_seed), "warmup_tokens": WARMUP_OUTPUT,
     }
     out_path.unlink(missing_ok=True)
-    with log_path.open("w") as log:
-        spec["launch_time"] = time.time()
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.Popen([*cmd, "--spec", str(spec_path), "--out", str(out_path)],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=str(scratch), start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return {**base, "error": f"timed out after {args.run_timeout:.0f} s (log: {log_path})"}
-        except BaseException:
-            _kill_group(proc)
-            raise
-        _kill_group(proc)  # stray helpers (e.g. compile workers) the engine left behind
+    spec["launch_time"] = time.time()
+    spec_path.write_text(json.dumps(spec))
+    child = supervisor.start(supervisor.ProcessSpec(
+        f"{engine} / {workload.name}", (*cmd, "--spec", str(spec_path), "--out", str(out_path)),
+        log_path, env=env, cwd=scratch))
+    try:
+        returncode = child.process.wait(timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "error": f"timed out after {args.run_timeout:.0f} s (log: {log_path})"}
+    finally:
+        # Also reaps stray helpers (e.g. compile workers) a finished run left behind.
+        supervisor.stop([child], timeout=_STOP_TIMEOUT_S, log=logger)
     if not out_path.exists():
         return {**base, "error": f"worker exited with code {returncode} and no result: {_log_tail(log_path)}"}
     result = {**json.loads(out_path.read_text()), "log": str(log_path), "returncode": returncode}
     if result.get("ok"):
         result.update(compute_metrics(workload, result))
     return result
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _log_tail(path: Path, lines: int = 3) -> str:

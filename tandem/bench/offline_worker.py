@@ -44,10 +44,13 @@ def start_tandem(args: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
     import torch
 
     import tandem
-    from tandem.cli import build_llm
+    from tandem.flags import llm_kwargs
+    from tandem.llm import LLM
     from tandem.types import SamplingParams
 
-    llm = build_llm(argparse.Namespace(**args))  # the engine flags, exactly as `tandem generate`
+    # The engine flags, exactly as `tandem generate` turns them into an LLM.
+    namespace = argparse.Namespace(**args)
+    llm = LLM(namespace.model, **llm_kwargs(namespace))
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -3,7 +3,8 @@
 Used to show that a fast weight format does not hurt quality: the text is fed in steps of
 `step_tokens` tokens, exactly as the engine would run it (steps of one token take the decode
 path, and with `--decode-weights` the half-precision weight copy), and each position's next-token
-log-likelihood is accumulated.
+log-likelihood is accumulated. The command, `tandem bench perplexity`, is in perplexity_cli.py:
+this module imports torch and the engine, which building the CLI parser must not.
 """
 
 from __future__ import annotations
@@ -59,35 +60,3 @@ def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int) -> flo
     finally:
         kv.free(request)
 
-
-def add_perplexity_parser(subparsers) -> None:  # noqa: ANN001 - argparse's private type
-    parser = subparsers.add_parser(
-        "perplexity",
-        help="perplexity of a fixed text: exact fp32 vs the fast weight formats",
-        description="Perplexity of a fixed passage, fed one token per step (the decode path), "
-        "in exact fp32, with fp16 and bf16 decode weights (--decode-weights) and in pure bf16.",
-    )
-    parser.add_argument("model", nargs="?", default=None, help="model (default: smollm2-135m)")
-    parser.set_defaults(handler=run_perplexity)
-
-
-def run_perplexity(args) -> int:  # noqa: ANN001
-    from tandem.llm import LLM
-
-    modes = [
-        ("fp32 (exact)", {"dtype": "float32", "decode_weights": "none"}),
-        ("fp32 + fp16 decode weights", {"dtype": "float32", "decode_weights": "float16"}),
-        ("fp32 + bf16 decode weights", {"dtype": "float32", "decode_weights": "bfloat16"}),
-        ("bf16", {"dtype": "bfloat16"}),
-    ]
-    results = []
-    for label, kwargs in modes:
-        llm = LLM(args.model, kv_cache_memory="256MiB", **kwargs)
-        tokens = llm.tokenizer.encode(REFERENCE_TEXT)
-        results.append((label, perplexity(llm.engine, tokens, step_tokens=1)))
-        del llm
-    base = results[0][1]
-    print(f"perplexity of a fixed {len(tokens)}-token passage, one token per step")
-    for label, value in results:
-        print(f"  {label:<44} {value:8.4f}  ({(value / base - 1) * 100:+.2f}% vs fp32)")
-    return 0

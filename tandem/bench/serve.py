@@ -23,23 +23,22 @@ usage either way.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime as dt
 import json
 import logging
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tandem import supervisor
 from tandem.bench.load_client import ENDPOINTS, LoadConfig, RequestRecord, run_load
 from tandem.bench.serve_report import (
     TargetOutcome,
@@ -72,7 +71,6 @@ DEFAULT_MODEL = (
     "smollm2-135m"  # the alias tandem.loader.resolve knows (kept here: no loader import)
 )
 DEFAULT_KV = "2GiB"
-_LOG_TAIL_LINES = 20
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -426,33 +424,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _tandem_serve_options() -> set[str]:
-    """The option strings `tandem serve` accepts, read from the CLI parser (no server start):
-    flags it lacks are left out rather than making the launch fail."""
-    from tandem.cli import build_parser
-
-    def find(parser: argparse.ArgumentParser, path: list[str]) -> argparse.ArgumentParser | None:
-        if not path:
-            return parser
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction) and path[0] in action.choices:
-                return find(action.choices[path[0]], path[1:])
-        return None
-
-    serve = find(build_parser(), ["serve"])
-    if serve is None:
-        raise ValueError(
-            "this tandem has no `serve` command yet; measure a running server with --url"
-        )
-    return {opt for action in serve._actions for opt in action.option_strings}
-
-
-def tandem_command(
-    args: argparse.Namespace, port: int, options: set[str] | None = None
-) -> list[str]:
-    options = _tandem_serve_options() if options is None else options
+def tandem_command(args: argparse.Namespace, port: int) -> list[str]:
+    """`tandem serve` on 127.0.0.1:`port` with the launched-server flags, then --tandem-args."""
     cmd = [sys.executable, "-m", "tandem", "serve", args.model]
-    wanted: list[tuple[str, Any]] = [
+    for flag, value in (
         ("--host", "127.0.0.1"),
         ("--port", port),
         ("--kv-cache-memory", args.kv_cache_memory),
@@ -461,18 +436,10 @@ def tandem_command(
         ("--max-model-len", args.max_model_len),
         ("--threads", args.threads),
         ("--api-key", args.api_key),
-        ("--no-access-log", True),
-    ]
-    for flag, value in wanted:
-        if value is None:
-            continue
-        if flag not in options:
-            if flag in ("--port", "--kv-cache-memory"):
-                raise ValueError(f"`tandem serve` has no {flag} flag")
-            logger.warning("`tandem serve` has no %s flag; launching without it", flag)
-            continue
-        cmd += [flag] if value is True else [flag, str(value)]
-    return cmd + shlex.split(args.tandem_args)
+    ):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd + ["--no-access-log", *shlex.split(args.tandem_args)]
 
 
 def cluster_command(args: argparse.Namespace, port: int, kind: str, policy: str | None = None) -> list[str]:
@@ -538,89 +505,46 @@ def vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None) -> dict[
     return peer_env(vllm_python, preload_iomp, threads, in_process_engine=False)
 
 
-def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace").replace("\r", "\n")
-    except OSError:
-        return f"(no log at {path})"
-    tail = [x for x in text.splitlines() if x.strip()][-lines:]
-    return "\n".join("    " + x[-300:] for x in tail)
-
-
 @dataclass
 class LaunchedServer:
-    """A server subprocess in its own process group, so stopping it leaves no orphans."""
+    """A launched target: its command and log, run by `tandem.supervisor` (own session, health
+    gate, the whole process tree stopped), and how its start and stop went, for the report."""
 
     name: str
     command: list[str]
     env: dict[str, str]
     log_path: Path
     port: int
-    proc: subprocess.Popen | None = None
-    ready_s: float | None = None
+    child: supervisor.Child | None = None
     returncode: int | None = None
-    _log: Any = field(default=None, repr=False)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def ready_s(self) -> float | None:
+        return None if self.child is None else self.child.ready_s
+
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("w")
-        self._log.write("$ " + shlex.join(self.command) + "\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            start_new_session=True,
-        )
+        spec = supervisor.ProcessSpec(self.name, tuple(self.command), self.log_path,
+                                      url=self.base_url, env=self.env, echo_command=True)
+        self.child = supervisor.start(spec)
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Poll ``GET /health`` until it answers 200; raise with the log's tail if the server
-        exits or takes longer than ``timeout_s``."""
-        import httpx
-
-        assert self.proc is not None
-        started = time.monotonic()
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"{self.name} server exited with code {code} before it was ready; "
-                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/health", timeout=5.0).status_code == 200:
-                    self.ready_s = time.monotonic() - started
-                    return self.ready_s
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(
-                    f"{self.name} server not ready after {timeout_s:.0f} s; "
-                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
-                )
-            time.sleep(1.0)
+        """Seconds from start until ``GET /health`` answered 200; supervisor.StartError (a
+        RuntimeError, with the log's tail) if the server exits or takes over ``timeout_s``."""
+        assert self.child is not None
+        supervisor.wait_healthy([self.child], timeout_s, interval=1.0)
+        assert self.child.ready_s is not None
+        return self.child.ready_s
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGINT (graceful shutdown), then SIGTERM, then SIGKILL, always to the whole group."""
-        if self.proc is None:
+        """SIGINT (graceful shutdown), then SIGKILL after ``grace_s``, its children included."""
+        if self.child is None:
             return
-        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0)):
-            if self.proc.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=wait_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: engine-core children too
-        self.returncode = self.proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        supervisor.stop([self.child], grace_s, log=logger)
+        self.returncode = self.child.process.returncode
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -639,7 +563,6 @@ class LaunchContext:
     hf_dir: Path | None = None
     served_name: str = DEFAULT_MODEL
     kv_bytes: int = 0
-    tandem_options: set[str] | None = None
 
 
 def build_server(
@@ -648,14 +571,13 @@ def build_server(
     port = free_port()
     if target.launch in ("tandem", "policy", *CLUSTERS):
         if target.launch == "tandem":
-            cmd = tandem_command(args, port, ctx.tandem_options)
+            cmd = tandem_command(args, port)
         else:
             cmd = cluster_command(args, port, target.launch, target.policy)
             # The router's usage ledger goes with the run's logs, not into the working directory.
             cmd += ["--ledger", str(log_dir / f"{target.name}-usage.sqlite3")]
         env = dict(os.environ)
         env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
-        env["PYTHONUNBUFFERED"] = "1"  # the log shows progress as it happens
     else:
         if not args.vllm_python:
             raise ValueError(
@@ -789,8 +711,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_max_len = hf_config.get("max_position_embeddings")
         if tokenizer is None and (resolved.hf_dir / "tokenizer.json").is_file():
             tokenizer = str(resolved.hf_dir / "tokenizer.json")
-        if any(t.launch == "tandem" for t in targets):
-            ctx.tandem_options = _tandem_serve_options()
     sizer = make_sizer(tokenizer)
     if tokenizer is None:
         logger.warning("no --tokenizer: prompt lengths are approximate (1 token a word)")

@@ -21,7 +21,8 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.executor.base import Executor, make_executor
+from tandem.engine.executor.base import Executor
+from tandem.engine.executor.factory import make_executor
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.messages import RequestDelta, SequenceDelta
 from tandem.engine.scheduler import RequestUpdate, Scheduler

@@ -195,6 +195,8 @@ class FakeServer:
         self.delay_s = delay_s
         self.report_cached = report_cached
         self.seen: list[str] = []
+        # (x-session-affinity, messages sent, cached_tokens reported) of each chat request
+        self.reported: list[tuple[str | None, int, int]] = []
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -214,6 +216,10 @@ class FakeServer:
             )
         cached = max((_common(prompt, p) for p in self.seen), default=0) // 4
         self.seen.append(prompt)
+        if "messages" in body:
+            self.reported.append(
+                (request.headers.get("x-session-affinity"), len(body["messages"]), cached)
+            )
         return httpx.Response(
             200,
             content=self.stream(body, len(prompt) // 4, cached),
@@ -305,8 +311,12 @@ def test_agentic_run_resends_history_with_actual_replies() -> None:
             t.prompt for t in session.turns
         ]
         assert [m["content"] for m in last if m["role"] == "assistant"] == [" t0 t1 t2 t3"] * 2
-    later_turns = [r for r in result.records if r.turn > 0]
-    assert all((r.cached_tokens or 0) > 0 for r in later_turns)
+    # each record carries the cached_tokens the server reported for that very request
+    reported = {(session, count): cached for session, count, cached in server.reported}
+    for record in result.records:
+        assert record.cached_tokens == reported[(record.session_id, 2 * record.turn + 2)]
+        if record.turn > 0:  # the history re-sent: the fake found the previous turn's prompt
+            assert record.cached_tokens > 0
 
 
 def test_fixed_run_uses_completions_and_open_loop() -> None:

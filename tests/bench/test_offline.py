@@ -24,6 +24,7 @@ from tandem.bench.offline_workloads import (
     compute_metrics,
     warmup_prompt,
 )
+from tandem.flags import engine_defaults, llm_kwargs
 
 VOCAB = 49152
 
@@ -163,18 +164,20 @@ def test_parser_and_engine_selection() -> None:
 
 
 def test_engine_args_forward_every_engine_flag() -> None:
-    from tandem.cli import add_engine_args
-
     args = _parser().parse_args(["offline", "--threads", "1", "--no-prefix-caching", "--dtype", "bfloat16"])
-    probe = argparse.ArgumentParser()
-    add_engine_args(probe)
-    dests = {a.dest for a in probe._actions if a.dest != "help"}
     tandem = engine_args("tandem", args, Path("/hf"), 1 << 30)
-    assert dests <= set(tandem) and tandem["kv_cache_memory"] == 1 << 30 and tandem["threads"] == 1
+    assert set(tandem) == set(engine_defaults())  # MODEL and every engine flag
+    assert tandem["kv_cache_memory"] == 1 << 30 and tandem["threads"] == 1 and tandem["dtype"] == "bfloat16"
+    # the worker's side: the very keywords `tandem generate` gives tandem.LLM
+    kwargs = llm_kwargs(argparse.Namespace(**tandem))
+    assert kwargs["num_threads"] == 1 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["kv_cache_memory"] == 1 << 30
     assert tandem_flags(args) == ["--no-prefix-caching", "--threads 1"]
     vllm = engine_args("vllm", args, Path("/hf"), 1 << 30)
-    assert vllm["model"] == "/hf" and vllm["dtype"] == "float32" and vllm["enable_prefix_caching"] is False
-    assert vllm["kv_cache_memory_bytes"] == 1 << 30
+    assert vllm == {
+        "model": "/hf", "dtype": "float32", "enable_prefix_caching": False, "kv_cache_memory_bytes": 1 << 30,
+        "max_num_seqs": 128, "max_num_batched_tokens": 2048, "max_model_len": None, "seed": 0,
+    }
 
 
 # --- end to end ---------------------------------------------------------------------------
@@ -200,11 +203,16 @@ def test_tiny_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     ])
     assert args.handler(args) == 0
     printed = capsys.readouterr().out
-    assert "tandem/transformers" in printed and "vllm / decode-heavy" in printed
-
     (json_path,) = (tmp_path / "out").glob("offline-*.json")
-    assert list((tmp_path / "out").glob("offline-*.png"))
+    (png_path,) = (tmp_path / "out").glob("offline-*.png")
     report = json.loads(json_path.read_text())
+    # the table as printed is the report's, then where its files went
+    assert printed.startswith(report["table"] + "\n")
+    assert f"results: {json_path}\nchart:   {png_path}\n" in printed
+    header = report["table"].splitlines()[1].split()
+    assert header == ["workload", "metric", "tandem", "transformers", "tandem/transformers", "vllm",
+                      "tandem/vllm"]
+    assert "vllm / decode-heavy: " in report["table"] and "vllm / single-stream: " in report["table"]
     assert report["schema"] == "tandem.bench.offline/1"
     assert set(report["workloads"]) == {"decode-heavy", "single-stream"}
     runs = {(r["engine"], r["workload"]): r for r in report["results"]}
@@ -213,10 +221,18 @@ def test_tiny_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         run = runs[(engine, "decode-heavy")]
         assert run["ok"], run.get("error")
         assert run["output_tokens"] == report["workloads"]["decode-heavy"]["output_tokens"]
-        assert run["output_tok_s"] > 0 and run["prompt_tok_s"] > 0
+        assert run["prompt_tokens"] == report["workloads"]["decode-heavy"]["prompt_tokens"]
+        assert run["output_tok_s"] == pytest.approx(run["output_tokens"] / run["elapsed_s"])
+        assert run["prompt_tok_s"] == pytest.approx(run["prompt_tokens"] / run["elapsed_s"])
         assert run["ready_s"] > 0 and run["peak_rss_mib"] > 50
         assert runs[(engine, "single-stream")]["decode_tok_s"] > 0
-    assert not runs[("vllm", "decode-heavy")]["ok"]
-    assert "does not exist" in runs[("vllm", "decode-heavy")]["error"]
+    for name in ("decode-heavy", "single-stream"):
+        assert not runs[("vllm", name)]["ok"]
+        assert runs[("vllm", name)]["error"] == f"--vllm-python {fake_python} does not exist"
+    ratios = {(r["workload"], r["metric"], r["peer"]): r for r in report["ratios"]}
+    output = ratios[("decode-heavy", "output_tok_s", "transformers")]
+    assert output["tandem"] == runs[("tandem", "decode-heavy")]["output_tok_s"]
+    assert output["ratio"] == pytest.approx(output["tandem"] / output["peer_value"])
+    assert ratios[("decode-heavy", "output_tok_s", "vllm")]["ratio"] is None
     # Same weights, same token ids, greedy: transformers should agree with tandem (fp32).
     assert runs[("transformers", "decode-heavy")]["agreement"] >= 90

@@ -20,9 +20,14 @@ def _check_every_request(result: RunResult) -> None:
     for record in result.records:
         assert record.ttft_s is not None and record.ttft_s > 0
         assert record.e2e_s is not None and record.e2e_s >= record.ttft_s
+        # ignore_eos: every request runs to max_tokens
         assert record.usage_reported and record.completion_tokens == record.max_tokens
-        assert record.prompt_tokens and record.prompt_tokens > 0
-        assert len(record.itl_s) <= record.max_tokens - 1
+        assert record.finish_reason == "length" and record.output_text
+        # one gap per streamed chunk after the first; a chunk carries one token or more
+        assert len(record.itl_s) == record.output_chunks - 1 <= record.max_tokens - 1
+        assert record.prompt_tokens is not None and record.cached_tokens is not None
+        # the server counts whole 16-token blocks, and always computes the last prompt token
+        assert record.cached_tokens % 16 == 0 and record.cached_tokens < record.prompt_tokens
 
 
 def test_agentic_sessions_against_tandem(tandem_server: str) -> None:
@@ -47,13 +52,21 @@ def test_agentic_sessions_against_tandem(tandem_server: str) -> None:
     assert len(result.records) == 4
     _check_every_request(result)
     assert {r.endpoint for r in result.records} == {"chat"}
-    # turn 2 re-sends turn 1's whole conversation: the server must find it in its prefix cache
+    # turn 2 re-sends turn 1's whole conversation: the server finds at least all of turn 1's
+    # prompt (its whole blocks) in its prefix cache
     second = [r for r in result.records if r.turn == 1]
-    assert all((r.cached_tokens or 0) > 0 for r in second)
     first = {r.session_id: r for r in result.records if r.turn == 0}
-    assert all(r.prompt_tokens > first[r.session_id].prompt_tokens for r in second)  # type: ignore[operator]
+    for record in second:
+        before = first[record.session_id].prompt_tokens
+        assert before is not None and record.prompt_tokens > before  # type: ignore[operator]
+        assert record.cached_tokens >= before // 16 * 16 > 0  # type: ignore[operator]
     metrics = compute_metrics(result)
-    assert metrics["errors"] == 0 and metrics["cached_ratio"] > 0 and metrics["output_tok_s"] > 0
+    assert (metrics["requests"], metrics["completed"], metrics["errors"]) == (4, 4, 0)
+    assert metrics["completion_tokens"] == 4 * 6
+    assert metrics["prompt_tokens"] == sum(r.prompt_tokens for r in result.records)  # type: ignore[misc]
+    assert metrics["cached_tokens"] == sum(r.cached_tokens for r in result.records)  # type: ignore[misc]
+    assert metrics["cached_ratio"] == metrics["cached_tokens"] / metrics["prompt_tokens"]
+    assert metrics["output_tok_s"] == 24 / result.duration_s
 
 
 def test_fixed_requests_against_tandem(tandem_server: str) -> None:
@@ -64,4 +77,4 @@ def test_fixed_requests_against_tandem(tandem_server: str) -> None:
     assert len(result.records) == 3
     _check_every_request(result)
     assert {r.endpoint for r in result.records} == {"completions"}
-    assert all(len(r.itl_s) >= 1 for r in result.records)
+    assert all(len(r.itl_s) >= 1 for r in result.records)  # streamed: 5 tokens, 2 chunks or more

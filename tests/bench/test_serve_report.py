@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -274,27 +275,18 @@ def test_server_commands() -> None:
         "--max-model-len",
         "4096",
     )
-    cmd = tandem_command(
-        args,
-        1234,
-        options={
-            "--port",
-            "--kv-cache-memory",
-            "--max-num-seqs",
-            "--max-num-batched-tokens",
-            "--threads",
-        },
-    )
-    assert cmd[:5] == [sys.executable, "-m", "tandem", "serve", "smollm2-135m"]
-    assert (
-        cmd[cmd.index("--port") + 1] == "1234" and cmd[cmd.index("--kv-cache-memory") + 1] == "1GiB"
-    )
-    assert (
-        "--host" not in cmd and "--max-model-len" not in cmd
-    )  # flags the server lacks are left out
-    assert cmd[-2:] == ["--dtype", "bfloat16"]
-    with pytest.raises(ValueError):
-        tandem_command(args, 1, options={"--kv-cache-memory"})
+    cmd = tandem_command(args, 1234)
+    assert cmd == [
+        sys.executable, "-m", "tandem", "serve", "smollm2-135m", "--host", "127.0.0.1",
+        "--port", "1234", "--kv-cache-memory", "1GiB", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "2048", "--max-model-len", "4096", "--threads", "2",
+        "--no-access-log", "--dtype", "bfloat16",
+    ]
+    # every flag it passes is one `tandem serve` takes: the command parses
+    from tandem.cli import build_parser
+
+    serve = build_parser().parse_args(cmd[3:])
+    assert (serve.port, serve.kv_cache_memory, serve.dtype, serve.no_access_log) == (1234, "1GiB", "bfloat16", True)
     cmd = vllm_command(args, 99, Path("/hf"), "smollm2-135m", 1 << 30)
     assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     for flag, value in (
@@ -333,17 +325,21 @@ def test_launched_server_ready_and_stopped(tmp_path: Path) -> None:
     port = free_port()
     script = tmp_path / "health.py"
     script.write_text(_HEALTH_SERVER)
-    server = LaunchedServer(
-        "fake", [sys.executable, str(script), str(port)], {}, tmp_path / "fake.log", port
-    )
+    command = [sys.executable, str(script), str(port)]
+    server = LaunchedServer("fake", command, {}, tmp_path / "fake.log", port)
     server.start()
     try:
-        assert server.wait_ready(30) >= 0
+        ready = server.wait_ready(30)
+        assert 0 < ready < 30 and server.base_url == f"http://127.0.0.1:{port}"
     finally:
         server.stop(grace_s=5)
-    assert server.proc is not None and server.proc.poll() is not None
-    assert "serving" in (tmp_path / "fake.log").read_text()
-    assert server.describe()["ready_s"] is not None
+    assert server.child is not None and server.child.poll() is not None
+    log = (tmp_path / "fake.log").read_text().splitlines()
+    assert log[0].startswith("$ ") and log[0].endswith(f"health.py {port}") and log[1] == "serving"
+    assert server.describe() == {
+        "command": command, "log": str(tmp_path / "fake.log"), "port": port, "ready_s": ready,
+        "returncode": -signal.SIGINT,  # stopped by SIGINT, as Ctrl-C would
+    }
 
 
 def test_launched_server_that_dies_reports_its_log(tmp_path: Path) -> None:
@@ -353,10 +349,11 @@ def test_launched_server_that_dies_reports_its_log(tmp_path: Path) -> None:
     )
     server.start()
     try:
-        with pytest.raises(RuntimeError, match="(?s)code 3.*fatal: out of memory"):
+        with pytest.raises(RuntimeError, match="(?s)bad exited with 3 while starting.*fatal: out of memory"):
             server.wait_ready(30)
     finally:
         server.stop(grace_s=1)
+    assert server.describe()["returncode"] == 3 and server.describe()["ready_s"] is None
     slow = LaunchedServer(
         "slow",
         [sys.executable, "-c", "import time; time.sleep(60)"],
@@ -366,11 +363,11 @@ def test_launched_server_that_dies_reports_its_log(tmp_path: Path) -> None:
     )
     slow.start()
     try:
-        with pytest.raises(RuntimeError, match="not ready after"):
+        with pytest.raises(RuntimeError, match="not healthy after 2 s: slow"):
             slow.wait_ready(1.5)
     finally:
         slow.stop(grace_s=1)
-    assert slow.proc is not None and slow.proc.poll() is not None
+    assert slow.child is not None and slow.child.poll() is not None
 
 
 def test_cluster_and_policy_targets() -> None:

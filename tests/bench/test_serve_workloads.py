@@ -184,7 +184,10 @@ def test_make_text_edge_cases() -> None:
     assert make_text(sizer, rng, 0) == ""
     assert sizer.count(make_text(sizer, rng, 3, lead="a very long lead that does not fit")) == 3
     assert make_text(sizer, rng, 12, lead="Lead:").startswith("Lead:")
-    assert warmup_turn(sizer) == warmup_turn(sizer) and warmup_turn(sizer).max_tokens > 0
+    warm = warmup_turn(sizer)
+    assert warm == warmup_turn(sizer) and warm != warmup_turn(sizer, seed=1)
+    assert warm.prompt.startswith("Warm-up request:") and warm.prompt_len == sizer.count(warm.prompt) == 16
+    assert warm.max_tokens == 4
 
 
 def test_invalid_configs() -> None:

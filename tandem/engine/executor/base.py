@@ -50,23 +50,3 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every worker; no process is left behind."""
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    from tandem.config import EXECUTOR_BACKENDS
-
-    parallel = config.parallel
-    if parallel.executor_backend not in EXECUTOR_BACKENDS:
-        raise ValueError(f"executor backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
-                         f"not {parallel.executor_backend!r}")
-    if parallel.world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {parallel.world_size}")
-    if parallel.uses_processes:
-        from tandem.engine.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    if parallel.world_size != 1:
-        raise ValueError("the in-process executor runs one rank; use --distributed-executor-backend mp")
-    from tandem.engine.executor.uniproc import InProcessExecutor
-
-    return InProcessExecutor(config)

@@ -576,7 +576,7 @@ def test_policy_flags_on_route_and_up() -> None:
         PolicyConfig(balance_factor=0.9)
     ports = itertools.count(9000)
     up = build_parser().parse_args(["up", "--policy", "round_robin", "--affinity-header", "x-c"])
-    argv = list(plan_cluster(up, None, True, lambda: next(ports)).router.argv)
+    argv = list(plan_cluster(up, None, lambda: next(ports)).router.argv)
     assert argv[argv.index("--policy") + 1] == "round_robin"
     assert argv[argv.index("--affinity-header") + 1] == "x-c"
     assert argv[argv.index("--balance-factor") + 1] == "1.25"

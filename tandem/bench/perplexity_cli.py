@@ -1,0 +1,44 @@
+"""`tandem bench perplexity`: the flags and the handler, apart from the torch code they run.
+
+`tandem.bench.perplexity` imports torch and the engine at module level; building the CLI parser
+(which `tandem route` does too, and it must stay torch-free) only needs this module. The heavy
+module is imported when the command actually runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "perplexity",
+        help="perplexity of a fixed text: exact fp32 vs the fast weight formats",
+        description="Perplexity of a fixed passage, fed one token per step (the decode path), "
+        "in exact fp32, with fp16 and bf16 decode weights (--decode-weights) and in pure bf16.",
+    )
+    parser.add_argument("model", nargs="?", default=None, help="model (default: smollm2-135m)")
+    parser.set_defaults(handler=run_perplexity)
+
+
+def run_perplexity(args: argparse.Namespace) -> int:
+    from tandem.bench.perplexity import REFERENCE_TEXT, perplexity
+    from tandem.llm import LLM
+
+    modes = [
+        ("fp32 (exact)", {"dtype": "float32", "decode_weights": "none"}),
+        ("fp32 + fp16 decode weights", {"dtype": "float32", "decode_weights": "float16"}),
+        ("fp32 + bf16 decode weights", {"dtype": "float32", "decode_weights": "bfloat16"}),
+        ("bf16", {"dtype": "bfloat16"}),
+    ]
+    results = []
+    for label, kwargs in modes:
+        llm = LLM(args.model, kv_cache_memory="256MiB", **kwargs)
+        tokens = llm.tokenizer.encode(REFERENCE_TEXT)
+        results.append((label, perplexity(llm.engine, tokens, step_tokens=1)))
+        del llm
+    base = results[0][1]
+    print(f"perplexity of a fixed {len(tokens)}-token passage, one token per step")
+    for label, value in results:
+        print(f"  {label:<44} {value:8.4f}  ({(value / base - 1) * 100:+.2f}% vs fp32)")
+    return 0

@@ -1,0 +1,229 @@
+"""Engine and server flags, and the config dataclasses built from them.
+
+One leaf module that every command starting or launching an engine shares: `tandem serve`,
+`generate` and `chat` parse these flags, `tandem up` and `tandem bench` take the engine flags
+too and pass them on to the processes they start. It imports only `tandem.config` and the
+default model's alias, so the command table (`tandem.cli`), `tandem.up` and `tandem.bench.*`
+can all depend on it without depending on each other, and `tandem route` stays torch-free.
+
+The engine flags are data (`ENGINE_FLAGS`), not just `add_argument` calls: the same table
+registers them, lists their defaults and turns a parsed namespace back into argv, so code
+that forwards "the engine flags the user set" never has to read argparse's private state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tandem.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    parse_memory_size,
+)
+from tandem.loader.resolve import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One `--option` of the engine group: how argparse registers it and how it is written back."""
+
+    option: str
+    help: str
+    default: Any = None
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    switch: bool = False  # store_true: present or absent, no value
+
+    @property
+    def dest(self) -> str:
+        return self.option.removeprefix("--").replace("-", "_")
+
+    def add_to(self, group: argparse._ArgumentGroup) -> None:
+        if self.switch:
+            group.add_argument(self.option, action="store_true", help=self.help)
+            return
+        group.add_argument(self.option, type=self.type, default=self.default,
+                           choices=self.choices, metavar=self.metavar, help=self.help)
+
+    def to_argv(self, value: Any) -> list[str]:
+        """The flag as a command line would give `value` (nothing for None or an unset switch)."""
+        if self.switch:
+            return [self.option] if value else []
+        return [] if value is None else [self.option, str(value)]
+
+
+# Names follow `vllm serve`. Order is the --help order and the order of `engine_argv`.
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    Flag("--dtype", "weight and activation dtype (default: float32)", "float32",
+         choices=("float32", "bfloat16", "float16")),
+    Flag("--block-size", "tokens per KV block (default: 16)", 16, type=int),
+    Flag("--kv-cache-memory", "KV cache budget, e.g. 2GiB (default: 25%% of free RAM, at most 4GiB)",
+         metavar="SIZE"),
+    Flag("--max-num-seqs", "most sequences per step (default: 128)", 128, type=int),
+    Flag("--max-num-batched-tokens",
+         "token budget per step, shared by decodes and prefill chunks (default: 2048)", 2048, type=int),
+    Flag("--max-model-len", "context length (default: the model's, capped by the KV cache)", type=int),
+    Flag("--no-prefix-caching", "disable automatic prefix caching", False, switch=True),
+    Flag("--load-format",
+         "'dummy' fills random weights (for performance work on configs without weights)", "auto",
+         choices=("auto", "dummy")),
+    Flag("--seed", "engine seed for unseeded sampling (default: 0)", 0, type=int),
+    Flag("--threads", "torch intra-op threads (default: torch's)", type=int),
+    Flag("--decode-weights",
+         "fast mode: small (decode) steps, bound by weight bandwidth, read a half-precision copy "
+         "of the weights (default: none, exact)", "none", choices=("none", "float16", "bfloat16")),
+    Flag("--decode-weights-max-tokens",
+         "largest step, in tokens, that reads the --decode-weights copy (default: 2)", 2, type=int,
+         metavar="N"),
+    Flag("--no-weight-packing", "keep weights dense for F.linear instead of oneDNN's packed layout",
+         False, switch=True),
+    Flag("--attention-backend",
+         "decode attention: cpu = a C kernel reading the paged cache in place (compiled on first "
+         "use with the system C compiler), torch = gather + matmuls, auto = cpu when it compiles, "
+         "else torch (default: auto)", "auto", choices=("auto", "cpu", "torch")),
+    Flag("--world-size",
+         "ranks that run the model, one process each, joined by torch.distributed (gloo on CPU, NCCL "
+         "on GPU); each holds the whole model until tensor/pipeline parallelism splits it (default: 1)",
+         1, type=int, metavar="N"),
+    Flag("--distributed-executor-backend",
+         "uni = the one rank inside the engine core process, mp = one process per rank, auto = uni "
+         "for one rank, else mp (default: auto)", "auto", choices=("auto", "uni", "mp")),
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The positional MODEL and the engine group, shared by every command that runs an engine."""
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help=f"HF directory, .gguf file or alias (default: {DEFAULT_MODEL})")
+    group = parser.add_argument_group("engine")
+    for flag in ENGINE_FLAGS:
+        flag.add_to(group)
+
+
+def engine_defaults() -> dict[str, Any]:
+    """dest -> default of MODEL and every engine flag."""
+    return {"model": DEFAULT_MODEL, **{flag.dest: flag.default for flag in ENGINE_FLAGS}}
+
+
+def engine_values(args: argparse.Namespace) -> dict[str, Any]:
+    """dest -> value of MODEL and every engine flag in `args` (the default where it is absent)."""
+    return {dest: getattr(args, dest, default) for dest, default in engine_defaults().items()}
+
+
+def engine_argv(args: argparse.Namespace, exclude: Collection[str] = ()) -> list[str]:
+    """The engine flags set to something other than their default, as argv again (MODEL is not
+    included). `exclude` names options (e.g. "--threads") the caller sets itself."""
+    argv: list[str] = []
+    for flag in ENGINE_FLAGS:
+        value = getattr(args, flag.dest, flag.default)
+        if flag.option not in exclude and value != flag.default:
+            argv += flag.to_argv(value)
+    return argv
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        load=LoadConfig(dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+                        num_threads=args.threads, decode_weights=args.decode_weights,
+                        decode_weights_max_tokens=args.decode_weights_max_tokens,
+                        pack_weights=not args.no_weight_packing,
+                        attention_backend=args.attention_backend),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_memory_size(args.kv_cache_memory),
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
+        parallel=ParallelConfig(world_size=args.world_size, executor_backend=args.distributed_executor_backend),
+    )
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of `tandem.LLM(args.model, **...)` (offline commands and bench runs),
+    which takes the engine settings as keywords rather than an EngineConfig."""
+    return {
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "load_format": args.load_format,
+        "seed": args.seed,
+        "num_threads": args.threads,
+        "decode_weights": args.decode_weights,
+        "decode_weights_max_tokens": args.decode_weights_max_tokens,
+        "pack_weights": not args.no_weight_packing,
+        "attention_backend": args.attention_backend,
+        "world_size": args.world_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
+    }
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """`tandem serve`'s HTTP and prefill/decode flags."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) clients send; the first is reported (default: the MODEL argument)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: env TANDEM_API_KEY)")
+    group.add_argument("--max-waiting", type=int, default=512, metavar="N",
+                       help="with N requests accepted but not yet generating, more get 503 with Retry-After; "
+                            "0 = no limit (default: 512)")
+    group.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
+                       help="tool-call format (default: chosen from the chat template; hermes when it has none)")
+    group.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                    help="prefill: computes prompts and hands their KV to decode workers; decode: fetches "
+                         "that KV and generates; both: either, or whole requests (default: both)")
+    pd.add_argument("--kv-transfer-host", default="127.0.0.1",
+                    help="address this worker's KV source listens on (default: 127.0.0.1)")
+    pd.add_argument("--kv-transfer-port", type=int, default=0, help="its port (default: any free port)")
+    pd.add_argument("--kv-transfer-hold-timeout", type=float, default=60.0, metavar="S",
+                    help="free kept prompt KV after S seconds if no decode worker released it (default: 60)")
+    pd.add_argument("--kv-transfer-fetch-timeout", type=float, default=10.0, metavar="S",
+                    help="a decode worker computes the prompt itself after S seconds (default: 10)")
+    pd.add_argument("--kv-transfer-shm", action="store_true",
+                    help="keep the KV cache in /dev/shm so decode workers on this host copy it directly")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The HTTP side of `tandem serve`; the API key falls back to env TANDEM_API_KEY."""
+    config = ServerConfig(
+        host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
+        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, max_waiting=args.max_waiting,
+        tool_call_parser=args.tool_call_parser, log_level=args.log_level.lower(),
+    )
+    if config.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {config.max_waiting}")
+    return config
+
+
+def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
+    """The worker's prefill/decode role and how its prompt KV moves between workers."""
+    return KVTransferConfig(connectors=("pd",), role=args.role, host=args.kv_transfer_host,
+                            port=args.kv_transfer_port,
+                            hold_timeout=args.kv_transfer_hold_timeout,
+                            fetch_timeout=args.kv_transfer_fetch_timeout,
+                            shared_memory=args.kv_transfer_shm)
+
+
+def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """A worker's engine: the engine flags plus its KV-transfer role."""
+    return replace(engine_config(args), kv_transfer=kv_transfer_config(args))
