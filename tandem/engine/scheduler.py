@@ -337,9 +337,16 @@ class Scheduler:
         return updates
 
     def _roll_back_failed_sync_load(self, request: Request, external: _ExternalKV) -> None:
-        """The forward read KV that never arrived: discard its token, compute the prompt here."""
-        request.num_computed_tokens = external.num_local_tokens
+        """The forward read KV that never arrived: drop the step's token and start the request
+        over from the waiting queue, where it finds its local prefix again (nothing the load
+        should have filled was published) and computes the rest."""
+        self.running.remove(request)
+        self.kv.free(request)
+        self._runner.pop(request.request_id, None)  # it is described anew when readmitted
+        request.num_computed_tokens = 0
         request.num_cached_tokens = external.num_local_tokens
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
         external.loaded = False
         self.stats.num_failed_loads += 1
         self.stats.num_loaded_tokens -= external.num_external_tokens

@@ -26,12 +26,12 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.scheduler import FinishedRequest, Scheduler
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kvcache.block_hash import root_hash
-from tandem.kvcache.connector.base import KVConnectorOutput
 from tandem.types import Request, RequestStatus, SampledToken, SamplingParams
 
 BLOCK_SIZE = 4
 ROOT = root_hash("test-model", "float32", BLOCK_SIZE)
 EOS = 2
+POISON = 7  # what the fake model samples from a context it should never have read
 VOCAB_LOW, VOCAB_HIGH = 100, 1100  # tokens the fake model emits: never EOS or a small id
 
 
@@ -142,6 +142,9 @@ class FakeModel:
         self.script = script or {}
         self.requests: dict[str, FakeRequestState] = {}
         self.last_chunks: list[Chunk] = []
+        # Requests whose context may be wrong (a failed KV load a test provokes): instead of
+        # failing, the model then samples POISON, which must never reach the output.
+        self.tolerate_garbage: set[str] = set()
 
     def update_states(self, out: SchedulerOutput) -> None:
         for request_id in [*out.finished_request_ids, *out.preempted_request_ids]:
@@ -176,8 +179,7 @@ class FakeModel:
             assert block.ref_count == 1, f"write into shared block {block.block_id}"
             self.memory[block.block_id][pos % size] = token
 
-    def execute(self, out: SchedulerOutput, oracle: dict[str, Request] | None = None,
-                connector_output: KVConnectorOutput | None = None) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, oracle: dict[str, Request] | None = None) -> ModelRunnerOutput:
         self.update_states(out)
         size = self.block_size
         chunks = self.last_chunks = self.chunks(out)
@@ -186,7 +188,7 @@ class FakeModel:
             end = chunk.start + chunk.num_tokens
             assert len(chunk.block_ids) >= -(-end // size), "block table too short"
             self.write(chunk.block_ids, chunk.start, chunk.token_ids)
-        result = ModelRunnerOutput(kv_connector_output=connector_output or KVConnectorOutput())
+        result = ModelRunnerOutput()
         for chunk in chunks:
             if not chunk.samples:
                 continue
@@ -195,6 +197,9 @@ class FakeModel:
             context = [self.memory[chunk.block_ids[p // size]][p % size] for p in range(end)]
             if oracle is not None and chunk.request_id in oracle:
                 assert state.tokens == oracle[chunk.request_id].all_token_ids, "runner state drifted"
+            if context != state.tokens[:end] and chunk.request_id in self.tolerate_garbage:
+                result.sampled[chunk.request_id] = SampledToken(POISON)
+                continue
             assert context == state.tokens[:end], "KV memory does not hold the context"
             script = self.script.get(chunk.request_id)
             token = next_token(context) if script is None else script[len(state.outputs)]
@@ -212,7 +217,7 @@ class Engine:
     outputs: list[SchedulerOutput] = field(default_factory=list)
     # (request id, start, num_tokens, samples) per chunk of each step.
     summaries: list[list[tuple[str, int, int, bool]]] = field(default_factory=list)
-    connector_output: Callable[[], KVConnectorOutput] | None = None  # a fake connector's worker side
+    connector_worker: Any = None  # a fake connector's worker side (start_load_kv, get_finished)
 
     @property
     def kv(self) -> KVCacheManager:
@@ -245,8 +250,12 @@ class Engine:
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         self.check_schedule(out)
-        connector_output = self.connector_output() if self.connector_output else None
-        result = self.model.execute(out, dict(self.scheduler.requests), connector_output)
+        worker = self.connector_worker
+        if worker is not None:  # as tandem.worker.Worker does around the forward pass
+            worker.start_load_kv(out.kv_connector_metadata)
+        result = self.model.execute(out, dict(self.scheduler.requests))
+        if worker is not None:
+            result.kv_connector_output = worker.get_finished()
         self.summaries.append([(c.request_id, c.start, c.num_tokens, c.samples) for c in self.model.last_chunks])
         for update in self.scheduler.update_from_output(out, result):
             if update.finished is not None:
@@ -257,7 +266,7 @@ class Engine:
 
     def run(self, max_steps: int = 1000) -> int:
         steps = 0
-        while self.scheduler.has_unfinished():
+        while self.scheduler.has_unfinished() or self.scheduler.pending_kv_work() is not None:
             self.step()
             steps += 1
             assert steps < max_steps, "no progress"
@@ -320,12 +329,14 @@ def make_engine(make_pool: Callable[..., BlockPool]) -> Callable[..., Engine]:
         enable_caching: bool = True,
         script: dict[str, list[int]] | None = None,
         connector: Any = None,
+        connector_worker: Callable[[FakeModel], Any] | None = None,
     ) -> Engine:
         pool = make_pool(num_blocks, enable_caching)
         kv = KVCacheManager(pool, BLOCK_SIZE, ROOT)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
         scheduler = Scheduler(config, kv, max_model_len, connector)
-        return Engine(scheduler, FakeModel(pool, BLOCK_SIZE, script))
+        model = FakeModel(pool, BLOCK_SIZE, script)
+        return Engine(scheduler, model, connector_worker=connector_worker(model) if connector_worker else None)
 
     return factory
 

@@ -140,9 +140,17 @@ class MultiprocExecutor(Executor):
     def _broadcast(self, method: str, *args: Any) -> None:
         if self._dead is not None:
             raise WorkerDiedError(f"{self._dead}; the engine stops")
+        self.check_health()
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._sockets:
-            sock.send(payload)
+            # A PAIR socket whose peer is gone blocks a send: never wait without looking.
+            while True:
+                try:
+                    sock.send(payload, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    self.check_health()
+                    time.sleep(0.001)
 
     def _gather(self, timeout: float | None = None) -> list[Any]:
         """Every rank's reply, in rank order; raises if a rank failed, died or timed out."""
