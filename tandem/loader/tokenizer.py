@@ -76,8 +76,7 @@ class Tokenizer:
     def from_directory(cls, hf_dir: Path) -> Tokenizer:
         """From tokenizer.json and tokenizer_config.json, configured as transformers configures it."""
         backend = Backend.from_file(str(hf_dir / TOKENIZER_FILE))
-        existing = [token.content for token in backend.get_added_tokens_decoder().values()]
-        settings = read_settings(hf_dir, existing)
+        settings = read_settings(hf_dir, backend.get_added_tokens_decoder())
         # Encoding never truncates or pads (transformers resets both on every call).
         backend.no_truncation()
         backend.no_padding()

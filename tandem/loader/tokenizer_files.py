@@ -78,11 +78,11 @@ def read_json(path: Path) -> Any:
         return json.load(handle)
 
 
-def read_settings(hf_dir: Path, backend_added_tokens: list[str]) -> TokenizerSettings:
+def read_settings(hf_dir: Path, backend_added: dict[int, AddedToken]) -> TokenizerSettings:
     """The settings for a tokenizer.json-based tokenizer in `hf_dir`.
 
-    `backend_added_tokens` are the contents of the added tokens tokenizer.json already has: a
-    special token missing from them is added as a new special token, as transformers does.
+    `backend_added` are the added tokens tokenizer.json already has (by id): a special token
+    missing from them is added as a new special token, as transformers does.
     """
     config_path = hf_dir / CONFIG_FILE
     config: dict[str, Any] = read_json(config_path) if config_path.is_file() else {}
@@ -109,11 +109,7 @@ def read_settings(hf_dir: Path, backend_added_tokens: list[str]) -> TokenizerSet
     else:
         _merge_legacy_special_tokens_map(hf_dir, config, declared)
         added_by_id.update(_legacy_added_tokens(hf_dir, config))
-        tokenizer_json = read_json(hf_dir / TOKENIZER_FILE)
-        for token in tokenizer_json.get("added_tokens", []):
-            fields = dict(token)
-            index = fields.pop("id")
-            added_by_id[index] = AddedToken(**fields)
+        added_by_id.update(backend_added)  # tokenizer.json's own, re-registered as they are
     config = _convert_added_tokens(config)
     declared = _convert_added_tokens(declared)
     # `{"__type": "AddedToken", ...}` values only become tokens now, and are then named too.
@@ -139,7 +135,7 @@ def read_settings(hf_dir: Path, backend_added_tokens: list[str]) -> TokenizerSet
     return TokenizerSettings(
         special_tokens={key: str(value) for key, value in named.items()},
         extra_special_tokens=list(dict.fromkeys(str(token) for token in extra)),
-        tokens_to_add=_tokens_to_add(added_by_id, named, list(extra), backend_added_tokens),
+        tokens_to_add=_tokens_to_add(added_by_id, named, list(extra), [t.content for t in backend_added.values()]),
         chat_template=read_chat_template(hf_dir, config.get("chat_template")),
         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
         clean_up_bpe_anyway=bool(
