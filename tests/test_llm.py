@@ -140,9 +140,12 @@ def test_preemption_gives_same_tokens() -> None:
 
 
 def test_chat_uses_template(llm: LLM) -> None:
-    output = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=8))[0]
-    assert "<|im_start|>assistant" in output.prompt
-    assert output.outputs[0].text
+    params = SamplingParams(temperature=0, max_tokens=8)
+    output = llm.chat([{"role": "user", "content": "Say hello."}], params)[0]
+    assert output.prompt.endswith("<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n")
+    same = llm.generate([{"prompt_token_ids": output.prompt_token_ids}], params)[0].outputs[0]
+    assert output.outputs[0].text == same.text and output.outputs[0].token_ids == same.token_ids
+    assert output.outputs[0].text.strip() and len(output.outputs[0].token_ids) <= 8
 
 
 def test_stop_string_is_not_emitted(llm: LLM) -> None:
@@ -188,7 +191,7 @@ def test_multibyte_text_round_trips(llm: LLM) -> None:
     text = "Café 東京 — naïve 🙂"
     ids = llm.tokenizer.encode(text)
     out = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=1))[0]  # warm path
-    assert out.outputs[0].token_ids
+    assert len(out.outputs[0].token_ids) == 1
     from tandem.engine.detokenizer import IncrementalDetokenizer
 
     detok = IncrementalDetokenizer(llm.tokenizer, [])
@@ -222,7 +225,7 @@ def test_bad_prompts_leave_engine_serving(llm: LLM) -> None:
     with pytest.raises(ValueError):
         llm.generate(["fine prompt", ""], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished()
-    assert llm.generate(["Still serving?"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+    assert len(llm.generate(["Still serving?"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
 
 
 def test_unknown_model_is_clear() -> None:

@@ -126,7 +126,9 @@ class Placement:
         passed_headers: dict[str, str],
         estimate: int,
     ) -> PromptRoute:
-        route = PromptRoute(estimate, affinity_key(headers, body, self.config.affinity_header))
+        salt = body.get("cache_salt")
+        route = PromptRoute(estimate, affinity_key(headers, body, self.config.affinity_header),
+                            cache_salt=salt if isinstance(salt, str) and salt else None)
         if route.affinity_key is not None or self.config.name != "kv_aware":
             return route
         ids = token_id_prompt(body, kind)

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.kvcache.block_hash import chain_hash
+from tandem.kvcache.block_hash import chain_hash, salted_root
 from tandem.router.config import PolicyConfig, ScoringConfig
 from tandem.router.placement.kv_index import KvIndex
 from tandem.router.placement.ring import HashRing, bounded_pick, load_bound
@@ -82,6 +82,7 @@ class PromptRoute:
     notes: list[str] = field(default_factory=list)  # one per placement, for the log line
     # kv_aware: the prompt tokens each worker (by URL) would compute, after its cached prefix
     uncached: dict[str, int] = field(default_factory=dict)
+    cache_salt: str | None = None  # the request's: workers salt its chain, so the index must too
     _chains: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
 
     def block_hash(self, root: int, block_size: int, index: int) -> int | None:
@@ -92,7 +93,7 @@ class PromptRoute:
         chain = self._chains.setdefault((root, block_size), [])
         while len(chain) <= index:
             start = len(chain) * block_size
-            parent = chain[-1] if chain else root
+            parent = chain[-1] if chain else salted_root(root, self.cache_salt)
             chain.append(chain_hash(parent, tokens[start : start + block_size]))
         return chain[index]
 

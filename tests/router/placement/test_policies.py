@@ -161,6 +161,19 @@ def test_index_applies_events_and_finds_the_longest_cached_prefix() -> None:
     assert index.cached_prefix("unknown", route.block_hash) == 0
 
 
+def test_a_salted_prompt_matches_only_blocks_cached_under_its_salt() -> None:
+    """Workers salt a request's chain with its cache_salt; the index must look it up the same way."""
+    from tandem.kvcache.block_hash import salted_root
+
+    tokens = list(range(40))
+    salted = block_hashes(tokens, BS, ROOT, parent_hash=salted_root(ROOT, "tenant-a"))
+    index = KvIndex()
+    index.apply_snapshot("a", _snapshot("wa", salted[:5], last_id=1))
+    assert index.cached_prefix("a", PromptRoute(40, token_ids=tokens, cache_salt="tenant-a").block_hash) == 5
+    assert index.cached_prefix("a", PromptRoute(40, token_ids=tokens, cache_salt="tenant-b").block_hash) == 0
+    assert index.cached_prefix("a", _chain_route(tokens).block_hash) == 0
+
+
 def test_a_fresh_feed_from_id_one_needs_no_snapshot() -> None:
     index = KvIndex()
     assert index.apply_events("a", _events("wa", [(1, "stored", [1, 2]), (2, "stored", [3])]))
