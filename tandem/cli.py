@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.bench.offline import add_offline_parser
+from tandem.bench.overhead import add_overhead_parser
 from tandem.bench.perplexity_cli import add_perplexity_parser
 from tandem.bench.serve import add_serve_parser
 from tandem.flags import (
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks that print tandem beside a peer")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     add_offline_parser(bench_commands)
+    add_overhead_parser(bench_commands)
     add_perplexity_parser(bench_commands)
     add_serve_parser(bench_commands)
     return parser

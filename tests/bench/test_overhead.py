@@ -1,0 +1,30 @@
+"""`tandem bench overhead`: the split of a step into model time and engine overhead, beside a
+baseline checkout measured by the same code in its own interpreter."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_overhead_bench_measures_us_and_a_baseline(tmp_path: Path) -> None:
+    output = tmp_path / "overhead.json"
+    done = subprocess.run([sys.executable, "-m", "tandem", "bench", "overhead", "--steps", "20", "--repeats", "1",
+                           "--threads", "1", "--baseline", str(REPO), "--output", str(output)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {m.group(1): [float(x) for x in m.groups()[1:]]
+            for m in re.finditer(r"^(tandem|baseline)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)%$",
+                                 done.stdout, re.M)}
+    assert set(rows) == {"tandem", "baseline"}, done.stdout
+    for step_ms, model_ms, overhead_us, _p90, share in rows.values():
+        assert 0 < model_ms < step_ms and 0 < overhead_us < step_ms * 1000 and 0 < share < 100
+    assert "overhead: baseline / tandem = " in done.stdout
+    results = json.loads(output.read_text())["results"]
+    assert results["tandem"]["steps"] == 20
+    assert abs(results["tandem"]["overhead_s"] * 1e6 - rows["tandem"][2]) <= 1
