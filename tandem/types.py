@@ -167,14 +167,14 @@ class Request:
         self.all_token_ids.append(token_id)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     token_id: int
     logprob: float
     rank: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     """What the sampler produced for one request in one step."""
 

@@ -3,15 +3,16 @@
 A step at batch 1 is mostly the model forward (weights streamed once per token); everything
 else the engine does around it (scheduling, building the batch, bookkeeping, outputs, text)
 is overhead that caps single-stream speed and grows with every feature bolted on. This bench
-times `LLMEngine.step()` and, inside it, the model forward, the LM head and the sampler
-(wrapped with timers), so overhead = step - (forward + LM head + sampling). The hardware's
-limit for overhead is zero; the report gives it per step and as a share of the step.
+times `LLMEngine.step()` and, inside it, the model's forward and its LM head (wrapped with
+timers), so overhead = step - (forward + LM head): scheduling, batch building, sampling,
+state updates, outputs and text. The hardware's limit for overhead is zero; the report
+gives it per step and as a share of the step.
 
 `--baseline PATH` measures another tandem checkout (e.g. a git worktree of an older commit)
 in the same run, in a subprocess that runs this very file with PATH first on `sys.path`.
 So this module must only use what every tandem version has: `tandem.llm.LLM`,
 `tandem.types.SamplingParams`, `llm.engine.add_request/step/has_unfinished` and
-`llm.engine.runner.model/.sampler`. Runs alternate (ours, baseline, ours, ...) so a machine
+`llm.engine.runner.model`. Runs alternate (ours, baseline, ours, ...) so a machine
 that drifts affects both alike; the medians of the repeats are reported.
 """
 
@@ -56,7 +57,6 @@ def measure(model: str | None, batch: int, steps: int, threads: int | None) -> d
     model = runner.model
     model.forward = timed(model.forward)
     model.compute_logits = timed(model.compute_logits)
-    runner.sampler = timed(runner.sampler)
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(None, None, params, prompt_token_ids=list(_PROMPT))
@@ -127,8 +127,8 @@ def run_overhead(args: argparse.Namespace) -> int:
 def add_overhead_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "overhead", help="per-step engine overhead (step time minus the model's own time)",
-        description="Time engine steps at a fixed batch and split them into the model's time (forward, "
-                    "LM head, sampling) and everything else; optionally beside another tandem checkout.")
+        description="Time engine steps at a fixed batch and split them into the model's time (forward "
+                    "and LM head) and everything else; optionally beside another tandem checkout.")
     _add_measure_args(parser)
     parser.add_argument("--baseline", default=None, metavar="PATH",
                         help="another tandem checkout to measure in the same run (e.g. a git worktree)")

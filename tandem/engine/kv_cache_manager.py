@@ -35,8 +35,9 @@ class KVCacheManager:
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self._blocks.get(request_id, [])
 
-    def block_ids_of(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, [])]
+    def block_ids_of(self, request_id: str, start: int = 0) -> list[int]:
+        """Ids of the request's blocks from the `start`-th on."""
+        return [b.block_id for b in self._blocks.get(request_id, ())[start:]]
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
@@ -48,7 +49,7 @@ class KVCacheManager:
         filled a block (a length comparison).
         """
         hashes = request.block_hashes
-        wanted = request.num_tokens // self.block_size
+        wanted = len(request.all_token_ids) // self.block_size
         if len(hashes) < wanted:
             parent = hashes[-1] if hashes else salted_root(self.root_hash, request.cache_salt)
             hashes.extend(block_hashes(request.all_token_ids[: wanted * self.block_size], self.block_size,
@@ -121,6 +122,8 @@ class KVCacheManager:
             return
         done = self._num_cached_blocks.get(request.request_id, 0)
         num_full = min(request.num_computed_tokens // self.block_size, len(held))
+        if num_full <= done:
+            return  # most steps: the decode's token did not fill a block
         hashes = self.update_block_hashes(request)
         for index in range(done, num_full):
             start = index * self.block_size

@@ -80,7 +80,7 @@ class CoreFailed:
     message: str
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceDelta:
     index: int
     token_ids: list[int]
@@ -89,7 +89,7 @@ class SequenceDelta:
     stop_reason: int | str | None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestDelta:
     """New tokens of one request since the last delta, per sequence."""
 
@@ -103,7 +103,7 @@ class RequestDelta:
     num_loaded_tokens: int = 0  # on the first delta: prompt tokens whose KV a connector supplied
 
 
-@dataclass
+@dataclass(slots=True)
 class CoreOutputs:
     deltas: list[RequestDelta] = field(default_factory=list)
     load: EngineLoad | None = None

@@ -17,7 +17,7 @@ from tandem.engine.messages import RequestDelta
 from tandem.types import RequestStatus, SamplingParams, TokenLogprob
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceStep:
     """What one sequence adds to the response in one step."""
 
@@ -29,7 +29,7 @@ class SequenceStep:
     stop_reason: int | str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestStep:
     sequences: list[SequenceStep]
     num_cached_tokens: int

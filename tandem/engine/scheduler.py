@@ -40,7 +40,7 @@ class FinishedRequest:
     kv_transfer_params: dict[str, Any] | None = None  # a connector's word on the request's KV
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """What one step did to one request: a new token, an end, or both."""
 
@@ -60,7 +60,7 @@ class _ExternalKV:
     loaded: bool = False  # the load succeeded: its tokens count as cached
 
 
-@dataclass
+@dataclass(slots=True)
 class _RunnerView:
     """How much of a request the model runner has seen (it is sent only what is new)."""
 
@@ -273,8 +273,8 @@ class Scheduler:
     def _schedule_chunk(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         """Describe the request to the runner: all of it the first time, then what is new."""
         request_id = request.request_id
-        block_ids = self.kv.block_ids_of(request_id)
         view = self._runner.get(request_id)
+        num_blocks = self.kv.num_blocks_of(request_id)
         if view is None:
             out.new_requests.append(NewRequestData(
                 request_id=request_id,
@@ -282,17 +282,19 @@ class Scheduler:
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
                 eos_token_ids=tuple(sorted(request.eos_token_ids)),
-                block_ids=block_ids,
+                block_ids=self.kv.block_ids_of(request_id),
                 num_computed_tokens=request.num_computed_tokens,
             ))
+            self._runner[request_id] = _RunnerView(request.num_tokens, num_blocks)
         else:
             out.cached_requests.append(CachedRequestData(
                 request_id=request_id,
                 new_token_ids=request.all_token_ids[view.num_tokens:],
-                new_block_ids=block_ids[view.num_blocks:],
+                new_block_ids=self.kv.block_ids_of(request_id, view.num_blocks) if num_blocks > view.num_blocks
+                else [],
                 num_computed_tokens=request.num_computed_tokens,
             ))
-        self._runner[request_id] = _RunnerView(request.num_tokens, len(block_ids))
+            view.num_tokens, view.num_blocks = request.num_tokens, num_blocks
         out.num_scheduled_tokens[request_id] = num_new
 
     def _preempt(self, request: Request) -> None:
@@ -310,7 +312,8 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance progress after a step; returns what happened to each request it touched."""
         updates: list[RequestUpdate] = []
-        failed = result.kv_connector_output.failed_loads
+        connector_output = result.kv_connector_output
+        failed = connector_output.failed_loads if connector_output is not None else ()
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -333,7 +336,8 @@ class Scheduler:
             if reason is not None:
                 update.finished = self._finish(request, reason)
             updates.append(update)
-        self._apply_connector_output(result.kv_connector_output)
+        if connector_output is not None:
+            self._apply_connector_output(connector_output)
         return updates
 
     def _roll_back_failed_sync_load(self, request: Request, external: _ExternalKV) -> None:

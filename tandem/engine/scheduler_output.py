@@ -17,7 +17,7 @@ from tandem.kvcache.connector.base import KVConnectorOutput
 from tandem.types import SampledToken, SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     """A request the runner has no state for: everything it needs, once."""
 
@@ -30,7 +30,7 @@ class NewRequestData:
     num_computed_tokens: int  # where this step's chunk starts
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already holds: only what changed since its last step."""
 
@@ -40,7 +40,7 @@ class CachedRequestData:
     num_computed_tokens: int  # where this step's chunk starts
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
@@ -61,8 +61,8 @@ class SchedulerOutput:
         return not self.num_scheduled_tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # request id -> its new token
-    kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+    kv_connector_output: KVConnectorOutput | None = None  # None: no KV connector is configured
     forward_seconds: float = 0.0  # model forward + sampling, for the engine's overhead figure

@@ -28,7 +28,19 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
+    @staticmethod
+    def plain_greedy(params: SamplingParams, banning: bool) -> bool:
+        """Greedy with nothing to adjust or report: the token is the raw logits' argmax."""
+        return params.greedy and params.logprobs is None and not banning and not params.has_penalties
+
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> list[SampledToken]:
+        """The common agent case, and every decode step of it: one argmax, no copies."""
+        return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        if all(self.plain_greedy(r.params, bool(r.banned_token_ids)) for r in rows):
+            return self.argmax(logits)
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

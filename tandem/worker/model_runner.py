@@ -27,7 +27,7 @@ from tandem.types import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """What the runner knows of one request, built from the scheduler's plain messages."""
 
@@ -53,7 +53,7 @@ class RequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[: start + count - prompt_len]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """The slice of one request that runs this step, as the batch builder needs it."""
 
@@ -69,7 +69,7 @@ class ScheduledChunk:
         return len(self.token_ids)
 
 
-@dataclass
+@dataclass(slots=True)
 class PreparedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -113,23 +113,27 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
 
     context_lens = [c.start + 1 for c in decodes]
     max_blocks = max((len(c.block_ids) for c in decodes), default=0)
-    tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-    for row, chunk in enumerate(decodes):
-        tables[row, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids)
+    # One tensor built from one list, then split into views: each torch.tensor() call and
+    # each row assignment costs microseconds, and at batch 1 they add up to a real share of
+    # a step the model itself spends ~20 ms on.
+    table_rows = [b for c in decodes for b in (*c.block_ids, *(0,) * (max_blocks - len(c.block_ids)))]
+    sizes = [len(input_ids), len(positions), len(slots), len(sample_rows), len(context_lens), len(table_rows)]
+    flat = torch.tensor(input_ids + positions + slots + sample_rows + context_lens + table_rows, dtype=torch.long)
+    ids_t, positions_t, slots_t, rows_t, lens_t, table_t = flat.split(sizes)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        slot_mapping=slots_t,
         num_decode_tokens=len(decodes),
-        decode_block_tables=tables,
-        decode_context_lens=torch.tensor(context_lens, dtype=torch.long),
+        decode_block_tables=table_t.view(len(decodes), max_blocks),
+        decode_context_lens=lens_t,
         decode_max_context_len=max(context_lens, default=0),
         prefills=spans,
         block_size=block_size,
     )
     return PreparedBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        input_ids=ids_t,
+        positions=positions_t,
         meta=meta,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+        sample_rows=rows_t,
         sample_chunks=sample_chunks,
     )
 
@@ -246,15 +250,20 @@ class ModelRunner:
         batch = prepare_batch(self.chunks(out), self.block_size)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if batch.sample_chunks:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
-            rows = [self._sampling_row(chunk.state) for chunk in batch.sample_chunks]
-            sampled = self.sampler(logits, rows)
+            # A decode-only batch samples every row in order: no gather needed.
+            every_row = len(batch.sample_chunks) == hidden.shape[0]
+            logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_rows])
+            states = [chunk.state for chunk in batch.sample_chunks]
+            if all(Sampler.plain_greedy(s.sampling_params, len(s.output_token_ids) < s.sampling_params.min_tokens)
+                   for s in states):
+                sampled = Sampler.argmax(logits)
+            else:
+                sampled = self.sampler(logits, [self._sampling_row(state) for state in states])
             result.sampled = {c.request_id: s for c, s in zip(batch.sample_chunks, sampled, strict=True)}
         result.forward_seconds = time.perf_counter() - started
         return result
 
-    def _sampling_row(self, state: RequestState | None) -> SamplingRow:
-        assert state is not None
+    def _sampling_row(self, state: RequestState) -> SamplingRow:
         params = state.sampling_params
         banned: list[int] = []
         if len(state.output_token_ids) < params.min_tokens:

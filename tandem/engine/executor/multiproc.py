@@ -104,7 +104,8 @@ class MultiprocExecutor(Executor):
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         results: list[ModelRunnerOutput] = self._call("execute_model", out)
         first = results[0]
-        first.kv_connector_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
+        if first.kv_connector_output is not None:
+            first.kv_connector_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
         return first
 
     def check_health(self) -> None:
