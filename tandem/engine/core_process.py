@@ -119,7 +119,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     """Process entry point: build the engine, announce it, serve until told to stop."""
     # Ctrl-C reaches the whole process group; the server decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_addr)
