@@ -179,7 +179,7 @@ class Scheduler:
             budget = self._admit_waiting(out, budget)
 
         if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta()
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:

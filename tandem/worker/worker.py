@@ -197,6 +197,7 @@ class Worker:
             connector.wait_for_load()
         result = self.runner.execute_model(out)
         if connector is not None:
+            connector.save_kv(out.kv_connector_metadata)
             connector.wait_for_save()
             result.kv_connector_output = connector.get_finished()
         return result

@@ -92,7 +92,7 @@ class FakeScheduler(KVConnectorScheduler):
         self.meta.loads.append(LoadSpec(request.request_id, start, tokens, list(block_ids),
                                         self.delay if self.load_async else 0, request.request_id in self.fail))
 
-    def build_connector_meta(self) -> Meta:
+    def build_connector_meta(self, scheduler_output: Any) -> Meta:
         self.steps += 1
         meta, self.meta = self.meta, Meta()
         return meta

@@ -99,8 +99,11 @@ class KVConnectorScheduler(ABC):
         start at the request's `num_computed_tokens`."""
 
     @abstractmethod
-    def build_connector_meta(self) -> Any:
-        """This step's instructions for the worker side (plain, picklable), or None."""
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """This step's instructions for the worker side (plain, picklable), or None.
+
+        `scheduler_output` is the step's SchedulerOutput (engine/scheduler_output.py), so a
+        connector that saves KV knows which requests compute which tokens this step."""
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027
         """The worker sides' report for the step that just ran."""
@@ -140,8 +143,11 @@ class KVConnectorWorker(ABC):
     def wait_for_load(self) -> None:  # noqa: B027 - optional hook
         """Block until the KV this step's forward reads is in place (synchronous loads)."""
 
+    def save_kv(self, metadata: Any) -> None:  # noqa: B027 - optional hook
+        """After the forward: start saving what this step computed and the metadata names."""
+
     def wait_for_save(self) -> None:  # noqa: B027 - optional hook
-        """After the forward: make sure what must be saved this step is saved."""
+        """Before the step returns: make sure what must be saved by now is saved."""
 
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:
@@ -179,8 +185,8 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         if index is not None:
             self.connectors[index].update_state_after_alloc(request, block_ids, num_external_tokens)
 
-    def build_connector_meta(self) -> Any:
-        metas = [c.build_connector_meta() for c in self.connectors]
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        metas = [c.build_connector_meta(scheduler_output) for c in self.connectors]
         return None if all(m is None for m in metas) else metas
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -233,6 +239,10 @@ class MultiConnectorWorker(KVConnectorWorker):
     def wait_for_load(self) -> None:
         for connector in self.connectors:
             connector.wait_for_load()
+
+    def save_kv(self, metadata: Any) -> None:
+        for connector, meta in zip(self.connectors, metadata or [None] * len(self.connectors), strict=True):
+            connector.save_kv(meta)
 
     def wait_for_save(self) -> None:
         for connector in self.connectors:

@@ -205,7 +205,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return late
 
     # --- both sides -----------------------------------------------------------------
-    def build_connector_meta(self) -> PDMetadata | None:
+    def build_connector_meta(self, scheduler_output: Any = None) -> PDMetadata | None:
         meta, self._meta = self._meta, PDMetadata()
         return None if meta.empty else meta
 
