@@ -61,6 +61,15 @@ def _check_same_weights(checksum: float) -> None:
         raise RuntimeError(f"ranks loaded different weights (checksums {float(low)} .. {float(high)})")
 
 
+def _picklable(exc: Exception) -> Exception | None:
+    """The exception itself when it survives pickling, so the engine can raise the same type."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any failure means: send the text only
+        return None
+    return exc
+
+
 class _Rank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 reply = ("ok", rank.handle(method, call_args))
             except Exception as exc:
                 logger.exception("rank %d: %s failed", args.rank, method)
-                reply = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
+                reply = ("error", (_picklable(exc), f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
                 sock.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
                 return 1
             sock.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))

@@ -59,6 +59,15 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+def _rank_error(rank: int, exc: Exception | None, text: str) -> Exception:
+    """A rank's failure as the engine raises it: the same exception type when it could be
+    sent (a missing model stays a FileNotFoundError), else a RuntimeError with its text."""
+    if exc is None:
+        return RuntimeError(f"rank {rank} failed: {text}")
+    exc.add_note(f"(raised on rank {rank})")
+    return exc
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -164,7 +173,7 @@ class MultiprocExecutor(Executor):
                 if self._sockets[rank] in ready:
                     status, value = pickle.loads(self._sockets[rank].recv())
                     if status == "error":
-                        raise RuntimeError(f"rank {rank} failed: {value}")
+                        raise _rank_error(rank, *value)
                     replies[rank] = value
                     pending.discard(rank)
             if pending:

@@ -56,6 +56,17 @@ def test_a_dead_rank_stops_the_engine_with_a_clear_error() -> None:
     assert not alive, f"ranks left behind: {[p.pid for p in alive]}"
 
 
+def test_a_rank_that_fails_to_start_raises_its_own_error_and_leaves_nothing() -> None:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(FileNotFoundError, match="not found") as failure:
+        LLM("/nonexistent/model/dir", kv_cache_memory=KV, num_threads=1, world_size=2)
+    assert any("raised on rank" in note for note in failure.value.__notes__)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and {p.pid for p in psutil.Process().children(recursive=True)} - before:
+        time.sleep(0.1)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} - before == set()
+
+
 def test_a_served_engine_whose_rank_dies_fails_loudly_and_leaves_nothing(tmp_path: Path) -> None:
     server = start_server(tmp_path / "serve.log", "--world-size", "2", "--kv-cache-memory", KV, "--threads", "1")
     try:
