@@ -56,19 +56,6 @@ class _Group:
     reported: bool = False  # its first delta (queue time, loaded tokens) went out
 
 
-@dataclass
-class StepStats:
-    """Where a step's time goes: the model forward vs. everything the engine does around it."""
-
-    steps: int = 0
-    step_seconds: float = 0.0  # schedule + execute + update + deltas
-    forward_seconds: float = 0.0  # model forward + sampling, as the runner measured it
-
-    @property
-    def overhead_seconds(self) -> float:
-        return self.step_seconds - self.forward_seconds
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
                  record_kv_events: bool = False) -> None:
@@ -98,8 +85,7 @@ class EngineCore:
         if connector is not None:
             connector.set_worker_info(handshakes)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, connector)
-        self.kv_source = next((f"tcp://{h['host']}:{h['port']}" for h in _flat(handshakes) if h.get("port")), None)
-        self.stats = StepStats()
+        self.kv_source = connector.endpoints().get("kv_source") if connector is not None else None
         self._groups: dict[str, _Group] = {}
         self._parent: dict[str, tuple[_Group, int]] = {}  # sequence id -> its group and index
         self.startup_seconds = time.perf_counter() - started
@@ -191,19 +177,13 @@ class EngineCore:
     # --- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """One scheduler + model step; a delta for every request that changed."""
-        started = time.perf_counter()
         out = self.scheduler.schedule()
         if (out.empty and out.kv_connector_metadata is None and not out.finished_request_ids
                 and self.pending_kv_work() is None):
             return []
         result = self.executor.execute_model(out)
         updates = self.scheduler.update_from_output(out, result)
-        deltas = self._deltas(updates)
-        if not out.empty:
-            self.stats.steps += 1
-            self.stats.step_seconds += time.perf_counter() - started
-            self.stats.forward_seconds += result.forward_seconds
-        return deltas
+        return self._deltas(updates)
 
     def _deltas(self, updates: list[RequestUpdate]) -> list[RequestDelta]:
         deltas: dict[str, RequestDelta] = {}
@@ -278,13 +258,3 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-
-def _flat(handshakes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each rank's handshake, or each chained connector's part of it."""
-    flat: list[dict[str, Any]] = []
-    for handshake in handshakes:
-        if handshake and all(isinstance(v, dict) for v in handshake.values()):
-            flat.extend(handshake.values())
-        else:
-            flat.append(handshake)
-    return flat

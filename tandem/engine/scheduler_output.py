@@ -65,4 +65,3 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # request id -> its new token
     kv_connector_output: KVConnectorOutput | None = None  # None: no KV connector is configured
-    forward_seconds: float = 0.0  # model forward + sampling, for the engine's overhead figure

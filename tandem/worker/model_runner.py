@@ -13,7 +13,6 @@ import logging
 import math
 import mmap
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -246,7 +245,6 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if out.empty:
             return result
-        started = time.perf_counter()
         batch = prepare_batch(self.chunks(out), self.block_size)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if batch.sample_chunks:
@@ -260,7 +258,6 @@ class ModelRunner:
             else:
                 sampled = self.sampler(logits, [self._sampling_row(state) for state in states])
             result.sampled = {c.request_id: s for c, s in zip(batch.sample_chunks, sampled, strict=True)}
-        result.forward_seconds = time.perf_counter() - started
         return result
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:

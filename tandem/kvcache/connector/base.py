@@ -126,6 +126,10 @@ class KVConnectorScheduler(ABC):
     def counters(self) -> dict[str, float]:
         return {}
 
+    def endpoints(self) -> dict[str, str]:
+        """Addresses this worker offers other workers (e.g. "kv_source"), for /load and routers."""
+        return {}
+
 
 class KVConnectorWorker(ABC):
     """The worker side. Runs in each rank's worker, around the model runner."""
@@ -220,6 +224,12 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         merged: dict[str, float] = {}
         for connector in self.connectors:
             merged.update(connector.counters())
+        return merged
+
+    def endpoints(self) -> dict[str, str]:
+        merged: dict[str, str] = {}
+        for connector in self.connectors:
+            merged.update(connector.endpoints())
         return merged
 
 

@@ -258,6 +258,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return _HOLD_POLL_S
         return None
 
+    def endpoints(self) -> dict[str, str]:
+        source = self._source
+        return {"kv_source": f"tcp://{source['host']}:{source['port']}"} if source else {}
+
     def counters(self) -> dict[str, float]:
         counters = asdict(self._counters)
         counters["held"] = len(self._holds)
