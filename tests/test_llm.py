@@ -166,6 +166,17 @@ def test_stop_token_and_length(llm: LLM) -> None:
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
 
 
+def test_min_tokens_holds_off_eos_on_the_greedy_path(llm: LLM) -> None:
+    """Greedy steps take a plain argmax unless something must be banned: min_tokens must."""
+    messages = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+    short = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 30  # it stops on EOS by itself
+    forced = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40, min_tokens=30))[0].outputs[0]
+    assert len(forced.token_ids) >= 30
+    assert not set(forced.token_ids[:30]) & set(llm.engine.eos_token_ids)
+    assert forced.token_ids[: len(short.token_ids) - 1] == short.token_ids[:-1]  # the same text until the EOS
+
+
 def test_seeded_sampling_is_reproducible_and_n_samples(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, n=3)
     first = llm.generate(["Tell me a story about"], params)[0]

@@ -104,7 +104,12 @@ def run_overhead(args: argparse.Namespace) -> int:
 
     engines: dict[str, Path | None] = {"tandem": None}
     if args.baseline:
-        engines["baseline"] = Path(args.baseline).resolve()
+        baseline = Path(args.baseline).resolve()
+        if not (baseline / "tandem" / "llm.py").is_file():
+            raise ValueError(f"--baseline {args.baseline}: not a tandem checkout (no tandem/llm.py there)")
+        engines["baseline"] = baseline
+    if args.repeats < 1 or args.steps < 1 or args.batch < 1:
+        raise ValueError("--repeats, --steps and --batch must be at least 1")
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     order = [name for _ in range(args.repeats) for name in engines]
     for name in tqdm(order, desc="measuring", unit="run"):

@@ -28,3 +28,10 @@ def test_overhead_bench_measures_us_and_a_baseline(tmp_path: Path) -> None:
     results = json.loads(output.read_text())["results"]
     assert results["tandem"]["steps"] == 20
     assert abs(results["tandem"]["overhead_s"] * 1e6 - rows["tandem"][2]) <= 1
+
+
+def test_a_baseline_that_is_not_a_checkout_is_a_clear_error(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "tandem", "bench", "overhead", "--baseline", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "not a tandem checkout" in done.stderr
+    assert "Traceback" not in done.stderr
