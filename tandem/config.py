@@ -181,6 +181,31 @@ class KVTransferConfig:
         return self.role in ("decode", "both")
 
 
+@dataclass(frozen=True)
+class KVTiersConfig:
+    """The KV tiers below the device pool (tandem/kvcache/connector/tiers.py); all off by default.
+
+    A chunk of `chunk_blocks` blocks is the unit stored and loaded. CPU memory is written through
+    as chunks are computed; the disk and the cluster store are written asynchronously, and only
+    for chunks seen in at least `admit_after` requests (so one-shot prompts stay out of them).
+    """
+
+    cpu_bytes: int = 0  # CPU-memory tier budget; 0: off
+    disk_path: str | None = None  # local-disk tier directory; None: off
+    disk_bytes: int = 16 << 30
+    store_url: str | None = None  # cluster store: redis://host:port, valkey://..., mooncake://...
+    chunk_blocks: int = 16
+    admit_after: int = 2  # sightings before a chunk may enter disk / cluster; 1: every chunk
+    max_concurrent_loads: int = 4
+    load_timeout: float = 10.0  # a load not done by then: the prompt is computed instead
+    writer_queue_chunks: int = 64  # pending slow-tier writes; beyond, new ones are dropped
+    cost_model: bool = True  # False: always load when a tier has the chunk
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cpu_bytes or self.disk_path or self.store_url)
+
+
 EXECUTOR_BACKENDS = ("auto", "uni", "mp")
 
 
@@ -208,6 +233,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
     parallel: ParallelConfig = ParallelConfig()
+    kv_tiers: KVTiersConfig = KVTiersConfig()
 
 
 @dataclass(frozen=True)

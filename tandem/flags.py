@@ -22,6 +22,7 @@ from typing import Any
 from tandem.config import (
     CacheConfig,
     EngineConfig,
+    KVTiersConfig,
     KVTransferConfig,
     LoadConfig,
     ParallelConfig,
@@ -98,6 +99,22 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--distributed-executor-backend",
          "uni = the one rank inside the engine core process, mp = one process per rank, auto = uni "
          "for one rank, else mp (default: auto)", "auto", choices=("auto", "uni", "mp")),
+    Flag("--kv-offload-cpu-bytes",
+         "KV tier in CPU memory: prefix chunks are copied here as they are computed and outlive "
+         "their eviction from the KV cache, e.g. 8GiB (default: off)", metavar="SIZE"),
+    Flag("--kv-offload-disk-path",
+         "KV tier on local disk: one file per chunk in DIR, kept across restarts (default: off)",
+         metavar="DIR"),
+    Flag("--kv-offload-disk-bytes", "budget of the disk tier, oldest chunks deleted first "
+         "(default: 16GiB)", metavar="SIZE"),
+    Flag("--kv-store",
+         "cluster KV store every worker reads and writes: redis://HOST:PORT, valkey://HOST:PORT "
+         "(default: off)", metavar="URL"),
+    Flag("--kv-chunk-blocks", "KV blocks per tier chunk, the unit stored and loaded (default: 16)",
+         16, type=int, metavar="N"),
+    Flag("--kv-store-admit-after",
+         "a chunk enters the disk tier and the cluster store once N requests contained it, keeping "
+         "one-shot prompts out (default: 2; 1 = every chunk)", 2, type=int, metavar="N"),
 )
 
 
@@ -147,7 +164,27 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
         parallel=ParallelConfig(world_size=args.world_size, executor_backend=args.distributed_executor_backend),
+        kv_tiers=kv_tiers_config(args),
     )
+
+
+def kv_tiers_config(args: argparse.Namespace) -> KVTiersConfig:
+    """The KV tiers below the device pool, from the --kv-offload-* and --kv-store flags."""
+    def size(value: Any, default: int) -> int:
+        return default if value is None else parse_memory_size(value)
+
+    get = lambda name: getattr(args, name, None)  # noqa: E731 - commands without the flags
+    config = KVTiersConfig(
+        cpu_bytes=size(get("kv_offload_cpu_bytes"), 0),
+        disk_path=get("kv_offload_disk_path"),
+        disk_bytes=size(get("kv_offload_disk_bytes"), KVTiersConfig.disk_bytes),
+        store_url=get("kv_store"),
+        chunk_blocks=get("kv_chunk_blocks") or KVTiersConfig.chunk_blocks,
+        admit_after=get("kv_store_admit_after") or KVTiersConfig.admit_after,
+    )
+    if config.chunk_blocks < 1 or config.admit_after < 1:
+        raise ValueError("--kv-chunk-blocks and --kv-store-admit-after must be at least 1")
+    return config
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,6 +207,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "attention_backend": args.attention_backend,
         "world_size": args.world_size,
         "distributed_executor_backend": args.distributed_executor_backend,
+        "kv_tiers": kv_tiers_config(args),
     }
 
 

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from tandem.config import (
     CacheConfig,
     EngineConfig,
+    KVTiersConfig,
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -45,6 +46,7 @@ class LLM:
         attention_backend: str = "auto",
         world_size: int = 1,
         distributed_executor_backend: str = "auto",
+        kv_tiers: KVTiersConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=model or "smollm2-135m",
@@ -63,6 +65,7 @@ class LLM:
                 max_model_len=max_model_len,
             ),
             parallel=ParallelConfig(world_size=world_size, executor_backend=distributed_executor_backend),
+            kv_tiers=kv_tiers or KVTiersConfig(),
         )
         self.engine = LLMEngine(config)
 

@@ -228,6 +228,9 @@ class EngineLoad:
     prefix_cache_hits: int = 0  # of which found cached, cumulative
     num_preemptions: int = 0  # cumulative
     kv_transfer: dict[str, float] = field(default_factory=dict)  # handoff counters (engine core)
+    # The KV tiers (CPU, disk, cluster store): blocks and traffic per tier, loads, the writer
+    # (tandem/kvcache/connector/tiers.py `counters`); empty when no tier is on.
+    kv_tiers: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

@@ -73,7 +73,7 @@ class EngineCoreProc:
             if self._running and (core.has_unfinished() or core.pending_kv_work() is not None):
                 out.deltas.extend(core.step())
                 changed = True
-            out.kv_events = core.block_pool.drain_events()
+            out.kv_events = core.drain_kv_events()
             if changed or out.kv_events:
                 out.load = core.load()
                 self.outputs.send_pyobj(out)

@@ -238,6 +238,8 @@ class EngineCore:
         )
         stats = self.kv_manager.stats
         connector = scheduler.connector
+        transfer = dict(connector.counters()) if connector is not None else {}
+        tiers = transfer.pop("tiers", {})
         return EngineLoad(
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
@@ -249,8 +251,17 @@ class EngineCore:
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
             num_preemptions=scheduler.num_preemptions,
-            kv_transfer=connector.counters() if connector is not None else {},
+            kv_transfer=transfer,
+            kv_tiers=tiers,
         )
+
+    def drain_kv_events(self) -> list[tuple]:
+        """The block pool's KV events (device) and then the connectors' (lower tiers)."""
+        events: list[tuple] = list(self.block_pool.drain_events())
+        connector = self.scheduler.connector
+        if connector is not None:
+            events += connector.drain_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -108,4 +108,6 @@ class CoreOutputs:
     deltas: list[RequestDelta] = field(default_factory=list)
     load: EngineLoad | None = None
     reset_prefix_cache: bool | None = None
-    kv_events: list[tuple[str, int]] = field(default_factory=list)  # the block pool's, in order
+    # ("stored" / "removed" / "cleared", block hash[, medium]): the block pool's (device), then the
+    # connectors' (cpu, disk, cluster tiers), in order
+    kv_events: list[tuple] = field(default_factory=list)

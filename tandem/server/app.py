@@ -33,7 +33,7 @@ from tandem.errors import (
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
 from tandem.server.engine_client import AsyncEngineClient
-from tandem.server.metrics import ServerMetrics
+from tandem.server.metrics import ServerMetrics, tier_blocks
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -111,10 +111,11 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             "max_model_len": serving.max_model_len,
             "prefix_cache_queries": current.prefix_cache_queries,
             "prefix_cache_hits": current.prefix_cache_hits,
-            "tiers": {"device": {"blocks_used": current.kv_blocks_used, "blocks_total": current.kv_blocks_total}},
+            "tiers": tier_blocks(current),
             "role": serving.client.info.role,
             "kv_source": serving.client.info.kv_source,
             "kv_transfer": current.kv_transfer,
+            "kv_tiers": current.kv_tiers,
         }
 
     @app.get("/kv/events")

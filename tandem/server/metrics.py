@@ -10,9 +10,15 @@ registry: two servers in one process (tests) never mix their numbers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from tandem.server.generate import RequestTimings
@@ -67,6 +73,82 @@ class _EngineStateCollector(Collector):
                       transfer.get("pull_failures", 0))
         yield counter("kv_transfer_pull_seconds", "Time spent fetching KV from prefill workers.",
                       transfer.get("pull_seconds", 0.0))
+        if load.kv_tiers:
+            yield from _tier_metrics(self.model_name, load.kv_tiers)
+
+
+# Per-tier counters the KV tiers report (connector/tiers.py), as `tandem:kv_tier_<name>{medium}`.
+_TIER_COUNTERS = {
+    "chunk_hits": "Chunks found in the tier and loaded.",
+    "chunks_loaded": "Chunks read from the tier into the KV cache.",
+    "misses": "Chunks a load expected in the tier but did not find (recomputed).",
+    "corrupt": "Chunks the tier returned that failed their checks (recomputed, deleted).",
+    "bytes_in": "Bytes written into the tier.",
+    "bytes_out": "Bytes loaded from the tier into the KV cache.",
+    "evictions": "Chunks the tier evicted for its budget.",
+    "write_errors": "Writes into the tier that failed.",
+    "errors": "Operations on the tier's store that failed.",
+}
+
+
+def tier_blocks(load: EngineLoad) -> dict[str, dict[str, Any]]:
+    """Blocks per tier for /load: the device pool's, then each KV tier's that this worker runs."""
+    tiers: dict[str, dict[str, Any]] = {
+        "device": {"blocks_used": load.kv_blocks_used, "blocks_total": load.kv_blocks_total,
+                   "blocks_cached": load.kv_blocks_cached}}
+    for medium, stats in load.kv_tiers.get("media", {}).items():
+        entry = {"blocks": int(stats.get("blocks", 0))}
+        if "budget_bytes" in stats:
+            entry["budget_bytes"] = int(stats["budget_bytes"])
+        if "bytes_used" in stats or "bytes" in stats:
+            entry["bytes"] = int(stats.get("bytes", stats.get("bytes_used", 0)))
+        tiers[medium] = entry
+    return tiers
+
+
+def _tier_metrics(model_name: str, tiers: dict[str, Any]) -> Iterable[Metric]:
+    labels = ["model_name", "medium"]
+    media = tiers.get("media", {})
+    blocks = GaugeMetricFamily("tandem:kv_tier_blocks", "KV blocks held in each tier below the device pool.",
+                               labels=labels)
+    for medium, stats in media.items():
+        blocks.add_metric([model_name, medium], stats.get("blocks", 0))
+    yield blocks
+    for name, doc in _TIER_COUNTERS.items():
+        metric = CounterMetricFamily(f"tandem:kv_tier_{name}", doc, labels=labels)
+        for medium, stats in media.items():
+            metric.add_metric([model_name, medium], stats.get(name, 0))
+        yield metric
+    plain = [("loads", "Requests whose prompt KV was loaded from a tier."),
+             ("loads_failed", "Tier loads that failed (prompt recomputed)."),
+             ("loads_timed_out", "Tier loads given up on (prompt recomputed)."),
+             ("loads_skipped_by_cost", "Tier hits not loaded: recomputing was estimated faster."),
+             ("probe_errors", "Existence probes of a slow tier that failed (counted as misses).")]
+    for name, doc in plain:
+        metric = CounterMetricFamily(f"tandem:kv_tier_{name}", doc, labels=["model_name"])
+        metric.add_metric([model_name], tiers.get(name, 0))
+        yield metric
+    writer = tiers.get("writer", {})
+    depth = GaugeMetricFamily("tandem:kv_tier_writer_queue_depth", "Chunks waiting for the slow-tier writer.",
+                              labels=["model_name"])
+    depth.add_metric([model_name], writer.get("queue_depth", 0))
+    yield depth
+    dropped = CounterMetricFamily("tandem:kv_tier_writes_dropped",
+                                  "Slow-tier writes dropped because the writer's queue was full.",
+                                  labels=["model_name"])
+    dropped.add_metric([model_name], writer.get("dropped", 0))
+    yield dropped
+    bounds = tiers.get("load_seconds_bounds", [])
+    histogram = HistogramMetricFamily("tandem:kv_tier_load_seconds",
+                                      "Seconds a request waited for its KV from a tier (the slowest it read).",
+                                      labels=labels)
+    for medium, hist in tiers.get("load_seconds", {}).items():
+        cumulative, buckets = 0, []
+        for bound, count in zip([*bounds, float("inf")], hist["buckets"], strict=True):
+            cumulative += count
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+        histogram.add_metric([model_name, medium], buckets, hist["sum"])
+    yield histogram
 
 
 class ServerMetrics:

@@ -180,7 +180,7 @@ class Worker:
         layout = KVLayout(model.num_hidden_layers, model.num_key_value_heads, config.cache.block_size,
                           model.head_dim, config.load.dtype)
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
-                               self.rank, self.world_size, self.kv_shm_path)
+                               self.rank, self.world_size, self.kv_shm_path, self._info.fingerprint)
         return self.connector.register_kv_cache(access)
 
     def weights_checksum(self) -> float:

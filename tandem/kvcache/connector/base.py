@@ -42,10 +42,13 @@ class KVConnectorOutput:
     failed_loads: set[str] = field(default_factory=set)  # request ids whose load failed: compute instead
     finished_holds: set[str] = field(default_factory=set)  # hold ids whose blocks may be freed
     counters: dict[str, float] = field(default_factory=dict)  # cumulative, for /load
+    # Anything else a connector's worker side tells its scheduler side, under its name
+    # (e.g. the KV tiers: chunks stored, writes dropped, load timings).
+    reports: dict[str, Any] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not (self.finished_loads or self.failed_loads or self.finished_holds)
+        return not (self.finished_loads or self.failed_loads or self.finished_holds or self.reports)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class KVCacheAccess:
     rank: int = 0
     world_size: int = 1
     shm_path: str | None = None
+    fingerprint: str = ""  # the model's (tandem/loader/fingerprint.py), for stored KV's headers
 
 
 class KVConnectorScheduler(ABC):
@@ -129,6 +133,11 @@ class KVConnectorScheduler(ABC):
     def endpoints(self) -> dict[str, str]:
         """Addresses this worker offers other workers (e.g. "kv_source"), for /load and routers."""
         return {}
+
+    def drain_events(self) -> list[tuple[str, int, str]]:
+        """KV events beyond the device pool's, in order: ("stored" | "removed", block hash,
+        medium), e.g. blocks that entered or left a CPU, disk or cluster tier."""
+        return []
 
 
 class KVConnectorWorker(ABC):
@@ -232,6 +241,9 @@ class MultiConnectorScheduler(KVConnectorScheduler):
             merged.update(connector.endpoints())
         return merged
 
+    def drain_events(self) -> list[tuple[str, int, str]]:
+        return [event for connector in self.connectors for event in connector.drain_events()]
+
 
 class MultiConnectorWorker(KVConnectorWorker):
     name = "multi"
@@ -266,6 +278,7 @@ class MultiConnectorWorker(KVConnectorWorker):
             merged.failed_loads |= out.failed_loads
             merged.finished_holds |= out.finished_holds
             merged.counters.update(out.counters)
+            merged.reports.update(out.reports)
         return merged
 
     def shutdown(self) -> None:
@@ -278,7 +291,7 @@ class KVOutputAggregator:
 
     Each rank moves its own KV (with tensor parallelism, its own shard), so a request's load
     is finished only once all ranks finished it, and failed if any rank failed it; counters
-    come from rank 0, the output rank.
+    and reports come from rank 0, the output rank.
     """
 
     def __init__(self, world_size: int) -> None:
@@ -289,7 +302,7 @@ class KVOutputAggregator:
     def aggregate(self, outputs: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
         if self.world_size == 1:
             return outputs[0]
-        merged = KVConnectorOutput(counters=dict(outputs[0].counters))
+        merged = KVConnectorOutput(counters=dict(outputs[0].counters), reports=dict(outputs[0].reports))
         for out in outputs:
             for request_id, failed in [(r, False) for r in out.finished_loads] + [(r, True) for r in out.failed_loads]:
                 count, any_failed = self._loads.get(request_id, (0, False))

@@ -1,0 +1,1 @@
+"""KV tiers below the device pool: CPU memory, local disk, a cluster store."""

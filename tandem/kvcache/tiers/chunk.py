@@ -1,0 +1,110 @@
+"""The stored form of a KV chunk: a header, the payload, an xxh3-128 checksum.
+
+A chunk is `n` consecutive KV blocks of one request's prefix (every layer, K and V), keyed by
+the fingerprinted hash chain of its last block (tandem/kvcache/block_hash.py), so another
+model, revision, dtype, block size or cache salt never produces the same key. The value on
+disk or in a cluster store is, in order:
+
+    magic b"TKVC" | format version (u16) | header length (u32) | header (JSON) | payload | digest
+
+The JSON header names the model fingerprint, the cache layout (layers, KV heads, block size,
+head dim, dtype), the payload's shape and length, the chunk's token ids and the rank that wrote
+it; the digest is xxh3-128 over everything before it. `decode_chunk` checks all of it against
+what the reader expects and raises `ChunkError` (with a short reason used as a metric label)
+on any mismatch, so a truncated, corrupt, foreign or stale value is a miss and a recompute,
+never wrong KV. Token ids make a hit certain rather than probable: the reader compares them
+with the request's own tokens, as the device prefix cache does.
+
+Torch-free: the payload is bytes; the worker turns it into a tensor without copying.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import xxhash
+
+MAGIC = b"TKVC"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<4sHI")  # magic, version, header length
+_DIGEST_BYTES = 16
+
+
+class ChunkError(ValueError):
+    """A stored value that must not be used; `reason` is one of REASONS."""
+
+    REASONS = ("truncated", "magic", "version", "checksum", "header", "foreign", "layout", "tokens")
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    fingerprint: str  # the model fingerprint (tandem/loader/fingerprint.py)
+    layout: dict[str, Any]  # KVLayout as a dict
+    shape: tuple[int, ...]  # of the payload tensor
+    num_blocks: int
+    token_ids: tuple[int, ...]
+    rank: int = 0
+    world_size: int = 1
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def chunk_key(last_block_hash: int, num_blocks: int, rank: int = 0, world_size: int = 1) -> str:
+    """The store key of the chunk whose last block has this chain hash (the chain covers every
+    token before it, so the key names the whole prefix, the model and the cache salt)."""
+    return f"{last_block_hash:016x}-{num_blocks}b-r{rank}of{world_size}"
+
+
+def encode_chunk(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
+    """Header, payload and digest as one value (one copy of the payload)."""
+    head = header.to_json()
+    preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head))
+    digest = xxhash.xxh3_128()
+    digest.update(preamble)
+    digest.update(head)
+    digest.update(payload)
+    return b"".join((preamble, head, payload, digest.digest()))
+
+
+def decode_chunk(value: bytes | memoryview, expected: ChunkHeader) -> memoryview:
+    """The payload of a stored value, after checking it against what the reader expects
+    (fingerprint, layout, shape, token ids); raises ChunkError otherwise."""
+    view = memoryview(value)
+    if len(view) < _PREAMBLE.size + _DIGEST_BYTES:
+        raise ChunkError("truncated", f"{len(view)} bytes")
+    magic, version, head_len = _PREAMBLE.unpack_from(view)
+    if magic != MAGIC:
+        raise ChunkError("magic", f"{bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise ChunkError("version", f"format {version}, this reader knows {FORMAT_VERSION}")
+    body_end = len(view) - _DIGEST_BYTES
+    head_end = _PREAMBLE.size + head_len
+    if head_end > body_end:
+        raise ChunkError("truncated", f"header of {head_len} bytes in a {len(view)}-byte value")
+    if xxhash.xxh3_128_digest(view[:body_end]) != bytes(view[body_end:]):
+        raise ChunkError("checksum", "xxh3-128 digest mismatch")
+    try:
+        fields = json.loads(bytes(view[_PREAMBLE.size:head_end]))
+        header = ChunkHeader(fields["fingerprint"], fields["layout"], tuple(fields["shape"]),
+                             int(fields["num_blocks"]), tuple(fields["token_ids"]),
+                             int(fields.get("rank", 0)), int(fields.get("world_size", 1)))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ChunkError("header", str(exc)) from exc
+    if header.fingerprint != expected.fingerprint:
+        raise ChunkError("foreign", f"written by model {header.fingerprint}, not {expected.fingerprint}")
+    if (header.layout != expected.layout or header.shape != expected.shape
+            or header.num_blocks != expected.num_blocks
+            or (header.rank, header.world_size) != (expected.rank, expected.world_size)):
+        raise ChunkError("layout", f"layout {header.layout} shape {header.shape}, expected "
+                                   f"{expected.layout} shape {expected.shape}")
+    if header.token_ids != expected.token_ids:
+        raise ChunkError("tokens", "the chunk holds other tokens than the request's (hash collision?)")
+    return view[head_end:body_end]

@@ -1,0 +1,36 @@
+"""Opening the slow tiers' stores from the engine's KV tier settings."""
+
+from __future__ import annotations
+
+from tandem.config import EngineConfig
+from tandem.kvcache.tiers.store import ChunkStore
+
+
+def open_stores(config: EngineConfig, role: str, rank: int = 0) -> dict[str, ChunkStore]:
+    """The slow tiers' stores. `role` "probe": the scheduler side's (existence checks only);
+    "worker": the worker side's (reads, writes, and the disk tier's budget)."""
+    tiers = config.kv_tiers
+    stores: dict[str, ChunkStore] = {}
+    if tiers.disk_path:
+        from tandem.kvcache.tiers.disk import DiskStore
+
+        if role == "probe":
+            stores["disk"] = DiskStore.prober(tiers.disk_path)
+        else:
+            stores["disk"] = DiskStore(tiers.disk_path, tiers.disk_bytes)
+    if tiers.store_url:
+        stores["cluster"] = open_cluster_store(tiers.store_url)
+    return stores
+
+
+def open_cluster_store(url: str) -> ChunkStore:
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("redis", "rediss", "valkey", "unix"):
+        from tandem.kvcache.tiers.redis_store import RedisStore
+
+        return RedisStore(url)
+    if scheme == "mooncake":
+        from tandem.kvcache.tiers.mooncake_store import MooncakeStore  # type: ignore[import-not-found]
+
+        return MooncakeStore(url)
+    raise ValueError(f"--kv-store {url!r}: expected redis://HOST:PORT, valkey://HOST:PORT or mooncake://...")
