@@ -1,15 +1,20 @@
-"""The KV tiers on the default model: a prefix evicted from the device pool comes back from the
-CPU tier with the same greedy tokens, counted as cached, and every pool returns to idle."""
+"""The KV tiers on the default model, with a real disk and a real redis-server: a prefix evicted
+from the device pool comes back from CPU memory, from disk and from Redis with the same greedy
+tokens, counted as cached; a fresh engine serves it from the cluster store; corrupt values and
+a stopped Redis are recomputes, never wrong tokens; every pool returns to idle."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tandem import LLM
 from tandem.config import KVTiersConfig
-from tandem.types import SamplingParams
+from tandem.kvcache.tiers.redis_server import RedisServer
+from tandem.types import RequestOutput, SamplingParams
 
 BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4  # SmolLM2-135M, fp32, 16-token blocks
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -60,6 +65,135 @@ def test_prefix_comes_back_from_cpu(cpu_llm: LLM, cold_outputs: list[str]) -> No
     assert tiers["loads"] >= 1 and tiers["media"]["cpu"]["chunk_hits"] >= 1
     assert tiers["load_seconds"]["cpu"]["count"] >= 1
     assert_idle(cpu_llm)
+
+
+def drain_writes(llm: LLM, timeout: float = 20.0) -> None:
+    """Step the idle engine until the slow-tier writer has confirmed every write."""
+    connector = llm.engine.scheduler.connector
+    deadline = time.monotonic() + timeout
+    while connector._pending:
+        assert time.monotonic() < deadline, "tier writes never confirmed"
+        llm.engine.core.step()
+        time.sleep(0.01)
+
+
+def evict_from_device(llm: LLM) -> None:
+    assert llm.engine.core.reset_prefix_cache()
+
+
+def tier_llm(**tiers) -> LLM:
+    return LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512,
+               kv_tiers=KVTiersConfig(chunk_blocks=4, admit_after=1, **tiers))
+
+
+PROMPT = SHARED + "Question: who built it?"
+
+
+def serve_twice(llm: LLM) -> tuple[RequestOutput, RequestOutput]:
+    """Compute the prompt, let the writes land, evict it from the device, ask again."""
+    first = llm.generate([PROMPT], GREEDY)[0]
+    drain_writes(llm)
+    evict_from_device(llm)
+    return first, llm.generate([PROMPT], GREEDY)[0]
+
+
+def test_prefix_comes_back_from_disk(tmp_path: Path, cold_outputs: list[str]) -> None:
+    with tier_llm(disk_path=str(tmp_path)) as llm:
+        first, again = serve_twice(llm)
+        assert first.outputs[0].text == again.outputs[0].text == cold_outputs[0]
+        assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
+        tiers = llm.engine.core.load().kv_tiers
+        assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["media"]["disk"]["blocks"] > 0
+        assert_idle(llm)
+
+
+def test_prefix_comes_back_from_redis_and_a_fresh_engine_reads_it(redis_server: RedisServer,
+                                                                   cold_outputs: list[str]) -> None:
+    _flush(redis_server)
+    with tier_llm(store_url=redis_server.url) as llm:
+        first, again = serve_twice(llm)
+        assert first.outputs[0].text == again.outputs[0].text == cold_outputs[0]
+        assert again.num_cached_tokens > 0
+        assert llm.engine.core.load().kv_tiers["media"]["cluster"]["chunk_hits"] >= 1
+        assert_idle(llm)
+    with tier_llm(store_url=redis_server.url) as fresh:  # never saw the prompt
+        out = fresh.generate([PROMPT], GREEDY)[0]
+        assert out.outputs[0].text == cold_outputs[0]
+        assert out.num_cached_tokens >= 64 * (len(out.prompt_token_ids) // 64 - 1)
+        assert fresh.engine.scheduler.stats.num_loaded_tokens == out.num_cached_tokens
+        assert_idle(fresh)
+
+
+def test_corrupt_bytes_on_disk_are_a_recompute(tmp_path: Path, cold_outputs: list[str]) -> None:
+    with tier_llm(disk_path=str(tmp_path)) as llm:
+        llm.generate([PROMPT], GREEDY)
+        drain_writes(llm)
+        files = sorted(tmp_path.rglob("*.kv"))
+        assert files
+        for path in files:  # flip one payload byte in every chunk
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        evict_from_device(llm)
+        again = llm.generate([PROMPT], GREEDY)[0]
+        assert again.outputs[0].text == cold_outputs[0]
+        tiers = llm.engine.core.load().kv_tiers
+        assert tiers["loads_failed"] >= 1 and tiers["media"]["disk"]["corrupt"] >= 1
+        assert llm.engine.scheduler.stats.num_failed_loads >= 1
+        assert_idle(llm)
+
+
+def test_corrupt_and_foreign_values_in_redis_are_a_recompute(redis_server: RedisServer,
+                                                            cold_outputs: list[str]) -> None:
+    import redis
+
+    _flush(redis_server)
+    client = redis.Redis.from_url(redis_server.url)
+    with tier_llm(store_url=redis_server.url) as llm:
+        llm.generate([PROMPT], GREEDY)
+        drain_writes(llm)
+        keys = client.keys("tandem:kv:*")
+        assert keys
+        for n, key in enumerate(keys):  # truncate half of them, corrupt the others
+            value = client.get(key)
+            client.set(key, value[: len(value) // 2] if n % 2 else value[:-1] + bytes([value[-1] ^ 1]))
+        evict_from_device(llm)
+        again = llm.generate([PROMPT], GREEDY)[0]
+        assert again.outputs[0].text == cold_outputs[0]
+        assert llm.engine.core.load().kv_tiers["media"]["cluster"]["corrupt"] >= 1
+        assert_idle(llm)
+    client.close()
+
+
+def test_redis_stopping_mid_run_is_a_recompute(cold_outputs: list[str]) -> None:
+    server = RedisServer().start()
+    try:
+        with tier_llm(store_url=server.url) as llm:
+            llm.generate([PROMPT], GREEDY)
+            drain_writes(llm)
+            server.stop()
+            evict_from_device(llm)
+            started = time.monotonic()
+            again = llm.generate([PROMPT], GREEDY)[0]
+            assert time.monotonic() - started < 30
+            assert again.outputs[0].text == cold_outputs[0]
+            assert again.num_cached_tokens == 0
+            tiers = llm.engine.core.load().kv_tiers
+            assert tiers["probe_errors"] >= 1
+            # Writes while it is down fail and are counted; serving goes on.
+            llm.generate([PROMPT + " Another question?"], GREEDY)
+            drain_writes(llm)
+            assert_idle(llm)
+    finally:
+        server.stop()
+
+
+def _flush(server: RedisServer) -> None:
+    import redis
+
+    client = redis.Redis.from_url(server.url)
+    client.flushall()
+    client.close()
 
 
 def _request(llm: LLM, prompt: str):

@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 _LOAD_POLL_S = 0.003
 _WRITE_POLL_S = 0.05
 _MAX_SIGHTINGS = 200_000  # chunk hashes remembered by the admission filter
-_MAX_KNOWN = 500_000  # chunk hashes remembered as written to a slow tier
+_MAX_KNOWN = 50_000  # chunks remembered as held by a slow tier (about 0.5 TB of KV at 10 MiB each)
 LOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -110,7 +110,9 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         self._cpu_budget = self.config.cpu_bytes
         self._cpu: OrderedDict[int, list[int]] = OrderedDict()  # chunk hash -> its block hashes (LRU)
         self._sightings: OrderedDict[int, int] = OrderedDict()
-        self._known: OrderedDict[int, set[str]] = OrderedDict()  # chunk hash -> slow media holding it
+        # chunk hash -> the slow media known to hold it (from confirmed writes and probes)
+        self._known: OrderedDict[int, set[str]] = OrderedDict()
+        self._block_hashes: dict[int, list[int]] = {}  # of chunks written here, for removal events
         self._pending: dict[int, tuple[set[str], list[int]]] = {}  # writes awaiting confirmation
         self._tracked: dict[str, _Tracked] = {}
         self._plans: dict[str, list[tuple[int, int, str]]] = {}  # request -> (chunk index, hash, medium)
@@ -209,7 +211,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
             for n, hit in zip(open_at, found, strict=True):
                 if hit:
                     media[n] = medium
-                    self._known.setdefault(chunk_hashes[n], set()).add(medium)
+                    self._remember(chunk_hashes[n], medium)
         return media
 
     def _worth_loading(self, run: list[tuple[int, int, str]], local: int, limit: int) -> list[tuple[int, int, str]]:
@@ -362,6 +364,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
             known = self._known.get(chunk_hash)
             if known is not None and medium in known:
                 known.discard(medium)
+                self._events += [("removed", h, medium) for h in self._block_hashes.get(chunk_hash, ())]
         for medium, num_bytes, seconds, num_chunks in report.get("load_stats", ()):
             self.cost.observe_load(medium, num_bytes, seconds, num_chunks)
         self._worker_counters = report.get("counters", self._worker_counters)
@@ -382,11 +385,17 @@ class TiersConnectorScheduler(KVConnectorScheduler):
                 del self._pending[chunk_hash]
         if not stored:
             return
+        self._remember(chunk_hash, medium, block_hashes)
+        self._events += [("stored", h, medium) for h in block_hashes]
+
+    def _remember(self, chunk_hash: int, medium: str, block_hashes: list[int] | None = None) -> None:
         self._known.setdefault(chunk_hash, set()).add(medium)
         self._known.move_to_end(chunk_hash)
+        if block_hashes:
+            self._block_hashes[chunk_hash] = block_hashes
         while len(self._known) > _MAX_KNOWN:
-            self._known.popitem(last=False)
-        self._events += [("stored", h, medium) for h in block_hashes]
+            forgotten, _ = self._known.popitem(last=False)
+            self._block_hashes.pop(forgotten, None)
 
     def _observe_latency(self, load: _Load, seconds: float) -> None:
         """Into the histogram of the slowest tier the load read from."""

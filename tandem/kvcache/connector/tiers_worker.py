@@ -193,6 +193,9 @@ class TiersConnectorWorker(KVConnectorWorker):
         counters.setdefault("cpu", {})["chunks"] = len(self.cpu)
         for medium, store in self.stores.items():
             counters.setdefault(medium, {}).update(store.stats())
+            drain = getattr(store, "drain_evicted", None)
+            if drain is not None:  # the disk tier's own budget evicted these
+                gone += [(int(name.split("-", 1)[0], 16), medium) for name in drain()]
         report: dict[str, Any] = {"counters": counters}
         if stored:
             report["stored"] = stored

@@ -1,4 +1,17 @@
-"""Placeholder for the chunk store interface (replaced by the kv-stores branch)."""
+"""The byte-level store a slow KV tier writes chunks into and reads them from.
+
+A store knows keys and values, nothing about KV: the chunk layer (chunk.py) puts a header and
+a checksum in every value and checks them on the way out, so a store may lose, truncate or
+corrupt a value and the worst outcome is a recompute. Two rules every store keeps:
+
+* `put` commits atomically: a reader sees the whole value or none of it (disk: write a
+  temporary file, then rename; Redis: one SET);
+* a failure to reach the store raises `ChunkStoreError`, a plain absence returns None/False,
+  so callers can count the two apart (a miss is normal, an error is an alert).
+
+Methods are called from the writer thread, loader threads and the engine thread at once, so
+every store is thread-safe.
+"""
 
 from __future__ import annotations
 
@@ -11,22 +24,27 @@ class ChunkStoreError(RuntimeError):
 
 
 class ChunkStore(ABC):
-    medium: str = ""
+    medium: str = ""  # "disk" | "cluster"
 
     @abstractmethod
-    def put(self, key: str, value: bytes | bytearray | memoryview) -> None: ...
+    def put(self, key: str, value: bytes | bytearray | memoryview) -> None:
+        """Store `value` under `key`, atomically."""
 
     @abstractmethod
-    def get(self, key: str) -> bytes | None: ...
+    def get(self, key: str) -> bytes | bytearray | None:
+        """The value under `key`, or None."""
 
     @abstractmethod
-    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which of `keys` are present, in one round trip where the store allows."""
 
     @abstractmethod
-    def delete(self, key: str) -> None: ...
+    def delete(self, key: str) -> None:
+        """Drop `key` (a no-op when absent)."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release connections and files."""
 
     def stats(self) -> dict[str, float]:
+        """Cumulative counters and current usage, for /load and /metrics."""
         return {}

@@ -1,0 +1,44 @@
+"""The stored chunk format: every way a value can be wrong is refused with its reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.kvcache.tiers.chunk import ChunkError, ChunkHeader, chunk_key, decode_chunk, encode_chunk
+
+LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "block_size": 4, "head_dim": 8, "dtype": "float32"}
+HEADER = ChunkHeader("Llama/float32/abc", LAYOUT, (2, 2, 1, 2, 4, 8), 2, tuple(range(8)))
+PAYLOAD = bytes(range(256)) * 2
+
+
+def test_round_trip() -> None:
+    assert bytes(decode_chunk(encode_chunk(HEADER, PAYLOAD), HEADER)) == PAYLOAD
+    assert chunk_key(0xABC, 16) == "0000000000000abc-16b-r0of1"
+
+
+@pytest.mark.parametrize(("mutate", "reason"), [
+    (lambda v: v[:-1], "checksum"),
+    (lambda v: v[:10], "truncated"),
+    (lambda v: b"XXXX" + v[4:], "magic"),
+    (lambda v: v[:40] + bytes([v[40] ^ 1]) + v[41:], "checksum"),
+    (lambda v: v[:-20] + bytes([v[-20] ^ 0xFF]) + v[-19:], "checksum"),
+])
+def test_damaged_values_are_refused(mutate, reason: str) -> None:
+    with pytest.raises(ChunkError) as error:
+        decode_chunk(mutate(encode_chunk(HEADER, PAYLOAD)), HEADER)
+    assert error.value.reason == reason
+
+
+@pytest.mark.parametrize(("field", "value", "reason"), [
+    ("fingerprint", "Llama/float32/other-revision", "foreign"),
+    ("layout", {**LAYOUT, "dtype": "bfloat16"}, "layout"),
+    ("shape", (2, 2, 1, 2, 4, 4), "layout"),
+    ("token_ids", tuple(range(1, 9)), "tokens"),
+    ("rank", 1, "layout"),
+])
+def test_values_written_for_something_else_are_refused(field: str, value, reason: str) -> None:
+    from dataclasses import replace
+
+    with pytest.raises(ChunkError) as error:
+        decode_chunk(encode_chunk(replace(HEADER, **{field: value}), PAYLOAD), HEADER)
+    assert error.value.reason == reason
