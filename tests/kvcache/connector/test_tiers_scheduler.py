@@ -193,6 +193,7 @@ def test_slow_tiers_admit_on_the_configured_sighting(tmp_path, admit_after: int)
         assert all(s.to_slow == ("disk",) for s in meta.saves)
         return
     assert all(s.to_slow == () for s in meta.saves)
+    connector.drain_events()
     # The second sighting writes the chunks down from the CPU tier's copy (no device read).
     again = request("b")
     connector.get_num_new_matched_tokens(again, 16)  # all on the device

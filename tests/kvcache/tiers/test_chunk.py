@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.kvcache.tiers.chunk import ChunkError, ChunkHeader, chunk_key, decode_chunk, encode_chunk
+from tandem.kvcache.tiers.chunk import (
+    ChunkError,
+    ChunkHeader,
+    chunk_key,
+    decode_chunk,
+    encode_chunk,
+)
 
 LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "block_size": 4, "head_dim": 8, "dtype": "float32"}
 HEADER = ChunkHeader("Llama/float32/abc", LAYOUT, (2, 2, 1, 2, 4, 8), 2, tuple(range(8)))
