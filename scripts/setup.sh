@@ -8,6 +8,18 @@ cd "$(dirname "$0")/.."
 VENV="${TANDEM_VENV:-.venv}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 
+# System packages: redis-server for the cluster KV tier (its tests start one), iproute2 for
+# the tests that put workers in separate network namespaces.
+if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null || ! command -v ip >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "==> installing redis-server and iproute2 (apt-get)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server iproute2 >/dev/null
+  else
+    echo "!! redis-server and iproute2 are needed for the KV-tier tests: install them (e.g. apt-get install redis-server iproute2)"
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "==> creating $VENV with $("$PYTHON" --version)"
   "$PYTHON" -m venv "$VENV"

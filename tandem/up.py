@@ -43,7 +43,9 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
 # Flags of the engine group that `tandem up` sets itself or splits per role.
-_OWN_ENGINE_FLAGS = {"--threads"}
+_OWN_ENGINE_FLAGS = {"--threads", "--kv-offload-disk-path"}
+# `--kv-store redis` (no URL): `tandem up` runs a redis-server of its own for the cluster tier.
+_LOCAL_STORES = ("redis", "valkey")
 # Per-role overrides: (flag on `tandem up`, flag passed to that role's workers).
 _ROLE_OVERRIDES = {
     "prefill": ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory"),
@@ -92,6 +94,13 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         default=256,
         metavar="N",
         help="router: shorter prompts skip the prefill hop (default: 256)",
+    )
+    cluster.add_argument(
+        "--kv-store-memory",
+        default="2GiB",
+        metavar="SIZE",
+        help="with --kv-store redis (no URL): the local redis-server's maxmemory; the oldest "
+        "chunks are evicted first (allkeys-lru) (default: 2GiB)",
     )
     cluster.add_argument(
         "--start-timeout",
@@ -202,6 +211,9 @@ def plan_cluster(
             "--role",
             role,
         ]
+        if args.kv_offload_disk_path:
+            # One directory per worker: each keeps its own disk budget and LRU.
+            argv += ["--kv-offload-disk-path", str(Path(args.kv_offload_disk_path) / name)]
         if role != "decode":
             # Chosen here, not by the worker: a KV source binding a random port of its own
             # could take the HTTP port just handed to the next worker.
@@ -376,8 +388,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     # router counts prompt tokens with the same tokenizer.json.
     resolved = resolve_model(args.model, args.dtype)
     tokenizer_dir = resolved.hf_dir if (resolved.hf_dir / "tokenizer.json").is_file() else None
+    log_dir = args.log_dir or Path("tandem-logs") / f"up-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    args.log_dir = log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    store = start_local_store(args, log_dir)
     plan = plan_cluster(args, tokenizer_dir, pick_free_port)
-    plan.log_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
@@ -387,3 +402,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if store is not None:
+            store.stop()
+
+
+def start_local_store(args: argparse.Namespace, log_dir: Path):  # noqa: ANN201 - RedisServer | None
+    """`--kv-store redis`: start a redis-server for the cluster KV tier and point the workers
+    at it (args.kv_store becomes its URL)."""
+    if (args.kv_store or "").lower() not in _LOCAL_STORES:
+        return None
+    from tandem.config import parse_memory_size
+    from tandem.kvcache.tiers.redis_server import RedisServer
+
+    server = RedisServer(maxmemory_bytes=parse_memory_size(args.kv_store_memory),
+                         log_path=log_dir / "redis.log").start()
+    logger.info("cluster KV store: redis-server on %s (maxmemory %s, allkeys-lru)", server.url,
+                args.kv_store_memory)
+    args.kv_store = server.url
+    return server

@@ -42,7 +42,10 @@ class KVEventLog:
 
     def append(self, events: list[tuple[str, int]]) -> None:
         """Record a batch from the block pool, grouping runs of the same type."""
-        for kind, block_hash in events:
+        for event in events:
+            kind, block_hash = event[0], event[1]
+            if len(event) > 2 and event[2] != "device":
+                continue  # lower tiers' events: not yet published
             if kind == "cleared":
                 self._cached.clear()
                 self._add(KVEvent(self.last_id + 1, "cleared", []))

@@ -242,15 +242,18 @@ class AsyncEngineClient:
                 continue
             if message.load is not None:
                 self.load = message.load
-            if message.kv_events:
-                self.kv_events.append(message.kv_events)
-            if message.reset_prefix_cache is not None and self._reset_waiters:
-                self._reset_waiters.pop(0).set_result(message.reset_prefix_cache)
             for delta in message.deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
                     stream.started = True
                     stream.queue.put_nowait(delta)
+            if message.reset_prefix_cache is not None and self._reset_waiters:
+                self._reset_waiters.pop(0).set_result(message.reset_prefix_cache)
+            if message.kv_events:
+                try:
+                    self.kv_events.append(message.kv_events)
+                except Exception:  # a bad event must not stop the outputs behind it
+                    logger.exception("could not record %d KV events", len(message.kv_events))
 
     async def _watch(self) -> None:
         while self.process.is_alive():
