@@ -55,15 +55,18 @@ class LiveServer:
             time.sleep(0.1)
 
 
-def start_server(log_path: Path, *args: str, env: dict[str, str] | None = None) -> LiveServer:
-    port = free_port()
+def start_server(log_path: Path, *args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                 wrapper: tuple[str, ...] = ()) -> LiveServer:
+    """`wrapper` runs the server through another command, e.g. ("ip", "netns", "exec", NAME)
+    to put it on another (virtual) host; `host` is then that host's address."""
+    port = free_port() if host == "127.0.0.1" else 8000
     level = os.environ.get("TANDEM_TEST_SERVER_LOG_LEVEL", "INFO")
-    command = [sys.executable, "-m", "tandem", "--log-level", level, "serve", "--port", str(port),
-               "--no-access-log", *args]
+    command = [*wrapper, sys.executable, "-m", "tandem", "--log-level", level, "serve", "--host", host,
+               "--port", str(port), "--no-access-log", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = LiveServer(f"http://127.0.0.1:{port}", process, log_path)
+    server = LiveServer(f"http://{host}:{port}", process, log_path)
     deadline = time.monotonic() + _START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
