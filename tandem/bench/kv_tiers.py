@@ -1,0 +1,303 @@
+"""`tandem bench kv-tiers`: time to first token of a long prefix served from each KV tier,
+against computing it again, in one run.
+
+For each tier a fresh `tandem serve` is launched with only that tier on (CPU memory; local
+disk, read through the page cache and, as root, again with the page cache dropped; Redis on
+loopback, started by this command; Mooncake Store when its master runs here), and a baseline
+with no tier. Each trial, for a distinct seeded prompt of `--prefix-tokens` tokens:
+
+1. the prefix is computed (one request, one output token) and its chunks are stored;
+2. the bench waits until the tier's writer confirmed every write (GET /load);
+3. the device prefix cache is reset (POST /reset_prefix_cache): only the tier holds it now;
+4. the same prefix with another question is sent, streamed, and its TTFT measured; the
+   response's `cached_tokens` says how much came from the tier.
+
+Reported per tier: median TTFT, its ratio to recomputing (the issue's goals: CPU <= 0.15x,
+disk <= 0.3x, Redis on loopback <= 0.5x), cached tokens, and the load's distance from this
+machine's limits: the KV bytes moved over a measured memory-copy bandwidth, and the prefill's
+FLOPs over a measured matmul rate. Writes JSON, a table and a PNG to
+`<output-dir>/kv-tiers-<timestamp>/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tandem.bench.serve import LaunchedServer, free_port
+
+logger = logging.getLogger(__name__)
+
+GOALS = {"cpu": 0.15, "disk": 0.3, "disk-cold": 0.3, "redis": 0.5, "mooncake": 0.5}
+_WORDS = ["harbour", "ship", "tide", "crane", "cargo", "pilot", "anchor", "dock", "lighthouse", "rope", "sail", "keel", "mast", "hull", "captain", "crew", "manifest", "customs", "berth", "quay", "ledger", "voyage", "storm", "compass", "chart"]
+
+
+def add_kv_tiers_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "kv-tiers", help="TTFT of a long prefix from each KV tier vs recomputing it",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default="smollm2-135m", help="model (default: smollm2-135m)")
+    parser.add_argument("--prefix-tokens", type=int, default=4096, metavar="N",
+                        help="prefix length in tokens (default: 4096)")
+    parser.add_argument("--trials", type=int, default=3, metavar="N", help="prompts per tier (default: 3)")
+    parser.add_argument("--tiers", default="recompute,cpu,disk,disk-cold,redis,mooncake",
+                        help="comma-separated: recompute, cpu, disk, disk-cold, redis, mooncake "
+                             "(default: all; disk-cold needs root, mooncake its package)")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="device KV budget (default: 1GiB)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the server")
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=cmd_kv_tiers)
+
+
+@dataclass
+class TierResult:
+    tier: str
+    ttft_s: list[float] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def median_ttft(self) -> float | None:
+        return statistics.median(self.ttft_s) if self.ttft_s else None
+
+
+def _prompt(rng: random.Random, tokens: int, tokenize: Any) -> str:
+    """Seeded text of about `tokens` tokens (checked with the server's tokenizer)."""
+    words = [rng.choice(_WORDS) for _ in range(tokens)]
+    text = " ".join(words)
+    count = tokenize(text)
+    while count > tokens:  # trim to length
+        words = words[: int(len(words) * tokens / count) - 1]
+        text = " ".join(words)
+        count = tokenize(text)
+    return text
+
+
+def _server_flags(tier: str, workdir: Path, store_url: str | None) -> list[str]:
+    if tier == "cpu":
+        return ["--kv-offload-cpu-bytes", "8GiB"]
+    if tier in ("disk", "disk-cold"):
+        return ["--kv-offload-disk-path", str(workdir / tier), "--kv-store-admit-after", "1"]
+    if tier in ("redis", "mooncake"):
+        assert store_url is not None
+        return ["--kv-store", store_url, "--kv-store-admit-after", "1"]
+    return []
+
+
+def _wait_writes(client: httpx.Client, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tiers = client.get("/load").json().get("kv_tiers") or {}
+        writer = tiers.get("writer", {})
+        if not writer.get("pending") and not writer.get("queue_depth"):
+            return
+        time.sleep(0.1)
+    raise TimeoutError("the tier's writes were not confirmed in time")
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _ttft(client: httpx.Client, model: str, prompt: str) -> tuple[float, int, int]:
+    started = time.perf_counter()
+    first = None
+    usage: dict[str, Any] = {}
+    with client.stream("POST", "/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = time.perf_counter() - started
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return first or (time.perf_counter() - started), int(details.get("cached_tokens", 0)), int(usage.get(
+        "prompt_tokens", 0))
+
+
+def run_tier(tier: str, args: argparse.Namespace, prompts: list[str], log_dir: Path, workdir: Path,
+             store_url: str | None) -> TierResult:
+    result = TierResult(tier)
+    port = free_port()
+    cmd = [sys.executable, "-m", "tandem", "serve", args.model, "--port", str(port), "--no-access-log",
+           "--kv-cache-memory", args.kv_cache_memory, *_server_flags(tier, workdir, store_url)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    server = LaunchedServer(f"tier-{tier}", cmd, dict(os.environ), log_dir / f"tier-{tier}.log", port)
+    server.start()
+    try:
+        server.wait_ready(600)
+        with httpx.Client(base_url=server.base_url, timeout=600) as client:
+            _ttft(client, args.model, "warm up the model " * 8)
+            for n, prefix in enumerate(prompts):
+                _ttft(client, args.model, prefix + f" Question {n}: which ship came first?")
+                _wait_writes(client)
+                assert client.post("/reset_prefix_cache").json()["reset"]
+                if tier == "disk-cold" and not _drop_page_cache():
+                    raise PermissionError("dropping the page cache needs root")
+                ttft, cached, prompt_tokens = _ttft(client, args.model, prefix + f" Question {n}: and the last?")
+                result.ttft_s.append(ttft)
+                result.cached_tokens.append(cached)
+                result.prompt_tokens.append(prompt_tokens)
+                logger.info("%-9s trial %d: TTFT %.3f s, %d of %d prompt tokens cached", tier, n, ttft, cached,
+                            prompt_tokens)
+    except Exception as exc:  # noqa: BLE001 - one tier failing must not lose the others
+        result.error = f"{type(exc).__name__}: {exc}"
+        logger.error("%s: %s (log: %s)", tier, result.error, server.log_path)
+    finally:
+        server.stop()
+    return result
+
+
+def machine_limits(kv_bytes_per_token: int, params: int, tokens: int) -> dict[str, float]:
+    """What this machine could do at best: a memory copy of the prefix's KV, and its prefill's
+    matmul FLOPs at the measured fp32 matmul rate (2 threads, torch)."""
+    import torch
+
+    big = torch.empty(64 << 20, dtype=torch.uint8)
+    big.fill_(1)
+    out = torch.empty_like(big)
+    started = time.perf_counter()
+    for _ in range(5):
+        out.copy_(big)
+    copy_bps = 5 * big.numel() / (time.perf_counter() - started)
+    a, b = torch.randn(2048, 576), torch.randn(576, 1536)
+    torch.mm(a, b)
+    started = time.perf_counter()
+    for _ in range(5):
+        torch.mm(a, b)
+    flops = 5 * 2 * 2048 * 576 * 1536 / (time.perf_counter() - started)
+    kv_bytes = kv_bytes_per_token * tokens
+    return {"memcpy_bytes_per_s": copy_bps, "matmul_flops_per_s": flops, "kv_bytes": kv_bytes,
+            "ideal_load_s": kv_bytes / copy_bps, "ideal_prefill_s": 2 * params * tokens / flops}
+
+
+def report(results: list[TierResult], limits: dict[str, float]) -> tuple[str, dict[str, Any]]:
+    base = next((r.median_ttft for r in results if r.tier == "recompute"), None)
+    lines = [f"{'tier':<10} {'TTFT p50':>10} {'x recompute':>12} {'goal':>7} {'cached':>14}  verdict"]
+    rows = []
+    for r in results:
+        ttft = r.median_ttft
+        ratio = ttft / base if ttft and base else None
+        goal = GOALS.get(r.tier)
+        verdict = "error: " + r.error if r.error else (
+            "-" if goal is None or ratio is None else ("met" if ratio <= goal else "MISSED"))
+        cached = f"{statistics.median(r.cached_tokens):.0f}/{statistics.median(r.prompt_tokens):.0f}" \
+            if r.cached_tokens else "-"
+        lines.append(f"{r.tier:<10} {_fmt(ttft, ' s'):>10} {_fmt(ratio, 'x'):>12} "
+                     f"{('<=' + str(goal)) if goal else '':>7} {cached:>14}  {verdict}")
+        rows.append({**asdict(r), "median_ttft_s": ttft, "ratio_to_recompute": ratio, "goal": goal,
+                     "verdict": verdict})
+    lines.append("")
+    lines.append(f"machine limits: the prefix's KV is {limits['kv_bytes'] / 1e6:.0f} MB; a memory copy of it "
+                 f"takes {limits['ideal_load_s'] * 1000:.0f} ms at {limits['memcpy_bytes_per_s'] / 1e9:.1f} GB/s; "
+                 f"its prefill's weight FLOPs take {limits['ideal_prefill_s']:.2f} s at "
+                 f"{limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s")
+    return "\n".join(lines), {"tiers": rows, "machine": limits}
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}{unit}" if unit.strip() == "s" else f"{value:.2f}{unit}"
+
+
+def plot(results: list[TierResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in results if r.median_ttft is not None]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar([r.tier for r in shown], [r.median_ttft for r in shown],
+           color=["#888" if r.tier == "recompute" else "#3a7" for r in shown])
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_title("TTFT of a long prefix by KV tier")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_kv_tiers(args: argparse.Namespace) -> int:
+    from tandem.kvcache.tiers.redis_server import RedisServer
+
+    out_dir = args.output_dir / f"kv-tiers-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-kv-tiers-"))
+    # Prompts are made once, with the model's tokenizer, and shared by every tier.
+    from tandem.loader.resolve import resolve_model
+    from tandem.loader.tokenizer import load_tokenizer
+
+    resolved = resolve_model(args.model, "float32")
+    tokenizer = load_tokenizer(resolved.hf_dir)
+    prompts = [_prompt(rng, args.prefix_tokens, lambda t: len(tokenizer.encode(t))) for _ in range(args.trials)]
+    results: list[TierResult] = []
+    for tier in tiers:
+        store, store_url = None, None
+        try:
+            if tier == "redis":
+                store = RedisServer(maxmemory_bytes=8 << 30, log_path=out_dir / "redis.log").start()
+                store_url = store.url
+            elif tier == "mooncake":
+                from tandem.kvcache.tiers.mooncake_master import MooncakeMaster  # type: ignore[import-not-found]
+
+                store = MooncakeMaster(log_path=out_dir / "mooncake-master.log").start()
+                store_url = store.url + "?segment=4GiB"
+        except Exception as exc:  # noqa: BLE001 - reported as that tier's result
+            results.append(TierResult(tier, error=f"{type(exc).__name__}: {exc}"))
+            continue
+        try:
+            results.append(run_tier(tier, args, prompts, out_dir, workdir, store_url))
+        finally:
+            if store is not None:
+                store.stop()
+    from tandem.config import ModelConfig
+    from tandem.loader.model_loader import read_model_config
+
+    config: ModelConfig = read_model_config(resolved.hf_dir)
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    params = _num_params(config)
+    limits = machine_limits(kv_per_token, params, args.prefix_tokens)
+    table, data = report(results, limits)
+    print(table)
+    data["args"] = {k: str(v) for k, v in vars(args).items() if k != "handler"}
+    (out_dir / "results.json").write_text(json.dumps(data, indent=2))
+    (out_dir / "table.txt").write_text(table + "\n")
+    plot(results, out_dir / "ttft.png")
+    print(f"\nresults: {out_dir}")
+    return 0 if all(r.error is None for r in results) else 1
+
+
+def _num_params(config: Any) -> int:
+    """Weights a token's forward pass multiplies by (embeddings excluded)."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * config.head_dim
+    per_layer = h * h * 2 + 2 * h * kv + 3 * h * i
+    return layers * per_layer + h * config.vocab_size
