@@ -50,15 +50,20 @@ def _snapshot(worker_id: str, hashes: list[int], last_id: int = 0) -> dict[str, 
 
 
 def _events(
-    worker_id: str, events: list[tuple[int, str, list[int]]], gap: bool = False
+    worker_id: str, events: list[tuple[Any, ...]], gap: bool = False
 ) -> dict[str, Any]:
+    """Events as (id, type, hashes) — no medium, as older workers send — or (id, type,
+    hashes, medium)."""
     return {
         "worker_id": worker_id,
         "root_hash": ROOT,
         "block_size": BS,
         "last_id": max((e[0] for e in events), default=0),
         "gap": gap,
-        "events": [{"id": i, "type": t, "block_hashes": h} for i, t, h in events],
+        "events": [
+            {"id": e[0], "type": e[1], "block_hashes": e[2], **({"medium": e[3]} if e[3:] else {})}
+            for e in events
+        ],
     }
 
 
@@ -202,6 +207,76 @@ def test_gaps_and_restarts_unsync_until_a_snapshot(reply: dict[str, Any], reason
     # ...after which the feed continues from the snapshot's id.
     assert index.apply_events("a", _events(reply["worker_id"], [(11, "stored", [9])]))
     assert index.state("a").blocks == {7, 8, 9}
+
+
+def test_index_tracks_each_medium_and_reads_events_without_one_as_device() -> None:
+    tokens = list(range(40))  # 10 blocks of 4
+    chain = block_hashes(tokens, BS, ROOT)
+    route = _chain_route(tokens)
+    index = KvIndex()
+    snapshot = {**_snapshot("wa", chain[:2], last_id=1),
+                "tiers": {"cpu": chain[:4], "disk": [], "cluster": []}}
+    index.apply_snapshot("a", snapshot)
+    assert index.apply_events("a", _events("wa", [
+        (2, "stored", chain[4:6], "disk"),
+        (3, "stored", [chain[2]]),  # no medium: the device pool's
+        (4, "removed", [chain[0]], "cpu"),  # leaves cpu; block 0 is still on the device
+    ]))
+    entry = index.state("a")
+    assert entry.blocks == set(chain[:3]) and entry.media["cpu"] == set(chain[1:4])
+    assert entry.media["disk"] == set(chain[4:6])
+    # The device's own prefix is unchanged; the tiered run goes on through cpu and disk, each
+    # block from the best medium holding it.
+    assert index.cached_prefix("a", route.block_hash) == 3
+    assert index.tiered_prefix("a", route.block_hash) == ["device"] * 3 + ["cpu"] + ["disk"] * 2
+    # A medium left out of the ranking (credit 0) does not count: the run ends at block 4.
+    assert index.tiered_prefix("a", route.block_hash, ["device", "cpu"]) == ["device"] * 3 + ["cpu"]
+    assert index.tier_blocks("a") == {"device": 3, "cpu": 3, "disk": 2}
+    assert index.describe("a")["tier_blocks"] == {"cpu": 3, "disk": 2}  # type: ignore[index]
+    # `cleared` without a medium resets the device only.
+    assert index.apply_events("a", _events("wa", [(5, "cleared", [])]))
+    assert index.tier_blocks("a") == {"device": 0, "cpu": 3, "disk": 2}
+    assert index.apply_events("a", _events("wa", [(6, "cleared", [], "disk")]))
+    assert index.tiered_prefix("a", route.block_hash) == []  # block 0 is nowhere now
+    # An old worker's snapshot (no `tiers`) is all device.
+    index.apply_snapshot("b", _snapshot("wb", chain[:5]))
+    assert index.tiered_prefix("b", route.block_hash) == ["device"] * 5
+
+
+def test_the_cluster_set_is_shared_by_every_worker_of_the_pool() -> None:
+    tokens = list(range(40))
+    chain = block_hashes(tokens, BS, ROOT)
+    route = _chain_route(tokens)
+    index = KvIndex()
+    for url in ("a", "b"):
+        index.apply_snapshot(url, _snapshot("w" + url, [], last_id=1))
+    assert index.apply_events("a", _events("wa", [(2, "stored", chain[:6], "cluster")]))
+    index.apply_snapshot("c", {**_snapshot("wc", chain[:1], last_id=3),
+                               "tiers": {"cluster": chain[6:8]}})  # written by c, as a snapshot
+    assert index.cluster_blocks() == 8
+    # b never wrote anything and still loads what a and c wrote.
+    assert index.tiered_prefix("b", route.block_hash) == ["cluster"] * 8
+    assert index.tiered_prefix("c", route.block_hash) == ["device"] + ["cluster"] * 7
+    assert index.tiered_prefix("b", route.block_hash, reads_cluster=False) == []
+    assert (index.writes_cluster("a"), index.writes_cluster("b"), index.writes_cluster("c")) == (
+        True, False, True)
+    # Any worker's `removed` takes a block out for all (here b found block 3 gone).
+    assert index.apply_events("b", _events("wb", [(2, "removed", [chain[3]], "cluster")]))
+    assert index.tiered_prefix("a", route.block_hash) == ["cluster"] * 3
+    # The store outlives its writers: a's restart or departure keeps what a wrote.
+    assert not index.apply_events("a", _events("wa2", [(1, "stored", [99])]))
+    index.remove("c")
+    assert index.cluster_blocks() == 7 and index.tiered_prefix("b", route.block_hash) == ["cluster"] * 3
+    # An unsynced worker is credited nothing, not even the cluster's blocks.
+    assert index.tiered_prefix("a", route.block_hash) == []
+
+
+def test_the_cluster_set_is_bounded_dropping_the_least_recently_reported() -> None:
+    index = KvIndex(cluster_capacity=3)
+    index.apply_snapshot("a", _snapshot("wa", [], last_id=0))
+    assert index.apply_events("a", _events("wa", [(1, "stored", [1, 2, 3], "cluster")]))
+    assert index.apply_events("a", _events("wa", [(2, "stored", [1, 4], "cluster")]))  # 1 again
+    assert index.cluster_blocks() == 3 and set(index._cluster) == {3, 1, 4}
 
 
 class FakeFeed:
