@@ -471,6 +471,103 @@ def test_kv_aware_keeps_a_session_on_its_worker_while_that_worker_decodes_anothe
     assert choice.best_skipped.startswith("cost +")  # the log line says why the hit lost
 
 
+def _tiered_index(
+    blocks: dict[str, dict[str, list[int]]], cluster: list[int] | tuple[int, ...] = ()
+) -> KvIndex:
+    """Workers' snapshots by URL: {url: {medium: hashes}}; `cluster` as written by the first."""
+    index = KvIndex()
+    for n, (url, media) in enumerate(blocks.items()):
+        tiers = {m: media.get(m, []) for m in ("cpu", "disk")}
+        tiers["cluster"] = list(cluster) if n == 0 else []
+        index.apply_snapshot(url, {**_snapshot("w-" + url, media.get("device", [])), "tiers": tiers})
+    return index
+
+
+def test_kv_aware_credits_a_device_hit_over_a_disk_hit_over_none() -> None:
+    """400 tokens, 80 of the 100 blocks cached on a's device and on b's disk, c has nothing.
+    Costs (w = 4, B = 4): a 4 × (400 − 80 × 1.0 × 4) = 320, b 4 × (400 − 80 × 0.25 × 4) = 1280,
+    c 4 × 400 = 1600."""
+    tokens = list(range(400))
+    prefix = block_hashes(tokens, BS, ROOT)[:80]
+    index = _tiered_index({"http://a": {"device": prefix}, "http://b": {"disk": prefix},
+                           "http://c": {}})
+    a, b, c = _worker("http://a"), _worker("http://b"), _worker("http://c")
+    placer = _placer(index=index)
+    choice = placer.choose([a, b, c], _chain_route(tokens), "direct")
+    assert choice is not None and choice.worker is a
+    assert (choice.cached_blocks, choice.credited_blocks, choice.cached_by_tier) == (
+        80, 80.0, {"device": 80})
+    route = _chain_route(tokens)
+    choice = placer.choose([b, c], route, "direct")
+    assert choice is not None and choice.worker is b
+    assert (choice.cached_blocks, choice.credited_blocks, choice.cached_by_tier) == (
+        80, 20.0, {"disk": 80})
+    assert (kv_cost(b, 20.0, 400, BS, 4.0), kv_cost(c, 0, 400, BS, 4.0)) == (1280.0, 1600.0)
+    # What the router counts on b until its load shows the request: the credited remainder.
+    assert route.prefill_work("http://b") == 400 - 20 * BS
+    # With the disk's credit at 0 the disk is not looked at: b holds nothing for routing.
+    choice = _placer(index=index, kv_credit_disk=0.0).choose([b], _chain_route(tokens), "direct")
+    assert choice is not None and (choice.cached_blocks, choice.cached_by_tier) == (0, {})
+
+
+def test_kv_aware_sends_a_long_prefix_in_cpu_memory_to_a_busy_worker_over_an_idle_one() -> None:
+    """4,000 tokens (1,000 blocks). `a` decodes another session (6,000 KV tokens) and holds the
+    prompt's first N tokens in its CPU tier; `b` is idle and holds nothing (b costs 4 × 4,000 =
+    16,000). With w = 4 and cpu credit 0.75, a costs 4 × (4,000 − 0.75 × N) + 6,000:
+    N = 3,600 → 11,200 (a wins); N = 400 → 20,800 (b wins). The same 3,600 on a's disk
+    (credit 0.25) → 18,400: a slow tier's long prefix is not worth the queue."""
+    tokens = list(range(4000))
+    chain = block_hashes(tokens, BS, ROOT)
+    b = _worker("http://b")
+    a = _worker("http://a", running_kv_tokens=6000, num_running_requests=1)
+    for medium, cached, winner, cost in (("cpu", 3600, a, 11200.0), ("cpu", 400, b, 20800.0),
+                                         ("disk", 3600, b, 18400.0)):
+        index = _tiered_index({"http://a": {medium: chain[: cached // BS]}, "http://b": {}})
+        placer = _placer(index=index)
+        choice = placer.choose([a, b], _chain_route(tokens), "direct")
+        assert choice is not None and choice.worker is winner, (medium, cached)
+        credit = PolicyConfig().tier_credits[medium]
+        assert kv_cost(a, credit * (cached // BS), 4000, BS, 4.0) == cost
+        assert kv_cost(b, 0, 4000, BS, 4.0) == 16000.0
+        assert (choice.best_cached_blocks, choice.best_credited_blocks) == (
+            cached // BS, credit * (cached // BS))
+
+
+def test_kv_aware_credits_each_block_from_its_best_medium() -> None:
+    """Device for blocks 0-29, cpu for 30-59 (0-9 are in cpu too), the cluster store for
+    60-79: credited = 30 × 1.0 + 30 × 0.75 + 20 × 0.25 = 57.5 of a run of 80."""
+    tokens = list(range(400))
+    chain = block_hashes(tokens, BS, ROOT)
+    index = _tiered_index({"http://a": {"device": chain[:30], "cpu": chain[:60]}},
+                          cluster=chain[60:80])
+    choice = _placer(index=index).choose([_worker("http://a")], _chain_route(tokens), "direct")
+    assert choice is not None
+    assert (choice.cached_blocks, choice.credited_blocks) == (80, 57.5)
+    assert choice.cached_by_tier == {"device": 30, "cpu": 30, "cluster": 20}
+
+
+def test_kv_aware_with_the_prefix_only_in_the_cluster_store_routes_by_load() -> None:
+    """Nothing on any device; the cluster store holds the whole prompt (a wrote it). Every
+    worker that reads the store gets the same credit, so load decides among them; a worker
+    without a cluster tier gets none."""
+    tokens = list(range(400))
+    chain = block_hashes(tokens, BS, ROOT)
+    index = _tiered_index({"http://a": {}, "http://b": {}, "http://c": {}}, cluster=chain)
+    a = _worker("http://a", running_kv_tokens=100)  # wrote the blocks: it has the tier
+    b = _worker("http://b")
+    b.on_load(LoadSnapshot.from_json({"kv_tiers": {"media": {"cpu": {}, "cluster": {}}}}), 0.0, 0.25)
+    c = _worker("http://c")  # idle, but no cluster tier: it would compute all 400 tokens
+    placer = _placer(index=index)
+    assert [placer.reads_cluster(w) for w in (a, b, c)] == [True, True, False]
+    route = _chain_route(tokens)
+    choice = placer.choose([a, b, c], route, "direct")
+    assert choice is not None and choice.worker is b
+    assert (choice.cached_blocks, choice.credited_blocks, choice.cached_by_tier) == (
+        100, 25.0, {"cluster": 100})
+    # a and b would each compute 300 tokens (b's 1,200 cost beats a's 1,300 and c's 1,600).
+    assert [route.prefill_work(w.url) for w in (a, b, c)] == [300, 300, 400]
+
+
 def test_kv_aware_skips_a_worker_above_the_load_bound() -> None:
     tokens = list(range(400))
     index = _index_with("http://b", block_hashes(tokens, BS, ROOT))
@@ -591,6 +688,43 @@ def test_placement_tokenizes_only_when_it_can_pay() -> None:
     assert seen == [{"messages": body["messages"], "add_generation_prompt": True}]
 
 
+def test_placement_notes_and_counts_the_tiers_of_a_hit() -> None:
+    tokens = list(range(64))  # 16 blocks
+    chain = block_hashes(tokens, BS, ROOT)
+    index = _tiered_index({"http://a": {"device": chain[:4], "cpu": chain[:10]}})
+    placement, _, client, prometheus = _placement(
+        lambda request: httpx.Response(404), index, ["http://a"]
+    )
+    route = _chain_route(tokens)
+    assert placement.choose(placement.registry.workers, route, "direct") is not None
+    assert route.notes == ["direct:kv_aware(10/16 cpu:6)"]
+    hits = {m: prometheus.get_sample_value("tandem_router_kv_predicted_hit_blocks_total",
+                                           {"worker": "http://a", "medium": m})
+            for m in ("device", "cpu")}
+    assert hits == {"device": 4.0, "cpu": 6.0}
+    assert prometheus.get_sample_value(
+        "tandem_router_worker_kv_tier_blocks", {"worker": "http://a", "medium": "cpu"}) == 10
+    assert prometheus.get_sample_value("tandem_router_kv_cluster_blocks") == 0
+    asyncio.run(client.aclose())
+
+
+def test_placement_tokenizes_when_only_a_lower_tier_holds_blocks() -> None:
+    """Nothing on any device, but the cluster store has blocks: worth the tokenize hop."""
+    tokens = list(range(64))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"count": 64, "tokens": tokens, "max_model_len": 2048})
+
+    index = _tiered_index({"http://a": {}}, cluster=block_hashes(tokens, BS, ROOT)[:2])
+
+    async def run() -> PromptRoute:
+        placement, _, client, _ = _placement(handler, index, ["http://a"])
+        async with client:
+            return await placement.prepare({"prompt": "x" * 400}, "completion", {}, {}, 100)
+
+    assert asyncio.run(run()).token_ids == tokens
+
+
 def test_a_failed_or_slow_tokenize_hop_routes_by_load() -> None:
     async def slow(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(2)
@@ -660,8 +794,19 @@ def test_policy_flags_on_route_and_up() -> None:
         1.5,
     )
     assert (policy.prefill_weight, policy.kv_events_interval_s) == (2.0, 0.1)
+    assert PolicyConfig().tier_credits == {"device": 1.0, "cpu": 0.75, "disk": 0.25, "cluster": 0.25}
+    args = build_parser().parse_args(
+        ["route", "--worker", "a:1", "--kv-credit-cpu", "0.5", "--kv-credit-disk", "0.1"]
+        + ["--kv-credit-cluster", "0"]
+    )
+    assert router_config(args).policy.tier_credits == {
+        "device": 1.0, "cpu": 0.5, "disk": 0.1, "cluster": 0.0}
     with pytest.raises(ValueError, match="balance-factor"):
         PolicyConfig(balance_factor=0.9)
+    with pytest.raises(ValueError, match="kv-credit-cpu"):
+        PolicyConfig(kv_credit_cpu=1.5)
+    with pytest.raises(ValueError, match="kv-credit-cluster"):
+        PolicyConfig(kv_credit_cluster=-0.1)
     ports = itertools.count(9000)
     up = build_parser().parse_args(["up", "--policy", "round_robin", "--affinity-header", "x-c"])
     argv = list(plan_cluster(up, None, lambda: next(ports)).router.argv)
