@@ -19,7 +19,9 @@ Without a key, `--policy`:
   that the worker can have without computing it, from the workers' KV events (kv_index.py):
   each block on its device, in its CPU-memory or disk tier, or in the cluster store, and
   taken from whichever of those holds it with the highest credit. With only a device pool
-  credited_blocks is the device prefix hit, `cached_blocks`. This is Dynamo's `w × uncached
+  credited_blocks is the device prefix hit, as before tiers. The decision (`Choice`) keeps
+  the run's length as `cached_blocks` and its blocks per medium as `cached_by_tier`, for the
+  log line and the predicted-hit metric. This is Dynamo's `w × uncached
   prefill blocks + decode blocks`, times B so that workers with different block sizes
   compare, and with the worker's queue counted in: a hit is worth the prefill it saves, and
   a worker whose queue outweighs its hit loses to an idle one. Queues count only tokens still
@@ -45,8 +47,8 @@ Without a key, `--policy`:
   These are starting points, not measurements: CPU → device is a copy over PCIe, far cheaper
   than a forward pass, while a disk or cluster-store read costs a good share of one and
   varies, and the worker's own cost model may decline such a load and compute instead.
-  RE-TUNE from measured load times (the tiers' /load `kv_tiers.load_seconds` histograms
-  against prefill time per block): credit(m) ≈ 1 − load seconds per block from m / prefill
+  RE-TUNE from measured load times (the workers' /load `kv_tiers.load_seconds` histograms
+  and `kv_tiers.cost_model`, against prefill time per block): credit(m) ≈ 1 − load seconds per block from m / prefill
   seconds per block, clamped to [0, 1]. Measured values go in PolicyConfig's defaults
   (router/config.py), with where they were measured. 0 leaves a tier out of routing.
 
