@@ -87,6 +87,13 @@ class PolicyConfig:
     # here because a prefill token costs a whole forward pass while a token of a running
     # sequence's KV costs one attention read per decode step (placement/policies.py).
     prefill_weight: float = 4.0
+    # kv_aware's credit for a cached prompt block by the tier it would come from: the fraction
+    # of that block's prefill a hit there saves (a device hit saves all of it, 1.0, fixed; a
+    # lower tier's block must be loaded first). 0 leaves a tier out of routing. Starting
+    # points, not measurements: see "Tier credits" in placement/policies.py.
+    kv_credit_cpu: float = 0.75
+    kv_credit_disk: float = 0.25
+    kv_credit_cluster: float = 0.25
     tokenize_timeout_s: float = 2.0
     kv_events_interval_s: float = 0.25
 
@@ -97,6 +104,19 @@ class PolicyConfig:
             raise ValueError(f"--balance-factor must be >= 1, got {self.balance_factor}")
         if self.virtual_nodes < 1 or self.prefill_weight < 0:
             raise ValueError("virtual_nodes must be >= 1 and --prefill-weight >= 0")
+        for medium, credit in self.tier_credits.items():
+            if not 0.0 <= credit <= 1.0:
+                raise ValueError(f"--kv-credit-{medium} must be between 0 and 1, got {credit}")
+
+    @property
+    def tier_credits(self) -> dict[str, float]:
+        """Credit per KV medium (events' `medium`), device first."""
+        return {
+            "device": 1.0,
+            "cpu": self.kv_credit_cpu,
+            "disk": self.kv_credit_disk,
+            "cluster": self.kv_credit_cluster,
+        }
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,22 @@ def add_policy_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
         "their prefix is cached even when that worker is decoding more "
         f"(default: {_DEFAULTS.prefill_weight})",
     )
+    for medium, where in (
+        ("cpu", "the worker's CPU-memory tier"),
+        ("disk", "the worker's local disk tier"),
+        ("cluster", "the cluster store (which every worker reads)"),
+    ):
+        default = getattr(_DEFAULTS, f"kv_credit_{medium}")
+        group.add_argument(
+            f"--kv-credit-{medium}",
+            type=float,
+            default=default,
+            metavar="C",
+            help=f"kv_aware: a cached prompt block in {where} counts as C of a block "
+            "cached on the device (1.0). It still has to be loaded, so C is the fraction of "
+            "its prefill the hit saves; 0 ignores that tier when routing "
+            f"(default: {default})",
+        )
     group.add_argument(
         "--kv-events-interval",
         type=float,
@@ -72,6 +88,9 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
         affinity_header=args.affinity_header or None,
         balance_factor=args.balance_factor,
         prefill_weight=getattr(args, "prefill_weight", _DEFAULTS.prefill_weight),
+        kv_credit_cpu=getattr(args, "kv_credit_cpu", _DEFAULTS.kv_credit_cpu),
+        kv_credit_disk=getattr(args, "kv_credit_disk", _DEFAULTS.kv_credit_disk),
+        kv_credit_cluster=getattr(args, "kv_credit_cluster", _DEFAULTS.kv_credit_cluster),
         tokenize_timeout_s=getattr(args, "tokenize_timeout", _DEFAULTS.tokenize_timeout_s),
         kv_events_interval_s=getattr(args, "kv_events_interval", _DEFAULTS.kv_events_interval_s),
     )

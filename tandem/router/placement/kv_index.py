@@ -11,16 +11,41 @@ blocks: a stale index would send requests to a worker for KV it no longer has.
 The index maps block hash → workers as one hash set per worker: a resync or a departed worker
 replaces or drops one set, and a lookup walks the prompt's chain per candidate worker and stops
 at its first miss, so it costs O(matched blocks), not O(prompt).
+
+**Tiers.** Events name the medium a block entered or left (kvcache/events.py): "device" (the
+worker's block pool; also what an event without a medium means, as older workers send),
+"cpu" and "disk" (that worker's own lower tiers) and "cluster" (the store every worker reads).
+A block may be in several media at once, so each worker has one set per local medium. Cluster
+residency is not a worker's: a block any worker wrote there can be loaded by every worker that
+reads the store, so the index keeps one pool-wide cluster set, the union of every worker's
+`stored` reports (events and snapshots' `tiers.cluster`) minus any worker's `removed`. Nobody
+sees the store's own evictions, so the set may be stale and only ever errs towards crediting a
+block that is gone; that is acceptable, since such a miss costs a recompute, never a wrong
+token. It is bounded (`cluster_capacity` hashes, the least recently reported dropped first)
+and, unlike a worker's sets, it survives that worker's resync, restart or departure: the store
+still holds what the worker wrote. `tiered_prefix` walks the prompt's chain through all of it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.kvcache.events import DEVICE, MEDIA
+
 logger = logging.getLogger(__name__)
+
+CLUSTER = "cluster"
+# The media a worker holds blocks in itself; CLUSTER is the pool's.
+LOCAL_MEDIA: tuple[str, ...] = tuple(m for m in MEDIA if m != CLUSTER)
+# Hashes of the pool-wide cluster set: at 16 tokens a block, 16M tokens of prefixes.
+DEFAULT_CLUSTER_CAPACITY = 1_000_000
+
+
+def _local_sets() -> dict[str, set[int]]:
+    return {medium: set() for medium in LOCAL_MEDIA}
 
 
 @dataclass
@@ -32,14 +57,25 @@ class WorkerBlocks:
     block_size: int | None = None
     last_id: int = 0
     synced: bool = False  # False until a snapshot (or a gapless feed from id 1) is applied
-    blocks: set[int] = field(default_factory=set)
+    media: dict[str, set[int]] = field(default_factory=_local_sets)  # device, cpu, disk
+    # It has reported cluster blocks, so it has a cluster tier (and can read the store).
+    writes_cluster: bool = False
     resyncs: int = 0
     unsynced_by: str = "start"  # why the next snapshot is needed: start, restart, gap, error
+
+    @property
+    def blocks(self) -> set[int]:
+        """The device pool's blocks (what the index held before it knew of tiers)."""
+        return self.media[DEVICE]
 
     def describe(self) -> dict[str, Any]:
         return {
             "synced": self.synced,
             "cached_blocks": len(self.blocks) if self.synced else 0,
+            "tier_blocks": {
+                m: len(self.media[m]) if self.synced else 0 for m in LOCAL_MEDIA if m != DEVICE
+            },
+            "writes_cluster": self.writes_cluster,
             "worker_id": self.worker_id,
             "last_event_id": self.last_id,
             "block_size": self.block_size,
@@ -48,10 +84,15 @@ class WorkerBlocks:
 
 
 class KvIndex:
-    """Block hashes per worker URL, fed by `apply_events` and `apply_snapshot`."""
+    """Block hashes per worker URL and medium, plus the pool's cluster set; fed by
+    `apply_events` and `apply_snapshot`."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_capacity: int = DEFAULT_CLUSTER_CAPACITY) -> None:
         self._workers: dict[str, WorkerBlocks] = {}
+        # The pool-wide cluster set; insertion order is report order (a re-report moves a
+        # hash to the end), so the first key is the one to drop when full.
+        self._cluster: dict[int, None] = {}
+        self.cluster_capacity = cluster_capacity
 
     def state(self, url: str) -> WorkerBlocks:
         entry = self._workers.get(url)
@@ -77,7 +118,13 @@ class KvIndex:
         entry.root_hash = int(snapshot["root_hash"])
         entry.block_size = int(snapshot["block_size"])
         entry.last_id = int(snapshot["last_id"])
-        entry.blocks = {int(h) for h in snapshot.get("block_hashes") or ()}
+        tiers = snapshot.get("tiers") or {}  # absent from workers that predate tiers
+        entry.media = {DEVICE: {int(h) for h in snapshot.get("block_hashes") or ()}}
+        for medium in LOCAL_MEDIA[1:]:
+            entry.media[medium] = {int(h) for h in tiers.get(medium) or ()}
+        cluster = [int(h) for h in tiers.get(CLUSTER) or ()]
+        self._cluster_stored(cluster)
+        entry.writes_cluster = entry.writes_cluster or bool(cluster)
         entry.synced = True
 
     def apply_events(self, url: str, reply: Mapping[str, Any]) -> bool:
@@ -111,7 +158,7 @@ class KvIndex:
                 continue
             if event_id != entry.last_id + 1:
                 return self._unsync(url, entry, "gap", f"event {entry.last_id + 1} is missing")
-            _apply(entry.blocks, event)
+            self._apply(entry, event)
             entry.last_id = event_id
         return True
 
@@ -122,10 +169,46 @@ class KvIndex:
     def _unsync(self, url: str, entry: WorkerBlocks, code: str, why: str) -> bool:
         logger.info("KV index: worker %s needs a resync: %s", url, why)
         entry.synced = False
-        entry.blocks = set()
+        entry.media = _local_sets()
+        if code == "restart":  # a new process may have another tier configuration
+            entry.writes_cluster = False
         entry.resyncs += 1
         entry.unsynced_by = code
         return False
+
+    def _apply(self, entry: WorkerBlocks, event: Mapping[str, Any]) -> None:
+        kind = event.get("type")
+        medium = event.get("medium") or DEVICE  # older workers: the device pool's events
+        hashes = [int(h) for h in event.get("block_hashes") or ()]
+        if medium == CLUSTER:
+            entry.writes_cluster = True
+            if kind == "stored":
+                self._cluster_stored(hashes)
+            elif kind == "removed":
+                for block_hash in hashes:
+                    self._cluster.pop(block_hash, None)
+            elif kind == "cleared":  # the store is shared: flushed for one is flushed for all
+                self._cluster.clear()
+            return
+        blocks = entry.media.get(medium)
+        if blocks is None:
+            logger.debug("KV index: ignoring an event of unknown medium %r", medium)
+        elif kind == "stored":
+            blocks.update(hashes)
+        elif kind == "removed":
+            blocks.difference_update(hashes)
+        elif kind == "cleared":
+            blocks.clear()
+        else:
+            logger.debug("KV index: ignoring an event of unknown type %r", kind)
+
+    def _cluster_stored(self, hashes: Iterable[int]) -> None:
+        cluster = self._cluster
+        for block_hash in hashes:
+            cluster.pop(block_hash, None)
+            cluster[block_hash] = None
+        while len(cluster) > self.cluster_capacity:
+            del cluster[next(iter(cluster))]
 
     # --- lookups -----------------------------------------------------------------------
     def cached_prefix(self, url: str, chain: Callable[[int, int, int], int | None]) -> int:
@@ -145,9 +228,60 @@ class KvIndex:
                 return count
             count += 1
 
+    def tiered_prefix(
+        self,
+        url: str,
+        chain: Callable[[int, int, int], int | None],
+        ranked: Sequence[str] = MEDIA,
+        reads_cluster: bool = True,
+    ) -> list[str]:
+        """The longest run of leading prompt blocks the worker can have without computing
+        them, as the medium to take each from.
+
+        A block counts while the worker holds it in any medium of `ranked`, or it is in the
+        pool's cluster set and `reads_cluster`; each block's medium is the first of `ranked`
+        that has it, so `ranked` is best first (the policy orders it by credit, and leaves
+        out media it gives no credit). `chain` is as for `cached_prefix`. An unsynced worker
+        gets an empty run, cluster included: its hashing parameters may be stale too.
+        """
+        entry = self._workers.get(url)
+        if entry is None or not entry.synced or entry.root_hash is None or not entry.block_size:
+            return []
+        sources = [
+            (medium, self._cluster if medium == CLUSTER else entry.media[medium])
+            for medium in ranked
+            if (medium == CLUSTER and reads_cluster) or medium in entry.media
+        ]
+        run: list[str] = []
+        while True:
+            block_hash = chain(entry.root_hash, entry.block_size, len(run))
+            if block_hash is None:
+                return run
+            medium = next((m for m, held in sources if block_hash in held), None)
+            if medium is None:
+                return run
+            run.append(medium)
+
     def cached_blocks(self, url: str) -> int:
+        """Blocks on the worker's device (0 while unsynced)."""
         entry = self._workers.get(url)
         return len(entry.blocks) if entry is not None and entry.synced else 0
+
+    def tier_blocks(self, url: str) -> dict[str, int]:
+        """Blocks per local medium, device included (all 0 while unsynced)."""
+        entry = self._workers.get(url)
+        if entry is None or not entry.synced:
+            return dict.fromkeys(LOCAL_MEDIA, 0)
+        return {m: len(entry.media[m]) for m in LOCAL_MEDIA}
+
+    def cluster_blocks(self) -> int:
+        """Hashes in the pool-wide cluster set."""
+        return len(self._cluster)
+
+    def writes_cluster(self, url: str) -> bool:
+        """Whether the worker has reported cluster blocks (so it has a cluster tier)."""
+        entry = self._workers.get(url)
+        return entry is not None and entry.writes_cluster
 
     def block_size(self, url: str) -> int | None:
         entry = self._workers.get(url)
@@ -156,16 +290,3 @@ class KvIndex:
     def describe(self, url: str) -> dict[str, Any] | None:
         entry = self._workers.get(url)
         return entry.describe() if entry is not None else None
-
-
-def _apply(blocks: set[int], event: Mapping[str, Any]) -> None:
-    kind = event.get("type")
-    hashes = (int(h) for h in event.get("block_hashes") or ())
-    if kind == "stored":
-        blocks.update(hashes)
-    elif kind == "removed":
-        blocks.difference_update(hashes)
-    elif kind == "cleared":
-        blocks.clear()
-    else:
-        logger.debug("KV index: ignoring an event of unknown type %r", kind)

@@ -52,8 +52,9 @@ class PlacementMetrics:
         )
         self.predicted_hit_blocks = Counter(
             "tandem_router_kv_predicted_hit_blocks",
-            "prompt blocks the chosen worker was predicted to hold (kv_aware)",
-            ["worker"],
+            "prompt blocks the chosen worker was predicted to have without computing them "
+            "(kv_aware), by the medium each would come from (device, cpu, disk, cluster)",
+            ["worker", "medium"],
             registry=r,
         )
         self.prompt_blocks = Counter(
@@ -90,12 +91,27 @@ class _CachedBlocksCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         gauge = GaugeMetricFamily(
             "tandem_router_worker_kv_cached_blocks",
-            "KV blocks the router's index says the worker holds",
+            "KV blocks the router's index says the worker holds on its device",
             labels=["worker"],
+        )
+        tiers = GaugeMetricFamily(
+            "tandem_router_worker_kv_tier_blocks",
+            "KV blocks the router's index says the worker holds in a lower tier of its own",
+            labels=["worker", "medium"],
         )
         for worker in self._workers.workers:
             gauge.add_metric([worker.url], self._index.cached_blocks(worker.url))
+            for medium, count in self._index.tier_blocks(worker.url).items():
+                if medium != "device":
+                    tiers.add_metric([worker.url, medium], count)
         yield gauge
+        yield tiers
+        yield GaugeMetricFamily(
+            "tandem_router_kv_cluster_blocks",
+            "KV blocks the router believes are in the cluster store (the union of the workers' "
+            "reports; it may be stale)",
+            value=self._index.cluster_blocks(),
+        )
 
 
 class Placement:
@@ -160,13 +176,20 @@ class Placement:
         if choice.overflow:
             self.metrics.session_overflows.inc()
         if choice.rule == "kv_aware":
-            self.metrics.predicted_hit_blocks.labels(worker.url).inc(choice.cached_blocks)
+            for medium, count in choice.cached_by_tier.items():
+                self.metrics.predicted_hit_blocks.labels(worker.url, medium).inc(count)
             self.metrics.prompt_blocks.labels(worker.url).inc(choice.prompt_blocks)
         note = f"{hop}:{choice.rule}"
         if choice.rule == "kv_aware":
             note += f"({choice.cached_blocks}/{choice.prompt_blocks}"  # cached / prompt blocks
-            if choice.best_cached_blocks > choice.cached_blocks:
-                # passed over a longer hit: where it was, and why
+            # blocks from lower tiers, when any: "cpu:40 cluster:16" (the rest on the device)
+            note += "".join(
+                f" {medium}:{count}"
+                for medium, count in choice.cached_by_tier.items()
+                if medium != "device"
+            )
+            if choice.best_credited_blocks > choice.credited_blocks:
+                # passed over a better hit: how long it was, and why it lost
                 note += f", best {choice.best_cached_blocks}: {choice.best_skipped}"
             note += ")"
         if choice.overflow:
@@ -186,7 +209,11 @@ class Placement:
         return pool[next(self._tokenize_turns) % len(pool)]
 
     def _anything_cached(self) -> bool:
-        return any(self.index.cached_blocks(w.url) for w in self.registry.workers)
+        """Any block in any tier: a prompt only in a worker's CPU tier or the cluster store
+        is still worth tokenizing for."""
+        return self.index.cluster_blocks() > 0 or any(
+            any(self.index.tier_blocks(w.url).values()) for w in self.registry.workers
+        )
 
     def _smallest_block(self) -> int:
         sizes = [self.index.block_size(w.url) for w in self.registry.workers]

@@ -10,17 +10,24 @@ Without a key, `--policy`:
 - `kv_aware` (default): the worker with the lowest cost, in tokens,
 
       cost = w × prefill_tokens + decode_tokens                            w = 4.0
-      prefill_tokens = waiting prefill tokens + unreflected prefill tokens
-                       + max(0, prompt tokens − cached_blocks × B)
-      decode_tokens  = running KV tokens + unreflected decode tokens
+      prefill_tokens  = waiting prefill tokens + unreflected prefill tokens
+                        + max(0, prompt tokens − credited_blocks × B)
+      decode_tokens   = running KV tokens + unreflected decode tokens
+      credited_blocks = Σ credit(medium of block i), over the blocks i of the run
 
-  where `cached_blocks` is the longest prefix of the prompt's block-hash chain (blocks of B
-  tokens) that the worker holds, from its KV events. This is Dynamo's `w × uncached prefill
-  blocks + decode blocks`, times B so that workers with different block sizes compare, and
-  with the worker's queue counted in: a hit is worth the prefill it saves, and a worker whose
-  queue outweighs its hit loses to an idle one. Queues count only tokens still to compute:
-  workers report waiting requests net of the cached prefix they found on arrival, and the
-  router counts what it has just sent by the uncached tokens it predicted for that worker.
+  where the run is the longest prefix of the prompt's block-hash chain (blocks of B tokens)
+  that the worker can have without computing it, from the workers' KV events (kv_index.py):
+  each block on its device, in its CPU-memory or disk tier, or in the cluster store, and
+  taken from whichever of those holds it with the highest credit. With only a device pool
+  credited_blocks is the device prefix hit, as before tiers. The decision (`Choice`) keeps
+  the run's length as `cached_blocks` and its blocks per medium as `cached_by_tier`, for the
+  log line and the predicted-hit metric. This is Dynamo's `w × uncached
+  prefill blocks + decode blocks`, times B so that workers with different block sizes
+  compare, and with the worker's queue counted in: a hit is worth the prefill it saves, and
+  a worker whose queue outweighs its hit loses to an idle one. Queues count only tokens still
+  to compute: workers report waiting requests net of the cached prefix they found on arrival,
+  and the router counts what it has just sent by the uncached tokens it predicted for that
+  worker (prompt − credited_blocks × B).
   Dynamo weighs the two terms equally (w = 1); here w = 4, because a prefill token costs a
   forward pass while a running sequence's KV token costs one attention read per decode step:
   with w = 1 an agent's turn, 90% cached on a worker that was decoding another long session,
@@ -29,7 +36,29 @@ Without a key, `--policy`:
   sessions, so one hot prefix cannot pile every request onto one worker; below that the cost
   alone decides, because batching a request with one or two others costs far less than
   recomputing its prompt elsewhere. Without the prompt's tokens (the tokenize hop failed or
-  timed out, or no worker has cached anything yet) it routes as `least_tokens`.
+  timed out, or nothing is cached anywhere yet) it routes as `least_tokens`.
+
+  **Tier credits** (`--kv-credit-cpu`, `--kv-credit-disk`, `--kv-credit-cluster`): a block in
+  a lower tier must be loaded before it is used, so a hit there saves only part of its
+  prefill; its credit is that fraction. Defaults:
+
+      device 1.0 (fixed)   cpu 0.75   disk 0.25   cluster 0.25
+
+  These are starting points, not measurements: CPU → device is a copy over PCIe, far cheaper
+  than a forward pass, while a disk or cluster-store read costs a good share of one and
+  varies, and the worker's own cost model may decline such a load and compute instead.
+  RE-TUNE from measured load times (the workers' /load `kv_tiers.load_seconds` histograms
+  and `kv_tiers.cost_model`, against prefill time per block): credit(m) ≈ 1 − load seconds per block from m / prefill
+  seconds per block, clamped to [0, 1]. Measured values go in PolicyConfig's defaults
+  (router/config.py), with where they were measured. 0 leaves a tier out of routing.
+
+  Cluster residency is the pool's (any worker's writes, see kv_index.py), so it is credited
+  to every worker that can read the store: one that has reported cluster blocks itself or
+  whose /load lists a "cluster" medium under `kv_tiers` (a worker without the tier would
+  only ever miss). When the prompt is only in the cluster store, those workers get the same
+  credit and their loads decide. Approximations: the set may be stale (a miss recomputes),
+  and workers load lower tiers in whole chunks of blocks, so a run that ends inside a chunk
+  is credited a few blocks the worker will compute.
 - `least_tokens`: the token scores of scoring.py (queued prefill tokens for prefill workers,
   KV fraction in use for decode / colocated workers).
 - `session`: the ring for requests with a key, `least_tokens` for the rest.
@@ -47,8 +76,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.kvcache.block_hash import chain_hash, salted_root
+from tandem.kvcache.events import MEDIA
 from tandem.router.config import PolicyConfig, ScoringConfig
-from tandem.router.placement.kv_index import KvIndex
+from tandem.router.placement.kv_index import CLUSTER, KvIndex
 from tandem.router.placement.ring import HashRing, bounded_pick, load_bound
 from tandem.router.placement.scoring import pick_decode, pick_lowest, pick_prefill
 from tandem.router.workers.registry import LoadSnapshot, Worker
@@ -80,7 +110,8 @@ class PromptRoute:
     affinity_key: str | None = None
     token_ids: Sequence[int] | None = None
     notes: list[str] = field(default_factory=list)  # one per placement, for the log line
-    # kv_aware: the prompt tokens each worker (by URL) would compute, after its cached prefix
+    # kv_aware: the prompt tokens each worker (by URL) would compute, after its credited
+    # cached prefix (prompt − credited_blocks × B)
     uncached: dict[str, int] = field(default_factory=dict)
     cache_salt: str | None = None  # the request's: workers salt its chain, so the index must too
     _chains: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
@@ -112,18 +143,33 @@ class Choice:
 
     worker: Worker
     rule: str  # the rule that decided: session, kv_aware, least_tokens, round_robin
-    cached_blocks: int = 0  # kv_aware: the predicted prefix hit on the chosen worker
+    # kv_aware: the predicted prefix hit on the chosen worker, in blocks from every tier
+    cached_blocks: int = 0
+    credited_blocks: float = 0.0  # kv_aware: that run weighed by tier credit
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # kv_aware: medium → blocks
     prompt_blocks: int = 0
-    best_cached_blocks: int = 0  # kv_aware: the longest prefix any worker of the pool held
+    # kv_aware: the run of the worker with the most credited blocks in the pool
+    best_cached_blocks: int = 0
+    best_credited_blocks: float = 0.0
     best_skipped: str = ""  # kv_aware: why that worker lost (over the load bound, or its cost)
     overflow: int = 0  # session: ring owners passed over because they were full
 
 
+def ranked_media(credits: Mapping[str, float]) -> list[str]:
+    """Media best first by credit (ties in MEDIA order), without those credited nothing."""
+    return sorted((m for m in MEDIA if credits.get(m, 0.0) > 0), key=lambda m: -credits[m])
+
+
+def credited(run: Sequence[str], credits: Mapping[str, float]) -> float:
+    """Σ credit(medium of block i) over a run from `KvIndex.tiered_prefix`."""
+    return sum(credits[medium] for medium in run)
+
+
 def kv_cost(
-    worker: Worker, cached_blocks: int, prompt_tokens: int, block_size: int, weight: float
+    worker: Worker, credited_blocks: float, prompt_tokens: int, block_size: int, weight: float
 ) -> float:
     load = worker.load or LoadSnapshot()
-    uncached = max(0, prompt_tokens - cached_blocks * block_size)
+    uncached = max(0.0, prompt_tokens - credited_blocks * block_size)
     prefill = load.waiting_prefill_tokens + worker.unreflected_tokens("prefill") + uncached
     decode = load.running_kv_tokens + worker.unreflected_tokens("decode")
     return weight * prefill + decode
@@ -138,6 +184,8 @@ class Placer:
         self.index = index
         self._rings: dict[frozenset[str], HashRing] = {}
         self._turns = itertools.count()
+        self._credits = config.tier_credits
+        self._ranked = ranked_media(self._credits)
 
     def choose(self, pool: Sequence[Worker], route: PromptRoute, hop: HopName) -> Choice | None:
         if not pool:
@@ -175,27 +223,44 @@ class Placer:
         if sum(loads) >= len(loads):  # the pool is busy: guard against hot spots
             bound = load_bound(loads, self.config.balance_factor)
             candidates = [w for w in pool if w.in_flight + 1 <= bound] or candidates
-        cached = {
-            w: self.index.cached_prefix(w.url, route.block_hash) for w in pool
+        runs = {
+            w: self.index.tiered_prefix(
+                w.url, route.block_hash, self._ranked, self.reads_cluster(w)
+            )
+            for w in pool
         }
+        hits = {w: credited(runs[w], self._credits) for w in pool}
         for worker in pool:
-            uncached = route.prompt_tokens - cached[worker] * self._block_size(worker)
-            route.uncached[worker.url] = max(0, uncached)
+            uncached = route.prompt_tokens - hits[worker] * self._block_size(worker)
+            route.uncached[worker.url] = max(0, round(uncached))
         costs: dict[Worker, float] = {}
         for worker in candidates:
             costs[worker] = kv_cost(
-                worker, cached[worker], route.prompt_tokens, self._block_size(worker),
+                worker, hits[worker], route.prompt_tokens, self._block_size(worker),
                 self.config.prefill_weight,
             )
         chosen = pick_lowest(candidates, lambda w: costs[w])
         assert chosen is not None
-        best = max(pool, key=lambda w: cached[w])
+        best = max(pool, key=lambda w: (hits[w], len(runs[w])))
+        by_tier: dict[str, int] = {}
+        for medium in runs[chosen]:
+            by_tier[medium] = by_tier.get(medium, 0) + 1
         return Choice(
-            chosen, "kv_aware", cached_blocks=cached[chosen],
-            prompt_blocks=route.full_blocks(self._block_size(chosen)),
-            best_cached_blocks=cached[best],
+            chosen, "kv_aware", cached_blocks=len(runs[chosen]), credited_blocks=hits[chosen],
+            cached_by_tier=by_tier, prompt_blocks=route.full_blocks(self._block_size(chosen)),
+            best_cached_blocks=len(runs[best]), best_credited_blocks=hits[best],
             best_skipped="load bound" if best not in costs else f"cost {costs[best] - costs[chosen]:+.0f}",
         )
+
+    def reads_cluster(self, worker: Worker) -> bool:
+        """Whether the worker can load from the cluster store, so the pool's cluster set counts
+        for it: it has reported cluster blocks, or its /load lists the medium."""
+        if self.index.writes_cluster(worker.url):
+            return True
+        raw = worker.load.raw if worker.load is not None else {}
+        tiers = raw.get("kv_tiers")
+        media = tiers.get("media") if isinstance(tiers, dict) else None
+        return isinstance(media, dict) and CLUSTER in media
 
     def _least_tokens(self, pool: Sequence[Worker], route: PromptRoute, hop: HopName) -> Choice:
         if hop == "prefill":

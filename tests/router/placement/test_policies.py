@@ -50,15 +50,20 @@ def _snapshot(worker_id: str, hashes: list[int], last_id: int = 0) -> dict[str, 
 
 
 def _events(
-    worker_id: str, events: list[tuple[int, str, list[int]]], gap: bool = False
+    worker_id: str, events: list[tuple[Any, ...]], gap: bool = False
 ) -> dict[str, Any]:
+    """Events as (id, type, hashes) — no medium, as older workers send — or (id, type,
+    hashes, medium)."""
     return {
         "worker_id": worker_id,
         "root_hash": ROOT,
         "block_size": BS,
         "last_id": max((e[0] for e in events), default=0),
         "gap": gap,
-        "events": [{"id": i, "type": t, "block_hashes": h} for i, t, h in events],
+        "events": [
+            {"id": e[0], "type": e[1], "block_hashes": e[2], **({"medium": e[3]} if e[3:] else {})}
+            for e in events
+        ],
     }
 
 
@@ -202,6 +207,76 @@ def test_gaps_and_restarts_unsync_until_a_snapshot(reply: dict[str, Any], reason
     # ...after which the feed continues from the snapshot's id.
     assert index.apply_events("a", _events(reply["worker_id"], [(11, "stored", [9])]))
     assert index.state("a").blocks == {7, 8, 9}
+
+
+def test_index_tracks_each_medium_and_reads_events_without_one_as_device() -> None:
+    tokens = list(range(40))  # 10 blocks of 4
+    chain = block_hashes(tokens, BS, ROOT)
+    route = _chain_route(tokens)
+    index = KvIndex()
+    snapshot = {**_snapshot("wa", chain[:2], last_id=1),
+                "tiers": {"cpu": chain[:4], "disk": [], "cluster": []}}
+    index.apply_snapshot("a", snapshot)
+    assert index.apply_events("a", _events("wa", [
+        (2, "stored", chain[4:6], "disk"),
+        (3, "stored", [chain[2]]),  # no medium: the device pool's
+        (4, "removed", [chain[0]], "cpu"),  # leaves cpu; block 0 is still on the device
+    ]))
+    entry = index.state("a")
+    assert entry.blocks == set(chain[:3]) and entry.media["cpu"] == set(chain[1:4])
+    assert entry.media["disk"] == set(chain[4:6])
+    # The device's own prefix is unchanged; the tiered run goes on through cpu and disk, each
+    # block from the best medium holding it.
+    assert index.cached_prefix("a", route.block_hash) == 3
+    assert index.tiered_prefix("a", route.block_hash) == ["device"] * 3 + ["cpu"] + ["disk"] * 2
+    # A medium left out of the ranking (credit 0) does not count: the run ends at block 4.
+    assert index.tiered_prefix("a", route.block_hash, ["device", "cpu"]) == ["device"] * 3 + ["cpu"]
+    assert index.tier_blocks("a") == {"device": 3, "cpu": 3, "disk": 2}
+    assert index.describe("a")["tier_blocks"] == {"cpu": 3, "disk": 2}  # type: ignore[index]
+    # `cleared` without a medium resets the device only.
+    assert index.apply_events("a", _events("wa", [(5, "cleared", [])]))
+    assert index.tier_blocks("a") == {"device": 0, "cpu": 3, "disk": 2}
+    assert index.apply_events("a", _events("wa", [(6, "cleared", [], "disk")]))
+    assert index.tiered_prefix("a", route.block_hash) == []  # block 0 is nowhere now
+    # An old worker's snapshot (no `tiers`) is all device.
+    index.apply_snapshot("b", _snapshot("wb", chain[:5]))
+    assert index.tiered_prefix("b", route.block_hash) == ["device"] * 5
+
+
+def test_the_cluster_set_is_shared_by_every_worker_of_the_pool() -> None:
+    tokens = list(range(40))
+    chain = block_hashes(tokens, BS, ROOT)
+    route = _chain_route(tokens)
+    index = KvIndex()
+    for url in ("a", "b"):
+        index.apply_snapshot(url, _snapshot("w" + url, [], last_id=1))
+    assert index.apply_events("a", _events("wa", [(2, "stored", chain[:6], "cluster")]))
+    index.apply_snapshot("c", {**_snapshot("wc", chain[:1], last_id=3),
+                               "tiers": {"cluster": chain[6:8]}})  # written by c, as a snapshot
+    assert index.cluster_blocks() == 8
+    # b never wrote anything and still loads what a and c wrote.
+    assert index.tiered_prefix("b", route.block_hash) == ["cluster"] * 8
+    assert index.tiered_prefix("c", route.block_hash) == ["device"] + ["cluster"] * 7
+    assert index.tiered_prefix("b", route.block_hash, reads_cluster=False) == []
+    assert (index.writes_cluster("a"), index.writes_cluster("b"), index.writes_cluster("c")) == (
+        True, False, True)
+    # Any worker's `removed` takes a block out for all (here b found block 3 gone).
+    assert index.apply_events("b", _events("wb", [(2, "removed", [chain[3]], "cluster")]))
+    assert index.tiered_prefix("a", route.block_hash) == ["cluster"] * 3
+    # The store outlives its writers: a's restart or departure keeps what a wrote.
+    assert not index.apply_events("a", _events("wa2", [(1, "stored", [99])]))
+    index.remove("c")
+    assert index.cluster_blocks() == 7 and index.tiered_prefix("b", route.block_hash) == ["cluster"] * 3
+    # An unsynced worker is credited nothing, not even the cluster's blocks.
+    assert index.tiered_prefix("a", route.block_hash) == []
+
+
+def test_the_cluster_set_is_bounded_dropping_the_least_recently_reported() -> None:
+    index = KvIndex(cluster_capacity=3)
+    index.apply_snapshot("a", _snapshot("wa", [], last_id=0))
+    assert index.apply_events("a", _events("wa", [(1, "stored", [1, 2, 3], "cluster")]))
+    assert index.apply_events("a", _events("wa", [(2, "stored", [1, 4], "cluster")]))  # 1 again
+    assert index.cluster_blocks() == 3 and set(index._cluster) == {3, 1, 4}
 
 
 class FakeFeed:
@@ -396,6 +471,103 @@ def test_kv_aware_keeps_a_session_on_its_worker_while_that_worker_decodes_anothe
     assert choice.best_skipped.startswith("cost +")  # the log line says why the hit lost
 
 
+def _tiered_index(
+    blocks: dict[str, dict[str, list[int]]], cluster: list[int] | tuple[int, ...] = ()
+) -> KvIndex:
+    """Workers' snapshots by URL: {url: {medium: hashes}}; `cluster` as written by the first."""
+    index = KvIndex()
+    for n, (url, media) in enumerate(blocks.items()):
+        tiers = {m: media.get(m, []) for m in ("cpu", "disk")}
+        tiers["cluster"] = list(cluster) if n == 0 else []
+        index.apply_snapshot(url, {**_snapshot("w-" + url, media.get("device", [])), "tiers": tiers})
+    return index
+
+
+def test_kv_aware_credits_a_device_hit_over_a_disk_hit_over_none() -> None:
+    """400 tokens, 80 of the 100 blocks cached on a's device and on b's disk, c has nothing.
+    Costs (w = 4, B = 4): a 4 × (400 − 80 × 1.0 × 4) = 320, b 4 × (400 − 80 × 0.25 × 4) = 1280,
+    c 4 × 400 = 1600."""
+    tokens = list(range(400))
+    prefix = block_hashes(tokens, BS, ROOT)[:80]
+    index = _tiered_index({"http://a": {"device": prefix}, "http://b": {"disk": prefix},
+                           "http://c": {}})
+    a, b, c = _worker("http://a"), _worker("http://b"), _worker("http://c")
+    placer = _placer(index=index)
+    choice = placer.choose([a, b, c], _chain_route(tokens), "direct")
+    assert choice is not None and choice.worker is a
+    assert (choice.cached_blocks, choice.credited_blocks, choice.cached_by_tier) == (
+        80, 80.0, {"device": 80})
+    route = _chain_route(tokens)
+    choice = placer.choose([b, c], route, "direct")
+    assert choice is not None and choice.worker is b
+    assert (choice.cached_blocks, choice.credited_blocks, choice.cached_by_tier) == (
+        80, 20.0, {"disk": 80})
+    assert (kv_cost(b, 20.0, 400, BS, 4.0), kv_cost(c, 0, 400, BS, 4.0)) == (1280.0, 1600.0)
+    # What the router counts on b until its load shows the request: the credited remainder.
+    assert route.prefill_work("http://b") == 400 - 20 * BS
+    # With the disk's credit at 0 the disk is not looked at: b holds nothing for routing.
+    choice = _placer(index=index, kv_credit_disk=0.0).choose([b], _chain_route(tokens), "direct")
+    assert choice is not None and (choice.cached_blocks, choice.cached_by_tier) == (0, {})
+
+
+def test_kv_aware_sends_a_long_prefix_in_cpu_memory_to_a_busy_worker_over_an_idle_one() -> None:
+    """4,000 tokens (1,000 blocks). `a` decodes another session (6,000 KV tokens) and holds the
+    prompt's first N tokens in its CPU tier; `b` is idle and holds nothing (b costs 4 × 4,000 =
+    16,000). With w = 4 and cpu credit 0.75, a costs 4 × (4,000 − 0.75 × N) + 6,000:
+    N = 3,600 → 11,200 (a wins); N = 400 → 20,800 (b wins). The same 3,600 on a's disk
+    (credit 0.25) → 18,400: a slow tier's long prefix is not worth the queue."""
+    tokens = list(range(4000))
+    chain = block_hashes(tokens, BS, ROOT)
+    b = _worker("http://b")
+    a = _worker("http://a", running_kv_tokens=6000, num_running_requests=1)
+    for medium, cached, winner, cost in (("cpu", 3600, a, 11200.0), ("cpu", 400, b, 20800.0),
+                                         ("disk", 3600, b, 18400.0)):
+        index = _tiered_index({"http://a": {medium: chain[: cached // BS]}, "http://b": {}})
+        placer = _placer(index=index)
+        choice = placer.choose([a, b], _chain_route(tokens), "direct")
+        assert choice is not None and choice.worker is winner, (medium, cached)
+        credit = PolicyConfig().tier_credits[medium]
+        assert kv_cost(a, credit * (cached // BS), 4000, BS, 4.0) == cost
+        assert kv_cost(b, 0, 4000, BS, 4.0) == 16000.0
+        assert (choice.best_cached_blocks, choice.best_credited_blocks) == (
+            cached // BS, credit * (cached // BS))
+
+
+def test_kv_aware_credits_each_block_from_its_best_medium() -> None:
+    """Device for blocks 0-29, cpu for 30-59 (0-9 are in cpu too), the cluster store for
+    60-79: credited = 30 × 1.0 + 30 × 0.75 + 20 × 0.25 = 57.5 of a run of 80."""
+    tokens = list(range(400))
+    chain = block_hashes(tokens, BS, ROOT)
+    index = _tiered_index({"http://a": {"device": chain[:30], "cpu": chain[:60]}},
+                          cluster=chain[60:80])
+    choice = _placer(index=index).choose([_worker("http://a")], _chain_route(tokens), "direct")
+    assert choice is not None
+    assert (choice.cached_blocks, choice.credited_blocks) == (80, 57.5)
+    assert choice.cached_by_tier == {"device": 30, "cpu": 30, "cluster": 20}
+
+
+def test_kv_aware_with_the_prefix_only_in_the_cluster_store_routes_by_load() -> None:
+    """Nothing on any device; the cluster store holds the whole prompt (a wrote it). Every
+    worker that reads the store gets the same credit, so load decides among them; a worker
+    without a cluster tier gets none."""
+    tokens = list(range(400))
+    chain = block_hashes(tokens, BS, ROOT)
+    index = _tiered_index({"http://a": {}, "http://b": {}, "http://c": {}}, cluster=chain)
+    a = _worker("http://a", running_kv_tokens=100)  # wrote the blocks: it has the tier
+    b = _worker("http://b")
+    b.on_load(LoadSnapshot.from_json({"kv_tiers": {"media": {"cpu": {}, "cluster": {}}}}), 0.0, 0.25)
+    c = _worker("http://c")  # idle, but no cluster tier: it would compute all 400 tokens
+    placer = _placer(index=index)
+    assert [placer.reads_cluster(w) for w in (a, b, c)] == [True, True, False]
+    route = _chain_route(tokens)
+    choice = placer.choose([a, b, c], route, "direct")
+    assert choice is not None and choice.worker is b
+    assert (choice.cached_blocks, choice.credited_blocks, choice.cached_by_tier) == (
+        100, 25.0, {"cluster": 100})
+    # a and b would each compute 300 tokens (b's 1,200 cost beats a's 1,300 and c's 1,600).
+    assert [route.prefill_work(w.url) for w in (a, b, c)] == [300, 300, 400]
+
+
 def test_kv_aware_skips_a_worker_above_the_load_bound() -> None:
     tokens = list(range(400))
     index = _index_with("http://b", block_hashes(tokens, BS, ROOT))
@@ -516,6 +688,43 @@ def test_placement_tokenizes_only_when_it_can_pay() -> None:
     assert seen == [{"messages": body["messages"], "add_generation_prompt": True}]
 
 
+def test_placement_notes_and_counts_the_tiers_of_a_hit() -> None:
+    tokens = list(range(64))  # 16 blocks
+    chain = block_hashes(tokens, BS, ROOT)
+    index = _tiered_index({"http://a": {"device": chain[:4], "cpu": chain[:10]}})
+    placement, _, client, prometheus = _placement(
+        lambda request: httpx.Response(404), index, ["http://a"]
+    )
+    route = _chain_route(tokens)
+    assert placement.choose(placement.registry.workers, route, "direct") is not None
+    assert route.notes == ["direct:kv_aware(10/16 cpu:6)"]
+    hits = {m: prometheus.get_sample_value("tandem_router_kv_predicted_hit_blocks_total",
+                                           {"worker": "http://a", "medium": m})
+            for m in ("device", "cpu")}
+    assert hits == {"device": 4.0, "cpu": 6.0}
+    assert prometheus.get_sample_value(
+        "tandem_router_worker_kv_tier_blocks", {"worker": "http://a", "medium": "cpu"}) == 10
+    assert prometheus.get_sample_value("tandem_router_kv_cluster_blocks") == 0
+    asyncio.run(client.aclose())
+
+
+def test_placement_tokenizes_when_only_a_lower_tier_holds_blocks() -> None:
+    """Nothing on any device, but the cluster store has blocks: worth the tokenize hop."""
+    tokens = list(range(64))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"count": 64, "tokens": tokens, "max_model_len": 2048})
+
+    index = _tiered_index({"http://a": {}}, cluster=block_hashes(tokens, BS, ROOT)[:2])
+
+    async def run() -> PromptRoute:
+        placement, _, client, _ = _placement(handler, index, ["http://a"])
+        async with client:
+            return await placement.prepare({"prompt": "x" * 400}, "completion", {}, {}, 100)
+
+    assert asyncio.run(run()).token_ids == tokens
+
+
 def test_a_failed_or_slow_tokenize_hop_routes_by_load() -> None:
     async def slow(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(2)
@@ -585,8 +794,19 @@ def test_policy_flags_on_route_and_up() -> None:
         1.5,
     )
     assert (policy.prefill_weight, policy.kv_events_interval_s) == (2.0, 0.1)
+    assert PolicyConfig().tier_credits == {"device": 1.0, "cpu": 0.75, "disk": 0.25, "cluster": 0.25}
+    args = build_parser().parse_args(
+        ["route", "--worker", "a:1", "--kv-credit-cpu", "0.5", "--kv-credit-disk", "0.1"]
+        + ["--kv-credit-cluster", "0"]
+    )
+    assert router_config(args).policy.tier_credits == {
+        "device": 1.0, "cpu": 0.5, "disk": 0.1, "cluster": 0.0}
     with pytest.raises(ValueError, match="balance-factor"):
         PolicyConfig(balance_factor=0.9)
+    with pytest.raises(ValueError, match="kv-credit-cpu"):
+        PolicyConfig(kv_credit_cpu=1.5)
+    with pytest.raises(ValueError, match="kv-credit-cluster"):
+        PolicyConfig(kv_credit_cluster=-0.1)
     ports = itertools.count(9000)
     up = build_parser().parse_args(["up", "--policy", "round_robin", "--affinity-header", "x-c"])
     argv = list(plan_cluster(up, None, lambda: next(ports)).router.argv)
