@@ -1,99 +1,91 @@
-"""A local redis-server (or valkey-server) as a child process, for `tandem up --kv-store redis`
-and for tests: started on a free port with a memory cap and LRU eviction, stopped with its
-parent.
+"""A local redis-server (or valkey-server) as a child process: the cluster KV tier's store for
+a single machine, and a real server for tests.
 
-The server keeps nothing on disk (`--save ''`, no AOF): the cluster tier is a cache, and a
-restart should start empty rather than replay gigabytes. On Linux it gets SIGTERM if the
-process that started it dies, so it never outlives its cluster.
+Why a managed child rather than "bring your own": a KV cache wants a particular server (no
+persistence, a memory cap, LRU eviction), and a server left running after the engine is gone
+holds gigabytes for nothing. So it runs with `--save '' --appendonly no` (a restart starts
+empty instead of replaying gigabytes), `--maxmemory N --maxmemory-policy allkeys-lru` (old
+chunks make room for new ones; writes never fail for memory), and it never outlives us:
+`stop()`, a finalizer at interpreter exit, and on Linux PR_SET_PDEATHSIG, so even a parent
+killed with SIGKILL takes the server down. PR_SET_PDEATHSIG fires when the *thread* that
+started the child exits, so it is only set when `start()` runs on the main thread.
+
+The server's working directory is `data_dir` (a temporary directory when none is given,
+removed by `stop()`); its stdout and stderr go to `log_path` (appended to), by default
+`redis-server.log` in that directory. A server that fails to start raises RedisServerError
+with what it logged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import ctypes.util
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
-import redis
-
-_SERVERS = ("redis-server", "valkey-server")
+_BINARIES = ("redis-server", "valkey-server")
+_SYSTEM_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin")
 _PR_SET_PDEATHSIG = 1
+_INSTALL_HINT = ("run scripts/setup.sh (it installs redis-server) or "
+                 "`apt-get install redis-server`")
+
+
+class RedisServerError(RuntimeError):
+    """The server could not be started (the message has the end of its log)."""
 
 
 def find_redis_server() -> str | None:
-    for name in _SERVERS:
-        path = shutil.which(name) or next((str(p) for p in (Path("/usr/bin") / name, Path("/usr/sbin") / name)
-                                           if p.is_file()), None)
-        if path:
-            return path
+    """The path of redis-server, else valkey-server (PATH first, then the system's bin
+    directories, which a virtual environment's PATH may lack), or None."""
+    for name in _BINARIES:
+        found = shutil.which(name)
+        if found:
+            return found
+        for directory in _SYSTEM_DIRS:
+            candidate = Path(directory) / name
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
     return None
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _free_port(host: str) -> int:
-    with socket.socket() as sock:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-class RedisServer:
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", maxmemory_bytes: int | None = None,
-                 policy: str = "allkeys-lru", log_path: str | Path | None = None) -> None:
-        self.host = host
-        self.port = port
-        self.maxmemory_bytes = maxmemory_bytes
-        self.policy = policy
-        self.log_path = Path(log_path) if log_path else None
-        self.process: subprocess.Popen | None = None
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """A preexec_fn that sets PR_SET_PDEATHSIG, resolved before the fork (loading a library
+    in the child of a threaded parent can deadlock), or None where it does not apply."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
 
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}"
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(1)
 
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        binary = find_redis_server()
-        if binary is None:
-            raise FileNotFoundError("no redis-server or valkey-server found: run scripts/setup.sh (it installs "
-                                    "redis-server) or `apt-get install redis-server`")
-        if self.port is None:
-            self.port = _free_port(self.host)
-        argv = [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
-                "--protected-mode", "no", "--maxmemory-policy", self.policy, "--daemonize", "no"]
-        if self.maxmemory_bytes:
-            argv += ["--maxmemory", str(self.maxmemory_bytes)]
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        deadline = time.monotonic() + timeout
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
-        try:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"{binary} exited with code {self.process.returncode} on start"
-                                       + (f"; see {self.log_path}" if self.log_path else ""))
-                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-                    if client.ping():
-                        return self
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeoutError(f"{binary} did not answer PING on {self.url} within {timeout:.0f} s")
-                time.sleep(0.05)
-        finally:
-            client.close()
+    return hook
 
-    def stop(self, timeout: float = 5.0) -> None:
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
+
+def _stop_process(process: subprocess.Popen[bytes], timeout: float) -> None:
+    if process.poll() is None:
         process.terminate()
         try:
             process.wait(timeout)
@@ -101,8 +93,157 @@ class RedisServer:
             process.kill()
             process.wait()
 
+
+class RedisServer:
+    """One server process. `start()` it (or use `with`), read `url`, `stop()` it. The server
+    is also stopped when this object is garbage-collected or the interpreter exits, so keep
+    the object for as long as the server should run."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1",
+                 maxmemory_bytes: int | None = None, policy: str = "allkeys-lru",
+                 data_dir: str | Path | None = None, log_path: str | Path | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.maxmemory_bytes = maxmemory_bytes
+        self.policy = policy
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._log_start = 0  # where this start's output begins in the log
+        self.process: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RedisServerError("the server has no port until start()")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"redis://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        if self._log_path is not None:
+            return self._log_path
+        directory = self.data_dir or (Path(self._tmp.name) if self._tmp else None)
+        return directory / "redis-server.log" if directory else None
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers (itself, not another server that holds
+        the port); returns self. Raises RedisServerError with the server's log otherwise."""
+        if self.process is not None and self.process.poll() is None:
+            return self
+        binary = find_redis_server()
+        if binary is None:
+            raise FileNotFoundError(f"no redis-server or valkey-server found: {_INSTALL_HINT}")
+        if self.data_dir is None and self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tandem-redis-")
+        directory = self.data_dir or Path(self._tmp.name)  # type: ignore[union-attr]
+        directory.mkdir(parents=True, exist_ok=True)
+        pick_port = self.port is None
+        for attempt in range(3):  # a free port found by bind() may be taken before the server
+            if pick_port:
+                self.port = _free_port(self.host)
+            try:
+                self._launch(binary, directory, timeout)
+                return self
+            except RedisServerError:
+                if not pick_port or attempt == 2 or "in use" not in self._log_tail():
+                    self.stop()
+                    raise
+        raise AssertionError("unreachable")
+
+    def _launch(self, binary: str, directory: Path, timeout: float) -> None:
+        argv = [binary, "--port", str(self.port), "--bind", self.host, "--protected-mode", "no",
+                "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(directory),
+                "--maxmemory-policy", self.policy]
+        if self.maxmemory_bytes is not None:
+            argv += ["--maxmemory", str(int(self.maxmemory_bytes))]
+        log_path = self.log_path
+        assert log_path is not None
+        if self._finalizer is not None:  # an earlier attempt's process, already gone
+            self._finalizer.detach()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self._log_start = log.tell()
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, cwd=directory,
+                                       preexec_fn=_die_with_parent_hook())
+        self.process = process
+        self._finalizer = weakref.finalize(self, _stop_process, process, 5.0)
+        deadline = time.monotonic() + timeout
+        while self._answering_pid() != process.pid:  # not just any server on this port
+            if process.poll() is not None:
+                raise RedisServerError(f"{binary} exited with code {process.returncode} on "
+                                       f"start ({' '.join(argv)}):\n{self._log_tail()}")
+            if time.monotonic() > deadline:
+                tail = self._log_tail()
+                self.stop()
+                raise RedisServerError(f"{binary} did not answer PING on {self.url} within "
+                                       f"{timeout:g} s:\n{tail}")
+            time.sleep(0.02)
+
+    def ping(self, timeout: float = 0.5) -> bool:
+        """Whether the server answers PING (a plain socket: no client library, no retries)."""
+        if self.port is None:
+            return False
+        try:
+            with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _answering_pid(self, timeout: float = 0.5) -> int | None:
+        """The process id of the server answering on our port (INFO server), or None."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+                sock.sendall(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+                reply = b""
+                while True:  # a bulk string: $<length>\r\n<body>\r\n
+                    data = sock.recv(65536)
+                    if not data:
+                        break
+                    reply += data
+                    head, sep, _ = reply.partition(b"\r\n")
+                    if sep and (not head.startswith(b"$") or
+                                len(reply) >= len(head) + 4 + int(head[1:])):
+                        break
+        except (OSError, ValueError):
+            return None
+        for line in reply.split(b"\r\n"):
+            if line.startswith(b"process_id:"):
+                return int(line.split(b":", 1)[1])
+        return None
+
+    def _log_tail(self, max_bytes: int = 4000) -> str:
+        """The end of what the server logged since the last launch."""
+        path = self.log_path
+        if path is None or not path.exists():
+            return ""
+        with open(path, "rb") as log:
+            log.seek(max(self._log_start, log.seek(0, os.SEEK_END) - max_bytes))
+            return log.read().decode(errors="replace")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout`; waits for the process (no zombie) and removes
+        the temporary directory. Stopping a stopped server does nothing."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        process, self.process = self.process, None
+        if process is not None:
+            _stop_process(process, timeout)
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                self._tmp.cleanup()
+            self._tmp = None
+
     def __enter__(self) -> RedisServer:
-        return self.start() if self.process is None else self
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
