@@ -72,15 +72,15 @@ def test_a_missing_binary_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None
 _CHILD = """
 import sys, time
 from tandem.kvcache.tiers.redis_server import RedisServer
-server = RedisServer().start()
+server = RedisServer(data_dir=sys.argv[1]).start()  # a killed parent cannot clean up a tmp dir
 print(server.pid, flush=True)
 time.sleep(60)
 """
 
 
 @pytest.mark.usefixtures("redis_binary")
-def test_the_server_dies_with_a_parent_killed_by_sigkill() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE,
+def test_the_server_dies_with_a_parent_killed_by_sigkill(tmp_path: Path) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         assert parent.stdout is not None
