@@ -76,16 +76,12 @@ class TierResult:
         return statistics.median(self.ttft_s) if self.ttft_s else None
 
 
-def _prompt(rng: random.Random, tokens: int, tokenize: Any) -> str:
-    """Seeded text of about `tokens` tokens (checked with the server's tokenizer)."""
-    words = [rng.choice(_WORDS) for _ in range(tokens)]
-    text = " ".join(words)
-    count = tokenize(text)
-    while count > tokens:  # trim to length
-        words = words[: int(len(words) * tokens / count) - 1]
-        text = " ".join(words)
-        count = tokenize(text)
-    return text
+def _prefix_ids(rng: random.Random, tokens: int, encode: Any) -> list[int]:
+    """Exactly `tokens` token ids of seeded text, so the prefix ends on a chunk boundary."""
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += encode(" ".join(rng.choice(_WORDS) for _ in range(256)))
+    return ids[:tokens]
 
 
 def _server_flags(tier: str, workdir: Path, store_url: str | None) -> list[str]:
@@ -119,7 +115,7 @@ def _drop_page_cache() -> bool:
         return False
 
 
-def _ttft(client: httpx.Client, model: str, prompt: str) -> tuple[float, int, int]:
+def _ttft(client: httpx.Client, model: str, prompt: str | list[int]) -> tuple[float, int, int]:
     started = time.perf_counter()
     first = None
     usage: dict[str, Any] = {}
@@ -139,8 +135,8 @@ def _ttft(client: httpx.Client, model: str, prompt: str) -> tuple[float, int, in
         "prompt_tokens", 0))
 
 
-def run_tier(tier: str, args: argparse.Namespace, prompts: list[str], log_dir: Path, workdir: Path,
-             store_url: str | None) -> TierResult:
+def run_tier(tier: str, args: argparse.Namespace, prompts: list[tuple[list[int], list[int], list[int]]],
+             log_dir: Path, workdir: Path, store_url: str | None) -> TierResult:
     result = TierResult(tier)
     port = free_port()
     cmd = [sys.executable, "-m", "tandem", "serve", args.model, "--port", str(port), "--no-access-log",
@@ -153,13 +149,13 @@ def run_tier(tier: str, args: argparse.Namespace, prompts: list[str], log_dir: P
         server.wait_ready(600)
         with httpx.Client(base_url=server.base_url, timeout=600) as client:
             _ttft(client, args.model, "warm up the model " * 8)
-            for n, prefix in enumerate(prompts):
-                _ttft(client, args.model, prefix + f" Question {n}: which ship came first?")
+            for n, (prefix, first, second) in enumerate(prompts):
+                _ttft(client, args.model, prefix + first)
                 _wait_writes(client)
                 assert client.post("/reset_prefix_cache").json()["reset"]
                 if tier == "disk-cold" and not _drop_page_cache():
                     raise PermissionError("dropping the page cache needs root")
-                ttft, cached, prompt_tokens = _ttft(client, args.model, prefix + f" Question {n}: and the last?")
+                ttft, cached, prompt_tokens = _ttft(client, args.model, prefix + second)
                 result.ttft_s.append(ttft)
                 result.cached_tokens.append(cached)
                 result.prompt_tokens.append(prompt_tokens)
@@ -246,6 +242,7 @@ def plot(results: list[TierResult], path: Path) -> None:
 def cmd_kv_tiers(args: argparse.Namespace) -> int:
     from tandem.kvcache.tiers.redis_server import RedisServer
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     out_dir = args.output_dir / f"kv-tiers-{dt.datetime.now():%Y%m%d-%H%M%S}"
     out_dir.mkdir(parents=True, exist_ok=True)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
@@ -257,7 +254,9 @@ def cmd_kv_tiers(args: argparse.Namespace) -> int:
 
     resolved = resolve_model(args.model, "float32")
     tokenizer = load_tokenizer(resolved.hf_dir)
-    prompts = [_prompt(rng, args.prefix_tokens, lambda t: len(tokenizer.encode(t))) for _ in range(args.trials)]
+    encode = tokenizer.encode
+    prompts = [(_prefix_ids(rng, args.prefix_tokens, encode), encode(f" Question {n}: which ship came first?"),
+                encode(f" Question {n}: and which came last?")) for n in range(args.trials)]
     results: list[TierResult] = []
     for tier in tiers:
         store, store_url = None, None

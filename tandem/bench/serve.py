@@ -112,6 +112,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="colocated workers behind the router of each --policies target (default: 3)",
     )
     targets.add_argument(
+        "--kv-tier-sets", default="off", metavar="SETS",
+        help="run each --policies target once per KV tier set: off, cpu, cpu+disk, "
+        "cpu+disk+cluster (the cluster store is a redis-server `tandem up` starts), "
+        "comma-separated (default: off)",
+    )
+    targets.add_argument(
+        "--kv-tier-cpu-bytes", default="2GiB", metavar="SIZE",
+        help="CPU-memory tier per worker in tier sets with cpu (default: 2GiB)",
+    )
+    targets.add_argument(
+        "--kv-store-admit-after", type=int, default=None, metavar="N",
+        help="sightings before a chunk enters the disk and cluster tiers (default: the engine's, 2)",
+    )
+    targets.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         help=f"model the launched servers load (default: {DEFAULT_MODEL})",
@@ -323,6 +337,7 @@ class Target:
     launch: str | None = None
     policy: str | None = None
     session_header: bool | None = None  # None: the --session-header flag
+    kv_tiers: tuple[str, ...] = ()  # policy targets: the KV tiers below the device pool
 
 
 POLICY_TARGETS = {
@@ -335,13 +350,32 @@ POLICY_TARGETS = {
 }
 
 
-def plan_policy_targets(policies: list[str]) -> list[Target]:
+KV_TIERS = ("cpu", "disk", "cluster")
+
+
+def parse_tier_sets(text: str) -> list[tuple[str, ...]]:
+    """"off,cpu,cpu+disk+cluster" -> [(), ("cpu",), ("cpu", "disk", "cluster")]."""
+    sets = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        tiers = () if item == "off" else tuple(item.split("+"))
+        bad = [t for t in tiers if t not in KV_TIERS]
+        if bad:
+            raise ValueError(f"--kv-tier-sets {item!r}: tiers are off or {', '.join(KV_TIERS)} joined by +")
+        sets.append(tiers)
+    return sets or [()]
+
+
+def plan_policy_targets(policies: list[str], tier_sets: list[tuple[str, ...]] = ((),)) -> list[Target]:
     wanted = [x.strip() for item in policies for x in item.split(",") if x.strip()]
     bad = [p for p in wanted if p not in POLICY_TARGETS]
     if bad:
         raise ValueError(f"--policies {', '.join(bad)}: choose from {', '.join(POLICY_TARGETS)}")
-    return [Target(name, launch="policy", policy=POLICY_TARGETS[name][0],
-                   session_header=POLICY_TARGETS[name][1]) for name in wanted]
+    named = len(tier_sets) > 1 or tier_sets[0] != ()
+    return [Target(f"{name}/{'+'.join(tiers) or 'off'}" if named else name, launch="policy",
+                   policy=POLICY_TARGETS[name][0], session_header=POLICY_TARGETS[name][1], kv_tiers=tiers)
+            for tiers in tier_sets for name in wanted]
 
 
 def parse_url_target(text: str) -> Target:
@@ -355,7 +389,8 @@ def parse_url_target(text: str) -> Target:
     return Target(name or parsed.netloc, url=url.rstrip("/"))
 
 
-def plan_targets(urls: list[str], launches: list[str], policies: list[str] = ()) -> list[Target]:
+def plan_targets(urls: list[str], launches: list[str], policies: list[str] = (),
+                 tier_sets: list[tuple[str, ...]] = ((),)) -> list[Target]:
     """Launched targets first (tandem before vllm: tandem is the reference), then the URLs."""
     wanted = {x.strip() for item in launches for x in item.split(",") if x.strip()}
     bad = wanted - set(LAUNCHABLE)
@@ -363,7 +398,7 @@ def plan_targets(urls: list[str], launches: list[str], policies: list[str] = ())
         raise ValueError(f"--launch {', '.join(sorted(bad))}: choose from {', '.join(LAUNCHABLE)}")
     targets = [Target(engine, launch=engine) for engine in LAUNCHABLE if engine in wanted]
     targets += [parse_url_target(u) for u in urls]
-    targets += plan_policy_targets(policies)
+    targets += plan_policy_targets(policies, tier_sets)
     if not targets:
         raise ValueError("give at least one target: --url URL or --launch tandem/vllm")
     names = [t.name for t in targets]
@@ -440,6 +475,20 @@ def tandem_command(args: argparse.Namespace, port: int) -> list[str]:
         if value is not None:
             cmd += [flag, str(value)]
     return cmd + ["--no-access-log", *shlex.split(args.tandem_args)]
+
+
+def tier_flags(args: argparse.Namespace, tiers: tuple[str, ...], disk_dir: Path) -> list[str]:
+    """`tandem up` flags for a KV tier set (each worker gets its own part of the disk tier)."""
+    flags: list[str] = []
+    if "cpu" in tiers:
+        flags += ["--kv-offload-cpu-bytes", str(args.kv_tier_cpu_bytes)]
+    if "disk" in tiers:
+        flags += ["--kv-offload-disk-path", str(disk_dir)]
+    if "cluster" in tiers:
+        flags += ["--kv-store", "redis"]
+    if tiers and args.kv_store_admit_after:
+        flags += ["--kv-store-admit-after", str(args.kv_store_admit_after)]
+    return flags
 
 
 def cluster_command(args: argparse.Namespace, port: int, kind: str, policy: str | None = None) -> list[str]:
@@ -569,13 +618,15 @@ def build_server(
     target: Target, args: argparse.Namespace, ctx: LaunchContext, log_dir: Path
 ) -> LaunchedServer:
     port = free_port()
+    safe = target.name.replace("/", "-").replace("+", "-")  # for file names
     if target.launch in ("tandem", "policy", *CLUSTERS):
         if target.launch == "tandem":
             cmd = tandem_command(args, port)
         else:
             cmd = cluster_command(args, port, target.launch, target.policy)
+            cmd += tier_flags(args, target.kv_tiers, log_dir / f"{safe}-disk")
             # The router's usage ledger goes with the run's logs, not into the working directory.
-            cmd += ["--ledger", str(log_dir / f"{target.name}-usage.sqlite3")]
+            cmd += ["--ledger", str(log_dir / f"{safe}-usage.sqlite3"), "--log-dir", str(log_dir / safe)]
         env = dict(os.environ)
         env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
     else:
@@ -588,7 +639,7 @@ def build_server(
         assert ctx.hf_dir is not None
         cmd = vllm_command(args, port, ctx.hf_dir, ctx.served_name, ctx.kv_bytes)
         env = vllm_env(args.vllm_python, not args.vllm_no_iomp_preload, args.threads)
-    return LaunchedServer(target.name, cmd, env, log_dir / f"{target.name}.log", port)
+    return LaunchedServer(target.name, cmd, env, log_dir / f"{safe}.log", port)
 
 
 def _vllm_version(vllm_python: str) -> str | None:
@@ -695,7 +746,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # httpx logs every request at INFO: thousands of lines that would bury the progress bar
     httpx_logger = logging.getLogger("httpx")
     httpx_logger.setLevel(max(httpx_logger.getEffectiveLevel(), logging.WARNING))
-    targets = plan_targets(args.url, args.launch, args.policies)
+    targets = plan_targets(args.url, args.launch, args.policies, parse_tier_sets(args.kv_tier_sets))
     config = load_config(args)
     ctx = LaunchContext(served_name=args.served_model_name or args.model)
     tokenizer = args.tokenizer

@@ -397,3 +397,24 @@ def test_cluster_and_policy_targets() -> None:
     missed = [outcome("round_robin", 55.0), outcome("session", 95.0), outcome("kv_aware", 88.0)]
     assert policy_goal_line(missed).endswith("NOT met")
     assert policy_goal_line([outcome("session", 90.0)]) is None
+
+
+def test_kv_tier_sets_multiply_policy_targets(tmp_path: Path) -> None:
+    from tandem.bench.serve import LaunchContext, build_server, parse_tier_sets
+
+    sets = parse_tier_sets("off,cpu,cpu+disk+cluster")
+    assert sets == [(), ("cpu",), ("cpu", "disk", "cluster")]
+    with pytest.raises(ValueError):
+        parse_tier_sets("cpu+tape")
+    targets = plan_targets([], [], ["kv_aware,round_robin"], sets)
+    assert [t.name for t in targets] == ["kv_aware/off", "round_robin/off", "kv_aware/cpu", "round_robin/cpu",
+                                         "kv_aware/cpu+disk+cluster", "round_robin/cpu+disk+cluster"]
+    args = _args("--policies", "kv_aware", "--kv-tier-sets", "cpu+disk+cluster", "--kv-store-admit-after", "1")
+    server = build_server(targets[4], args, LaunchContext(), tmp_path)
+    cmd = server.command
+    assert cmd[cmd.index("--kv-offload-cpu-bytes") + 1] == "2GiB"
+    assert cmd[cmd.index("--kv-store") + 1] == "redis" and cmd[cmd.index("--kv-store-admit-after") + 1] == "1"
+    assert cmd[cmd.index("--kv-offload-disk-path") + 1] == str(tmp_path / "kv_aware-cpu-disk-cluster-disk")
+    assert server.log_path == tmp_path / "kv_aware-cpu-disk-cluster.log"
+    plain = build_server(plan_targets([], [], ["kv_aware"])[0], args, LaunchContext(), tmp_path)
+    assert "--kv-store" not in plain.command
