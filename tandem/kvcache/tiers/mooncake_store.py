@@ -55,7 +55,7 @@ from tandem.config import parse_memory_size
 from tandem.kvcache.tiers.store import ChunkStore, ChunkStoreError
 
 PIP_PACKAGE = "mooncake-transfer-engine-non-cuda"
-APT_PACKAGES = ("libibverbs1", "libnuma1")
+APT_PACKAGES = ("libibverbs1", "libnuma1", "libcurl4")
 INSTALL_HINT = (f"install it with `pip install {PIP_PACKAGE}` (mooncake-transfer-engine on a "
                 f"CUDA host; scripts/setup.sh does) and the system libraries it loads, "
                 f"`apt-get install {' '.join(APT_PACKAGES)}`")
