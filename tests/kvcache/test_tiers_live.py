@@ -203,3 +203,28 @@ def _request(llm: LLM, prompt: str):
     req = Request("probe", ids, GREEDY)
     llm.engine.kv_manager.update_block_hashes(req)
     return req
+
+
+def test_prefix_comes_back_from_mooncake_and_another_engine_reads_it(cold_outputs: list[str]) -> None:
+    mooncake = pytest.importorskip("tandem.kvcache.tiers.mooncake_store")
+    from tandem.kvcache.tiers.mooncake_master import MooncakeMaster, find_mooncake_master
+
+    try:
+        mooncake.import_client()
+    except Exception as exc:  # noqa: BLE001 - the reason is the skip message
+        pytest.skip(f"Mooncake Store is not installed here: {exc}")
+    if find_mooncake_master() is None:
+        pytest.skip("the mooncake_master binary is not installed")
+    with MooncakeMaster() as master:
+        url = master.url + "?segment=512MiB"
+        with tier_llm(store_url=url) as llm:
+            first, again = serve_twice(llm)
+            assert first.outputs[0].text == again.outputs[0].text == cold_outputs[0]
+            assert llm.engine.core.load().kv_tiers["media"]["cluster"]["chunk_hits"] >= 1
+            # Values live in the segments of running clients: read them from another engine
+            # while this one still holds its segment.
+            with tier_llm(store_url=url) as other:
+                out = other.generate([PROMPT], GREEDY)[0]
+                assert out.outputs[0].text == cold_outputs[0] and out.num_cached_tokens > 0
+                assert_idle(other)
+            assert_idle(llm)

@@ -19,18 +19,20 @@ def open_stores(config: EngineConfig, role: str, rank: int = 0) -> dict[str, Chu
         else:
             stores["disk"] = DiskStore(tiers.disk_path, tiers.disk_bytes)
     if tiers.store_url:
-        stores["cluster"] = open_cluster_store(tiers.store_url)
+        stores["cluster"] = open_cluster_store(tiers.store_url, probe=role == "probe")
     return stores
 
 
-def open_cluster_store(url: str) -> ChunkStore:
+def open_cluster_store(url: str, probe: bool = False) -> ChunkStore:
+    """The cluster store at `url`; `probe`: only for existence checks (a Mooncake prober
+    contributes no memory segment of its own)."""
     scheme = url.split("://", 1)[0].lower()
     if scheme in ("redis", "rediss", "valkey", "unix"):
         from tandem.kvcache.tiers.redis_store import RedisStore
 
         return RedisStore(url)
     if scheme == "mooncake":
-        from tandem.kvcache.tiers.mooncake_store import MooncakeStore  # type: ignore[import-not-found]
+        from tandem.kvcache.tiers.mooncake_store import MooncakeStore
 
-        return MooncakeStore(url)
+        return MooncakeStore.prober(url) if probe else MooncakeStore(url)
     raise ValueError(f"--kv-store {url!r}: expected redis://HOST:PORT, valkey://HOST:PORT or mooncake://...")
