@@ -446,7 +446,8 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         writer = dict(self._worker_counters.get("writer", {}))
         writer["pending"] = len(self._pending)
         return {"tiers": {
-            "chunk_blocks": self.chunk_blocks, "media": media, "writer": writer,
+            "chunk_blocks": self.chunk_blocks, "block_bytes": self._chunk_bytes // self.chunk_blocks,
+            "media": media, "writer": writer,
             "lookups": c.lookups, "chunk_misses": c.chunk_misses, "loads": c.loads,
             "loads_failed": c.loads_failed, "loads_timed_out": c.loads_timed_out,
             "loads_skipped_by_cost": c.loads_skipped_by_cost, "probe_errors": c.probe_errors,
