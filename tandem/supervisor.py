@@ -94,14 +94,39 @@ class Child:
         return log_tail(self.spec.log_path, lines)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM this child when its parent (the thread that forked it) dies."""
+def die_with_parent_hook() -> Callable[[], None] | None:
+    """A preexec_fn that sets PR_SET_PDEATHSIG (SIGTERM the child when the thread that forked
+    it dies), resolved before the fork (loading a library in the child of a threaded parent can
+    deadlock); None where it does not apply (not Linux, or not the main thread, whose exit
+    would fire the signal early)."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
     try:
         import ctypes
+        import ctypes.util
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:  # pragma: no cover - runs in the child between fork and exec
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(1)
+
+    return hook
+
+
+def stop_process(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds; returns once the process is reaped."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def start(spec: ProcessSpec) -> Child:
@@ -121,7 +146,7 @@ def start(spec: ProcessSpec) -> Child:
             env=env,
             cwd=spec.cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent_hook(),
         )
     return Child(spec, process, time.monotonic())
 

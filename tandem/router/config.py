@@ -73,6 +73,11 @@ PolicyName = Literal["round_robin", "least_tokens", "session", "kv_aware"]
 POLICIES: tuple[PolicyName, ...] = ("kv_aware", "least_tokens", "session", "round_robin")
 
 
+# kv_aware's tier credits until a worker has measured its own (placement/policies.py): a
+# conservative guess for a GPU worker, where a forward pass is cheap next to a disk read.
+FALLBACK_TIER_CREDITS = {"cpu": 0.75, "disk": 0.25, "cluster": 0.25}
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """How a request's worker is chosen; the rules and formula are in router/placement/policies.py."""
@@ -89,11 +94,12 @@ class PolicyConfig:
     prefill_weight: float = 4.0
     # kv_aware's credit for a cached prompt block by the tier it would come from: the fraction
     # of that block's prefill a hit there saves (a device hit saves all of it, 1.0, fixed; a
-    # lower tier's block must be loaded first). 0 leaves a tier out of routing. Starting
-    # points, not measurements: see "Tier credits" in placement/policies.py.
-    kv_credit_cpu: float = 0.75
-    kv_credit_disk: float = 0.25
-    kv_credit_cluster: float = 0.25
+    # lower tier's block must be loaded first). None: measured on each worker from its own
+    # loads and prefill rate, with the fallback below until it has measured them; a number
+    # fixes it. 0 leaves a tier out of routing. See "Tier credits" in placement/policies.py.
+    kv_credit_cpu: float | None = None
+    kv_credit_disk: float | None = None
+    kv_credit_cluster: float | None = None
     tokenize_timeout_s: float = 2.0
     kv_events_interval_s: float = 0.25
 
@@ -110,13 +116,16 @@ class PolicyConfig:
 
     @property
     def tier_credits(self) -> dict[str, float]:
-        """Credit per KV medium (events' `medium`), device first."""
-        return {
-            "device": 1.0,
-            "cpu": self.kv_credit_cpu,
-            "disk": self.kv_credit_disk,
-            "cluster": self.kv_credit_cluster,
-        }
+        """Credit per KV medium (events' `medium`), device first: the fixed ones, and the
+        fallbacks for those measured per worker."""
+        given = {"cpu": self.kv_credit_cpu, "disk": self.kv_credit_disk, "cluster": self.kv_credit_cluster}
+        return {"device": 1.0, **{m: FALLBACK_TIER_CREDITS[m] if c is None else c for m, c in given.items()}}
+
+    @property
+    def measured_media(self) -> tuple[str, ...]:
+        """Tiers whose credit each worker's measurements set (no --kv-credit-* given)."""
+        given = {"cpu": self.kv_credit_cpu, "disk": self.kv_credit_disk, "cluster": self.kv_credit_cluster}
+        return tuple(m for m, c in given.items() if c is None)
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,30 @@ def test_prefix_comes_back_from_redis_and_a_fresh_engine_reads_it(redis_server: 
         assert_idle(fresh)
 
 
+def test_a_second_sighting_on_another_engine_admits_a_prefix_to_the_cluster_store(
+        redis_server: RedisServer, cold_outputs: list[str]) -> None:
+    _flush(redis_server)
+    tiers = KVTiersConfig(chunk_blocks=4, admit_after=2, store_url=redis_server.url)
+    first = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
+    second = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
+    try:
+        first.generate([PROMPT], GREEDY)  # first sighting anywhere: nothing stored
+        drain_writes(first)
+        assert first.engine.core.load().kv_tiers["media"]["cluster"].get("puts", 0) == 0
+        out = second.generate([PROMPT], GREEDY)[0]  # the second, on another engine: stored
+        drain_writes(second)
+        assert out.outputs[0].text == cold_outputs[0]
+        assert second.engine.core.load().kv_tiers["media"]["cluster"]["puts"] > 0
+        evict_from_device(first)
+        again = first.generate([PROMPT], GREEDY)[0]
+        assert again.outputs[0].text == cold_outputs[0] and again.num_cached_tokens > 0
+        assert_idle(first)
+        assert_idle(second)
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
 def test_corrupt_bytes_on_disk_are_a_recompute(tmp_path: Path, cold_outputs: list[str]) -> None:
     with tier_llm(disk_path=str(tmp_path)) as llm:
         llm.generate([PROMPT], GREEDY)

@@ -185,10 +185,20 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         return num_blocks * self.block_size, True
 
     def _count_sightings(self, request: Request) -> None:
+        """One more request seen with each of its chunks: here, and in the cluster store when it
+        can count (so a sighting on any worker counts); the larger count stands."""
         hashes = request.block_hashes
-        for end in range(self.chunk_blocks, len(hashes) + 1, self.chunk_blocks):
-            chunk_hash = hashes[end - 1]
-            self._sightings[chunk_hash] = self._sightings.pop(chunk_hash, 0) + 1
+        chunks = [hashes[end - 1] for end in range(self.chunk_blocks, len(hashes) + 1, self.chunk_blocks)]
+        shared: list[int] | None = None
+        store = self._probes.get("cluster")
+        if store is not None and chunks and self.config.admit_after > 1:
+            try:
+                shared = store.count_sightings([chunk_key(h, self.chunk_blocks) for h in chunks])
+            except ChunkStoreError:
+                self._counters.probe_errors += 1
+        for n, chunk_hash in enumerate(chunks):
+            local = self._sightings.pop(chunk_hash, 0) + 1
+            self._sightings[chunk_hash] = max(local, shared[n]) if shared else local
         while len(self._sightings) > _MAX_SIGHTINGS:
             self._sightings.popitem(last=False)
 
@@ -446,7 +456,8 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         writer = dict(self._worker_counters.get("writer", {}))
         writer["pending"] = len(self._pending)
         return {"tiers": {
-            "chunk_blocks": self.chunk_blocks, "media": media, "writer": writer,
+            "chunk_blocks": self.chunk_blocks, "block_bytes": self._chunk_bytes // self.chunk_blocks,
+            "media": media, "writer": writer,
             "lookups": c.lookups, "chunk_misses": c.chunk_misses, "loads": c.loads,
             "loads_failed": c.loads_failed, "loads_timed_out": c.loads_timed_out,
             "loads_skipped_by_cost": c.loads_skipped_by_cost, "probe_errors": c.probe_errors,

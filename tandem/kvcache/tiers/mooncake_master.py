@@ -14,17 +14,16 @@ the process that started it dies, so it never outlives its cluster.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from tandem.supervisor import die_with_parent_hook, stop_process
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,11 +44,6 @@ def find_mooncake_master() -> str | None:
                     path.chmod(path.stat().st_mode | 0o111)
             return str(path)
     return None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port(host: str) -> int:
@@ -115,7 +109,7 @@ class MooncakeMaster:
             self._log = tempfile.TemporaryFile()  # noqa: SIM115
         self.process = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            preexec_fn=die_with_parent_hook())
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
@@ -154,14 +148,8 @@ class MooncakeMaster:
     def stop(self, timeout: float = 5.0) -> None:
         process, self.process = self.process, None
         try:
-            if process is None or process.poll() is not None:
-                return
-            process.terminate()
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            if process is not None:
+                stop_process(process, timeout)
         finally:
             self._close_log()
 

@@ -19,20 +19,16 @@ with what it logged.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 import weakref
-from collections.abc import Callable
 from pathlib import Path
+
+from tandem.supervisor import die_with_parent_hook, stop_process
 
 _BINARIES = ("redis-server", "valkey-server")
 _SYSTEM_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin")
@@ -63,35 +59,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def _die_with_parent_hook() -> Callable[[], None] | None:
-    """A preexec_fn that sets PR_SET_PDEATHSIG, resolved before the fork (loading a library
-    in the child of a threaded parent can deadlock), or None where it does not apply."""
-    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the prctl took effect
-            os._exit(1)
-
-    return hook
-
-
-def _stop_process(process: subprocess.Popen[bytes], timeout: float) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 class RedisServer:
@@ -171,9 +138,9 @@ class RedisServer:
             self._log_start = log.tell()
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                        stderr=subprocess.STDOUT, cwd=directory,
-                                       preexec_fn=_die_with_parent_hook())
+                                       preexec_fn=die_with_parent_hook())
         self.process = process
-        self._finalizer = weakref.finalize(self, _stop_process, process, 5.0)
+        self._finalizer = weakref.finalize(self, stop_process, process, 5.0)
         deadline = time.monotonic() + timeout
         while self._answering_pid() != process.pid:  # not just any server on this port
             if process.poll() is not None:
@@ -236,7 +203,7 @@ class RedisServer:
             self._finalizer = None
         process, self.process = self.process, None
         if process is not None:
-            _stop_process(process, timeout)
+            stop_process(process, timeout)
         if self._tmp is not None:
             with contextlib.suppress(OSError):
                 self._tmp.cleanup()

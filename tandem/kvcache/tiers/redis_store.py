@@ -125,6 +125,23 @@ class RedisStore(ChunkStore):
 
         return self._call("EXISTS", probe)
 
+    def count_sightings(self, keys: Sequence[str], ttl_s: int = 3600) -> list[int]:
+        """Add one sighting to each key, cluster-wide, and return the counts (INCR with an
+        expiry, one round trip): the admission filter's "seen in N requests" then counts the
+        requests of every worker, so round-robin routing does not keep a session's chunks out
+        of the store until one worker happens to see them twice."""
+        if not keys:
+            return []
+
+        def incr() -> list[int]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.incr(self.prefix + "seen:" + key)
+                pipe.expire(self.prefix + "seen:" + key, ttl_s)
+            return [int(n) for n in pipe.execute()[::2]]
+
+        return self._call("INCR", incr)
+
     def delete(self, key: str) -> None:
         self._call("DEL", lambda: self._client.delete(self.prefix + key))
 

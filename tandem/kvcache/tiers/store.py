@@ -42,6 +42,11 @@ class ChunkStore(ABC):
     def delete(self, key: str) -> None:
         """Drop `key` (a no-op when absent)."""
 
+    def count_sightings(self, keys: Sequence[str]) -> list[int] | None:
+        """Count one more request containing each key, across every worker sharing the store,
+        and return the totals; None where the store cannot count (then sightings are local)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections and files."""
 

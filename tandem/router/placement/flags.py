@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.router.config import POLICIES, PolicyConfig
+from tandem.router.config import FALLBACK_TIER_CREDITS, POLICIES, PolicyConfig
 
 _DEFAULTS = PolicyConfig()
 
@@ -53,16 +53,16 @@ def add_policy_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
         ("disk", "the worker's local disk tier"),
         ("cluster", "the cluster store (which every worker reads)"),
     ):
-        default = getattr(_DEFAULTS, f"kv_credit_{medium}")
         group.add_argument(
             f"--kv-credit-{medium}",
             type=float,
-            default=default,
+            default=None,
             metavar="C",
             help=f"kv_aware: a cached prompt block in {where} counts as C of a block "
             "cached on the device (1.0). It still has to be loaded, so C is the fraction of "
-            "its prefill the hit saves; 0 ignores that tier when routing "
-            f"(default: {default})",
+            "its prefill the hit saves; 0 ignores that tier when routing (default: measured "
+            "per worker from its loads and prefill rate; "
+            f"{FALLBACK_TIER_CREDITS[medium]} until it has measured them)",
         )
     group.add_argument(
         "--kv-events-interval",

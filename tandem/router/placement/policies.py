@@ -40,17 +40,21 @@ Without a key, `--policy`:
 
   **Tier credits** (`--kv-credit-cpu`, `--kv-credit-disk`, `--kv-credit-cluster`): a block in
   a lower tier must be loaded before it is used, so a hit there saves only part of its
-  prefill; its credit is that fraction. Defaults:
+  prefill; its credit is that fraction. By default each worker's credits are **measured**
+  from its own /load report (`kv_tiers.cost_model`: the bandwidth its loads from each tier
+  achieved and the prefill rate its steps achieved, both moving averages):
 
-      device 1.0 (fixed)   cpu 0.75   disk 0.25   cluster 0.25
+      credit(m) = clamp(1 − (block bytes / bandwidth(m)) / (block size / prefill tokens per s), 0, 1)
 
-  These are starting points, not measurements: CPU → device is a copy over PCIe, far cheaper
-  than a forward pass, while a disk or cluster-store read costs a good share of one and
-  varies, and the worker's own cost model may decline such a load and compute instead.
-  RE-TUNE from measured load times (the workers' /load `kv_tiers.load_seconds` histograms
-  and `kv_tiers.cost_model`, against prefill time per block): credit(m) ≈ 1 − load seconds per block from m / prefill
-  seconds per block, clamped to [0, 1]. Measured values go in PolicyConfig's defaults
-  (router/config.py), with where they were measured. 0 leaves a tier out of routing.
+  so a tier that loads far faster than the model computes counts almost like the device, and
+  one slower than recomputing counts nothing (the worker's own cost model would decline that
+  load anyway). Measured on the 2-core AVX-512 EPYC with the default model (fp32, 4,096-token
+  prefixes, `tandem bench kv-tiers`): the prefill costs about 30 ms per 16-token block, and
+  a whole tier-served TTFT divided by its 256 blocks (an upper bound on a block's load) is
+  0.6 ms from CPU memory, 0.8 ms from disk through the page cache, 1.3 ms from a cold disk
+  and 1.1 ms from Redis on loopback: credits of 0.96-0.98 on that box. Until a worker has loaded from a tier the fallback stands in (device 1.0; cpu 0.75,
+  disk 0.25, cluster 0.25: a GPU worker's forward pass is cheap next to a disk read); a
+  number given on the command line fixes that tier's credit for every worker.
 
   Cluster residency is the pool's (any worker's writes, see kv_index.py), so it is credited
   to every worker that can read the store: one that has reported cluster blocks itself or
@@ -160,6 +164,27 @@ def ranked_media(credits: Mapping[str, float]) -> list[str]:
     return sorted((m for m in MEDIA if credits.get(m, 0.0) > 0), key=lambda m: -credits[m])
 
 
+def measured_credits(raw: Mapping[str, Any], media: Sequence[str]) -> dict[str, float]:
+    """A worker's credit per tier from its own figures (/load `kv_tiers`): 1 − seconds to load
+    a block from the tier ÷ seconds to compute one, from the bandwidth its loads measured and
+    the prefill rate its steps measured; only tiers it has loaded from."""
+    tiers = raw.get("kv_tiers")
+    if not isinstance(tiers, Mapping):
+        return {}
+    model = tiers.get("cost_model") or {}
+    block_bytes, block_size = tiers.get("block_bytes"), raw.get("block_size")
+    prefill_tps = model.get("prefill_tokens_per_s")
+    if not (block_bytes and block_size and prefill_tps):
+        return {}
+    compute_s = block_size / prefill_tps
+    out = {}
+    for medium in media:
+        bandwidth = model.get(f"{medium}_bytes_per_s")
+        if bandwidth:
+            out[medium] = min(1.0, max(0.0, 1.0 - (block_bytes / bandwidth) / compute_s))
+    return out
+
+
 def credited(run: Sequence[str], credits: Mapping[str, float]) -> float:
     """Σ credit(medium of block i) over a run from `KvIndex.tiered_prefix`."""
     return sum(credits[medium] for medium in run)
@@ -185,7 +210,7 @@ class Placer:
         self._rings: dict[frozenset[str], HashRing] = {}
         self._turns = itertools.count()
         self._credits = config.tier_credits
-        self._ranked = ranked_media(self._credits)
+        self._measured = config.measured_media
 
     def choose(self, pool: Sequence[Worker], route: PromptRoute, hop: HopName) -> Choice | None:
         if not pool:
@@ -223,13 +248,14 @@ class Placer:
         if sum(loads) >= len(loads):  # the pool is busy: guard against hot spots
             bound = load_bound(loads, self.config.balance_factor)
             candidates = [w for w in pool if w.in_flight + 1 <= bound] or candidates
+        credits = {w: self.credits_for(w) for w in pool}
         runs = {
             w: self.index.tiered_prefix(
-                w.url, route.block_hash, self._ranked, self.reads_cluster(w)
+                w.url, route.block_hash, ranked_media(credits[w]), self.reads_cluster(w)
             )
             for w in pool
         }
-        hits = {w: credited(runs[w], self._credits) for w in pool}
+        hits = {w: credited(runs[w], credits[w]) for w in pool}
         for worker in pool:
             uncached = route.prompt_tokens - hits[worker] * self._block_size(worker)
             route.uncached[worker.url] = max(0, round(uncached))
@@ -251,6 +277,13 @@ class Placer:
             best_cached_blocks=len(runs[best]), best_credited_blocks=hits[best],
             best_skipped="load bound" if best not in costs else f"cost {costs[best] - costs[chosen]:+.0f}",
         )
+
+    def credits_for(self, worker: Worker) -> dict[str, float]:
+        """The fixed credits, with the tiers left to measurement set from the worker's report."""
+        if not self._measured or worker.load is None:
+            return self._credits
+        measured = measured_credits(worker.load.raw, self._measured)
+        return {**self._credits, **measured} if measured else self._credits
 
     def reads_cluster(self, worker: Worker) -> bool:
         """Whether the worker can load from the cluster store, so the pool's cluster set counts

@@ -161,3 +161,10 @@ def test_a_hung_server_times_out_within_the_socket_timeout() -> None:
             os.kill(server.pid, signal.SIGCONT)
         time.sleep(0.25)
         assert store.get("a") == b"1"
+
+
+def test_sightings_are_counted_across_stores(redis_server: RedisServer) -> None:
+    one, two = RedisStore(redis_server.url, prefix="test-seen:"), RedisStore(redis_server.url, prefix="test-seen:")
+    assert one.count_sightings(["a", "b"]) == [1, 1]
+    assert two.count_sightings(["b", "c"]) == [2, 1]
+    assert one.count_sightings([]) == []

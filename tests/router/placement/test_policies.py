@@ -813,3 +813,19 @@ def test_policy_flags_on_route_and_up() -> None:
     assert argv[argv.index("--policy") + 1] == "round_robin"
     assert argv[argv.index("--affinity-header") + 1] == "x-c"
     assert argv[argv.index("--balance-factor") + 1] == "1.25"
+
+
+def test_tier_credits_are_measured_per_worker_unless_given() -> None:
+    from tandem.router.placement.policies import measured_credits
+
+    raw = {"block_size": 16, "kv_tiers": {"block_bytes": 720_000, "cost_model": {
+        "prefill_tokens_per_s": 533.0, "cpu_bytes_per_s": 1.2e9, "cluster_bytes_per_s": 20e6}}}
+    credits = measured_credits(raw, ("cpu", "disk", "cluster"))
+    # A block takes 30 ms to compute: 0.6 ms to load from CPU memory (credit 0.98), 36 ms
+    # from a slow store (slower than computing: 0); the disk tier was never loaded from.
+    assert credits["cpu"] == pytest.approx(0.98, abs=0.005) and credits["cluster"] == 0.0
+    assert "disk" not in credits and measured_credits({}, ("cpu",)) == {}
+    assert PolicyConfig().measured_media == ("cpu", "disk", "cluster")
+    fixed = PolicyConfig(kv_credit_cpu=0.5)
+    assert fixed.measured_media == ("disk", "cluster") and fixed.tier_credits["cpu"] == 0.5
+    assert PolicyConfig().tier_credits == {"device": 1.0, "cpu": 0.75, "disk": 0.25, "cluster": 0.25}
