@@ -29,7 +29,12 @@ def evict_shared_prefix(llm: LLM) -> None:
 
 
 def assert_idle(llm: LLM) -> None:
+    """After the engine ran its pending KV work (a finished request's tail is held until the
+    next step has copied it out), nothing is held, loading or used."""
     engine = llm.engine
+    deadline = time.monotonic() + 20
+    while engine.core.pending_kv_work() is not None and time.monotonic() < deadline:
+        engine.core.step()
     assert engine.block_pool.num_used_blocks == 0
     assert engine.scheduler.num_held_blocks == 0
     assert not engine.scheduler.connector._loads and not engine.scheduler.connector._inflight

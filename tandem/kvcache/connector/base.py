@@ -178,6 +178,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def __init__(self, connectors: list[KVConnectorScheduler]) -> None:
         self.connectors = connectors
         self._chosen: dict[str, int] = {}
+        self._composites: dict[str, set[str]] = {}  # hold id -> the connectors' holds left in it
 
     def set_worker_info(self, infos: Sequence[dict[str, Any]]) -> None:
         for index, connector in enumerate(self.connectors):
@@ -205,22 +206,34 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for connector in self.connectors:
             connector.update_connector_output(output)
+        for composite, parts in list(self._composites.items()):
+            parts -= output.finished_holds
+            if not parts:
+                del self._composites[composite]
+                output.finished_holds.add(composite)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> HoldDecision:
+        """Every connector decides; when several hold the request's blocks (a prefill worker's
+        handoff lease and its KV tiers' copy), the blocks stay held, as many as the largest
+        asks, under one composite hold that ends when all of theirs have."""
         self._chosen.pop(request.request_id, None)
         decisions = [c.request_finished(request, block_ids) for c in self.connectors]
         holding = [d for d in decisions if d.num_blocks]
-        if len(holding) > 1:
-            raise RuntimeError("two chained KV connectors both hold one request's blocks")
         params: dict[str, Any] = {}
         for decision in decisions:
             params.update(decision.kv_transfer_params or {})
-        chosen = holding[0] if holding else NO_HOLD
-        return HoldDecision(chosen.num_blocks, chosen.hold_id, params or None)
+        if len(holding) <= 1:
+            chosen = holding[0] if holding else NO_HOLD
+            return HoldDecision(chosen.num_blocks, chosen.hold_id, params or None)
+        parts = {d.hold_id for d in holding if d.hold_id is not None}
+        composite = "+".join(sorted(parts))
+        self._composites[composite] = parts
+        return HoldDecision(max(d.num_blocks for d in holding), composite, params or None)
 
     def release(self, hold_id: str) -> None:
-        for connector in self.connectors:
-            connector.release(hold_id)
+        for part in self._composites.get(hold_id, {hold_id}):
+            for connector in self.connectors:
+                connector.release(part)
 
     def timed_out_loads(self, now: float) -> list[str]:
         return [r for c in self.connectors for r in c.timed_out_loads(now)]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -107,6 +108,9 @@ class TiersConnectorScheduler(KVConnectorScheduler):
                                                 ("cluster", self.config.store_url)) if on)
         self._probes: dict[str, ChunkStore] = open_stores(config, role="probe")
         self._chunk_bytes = 0
+        self._block_bytes = 0
+        self._cpu_blocks = 0  # blocks the CPU tier holds, for its budget
+        self._holds: set[str] = set()  # finished requests' tails being copied out
         self._cpu_budget = self.config.cpu_bytes
         self._cpu: OrderedDict[int, list[int]] = OrderedDict()  # chunk hash -> its block hashes (LRU)
         self._sightings: OrderedDict[int, int] = OrderedDict()
@@ -128,6 +132,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
     def set_worker_info(self, infos: Sequence[dict[str, Any]]) -> None:
         info = infos[0] if infos else {}
         self._chunk_bytes = int(info.get("chunk_bytes", 0))
+        self._block_bytes = self._chunk_bytes // self.chunk_blocks
         if self._cpu_budget and self._chunk_bytes and self._cpu_budget < self._chunk_bytes:
             logger.warning("--kv-offload-cpu-bytes %d holds no chunk of %d bytes; the CPU tier is off",
                            self._cpu_budget, self._chunk_bytes)
@@ -157,32 +162,54 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         hashes = request.block_hashes
         local = num_computed_tokens // self.block_size
         limit = (request.num_tokens - 1) // self.block_size  # the last token is computed here
-        candidates: list[tuple[int, int]] = []
-        index = local // self.chunk_blocks
-        while (index + 1) * self.chunk_blocks <= len(hashes) and index * self.chunk_blocks < limit:
-            chunk_hash = hashes[(index + 1) * self.chunk_blocks - 1]
-            if chunk_hash in self._inflight:
-                return None  # another request is loading it: take it from the device cache after
-            candidates.append((index, chunk_hash))
+        K = self.chunk_blocks  # noqa: N806
+        candidates: list[tuple[int, int, int]] = []  # (chunk index, blocks, chunk hash)
+        index = local // K
+        while (index + 1) * K <= len(hashes) and index * K < limit:
+            candidates.append((index, K, hashes[(index + 1) * K - 1]))
             index += 1
-        if not candidates:
-            return 0, False
-        media = self._locate([h for _, h in candidates])
-        run = [(i, h, m) for (i, h), m in zip(candidates, media, strict=True)]
-        cut = next((n for n, (_, _, m) in enumerate(run) if m is None), len(run))
-        if cut == 0:
+        if any(h in self._inflight for _, _, h in candidates):
+            return None  # another request is loading some: take them from the device cache after
+        run = self._run(candidates)
+        stop = candidates[len(run)][0] if len(run) < len(candidates) else index
+        if stop * K < limit:
+            run += self._tail(hashes, stop, limit)  # a finished request's partial chunk there
+        if not run:
             self._counters.chunk_misses += 1
             return 0, False
-        chosen = self._worth_loading(run[:cut], local, limit)
+        chosen = self._worth_loading(run, local, limit)
         if not chosen:
             self._counters.loads_skipped_by_cost += 1
             return 0, False
-        if len(self._loads) >= self.config.max_concurrent_loads:
+        if len(self._loads) >= self.config.max_concurrent_loads or any(h in self._inflight for _, _, h, _ in chosen):
             return None
-        last_index = chosen[-1][0]
-        num_blocks = min((last_index + 1) * self.chunk_blocks, limit) - local
+        last_index, last_blocks = chosen[-1][0], chosen[-1][1]
+        num_blocks = min(last_index * K + last_blocks, limit) - local
         self._plans[request.request_id] = chosen
         return num_blocks * self.block_size, True
+
+    def _run(self, candidates: list[tuple[int, int, int]]) -> list[tuple[int, int, int, str]]:
+        """The leading candidates some tier holds, each with the tier to read it from."""
+        media = self._locate([chunk_key(h, n) for _, n, h in candidates], [h for _, _, h in candidates])
+        run = []
+        for (index, n, chunk_hash), medium in zip(candidates, media, strict=True):
+            if medium is None:
+                break
+            run.append((index, n, chunk_hash, medium))
+        return run
+
+    def _tail(self, hashes: list[int], index: int, limit: int) -> list[tuple[int, int, int, str]]:
+        """The longest partial chunk at `index` a tier holds (a finished request's tail)."""
+        start = index * self.chunk_blocks
+        sizes = range(min(self.chunk_blocks - 1, len(hashes) - start), 0, -1)
+        pieces = [(index, n, hashes[start + n - 1]) for n in sizes]
+        if not pieces:
+            return []
+        media = self._locate([chunk_key(h, n) for _, n, h in pieces], [h for _, _, h in pieces])
+        for (i, n, chunk_hash), medium in zip(pieces, media, strict=True):
+            if medium is not None and chunk_hash not in self._inflight:
+                return [(i, n, chunk_hash, medium)]
+        return []
 
     def _count_sightings(self, request: Request) -> None:
         """One more request seen with each of its chunks: here, and in the cluster store when it
@@ -202,18 +229,17 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         while len(self._sightings) > _MAX_SIGHTINGS:
             self._sightings.popitem(last=False)
 
-    def _locate(self, chunk_hashes: list[int]) -> list[str | None]:
-        """Where each chunk is: cpu, a slow medium, or None; resolved in tier order, and only as
-        far as the run continues (a probe is skipped once a chunk is found nowhere)."""
+    def _locate(self, keys: list[str], chunk_hashes: list[int]) -> list[str | None]:
+        """Where each chunk is: cpu, else the first slow medium holding it, else None; one
+        batched probe per slow tier for the chunks still unplaced."""
         media: list[str | None] = ["cpu" if h in self._cpu else None for h in chunk_hashes]
         for medium in self.slow_media:
             open_at = [n for n, m in enumerate(media) if m is None]
             if not open_at:
                 break
             store = self._probes[medium]
-            keys = [chunk_key(chunk_hashes[n], self.chunk_blocks) for n in open_at]
             try:
-                found = store.exists(keys)
+                found = store.exists([keys[n] for n in open_at])
             except ChunkStoreError as exc:
                 self._counters.probe_errors += 1
                 logger.debug("KV %s tier probe failed: %s", medium, exc)
@@ -224,15 +250,16 @@ class TiersConnectorScheduler(KVConnectorScheduler):
                     self._remember(chunk_hashes[n], medium)
         return media
 
-    def _worth_loading(self, run: list[tuple[int, int, str]], local: int, limit: int) -> list[tuple[int, int, str]]:
+    def _worth_loading(self, run: list[tuple[int, int, int, str]], local: int,
+                       limit: int) -> list[tuple[int, int, int, str]]:
         """The prefix of the run whose load saves the most time against computing it here."""
         saved, best, best_len = 0.0, 0.0, 0
-        for n, (index, _, medium) in enumerate(run):
+        for n, (index, num_blocks, _, medium) in enumerate(run):
             first = max(index * self.chunk_blocks, local)
-            last = min((index + 1) * self.chunk_blocks, limit)
+            last = min(index * self.chunk_blocks + num_blocks, limit)
             tokens = (last - first) * self.block_size
             # A slow tier reads the whole chunk; the CPU tier copies just the blocks it needs.
-            num_bytes = self._chunk_bytes if medium != "cpu" else self._chunk_bytes * (last - first) // self.chunk_blocks
+            num_bytes = self._block_bytes * (num_blocks if medium != "cpu" else last - first)
             if self.cost.enabled and self.cost.measured(medium):
                 saved += self.cost.recompute_seconds(tokens) - self.cost.load_seconds(medium, num_bytes)
             else:
@@ -246,13 +273,13 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         local = request.num_computed_tokens // self.block_size
         end = local + num_external_tokens // self.block_size
         chunks: list[ChunkLoad] = []
-        for index, chunk_hash, medium in plan:
+        for index, num_blocks, chunk_hash, medium in plan:
             start = index * self.chunk_blocks
-            first, last = max(start, local), min(start + self.chunk_blocks, end)
+            first, last = max(start, local), min(start + num_blocks, end)
             if first >= last:
                 continue
-            tokens = tuple(request.all_token_ids[start * self.block_size : (start + self.chunk_blocks) * self.block_size])
-            chunks.append(ChunkLoad(chunk_hash, medium, tokens, first - start, block_ids[first:last]))
+            tokens = tuple(request.all_token_ids[start * self.block_size : (start + num_blocks) * self.block_size])
+            chunks.append(ChunkLoad(chunk_hash, medium, tokens, first - start, block_ids[first:last], num_blocks))
             self._inflight[chunk_hash] = request.request_id
             self._counters.chunk_hits[medium] = self._counters.chunk_hits.get(medium, 0) + 1
         now = time.monotonic()
@@ -314,45 +341,53 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         full = min(computed_after_step // self.chunk_tokens, len(hashes) // self.chunk_blocks,
                    len(tracked.block_ids) // self.chunk_blocks)
         for index in range(tracked.chunks_done, full):
-            self._plan_save(tracked, index)
+            self._plan_save(tracked, index, self.chunk_blocks)
         tracked.chunks_done = max(tracked.chunks_done, full)
 
-    def _plan_save(self, tracked: _Tracked, index: int) -> None:
+    def _plan_save(self, tracked: _Tracked, index: int, num_blocks: int, hold_id: str | None = None,
+                   admitted: bool | None = None) -> bool:
+        """Store chunk `index` (`num_blocks` of it); False if no tier wants it."""
         request = tracked.request
-        start, end = index * self.chunk_blocks, (index + 1) * self.chunk_blocks
+        start = index * self.chunk_blocks
+        end = start + num_blocks
         chunk_hash = request.block_hashes[end - 1]
         in_cpu = chunk_hash in self._cpu
         if in_cpu:
             self._cpu.move_to_end(chunk_hash)
         to_cpu = bool(self._cpu_budget) and not in_cpu
-        to_slow = self._slow_targets(chunk_hash)
+        to_slow = self._slow_targets(chunk_hash, admitted)
         if not to_cpu and not to_slow:
-            return
+            return False
         block_hashes = request.block_hashes[start:end]
         tokens = tuple(request.all_token_ids[start * self.block_size : end * self.block_size])
         source = [] if in_cpu else tracked.block_ids[start:end]
-        self._meta.saves.append(SaveSpec(chunk_hash, source, tokens, to_cpu, to_slow))
+        self._meta.saves.append(SaveSpec(chunk_hash, source, tokens, to_cpu, to_slow, num_blocks, hold_id))
         if to_slow:
             self._pending[chunk_hash] = (set(to_slow), block_hashes)
         if to_cpu:
             self._cpu[chunk_hash] = block_hashes
+            self._cpu_blocks += num_blocks
             self._events += [("stored", h, "cpu") for h in block_hashes]
             self._evict_cpu()
+        return True
 
-    def _slow_targets(self, chunk_hash: int) -> tuple[str, ...]:
+    def _slow_targets(self, chunk_hash: int, admitted: bool | None = None) -> tuple[str, ...]:
         if not self.slow_media or chunk_hash in self._pending:
             return ()
-        if self._sightings.get(chunk_hash, 0) < self.config.admit_after:
+        if admitted is None:
+            admitted = self._sightings.get(chunk_hash, 0) >= self.config.admit_after
+        if not admitted:
             return ()
         known = self._known.get(chunk_hash, set())
         return tuple(m for m in self.slow_media if m not in known)
 
     def _evict_cpu(self) -> None:
-        while len(self._cpu) * self._chunk_bytes > self._cpu_budget:
+        while self._cpu_blocks * self._block_bytes > self._cpu_budget:
             victim = next((h for h in self._cpu if h not in self._inflight), None)
             if victim is None:
                 return  # every chunk is being loaded; over budget until a load ends
             block_hashes = self._cpu.pop(victim)
+            self._cpu_blocks -= len(block_hashes)
             demote = self._slow_targets(victim)
             if demote:
                 self._pending[victim] = (set(demote), block_hashes)
@@ -361,6 +396,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
 
     # --- reports ----------------------------------------------------------------------
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._holds -= output.finished_holds
         if self._step is not None:
             started, tokens = self._step
             self.cost.observe_step(tokens, time.monotonic() - started)
@@ -419,17 +455,38 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         hist["count"] += 1
 
     def request_finished(self, request: Request, block_ids: list[int]) -> HoldDecision:
+        """Store the tail: the computed blocks after the request's last whole chunk (an agent's
+        next turn starts with them). The request's blocks are held until the worker side has
+        copied them, since the step that copies comes after they would be freed."""
         request_id = request.request_id
         if request_id in self._loads:
             self._end_load(request_id, cancel=True)
-        self._tracked.pop(request_id, None)
         self._plans.pop(request_id, None)
-        return NO_HOLD
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None or request.num_preemptions and not tracked.block_ids:
+            return NO_HOLD
+        K = self.chunk_blocks  # noqa: N806
+        tracked.block_ids = list(block_ids)
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes),
+                       len(block_ids))
+        index = tracked.chunks_done
+        tail = num_full - index * K
+        if not 0 < tail < K:
+            return NO_HOLD
+        # Admitted to the slow tiers when the request continued a prefix seen before (its
+        # first chunk's sightings): a conversation's tail is what its next turn re-sends.
+        first = request.block_hashes[K - 1] if len(request.block_hashes) >= K else None
+        admitted = first is not None and self._sightings.get(first, 0) >= self.config.admit_after
+        hold_id = f"tiers-{request_id}-{uuid.uuid4().hex[:8]}"
+        if not self._plan_save(tracked, index, tail, hold_id, admitted):
+            return NO_HOLD
+        self._holds.add(hold_id)
+        return HoldDecision(num_full, hold_id)
 
     def pending_work(self) -> float | None:
         if not self._meta.empty:
             return 0.0
-        if self._loads:
+        if self._loads or self._holds:
             return _LOAD_POLL_S
         if self._pending:
             return _WRITE_POLL_S
@@ -445,7 +502,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         media: dict[str, dict[str, float]] = {m: dict(v) for m, v in self._worker_counters.items()
                                               if m in ("cpu", "disk", "cluster")}
         cpu = media.setdefault("cpu", {})
-        cpu.update(blocks=len(self._cpu) * self.chunk_blocks, bytes=len(self._cpu) * self._chunk_bytes,
+        cpu.update(blocks=self._cpu_blocks, bytes=self._cpu_blocks * self._block_bytes,
                    budget_bytes=self._cpu_budget)
         for medium, hits in c.chunk_hits.items():
             if medium == "cpu" or medium in self.slow_media:
@@ -456,7 +513,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         writer = dict(self._worker_counters.get("writer", {}))
         writer["pending"] = len(self._pending)
         return {"tiers": {
-            "chunk_blocks": self.chunk_blocks, "block_bytes": self._chunk_bytes // self.chunk_blocks,
+            "chunk_blocks": self.chunk_blocks, "block_bytes": self._block_bytes,
             "media": media, "writer": writer,
             "lookups": c.lookups, "chunk_misses": c.chunk_misses, "loads": c.loads,
             "loads_failed": c.loads_failed, "loads_timed_out": c.loads_timed_out,

@@ -67,6 +67,7 @@ class TiersConnectorWorker(KVConnectorWorker):
         self.cpu: dict[int, Any] = {}  # chunk hash -> tensor of its blocks (this rank's shard)
         self.stores: dict[str, ChunkStore] = {}
         self._jobs: dict[str, _LoadJob] = {}
+        self._holds_done: set[str] = set()  # tails copied since the last report
         self._results: queue.SimpleQueue[_LoadResult] = queue.SimpleQueue()
         self._reports: queue.SimpleQueue[tuple[str, int, str]] = queue.SimpleQueue()
         self._writes: queue.Queue[tuple[int, Any, tuple[int, ...], tuple[str, ...]] | None] = queue.Queue(
@@ -83,12 +84,13 @@ class TiersConnectorWorker(KVConnectorWorker):
         self.kv = kv
         layout = kv.layout
         self._dtype = getattr(torch, layout.dtype)
-        self._shape = layout.block_shape(self.config.chunk_blocks)
+        self._block_size = layout.block_size
         itemsize = torch.empty((), dtype=self._dtype).element_size()
-        chunk_bytes = itemsize
-        for dim in self._shape:
-            chunk_bytes *= dim
-        self._chunk_bytes = chunk_bytes
+        block_bytes = itemsize
+        for dim in layout.block_shape(1):
+            block_bytes *= dim
+        self._block_bytes = block_bytes
+        chunk_bytes = block_bytes * self.config.chunk_blocks
         self._layout = asdict(layout)
         self.stores = open_stores(self.engine_config, role="worker", rank=kv.rank)
         self._pool = ThreadPoolExecutor(max(1, self.config.max_concurrent_loads), thread_name_prefix="kv-tier-load")
@@ -97,14 +99,19 @@ class TiersConnectorWorker(KVConnectorWorker):
             self._writer.start()
         return {"chunk_bytes": chunk_bytes}
 
-    def _key(self, chunk_hash: int) -> str:
+    def _blocks(self, token_ids: tuple[int, ...]) -> int:
+        """A chunk's length in blocks: chunk_blocks, or fewer for a request's tail."""
+        return len(token_ids) // self._block_size
+
+    def _key(self, chunk_hash: int, token_ids: tuple[int, ...]) -> str:
         assert self.kv is not None
-        return chunk_key(chunk_hash, self.config.chunk_blocks, self.kv.rank, self.kv.world_size)
+        return chunk_key(chunk_hash, self._blocks(token_ids), self.kv.rank, self.kv.world_size)
 
     def _header(self, token_ids: tuple[int, ...]) -> ChunkHeader:
         assert self.kv is not None
-        return ChunkHeader(self.kv.fingerprint, self._layout, tuple(self._shape), self.config.chunk_blocks,
-                           tuple(token_ids), self.kv.rank, self.kv.world_size)
+        num_blocks = self._blocks(token_ids)
+        return ChunkHeader(self.kv.fingerprint, self._layout, tuple(self.kv.layout.block_shape(num_blocks)),
+                           num_blocks, tuple(token_ids), self.kv.rank, self.kv.world_size)
 
     def _count(self, group: str, name: str, amount: float = 1) -> None:
         """Bump a cumulative counter of a tier ("cpu", "disk", "cluster") or of the "writer"."""
@@ -150,9 +157,11 @@ class TiersConnectorWorker(KVConnectorWorker):
                 data = entry[0]
             if save.to_cpu:
                 self.cpu[save.chunk_hash] = (data, save.token_ids)
-                self._count("cpu", "bytes_in", self._chunk_bytes)
+                self._count("cpu", "bytes_in", self._block_bytes * save.num_blocks)
             if save.to_slow:
                 self._enqueue_write(save.chunk_hash, data, save.token_ids, save.to_slow)
+        # A finished request's tail is copied: its blocks may go back to the pool.
+        self._holds_done.update(save.hold_id for save in metadata.saves if save.hold_id)
 
     def _enqueue_write(self, chunk_hash: int, data: Any, token_ids: tuple[int, ...], media: tuple[str, ...]) -> None:
         try:
@@ -163,7 +172,8 @@ class TiersConnectorWorker(KVConnectorWorker):
                 self._reports.put(("not_stored", chunk_hash, medium))
 
     def get_finished(self) -> KVConnectorOutput:
-        out = KVConnectorOutput()
+        out = KVConnectorOutput(finished_holds=self._holds_done)
+        self._holds_done = set()
         stats: list[tuple[str, int, float, int]] = []
         gone: list[tuple[int, str]] = []
         while True:
@@ -228,8 +238,8 @@ class TiersConnectorWorker(KVConnectorWorker):
                     assert self.kv is not None
                     self.kv.write_blocks(chunk.dest_block_ids, part)
                 seconds = time.perf_counter() - started
-                num_bytes = self._chunk_bytes if chunk.medium != "cpu" else (
-                    self._chunk_bytes * len(chunk.dest_block_ids) // self.config.chunk_blocks)
+                num_bytes = self._block_bytes * (
+                    chunk.num_blocks if chunk.medium != "cpu" else len(chunk.dest_block_ids))
                 totals = per_medium.setdefault(chunk.medium, [0.0, 0.0, 0.0])
                 totals[0] += num_bytes
                 totals[1] += seconds
@@ -255,7 +265,7 @@ class TiersConnectorWorker(KVConnectorWorker):
                 return None
             return entry[0]
         store = self.stores[chunk.medium]
-        key = self._key(chunk.chunk_hash)
+        key = self._key(chunk.chunk_hash, chunk.token_ids)
         value = store.get(key)  # ChunkStoreError propagates: a failed load
         if value is None:
             result.error = f"chunk {key} not in the {chunk.medium} tier any more"
@@ -263,9 +273,11 @@ class TiersConnectorWorker(KVConnectorWorker):
             self._count(chunk.medium, "misses")
             return None
         try:
-            payload = decode_chunk(value, self._header(chunk.token_ids))
-            if len(payload) != self._chunk_bytes:
-                raise ChunkError("truncated", f"payload of {len(payload)} bytes, expected {self._chunk_bytes}")
+            header = self._header(chunk.token_ids)
+            payload = decode_chunk(value, header)
+            expected = self._block_bytes * header.num_blocks
+            if len(payload) != expected:
+                raise ChunkError("truncated", f"payload of {len(payload)} bytes, expected {expected}")
         except ChunkError as exc:
             result.error = f"chunk {key} in the {chunk.medium} tier is unusable ({exc})"
             result.gone.append((chunk.chunk_hash, chunk.medium))
@@ -277,7 +289,7 @@ class TiersConnectorWorker(KVConnectorWorker):
         self._count(chunk.medium, "bytes_read", len(value))
         with warnings.catch_warnings():  # a bytes value is read-only; it is only read from
             warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(payload, dtype=self._dtype).view(self._shape)
+            return torch.frombuffer(payload, dtype=self._dtype).view(header.shape)
 
     def _write_loop(self) -> None:
         while True:
@@ -294,7 +306,7 @@ class TiersConnectorWorker(KVConnectorWorker):
                 continue
             for medium in media:
                 try:
-                    self.stores[medium].put(self._key(chunk_hash), value)
+                    self.stores[medium].put(self._key(chunk_hash, token_ids), value)
                 except ChunkStoreError as exc:
                     self._count(medium, "write_errors")
                     logger.debug("KV %s tier write failed: %s", medium, exc)

@@ -1,5 +1,7 @@
 """What the KV tiers' scheduler side tells its worker side each step (plain, picklable).
 
+A chunk is `chunk_blocks` blocks from a chunk boundary, or, for the tail a finished request
+leaves after its last whole chunk, fewer (its key names its length, so both kinds coexist).
 Loads name, per chunk, the tier to read, the tokens it must hold and the device blocks to fill;
 saves name the blocks to copy out after the step's forward pass (or the CPU tier's copy to
 write down) and the tiers to put them in; evictions name CPU-tier chunks to drop, and the slow
@@ -15,11 +17,12 @@ SLOW_MEDIA = ("disk", "cluster")
 
 @dataclass
 class ChunkLoad:
-    chunk_hash: int
+    chunk_hash: int  # of the chunk's last block; with num_blocks, its key
     medium: str  # cpu | disk | cluster
     token_ids: tuple[int, ...]  # the whole chunk's, checked against the stored header
     skip: int  # leading blocks of the chunk the device already holds
     dest_block_ids: list[int]  # where blocks skip .. skip + len(dest) go
+    num_blocks: int  # the chunk's: chunk_blocks, or fewer for a request's tail
 
 
 @dataclass
@@ -35,6 +38,8 @@ class SaveSpec:
     token_ids: tuple[int, ...]
     to_cpu: bool
     to_slow: tuple[str, ...]  # media the writer puts it in
+    num_blocks: int
+    hold_id: str | None = None  # a finished request's tail: its blocks are held until copied
 
 
 @dataclass

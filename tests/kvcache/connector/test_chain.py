@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from tandem.kvcache.connector.base import (
     NO_HOLD,
     HoldDecision,
@@ -79,9 +77,19 @@ def test_every_connector_sees_the_end_and_one_may_hold() -> None:
     assert (decision.num_blocks, decision.hold_id) == (3, "holder-hold")
     assert decision.kv_transfer_params == {"plain": False, "holder": True}
     assert plain.finished == holder.finished == ["r"]
-    with pytest.raises(RuntimeError, match="both hold"):
-        MultiConnectorScheduler([Offering("a", 0, 1), Offering("b", 0, 1)]).request_finished(request(), [1])
     assert MultiConnectorScheduler([]).request_finished(request(), []) == NO_HOLD
+
+
+def test_two_holders_share_one_composite_hold_that_ends_with_both() -> None:
+    chain = MultiConnectorScheduler([Offering("a", 0, hold=2), Offering("b", 0, hold=4)])
+    decision = chain.request_finished(request(), [1, 2, 3, 4])
+    assert (decision.num_blocks, decision.hold_id) == (4, "a-hold+b-hold")
+    first = KVConnectorOutput(finished_holds={"a-hold"})
+    chain.update_connector_output(first)
+    assert "a-hold+b-hold" not in first.finished_holds  # b still copies
+    second = KVConnectorOutput(finished_holds={"b-hold"})
+    chain.update_connector_output(second)
+    assert "a-hold+b-hold" in second.finished_holds
 
 
 def test_worker_sides_get_their_own_metadata_and_their_reports_merge() -> None:

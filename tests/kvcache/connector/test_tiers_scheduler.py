@@ -205,3 +205,23 @@ def test_slow_tiers_admit_on_the_configured_sighting(tmp_path, admit_after: int)
         "stored": [(meta.saves[0].chunk_hash, "disk")], "not_stored": [(meta.saves[1].chunk_hash, "disk")]}}))
     assert {e[2] for e in connector.drain_events()} == {"disk"}
     assert connector.counters()["tiers"]["writer"]["pending"] == 0
+
+
+def test_a_finished_requests_tail_is_saved_under_a_hold_and_found_by_the_next() -> None:
+    connector = make()
+    req = request("a")
+    compute_prompt(connector, req)
+    decision = connector.request_finished(req, list(range(10, 16)))
+    # 21 tokens: 5 full blocks, 2 whole chunks, and a 1-block tail held until it is copied.
+    assert decision.num_blocks == 5 and decision.hold_id is not None
+    (tail,) = connector.build_connector_meta(SchedulerOutput()).saves
+    assert (tail.num_blocks, tail.block_ids, tail.hold_id) == (1, [14], decision.hold_id)
+    assert tail.token_ids == tuple(PROMPT[16:20])
+    assert connector.pending_work() is not None  # until the worker side reports the copy
+    connector.update_connector_output(KVConnectorOutput(finished_holds={decision.hold_id}))
+    assert connector.pending_work() is None
+    nxt = request("b", PROMPT + [7, 8, 9])  # the next turn: everything up to the tail loads
+    assert connector.get_num_new_matched_tokens(nxt, 0) == (20, True)
+    connector.update_state_after_alloc(nxt, list(range(20, 27)), 20)
+    chunks = connector.build_connector_meta(SchedulerOutput()).loads[0].chunks
+    assert [(c.num_blocks, c.dest_block_ids) for c in chunks] == [(2, [20, 21]), (2, [22, 23]), (1, [24])]
