@@ -74,6 +74,7 @@ class SchedulerStats:
     num_loaded_tokens: int = 0  # prompt tokens whose KV a connector supplied, cumulative
     num_failed_loads: int = 0
     num_timed_out_loads: int = 0
+    num_reclaimed: int = 0  # waiting requests whose loaded blocks were freed for another
 
 
 class Scheduler:
@@ -201,6 +202,8 @@ class Scheduler:
                 if external.num_external_tokens and external.load_async:
                     if not self.kv.allocate_slots(request, external.num_external_tokens, computed_blocks):
                         self.waiting.appendleft(request)
+                        if not self.running and self._reclaim_from_waiting(request):
+                            continue
                         break
                     self._start_async_load(request, num_cached, external)
                     skipped.append(request)
@@ -209,12 +212,16 @@ class Scheduler:
                     num_new = min(request.num_tokens - num_cached - external.num_external_tokens, budget)
                     if not self._allocate_with_sync_load(request, computed_blocks, external, num_new):
                         self.waiting.appendleft(request)
+                        if not self.running and self._reclaim_from_waiting(request):
+                            continue
                         break
                     num_cached += external.num_external_tokens
                     computed_blocks = None  # allocated
             num_new = min(request.num_tokens - num_cached, budget)
             if computed_blocks is not None and not self.kv.allocate_slots(request, num_new, computed_blocks):
                 self.waiting.appendleft(request)
+                if not self.running and self._reclaim_from_waiting(request):
+                    continue  # retry with the blocks another waiting request gave back
                 break
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -232,6 +239,24 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _reclaim_from_waiting(self, keep: Request) -> bool:
+        """Free the blocks of one waiting request whose KV load has ended (the newest first).
+
+        Loaded requests wait holding their blocks; with nothing running, nothing else would
+        ever free any, and two of them each short of room would wait forever. The freed blocks
+        keep what the load put in them, published to the prefix cache, so the request finds
+        them there again when it is admitted."""
+        for request in reversed(self.waiting):
+            if request is keep or request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue
+            if self.kv.num_blocks_of(request.request_id):
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                self._external.pop(request.request_id, None)
+                self.stats.num_reclaimed += 1
+                return True
+        return False
 
     def _ask_connector(self, request: Request, num_cached: int) -> _ExternalKV | None:
         """How much more of the prompt a connector supplies; None: ask again next step."""

@@ -326,3 +326,16 @@ def test_aborted_requests_are_not_held(make_engine) -> None:
     eng.scheduler.abort(["a"])
     assert eng.scheduler.num_held_blocks == 0 and eng.pool.num_used_blocks == 0
     assert connector.finished_requests == ["a"]
+
+
+def test_loaded_requests_short_of_room_do_not_wait_forever(make_engine, reference) -> None:
+    # Two loads fill the pool; then each needs one block more and nothing runs to free any.
+    # The scheduler gives one back (its loaded blocks stay cached) so the other can go on.
+    a_prompt, b_prompt = prompt(29, 1), prompt(29, 2)
+    store = {**store_for(a_prompt, 7), **store_for(b_prompt, 7)}
+    eng = make_engine(num_blocks=14, connector=FakeScheduler(store, delay=1), connector_worker=FakeWorker)
+    a = eng.add("a", a_prompt, max_tokens=4)
+    b = eng.add("b", b_prompt, max_tokens=4)
+    eng.run()
+    assert a.output_token_ids == reference(a_prompt, 4) and b.output_token_ids == reference(b_prompt, 4)
+    assert eng.scheduler.stats.num_reclaimed >= 1
