@@ -108,8 +108,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--kv-offload-disk-bytes", "budget of the disk tier, oldest chunks deleted first "
          "(default: 16GiB)", metavar="SIZE"),
     Flag("--kv-store",
-         "cluster KV store every worker reads and writes: redis://HOST:PORT, valkey://HOST:PORT "
-         "(default: off)", metavar="URL"),
+         "cluster KV store every worker reads and writes: redis://HOST:PORT, valkey://HOST:PORT, "
+         "or mooncake://MASTER:PORT[?segment=1GiB] for Mooncake Store (default: off)", metavar="URL"),
     Flag("--kv-chunk-blocks", "KV blocks per tier chunk, the unit stored and loaded (default: 16)",
          16, type=int, metavar="N"),
     Flag("--kv-store-admit-after",

@@ -95,25 +95,35 @@ class Child:
 
 
 def die_with_parent_hook() -> Callable[[], None] | None:
-    """A preexec_fn that sets PR_SET_PDEATHSIG (SIGTERM the child when the thread that forked
-    it dies), resolved before the fork (loading a library in the child of a threaded parent can
-    deadlock); None where it does not apply (not Linux, or not the main thread, whose exit
-    would fire the signal early)."""
-    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+    """A preexec_fn for children: SIGINT back to its default, and on Linux PR_SET_PDEATHSIG
+    (SIGTERM the child when the thread that forked it dies), both resolved before the fork
+    (loading a library in the child of a threaded parent can deadlock).
+
+    SIGINT is reset because a process started in the background by a non-interactive shell
+    (`tandem up &` in a script, `nohup`) has it ignored, and an ignored signal stays ignored
+    across exec: every child would then shrug off the graceful stop and be killed. The death
+    signal is set only from the main thread, whose exit would otherwise fire it early."""
+    if sys.platform == "win32":  # pragma: no cover
         return None
     try:
         import ctypes
         import ctypes.util
 
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except (OSError, AttributeError):
         return None
+    reset_signal = libc.signal
+    prctl = None
+    if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
+        prctl = libc.prctl
     parent = os.getpid()
 
     def hook() -> None:  # pragma: no cover - runs in the child between fork and exec
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the prctl took effect
-            os._exit(1)
+        reset_signal(signal.SIGINT, 0)  # SIG_DFL
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before the prctl took effect
+                os._exit(1)
 
     return hook
 

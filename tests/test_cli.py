@@ -24,7 +24,7 @@ def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProce
 
 def _commands(help_text: str) -> list[str]:
     """The subcommands a --help lists (argparse indents each name by four spaces)."""
-    return re.findall(r"^    (\w+)(?: |$)", help_text, re.MULTILINE)
+    return re.findall(r"^    ([\w-]+)(?: |$)", help_text, re.MULTILINE)
 
 
 def test_help_lists_commands() -> None:
