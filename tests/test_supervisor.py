@@ -244,3 +244,19 @@ def test_a_killed_supervisor_leaves_no_orphan(tmp_path: Path) -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_a_child_of_a_process_ignoring_sigint_still_stops_on_sigint(
+    tmp_path: Path, script: Path, started: list[supervisor.Child]
+) -> None:
+    """Started from a background job, this process has SIGINT ignored, which exec keeps: the
+    child must get it back, or every graceful stop would end in SIGKILL."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        child = supervisor.start(_server(tmp_path, script))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    started.append(child)
+    supervisor.wait_healthy([child], 30)
+    assert supervisor.stop([child], timeout=10) == []
+    assert child.process.returncode == -signal.SIGINT

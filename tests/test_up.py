@@ -321,3 +321,32 @@ def test_every_http_and_kv_port_is_distinct_even_if_the_picker_repeats(tmp_path:
         else:
             assert argv[argv.index("--role") + 1] == "decode"
     assert len(ports) == len(set(ports)) == 5 and 8123 not in ports
+
+
+def test_each_worker_gets_its_own_disk_tier_directory(tmp_path: Path) -> None:
+    args = _args("--workers", "2", "--kv-offload-disk-path", str(tmp_path / "kv"),
+                 "--kv-offload-cpu-bytes", "1GiB", "--log-dir", str(tmp_path / "logs"))
+    plan = plan_cluster(args, None, free_port=_ports())
+    for worker in plan.workers:
+        argv = list(worker.argv)
+        assert argv.count("--kv-offload-disk-path") == 1
+        assert argv[argv.index("--kv-offload-disk-path") + 1] == str(tmp_path / "kv" / worker.name)
+        assert argv[argv.index("--kv-offload-cpu-bytes") + 1] == "1GiB"
+
+
+def test_kv_store_redis_starts_a_local_server_for_the_workers(tmp_path: Path) -> None:
+    import redis
+
+    from tandem.up import start_local_store
+
+    args = _args("--kv-store", "redis", "--kv-store-memory", "64MiB")
+    server = start_local_store(args, tmp_path)
+    try:
+        assert args.kv_store == server.url and args.kv_store.startswith("redis://127.0.0.1:")
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("maxmemory")["maxmemory"] == str(64 << 20)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        client.close()
+    finally:
+        server.stop()
+    assert start_local_store(_args("--kv-store", "redis://10.0.0.5:6379"), tmp_path) is None
