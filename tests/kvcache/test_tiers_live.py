@@ -153,6 +153,35 @@ def test_a_second_sighting_on_another_engine_admits_a_prefix_to_the_cluster_stor
         second.shutdown()
 
 
+def test_a_conversations_next_turn_on_another_engine_reads_this_turn_from_the_cluster_store(
+        redis_server: RedisServer) -> None:
+    """Round-robin routing: turn 1 runs on one engine, turn 2 on another that never saw it. With
+    the default admission (second sighting), turn 1's new chunks and its tail still reach the
+    store at once, because turn 1 continues a known prefix (the shared system prompt)."""
+    _flush(redis_server)
+    tiers = KVTiersConfig(chunk_blocks=4, admit_after=2, store_url=redis_server.url)
+    first = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
+    second = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
+    try:
+        system = first.engine.tokenize(SHARED)
+        first.generate([system + first.engine.tokenize(" Another session's question?")], GREEDY)
+        turn1 = system + first.engine.tokenize(" " + FILLERS[0])  # the shared prefix, then new text
+        reply = first.generate([turn1], GREEDY)[0]
+        drain_writes(first)
+        turn2 = turn1 + list(reply.outputs[0].token_ids) + second.engine.tokenize(" And then what?")
+        out = second.generate([turn2], GREEDY)[0]
+        with LLM(kv_cache_memory=512 * BLOCK_BYTES, max_num_batched_tokens=512) as plain:
+            assert out.outputs[0].token_ids == plain.generate([turn2], GREEDY)[0].outputs[0].token_ids
+        # Everything turn 1 computed, in whole blocks (its reply's last token was never fed back).
+        assert out.num_cached_tokens == (len(turn1) + len(reply.outputs[0].token_ids) - 1) // 16 * 16
+        assert second.engine.scheduler.stats.num_loaded_tokens == out.num_cached_tokens
+        assert_idle(first)
+        assert_idle(second)
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
 def test_corrupt_bytes_on_disk_are_a_recompute(tmp_path: Path, cold_outputs: list[str]) -> None:
     with tier_llm(disk_path=str(tmp_path)) as llm:
         llm.generate([PROMPT], GREEDY)

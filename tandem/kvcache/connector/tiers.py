@@ -10,10 +10,16 @@ worker side, after the forward pass, copies the chunk's blocks out of the KV cac
 * into the **CPU tier** (write-through, every chunk; a dict of tensors in the worker's memory
   under a byte budget whose LRU the scheduler side keeps, so lookups never ask the worker);
 * to the **disk tier** and the **cluster store** through one writer thread with a bounded
-  queue: a full queue drops the write (counted) and the step never waits. Only chunks seen in
-  at least `admit_after` requests are written there (one-shot prompts stay out); a chunk that
-  reaches its second sighting while it is on the device or in CPU memory is written then. A
-  chunk the CPU tier evicts goes down to the slow tiers if it was admitted and is not there yet.
+  queue: a full queue drops the write (counted) and the step never waits. Only admitted chunks
+  are written there, so one-shot prompts stay out: a chunk seen in at least `admit_after`
+  requests (counted cluster-wide when the store can count), and every chunk of a request that
+  *continues a known prefix* (its first chunk seen before): a conversation's next turn, whose
+  new chunks the turn after re-sends. Without that rule a turn's new chunks would reach the
+  cluster store only on their second sighting, which under round-robin routing happens on
+  another worker that does not hold them: every turn would recompute the previous one's. A
+  chunk that reaches its second sighting while it is on the device or in CPU memory is written
+  then. A chunk the CPU tier evicts goes down to the slow tiers if it was admitted and is not
+  there yet.
 
 **Load.** On admission, beyond the device pool's prefix hit, the scheduler side finds the
 longest run of chunks held by a tier (CPU index, then one batched existence probe per slow
@@ -73,6 +79,8 @@ class _Tracked:
     request: Request
     block_ids: list[int] = field(default_factory=list)
     chunks_done: int = 0
+    counted: bool = False  # its lookup's outcome (miss, skipped by cost) is in the counters
+    continues: bool = False  # its first chunk was seen before: all its chunks are admitted
 
 
 @dataclass
@@ -87,11 +95,11 @@ class _Load:
 class TierCounters:
     lookups: int = 0  # requests asked about
     chunk_hits: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0, "cluster": 0})
-    chunk_misses: int = 0  # first chunk beyond the device hit found in no tier
+    chunk_misses: int = 0  # requests whose first chunk beyond the device hit was in no tier
     loads: int = 0
     loads_failed: int = 0
     loads_timed_out: int = 0
-    loads_skipped_by_cost: int = 0  # a tier had it, recomputing was estimated faster
+    loads_skipped_by_cost: int = 0  # requests a tier could serve, recomputing estimated faster
     probe_errors: int = 0
 
 
@@ -157,7 +165,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             tracked = self._tracked[request.request_id] = _Tracked(request)
-            self._count_sightings(request)
+            tracked.continues = self._count_sightings(request)
             self._counters.lookups += 1
         hashes = request.block_hashes
         local = num_computed_tokens // self.block_size
@@ -174,12 +182,14 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         stop = candidates[len(run)][0] if len(run) < len(candidates) else index
         if stop * K < limit:
             run += self._tail(hashes, stop, limit)  # a finished request's partial chunk there
+        # A request waiting for room is asked again every step: count its outcome once.
+        first_answer, tracked.counted = not tracked.counted, True
         if not run:
-            self._counters.chunk_misses += 1
+            self._counters.chunk_misses += int(first_answer)
             return 0, False
         chosen = self._worth_loading(run, local, limit)
         if not chosen:
-            self._counters.loads_skipped_by_cost += 1
+            self._counters.loads_skipped_by_cost += int(first_answer)
             return 0, False
         if len(self._loads) >= self.config.max_concurrent_loads or any(h in self._inflight for _, _, h, _ in chosen):
             return None
@@ -211,9 +221,10 @@ class TiersConnectorScheduler(KVConnectorScheduler):
                 return [(i, n, chunk_hash, medium)]
         return []
 
-    def _count_sightings(self, request: Request) -> None:
+    def _count_sightings(self, request: Request) -> bool:
         """One more request seen with each of its chunks: here, and in the cluster store when it
-        can count (so a sighting on any worker counts); the larger count stands."""
+        can count (so a sighting on any worker counts); the larger count stands. True when the
+        request continues a known prefix (its first chunk now has `admit_after` sightings)."""
         hashes = request.block_hashes
         chunks = [hashes[end - 1] for end in range(self.chunk_blocks, len(hashes) + 1, self.chunk_blocks)]
         shared: list[int] | None = None
@@ -226,8 +237,13 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         for n, chunk_hash in enumerate(chunks):
             local = self._sightings.pop(chunk_hash, 0) + 1
             self._sightings[chunk_hash] = max(local, shared[n]) if shared else local
+        continues = bool(chunks) and self._sightings[chunks[0]] >= self.config.admit_after
+        if continues:  # its chunks count as admitted wherever they go (the CPU tier's demotions too)
+            for chunk_hash in chunks:
+                self._sightings[chunk_hash] = max(self._sightings[chunk_hash], self.config.admit_after)
         while len(self._sightings) > _MAX_SIGHTINGS:
             self._sightings.popitem(last=False)
+        return continues
 
     def _locate(self, keys: list[str], chunk_hashes: list[int]) -> list[str | None]:
         """Where each chunk is: cpu, else the first slow medium holding it, else None; one
@@ -340,8 +356,9 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         hashes = tracked.request.block_hashes
         full = min(computed_after_step // self.chunk_tokens, len(hashes) // self.chunk_blocks,
                    len(tracked.block_ids) // self.chunk_blocks)
+        admitted = True if tracked.continues else None  # else: by the chunk's own sightings
         for index in range(tracked.chunks_done, full):
-            self._plan_save(tracked, index, self.chunk_blocks)
+            self._plan_save(tracked, index, self.chunk_blocks, admitted=admitted)
         tracked.chunks_done = max(tracked.chunks_done, full)
 
     def _plan_save(self, tracked: _Tracked, index: int, num_blocks: int, hold_id: str | None = None,
@@ -473,12 +490,10 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         tail = num_full - index * K
         if not 0 < tail < K:
             return NO_HOLD
-        # Admitted to the slow tiers when the request continued a prefix seen before (its
-        # first chunk's sightings): a conversation's tail is what its next turn re-sends.
-        first = request.block_hashes[K - 1] if len(request.block_hashes) >= K else None
-        admitted = first is not None and self._sightings.get(first, 0) >= self.config.admit_after
+        # Admitted to the slow tiers when the request continued a known prefix: a
+        # conversation's tail is what its next turn re-sends.
         hold_id = f"tiers-{request_id}-{uuid.uuid4().hex[:8]}"
-        if not self._plan_save(tracked, index, tail, hold_id, admitted):
+        if not self._plan_save(tracked, index, tail, hold_id, tracked.continues):
             return NO_HOLD
         self._holds.add(hold_id)
         return HoldDecision(num_full, hold_id)

@@ -177,7 +177,9 @@ def test_cost_model_declines_a_tier_slower_than_recompute() -> None:
     compute_prompt(connector, request("a"))
     connector.cost.observe_load("cpu", CHUNK_BYTES, 10.0, 1)  # 100 bytes/s: hopeless
     connector.cost.observe_step(1000, 1.0)
-    assert connector.get_num_new_matched_tokens(request("b"), 0) == (0, False)
+    b = request("b")
+    assert connector.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert connector.get_num_new_matched_tokens(b, 0) == (0, False)  # asked again: waits for room
     assert connector.counters()["tiers"]["loads_skipped_by_cost"] == 1
     connector.cost.observe_load("cpu", CHUNK_BYTES, 1e-6, 1)
     connector.cost.observe_load("cpu", CHUNK_BYTES, 1e-6, 1)
@@ -205,6 +207,21 @@ def test_slow_tiers_admit_on_the_configured_sighting(tmp_path, admit_after: int)
         "stored": [(meta.saves[0].chunk_hash, "disk")], "not_stored": [(meta.saves[1].chunk_hash, "disk")]}}))
     assert {e[2] for e in connector.drain_events()} == {"disk"}
     assert connector.counters()["tiers"]["writer"]["pending"] == 0
+
+
+def test_a_request_continuing_a_known_prefix_has_its_new_chunks_admitted_at_once(tmp_path) -> None:
+    """A conversation's next turn: its new chunks go to the slow tiers on their first sighting,
+    since the turn after re-sends them (under round robin on a worker that never held them)."""
+    connector = make(disk_path=str(tmp_path), admit_after=2)
+    compute_prompt(connector, request("a"))  # chunk 0 and chunk 1, one sighting each
+    turn = request("b", PROMPT[: K * B] + list(range(500, 513)))  # chunk 0 again, chunk 1 new
+    assert connector.get_num_new_matched_tokens(turn, K * B) == (0, False)
+    turn.num_computed_tokens = K * B
+    meta = step(connector, turn, turn.num_tokens - K * B)
+    assert [(s.token_ids[0], s.to_slow) for s in meta.saves] == [(PROMPT[0], ("disk",)), (500, ("disk",))]
+    # A prompt sharing nothing seen before still waits for its second sighting.
+    meta = compute_prompt(connector, request("c", list(range(700, 721))))
+    assert [s.to_slow for s in meta.saves] == [(), ()]
 
 
 def test_a_finished_requests_tail_is_saved_under_a_hold_and_found_by_the_next() -> None:
