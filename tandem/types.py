@@ -226,6 +226,7 @@ class EngineLoad:
     kv_blocks_cached: int = 0  # blocks holding a hashed, reusable prefix (in use or free)
     prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
     prefix_cache_hits: int = 0  # of which found cached, cumulative
+    connector_loaded_tokens: int = 0  # prompt tokens a connector loaded (handoff, KV tiers), cumulative
     num_preemptions: int = 0  # cumulative
     kv_transfer: dict[str, float] = field(default_factory=dict)  # handoff counters (engine core)
     # The KV tiers (CPU, disk, cluster store): blocks and traffic per tier, loads, the writer

@@ -257,6 +257,7 @@ class EngineCore:
             kv_blocks_cached=pool.num_cached_blocks,
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
+            connector_loaded_tokens=scheduler.stats.num_loaded_tokens,
             num_preemptions=scheduler.num_preemptions,
             kv_transfer=transfer,
             kv_tiers=tiers,

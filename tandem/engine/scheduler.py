@@ -253,7 +253,10 @@ class Scheduler:
             if self.kv.num_blocks_of(request.request_id):
                 self.kv.free(request)
                 request.num_computed_tokens = 0
-                self._external.pop(request.request_id, None)
+                external = self._external.pop(request.request_id, None)
+                if external is not None and external.loaded:
+                    # Readmitted, it finds these tokens on the device and counts them there.
+                    self.stats.num_loaded_tokens -= external.num_external_tokens
                 self.stats.num_reclaimed += 1
                 return True
         return False

@@ -111,6 +111,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             "max_model_len": serving.max_model_len,
             "prefix_cache_queries": current.prefix_cache_queries,
             "prefix_cache_hits": current.prefix_cache_hits,
+            "connector_loaded_tokens": current.connector_loaded_tokens,
             "tiers": tier_blocks(current),
             "role": serving.client.info.role,
             "kv_source": serving.client.info.kv_source,

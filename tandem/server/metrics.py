@@ -62,6 +62,8 @@ class _EngineStateCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       load.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", load.prefix_cache_hits)
+        yield counter("connector_loaded_tokens", "Prompt tokens whose KV a connector loaded (PD handoff, KV tiers).",
+                      load.connector_loaded_tokens)
         yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.", load.num_preemptions)
         transfer = load.kv_transfer
         yield gauge("kv_transfer_held", "Prompt KV handoffs kept for a decode worker.", transfer.get("held", 0))

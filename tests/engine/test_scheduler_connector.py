@@ -339,3 +339,6 @@ def test_loaded_requests_short_of_room_do_not_wait_forever(make_engine, referenc
     eng.run()
     assert a.output_token_ids == reference(a_prompt, 4) and b.output_token_ids == reference(b_prompt, 4)
     assert eng.scheduler.stats.num_reclaimed >= 1
+    # Each prompt token is counted once: loaded, or found on the device after a reclaim.
+    loaded, stats = eng.scheduler.stats.num_loaded_tokens, eng.kv.stats
+    assert loaded + stats.hits == a.num_cached_tokens + b.num_cached_tokens
