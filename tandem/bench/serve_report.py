@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.load_client import RunResult
+from tandem.bench.load_client import RequestRecord, RunResult
 
 SCHEMA = "tandem.bench.serve/1"
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
@@ -39,6 +39,7 @@ TABLE_ROWS: tuple[tuple[str, str, bool | None], ...] = (
     *((f"tpot_{s}_ms", f"TPOT {s} ms", False) for s in ("mean", "p50")),
     *((f"e2e_{s}_ms", f"end-to-end {s} ms", False) for s in STATS),
     ("cached_pct", "cached prompt tokens %", True),
+    ("reusable_pct", "reusable prompt tokens % (ceiling)", None),
     ("input_cost_per_m", "input $ per 1M prompt tokens", False),
     ("prompt_tokens", "prompt tokens (usage)", None),
     ("completion_tokens", "output tokens (usage)", None),
@@ -56,6 +57,8 @@ class TargetOutcome:
     error: str | None = None
     launch: dict[str, Any] | None = None  # command, log, ready seconds (launched servers)
     metrics: dict[str, Any] = field(default_factory=dict)
+    # launched clusters: each worker's /load after the run (tandem/bench/cluster_stats.py)
+    workers: list[dict[str, Any]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -85,7 +88,33 @@ def _stats_ms(name: str, seconds: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
-def compute_metrics(result: RunResult) -> dict[str, Any]:
+def reusable_tokens(records: Sequence[RequestRecord], shared_prefix: int = 0, block_size: int = 16) -> int:
+    """Prompt tokens an unbounded prefix cache shared by every worker could have served: the
+    ceiling of the cached ratio, which a workload's new text per turn sets, not the server.
+
+    A session's turn re-sends its previous turn's prompt and reply, whose KV exists for all
+    but the reply's last token (sampled, never fed back); a first turn shares the system
+    prefix (``shared_prefix`` tokens) with every first turn before it. Caches hold whole
+    blocks, so each figure rounds down to ``block_size``, and the last prompt token is always
+    computed. From the servers' usage counts, so it is exact up to the chat template's few
+    tokens around the system message and a reply that re-tokenizes differently.
+    """
+    firsts = [r for r in records if r.ok and r.turn == 0 and r.prompt_tokens]
+    very_first = min(firsts, key=lambda r: r.start_s) if firsts else None
+    by_turn = {(r.session_id, r.turn): r for r in records if r.ok}
+    total = 0
+    for record in by_turn.values():
+        if not record.prompt_tokens:
+            continue
+        reusable = 0 if record is very_first else shared_prefix
+        previous = by_turn.get((record.session_id, record.turn - 1))
+        if previous is not None and previous.prompt_tokens and previous.completion_tokens:
+            reusable = max(reusable, previous.prompt_tokens + previous.completion_tokens - 1)
+        total += min(reusable, record.prompt_tokens - 1) // block_size * block_size
+    return total
+
+
+def compute_metrics(result: RunResult, shared_prefix: int = 0) -> dict[str, Any]:
     """Aggregate a run's records: latency percentiles, throughput, cache hits, errors.
 
     Throughputs divide by the run's wall time (first send to last response). Token counts are
@@ -133,6 +162,8 @@ def compute_metrics(result: RunResult) -> dict[str, Any]:
     metrics["cached_pct"] = (
         None if metrics["cached_ratio"] is None else 100 * metrics["cached_ratio"]
     )
+    reusable = reusable_tokens(ok, shared_prefix)
+    metrics["reusable_pct"] = 100 * reusable / prompt_tokens if prompt_tokens else None
     # What the prompt tokens cost with cached ones discounted (illustrative list prices,
     # PRICE_INPUT / PRICE_CACHED_INPUT per 1M tokens): the cached ratio in dollars.
     metrics["input_cost_per_m"] = (
@@ -392,6 +423,7 @@ def build_report(
                 "error": o.error,
                 "launch": o.launch,
                 "metrics": o.metrics,
+                "workers": o.workers,
                 "run": o.result.to_json(include_records) if o.result is not None else None,
             }
             for o in outcomes

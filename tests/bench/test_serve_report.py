@@ -37,6 +37,7 @@ from tandem.bench.serve_report import (
     plot,
     ratio,
     ratio_rows,
+    reusable_tokens,
 )
 
 
@@ -125,6 +126,25 @@ def test_compute_metrics() -> None:
         and empty["ttft_p50_ms"] is None
         and empty["output_tok_s"] is None
     )
+
+
+def test_reusable_tokens_is_what_an_unbounded_shared_cache_would_serve() -> None:
+    def turn(session: str, index: int, start: float, prompt: int, completion: int = 32) -> RequestRecord:
+        return RequestRecord(session, index, "chat", completion, 10, start_s=start, prompt_tokens=prompt,
+                             completion_tokens=completion)
+
+    records = [
+        turn("a", 0, 0.0, 1100),  # the very first request: nothing cached anywhere
+        turn("b", 0, 0.1, 1200),  # a first turn: the 1000-token shared prefix, in whole blocks
+        turn("a", 1, 1.0, 1300),  # re-sends turn 0's 1100 + 31 computed reply tokens
+        turn("a", 2, 2.0, 1140),  # a shorter prompt: all but its last token, in whole blocks
+    ]
+    assert reusable_tokens(records, shared_prefix=1000) == 0 + 992 + 1120 + 1136
+    failed = turn("b", 1, 1.0, 1500)
+    failed.error = "HTTP 500"  # failed turns count for nothing, and say nothing of the next
+    assert reusable_tokens([*records, failed, turn("b", 2, 2.0, 1700)], 1000) == 3248 + 992
+    m = compute_metrics(_result(records), shared_prefix=1000)
+    assert m["reusable_pct"] == pytest.approx(100 * 3248 / 4740)
 
 
 # --- table, ratios, JSON, PNG --------------------------------------------------------------
@@ -399,6 +419,22 @@ def test_cluster_and_policy_targets() -> None:
     assert policy_goal_line([outcome("session", 90.0)]) is None
 
 
+def test_the_kv_tier_goal_line() -> None:
+    from tandem.bench.serve import tier_goal_line
+
+    def outcome(name: str, cached_pct: float) -> TargetOutcome:
+        return TargetOutcome(name, "", metrics={"cached_pct": cached_pct})
+
+    full = "cpu+disk+cluster"
+    assert tier_goal_line([outcome(f"kv_aware/{full}", 95.9), outcome(f"round_robin/{full}", 95.6)]) == (
+        f"goal (KV tiers): kv_aware/{full} 95.9% cached (>= 95), round_robin/{full} 95.6% (+0.3 points "
+        "behind) (<= 3): met")
+    assert tier_goal_line([outcome(f"kv_aware/{full}", 96.0), outcome(f"round_robin/{full}", 92.5)]).endswith(
+        "NOT met")
+    assert tier_goal_line([outcome(f"kv_aware/{full}", 94.0)]).endswith("NOT met")
+    assert tier_goal_line([outcome("kv_aware/cpu", 99.0)]) is None
+
+
 def test_kv_tier_sets_multiply_policy_targets(tmp_path: Path) -> None:
     from tandem.bench.serve import LaunchContext, build_server, parse_tier_sets
 
@@ -409,10 +445,12 @@ def test_kv_tier_sets_multiply_policy_targets(tmp_path: Path) -> None:
     targets = plan_targets([], [], ["kv_aware,round_robin"], sets)
     assert [t.name for t in targets] == ["kv_aware/off", "round_robin/off", "kv_aware/cpu", "round_robin/cpu",
                                          "kv_aware/cpu+disk+cluster", "round_robin/cpu+disk+cluster"]
-    args = _args("--policies", "kv_aware", "--kv-tier-sets", "cpu+disk+cluster", "--kv-store-admit-after", "1")
+    args = _args("--policies", "kv_aware", "--kv-tier-sets", "cpu+disk+cluster", "--kv-store-admit-after", "1",
+                 "--kv-store-memory", "6GiB")
     server = build_server(targets[4], args, LaunchContext(), tmp_path)
     cmd = server.command
     assert cmd[cmd.index("--kv-offload-cpu-bytes") + 1] == "2GiB"
+    assert cmd[cmd.index("--kv-store-memory") + 1] == "6GiB"
     assert cmd[cmd.index("--kv-store") + 1] == "redis" and cmd[cmd.index("--kv-store-admit-after") + 1] == "1"
     assert cmd[cmd.index("--kv-offload-disk-path") + 1] == str(tmp_path / "kv_aware-cpu-disk-cluster-disk")
     assert server.log_path == tmp_path / "kv_aware-cpu-disk-cluster.log"
