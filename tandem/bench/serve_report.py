@@ -369,6 +369,11 @@ def plot(outcomes: Sequence[TargetOutcome], path: Path, title: str = "") -> Path
         ax.set_xticklabels(names, fontsize=9, rotation=20 if crowded else 0, ha="right" if crowded else "center")
         ax.set_title(f"{label} (higher is better)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
+        ceiling = max((float(o.metrics.get("reusable_pct") or 0.0) for o in outcomes if o.ok), default=0.0)
+        if key == "cached_pct" and ceiling:
+            ax.axhline(ceiling, color="black", linestyle="--", linewidth=1)
+            ax.text(0.01, ceiling, f" ceiling {ceiling:.1f}%", transform=ax.get_yaxis_transform(),
+                    fontsize=8, va="bottom")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
