@@ -157,15 +157,16 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=Timeouts.first_byte_s,
         metavar="S",
-        help="per hop, until the worker's response headers; a non-streamed reply "
-        f"sends them at its end (default: {Timeouts.first_byte_s})",
+        help="per hop, until the worker's response headers, and again until a stream's first "
+        "event (a request's wait in the worker's queue); a non-streamed reply sends its headers "
+        f"at its end (default: {Timeouts.first_byte_s})",
     )
     health.add_argument(
         "--idle-timeout",
         type=float,
         default=Timeouts.idle_s,
         metavar="S",
-        help=f"longest silence between stream chunks (default: {Timeouts.idle_s})",
+        help=f"longest silence between stream chunks after the first (default: {Timeouts.idle_s})",
     )
     add_policy_args(parser)
     add_accounting_args(parser)

@@ -43,7 +43,9 @@ class HealthPolicy:
 @dataclass(frozen=True)
 class Timeouts:
     """Per hop. A non-streamed reply sends its headers only when generation ends, so the
-    first-byte limit bounds a whole non-streamed request and is generous by default."""
+    first-byte limit bounds a whole non-streamed request and is generous by default; a stream's
+    headers come at once and its first event after the request's wait in the worker's queue,
+    which the first-byte limit bounds too (the idle limit is for gaps after it)."""
 
     connect_s: float = 5.0
     first_byte_s: float = 600.0

@@ -224,18 +224,24 @@ class Upstream:
             return await response.aread()
 
     async def events(self, response: httpx.Response) -> AsyncIterator[str]:
-        """The `data:` payloads of an SSE stream, through `[DONE]`; StreamBroken otherwise."""
+        """The `data:` payloads of an SSE stream, through `[DONE]`; StreamBroken otherwise.
+
+        A worker answers with headers at once and its first event when the request's first
+        token is out, after however long the request waited in its queue: that wait is
+        bounded by `first_byte_s`, like the wait for the headers; the gaps after it by
+        `idle_s` (a worker that stops mid-stream)."""
         lines = response.aiter_lines()
         data: list[str] = []
+        timeout = self.timeouts.first_byte_s
         try:
             while True:
                 try:
-                    async with asyncio.timeout(self.timeouts.idle_s):
+                    async with asyncio.timeout(timeout):
                         line = await anext(lines)
                 except StopAsyncIteration:
                     raise StreamBroken("the worker closed the stream before [DONE]") from None
                 except TimeoutError:
-                    raise StreamBroken(f"no data for {self.timeouts.idle_s:g} s") from None
+                    raise StreamBroken(f"no data for {timeout:g} s") from None
                 except httpx.HTTPError as exc:
                     raise StreamBroken(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
                 if line.startswith("data:"):
@@ -245,6 +251,7 @@ class Upstream:
                     continue  # comments, other fields, keep-alive blank lines
                 payload = "\n".join(data)
                 data = []
+                timeout = self.timeouts.idle_s
                 yield payload
                 if payload == "[DONE]":
                     return

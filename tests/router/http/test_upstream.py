@@ -152,3 +152,32 @@ def test_sse_events_and_broken_streams() -> None:
     assert asyncio.run(events(good)) == ['{"a":1}', "[DONE]"]
     with pytest.raises(StreamBroken, match="before \\[DONE\\]"):
         asyncio.run(events(cut))
+
+
+def test_the_first_event_may_wait_in_a_queue_up_to_the_first_byte_timeout() -> None:
+    """A worker sends headers at once and its first event when the request's first token is out;
+    a long queue must not read as a stalled stream. Gaps after the first event are bounded by
+    the idle timeout."""
+
+    def stream(first_after: float, gap: float):  # noqa: ANN202
+        async def body():  # noqa: ANN202
+            await asyncio.sleep(first_after)
+            yield b'data: {"a":1}\n\n'
+            await asyncio.sleep(gap)
+            yield b"data: [DONE]\n\n"
+
+        return body()
+
+    async def events(first_after: float, gap: float) -> list[str]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, content=stream(first_after, gap))))
+        upstream = Upstream(client, Timeouts(connect_s=1, first_byte_s=1.0, idle_s=0.2), RetryPolicy(),
+                            lambda hop, failure: None, lambda hop: None)
+        response = await client.send(client.build_request("GET", "http://a/"), stream=True)
+        return [e async for e in upstream.events(response)]
+
+    assert asyncio.run(events(first_after=0.5, gap=0.0)) == ['{"a":1}', "[DONE]"]
+    with pytest.raises(StreamBroken, match="no data for 1 s"):
+        asyncio.run(events(first_after=1.5, gap=0.0))
+    with pytest.raises(StreamBroken, match="no data for 0.2 s"):
+        asyncio.run(events(first_after=0.0, gap=0.5))
