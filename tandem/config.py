@@ -187,7 +187,8 @@ class KVTiersConfig:
 
     A chunk of `chunk_blocks` blocks is the unit stored and loaded. CPU memory is written through
     as chunks are computed; the disk and the cluster store are written asynchronously, and only
-    for chunks seen in at least `admit_after` requests (so one-shot prompts stay out of them).
+    for chunks seen in at least `admit_after` requests, or of a request whose first chunk was
+    (a conversation's next turn), so one-shot prompts stay out of them.
     """
 
     cpu_bytes: int = 0  # CPU-memory tier budget; 0: off

@@ -113,8 +113,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--kv-chunk-blocks", "KV blocks per tier chunk, the unit stored and loaded (default: 16)",
          16, type=int, metavar="N"),
     Flag("--kv-store-admit-after",
-         "a chunk enters the disk tier and the cluster store once N requests contained it, keeping "
-         "one-shot prompts out (default: 2; 1 = every chunk)", 2, type=int, metavar="N"),
+         "a chunk enters the disk tier and the cluster store once N requests contained it, or at once "
+         "when its request continues a prefix seen in N (a conversation's next turn); keeps one-shot "
+         "prompts out (default: 2; 1 = every chunk)", 2, type=int, metavar="N"),
 )
 
 
