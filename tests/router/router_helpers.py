@@ -80,6 +80,7 @@ class Behaviour:
     prefill_cached: int = 32
     decode_cached: int = 48
     hang_s: float = 4.0
+    queue_s: float = 0.0  # a stream's first token waits this long after its role chunk
     waiting_prefill_tokens: int = 0
     running_kv_tokens: int = 0
 
@@ -240,6 +241,7 @@ class FakeWorker:
                         ],
                     }
                 )
+            await asyncio.sleep(self.behaviour.queue_s)
             for i, piece in enumerate(pieces):
                 if drop and i == 2:
                     raise RuntimeError("the fake worker dies mid-stream")

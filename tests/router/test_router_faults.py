@@ -201,6 +201,21 @@ def test_stream_cut_in_the_middle_ends_with_an_error_event(
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_stream_broken"
 
 
+def test_a_stream_queued_on_its_worker_longer_than_the_idle_timeout_is_not_broken(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    """A busy worker sends a chat stream's role chunk at once and its first token after the
+    request's wait in its queue: the first-byte timeout bounds that wait, the idle timeout
+    only the gaps after the first token."""
+    from tandem.router.config import Timeouts
+
+    worker, worker_url = fake_workers("busy")
+    worker.behaviour.queue_s = 1.5
+    url = start_router([WorkerSpec(worker_url, "both")],
+                       timeouts=Timeouts(connect_s=1.0, first_byte_s=5.0, idle_s=0.5))
+    assert stream_text(read_stream(url, CHAT)) == FULL
+
+
 def test_client_errors_pass_through_unchanged(
     fake_workers: FakeFactory, start_router: Callable[..., str]
 ) -> None:

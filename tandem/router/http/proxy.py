@@ -452,7 +452,7 @@ class Proxy:
     ) -> AsyncIterator[str]:
         """A worker's SSE stream, rewritten chunk by chunk, always ending with [DONE]."""
         try:
-            async for data in self.upstream.events(hop.response):
+            async for data in self.upstream.events(hop.response, is_output=_is_output_event):
                 if data == "[DONE]":
                     break
                 try:
@@ -591,6 +591,16 @@ async def _json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_value")
     return body
+
+
+def _is_output_event(data: str) -> bool:
+    """A stream event past the preamble (a chat stream's role chunk): output, an error, the end."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return True
+    return not isinstance(chunk, dict) or "choices" not in chunk or has_output(chunk) or any(
+        choice.get("finish_reason") for choice in chunk["choices"] or [])
 
 
 def _prefill_usage(outcome: PrefillOutcome) -> dict[str, Any] | None:

@@ -223,13 +223,16 @@ class Upstream:
         async with asyncio.timeout(self.timeouts.idle_s):
             return await response.aread()
 
-    async def events(self, response: httpx.Response) -> AsyncIterator[str]:
+    async def events(
+        self, response: httpx.Response, is_output: Callable[[str], bool] | None = None
+    ) -> AsyncIterator[str]:
         """The `data:` payloads of an SSE stream, through `[DONE]`; StreamBroken otherwise.
 
-        A worker answers with headers at once and its first event when the request's first
-        token is out, after however long the request waited in its queue: that wait is
-        bounded by `first_byte_s`, like the wait for the headers; the gaps after it by
-        `idle_s` (a worker that stops mid-stream)."""
+        A worker answers with headers (and a chat stream's role chunk) at once and its first
+        output when the request's first token is out, after however long the request waited
+        in its queue: that wait is bounded by `first_byte_s`, like the wait for the headers;
+        the gaps after it by `idle_s` (a worker that stops mid-stream). `is_output` tells an
+        output event from a preamble (default: every event is output)."""
         lines = response.aiter_lines()
         data: list[str] = []
         timeout = self.timeouts.first_byte_s
@@ -251,7 +254,8 @@ class Upstream:
                     continue  # comments, other fields, keep-alive blank lines
                 payload = "\n".join(data)
                 data = []
-                timeout = self.timeouts.idle_s
+                if timeout != self.timeouts.idle_s and (is_output is None or is_output(payload)):
+                    timeout = self.timeouts.idle_s
                 yield payload
                 if payload == "[DONE]":
                     return
