@@ -118,6 +118,16 @@ def test_plan_passes_pricing_ledger_and_keys_to_the_router(tmp_path: Path) -> No
     assert "-H 'Authorization: Bearer $KEY'" in text and 'api_key="<KEY>"' in text
 
 
+def test_plan_passes_tier_credits_to_the_router_and_checks_them_first() -> None:
+    default = list(plan_cluster(_args(), None, free_port=_ports()).router.argv)
+    assert not any(flag.startswith("--kv-credit-") for flag in default)  # measured per worker
+    router = list(plan_cluster(_args("--kv-credit-disk", "0.5"), None, free_port=_ports()).router.argv)
+    assert router[router.index("--kv-credit-disk") + 1] == "0.5"
+    assert "--kv-credit-cpu" not in router
+    with pytest.raises(ValueError, match="--kv-credit-cluster must be between 0 and 1"):
+        plan_cluster(_args("--kv-credit-cluster", "2"), None, free_port=_ports())
+
+
 def test_engine_argv_repeats_only_what_was_set() -> None:
     assert engine_argv(_args()) == []
     argv = engine_argv(

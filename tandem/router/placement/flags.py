@@ -38,6 +38,7 @@ def add_policy_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
         f"(default: {_DEFAULTS.balance_factor})",
     )
     if not full:
+        add_credit_args(group)
         return
     group.add_argument(
         "--prefill-weight",
@@ -48,22 +49,7 @@ def add_policy_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
         "their prefix is cached even when that worker is decoding more "
         f"(default: {_DEFAULTS.prefill_weight})",
     )
-    for medium, where in (
-        ("cpu", "the worker's CPU-memory tier"),
-        ("disk", "the worker's local disk tier"),
-        ("cluster", "the cluster store (which every worker reads)"),
-    ):
-        group.add_argument(
-            f"--kv-credit-{medium}",
-            type=float,
-            default=None,
-            metavar="C",
-            help=f"kv_aware: a cached prompt block in {where} counts as C of a block "
-            "cached on the device (1.0). It still has to be loaded, so C is the fraction of "
-            "its prefill the hit saves; 0 ignores that tier when routing (default: measured "
-            "per worker from its loads and prefill rate; "
-            f"{FALLBACK_TIER_CREDITS[medium]} until it has measured them)",
-        )
+    add_credit_args(group)
     group.add_argument(
         "--kv-events-interval",
         type=float,
@@ -82,6 +68,26 @@ def add_policy_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
     )
 
 
+def add_credit_args(group: argparse._ArgumentGroup) -> None:
+    """The kv_aware tier credits; `tandem up` offers them too, since it starts the tiers."""
+    for medium, where in (
+        ("cpu", "the worker's CPU-memory tier"),
+        ("disk", "the worker's local disk tier"),
+        ("cluster", "the cluster store (which every worker reads)"),
+    ):
+        group.add_argument(
+            f"--kv-credit-{medium}",
+            type=float,
+            default=None,
+            metavar="C",
+            help=f"kv_aware: a cached prompt block in {where} counts as C of a block "
+            "cached on the device (1.0). It still has to be loaded, so C is the fraction of "
+            "its prefill the hit saves; 0 ignores that tier when routing (default: measured "
+            "per worker from its loads and prefill rate; "
+            f"{FALLBACK_TIER_CREDITS[medium]} until it has measured them)",
+        )
+
+
 def policy_config(args: argparse.Namespace) -> PolicyConfig:
     return PolicyConfig(
         name=args.policy,
@@ -97,8 +103,14 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
 
 
 def policy_argv(args: argparse.Namespace) -> list[str]:
-    """The flags `tandem up` passes on to its `tandem route`."""
+    """The flags `tandem up` passes on to its `tandem route`, checked here first (a bad
+    value stops `tandem up` before it starts any worker)."""
+    policy_config(args)
     argv = ["--policy", args.policy, "--balance-factor", str(args.balance_factor)]
     if args.affinity_header:
         argv += ["--affinity-header", args.affinity_header]
+    for medium in ("cpu", "disk", "cluster"):
+        credit = getattr(args, f"kv_credit_{medium}", None)
+        if credit is not None:
+            argv += [f"--kv-credit-{medium}", str(credit)]
     return argv
