@@ -54,6 +54,25 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token leaves in one layer's KV cache.
+
+    Standard attention keeps a key and a value per KV head (`num_planes` 2); multi-head
+    latent attention (DeepSeek-V3, Kimi-K2) keeps one compressed latent per token, shared by
+    every head (`num_planes` 1, one "head" as wide as the latent plus its rotary part). The
+    block pool, the prefix cache, the PD handoff and the KV tiers move blocks of whatever this
+    describes, so a new cache layout is a new spec, not a new code path.
+    """
+
+    num_planes: int
+    num_heads: int
+    head_dim: int
+
+    def values_per_token(self, num_layers: int) -> int:
+        return num_layers * self.num_planes * self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the runner needs, read from an HF `config.json` dict."""
 
@@ -78,6 +97,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(num_planes=2, num_heads=self.num_key_value_heads, head_dim=self.head_dim)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
