@@ -6,6 +6,7 @@ explicitly to whatever needs it; nothing reads configuration from globals.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -28,6 +29,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (DeepSeek-V3, Kimi-K2, Qwen long-context): the ramp between interpolated and
+    # extrapolated frequencies, and the cos/sin magnitude; None lets the factors decide.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
@@ -50,6 +59,76 @@ class RopeConfig:
             original_max_position_embeddings=int(
                 merged.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
             ),
+            beta_fast=float(merged.get("beta_fast") or 32.0),
+            beta_slow=float(merged.get("beta_slow") or 1.0),
+            mscale=_optional_float(merged.get("mscale")),
+            mscale_all_dim=_optional_float(merged.get("mscale_all_dim")),
+            attention_factor=_optional_float(merged.get("attention_factor")),
+            truncate=bool(merged.get("truncate", True)),
+        )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token leaves in one layer's KV cache.
+
+    Standard attention keeps a key and a value per KV head (`num_planes` 2); multi-head
+    latent attention (DeepSeek-V3, Kimi-K2) keeps one compressed latent per token, shared by
+    every head (`num_planes` 1, one "head" as wide as the latent plus its rotary part). The
+    block pool, the prefix cache, the PD handoff and the KV tiers move blocks of whatever this
+    describes, so a new cache layout is a new spec, not a new code path.
+    """
+
+    num_planes: int
+    num_heads: int
+    head_dim: int
+
+    def values_per_token(self, num_layers: int) -> int:
+        return num_layers * self.num_planes * self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): keys and values are rebuilt from
+    a `kv_lora_rank` latent per token plus one shared `qk_rope_head_dim` rotary key, and that
+    is all the cache keeps (`latent_dim` values per token per layer, whatever the head count)."""
+
+    q_lora_rank: int | None  # None: queries come from one projection, no low-rank step
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rotary pairs (x0, x1), (x2, x3)...: permuted at load time
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MLAConfig | None:
+        if not hf.get("kv_lora_rank"):
+            return None
+        q_lora = hf.get("q_lora_rank")
+        return cls(
+            q_lora_rank=int(q_lora) if q_lora else None,
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+            v_head_dim=int(hf["v_head_dim"]),
+            rope_interleave=bool(hf.get("rope_interleave", True)),
         )
 
 
@@ -77,7 +156,14 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    mla: MLAConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        if self.mla is not None:
+            return KVCacheSpec(num_planes=1, num_heads=1, head_dim=self.mla.latent_dim)
+        return KVCacheSpec(num_planes=2, num_heads=self.num_key_value_heads, head_dim=self.head_dim)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

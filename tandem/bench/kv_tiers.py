@@ -281,7 +281,7 @@ def cmd_kv_tiers(args: argparse.Namespace) -> int:
     from tandem.loader.model_loader import read_model_config
 
     config: ModelConfig = read_model_config(resolved.hf_dir)
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    kv_per_token = config.kv_spec.values_per_token(config.num_hidden_layers) * 4
     params = _num_params(config)
     limits = machine_limits(kv_per_token, params, args.prefix_tokens)
     table, data = report(results, limits)

@@ -50,10 +50,13 @@ class AttentionBackend(Protocol):
         """Causal attention of query [T, heads, head_dim] over each sequence's context."""
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """One layer's cache: keys and values stacked, [2, kv_heads, num_blocks, block_size, head_dim].
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, num_planes: int = 2
+) -> tuple[int, ...]:
+    """One layer's cache: keys and values stacked, [2, kv_heads, num_blocks, block_size, head_dim]
+    (a latent cache has one plane and one head: [1, 1, num_blocks, block_size, latent_dim]).
 
     Heads outermost: gathering a batch's blocks per head yields [kv_heads, seqs, tokens,
     head_dim] already contiguous, which a batched matmul reads without another copy.
     """
-    return (2, num_kv_heads, num_blocks, block_size, head_dim)
+    return (num_planes, num_kv_heads, num_blocks, block_size, head_dim)

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from tandem.config import RopeConfig
+from tandem.config import RopeConfig, yarn_mscale
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -29,7 +29,39 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inverse_frequencies(rope, head_dim)
     return inv_freq
+
+
+def _yarn_inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: dimensions that turn many times over the original context keep their frequency
+    (extrapolate), slow ones are divided by `factor` (interpolate), a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def rotary_magnitude(rope: RopeConfig) -> float:
+    """What cos/sin are multiplied by: YaRN's attention factor, 1 for the other types."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -37,8 +69,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
+        magnitude = rotary_magnitude(rope)
+        self.register_buffer("cos", (angles.cos() * magnitude).to(dtype), persistent=False)
+        self.register_buffer("sin", (angles.sin() * magnitude).to(dtype), persistent=False)
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for a step's positions, looked up once and shared by every layer."""

@@ -78,7 +78,7 @@ class PreparedBatch:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    per_token = config.kv_spec.values_per_token(config.num_hidden_layers)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -184,7 +184,8 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.dtype = dtype
-        shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        spec = config.kv_spec
+        shape = kv_cache_shape(num_blocks, block_size, spec.num_heads, spec.head_dim, spec.num_planes)
         full_shape = (config.num_hidden_layers, *shape)
         self.kv_shm_path = kv_shm_path
         if kv_shm_path:
@@ -197,7 +198,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     # --- KV blocks as data, for handoffs between workers ------------------------------
-    # Dimension 3 of the cache is the block: [layers, k/v, kv_heads, blocks, block_size, head_dim].
+    # Dimension 3 of the cache is the block: [layers, planes (k/v), kv_heads, blocks, block_size, head_dim].
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return self.kv_cache.index_select(3, torch.tensor(block_ids, dtype=torch.long))
 

@@ -177,8 +177,9 @@ class Worker:
         from tandem.kvcache.transfer.base import KVLayout
 
         model = self._model_config
-        layout = KVLayout(model.num_hidden_layers, model.num_key_value_heads, config.cache.block_size,
-                          model.head_dim, config.load.dtype)
+        spec = model.kv_spec
+        layout = KVLayout(model.num_hidden_layers, spec.num_heads, config.cache.block_size,
+                          spec.head_dim, config.load.dtype, spec.num_planes)
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
                                self.rank, self.world_size, self.kv_shm_path, self._info.fingerprint)
         return self.connector.register_kv_cache(access)

@@ -173,3 +173,21 @@ def test_handle_round_trips_through_json(source: KVSource) -> None:
     assert again == handle
     with pytest.raises(KVTransferError):
         KVTransferHandle.from_json({"transfer_id": "x"})
+
+
+def test_a_latent_cache_travels_as_one_plane_of_one_head() -> None:
+    """MLA caches one latent per token (config.KVCacheSpec num_planes 1): same transport."""
+    latent = KVLayout(num_layers=2, num_kv_heads=1, block_size=4, head_dim=9, dtype="float32", num_planes=1)
+    assert latent.block_shape(3) == (2, 1, 1, 3, 4, 9)
+    cache = torch.randn(latent.block_shape(NUM_BLOCKS), generator=torch.Generator().manual_seed(3))
+    source = KVSource(lambda ids: cache.index_select(3, torch.tensor(ids)), latent)
+    try:
+        source.hold("lat", [4, 1], [7, 8], 30)
+        handle = KVTransferHandle("lat", source.host, source.port, [7, 8], latent)
+        data = TcpTransport().fetch(KVTransferHandle.from_json(handle.to_json()), [0, 1], timeout=5)
+        assert torch.equal(data, cache.index_select(3, torch.tensor([4, 1])))
+        wrong = KVTransferHandle("lat", source.host, source.port, [7, 8], LAYOUT)  # the K/V layout
+        with pytest.raises(KVTransferError):
+            TcpTransport().fetch(wrong, [0], timeout=5)
+    finally:
+        source.close()

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.loader.model_loader import read_model_config
@@ -56,3 +57,13 @@ def test_kv_budget_too_small(tmp_path: Path) -> None:
 def test_unknown_dtype_lists_supported(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dtype must be one of float32"):
         LLM(str(_config_dir(tmp_path)), load_format="dummy", dtype="fp8", kv_cache_memory="8MiB")
+
+
+def test_kv_spec_sizes_the_cache_blocks(tmp_path: Path) -> None:
+    from tandem.worker.model_runner import kv_bytes_per_block
+
+    config = read_model_config(_config_dir(tmp_path))
+    spec = config.kv_spec
+    assert (spec.num_planes, spec.num_heads, spec.head_dim) == (2, 2, 8)
+    # keys and values x 2 layers x 2 KV heads x 8 dims x 16 tokens x 4 bytes (fp32)
+    assert kv_bytes_per_block(config, 16, torch.float32) == 2 * 2 * 2 * 8 * 16 * 4

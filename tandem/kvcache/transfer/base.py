@@ -45,10 +45,11 @@ class KVLayout:
     block_size: int
     head_dim: int
     dtype: str  # torch dtype name, e.g. "float32"
+    num_planes: int = 2  # keys and values; 1 for a latent cache (MLA), see config.KVCacheSpec
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of `num_blocks` blocks as the cache indexes them (blocks on dimension 3)."""
-        return (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+        return (self.num_layers, self.num_planes, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
     @property
     def torch_dtype(self) -> torch.dtype:
