@@ -45,8 +45,8 @@ def test_unknown_architecture_lists_supported(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_scaling_is_reported(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="RoPE scaling type 'yarn'"):
-        read_model_config(_config_dir(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="RoPE scaling type 'longrope'"):
+        read_model_config(_config_dir(tmp_path, rope_scaling={"rope_type": "longrope", "factor": 4.0}))
 
 
 def test_kv_budget_too_small(tmp_path: Path) -> None:
