@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 from tandem.plan.devices import CUDA_CONTEXT_BYTES, NCCL_BYTES, MiB, parse_devices
 from tandem.plan.memory import (
@@ -26,29 +27,34 @@ Plan a deployment before you have the hardware or the weights. Each subcommand r
 model's config.json and answers one capacity question.
 """
 
-_MEMORY_DESCRIPTION = f"""\
-Where the memory goes on each rank when CONFIG runs on --devices: the weights' shard, the
-activation peak of a --max-num-batched-tokens step, CUDA context and NCCL, and the KV cache
-that is left: bytes per token, tokens that fit, and sequences of --max-model-len that fit at
-once. Beside it, what vLLM would leave with its defaults (gpu_memory_utilization 0.9) on the
-same devices, with the same weights and activation formula.
+def _fill(text: str) -> str:
+    return textwrap.fill(" ".join(text.split()), width=92)
 
-CONFIG is a config.json, a directory holding one, or a shipped example:
-  {', '.join(EXAMPLE_NAMES)}
-Architectures: {', '.join(SUPPORTED)}.
-Llama 4's vision tower is counted apart (a text-only server does not load it).
 
-Devices: NxH100 (79.11 GiB each), NxH200 (139.81 GiB each), Nxgpu:SIZE for another GPU
-(SIZE as CUDA reports it), cpu:SIZE for the CPU engine. GPUs also lose
-{CUDA_CONTEXT_BYTES // MiB} MiB to the CUDA context and {NCCL_BYTES // MiB} MiB to NCCL when
-ranks talk. tandem caps weights + KV cache at --memory-utilization of each device; the
-activation peak and those allowances must fit in the rest.
-
-examples:
+_MEMORY_DESCRIPTION = "\n\n".join([
+    _fill("""Where the memory goes on each rank when CONFIG runs on --devices: the weights' shard,
+          the activation peak of a --max-num-batched-tokens step, CUDA context and NCCL, and the
+          KV cache that is left: bytes per token, tokens that fit, and sequences of
+          --max-model-len that fit at once. Beside it, what vLLM would leave with its defaults
+          (gpu_memory_utilization 0.9) on the same devices, with the same weights and the same
+          activation formula."""),
+    "CONFIG is a config.json, a directory holding one, or a shipped example:\n  "
+    + ", ".join(EXAMPLE_NAMES),
+    _fill(f"""Architectures: {', '.join(SUPPORTED)}. Kimi-K2 is a DeepseekV3ForCausalLM. Llama 4's
+          vision tower is counted apart (a text-only server does not load it)."""),
+    _fill(f"""Devices: NxH100 (79.11 GiB each), NxH200 (139.81 GiB each), Nxgpu:SIZE for another
+          GPU (SIZE as CUDA reports it), cpu:SIZE for the CPU engine. GPUs also lose
+          {CUDA_CONTEXT_BYTES // MiB} MiB to the CUDA context, and {NCCL_BYTES // MiB} MiB to NCCL
+          when ranks talk."""),
+    _fill("""tandem caps weights + KV cache at --memory-utilization of each device; the activation
+          peak and those allowances must fit in the rest. vLLM's 0.9 caps everything, activations
+          included, and it sizes them for 8192 tokens and 1024 sequences on 80 GB-class GPUs:
+          that, not the weights, is where the two columns differ."""),
+    """examples:
   tandem plan memory llama-4-scout --devices 2xH200 --tp 2
   tandem plan memory kimi-k2 --devices 8xH200 --tp 8 --kv-cache-dtype fp8
-  tandem plan memory path/to/model/config.json --devices cpu:24GiB --json
-"""
+  tandem plan memory path/to/model/config.json --devices cpu:24GiB --json""",
+])
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:

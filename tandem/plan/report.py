@@ -76,8 +76,9 @@ def _summary(plan: MemoryPlan) -> list[str]:
                      f"{v.max_num_batched_tokens}-token activation peak leave no room for a KV cache")
     else:
         ratio = t.kv_tokens / v.kv_tokens
-        lines.append(f"vLLM with gpu_memory_utilization {v.memory_utilization:g} (its defaults): "
-                     f"{_gib(v.kv_bytes_total)}, {v.kv_tokens:,} tokens; tandem holds {ratio:.2f}x the tokens")
+        lines.append(f"vLLM, its defaults (gpu_memory_utilization {v.memory_utilization:g} of everything, "
+                     f"{v.max_num_batched_tokens} tokens, {v.max_num_seqs} seqs): {_gib(v.kv_bytes_total)}, "
+                     f"{v.kv_tokens:,} tokens; tandem's plan: {ratio:.2f}x the tokens")
     return lines
 
 

@@ -262,7 +262,7 @@ def test_cli_prints_the_table() -> None:
                 "KV bytes per token", "KV tokens that fit", "seqs of 10,485,760 tokens"):
         assert f"\n{row} " in out, row
     assert "tandem" in out and "vLLM defaults" in out and "96.0 KiB" in out
-    assert "vLLM with gpu_memory_utilization 0.9" in out
+    assert "vLLM, its defaults (gpu_memory_utilization 0.9 of everything, 8192 tokens, 1024 seqs)" in out
 
 
 def test_cli_json_and_a_config_path(tmp_path: Path) -> None:
