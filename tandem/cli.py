@@ -1,4 +1,4 @@
-"""The `tandem` command line: up, serve, route, generate, chat, bench.
+"""The `tandem` command line: up, serve, route, generate, chat, bench, plan.
 
 This module is the command table: each command's parser comes from the module that owns the
 command (engine and server flags from `tandem.flags`), and heavy imports (torch, the engine,
@@ -25,6 +25,7 @@ from tandem.flags import (
     serve_engine_config,
     server_config,
 )
+from tandem.plan.cli import add_plan_parser
 from tandem.router.cli import add_route_parser
 from tandem.up import add_up_parser
 
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_overhead_parser(bench_commands)
     add_perplexity_parser(bench_commands)
     add_serve_parser(bench_commands)
+    add_plan_parser(commands)
     return parser
 
 

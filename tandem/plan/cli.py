@@ -1,0 +1,106 @@
+"""`tandem plan`: capacity planning commands; `tandem plan memory` is the first.
+
+Torch-free like the rest of tandem.plan: planning a 1T-parameter model takes a config.json
+and a few milliseconds, not the weights or a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+
+from tandem.plan.devices import CUDA_CONTEXT_BYTES, NCCL_BYTES, MiB, parse_devices
+from tandem.plan.memory import (
+    DEFAULT_MEMORY_UTILIZATION,
+    DTYPE_CHOICES,
+    KV_DTYPE_CHOICES,
+    PlanRequest,
+    plan_memory,
+)
+from tandem.plan.model_config import EXAMPLE_NAMES, SUPPORTED, load_config
+from tandem.plan.report import format_memory_plan, plan_to_dict
+from tandem.plan.sharding import Parallel
+
+_PLAN_DESCRIPTION = """\
+Plan a deployment before you have the hardware or the weights. Each subcommand reads a
+model's config.json and answers one capacity question.
+"""
+
+def _fill(text: str) -> str:
+    return textwrap.fill(" ".join(text.split()), width=92)
+
+
+_MEMORY_DESCRIPTION = "\n\n".join([
+    _fill("""Where the memory goes on each rank when CONFIG runs on --devices: the weights' shard,
+          the activation peak of a --max-num-batched-tokens step, CUDA context and NCCL, and the
+          KV cache that is left: bytes per token, tokens that fit, and sequences of
+          --max-model-len that fit at once. Beside it, what vLLM would leave with its defaults
+          (gpu_memory_utilization 0.9) on the same devices, with the same weights and the same
+          activation formula."""),
+    "CONFIG is a config.json, a directory holding one, or a shipped example:\n  "
+    + ", ".join(EXAMPLE_NAMES),
+    _fill(f"""Architectures: {', '.join(SUPPORTED)}. Kimi-K2 is a DeepseekV3ForCausalLM. Llama 4's
+          vision tower is counted apart (a text-only server does not load it)."""),
+    _fill(f"""Devices: NxH100 (79.11 GiB each), NxH200 (139.81 GiB each), Nxgpu:SIZE for another
+          GPU (SIZE as CUDA reports it), cpu:SIZE for the CPU engine. GPUs also lose
+          {CUDA_CONTEXT_BYTES // MiB} MiB to the CUDA context, and {NCCL_BYTES // MiB} MiB to NCCL
+          when ranks talk."""),
+    _fill("""tandem caps weights + KV cache at --memory-utilization of each device; the activation
+          peak and those allowances must fit in the rest. vLLM's 0.9 caps everything, activations
+          included, and it sizes them for 8192 tokens and 1024 sequences on 80 GB-class GPUs:
+          that, not the weights, is where the two columns differ."""),
+    """examples:
+  tandem plan memory llama-4-scout --devices 2xH200 --tp 2
+  tandem plan memory kimi-k2 --devices 8xH200 --tp 8 --kv-cache-dtype fp8
+  tandem plan memory path/to/model/config.json --devices cpu:24GiB --json""",
+])
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser("plan", help="capacity planning from a config.json (no weights needed)",
+                                 description=_PLAN_DESCRIPTION)
+    commands = plan.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
+    memory = commands.add_parser(
+        "memory", help="weights, activations and KV cache per rank; tokens that fit",
+        description=_MEMORY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    memory.add_argument("config", metavar="CONFIG", help="config.json, a directory holding one, or an example name")
+    where = memory.add_argument_group("where it runs")
+    where.add_argument("--devices", default="1xH100", help="e.g. 8xH100, 2xH200, cpu:24GiB (default: 1xH100)")
+    where.add_argument("--tp", type=int, default=None,
+                       help="tensor-parallel size (default: the devices not used by --pp)")
+    where.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default: 1)")
+    where.add_argument("--ep", action="store_true",
+                       help="expert parallelism: deal the routed experts out whole over the tp ranks")
+    where.add_argument("--memory-utilization", type=float, default=DEFAULT_MEMORY_UTILIZATION,
+                       help="fraction of each device for weights + KV cache "
+                            f"(default: {DEFAULT_MEMORY_UTILIZATION})")
+    model = memory.add_argument_group("model and scheduler")
+    model.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="weight dtype; auto: the config's (FP8 blocks if it ships them); "
+                            "fp8: 128x128-block FP8 matmul weights")
+    model.add_argument("--kv-cache-dtype", choices=KV_DTYPE_CHOICES, default="auto",
+                       help="auto: the activation dtype")
+    model.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="tokens per step, sizes the activation peak (default: 2048, the engine's)")
+    model.add_argument("--max-num-seqs", type=int, default=128,
+                       help="sequences per step, sizes the sampler's logits (default: 128, the engine's)")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="longest sequence (default: the config's max_position_embeddings)")
+    memory.add_argument("--json", action="store_true", help="print the plan as JSON")
+    memory.set_defaults(handler=cmd_plan_memory)
+
+
+def cmd_plan_memory(args: argparse.Namespace) -> int:
+    devices = parse_devices(args.devices)
+    tp = args.tp if args.tp is not None else max(devices.count // max(args.pp, 1), 1)
+    name, config = load_config(args.config)
+    request = PlanRequest(
+        devices=devices, parallel=Parallel(tp=tp, pp=args.pp, ep=args.ep), dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        memory_utilization=args.memory_utilization)
+    plan = plan_memory(config, request, name)
+    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_memory_plan(plan))
+    return 0
+

@@ -1,0 +1,35 @@
+"""KV cache bytes per token on one rank.
+
+GQA caches a key and a value vector per KV head per layer: 2 x kv_heads x head_dim values.
+Tensor parallelism splits the KV heads over the ranks; when tp exceeds the KV heads every
+rank keeps one (a replicated copy), so the per-rank figure stops shrinking there.
+Llama-3.1-70B: 2 x 80 layers x 8 heads x 128 x 2 bytes = 320 KiB per token (40 KiB per rank
+at tp 8).
+
+MLA (DeepSeek-V3, Kimi-K2) caches one compressed latent per token per layer: kv_lora_rank +
+qk_rope_head_dim values (512 + 64 = 576), shared by all heads, so tensor parallelism does not
+shrink it: every rank holds the whole latent. Kimi-K2: 576 x 61 x 2 bytes = 68.6 KiB per token
+on every rank.
+
+Pipeline parallelism divides by layers: a stage caches only its own layers.
+
+Llama 4's chunked-attention layers (3 of every 4) could cap their cache at
+attention_chunk_size tokens per sequence; the plan counts every layer in full, an upper bound.
+"""
+
+from __future__ import annotations
+
+from tandem.plan.model_config import DTYPE_BYTES, ModelShape
+
+
+def kv_values_per_token_per_layer(shape: ModelShape, tp: int) -> int:
+    """Cached values per token per layer on one rank."""
+    if shape.mla is not None:
+        return shape.mla.kv_lora_rank + shape.mla.qk_rope_head_dim
+    kv_heads = max(shape.num_kv_heads // tp, 1)
+    return 2 * kv_heads * shape.head_dim
+
+
+def kv_bytes_per_token(shape: ModelShape, tp: int, layers: int, kv_dtype: str) -> int:
+    """KV bytes per token on one rank holding `layers` layers."""
+    return kv_values_per_token_per_layer(shape, tp) * layers * DTYPE_BYTES[kv_dtype]

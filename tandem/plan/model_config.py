@@ -1,0 +1,245 @@
+"""An HF `config.json` read into the few numbers a memory plan needs (`ModelShape`).
+
+The plan never loads weights, so everything it knows about a model comes from here: the
+dimensions, which layers are MoE, whether attention is GQA or MLA, and the dtype the
+checkpoint ships in (including DeepSeek-style FP8 block quantisation). Each supported
+architecture family has one reader; anything else is refused with the list of what is
+supported, because guessing shapes for an unknown architecture would print a confident,
+wrong plan.
+
+`load_config` also resolves the names of the configs shipped under `examples/configs/`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.plan.errors import PlanError
+
+# The architectures the plan reads, by family. Kimi-K2 ships as DeepseekV3ForCausalLM.
+DENSE_GQA = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = (*DENSE_GQA, "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
+             "Llama4ForConditionalGeneration")
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs"
+EXAMPLE_NAMES = ("kimi-k2", "deepseek-v3", "llama-3.1-70b", "llama-4-scout", "qwen3-235b-a22b")
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """DeepSeek's multi-head latent attention: low-rank Q and a cached KV latent."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite style)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Routed experts (and an always-on shared expert) on the layers in `layers`."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    shared_intermediate: int  # 0: no shared expert; else the shared MLP's width
+    layers: frozenset[int]  # indices of the MoE layers; the rest have a dense MLP
+    router_bias: bool  # DeepSeek's e_score_correction_bias (float32, one per expert)
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """Llama 4's vision tower + projector, counted apart: a text-only plan does not load it."""
+
+    params: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model as the plan sees it: text decoder dimensions and what the checkpoint holds."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # the dense MLP's width (dense layers only, for MoE models)
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool  # per-head RMSNorm weights on q and k (Qwen3); Llama 4's L2 norm has none
+    dtype: str  # the checkpoint's compute dtype: float32 | bfloat16 | float16
+    fp8_block: tuple[int, int] | None  # FP8 e4m3 weights with one fp32 scale per block
+    max_position_embeddings: int
+    mla: MLAShape | None = None
+    moe: MoEShape | None = None
+    vision: VisionShape | None = None
+    mtp_layers: int = 0  # DeepSeek's multi-token-prediction layers: in the checkpoint, not loaded
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - (len(self.moe.layers) if self.moe else 0)
+
+
+def load_config(spec: str) -> tuple[str, dict[str, Any]]:
+    """(display name, config dict) for a path, a directory holding config.json, or an example name."""
+    path = Path(spec)
+    if spec in EXAMPLE_NAMES and not path.exists():
+        path = EXAMPLES_DIR / spec
+        name = spec
+    else:
+        # a model directory's name, or a file's own name unless it is the usual config.json
+        name = path.name if path.is_dir() else (path.parent.name if path.name == "config.json" else path.stem)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise PlanError(f"no config.json at {spec!r}; give a path to a config.json, a directory "
+                        f"holding one, or an example name: {', '.join(EXAMPLE_NAMES)}")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise PlanError(f"{path} is not a JSON object")
+    return name, config
+
+
+def read_shape(config: dict[str, Any], name: str = "") -> ModelShape:
+    """The `ModelShape` of an HF config dict; `PlanError` for an unsupported architecture."""
+    architectures = config.get("architectures") or []
+    arch = architectures[0] if architectures else ""
+    if arch not in SUPPORTED:
+        raise PlanError(f"architecture {arch or '(none in config.json)'!r} is not supported by the "
+                        f"memory plan; supported: {', '.join(SUPPORTED)}")
+    try:
+        if arch == "Llama4ForConditionalGeneration":
+            return _llama4(config, name)
+        return _decoder(config, config, arch, name)
+    except KeyError as exc:
+        raise PlanError(f"config.json of {arch} has no {exc.args[0]!r}") from None
+
+
+def _dtype(*sources: dict[str, Any]) -> str:
+    for source in sources:
+        value = source.get("torch_dtype") or source.get("dtype")
+        if value:
+            value = str(value).removeprefix("torch.")
+            if value not in DTYPE_BYTES or value == "fp8":
+                raise PlanError(f"config dtype {value!r} is not one of float32, bfloat16, float16")
+            return value
+    return "bfloat16"
+
+
+def _fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
+    quant = config.get("quantization_config") or {}
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8" or not quant.get("weight_block_size"):
+        raise PlanError(f"quantization {quant.get('quant_method')!r} is not supported by the memory "
+                        "plan (only FP8 with weight_block_size, as DeepSeek-V3 ships); pass --dtype "
+                        "to plan the model unquantised")
+    rows, cols = quant["weight_block_size"]
+    return int(rows), int(cols)
+
+
+def _decoder(text: dict[str, Any], top: dict[str, Any], arch: str, name: str) -> ModelShape:
+    """Every family but Llama 4's wrapper: the dict `text` holds the decoder's fields."""
+    hidden = int(text["hidden_size"])
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    mla = moe = None
+    if arch == "DeepseekV3ForCausalLM":
+        q_lora = text.get("q_lora_rank")
+        mla = MLAShape(q_lora_rank=int(q_lora) if q_lora else None,
+                       kv_lora_rank=int(text["kv_lora_rank"]),
+                       qk_nope_head_dim=int(text["qk_nope_head_dim"]),
+                       qk_rope_head_dim=int(text["qk_rope_head_dim"]),
+                       v_head_dim=int(text["v_head_dim"]))
+        first_dense = int(text.get("first_k_dense_replace", 0))
+        freq = int(text.get("moe_layer_freq", 1))
+        layers = int(text["num_hidden_layers"])
+        moe = MoEShape(num_experts=int(text["n_routed_experts"]), top_k=int(text["num_experts_per_tok"]),
+                       expert_intermediate=int(text["moe_intermediate_size"]),
+                       shared_intermediate=int(text.get("n_shared_experts") or 0)
+                       * int(text["moe_intermediate_size"]),
+                       layers=frozenset(i for i in range(first_dense, layers) if i % freq == 0),
+                       router_bias=text.get("topk_method") == "noaux_tc")
+    elif arch == "Qwen3MoeForCausalLM":
+        step = int(text.get("decoder_sparse_step", 1))
+        dense_only = set(text.get("mlp_only_layers") or [])
+        layers = int(text["num_hidden_layers"])
+        moe = MoEShape(num_experts=int(text["num_experts"]), top_k=int(text["num_experts_per_tok"]),
+                       expert_intermediate=int(text["moe_intermediate_size"]), shared_intermediate=0,
+                       layers=frozenset(i for i in range(layers)
+                                        if i not in dense_only and (i + 1) % step == 0),
+                       router_bias=False)
+    elif arch == "MixtralForCausalLM":
+        moe = MoEShape(num_experts=int(text["num_local_experts"]), top_k=int(text["num_experts_per_tok"]),
+                       expert_intermediate=int(text["intermediate_size"]), shared_intermediate=0,
+                       layers=frozenset(range(int(text["num_hidden_layers"]))), router_bias=False)
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    bias = bool(text.get("attention_bias", False))
+    return ModelShape(
+        name=name, architecture=arch,
+        vocab_size=int(text["vocab_size"]), hidden_size=hidden,
+        num_layers=int(text["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
+        intermediate_size=int(text.get("intermediate_size") or 0),
+        tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        qkv_bias=is_qwen2 or bias, o_bias=bias and not is_qwen2,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        dtype=_dtype(text, top), fp8_block=_fp8_block(top) or _fp8_block(text),
+        max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
+        mla=mla, moe=moe, mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def _llama4(config: dict[str, Any], name: str) -> ModelShape:
+    """Llama 4: the text decoder from `text_config`; the vision tower counted apart."""
+    text = config["text_config"]
+    shape = _decoder(text, config, "LlamaForCausalLM", name)
+    layers = int(text["num_hidden_layers"])
+    step = int(text.get("interleave_moe_layer_step", 1))
+    intermediate = int(text["intermediate_size"])  # the experts' (and the shared expert's) width
+    moe = MoEShape(num_experts=int(text["num_local_experts"]), top_k=int(text["num_experts_per_tok"]),
+                   expert_intermediate=intermediate, shared_intermediate=intermediate,
+                   # HF Llama4TextConfig: moe_layers = range(step - 1, layers, step)
+                   layers=frozenset(range(step - 1, layers, step)), router_bias=False)
+    vision = config.get("vision_config")
+    return ModelShape(**{
+        **shape.__dict__,
+        "architecture": "Llama4ForConditionalGeneration",
+        "intermediate_size": int(text.get("intermediate_size_mlp") or intermediate),
+        "qkv_bias": False, "o_bias": False,
+        "moe": moe,
+        "vision": VisionShape(_llama4_vision_params(vision, shape.hidden_size)) if vision else None,
+    })
+
+
+def _llama4_vision_params(vision: dict[str, Any], text_hidden: int) -> int:
+    """Parameters of Llama4VisionModel + the multimodal projector (HF modeling_llama4)."""
+    hidden = int(vision["hidden_size"])
+    inter = int(vision["intermediate_size"])
+    patch = int(vision["patch_size"])
+    side = int(vision["image_size"]) // patch
+    layer = (4 * (hidden * hidden + hidden)  # q, k, v, o with biases
+             + inter * hidden + inter + hidden * inter + hidden  # fc1, fc2 with biases
+             + 4 * hidden)  # two LayerNorms, weight and bias
+    adapter_in = int(hidden / float(vision["pixel_shuffle_ratio"]) ** 2)
+    proj_in, proj_out = int(vision["projector_input_dim"]), int(vision["projector_output_dim"])
+    return (int(vision["num_channels"]) * patch * patch * hidden  # unfold patch embedding
+            + hidden  # class embedding
+            + (side * side + 1) * hidden  # positional embedding
+            + 4 * hidden  # layernorm_pre / layernorm_post, weight and bias
+            + int(vision["num_hidden_layers"]) * layer
+            + adapter_in * proj_in + proj_in * proj_out  # pixel-shuffle MLP
+            + int(vision["vision_output_dim"]) * text_hidden)  # multi_modal_projector

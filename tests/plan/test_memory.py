@@ -1,0 +1,314 @@
+"""`tandem plan memory`: parameter counts, KV sizes, sharding rules and the plan, checked
+against published figures for the shipped example configs (no weights, no GPU).
+
+Published figures used:
+- Llama-3.1-70B: 70,553,706,496 parameters (the HF checkpoint's count).
+- DeepSeek-V3: 671B total, 37B activated (DeepSeek-V3 report).
+- Kimi-K2: 1T total / 32B activated (MoonshotAI/Kimi-K2 README); its FP8 checkpoint holds
+  958.49 GiB of tensors (a dump of moonshotai/Kimi-K2-Instruct's 61 safetensors files).
+- Qwen3-235B-A22B: 235B / 22B (the model name).
+- Llama-4-Scout: 109B total with the vision tower / 17B active (Meta's model card).
+- vLLM on one H100, Llama-3.1-8B, defaults: "total_gpu_memory (79.11GiB) x
+  gpu_memory_utilization (0.90) = 71.20GiB; model weights take 14.99GiB; non_torch_memory
+  takes 0.35GiB; PyTorch activation peak memory takes 1.24GiB; the rest of the memory
+  reserved for KV Cache is 54.62GiB", "GPU KV cache size: 447,088 tokens".
+
+Active-parameter figures are published rounded to a whole billion and their conventions
+differ (input embedding in or out), so those are checked to 3%; totals to 1%.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tandem.plan import (
+    Parallel,
+    PlanError,
+    PlanRequest,
+    format_memory_plan,
+    parse_devices,
+    plan_memory,
+)
+from tandem.plan.devices import GiB
+from tandem.plan.kv import kv_bytes_per_token
+from tandem.plan.model_config import EXAMPLE_NAMES, load_config, read_shape
+from tandem.plan.sharding import (
+    WeightFormat,
+    pp_layer_ranges,
+    shard_shape,
+    stage_weight_bytes,
+    stages,
+)
+from tandem.plan.tensors import Part, Split, Tensor, count_params
+
+REPO = Path(__file__).resolve().parents[2]
+TANDEM = [sys.executable, "-m", "tandem.cli"]
+
+# meta-llama/Llama-3.1-8B's dimensions (the published config.json's shape fields).
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def shape_of(name: str):
+    return read_shape(load_config(name)[1], name)
+
+
+def plan(name: str | dict, devices: str, tp: int = 1, pp: int = 1, ep: bool = False, **kwargs):
+    label, config = load_config(name) if isinstance(name, str) else ("inline", name)
+    request = PlanRequest(parse_devices(devices), Parallel(tp, pp, ep), **kwargs)
+    return plan_memory(config, request, label)
+
+
+def within(value: float, published: float, tolerance: float) -> bool:
+    return abs(value / published - 1) <= tolerance
+
+
+# --- parameter counts -------------------------------------------------------------------
+
+def test_every_example_config_is_readable() -> None:
+    for name in EXAMPLE_NAMES:
+        assert (REPO / "examples" / "configs" / name / "config.json").is_file()
+        assert count_params(shape_of(name)).total > 7e10
+
+
+def test_llama_3_1_70b_parameters_match_the_checkpoint() -> None:
+    counts = count_params(shape_of("llama-3.1-70b"))
+    assert counts.total == 70_553_706_496
+    assert counts.active == counts.total  # dense
+    assert counts.by_part["LM head"] == counts.by_part["embedding"] == 128256 * 8192
+
+
+@pytest.mark.parametrize(("name", "total", "active"), [
+    ("deepseek-v3", 671e9, 37e9),
+    ("kimi-k2", 1.03e12, 32e9),
+    ("qwen3-235b-a22b", 235e9, 22e9),
+])
+def test_moe_parameters_match_published_totals(name: str, total: float, active: float) -> None:
+    counts = count_params(shape_of(name))
+    assert within(counts.total, total, 0.01), counts.total
+    assert within(counts.active, active, 0.03), counts.active
+
+
+def test_llama_4_scout_counts_the_vision_tower_apart() -> None:
+    counts = count_params(shape_of("llama-4-scout"))
+    assert counts.vision == 871_932_416
+    assert within(counts.total + counts.vision, 109e9, 0.01)
+    assert within(counts.active, 17e9, 0.03)
+    # 48 MoE layers of 16 experts + 1 shared expert, SwiGLU of width 8192 over hidden 5120
+    assert counts.by_part["routed experts"] == 48 * 16 * 3 * 5120 * 8192
+    assert counts.by_part["shared experts"] == 48 * 3 * 5120 * 8192
+
+
+def test_kimi_k2_fp8_bytes_match_the_published_checkpoint() -> None:
+    shape = shape_of("kimi-k2")
+    assert shape.fp8_block == (128, 128) and shape.moe.num_experts == 384
+    assert min(shape.moe.layers) == 1 and len(shape.moe.layers) == 60  # first layer dense
+    (stage,) = stages(shape, Parallel())
+    total = stage_weight_bytes(stage, Parallel(), WeightFormat("bfloat16", (128, 128)))
+    assert within(total / GiB, 958.49, 0.001), total / GiB
+
+
+# --- KV bytes per token -----------------------------------------------------------------
+
+def test_mla_kv_is_one_latent_per_layer_and_does_not_shrink_with_tp() -> None:
+    shape = shape_of("kimi-k2")
+    for tp in (1, 8, 16):
+        assert kv_bytes_per_token(shape, tp, 61, "bfloat16") == 576 * 61 * 2  # 68.6 KiB
+    assert kv_bytes_per_token(shape, 8, 61, "fp8") == 576 * 61
+
+
+def test_gqa_kv_splits_heads_until_tp_exceeds_them() -> None:
+    shape = shape_of("llama-3.1-70b")
+    assert kv_bytes_per_token(shape, 1, 80, "bfloat16") == 2 * 80 * 8 * 128 * 2 == 320 * 1024
+    assert kv_bytes_per_token(shape, 8, 80, "bfloat16") == 40 * 1024
+    assert kv_bytes_per_token(shape, 16, 80, "bfloat16") == 40 * 1024  # replicated past 8 heads
+    llama_8b = read_shape(LLAMA_8B)
+    assert kv_bytes_per_token(llama_8b, 1, 32, "bfloat16") == 128 * 1024
+
+
+# --- sharding rules ---------------------------------------------------------------------
+
+def test_tensor_parallel_split_rules() -> None:
+    tp8 = Parallel(tp=8)
+    assert shard_shape(Tensor("q", Part.ATTENTION, 8192, 4096, Split.COLUMN), tp8) == (1024, 4096, 1)
+    assert shard_shape(Tensor("o", Part.ATTENTION, 4096, 8192, Split.ROW), tp8) == (4096, 1024, 1)
+    assert shard_shape(Tensor("emb", Part.EMBEDDING, 128256, 4096, Split.VOCAB), tp8) == (16032, 4096, 1)
+    assert shard_shape(Tensor("norm", Part.NORMS, 4096), tp8) == (4096, 1, 1)
+    k = Tensor("k", Part.ATTENTION, 4 * 128, 4096, Split.KV_HEADS, heads=4)
+    assert shard_shape(k, Parallel(tp=2)) == (256, 4096, 1)
+    assert shard_shape(k, tp8) == (128, 4096, 1)  # 4 heads over 8 ranks: one each, replicated
+    experts = Tensor("w", Part.ROUTED_EXPERTS, 2048, 7168, Split.COLUMN, experts=384)
+    assert shard_shape(experts, tp8) == (256, 7168, 384)  # TP: every expert sliced
+    assert shard_shape(experts, Parallel(tp=8, ep=True)) == (2048, 7168, 48)  # EP: whole experts
+
+
+def test_tp_divides_the_weights_but_not_the_replicated_parts() -> None:
+    shape = shape_of("llama-3.1-70b")
+    fmt = WeightFormat("bfloat16")
+    (one,) = stages(shape, Parallel())
+    (eight,) = stages(shape, Parallel(tp=8))
+    whole = stage_weight_bytes(one, Parallel(), fmt)
+    sharded = stage_weight_bytes(eight, Parallel(tp=8), fmt)
+    norms = (2 * 80 + 1) * 8192 * 2
+    assert whole == 70_553_706_496 * 2
+    assert sharded == (whole - norms) // 8 + norms
+
+
+def test_mla_down_projections_are_replicated() -> None:
+    shape = shape_of("deepseek-v3")
+    (stage,) = stages(shape, Parallel(tp=8))
+    q_a = next(t for t in stage.tensors if t.name == "q_a_proj")
+    kv_b = next(t for t in stage.tensors if t.name == "kv_b_proj")
+    assert shard_shape(q_a, Parallel(tp=8)) == (1536, 7168, 1)
+    assert shard_shape(kv_b, Parallel(tp=8)) == (128 * 256 // 8, 512, 1)
+
+
+def test_pipeline_stages_split_layers_like_vllm() -> None:
+    assert [len(r) for r in pp_layer_ranges(80, 3)] == [27, 27, 26]
+    assert [len(r) for r in pp_layer_ranges(61, 4)] == [15, 15, 16, 15]
+    shape = shape_of("llama-3.1-70b")
+    first, middle, last = stages(shape, Parallel(pp=3))
+    assert [t.name for t in first.tensors].count("embed_tokens") == 1
+    assert "lm_head" not in [t.name for t in first.tensors + middle.tensors]
+    assert [t.name for t in last.tensors][-2:] == ["norm", "lm_head"]
+
+
+def test_expert_parallel_keeps_the_per_rank_bytes_but_changes_divisibility() -> None:
+    tp_plan = plan("deepseek-v3", "8xH200", tp=8)
+    ep_plan = plan("deepseek-v3", "8xH200", tp=8, ep=True)
+    tp_weights = tp_plan.tandem.stages[0].weight_bytes
+    assert within(ep_plan.tandem.stages[0].weight_bytes, tp_weights, 0.001)
+    with pytest.raises(PlanError, match="192 per rank at tp 8"):
+        plan("qwen3-235b-a22b", "8xH200", tp=8, dtype="fp8")
+    assert plan("qwen3-235b-a22b", "8xH200", tp=8, dtype="fp8", ep=True).tandem.fits
+
+
+# --- plans --------------------------------------------------------------------------------
+
+def test_llama_4_scout_on_two_h200_leaves_more_than_56_gib_for_kv() -> None:
+    result = plan("llama-4-scout", "2xH200", tp=2)
+    assert result.tandem.kv_bytes_total > 56 * GiB
+    (stage,) = result.tandem.stages
+    assert stage.ranks == 2 and stage.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
+    assert result.vllm is not None and result.vllm.kv_bytes_total < result.tandem.kv_bytes_total
+
+
+def test_vllm_column_reproduces_vllms_published_llama_8b_kv_cache() -> None:
+    result = plan(LLAMA_8B, "1xH100")
+    (stage,) = result.vllm.stages
+    assert (result.vllm.max_num_batched_tokens, result.vllm.max_num_seqs) == (8192, 1024)
+    assert within(stage.weight_bytes / GiB, 14.99, 0.01)
+    assert within(stage.activation_bytes / GiB, 1.24, 0.15)
+    assert within(stage.kv_bytes / GiB, 54.62, 0.01)
+    assert within(result.vllm.kv_tokens, 447_088, 0.01)
+
+
+def test_kimi_k2_on_eight_h200() -> None:
+    result = plan("kimi-k2", "8xH200", tp=8)
+    (stage,) = result.tandem.stages
+    assert stage.kv_bytes_per_token == 576 * 61 * 2
+    assert 0 < stage.kv_bytes < 16 * GiB
+    assert result.max_model_len == 131072 and result.tandem.max_sequences(131072) == 0
+    assert any("does not fit" in note for note in result.notes)
+    fp8_kv = plan("kimi-k2", "8xH200", tp=8, kv_cache_dtype="fp8")
+    assert fp8_kv.tandem.kv_tokens >= 2 * result.tandem.kv_tokens - 16
+
+
+def test_cpu_device_has_no_cuda_overhead_and_no_vllm_column() -> None:
+    result = plan(LLAMA_8B, "cpu:24GiB", max_model_len=8192)
+    (stage,) = result.tandem.stages
+    assert stage.reserved_bytes == 0 and result.vllm is None
+    assert stage.kv_bytes == int(0.92 * 24 * GiB) - stage.weight_bytes
+    assert "no comparison on a CPU device" in format_memory_plan(result)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("deepseek-v3", "3xH200", 3), "tp 3 does not divide the 128 attention heads"),
+    (("llama-3.1-70b", "1xH100", 1), "short by"),
+    (("llama-3.1-70b", "4xH100", 2), "4 device(s), but tp 2"),
+])
+def test_bad_plans_say_why(args: tuple, message: str) -> None:
+    with pytest.raises(PlanError) as info:
+        plan(*args)
+    assert message in str(info.value)
+
+
+def test_unsupported_architecture_lists_the_supported_ones() -> None:
+    with pytest.raises(PlanError, match="supported: LlamaForCausalLM.*DeepseekV3ForCausalLM"):
+        read_shape({"architectures": ["GPT2LMHeadModel"]})
+
+
+# --- the command line ----------------------------------------------------------------------
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_cli_prints_the_table() -> None:
+    result = run("plan", "memory", "llama-4-scout", "--devices", "2xH200", "--tp", "2")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for row in ("weights", "activation peak", "reserved (CUDA, NCCL)", "KV cache left",
+                "KV bytes per token", "KV tokens that fit", "seqs of 10,485,760 tokens"):
+        assert f"\n{row} " in out, row
+    assert "tandem" in out and "vLLM defaults" in out and "96.0 KiB" in out
+    assert "vLLM, its defaults (gpu_memory_utilization 0.9 of everything, 8192 tokens, 1024 seqs)" in out
+
+
+def test_cli_json_and_a_config_path(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    result = run("plan", "memory", str(tmp_path), "--devices", "2xH100", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["parallel"] == {"tp": 2, "pp": 1, "ep": False}  # tp defaults to the devices
+    assert data["tandem"]["kv_tokens"] == data["tandem"]["stages"][0]["kv_tokens"] > 0
+    assert data["vllm"]["memory_utilization"] == 0.9
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("memory", "{gpt2}"), "not supported by the memory plan; supported:"),
+    (("memory", "llama-3.1-70b", "--devices", "3xH100"), "tp 3 does not divide the 64 attention heads"),
+    (("memory", "kimi-k2", "--devices", "8xH100"), "the weights do not fit on 8 x H100"),
+    (("memory", "no-such-model"), "no config.json at 'no-such-model'"),
+    (("memory", "llama-3.1-70b", "--devices", "2xB300"), "unknown device"),
+])
+def test_cli_errors_are_one_line_and_nonzero(tmp_path: Path, args: tuple, message: str) -> None:
+    gpt2 = tmp_path / "config.json"
+    gpt2.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    result = run("plan", *(str(gpt2) if a == "{gpt2}" else a for a in args))
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.startswith("tandem: error: ")
+
+
+def test_cli_help() -> None:
+    result = run("plan", "--help")
+    assert result.returncode == 0 and "memory" in result.stdout
+    result = run("plan", "memory", "--help")
+    assert result.returncode == 0
+    assert "kimi-k2" in result.stdout and "--memory-utilization" in result.stdout
+
+
+def test_plan_imports_no_torch() -> None:
+    """The whole command, through tandem.cli, runs without importing torch."""
+    script = textwrap.dedent("""
+        import contextlib, io, sys
+        from tandem.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["plan", "memory", "kimi-k2", "--devices", "8xH200"]) == 0
+        print(sorted(m for m in ("torch", "transformers", "tandem.engine") if m in sys.modules))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
