@@ -1,32 +1,87 @@
-"""Token embedding and LM head; the head may share the embedding matrix (tied weights)."""
+"""Token embedding and LM head; the head may share the embedding matrix (tied weights).
+
+Under tensor parallelism both are split by vocabulary (`VocabShard`): each rank holds a
+contiguous range of rows, padded so every rank holds the same count.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.layers.linear import LinearWeights
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    vocab_size: int
+    tp: TensorParallel
+
+    @property
+    def rows(self) -> int:
+        """Rows per rank: the vocabulary divided up, rounded up (the last rank is padded)."""
+        return -(-self.vocab_size // self.tp.size)
+
+    @property
+    def start(self) -> int:
+        return self.tp.rank * self.rows
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full [vocab, hidden] checkpoint tensor, zero-padded."""
+        if not self.tp.split:
+            return tensor
+        mine = tensor[self.start : self.start + self.rows]
+        if mine.shape[0] < self.rows:
+            mine = torch.cat((mine, mine.new_zeros(self.rows - mine.shape[0], *mine.shape[1:])))
+        return mine
+
+
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.shard = VocabShard(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(self.shard.rows, hidden_size), requires_grad=False)
+
+    def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        mine = self.shard.take(tensor)
+        if mine.shape != self.weight.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs embedding {tuple(self.weight.shape)}")
+        self.weight.data.copy_(mine)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.weight)
+        shard = self.shard
+        if not shard.tp.split:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - shard.start
+        outside = (local < 0) | (local >= shard.rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return shard.tp.all_reduce(hidden)  # each token's row came from exactly one rank
 
 
 class LMHead(LinearWeights, nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.shard = VocabShard(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(self.shard.rows, hidden_size), requires_grad=False)
         self.bias = None
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
+    def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        mine = self.shard.take(tensor)
+        if mine.shape != self.weight.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs LM head {tuple(self.weight.shape)}")
+        self.weight.data.copy_(mine)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 whatever the run dtype, so sampling and logprobs are stable."""
-        return self.linear(hidden).float()
+        logits = self.linear(hidden).float()
+        if not self.shard.tp.split:
+            return logits
+        return self.shard.tp.all_gather_last(logits)[..., : self.shard.vocab_size]

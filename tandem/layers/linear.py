@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
+
 
 @dataclass(frozen=True)
 class SmallStepWeights:
@@ -93,10 +95,11 @@ class LinearWeights:
     def uses_small_step(self, x: torch.Tensor) -> bool:
         return self.small_step is not None and x.shape[0] <= self.small_step.max_tokens
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        bias = getattr(self, "bias", None)
+    def linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        bias = getattr(self, "bias", None) if with_bias else None
         if self.uses_small_step(x):
-            return F.linear(x.to(self.small_step.dtype), self.small_weight, self.small_bias).to(x.dtype)
+            small_bias = self.small_bias if with_bias else None
+            return F.linear(x.to(self.small_step.dtype), self.small_weight, small_bias).to(x.dtype)
         if self.packed_weight is not None:
             return _onednn_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
@@ -142,20 +145,63 @@ class Linear(LinearWeights, nn.Module):
         target.data.copy_(tensor)
 
 
-class MergedLinear(Linear):
-    """Several projections of one input stacked along the output dimension."""
+class ColumnParallelLinear(Linear):
+    """A projection whose output rows are split over the tensor-parallel group: each rank
+    computes its own slice of the output (its heads, its part of the intermediate), no
+    communication. `out_features` is the whole model's; the layer holds 1/size of it."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
+        super().__init__(in_features, tp.divide(out_features, "projection width"), bias)
+        self.tp = tp
+
+    def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        super().load(param_name, self.tp.shard(tensor, 0))
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input columns are split over the group (o_proj, down_proj): each
+    rank multiplies its slice of the input by its columns, and one all-reduce sums the
+    partial outputs; the bias and the residual are added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
+        super().__init__(tp.divide(in_features, "projection input width"), out_features, bias)
+        self.tp = tp
+
+    def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        super().load(param_name, self.tp.shard(tensor, 1) if param_name == "weight" else tensor)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.tp.split:
+            return super().forward(x, residual)
+        out = self.tp.all_reduce(self.linear(x, with_bias=False))
+        if self.bias is not None:
+            out = out + self.bias
+        return out if residual is None else out + residual
+
+
+class MergedLinear(Linear):
+    """Several projections of one input stacked along the output dimension; under tensor
+    parallelism each keeps its own slice of every projection (its q, k and v heads)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
+        out_sizes = [tp.divide(size, "projection width") for size in out_sizes]
         super().__init__(in_features, sum(out_sizes), bias)
+        self.tp = tp
         self.out_sizes = list(out_sizes)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if shard is None:
-            return super().load(param_name, tensor)
+            if not self.tp.split:
+                return super().load(param_name, tensor)
+            whole = [size * self.tp.size for size in self.out_sizes]  # a checkpoint already merged
+            for index, part in enumerate(tensor.split(whole)):
+                self.load(param_name, part, index)
+            return None
         target = self.weight if param_name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {param_name} this layer was built without")
+        tensor = self.tp.shard(tensor, 0)
         rows = target.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
         if rows.shape != tensor.shape:
             raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs shard {tuple(rows.shape)}")
@@ -174,9 +220,9 @@ class GateUpLinear(MergedLinear):
 
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __init__(self, in_features: int, intermediate: int, bias: bool = False) -> None:
-        super().__init__(in_features, [intermediate, intermediate], bias)
-        self.intermediate = intermediate
+    def __init__(self, in_features: int, intermediate: int, bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
+        super().__init__(in_features, [intermediate, intermediate], bias, tp)
+        self.intermediate = self.out_sizes[0]
 
     def pack_for_cpu(self, drop_dense: bool) -> int:
         weight = self.weight.detach()

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig
+from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend
 from tandem.models.registry import model_class
 
@@ -44,10 +45,12 @@ def iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(
-    config: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype
+    config: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> torch.nn.Module:
+    """The model for this rank: the whole of it, or its tensor-parallel share under `tp`."""
     cls = model_class(config.architecture)
-    model = cls(config, backend, max_positions, dtype)
+    model = cls(config, backend, max_positions, dtype, tp) if tp.split else cls(config, backend, max_positions, dtype)
     return model.to(dtype).eval()
 
 

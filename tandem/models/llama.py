@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
+from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.layers.attention import PagedAttention
 from tandem.layers.embedding import LMHead, VocabEmbedding
-from tandem.layers.linear import GateUpLinear, Linear, MergedLinear
+from tandem.layers.linear import GateUpLinear, MergedLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -30,15 +31,19 @@ _STACKED = {
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK
+    ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        # Under tensor parallelism this rank computes its share of the query and KV heads.
+        self.num_heads = tp.divide(cfg.num_attention_heads, "attention heads")
+        self.num_kv_heads = tp.divide(cfg.num_key_value_heads, "KV heads")
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias)
+        q_full, kv_full = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_full, kv_full, kv_full], cfg.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -64,10 +69,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + MLP output (the add fused into down_proj)."""
@@ -75,12 +80,14 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, rotary, backend)
+        self.self_attn = DecoderAttention(cfg, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DecoderMLP(cfg)
+        self.mlp = DecoderMLP(cfg, tp)
 
     def forward(
         self, angles: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -91,20 +98,26 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+        tp: TensorParallel = SINGLE_RANK,
+    ) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
-        self.model = DecoderBody(cfg, self.rotary, backend)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model = DecoderBody(cfg, self.rotary, backend, tp)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
@@ -135,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
             if proj in _STACKED:
                 merged, shard = _STACKED[proj]
                 modules[f"{owner_path}.{merged}"].load(param, tensor, shard)
-            elif isinstance(modules.get(module_path), Linear):
+            elif hasattr(modules.get(module_path), "load"):  # linears, embedding, head: they shard
                 modules[module_path].load(param, tensor)
             else:
                 target = self.get_parameter(name)

@@ -1,0 +1,1 @@
+"""How ranks cooperate on one model: tensor parallelism (and, later, pipeline and experts)."""
