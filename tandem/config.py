@@ -306,6 +306,25 @@ class ParallelConfig:
     executor_backend: str = "auto"
     # torch.distributed backend: gloo on CPU, nccl on CUDA; auto picks by device.
     distributed_backend: str = "auto"
+    # Ranks that split every layer between them (distributed/tensor_parallel.py); 1: each
+    # rank holds the whole model. Today either 1 or the whole world.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.world_size != self.tensor_parallel_size:
+            raise ValueError(
+                f"--world-size {self.world_size} with --tensor-parallel-size {self.tensor_parallel_size}: "
+                "the tensor-parallel group must be every rank (leave --world-size out)"
+            )
+
+    @classmethod
+    def of(cls, world_size: int = 1, tensor_parallel_size: int = 1, executor_backend: str = "auto") -> ParallelConfig:
+        """From the flags: --tensor-parallel-size alone sets the world size too."""
+        if tensor_parallel_size > 1 and world_size == 1:
+            world_size = tensor_parallel_size
+        return cls(world_size=world_size, executor_backend=executor_backend, tensor_parallel_size=tensor_parallel_size)
 
     @property
     def uses_processes(self) -> bool:

@@ -94,8 +94,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "else torch (default: auto)", "auto", choices=("auto", "cpu", "torch")),
     Flag("--world-size",
          "ranks that run the model, one process each, joined by torch.distributed (gloo on CPU, NCCL "
-         "on GPU); each holds the whole model until tensor/pipeline parallelism splits it (default: 1)",
+         "on GPU); each holds the whole model unless --tensor-parallel-size splits it (default: 1)",
          1, type=int, metavar="N"),
+    Flag("--tensor-parallel-size",
+         "ranks that split every layer between them (heads, MLP width, vocabulary), one process "
+         "each, joined by torch.distributed; sets --world-size (default: 1)", 1, type=int, metavar="N"),
     Flag("--distributed-executor-backend",
          "uni = the one rank inside the engine core process, mp = one process per rank, auto = uni "
          "for one rank, else mp (default: auto)", "auto", choices=("auto", "uni", "mp")),
@@ -164,7 +167,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
-        parallel=ParallelConfig(world_size=args.world_size, executor_backend=args.distributed_executor_backend),
+        parallel=ParallelConfig.of(args.world_size, args.tensor_parallel_size, args.distributed_executor_backend),
         kv_tiers=kv_tiers_config(args),
     )
 
@@ -207,6 +210,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pack_weights": not args.no_weight_packing,
         "attention_backend": args.attention_backend,
         "world_size": args.world_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,
         "kv_tiers": kv_tiers_config(args),
     }

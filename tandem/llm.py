@@ -45,6 +45,7 @@ class LLM:
         pack_weights: bool = True,
         attention_backend: str = "auto",
         world_size: int = 1,
+        tensor_parallel_size: int = 1,
         distributed_executor_backend: str = "auto",
         kv_tiers: KVTiersConfig | None = None,
     ) -> None:
@@ -64,7 +65,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
             ),
-            parallel=ParallelConfig(world_size=world_size, executor_backend=distributed_executor_backend),
+            parallel=ParallelConfig.of(world_size, tensor_parallel_size, distributed_executor_backend),
             kv_tiers=kv_tiers or KVTiersConfig(),
         )
         self.engine = LLMEngine(config)

@@ -9,6 +9,7 @@ attention backend. Only the rows that produce a token go through the LM head.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import mmap
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.config import ModelConfig
+from tandem.config import KVCacheSpec, ModelConfig
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan, kv_cache_shape
 from tandem.layers.sampler import Sampler, SamplingRow
@@ -77,8 +78,17 @@ class PreparedBatch:
     sample_chunks: list[ScheduledChunk]
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = config.kv_spec.values_per_token(config.num_hidden_layers)
+def rank_kv_spec(config: ModelConfig, tp_size: int = 1) -> KVCacheSpec:
+    """What one rank's cache keeps per token and layer: its share of the KV heads under
+    tensor parallelism; a latent cache (one shared head) is whole on every rank."""
+    spec = config.kv_spec
+    if spec.num_planes == 1 or tp_size == 1:
+        return spec
+    return dataclasses.replace(spec, num_heads=spec.num_heads // tp_size)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    per_token = rank_kv_spec(config, tp_size).values_per_token(config.num_hidden_layers)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -178,13 +188,14 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         kv_shm_path: str | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.model = model
         self.config = config
         self.backend = backend
         self.block_size = block_size
         self.dtype = dtype
-        spec = config.kv_spec
+        spec = rank_kv_spec(config, tp_size)
         shape = kv_cache_shape(num_blocks, block_size, spec.num_heads, spec.head_dim, spec.num_planes)
         full_shape = (config.num_hidden_layers, *shape)
         self.kv_shm_path = kv_shm_path

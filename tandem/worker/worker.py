@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from tandem.config import DTYPES, EngineConfig, ModelConfig
+from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.cpu_attention import make_attention_backend
 from tandem.kernels.torch_attention import TorchAttentionBackend
@@ -37,7 +38,7 @@ from tandem.loader.model_loader import (
     read_model_config,
 )
 from tandem.loader.resolve import default_cache_dir, resolve_model
-from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block
+from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block, rank_kv_spec
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,15 @@ class Worker:
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        tp_size = config.parallel.tensor_parallel_size
+        # This rank's share of every layer; the default group is the tensor-parallel group
+        # while it is the whole world (config.ParallelConfig).
+        self.tp = TensorParallel(rank, tp_size) if tp_size > 1 else SINGLE_RANK
+        if self.tp.split and (config.kv_transfer.role != "both" or config.kv_tiers.enabled):
+            raise ValueError(
+                "--tensor-parallel-size > 1 does not yet work with --role prefill/decode or the KV "
+                "tiers: each rank holds its own share of every block, and they move whole blocks"
+            )
         load = config.load
         if load.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
@@ -92,7 +102,7 @@ class Worker:
         resolved = resolve_model(config.model, load.dtype, load.cache_dir)
         model_config = read_model_config(resolved.hf_dir)
         cache = config.cache
-        block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.dtype)
+        block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.dtype, self.tp.size)
         budget = cache.kv_cache_memory_bytes or default_kv_cache_bytes(self.world_size)
         num_blocks = budget // block_bytes
         if num_blocks < 2:
@@ -125,7 +135,7 @@ class Worker:
                      max_model_len: int) -> torch.nn.Module:
         """Build the model, fill its weights, then lay them out for the kernels that read them."""
         load = self.config.load
-        model = build_model(model_config, backend, max_model_len, self.dtype)
+        model = build_model(model_config, backend, max_model_len, self.dtype, self.tp)
         if load.load_format == "dummy":
             init_dummy_weights(model, load.seed)
         else:
@@ -170,14 +180,15 @@ class Worker:
         if config.kv_transfer.shared_memory and self.rank == 0:
             self.kv_shm_path = f"/dev/shm/tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
-                                  config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path)
+                                  config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
+                                  tp_size=self.tp.size)
         self.connector = make_connector_worker(config, self.rank)
         if self.connector is None:
             return {}
         from tandem.kvcache.transfer.base import KVLayout
 
         model = self._model_config
-        spec = model.kv_spec
+        spec = rank_kv_spec(model, self.tp.size)  # what this rank's cache holds, and moves
         layout = KVLayout(model.num_hidden_layers, spec.num_heads, config.cache.block_size,
                           spec.head_dim, config.load.dtype, spec.num_planes)
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
@@ -185,9 +196,11 @@ class Worker:
         return self.connector.register_kv_cache(access)
 
     def weights_checksum(self) -> float:
-        """A cheap digest of the loaded weights, for ranks to confirm they hold the same model."""
+        """A cheap digest of the loaded weights, for ranks to confirm they hold the same model:
+        the norms, which every rank holds whole even when tensor parallelism splits the rest."""
         assert self._model is not None
-        return float(sum(p.detach().float().abs().sum() for p in list(self._model.parameters())[:4]))
+        norms = [p for name, p in self._model.named_parameters() if "norm" in name][:4]
+        return float(sum(p.detach().float().abs().sum() for p in norms))
 
     # --- steps ----------------------------------------------------------------------
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -70,3 +70,30 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(tmp_path: Path) -> Non
     config = read_model_config(tmp_path)
     with pytest.raises(ValueError, match="--tensor-parallel-size 3 does not divide the model's attention heads"):
         build_model(config, TorchAttentionBackend(), 128, torch.float32, TensorParallel(0, 3))
+
+
+def test_the_default_model_split_over_three_ranks_gives_one_rank_s_tokens() -> None:
+    """Engine level: `LLM(tensor_parallel_size=3)` runs three rank processes on gloo, each with
+    a third of every layer and one of SmolLM2's 3 KV heads, so the same KV budget holds three
+    times the blocks."""
+    from tandem import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "Q: What is 7 times 8?\nA:"]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    with LLM(kv_cache_memory="64MiB", num_threads=1) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
+        blocks_one = one.engine.block_pool.num_blocks
+    with LLM(kv_cache_memory="64MiB", num_threads=1, tensor_parallel_size=3) as three:
+        assert [o.outputs[0].token_ids for o in three.generate(prompts, greedy)] == expected
+        assert three.engine.block_pool.num_blocks == 3 * blocks_one
+        pool = three.engine.block_pool
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_tensor_parallel_refuses_what_it_cannot_do_yet() -> None:
+    from tandem.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="the tensor-parallel group must be every rank"):
+        ParallelConfig.of(world_size=4, tensor_parallel_size=2)
+    assert ParallelConfig.of(tensor_parallel_size=2).world_size == 2
