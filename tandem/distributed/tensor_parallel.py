@@ -42,6 +42,20 @@ class TensorParallel:
             )
         return total // self.size
 
+    def part(self, units: int, unit_size: int = 1) -> tuple[int, int]:
+        """This rank's (start, length), in elements, of `units` indivisible units of
+        `unit_size` each, dealt as evenly as possible (the first ranks take one more).
+
+        Attention heads are dealt this way by KV group (a KV head with its query heads), so a
+        model whose head count the group size does not divide still splits: SmolLM2's 3 KV
+        heads over 2 ranks are 2 + 1, with 6 + 3 query heads.
+        """
+        base, extra = divmod(units, self.size)
+        if base == 0:
+            raise ValueError(f"--tensor-parallel-size {self.size} exceeds the model's {units} KV heads")
+        start = self.rank * base + min(self.rank, extra)
+        return start * unit_size, (base + (self.rank < extra)) * unit_size
+
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's equal slice of `tensor` along `dim` (a view: nothing is copied yet)."""
         if not self.split:

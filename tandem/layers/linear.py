@@ -145,6 +145,9 @@ class Linear(LinearWeights, nn.Module):
         target.data.copy_(tensor)
 
 
+Part = tuple[int, int]  # (start, length) of this rank's rows or columns in the whole matrix
+
+
 class ColumnParallelLinear(Linear):
     """A projection whose output rows are split over the tensor-parallel group: each rank
     computes its own slice of the output (its heads, its part of the intermediate), no
@@ -161,14 +164,21 @@ class ColumnParallelLinear(Linear):
 class RowParallelLinear(Linear):
     """A projection whose input columns are split over the group (o_proj, down_proj): each
     rank multiplies its slice of the input by its columns, and one all-reduce sums the
-    partial outputs; the bias and the residual are added once, after the sum."""
+    partial outputs; the bias and the residual are added once, after the sum. `part` is this
+    rank's column range when it is not an even share (heads dealt by KV group)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
-        super().__init__(tp.divide(in_features, "projection input width"), out_features, bias)
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = SINGLE_RANK,
+        part: Part | None = None,
+    ) -> None:
+        self.part = part or (tp.rank * tp.divide(in_features, "projection input width"), in_features // tp.size)
+        super().__init__(self.part[1], out_features, bias)
         self.tp = tp
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        super().load(param_name, self.tp.shard(tensor, 1) if param_name == "weight" else tensor)
+        if param_name == "weight" and self.tp.split:
+            tensor = tensor.narrow(1, *self.part)
+        super().load(param_name, tensor)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if not self.tp.split:
@@ -183,8 +193,16 @@ class MergedLinear(Linear):
     """Several projections of one input stacked along the output dimension; under tensor
     parallelism each keeps its own slice of every projection (its q, k and v heads)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
-        out_sizes = [tp.divide(size, "projection width") for size in out_sizes]
+    def __init__(
+        self, in_features: int, out_sizes: list[int], bias: bool = False, tp: TensorParallel = SINGLE_RANK,
+        parts: list[Part] | None = None,
+    ) -> None:
+        # This rank's rows of each projection: an even share, or `parts` (heads by KV group).
+        self.whole_sizes = list(out_sizes)
+        self.parts = parts or [
+            (tp.rank * tp.divide(size, "projection width"), size // tp.size) for size in out_sizes
+        ]
+        out_sizes = [length for _, length in self.parts]
         super().__init__(in_features, sum(out_sizes), bias)
         self.tp = tp
         self.out_sizes = list(out_sizes)
@@ -194,14 +212,14 @@ class MergedLinear(Linear):
         if shard is None:
             if not self.tp.split:
                 return super().load(param_name, tensor)
-            whole = [size * self.tp.size for size in self.out_sizes]  # a checkpoint already merged
-            for index, part in enumerate(tensor.split(whole)):
+            for index, part in enumerate(tensor.split(self.whole_sizes)):  # a checkpoint already merged
                 self.load(param_name, part, index)
             return None
         target = self.weight if param_name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {param_name} this layer was built without")
-        tensor = self.tp.shard(tensor, 0)
+        if self.tp.split:
+            tensor = tensor.narrow(0, *self.parts[shard])
         rows = target.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
         if rows.shape != tensor.shape:
             raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs shard {tuple(rows.shape)}")

@@ -35,15 +35,20 @@ class DecoderAttention(nn.Module):
         self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK
     ) -> None:
         super().__init__()
-        # Under tensor parallelism this rank computes its share of the query and KV heads.
-        self.num_heads = tp.divide(cfg.num_attention_heads, "attention heads")
-        self.num_kv_heads = tp.divide(cfg.num_key_value_heads, "KV heads")
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        q_full, kv_full = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_full, kv_full, kv_full], cfg.qkv_bias, tp)
-        self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, cfg.o_proj_bias, tp)
+        # Under tensor parallelism this rank computes its share of the heads, dealt by KV
+        # group: a KV head goes with the query heads that read it.
+        head_dim = self.head_dim = cfg.head_dim
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        kv_start, self.num_kv_heads = (n // head_dim for n in tp.part(cfg.num_key_value_heads, head_dim))
+        self.num_heads = self.num_kv_heads * group
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        q_part = (kv_start * group * head_dim, self.q_size)
+        kv_part = (kv_start * head_dim, self.kv_size)
+        q_full, kv_full = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_full, kv_full, kv_full], cfg.qkv_bias, tp,
+                                     parts=[q_part, kv_part, kv_part])
+        self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, cfg.o_proj_bias, tp, part=q_part)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary

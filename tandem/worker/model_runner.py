@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import KVCacheSpec, ModelConfig
+from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan, kv_cache_shape
 from tandem.layers.sampler import Sampler, SamplingRow
@@ -78,17 +79,20 @@ class PreparedBatch:
     sample_chunks: list[ScheduledChunk]
 
 
-def rank_kv_spec(config: ModelConfig, tp_size: int = 1) -> KVCacheSpec:
+def rank_kv_spec(config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> KVCacheSpec:
     """What one rank's cache keeps per token and layer: its share of the KV heads under
     tensor parallelism; a latent cache (one shared head) is whole on every rank."""
     spec = config.kv_spec
-    if spec.num_planes == 1 or tp_size == 1:
+    if spec.num_planes == 1 or not tp.split:
         return spec
-    return dataclasses.replace(spec, num_heads=spec.num_heads // tp_size)
+    return dataclasses.replace(spec, num_heads=tp.part(spec.num_heads)[1])
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    per_token = rank_kv_spec(config, tp_size).values_per_token(config.num_hidden_layers)
+    """Bytes of one block on the rank with the most KV heads (rank 0), so every rank derives
+    the same block count from the same budget."""
+    largest = TensorParallel(0, tp_size)
+    per_token = rank_kv_spec(config, largest).values_per_token(config.num_hidden_layers)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -188,14 +192,14 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         kv_shm_path: str | None = None,
-        tp_size: int = 1,
+        tp: TensorParallel = SINGLE_RANK,
     ) -> None:
         self.model = model
         self.config = config
         self.backend = backend
         self.block_size = block_size
         self.dtype = dtype
-        spec = rank_kv_spec(config, tp_size)
+        spec = rank_kv_spec(config, tp)
         shape = kv_cache_shape(num_blocks, block_size, spec.num_heads, spec.head_dim, spec.num_planes)
         full_shape = (config.num_hidden_layers, *shape)
         self.kv_shm_path = kv_shm_path

@@ -181,14 +181,14 @@ class Worker:
             self.kv_shm_path = f"/dev/shm/tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
                                   config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
-                                  tp_size=self.tp.size)
+                                  tp=self.tp)
         self.connector = make_connector_worker(config, self.rank)
         if self.connector is None:
             return {}
         from tandem.kvcache.transfer.base import KVLayout
 
         model = self._model_config
-        spec = rank_kv_spec(model, self.tp.size)  # what this rank's cache holds, and moves
+        spec = rank_kv_spec(model, self.tp)  # what this rank's cache holds, and moves
         layout = KVLayout(model.num_hidden_layers, spec.num_heads, config.cache.block_size,
                           spec.head_dim, config.load.dtype, spec.num_planes)
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,

@@ -3,6 +3,7 @@ logits (column- and row-parallel linears, vocabulary-split embedding and head, h
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -22,6 +23,9 @@ CONFIGS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, vocab_size=96, tie_word_embeddings=False, attention_bias=True)),
     # an odd vocabulary: the last rank's share of the embedding and head is padded
     "qwen2-tied-odd-vocab": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, vocab_size=97, tie_word_embeddings=True)),
+    # 3 KV heads (2 query heads each) over 2 ranks: dealt 2 + 1 by KV group, as SmolLM2's are
+    "llama-3-kv-heads": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**SMALL, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3}, vocab_size=96)),
 }
 
 
@@ -65,17 +69,21 @@ def test_two_ranks_give_transformers_logits(name: str, tmp_path: Path) -> None:
         assert got["held"] <= 0.55 * whole  # each rank really holds half the weights (+ padding)
 
 
-def test_a_size_that_does_not_divide_the_heads_is_refused(tmp_path: Path) -> None:
-    _save("llama", tmp_path)
+def test_sizes_that_cannot_split_the_model_are_refused(tmp_path: Path) -> None:
+    _save("llama", tmp_path)  # 2 KV heads, intermediate 96
     config = read_model_config(tmp_path)
-    with pytest.raises(ValueError, match="--tensor-parallel-size 3 does not divide the model's attention heads"):
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 exceeds the model's 2 KV heads"):
         build_model(config, TorchAttentionBackend(), 128, torch.float32, TensorParallel(0, 3))
+    odd_mlp = dataclasses.replace(config, num_key_value_heads=4, intermediate_size=97)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 does not divide the model's projection width"):
+        build_model(odd_mlp, TorchAttentionBackend(), 128, torch.float32, TensorParallel(0, 2))
 
 
-def test_the_default_model_split_over_three_ranks_gives_one_rank_s_tokens() -> None:
-    """Engine level: `LLM(tensor_parallel_size=3)` runs three rank processes on gloo, each with
-    a third of every layer and one of SmolLM2's 3 KV heads, so the same KV budget holds three
-    times the blocks."""
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_default_model_split_over_ranks_gives_one_rank_s_tokens(size: int) -> None:
+    """Engine level: `LLM(tensor_parallel_size=N)` runs N rank processes on gloo, each with its
+    share of every layer. SmolLM2 has 9 query and 3 KV heads: 2 ranks hold 2 + 1 KV groups, 3
+    ranks one each; blocks are sized for the rank with the most heads."""
     from tandem import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -84,10 +92,11 @@ def test_the_default_model_split_over_three_ranks_gives_one_rank_s_tokens() -> N
     with LLM(kv_cache_memory="64MiB", num_threads=1) as one:
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
         blocks_one = one.engine.block_pool.num_blocks
-    with LLM(kv_cache_memory="64MiB", num_threads=1, tensor_parallel_size=3) as three:
-        assert [o.outputs[0].token_ids for o in three.generate(prompts, greedy)] == expected
-        assert three.engine.block_pool.num_blocks == 3 * blocks_one
-        pool = three.engine.block_pool
+    with LLM(kv_cache_memory="64MiB", num_threads=1, tensor_parallel_size=size) as split:
+        assert [o.outputs[0].token_ids for o in split.generate(prompts, greedy)] == expected
+        largest_share = -(-3 // size)  # KV heads on rank 0
+        assert split.engine.block_pool.num_blocks == blocks_one * 3 // largest_share
+        pool = split.engine.block_pool
         assert pool.num_free_blocks == pool.num_blocks
 
 

@@ -34,7 +34,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out: str, tokens: lis
     load_weights(model, Path(model_dir))
     held = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
     pack_weights_for_cpu(model)
-    kv_heads = config.num_key_value_heads // world
+    kv_heads = tp.part(config.num_key_value_heads)[1]
     blocks = -(-len(tokens) // BLOCK)
     caches = [torch.zeros(kv_cache_shape(blocks, BLOCK, kv_heads, config.head_dim)) for _ in range(config.num_hidden_layers)]
     plan = [(0, 7), (7, 5)] + [(p, 1) for p in range(12, len(tokens))]
