@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -133,6 +135,58 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: a router picks `top_k` of `num_experts` SwiGLU experts per
+    token (layers/moe.py). Written for Mixtral and Qwen3-MoE (softmax scores) and for
+    DeepSeek-V3 / Kimi-K2 (sigmoid scores, a selection-only bias, group-limited choice,
+    scaled weights, shared experts, the first layers dense)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to 1
+    scoring: str = "softmax"  # or "sigmoid"
+    n_group: int = 1  # experts in `n_group` groups; only the best `topk_group` are eligible
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # a learned per-expert bias added for selection only
+    num_shared_experts: int = 0  # experts every token goes through, as one wider MLP
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense MLP (False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be between 1 and the {self.num_experts} experts")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported expert scoring {self.scoring!r}; supported: softmax, sigmoid")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"n_group {self.n_group} must divide the {self.num_experts} experts and topk_group "
+                f"{self.topk_group} be between 1 and n_group"
+            )
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"num_experts_per_tok {self.top_k} exceeds the experts of {self.topk_group} groups")
+
+    @classmethod
+    def from_hf(cls, arch: str, hf: dict[str, Any]) -> MoeConfig | None:
+        layers = int(hf["num_hidden_layers"])
+        # hub configs say num_experts (Qwen) or num_local_experts (Mixtral); transformers v5
+        # writes num_local_experts for both
+        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if arch == "MixtralForCausalLM":
+            return cls(num_experts=int(num_experts), top_k=int(hf["num_experts_per_tok"]),
+                       intermediate_size=int(hf["intermediate_size"]), moe_layers=(True,) * layers)
+        if arch == "Qwen3MoeForCausalLM":
+            step = int(hf.get("decoder_sparse_step", 1))
+            dense = set(hf.get("mlp_only_layers") or [])
+            experts = int(num_experts)
+            moe_layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+            return cls(num_experts=experts, top_k=int(hf["num_experts_per_tok"]),
+                       intermediate_size=int(hf["moe_intermediate_size"]),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=moe_layers)
+        return None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the runner needs, read from an HF `config.json` dict."""
 
@@ -157,6 +211,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     mla: MLAConfig | None = None
+    moe: MoeConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -180,7 +235,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        is_qwen3 = arch == "Qwen3ForCausalLM"
+        is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         use_sliding = hf.get("use_sliding_window", True) and hf.get("sliding_window")
         return cls(
             architecture=arch,
@@ -205,6 +260,7 @@ class ModelConfig:
             sliding_window=int(use_sliding) if use_sliding else None,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            moe=MoeConfig.from_hf(arch, hf),
             hf_config=hf,
         )
 

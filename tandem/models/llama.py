@@ -17,6 +17,7 @@ from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.layers.attention import PagedAttention
 from tandem.layers.embedding import LMHead, VocabEmbedding
 from tandem.layers.linear import GateUpLinear, MergedLinear, RowParallelLinear
+from tandem.layers.moe import FusedMoE
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -84,15 +85,23 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x), residual)
 
 
+def make_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE_RANK) -> nn.Module:
+    """The layer's MLP: the experts where the config makes this layer MoE, else the dense one."""
+    if cfg.moe is not None and cfg.moe.moe_layers[layer]:
+        return FusedMoE(cfg.moe, cfg.hidden_size, tp)
+    return DecoderMLP(cfg, tp)
+
+
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DecoderMLP(cfg, tp)
+        self.mlp = make_mlp(cfg, layer, tp)
 
     def forward(
         self, angles: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -108,11 +117,16 @@ class DecoderBody(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, tp, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
+    # Checkpoint names of a MoE layer's experts (MoE families set them; see mixtral.py):
+    # the MLP module's name, and each expert's projections -> gate / up / down.
+    moe_module = "mlp"
+    expert_projections = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
         tp: TensorParallel = SINGLE_RANK,
@@ -146,6 +160,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if self._load_moe(modules, name, tensor):
+                loaded.add(name)
+                continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             module_path, _, param = name.rpartition(".")
@@ -162,6 +179,26 @@ class LlamaForCausalLM(nn.Module):
                 target.data.copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def _load_moe(self, modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:
+        """An expert's projection or a router of a MoE layer: loaded into the stacked experts."""
+        marker = f".{self.moe_module}."
+        if marker not in name:
+            return False
+        owner, _, rest = name.partition(marker)
+        moe = modules.get(f"{owner}.mlp")
+        if not isinstance(moe, FusedMoE):
+            return False
+        parts = rest.split(".")
+        if parts[0] == "gate" and parts[-1] == "weight":
+            moe.gate.data.copy_(tensor)
+        elif parts[0] == "gate" and parts[-1] == "e_score_correction_bias" and moe.correction_bias is not None:
+            moe.correction_bias.data.copy_(tensor)
+        elif parts[0] == "experts" and len(parts) == 4 and parts[2] in self.expert_projections:
+            moe.load_expert(int(parts[1]), self.expert_projections[parts[2]], tensor)
+        else:
+            raise ValueError(f"{name}: not a weight of a mixture-of-experts layer this model knows")
+        return True
 
     def expected_weight_names(self) -> set[str]:
         cfg = self.config
@@ -180,6 +217,12 @@ class LlamaForCausalLM(nn.Module):
                 names.add(f"{prefix}.self_attn.o_proj.bias")
             if cfg.qk_norm:
                 names |= {f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"}
+            if cfg.moe is not None and cfg.moe.moe_layers[i]:
+                moe = f"{prefix}.{self.moe_module}"
+                names.add(f"{moe}.gate.weight")
+                names |= {f"{moe}.experts.{e}.{proj}.weight"
+                          for e in range(cfg.moe.num_experts) for proj in self.expert_projections}
+                continue
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 names.add(f"{prefix}.mlp.{proj}.weight")
                 if cfg.mlp_bias:

@@ -6,14 +6,18 @@ from torch import nn
 
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mistral import MistralForCausalLM
+from tandem.models.mixtral import MixtralForCausalLM
 from tandem.models.qwen2 import Qwen2ForCausalLM
 from tandem.models.qwen3 import Qwen3ForCausalLM
+from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

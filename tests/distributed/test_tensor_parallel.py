@@ -23,6 +23,9 @@ CONFIGS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, vocab_size=96, tie_word_embeddings=False, attention_bias=True)),
     # an odd vocabulary: the last rank's share of the embedding and head is padded
     "qwen2-tied-odd-vocab": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, vocab_size=97, tie_word_embeddings=True)),
+    # experts split by their intermediate size, one all-reduce after the combine
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SMALL, vocab_size=96, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     # 3 KV heads (2 query heads each) over 2 ranks: dealt 2 + 1 by KV group, as SmolLM2's are
     "llama-3-kv-heads": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **{**SMALL, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3}, vocab_size=96)),

@@ -16,6 +16,7 @@ import transformers
 from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.linear import pack_weights_for_cpu
+from tandem.layers.moe import FusedMoE, route
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
 from tandem.types import Request, SamplingParams
 from tandem.worker.model_runner import ScheduledChunk, prepare_batch
@@ -37,6 +38,15 @@ CONFIGS = {
     "qwen2-tied": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
     "qwen2-untied": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=False),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=True),
+    # mixtures of experts: 8 experts, 2 per token; Qwen3-MoE with a dense first layer
+    "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=8, num_experts_per_tok=2,
+                                                  sliding_window=None),
+    "qwen3-moe-dense-first": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False),
+    "qwen3-moe-unnormalised": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=False, tie_word_embeddings=True),
 }
 CLASSES = {
     "llama": transformers.LlamaForCausalLM,
@@ -46,6 +56,9 @@ CLASSES = {
     "qwen2-tied": transformers.Qwen2ForCausalLM,
     "qwen2-untied": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
+    "mixtral": transformers.MixtralForCausalLM,
+    "qwen3-moe-dense-first": transformers.Qwen3MoeForCausalLM,
+    "qwen3-moe-unnormalised": transformers.Qwen3MoeForCausalLM,
 }
 
 
@@ -105,6 +118,10 @@ def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
     model = build_model(config, TorchAttentionBackend(), 128, torch.float32)
     load_weights(model, tmp_path)
     pack_weights_for_cpu(model)  # as the engine runs it
+    if config.moe is not None:  # the random router really spreads tokens over the experts
+        layer = next(m for m in model.modules() if isinstance(m, FusedMoE))
+        _, experts = route(model.model.embed_tokens.weight[:48] @ layer.gate.T, config.moe)
+        assert experts.unique().numel() > config.moe.top_k
 
     generator = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (23, 17, 9)]
