@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -183,6 +184,19 @@ class MoeConfig:
             return cls(num_experts=experts, top_k=int(hf["num_experts_per_tok"]),
                        intermediate_size=int(hf["moe_intermediate_size"]),
                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=moe_layers)
+        if arch == "DeepseekV3ForCausalLM":  # Kimi-K2 too
+            experts = int(hf.get("n_routed_experts") or 0)
+            dense = int(hf.get("first_k_dense_replace", 0))
+            every = int(hf.get("moe_layer_freq", 1))
+            moe_layers = tuple(experts > 0 and i >= dense and i % every == 0 for i in range(layers))
+            return cls(num_experts=experts, top_k=int(hf["num_experts_per_tok"]),
+                       intermediate_size=int(hf["moe_intermediate_size"]),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                       scoring=hf.get("scoring_func", "sigmoid"), n_group=int(hf.get("n_group") or 1),
+                       topk_group=int(hf.get("topk_group") or 1),
+                       routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                       correction_bias=True, num_shared_experts=int(hf.get("n_shared_experts") or 0),
+                       moe_layers=moe_layers)
         return None
 
 
@@ -232,6 +246,9 @@ class ModelConfig:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // heads
+        mla = MLAConfig.from_hf(hf) if arch == "DeepseekV3ForCausalLM" else None
+        if mla is not None:
+            head_dim = mla.qk_rope_head_dim  # what the rotary tables are built over
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -260,6 +277,7 @@ class ModelConfig:
             sliding_window=int(use_sliding) if use_sliding else None,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            mla=mla,
             moe=MoeConfig.from_hf(arch, hf),
             hf_config=hf,
         )

@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import MLAConfig, RopeConfig, yarn_mscale
+from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionMetadata, PrefillSpan
 from tandem.kernels.torch_attention import TorchAttentionBackend
-from tandem.layers.linear import Linear
+from tandem.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -40,10 +41,20 @@ class LatentUpProjection(nn.Module):
     """`kv_b_proj`: latent -> per-head (key nope part, value). A plain parameter rather than a
     packed Linear: the absorbed decode reads its two halves as per-head matrices."""
 
-    def __init__(self, kv_lora_rank: int, num_heads: int, nope_dim: int, v_dim: int) -> None:
+    def __init__(
+        self, kv_lora_rank: int, num_heads: int, nope_dim: int, v_dim: int, tp: TensorParallel = SINGLE_RANK
+    ) -> None:
         super().__init__()
-        self.num_heads, self.nope_dim, self.v_dim = num_heads, nope_dim, v_dim
+        self.num_heads, self.nope_dim, self.v_dim = num_heads, nope_dim, v_dim  # this rank's heads
+        self.tp = tp
         self.weight = nn.Parameter(torch.empty(num_heads * (nope_dim + v_dim), kv_lora_rank), requires_grad=False)
+
+    def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        """The checkpoint's whole matrix; this rank keeps its heads' rows."""
+        mine = self.tp.shard(tensor, 0)
+        if mine.shape != self.weight.shape:
+            raise ValueError(f"kv_b_proj: checkpoint {tuple(tensor.shape)} vs this rank's {tuple(self.weight.shape)}")
+        self.weight.data.copy_(mine)
 
     def halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [heads, nope, latent] and W_UV [heads, v, latent] (views of the weight)."""
@@ -65,24 +76,29 @@ def mla_softmax_scale(mla: MLAConfig, rope: RopeConfig) -> float:
 
 
 class MultiLatentAttention(nn.Module):
+    """Under tensor parallelism each rank computes its share of the heads (query and up
+    projections split by head, o_proj by its input, one all-reduce); the latent is computed
+    and cached whole on every rank, since every head reads all of it."""
+
     def __init__(
         self, mla: MLAConfig, hidden_size: int, num_heads: int, rms_norm_eps: float,
-        rope: RopeConfig, rotary: RotaryEmbedding, bias: bool = False,
+        rope: RopeConfig, rotary: RotaryEmbedding, bias: bool = False, tp: TensorParallel = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.mla = mla
-        self.num_heads = num_heads
+        self.num_heads = tp.divide(num_heads, "attention heads")
         self.rotary = rotary  # built over qk_rope_head_dim
         if mla.q_lora_rank is None:
-            self.q_proj = Linear(hidden_size, num_heads * mla.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(hidden_size, num_heads * mla.qk_head_dim, False, tp)
         else:
             self.q_a_proj = Linear(hidden_size, mla.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, rms_norm_eps)
-            self.q_b_proj = Linear(mla.q_lora_rank, num_heads * mla.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, num_heads * mla.qk_head_dim, False, tp)
         self.kv_a_proj_with_mqa = Linear(hidden_size, mla.latent_dim, bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, rms_norm_eps)
-        self.kv_b_proj = LatentUpProjection(mla.kv_lora_rank, num_heads, mla.qk_nope_head_dim, mla.v_head_dim)
-        self.o_proj = Linear(num_heads * mla.v_head_dim, hidden_size, bias)
+        self.kv_b_proj = LatentUpProjection(mla.kv_lora_rank, self.num_heads, mla.qk_nope_head_dim,
+                                            mla.v_head_dim, tp)
+        self.o_proj = RowParallelLinear(num_heads * mla.v_head_dim, hidden_size, bias, tp)
         self.scale = mla_softmax_scale(mla, rope)
         # Absorbed decode is MQA over the latent entries; the torch path's batched decode
         # attention does it when keys and values are both the cache's one plane.

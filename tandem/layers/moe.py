@@ -25,6 +25,20 @@ from torch import nn
 
 from tandem.config import MoeConfig
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
+from tandem.layers.linear import GateUpLinear, RowParallelLinear
+
+
+class SharedExperts(nn.Module):
+    """DeepSeek's shared experts: one SwiGLU MLP, `num_shared_experts` experts wide, that every
+    token goes through beside its routed ones (checkpoint names shared_experts.*_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate: int, tp: TensorParallel = SINGLE_RANK) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate, False, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))
 
 
 def route(logits: torch.Tensor, moe: MoeConfig, correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +79,10 @@ class FusedMoE(nn.Module):
         self.correction_bias = (
             nn.Parameter(torch.zeros(experts), requires_grad=False) if moe.correction_bias else None
         )
+        self.shared_experts = (
+            SharedExperts(hidden_size, moe.num_shared_experts * moe.intermediate_size, tp)
+            if moe.num_shared_experts else None
+        )
 
     # --- loading: one expert's projection at a time (checkpoints store them separately) ----
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
@@ -81,6 +99,8 @@ class FusedMoE(nn.Module):
         weights, experts = route(F.linear(x, self.gate.to(x.dtype)), self.moe, self.correction_bias)
         out = self.experts_forward(x, weights, experts)
         out = self.tp.all_reduce(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out if residual is None else residual + out
 
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

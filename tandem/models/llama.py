@@ -17,6 +17,7 @@ from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.layers.attention import PagedAttention
 from tandem.layers.embedding import LMHead, VocabEmbedding
 from tandem.layers.linear import GateUpLinear, MergedLinear, RowParallelLinear
+from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.moe import FusedMoE
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -85,6 +86,16 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x), residual)
 
 
+def make_attention(
+    cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK
+) -> nn.Module:
+    """Multi-head latent attention for MLA models (DeepSeek-V3, Kimi-K2), else the GQA one."""
+    if cfg.mla is not None:
+        return MultiLatentAttention(cfg.mla, cfg.hidden_size, cfg.num_attention_heads, cfg.rms_norm_eps,
+                                    cfg.rope, rotary, cfg.qkv_bias, tp)
+    return DecoderAttention(cfg, rotary, backend, tp)
+
+
 def make_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE_RANK) -> nn.Module:
     """The layer's MLP: the experts where the config makes this layer MoE, else the dense one."""
     if cfg.moe is not None and cfg.moe.moe_layers[layer]:
@@ -99,7 +110,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, rotary, backend, tp)
+        self.self_attn = make_attention(cfg, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, layer, tp)
 
@@ -167,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_path, _, param = name.rpartition(".")
             owner_path, _, proj = module_path.rpartition(".")
-            if proj in _STACKED:
+            if proj in _STACKED and module_path not in modules:  # merged here (MLA keeps q_proj)
                 merged, shard = _STACKED[proj]
                 modules[f"{owner_path}.{merged}"].load(param, tensor, shard)
             elif hasattr(modules.get(module_path), "load"):  # linears, embedding, head: they shard
@@ -190,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(moe, FusedMoE):
             return False
         parts = rest.split(".")
+        if parts[0] == "shared_experts":
+            return False  # an ordinary gate/up + down MLP, loaded by the generic path
         if parts[0] == "gate" and parts[-1] == "weight":
             moe.gate.data.copy_(tensor)
         elif parts[0] == "gate" and parts[-1] == "e_score_correction_bias" and moe.correction_bias is not None:
@@ -200,6 +213,30 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{name}: not a weight of a mixture-of-experts layer this model knows")
         return True
 
+    def _attention_weight_names(self, prefix: str) -> set[str]:
+        cfg = self.config
+        if cfg.mla is not None:
+            queries = ["q_proj"] if cfg.mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+            names = {f"{prefix}.{p}.weight" for p in [*queries, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
+            names.add(f"{prefix}.kv_a_layernorm.weight")
+            if cfg.mla.q_lora_rank is not None:
+                names.add(f"{prefix}.q_a_layernorm.weight")
+            if cfg.qkv_bias:
+                names |= {f"{prefix}.{p}.bias" for p in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")
+                          if p != "q_a_proj" or cfg.mla.q_lora_rank is not None}
+            return names
+        names = set()
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            names.add(f"{prefix}.{proj}.weight")
+            if cfg.qkv_bias:
+                names.add(f"{prefix}.{proj}.bias")
+        names.add(f"{prefix}.o_proj.weight")
+        if cfg.o_proj_bias:
+            names.add(f"{prefix}.o_proj.bias")
+        if cfg.qk_norm:
+            names |= {f"{prefix}.q_norm.weight", f"{prefix}.k_norm.weight"}
+        return names
+
     def expected_weight_names(self) -> set[str]:
         cfg = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
@@ -208,20 +245,16 @@ class LlamaForCausalLM(nn.Module):
         for i in range(cfg.num_hidden_layers):
             prefix = f"model.layers.{i}"
             names |= {f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"}
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                names.add(f"{prefix}.self_attn.{proj}.weight")
-                if cfg.qkv_bias:
-                    names.add(f"{prefix}.self_attn.{proj}.bias")
-            names.add(f"{prefix}.self_attn.o_proj.weight")
-            if cfg.o_proj_bias:
-                names.add(f"{prefix}.self_attn.o_proj.bias")
-            if cfg.qk_norm:
-                names |= {f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"}
+            names |= self._attention_weight_names(f"{prefix}.self_attn")
             if cfg.moe is not None and cfg.moe.moe_layers[i]:
                 moe = f"{prefix}.{self.moe_module}"
                 names.add(f"{moe}.gate.weight")
                 names |= {f"{moe}.experts.{e}.{proj}.weight"
                           for e in range(cfg.moe.num_experts) for proj in self.expert_projections}
+                if cfg.moe.correction_bias:
+                    names.add(f"{moe}.gate.e_score_correction_bias")
+                if cfg.moe.num_shared_experts:
+                    names |= {f"{moe}.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
                 continue
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 names.add(f"{prefix}.mlp.{proj}.weight")

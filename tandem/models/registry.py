@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mistral import MistralForCausalLM
 from tandem.models.mixtral import MixtralForCausalLM
@@ -18,6 +19,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -26,6 +26,11 @@ CONFIGS = {
     # experts split by their intermediate size, one all-reduce after the combine
     "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **SMALL, vocab_size=96, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    # latent attention split by head (the latent whole on each rank), grouped experts, a shared one
+    "deepseek-v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**SMALL, "num_key_value_heads": 4}, vocab_size=96, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=16)),
     # 3 KV heads (2 query heads each) over 2 ranks: dealt 2 + 1 by KV group, as SmolLM2's are
     "llama-3-kv-heads": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **{**SMALL, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3}, vocab_size=96)),

@@ -19,7 +19,7 @@ from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.linear import pack_weights_for_cpu
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
-from tandem.worker.model_runner import ScheduledChunk, prepare_batch
+from tandem.worker.model_runner import ScheduledChunk, prepare_batch, rank_kv_spec
 
 BLOCK = 4
 
@@ -34,9 +34,10 @@ def main(rank: int, world: int, port: int, model_dir: str, out: str, tokens: lis
     load_weights(model, Path(model_dir))
     held = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
     pack_weights_for_cpu(model)
-    kv_heads = tp.part(config.num_key_value_heads)[1]
+    spec = rank_kv_spec(config, tp)  # this rank's KV heads, or the whole latent (MLA)
     blocks = -(-len(tokens) // BLOCK)
-    caches = [torch.zeros(kv_cache_shape(blocks, BLOCK, kv_heads, config.head_dim)) for _ in range(config.num_hidden_layers)]
+    caches = [torch.zeros(kv_cache_shape(blocks, BLOCK, spec.num_heads, spec.head_dim, spec.num_planes))
+              for _ in range(config.num_hidden_layers)]
     plan = [(0, 7), (7, 5)] + [(p, 1) for p in range(12, len(tokens))]
     rows = []
     for start, count in plan:

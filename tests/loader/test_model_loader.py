@@ -67,3 +67,26 @@ def test_kv_spec_sizes_the_cache_blocks(tmp_path: Path) -> None:
     assert (spec.num_planes, spec.num_heads, spec.head_dim) == (2, 2, 8)
     # keys and values x 2 layers x 2 KV heads x 8 dims x 16 tokens x 4 bytes (fp32)
     assert kv_bytes_per_block(config, 16, torch.float32) == 2 * 2 * 2 * 8 * 16 * 4
+
+
+def test_a_deepseek_v3_config_runs_with_dummy_weights_on_a_latent_cache(tmp_path: Path) -> None:
+    """The whole engine on MLA + grouped MoE: blocks sized for the 1-plane latent, prefix hits."""
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 64,
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8, "n_group": 4,
+        "topk_group": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "max_position_embeddings": 256, "eos_token_id": 0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_model_config(tmp_path).kv_spec.values_per_token(3) == 3 * (16 + 8)
+    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory="4MiB")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(1, 40))
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens >= 32  # whole blocks of the latent cache were reused
+    pool = llm.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks

@@ -47,6 +47,16 @@ CONFIGS = {
     "qwen3-moe-unnormalised": lambda: transformers.Qwen3MoeConfig(
         **SMALL, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=False, tie_word_embeddings=True),
+    # DeepSeek-V3 / Kimi-K2: latent attention (low-rank queries, interleaved YaRN rotary), a
+    # dense first layer, then 8 experts in 4 groups, 2 groups eligible, 2 experts, a shared one
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(
+        **{**SMALL, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5,
+        rope_interleave=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 32}),
 }
 CLASSES = {
     "llama": transformers.LlamaForCausalLM,
@@ -59,6 +69,7 @@ CLASSES = {
     "mixtral": transformers.MixtralForCausalLM,
     "qwen3-moe-dense-first": transformers.Qwen3MoeForCausalLM,
     "qwen3-moe-unnormalised": transformers.Qwen3MoeForCausalLM,
+    "deepseek-v3": transformers.DeepseekV3ForCausalLM,
 }
 
 
@@ -72,6 +83,9 @@ def _save_random_model(name: str, directory: Path) -> torch.nn.Module:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.08 * torch.randn_like(param))
+        for bname, buffer in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # a buffer in transformers, a weight on disk
+                buffer.copy_(0.5 * torch.randn_like(buffer))
     model.save_pretrained(directory)
     return model
 
@@ -85,7 +99,8 @@ class _PagedSequences:
         self.requests = [Request(f"r{i}", seq, SamplingParams(max_tokens=1)) for i, seq in enumerate(sequences)]
         blocks_each = -(-max(len(s) for s in sequences) // BLOCK)
         self.block_ids = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(sequences))]
-        shape = kv_cache_shape(blocks_each * len(sequences), BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+        spec = cfg.kv_spec  # K/V heads, or one latent plane for MLA
+        shape = kv_cache_shape(blocks_each * len(sequences), BLOCK, spec.num_heads, spec.head_dim, spec.num_planes)
         self.kv_caches = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
         self.logits: list[dict[int, torch.Tensor]] = [{} for _ in sequences]
 

@@ -1,0 +1,40 @@
+"""DeepSeek-V3 and Kimi-K2 (same architecture): multi-head latent attention over a latent
+cache (layers/mla.py), the first `first_k_dense_replace` layers with a dense MLP and the rest
+with 256 (384 for K2) routed experts chosen by group-limited sigmoid routing plus a shared
+expert (layers/moe.py). The decoder around them is the Llama one.
+
+Checkpoint fix-ups on load: the rotary rows are de-interleaved (loader/mla_weights.py), and
+the multi-token-prediction layer some checkpoints carry after the last layer (used only for
+speculative decoding) is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from tandem.loader.mla_weights import deinterleave_rope_rows
+from tandem.models.llama import LlamaForCausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._fixed(weights))
+
+    def _fixed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg = self.config
+        assert cfg.mla is not None
+        for name, tensor in weights:
+            layer = _LAYER.match(name)
+            if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+                continue  # the multi-token-prediction module
+            if name.endswith("_scale_inv"):
+                raise ValueError(
+                    f"{name}: FP8 block-quantised checkpoints are not supported yet; "
+                    "use a bf16 conversion or --load-format dummy"
+                )
+            yield name, deinterleave_rope_rows(name, tensor, cfg.mla, cfg.num_attention_heads)
