@@ -372,7 +372,15 @@ EXECUTOR_BACKENDS = ("auto", "uni", "mp")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many ranks run the model, and how the engine reaches them (engine/executor/)."""
+    """How many ranks run the model, how they split it, and how the engine reaches them
+    (engine/executor/, distributed/).
+
+    Ranks are laid out stage-major, as vLLM does: rank = stage * tensor_parallel_size +
+    tensor-parallel rank, so a stage's tensor-parallel group is consecutive ranks (one host,
+    when ranks_per_node is a multiple of it). Several hosts: `nnodes` nodes of
+    world_size / nnodes ranks each; node 0 runs the engine core, the others run headless
+    ranks (`tandem rank`) that join it at `master_addr`.
+    """
 
     world_size: int = 1
     # uni: one worker inside the engine core; mp: one process per rank joined by
@@ -381,28 +389,66 @@ class ParallelConfig:
     # torch.distributed backend: gloo on CPU, nccl on CUDA; auto picks by device.
     distributed_backend: str = "auto"
     # Ranks that split every layer between them (distributed/tensor_parallel.py); 1: each
-    # rank holds the whole model. Today either 1 or the whole world.
+    # rank holds whole layers.
     tensor_parallel_size: int = 1
+    # Stages that split the layers between them (distributed/pipeline_parallel.py); the engine
+    # keeps one micro-batch in flight per stage.
+    pipeline_parallel_size: int = 1
+    # MoE layers: each rank of a tensor-parallel group holds whole experts, a 1/size share of
+    # them, and tokens travel to their experts by all-to-all (distributed/expert_parallel.py),
+    # instead of every rank holding a slice of every expert.
+    enable_expert_parallel: bool = False
+    # Several hosts (torch.distributed's usual MASTER_ADDR / MASTER_PORT rendezvous).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one host only)
+    join_timeout: float = 120.0  # seconds for every rank to join before start-up fails
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.world_size != self.tensor_parallel_size:
+        for name, value in (("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--pipeline-parallel-size", self.pipeline_parallel_size), ("--nnodes", self.nnodes)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        split = self.tensor_parallel_size * self.pipeline_parallel_size
+        if split > 1 and self.world_size != split:
             raise ValueError(
-                f"--world-size {self.world_size} with --tensor-parallel-size {self.tensor_parallel_size}: "
-                "the tensor-parallel group must be every rank (leave --world-size out)"
+                f"--world-size {self.world_size} with --tensor-parallel-size {self.tensor_parallel_size} and "
+                f"--pipeline-parallel-size {self.pipeline_parallel_size}: the world is their product, "
+                f"{split} ranks (leave --world-size out)"
             )
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-expert-parallel shards the experts over the tensor-parallel ranks: "
+                             "it needs --tensor-parallel-size of at least 2")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} does not divide the {self.world_size} ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not one of the {self.nnodes} nodes")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("several nodes need --master-port (and --master-addr): where the ranks meet")
 
     @classmethod
-    def of(cls, world_size: int = 1, tensor_parallel_size: int = 1, executor_backend: str = "auto") -> ParallelConfig:
-        """From the flags: --tensor-parallel-size alone sets the world size too."""
-        if tensor_parallel_size > 1 and world_size == 1:
-            world_size = tensor_parallel_size
-        return cls(world_size=world_size, executor_backend=executor_backend, tensor_parallel_size=tensor_parallel_size)
+    def of(cls, world_size: int = 1, tensor_parallel_size: int = 1, executor_backend: str = "auto",
+           **rest: Any) -> ParallelConfig:
+        """From the flags: the parallel sizes alone set the world size too."""
+        split = tensor_parallel_size * rest.get("pipeline_parallel_size", 1)
+        if split > 1 and world_size == 1:
+            world_size = split
+        return cls(world_size=world_size, executor_backend=executor_backend,
+                   tensor_parallel_size=tensor_parallel_size, **rest)
 
     @property
     def uses_processes(self) -> bool:
         return self.executor_backend == "mp" or (self.executor_backend == "auto" and self.world_size > 1)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def splits_model(self) -> bool:
+        """Ranks hold different parts of the model (not whole replicas)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size > 1
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--tensor-parallel-size",
          "ranks that split every layer between them (heads, MLP width, vocabulary), one process "
          "each, joined by torch.distributed; sets --world-size (default: 1)", 1, type=int, metavar="N"),
+    Flag("--pipeline-parallel-size",
+         "stages that split the layers between them, each a rank (or a tensor-parallel group); the "
+         "engine keeps a micro-batch in flight per stage; world size = TP x PP (default: 1)", 1,
+         type=int, metavar="N"),
+    Flag("--enable-expert-parallel",
+         "MoE models: shard whole experts over the tensor-parallel ranks and send each token to "
+         "its experts by all-to-all, instead of splitting every expert", False, switch=True),
     Flag("--distributed-executor-backend",
          "uni = the one rank inside the engine core process, mp = one process per rank, auto = uni "
          "for one rank, else mp (default: auto)", "auto", choices=("auto", "uni", "mp")),
@@ -167,9 +174,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
-        parallel=ParallelConfig.of(args.world_size, args.tensor_parallel_size, args.distributed_executor_backend),
+        parallel=parallel_config(args),
         kv_tiers=kv_tiers_config(args),
     )
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """Ranks and how they split the model, from the parallelism flags."""
+    return ParallelConfig.of(args.world_size, args.tensor_parallel_size, args.distributed_executor_backend,
+                             pipeline_parallel_size=args.pipeline_parallel_size,
+                             enable_expert_parallel=args.enable_expert_parallel)
 
 
 def kv_tiers_config(args: argparse.Namespace) -> KVTiersConfig:
@@ -211,6 +225,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "attention_backend": args.attention_backend,
         "world_size": args.world_size,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "distributed_executor_backend": args.distributed_executor_backend,
         "kv_tiers": kv_tiers_config(args),
     }

@@ -46,6 +46,8 @@ class LLM:
         attention_backend: str = "auto",
         world_size: int = 1,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         distributed_executor_backend: str = "auto",
         kv_tiers: KVTiersConfig | None = None,
     ) -> None:
@@ -65,7 +67,9 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
             ),
-            parallel=ParallelConfig.of(world_size, tensor_parallel_size, distributed_executor_backend),
+            parallel=ParallelConfig.of(world_size, tensor_parallel_size, distributed_executor_backend,
+                                       pipeline_parallel_size=pipeline_parallel_size,
+                                       enable_expert_parallel=enable_expert_parallel),
             kv_tiers=kv_tiers or KVTiersConfig(),
         )
         self.engine = LLMEngine(config)

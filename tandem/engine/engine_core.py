@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from tandem.engine.executor.factory import make_executor
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.messages import RequestDelta, SequenceDelta
 from tandem.engine.scheduler import RequestUpdate, Scheduler
+from tandem.engine.scheduler_output import SchedulerOutput
 from tandem.kvcache.block_hash import root_hash
 from tandem.kvcache.connector.factory import make_connector_scheduler
 from tandem.types import EngineLoad, Request, RequestStatus, SamplingParams
@@ -86,7 +88,9 @@ class EngineCore:
         connector = make_connector_scheduler(config)
         if connector is not None:
             connector.set_worker_info(handshakes)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, connector)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, connector,
+                                   self.executor.max_concurrent_batches)
+        self._in_flight: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         self.kv_source = connector.endpoints().get("kv_source") if connector is not None else None
         self._groups: dict[str, _Group] = {}
         self._parent: dict[str, tuple[_Group, int]] = {}  # sequence id -> its group and index
@@ -167,7 +171,13 @@ class EngineCore:
         return request_id in self._groups
 
     def has_unfinished(self) -> bool:
-        return bool(self._groups)
+        """Requests to serve, or steps in flight still to collect (their requests may have
+        been aborted meanwhile: the ranks answer anyway, in order)."""
+        return bool(self._groups) or bool(self._in_flight)
+
+    @property
+    def has_in_flight(self) -> bool:
+        return bool(self._in_flight)
 
     @property
     def num_unfinished(self) -> int:
@@ -179,7 +189,29 @@ class EngineCore:
     # --- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """One scheduler + model step; a delta for every request that changed."""
-        out = self.scheduler.schedule()
+        if self.executor.max_concurrent_batches > 1:
+            return self._pipelined_step()
+        return self._run_now(self.scheduler.schedule())
+
+    def _pipelined_step(self) -> list[RequestDelta]:
+        """Keep a micro-batch in flight per pipeline stage: submit while there is room and
+        work, then collect the oldest. Stage 0 starts the next micro-batch while the later
+        stages work on earlier ones; a call that only submitted returns no deltas."""
+        in_flight = self._in_flight
+        if len(in_flight) < self.executor.max_concurrent_batches:
+            out = self.scheduler.schedule()
+            if not in_flight and out.empty:
+                return self._run_now(out)  # nothing moving: the plain path (KV polling, idling)
+            if not out.empty or out.finished_request_ids or out.kv_connector_metadata is not None:
+                self.executor.submit(out)
+                in_flight.append(out)
+                if not out.empty and len(in_flight) < self.executor.max_concurrent_batches:
+                    return []
+        out = in_flight.popleft()
+        result = self.executor.collect()
+        return self._deltas(self.scheduler.update_from_output(out, result))
+
+    def _run_now(self, out: SchedulerOutput) -> list[RequestDelta]:
         if out.empty and out.kv_connector_metadata is None and not out.finished_request_ids:
             pending = self.pending_kv_work()
             if pending is None:

@@ -181,7 +181,8 @@ class LLMEngine:
             self.core.abort([request_id])
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests to finish, or pipeline steps still in flight to collect."""
+        return bool(self._requests) or self.core.has_in_flight
 
     @property
     def num_unfinished(self) -> int:

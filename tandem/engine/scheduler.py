@@ -11,6 +11,14 @@ loaded into blocks allocated here, asynchronously while the request waits in
 WAITING_FOR_REMOTE_KV (the others keep stepping), or synchronously within the step. The
 scheduler emits a plain `SchedulerOutput` (scheduler_output.py): model runners, in this
 process or on other ranks, never see a live `Request`.
+
+Under pipeline parallelism the engine keeps several steps (micro-batches) in flight, so
+`schedule` may run before earlier steps' results are in. A request whose step is in flight is
+not scheduled again until its result arrives (its next token is unknown), except a prompt
+whose in-flight chunk samples nothing: its next chunk may follow at once, since every stage
+runs the micro-batches in order. Such requests are never preempted (a stage may still be
+writing their blocks), and each micro-batch takes at most its share of the running requests
+so that the next one has work for the stage the first has left.
 """
 
 from __future__ import annotations
@@ -79,8 +87,10 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None, max_concurrent_batches: int = 1) -> None:
         self.config = config
+        self.max_concurrent_batches = max_concurrent_batches
+        self._in_flight: dict[str, int] = {}  # request id -> its tokens in steps not yet reported
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.connector = connector
@@ -137,6 +147,7 @@ class Scheduler:
             assert decision is not None and decision.hold_id is not None
             self._held[decision.hold_id] = kept
         del self.requests[request.request_id]
+        self._in_flight.pop(request.request_id, None)
         self._external.pop(request.request_id, None)
         self._runner.pop(request.request_id, None)
         self._finished_since_step.append(request.request_id)
@@ -160,20 +171,33 @@ class Scheduler:
         self._give_up_late_loads()
         budget = self.config.max_num_batched_tokens
 
+        # With micro-batches in flight, each takes at most its share of the running requests.
+        room = len(self.running)
+        if self.max_concurrent_batches > 1:
+            room = -(-len(self.running) // self.max_concurrent_batches)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and room > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
+            pending = self._in_flight.get(request.request_id, 0)
+            num_new = min(request.num_tokens - request.num_computed_tokens - pending, budget)
+            if num_new <= 0:  # its in-flight step samples: the next token is not known yet
+                index += 1
+                continue
+            stalled = False
+            while not self.kv.allocate_slots(request, pending + num_new):
+                victim = self._preemption_victim()
+                if victim is None:
+                    stalled = True  # every candidate is in flight: wait for a step to land
+                    break
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
-            if request.status != RequestStatus.RUNNING:
+            if stalled or request.status != RequestStatus.RUNNING:
                 break
             self._schedule_chunk(out, request, num_new)
             budget -= num_new
+            room -= 1
             index += 1
 
         if not out.preempted_request_ids:
@@ -182,6 +206,13 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _preemption_victim(self) -> Request | None:
+        """The most recently admitted running request with no step in flight."""
+        for request in reversed(self.running):
+            if request.request_id not in self._in_flight:
+                return request
+        return None
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         skipped: deque[Request] = deque()
@@ -315,15 +346,17 @@ class Scheduler:
             ))
             self._runner[request_id] = _RunnerView(request.num_tokens, num_blocks)
         else:
+            pending = self._in_flight.get(request_id, 0)
             out.cached_requests.append(CachedRequestData(
                 request_id=request_id,
                 new_token_ids=request.all_token_ids[view.num_tokens:],
                 new_block_ids=self.kv.block_ids_of(request_id, view.num_blocks) if num_blocks > view.num_blocks
                 else [],
-                num_computed_tokens=request.num_computed_tokens,
+                num_computed_tokens=request.num_computed_tokens + pending,  # after its in-flight chunk
             ))
             view.num_tokens, view.num_blocks = request.num_tokens, num_blocks
         out.num_scheduled_tokens[request_id] = num_new
+        self._in_flight[request_id] = self._in_flight.get(request_id, 0) + num_new
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
@@ -343,6 +376,11 @@ class Scheduler:
         connector_output = result.kv_connector_output
         failed = connector_output.failed_loads if connector_output is not None else ()
         for request_id, num_tokens in out.num_scheduled_tokens.items():
+            pending = self._in_flight.get(request_id, 0) - num_tokens
+            if pending > 0:
+                self._in_flight[request_id] = pending
+            else:
+                self._in_flight.pop(request_id, None)
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran

@@ -6,12 +6,14 @@ RoPE scaling, tied head), so one implementation serves all, with thin named subc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from tandem.config import ModelConfig
+from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.layers.attention import PagedAttention
@@ -21,6 +23,8 @@ from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.moe import FusedMoE
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 # checkpoint projection name -> (merged module name, shard index)
 _STACKED = {
@@ -122,14 +126,27 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no weights, keeps checkpoint names aligned."""
+
+
 class DecoderBody(nn.Module):
+    """Embedding, layers and final norm; under pipeline parallelism only this stage's layers
+    are built (the others are `MissingLayer`s), the embedding only on the first stage and the
+    final norm only on the last."""
+
     def __init__(
-        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, tp, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        stage = stage or PipelineStage.whole(cfg.num_hidden_layers)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if stage.is_first else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, backend, tp, i) if stage.owns_layer(i) else MissingLayer()
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,36 +157,65 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-        tp: TensorParallel = SINGLE_RANK,
+        tp: TensorParallel = SINGLE_RANK, stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
+        self.stage = stage = stage or PipelineStage.whole(cfg.num_hidden_layers)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
-        self.model = DecoderBody(cfg, self.rotary, backend, tp)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.tie_word_embeddings:
+        self.model = DecoderBody(cfg, self.rotary, backend, tp, stage)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp) if stage.is_last else None
+        if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
+        self._own_layers = tuple(self.model.layers[stage.start_layer : stage.end_layer])  # not a submodule
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final normed hidden states [T, hidden] for the flat batch."""
-        hidden = self.model.embed_tokens(input_ids)
+        """Final normed hidden states [T, hidden] for the flat batch; under pipeline
+        parallelism a stage after the first starts from the previous stage's `hidden`, and a
+        stage before the last returns its un-normed output for the next."""
+        if self.model.embed_tokens is not None:
+            hidden = self.model.embed_tokens(input_ids)
+        assert hidden is not None, "a stage after the first needs the previous stage's hidden states"
         angles = self.rotary.angles(positions)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self._own_layers, kv_caches, strict=True):
             hidden = layer(angles, hidden, kv_cache, meta)
-        return self.model.norm(hidden)
+        return hidden if self.model.norm is None else self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether this rank keeps checkpoint tensor `name` (pipeline stages keep their own
+        layers; the embedding lives on the first stage, the norm and head on the last, and a
+        tied head on the last stage reads the embedding's tensor)."""
+        stage = self.stage
+        if not stage.split:
+            return True
+        layer = _LAYER_NAME.match(name)
+        if layer is not None:
+            return stage.owns_layer(int(layer.group(1)))
+        if name.startswith("model.embed_tokens."):
+            return stage.is_first or (stage.is_last and self.config.tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return stage.is_last
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into the (merged) parameters; returns names loaded."""
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self.holds_weight(name):
+                continue
+            if (name == "model.embed_tokens.weight" and self.config.tie_word_embeddings
+                    and self.lm_head is not None and self.model.embed_tokens is None):
+                self.lm_head.load("weight", tensor)  # the last stage's copy of a tied head
+                loaded.add(name)
                 continue
             if self._load_moe(modules, name, tensor):
                 loaded.add(name)
@@ -238,6 +284,9 @@ class LlamaForCausalLM(nn.Module):
         return names
 
     def expected_weight_names(self) -> set[str]:
+        return {name for name in self._all_weight_names() if self.holds_weight(name)}
+
+    def _all_weight_names(self) -> set[str]:
         cfg = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not cfg.tie_word_embeddings:

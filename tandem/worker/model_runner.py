@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import KVCacheSpec, ModelConfig
+from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan, kv_cache_shape
@@ -88,11 +89,14 @@ def rank_kv_spec(config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> KVCac
     return dataclasses.replace(spec, num_heads=tp.part(spec.num_heads)[1])
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Bytes of one block on the rank with the most KV heads (rank 0), so every rank derives
-    the same block count from the same budget."""
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1,
+                       num_layers: int | None = None) -> int:
+    """Bytes of one block on the rank with the most KV heads (rank 0) of a stage holding
+    `num_layers` layers (default: all), so the ranks of a stage derive the same block count
+    from the same budget; the engine takes the smallest count over the stages."""
     largest = TensorParallel(0, tp_size)
-    per_token = rank_kv_spec(config, largest).values_per_token(config.num_hidden_layers)
+    layers = config.num_hidden_layers if num_layers is None else num_layers
+    per_token = rank_kv_spec(config, largest).values_per_token(layers)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -193,15 +197,17 @@ class ModelRunner:
         seed: int = 0,
         kv_shm_path: str | None = None,
         tp: TensorParallel = SINGLE_RANK,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.backend = backend
         self.block_size = block_size
         self.dtype = dtype
+        self.stage = stage = stage or PipelineStage.whole(config.num_hidden_layers)
         spec = rank_kv_spec(config, tp)
         shape = kv_cache_shape(num_blocks, block_size, spec.num_heads, spec.head_dim, spec.num_planes)
-        full_shape = (config.num_hidden_layers, *shape)
+        full_shape = (stage.num_layers, *shape)  # this stage's layers only
         self.kv_shm_path = kv_shm_path
         if kv_shm_path:
             self.kv_cache = shared_zeroed(kv_shm_path, full_shape, dtype)
@@ -262,7 +268,14 @@ class ModelRunner:
         if out.empty:
             return result
         batch = prepare_batch(self.chunks(out), self.block_size)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        stage = self.stage
+        incoming = None
+        if not stage.is_first:  # this micro-batch's hidden states, from the stage before
+            incoming = stage.recv(batch.input_ids.shape[0], self.config.hidden_size, self.dtype)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, incoming)
+        if not stage.is_last:
+            stage.send(hidden)  # asynchronous: this stage moves on to the next micro-batch
+            return result
         if batch.sample_chunks:
             # A decode-only batch samples every row in order: no gather needed.
             every_row = len(batch.sample_chunks) == hidden.shape[0]

@@ -48,17 +48,49 @@ def _init_distributed(args: argparse.Namespace, backend: str) -> None:
                             world_size=args.world_size, timeout=timedelta(minutes=10))
 
 
-def _check_same_weights(checksum: float) -> None:
-    """Every rank loaded the same model: the smallest and largest checksums agree."""
+def _tensor_parallel_group(config: Any, rank: int) -> Any:
+    """This rank's tensor-parallel group: the default group while it is the whole world, else
+    one new group per pipeline stage (every rank creates every group, in the same order)."""
+    import torch.distributed as dist
+
+    from tandem.distributed.layout import RankLayout
+
+    parallel = config.parallel
+    layout = RankLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    if layout.pipeline_parallel_size == 1 or layout.tensor_parallel_size == 1:
+        return None
+    mine = None
+    for stage in range(layout.pipeline_parallel_size):
+        ranks = layout.stage_ranks(stage)
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _agree(value: float, what: str, group: Any = None) -> None:
+    """Every rank of `group` holds the same `value`: the smallest and the largest agree."""
     import torch
     import torch.distributed as dist
 
-    low = torch.tensor([checksum], dtype=torch.float64)
+    low = torch.tensor([value], dtype=torch.float64)
     high = low.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     if float(low) != float(high):
-        raise RuntimeError(f"ranks loaded different weights (checksums {float(low)} .. {float(high)})")
+        raise RuntimeError(f"ranks loaded different {what} ({float(low)} .. {float(high)})")
+
+
+def _check_same_model(worker: Any, fingerprint: str) -> None:
+    """Every rank loaded the same model (the fingerprint of its files), and the ranks of a
+    stage the same weights (a checksum of the norms they all hold whole)."""
+    import xxhash
+
+    _agree(float(xxhash.xxh32_intdigest(fingerprint.encode())), "models")
+    if worker.tp.split:
+        _agree(worker.weights_checksum(), "weights", worker.tp.group)
+    elif worker.layout.world_size == 1:  # replicas: every rank holds the whole model
+        _agree(worker.weights_checksum(), "weights")
 
 
 def _picklable(exc: Exception) -> Exception | None:
@@ -74,6 +106,7 @@ class _Rank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.worker: Any = None
+        self.output_rank = 0
 
     def handle(self, method: str, args: tuple[Any, ...]) -> Any:
         if method == "init":
@@ -84,17 +117,19 @@ class _Rank:
             (config,) = args
             torch.set_num_threads(self.args.threads)
             _init_distributed(self.args, config.parallel.distributed_backend)
-            self.worker = Worker(config, self.args.rank, self.args.world_size)
+            self.worker = Worker(config, self.args.rank, self.args.world_size,
+                                 _tensor_parallel_group(config, self.args.rank))
+            self.output_rank = self.worker.layout.output_rank
             return os.getpid()
         if method == "load_model":
             info = self.worker.load_model()
-            _check_same_weights(self.worker.weights_checksum())
+            _check_same_model(self.worker, info.fingerprint)
             return info
         if method == "initialize_cache":
             return self.worker.initialize_cache(*args)
         if method == "execute_model":
             result = self.worker.execute_model(*args)
-            if self.args.rank != 0:
+            if self.args.rank != self.output_rank:
                 result.sampled = {}  # the output rank's tokens are the step's
             return result
         raise ValueError(f"unknown call {method!r}")

@@ -23,6 +23,8 @@ import psutil
 import torch
 
 from tandem.config import DTYPES, EngineConfig, ModelConfig
+from tandem.distributed.layout import RankLayout, stage_layers
+from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.cpu_attention import make_attention_backend
@@ -70,18 +72,23 @@ class WorkerInfo:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, tp_group: Any = None) -> None:
+        """`tp_group`: the torch.distributed group of this rank's tensor-parallel peers (None:
+        the default group, which is right while tensor parallelism spans the whole world)."""
         self.config = config
         self.rank = rank
         self.world_size = world_size
-        tp_size = config.parallel.tensor_parallel_size
-        # This rank's share of every layer; the default group is the tensor-parallel group
-        # while it is the whole world (config.ParallelConfig).
-        self.tp = TensorParallel(rank, tp_size) if tp_size > 1 else SINGLE_RANK
-        if self.tp.split and (config.kv_transfer.role != "both" or config.kv_tiers.enabled):
+        parallel = config.parallel
+        self.layout = RankLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        tp_size = parallel.tensor_parallel_size
+        # This rank's share of every layer.
+        self.tp = TensorParallel(self.layout.tp_rank(rank), tp_size, tp_group) if tp_size > 1 else SINGLE_RANK
+        self.stage: PipelineStage | None = None  # known once the model's layer count is
+        if parallel.splits_model and (config.kv_transfer.role != "both" or config.kv_tiers.enabled):
             raise ValueError(
-                "--tensor-parallel-size > 1 does not yet work with --role prefill/decode or the KV "
-                "tiers: each rank holds its own share of every block, and they move whole blocks"
+                "--tensor-parallel-size or --pipeline-parallel-size > 1 does not yet work with --role "
+                "prefill/decode or the KV tiers: each rank holds its own part of every block, and they "
+                "move whole blocks"
             )
         load = config.load
         if load.dtype not in DTYPES:
@@ -101,9 +108,11 @@ class Worker:
             torch.set_num_threads(load.num_threads)
         resolved = resolve_model(config.model, load.dtype, load.cache_dir)
         model_config = read_model_config(resolved.hf_dir)
+        self.stage = self._pipeline_stage(model_config.num_hidden_layers)
         cache = config.cache
-        block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.dtype, self.tp.size)
-        budget = cache.kv_cache_memory_bytes or default_kv_cache_bytes(self.world_size)
+        block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.dtype, self.tp.size,
+                                         self.stage.num_layers)
+        budget = cache.kv_cache_memory_bytes or default_kv_cache_bytes(min(self.world_size, config.parallel.ranks_per_node))
         num_blocks = budget // block_bytes
         if num_blocks < 2:
             raise ValueError(
@@ -131,11 +140,22 @@ class Worker:
         )
         return self._info
 
+    def _pipeline_stage(self, num_layers: int) -> PipelineStage:
+        """This rank's stage: its layers, and the peers it receives from and sends to."""
+        layout = self.layout
+        rank = self.rank % layout.world_size  # replicas (--world-size alone) each hold every layer
+        stages = layout.pipeline_parallel_size
+        index = layout.stage(rank)
+        start, end = stage_layers(num_layers, stages, index)
+        return PipelineStage(index, stages, start, end,
+                             prev_rank=layout.peer(rank, index - 1) if index > 0 else None,
+                             next_rank=layout.peer(rank, index + 1) if index < stages - 1 else None)
+
     def _build_model(self, model_config: ModelConfig, hf_dir: Path, backend: TorchAttentionBackend,
                      max_model_len: int) -> torch.nn.Module:
         """Build the model, fill its weights, then lay them out for the kernels that read them."""
         load = self.config.load
-        model = build_model(model_config, backend, max_model_len, self.dtype, self.tp)
+        model = build_model(model_config, backend, max_model_len, self.dtype, self.tp, self.stage)
         if load.load_format == "dummy":
             init_dummy_weights(model, load.seed)
         else:
@@ -181,7 +201,7 @@ class Worker:
             self.kv_shm_path = f"/dev/shm/tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
                                   config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
-                                  tp=self.tp)
+                                  tp=self.tp, stage=self.stage)
         self.connector = make_connector_worker(config, self.rank)
         if self.connector is None:
             return {}
@@ -189,15 +209,17 @@ class Worker:
 
         model = self._model_config
         spec = rank_kv_spec(model, self.tp)  # what this rank's cache holds, and moves
-        layout = KVLayout(model.num_hidden_layers, spec.num_heads, config.cache.block_size,
+        assert self.stage is not None
+        layout = KVLayout(self.stage.num_layers, spec.num_heads, config.cache.block_size,
                           spec.head_dim, config.load.dtype, spec.num_planes)
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
                                self.rank, self.world_size, self.kv_shm_path, self._info.fingerprint)
         return self.connector.register_kv_cache(access)
 
     def weights_checksum(self) -> float:
-        """A cheap digest of the loaded weights, for ranks to confirm they hold the same model:
-        the norms, which every rank holds whole even when tensor parallelism splits the rest."""
+        """A cheap digest of the loaded weights, for the ranks of a stage to confirm they hold
+        the same model: the norms, which every rank of a stage holds whole even when tensor
+        parallelism splits the rest."""
         assert self._model is not None
         norms = [p for name, p in self._model.named_parameters() if "norm" in name][:4]
         return float(sum(p.detach().float().abs().sum() for p in norms))

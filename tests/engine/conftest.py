@@ -330,11 +330,12 @@ def make_engine(make_pool: Callable[..., BlockPool]) -> Callable[..., Engine]:
         script: dict[str, list[int]] | None = None,
         connector: Any = None,
         connector_worker: Callable[[FakeModel], Any] | None = None,
+        max_concurrent_batches: int = 1,
     ) -> Engine:
         pool = make_pool(num_blocks, enable_caching)
         kv = KVCacheManager(pool, BLOCK_SIZE, ROOT)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
-        scheduler = Scheduler(config, kv, max_model_len, connector)
+        scheduler = Scheduler(config, kv, max_model_len, connector, max_concurrent_batches)
         model = FakeModel(pool, BLOCK_SIZE, script)
         return Engine(scheduler, model, connector_worker=connector_worker(model) if connector_worker else None)
 

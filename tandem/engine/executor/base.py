@@ -6,11 +6,17 @@ run each step's plain `SchedulerOutput` on every rank; it gets back one `ModelRu
 the output rank's sampled tokens with the ranks' KV connector reports merged. An executor
 with one worker runs it in this process; one with many runs a process per rank, joined by
 torch.distributed, which tensor / pipeline / expert parallelism fill in.
+
+Under pipeline parallelism a step is a micro-batch that passes through the stages in turn,
+so the core keeps up to `max_concurrent_batches` of them in flight: `submit` hands one to the
+ranks without waiting and `collect` returns the oldest one's result (results come back in the
+order the batches went out).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from tandem.config import EngineConfig
@@ -27,10 +33,24 @@ class WorkerDiedError(RuntimeError):
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._done: deque[ModelRunnerOutput] = deque()
 
     @property
     def world_size(self) -> int:
         return self.config.parallel.world_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Micro-batches worth keeping in flight: one per pipeline stage."""
+        return 1
+
+    def submit(self, out: SchedulerOutput) -> None:
+        """Start a step; its result comes from a later `collect`. Here: run it now."""
+        self._done.append(self.execute_model(out))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The result of the oldest submitted step, waiting for it if need be."""
+        return self._done.popleft()
 
     @abstractmethod
     def start(self) -> list[WorkerInfo]:

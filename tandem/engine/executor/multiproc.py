@@ -3,10 +3,12 @@
 Each rank runs `python -m tandem.worker.rank_process` and talks to this executor over a ZMQ
 PAIR socket of its own: a call (method name and arguments) goes to every rank at once, and
 the executor waits for every reply while watching the processes, so a rank that dies turns
-into a `WorkerDiedError` naming it instead of a hang. Rank 0 is the output rank: its sampled
-tokens are the step's; the others answer with their KV connector reports only. The ranks'
-collectives (from the model, later) run over torch.distributed among themselves; the
-executor is not a member of the group.
+into a `WorkerDiedError` naming it instead of a hang. The output rank (rank 0, or the first
+rank of the last pipeline stage) samples: its tokens are the step's; the others answer with
+their KV connector reports only. The ranks' collectives and the pipeline's sends run over
+torch.distributed among themselves; the executor is not a member of the group. Steps may be
+submitted before earlier ones are collected (pipeline parallelism): each socket delivers
+its rank's replies in order, so the oldest step's replies are the next ones read.
 
 Children die with this process (PR_SET_PDEATHSIG on Linux, and they also watch their parent
 pid), and `shutdown` stops them all, so no rank outlives the engine.
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from tandem.config import EngineConfig
+from tandem.distributed.layout import RankLayout
 from tandem.engine.executor.base import Executor, WorkerDiedError
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kvcache.connector.base import KVOutputAggregator
@@ -78,6 +81,9 @@ class MultiprocExecutor(Executor):
         self._procs: list[subprocess.Popen[bytes]] = []
         self._poller = zmq.Poller()
         self._dead: str | None = None
+        self._in_flight = 0
+        parallel = config.parallel
+        self._output_rank = RankLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size).output_rank
 
     # --- life cycle -----------------------------------------------------------------
     def start(self) -> list[WorkerInfo]:
@@ -110,12 +116,29 @@ class MultiprocExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> list[dict[str, Any]]:
         return self._call("initialize_cache", num_blocks, timeout=_START_TIMEOUT_S)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        results: list[ModelRunnerOutput] = self._call("execute_model", out)
-        first = results[0]
-        if first.kv_connector_output is not None:
-            first.kv_connector_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
-        return first
+        self.submit(out)
+        return self.collect()
+
+    def submit(self, out: SchedulerOutput) -> None:
+        # Every rank gets every step; each works through its socket's calls in order, so a
+        # stage starts the next micro-batch as soon as it has handed this one on.
+        self._broadcast("execute_model", out)
+        self._in_flight += 1
+
+    def collect(self) -> ModelRunnerOutput:
+        if not self._in_flight:
+            raise RuntimeError("collect() without a submitted step")
+        results: list[ModelRunnerOutput] = self._gather()
+        self._in_flight -= 1
+        output = results[self._output_rank]
+        if output.kv_connector_output is not None:
+            output.kv_connector_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
+        return output
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self._procs):
