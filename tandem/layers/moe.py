@@ -15,17 +15,38 @@ over the experts that received tokens (at most E iterations, never one per token
 each, the weighted rows added back with one index_add_. Under tensor parallelism every rank
 holds every expert's slice of the intermediate size (gate/up rows, down columns) and one
 all-reduce sums the partial outputs, as for the dense MLP.
+
+Under expert parallelism (distributed/expert_parallel.py) a rank holds whole experts, its
+contiguous share of them, and the router and shared experts whole. Each rank routes its own
+slice of the step's tokens, sends every (token, choice) row to the rank of its expert
+(all-to-all), runs its experts on the rows it received (the same sort-by-expert loop), sends
+the outputs back (the reverse all-to-all), weights and sums them, adds the shared experts,
+and the slices are gathered so that every rank returns every token's output.
+
+The step's phases are profiler ranges: moe.route, moe.dispatch, moe.experts, moe.combine,
+moe.gather (entered only while a profiler runs: otherwise they cost a flag check).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import MoeConfig
+from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.layers.linear import GateUpLinear, RowParallelLinear
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def _profiled(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range named `name` while a profiler runs; nothing (not even the ~4 us of an
+    idle record_function) otherwise."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else _NO_RANGE
 
 
 class SharedExperts(nn.Module):
@@ -67,17 +88,32 @@ def route(logits: torch.Tensor, moe: MoeConfig, correction_bias: torch.Tensor | 
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, moe: MoeConfig, hidden_size: int, tp: TensorParallel = SINGLE_RANK) -> None:
+    """The MoE MLP of one layer: the router, the stacked routed experts, the shared experts.
+
+    `tp`: every expert split by its intermediate size (one all-reduce after the combine).
+    `ep` (size > 1): the experts split by expert instead, `tp` unused: this rank holds experts
+    `local_expert_range` whole ([E_local, ...] stacks) and the router and shared experts whole.
+    """
+
+    def __init__(
+        self, moe: MoeConfig, hidden_size: int, tp: TensorParallel = SINGLE_RANK, ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         self.moe = moe
+        self.ep = ep if ep is not None and ep.split else None
+        if self.ep is not None:
+            tp = SINGLE_RANK  # whole experts on each rank, each token's output on one rank only
+            first, experts = self.ep.local_experts(moe.num_experts)
+        else:
+            first, experts = 0, moe.num_experts
         self.tp = tp
+        self.local_expert_range = range(first, first + experts)
         self.intermediate = tp.divide(moe.intermediate_size, "expert intermediate size")
-        experts = moe.num_experts
-        self.gate = nn.Parameter(torch.empty(experts, hidden_size), requires_grad=False)  # the router
+        self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden_size), requires_grad=False)  # the router
         self.w13 = nn.Parameter(torch.empty(experts, 2 * self.intermediate, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(experts, hidden_size, self.intermediate), requires_grad=False)
         self.correction_bias = (
-            nn.Parameter(torch.zeros(experts), requires_grad=False) if moe.correction_bias else None
+            nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False) if moe.correction_bias else None
         )
         self.shared_experts = (
             SharedExperts(hidden_size, moe.num_shared_experts * moe.intermediate_size, tp)
@@ -85,8 +121,21 @@ class FusedMoE(nn.Module):
         )
 
     # --- loading: one expert's projection at a time (checkpoints store them separately) ----
+    def owns_expert(self, expert: int) -> bool:
+        """Whether this rank holds (global) expert `expert`: always, unless expert-parallel.
+
+        The model's expected_weight_names lists every expert of the checkpoint; under expert
+        parallelism a loader should count the others' weights as accounted for (they are
+        another rank's) and, where it can, skip reading them at all by asking this first."""
+        return expert in self.local_expert_range
+
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
-        """`projection`: gate, up or down, as the checkpoint's whole [I, H] / [H, I] matrix."""
+        """`projection`: gate, up or down, as the checkpoint's whole [I, H] / [H, I] matrix of
+        global expert `expert`. Another rank's expert is ignored, `tensor` left untouched (a
+        lazily mapped checkpoint tensor is then never read)."""
+        if not self.owns_expert(expert):
+            return
+        expert -= self.local_expert_range.start
         inter = self.intermediate
         if projection == "down":
             self.w2.data[expert].copy_(self.tp.shard(tensor, 1))
@@ -96,7 +145,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`residual` + the experts' weighted outputs for x [T, H]."""
-        weights, experts = route(F.linear(x, self.gate.to(x.dtype)), self.moe, self.correction_bias)
+        if self.ep is not None:
+            out = self._expert_parallel_forward(x)
+            return out if residual is None else residual + out
+        with _profiled("moe.route"):
+            weights, experts = route(F.linear(x, self.gate.to(x.dtype)), self.moe, self.correction_bias)
         out = self.experts_forward(x, weights, experts)
         out = self.tp.all_reduce(out)
         if self.shared_experts is not None:
@@ -104,13 +157,22 @@ class FusedMoE(nn.Module):
         return out if residual is None else residual + out
 
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        top_k = experts.shape[1]
-        flat_experts = experts.reshape(-1)
-        order = flat_experts.argsort(stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()
-        token_of = order // top_k  # row of x for each sorted (token, choice) pair
-        rows = x.index_select(0, token_of)
-        scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        with _profiled("moe.experts"):
+            top_k = experts.shape[1]
+            flat_experts = experts.reshape(-1)
+            order = flat_experts.argsort(stable=True)
+            counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()
+            token_of = order // top_k  # row of x for each sorted (token, choice) pair
+            rows = x.index_select(0, token_of)
+            scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+            outputs = self._run_experts(rows, counts)
+            out = torch.zeros_like(x)
+            out.index_add_(0, token_of, (outputs.float() * scale).to(x.dtype))
+            return out
+
+    def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each local expert's SwiGLU on its slice of `rows`, sorted by expert, `counts[e]` rows
+        for local expert e: one pass per expert that received any, never one per token."""
         outputs = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts):
@@ -120,6 +182,42 @@ class FusedMoE(nn.Module):
             gate, up = F.linear(part, self.w13[expert]).split(self.intermediate, dim=-1)
             outputs[start : start + count] = F.linear(F.silu(gate) * up, self.w2[expert])
             start += count
-        out = torch.zeros_like(x)
-        out.index_add_(0, token_of, (outputs.float() * scale).to(x.dtype))
-        return out
+        return outputs
+
+    def _expert_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' and shared experts' outputs for every row of x [T, H] (the same x on
+        every rank of the group), each rank routing and combining its own slice of the tokens."""
+        ep = self.ep
+        per_rank = len(self.local_expert_range)
+        token_counts = [ep.token_slice(x.shape[0], rank)[1] for rank in range(ep.size)]
+        start, count = ep.token_slice(x.shape[0])
+        mine = x[start : start + count]
+
+        with _profiled("moe.route"):
+            weights, experts = route(F.linear(mine, self.gate.to(x.dtype)), self.moe, self.correction_bias)
+        with _profiled("moe.dispatch"):
+            top_k = experts.shape[1]
+            flat_experts = experts.reshape(-1)
+            order = flat_experts.argsort(stable=True)  # by expert, hence by the rank that owns it
+            token_of = order // top_k
+            # [rank, its local expert]: how many rows this rank sends each expert of the group
+            sent = torch.bincount(flat_experts, minlength=self.moe.num_experts).view(ep.size, per_rank)
+            received = ep.exchange_counts(sent)  # [source rank, local expert]
+            send_counts, recv_counts = sent.sum(1).tolist(), received.sum(1).tolist()
+            rows = ep.all_to_all(mine.index_select(0, token_of), send_counts, recv_counts)
+        with _profiled("moe.experts"):
+            # rows arrive by source rank, each source's sorted by expert: sort them by expert
+            local_expert = torch.arange(per_rank, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
+            by_expert = local_expert.argsort(stable=True)
+            sorted_outputs = self._run_experts(rows.index_select(0, by_expert), received.sum(0).tolist())
+            outputs = torch.empty_like(sorted_outputs).index_copy_(0, by_expert, sorted_outputs)
+        with _profiled("moe.combine"):
+            returned = ep.all_to_all(outputs, recv_counts, send_counts)  # in `order`, as sent
+            scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+            out = torch.zeros(mine.shape, dtype=torch.float32, device=x.device)
+            out.index_add_(0, token_of, returned.float() * scale)
+            out = out.to(x.dtype)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(mine)
+        with _profiled("moe.gather"):
+            return ep.all_gather_rows(out, token_counts)

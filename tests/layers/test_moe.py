@@ -97,3 +97,12 @@ def test_fused_experts_equal_the_per_token_definition(config: MoeConfig) -> None
 def test_impossible_expert_configs_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MoeConfig(**{**GROUPED.__dict__, **fields})
+
+
+def test_the_step_s_phases_are_profiler_ranges() -> None:
+    moe = FusedMoE(GROUPED, hidden_size=24)
+    for param in moe.parameters():
+        param.data.normal_(0, 0.3)
+    with torch.profiler.profile() as profiler:
+        moe(torch.randn(8, 24))
+    assert {"moe.route", "moe.experts"} <= {event.key for event in profiler.key_averages()}
