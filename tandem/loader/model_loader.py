@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig
+from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend
@@ -47,12 +48,13 @@ def iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def build_model(
     config: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-    tp: TensorParallel = SINGLE_RANK, stage: PipelineStage | None = None,
+    tp: TensorParallel = SINGLE_RANK, stage: PipelineStage | None = None, ep: ExpertParallel | None = None,
 ) -> torch.nn.Module:
     """The model for this rank: the whole of it, or its tensor-parallel share of each layer
-    under `tp`, and only its pipeline stage's layers under `stage`."""
+    under `tp`, only its pipeline stage's layers under `stage`, and only its share of the
+    experts (whole) under `ep`."""
     cls = model_class(config.architecture)
-    model = cls(config, backend, max_positions, dtype, tp=tp, stage=stage)
+    model = cls(config, backend, max_positions, dtype, tp=tp, stage=stage, ep=ep)
     return model.to(dtype).eval()
 
 

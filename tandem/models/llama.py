@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
+from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
@@ -100,23 +101,25 @@ def make_attention(
     return DecoderAttention(cfg, rotary, backend, tp)
 
 
-def make_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE_RANK) -> nn.Module:
-    """The layer's MLP: the experts where the config makes this layer MoE, else the dense one."""
+def make_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE_RANK,
+             ep: ExpertParallel | None = None) -> nn.Module:
+    """The layer's MLP: the experts where the config makes this layer MoE (sharded whole over
+    `ep` under expert parallelism), else the dense one."""
     if cfg.moe is not None and cfg.moe.moe_layers[layer]:
-        return FusedMoE(cfg.moe, cfg.hidden_size, tp)
+        return FusedMoE(cfg.moe, cfg.hidden_size, tp, ep)
     return DecoderMLP(cfg, tp)
 
 
 class DecoderLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK,
-        layer: int = 0,
+        layer: int = 0, ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = make_attention(cfg, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = make_mlp(cfg, layer, tp)
+        self.mlp = make_mlp(cfg, layer, tp, ep)
 
     def forward(
         self, angles: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -137,13 +140,13 @@ class DecoderBody(nn.Module):
 
     def __init__(
         self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK,
-        stage: PipelineStage | None = None,
+        stage: PipelineStage | None = None, ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         stage = stage or PipelineStage.whole(cfg.num_hidden_layers)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if stage.is_first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend, tp, i) if stage.owns_layer(i) else MissingLayer()
+            DecoderLayer(cfg, rotary, backend, tp, i, ep) if stage.owns_layer(i) else MissingLayer()
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
@@ -157,14 +160,14 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-        tp: TensorParallel = SINGLE_RANK, stage: PipelineStage | None = None,
+        tp: TensorParallel = SINGLE_RANK, stage: PipelineStage | None = None, ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
         self.stage = stage = stage or PipelineStage.whole(cfg.num_hidden_layers)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
-        self.model = DecoderBody(cfg, self.rotary, backend, tp, stage)
+        self.model = DecoderBody(cfg, self.rotary, backend, tp, stage, ep)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp) if stage.is_last else None
         if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from tandem.config import DTYPES, EngineConfig, ModelConfig
+from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.layout import RankLayout, stage_layers
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
@@ -84,6 +85,8 @@ class Worker:
         # This rank's share of every layer.
         self.tp = TensorParallel(self.layout.tp_rank(rank), tp_size, tp_group) if tp_size > 1 else SINGLE_RANK
         self.stage: PipelineStage | None = None  # known once the model's layer count is
+        # MoE layers: whole experts, a share per rank of the tensor-parallel group.
+        self.ep = ExpertParallel(self.tp.rank, self.tp.size, tp_group) if parallel.enable_expert_parallel else None
         if parallel.splits_model and (config.kv_transfer.role != "both" or config.kv_tiers.enabled):
             raise ValueError(
                 "--tensor-parallel-size or --pipeline-parallel-size > 1 does not yet work with --role "
@@ -155,7 +158,9 @@ class Worker:
                      max_model_len: int) -> torch.nn.Module:
         """Build the model, fill its weights, then lay them out for the kernels that read them."""
         load = self.config.load
-        model = build_model(model_config, backend, max_model_len, self.dtype, self.tp, self.stage)
+        if self.ep is not None and model_config.moe is None and self.rank == 0:
+            logger.info("--enable-expert-parallel: %s has no experts; nothing to shard", model_config.architecture)
+        model = build_model(model_config, backend, max_model_len, self.dtype, self.tp, self.stage, self.ep)
         if load.load_format == "dummy":
             init_dummy_weights(model, load.seed)
         else:

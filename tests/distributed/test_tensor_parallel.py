@@ -11,30 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from tiny_models import CONFIGS, save_tiny
 
 from tandem.distributed.tensor_parallel import TensorParallel
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.loader.model_loader import build_model, read_model_config
-
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, vocab_size=96, tie_word_embeddings=False, attention_bias=True)),
-    # an odd vocabulary: the last rank's share of the embedding and head is padded
-    "qwen2-tied-odd-vocab": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, vocab_size=97, tie_word_embeddings=True)),
-    # experts split by their intermediate size, one all-reduce after the combine
-    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **SMALL, vocab_size=96, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
-    # latent attention split by head (the latent whole on each rank), grouped experts, a shared one
-    "deepseek-v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        **{**SMALL, "num_key_value_heads": 4}, vocab_size=96, q_lora_rank=32, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
-        num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=16)),
-    # 3 KV heads (2 query heads each) over 2 ranks: dealt 2 + 1 by KV group, as SmolLM2's are
-    "llama-3-kv-heads": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **{**SMALL, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3}, vocab_size=96)),
-}
 
 
 def _free_port() -> int:
@@ -43,19 +24,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _save(name: str, directory: Path) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = CONFIGS[name]().eval()
-    with torch.no_grad():
-        for pname, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in pname else 0.08 * torch.randn_like(param))
-    model.save_pretrained(directory)
-    return model
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_ranks_give_transformers_logits(name: str, tmp_path: Path) -> None:
-    reference = _save(name, tmp_path)
+    reference = save_tiny(name, tmp_path)
     tokens = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(1)).tolist()
     port = _free_port()
     script = Path(__file__).with_name("tp_rank.py")
@@ -78,7 +49,7 @@ def test_two_ranks_give_transformers_logits(name: str, tmp_path: Path) -> None:
 
 
 def test_sizes_that_cannot_split_the_model_are_refused(tmp_path: Path) -> None:
-    _save("llama", tmp_path)  # 2 KV heads, intermediate 96
+    save_tiny("llama", tmp_path)  # 2 KV heads, intermediate 96
     config = read_model_config(tmp_path)
     with pytest.raises(ValueError, match="--tensor-parallel-size 3 exceeds the model's 2 KV heads"):
         build_model(config, TorchAttentionBackend(), 128, torch.float32, TensorParallel(0, 3))
@@ -106,11 +77,3 @@ def test_the_default_model_split_over_ranks_gives_one_rank_s_tokens(size: int) -
         assert split.engine.block_pool.num_blocks == blocks_one * 3 // largest_share
         pool = split.engine.block_pool
         assert pool.num_free_blocks == pool.num_blocks
-
-
-def test_tensor_parallel_refuses_what_it_cannot_do_yet() -> None:
-    from tandem.config import ParallelConfig
-
-    with pytest.raises(ValueError, match="the tensor-parallel group must be every rank"):
-        ParallelConfig.of(world_size=4, tensor_parallel_size=2)
-    assert ParallelConfig.of(tensor_parallel_size=2).world_size == 2
