@@ -74,3 +74,43 @@ def test_a_split_engine_gives_one_rank_s_tokens(name: str, mode: str, models: di
         assert pool.num_free_blocks == pool.num_blocks
     gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert not alive
+
+
+DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+                   "Q: What is 7 times 8?\nA:"]
+
+
+def test_the_default_model_over_two_stages_gives_one_rank_s_tokens() -> None:
+    """SmolLM2's 30 layers as 15 + 15: greedy and seeded sampling as on one rank; each stage
+    caches only its layers' KV, so the same budget holds twice the blocks."""
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, n=2)
+    with LLM(kv_cache_memory="64MiB", num_threads=1) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(DEFAULT_PROMPTS, greedy)]
+        expected_seeded = [[s.token_ids for s in o.outputs] for o in one.generate(DEFAULT_PROMPTS[:2], seeded)]
+        blocks_one = one.engine.block_pool.num_blocks
+    with LLM(kv_cache_memory="64MiB", num_threads=1, pipeline_parallel_size=2) as two:
+        assert [o.outputs[0].token_ids for o in two.generate(DEFAULT_PROMPTS, greedy)] == expected
+        assert [[s.token_ids for s in o.outputs] for o in two.generate(DEFAULT_PROMPTS[:2], seeded)] == expected_seeded
+        assert two.engine.block_pool.num_blocks == 2 * blocks_one
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_stage_killed_mid_run_stops_the_engine_naming_it(victim: int) -> None:
+    from tandem.engine.executor.base import WorkerDiedError
+
+    llm = LLM(kv_cache_memory="64MiB", num_threads=1, pipeline_parallel_size=2)
+    ranks = [psutil.Process(p.pid) for p in llm.engine.core.executor._procs]
+    engine = llm.engine
+    try:
+        engine.add_request(None, DEFAULT_PROMPTS[0], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        for _ in range(6):
+            engine.step()  # mid-run: micro-batches in flight
+        ranks[victim].kill()
+        with pytest.raises(WorkerDiedError, match=rf"rank {victim} \(pid {ranks[victim].pid}\) exited with code -9"):
+            for _ in range(400):
+                engine.step()
+    finally:
+        llm.shutdown()
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, f"ranks left behind: {[p.pid for p in alive]}"

@@ -196,6 +196,9 @@ class MultiprocExecutor(Executor):
                 if self._sockets[rank] in ready:
                     status, value = pickle.loads(self._sockets[rank].recv())
                     if status == "error":
+                        # A rank that lost its peer mid-collective reports the broken
+                        # connection; the peer's death is the cause worth naming.
+                        self.check_health()
                         raise _rank_error(rank, *value)
                     replies[rank] = value
                     pending.discard(rank)
