@@ -40,6 +40,10 @@ a .gguf file, or the alias smollm2-135m. Nothing is downloaded from a model hub.
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.headless:
+        from tandem.engine.executor.headless import run_headless
+
+        return run_headless(serve_engine_config(args))
     from tandem.server.app import run_server
 
     config = server_config(args)
@@ -86,8 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("give prompts with -p/--prompt or one per line on stdin")
-    llm = build_llm(args)
-    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    with build_llm(args) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for output in outputs:
         completion = output.outputs[0]
         if len(outputs) > 1:
@@ -134,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "in its own process; Ctrl-C stops both.")
     add_engine_args(serve)
     add_server_args(serve)
+    serve.add_argument("--headless", action="store_true",
+                       help="run only this node's ranks of a multi-host engine (--nnodes, --node-rank >= 1, "
+                            "--master-addr, --master-port); node 0 serves the API")
     serve.set_defaults(handler=cmd_serve)
     add_route_parser(commands)
 
@@ -170,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, a missing file, ranks that never joined
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
 

@@ -106,6 +106,18 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-expert-parallel",
          "MoE models: shard whole experts over the tensor-parallel ranks and send each token to "
          "its experts by all-to-all, instead of splitting every expert", False, switch=True),
+    Flag("--nnodes",
+         "hosts the ranks span; node 0 runs the engine, the others `tandem serve --headless` "
+         "(default: 1)", 1, type=int, metavar="N"),
+    Flag("--node-rank", "this host's place among the --nnodes (default: 0)", 0, type=int, metavar="K"),
+    Flag("--master-addr",
+         "node 0's address, where every rank meets: torch.distributed on --master-port, rank r's "
+         "channel to the engine on --master-port + 1 + r (default: 127.0.0.1)", "127.0.0.1", metavar="ADDR"),
+    Flag("--master-port", "see --master-addr; needed with --nnodes > 1 (default: a free port)", 0,
+         type=int, metavar="PORT"),
+    Flag("--join-timeout",
+         "seconds for every rank, on every node, to join before start-up fails naming the ranks "
+         "missing and the address they should reach (default: 120)", 120.0, type=float, metavar="S"),
     Flag("--distributed-executor-backend",
          "uni = the one rank inside the engine core process, mp = one process per rank, auto = uni "
          "for one rank, else mp (default: auto)", "auto", choices=("auto", "uni", "mp")),
@@ -183,7 +195,9 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     """Ranks and how they split the model, from the parallelism flags."""
     return ParallelConfig.of(args.world_size, args.tensor_parallel_size, args.distributed_executor_backend,
                              pipeline_parallel_size=args.pipeline_parallel_size,
-                             enable_expert_parallel=args.enable_expert_parallel)
+                             enable_expert_parallel=args.enable_expert_parallel,
+                             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                             master_port=args.master_port, join_timeout=args.join_timeout)
 
 
 def kv_tiers_config(args: argparse.Namespace) -> KVTiersConfig:
@@ -227,6 +241,11 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "join_timeout": args.join_timeout,
         "distributed_executor_backend": args.distributed_executor_backend,
         "kv_tiers": kv_tiers_config(args),
     }

@@ -48,6 +48,11 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        join_timeout: float = 120.0,
         distributed_executor_backend: str = "auto",
         kv_tiers: KVTiersConfig | None = None,
     ) -> None:
@@ -69,7 +74,9 @@ class LLM:
             ),
             parallel=ParallelConfig.of(world_size, tensor_parallel_size, distributed_executor_backend,
                                        pipeline_parallel_size=pipeline_parallel_size,
-                                       enable_expert_parallel=enable_expert_parallel),
+                                       enable_expert_parallel=enable_expert_parallel, nnodes=nnodes,
+                                       node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                                       join_timeout=join_timeout),
             kv_tiers=kv_tiers or KVTiersConfig(),
         )
         self.engine = LLMEngine(config)

@@ -15,11 +15,16 @@ import logging
 import os
 import pickle
 import signal
+import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tandem.engine.executor.ranks import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 logger = logging.getLogger("tandem.worker.rank")
 
@@ -31,9 +36,10 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--address", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--dist-port", type=int, required=True)
+    parser.add_argument("--dist-url", required=True, help="torch.distributed rendezvous, tcp://HOST:PORT")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--join-timeout", type=float, default=120.0)
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     return parser.parse_args(argv)
 
@@ -44,8 +50,38 @@ def _init_distributed(args: argparse.Namespace, backend: str) -> None:
 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{args.dist_port}", rank=args.rank,
+    if not args.dist_url.startswith("tcp://127."):
+        _choose_interface(args.dist_url)
+    dist.init_process_group(backend, init_method=args.dist_url, rank=args.rank,
                             world_size=args.world_size, timeout=timedelta(minutes=10))
+
+
+def _local_address(url: str) -> str:
+    """This host's address on the route to `url` (tcp://HOST:PORT), or "local" for ipc."""
+    if not url.startswith("tcp://"):
+        return "local"
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, int(port)))  # UDP: picks a route, sends nothing
+        return probe.getsockname()[0]
+
+
+def _choose_interface(dist_url: str) -> None:
+    """Across hosts, gloo must listen on the interface that reaches the others; by default
+    it takes the address the host name resolves to, which in a container or a network
+    namespace may be nowhere the peers can reach. The interface that routes to the master
+    is the one: set GLOO_SOCKET_IFNAME to it unless the operator already chose."""
+    import psutil
+
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    local = _local_address(dist_url)
+    host = dist_url.removeprefix("tcp://").rpartition(":")[0]
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == local for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            logger.info("gloo on interface %s (%s), the route to %s", name, local, host)
+            return
 
 
 def _tensor_parallel_group(config: Any, rank: int) -> Any:
@@ -143,15 +179,39 @@ def main(argv: list[str] | None = None) -> int:
     context = zmq.Context()
     sock = context.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
+    monitor = None
+    if args.address.startswith("tcp://"):  # the engine is on another host: notice if it goes
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     sock.connect(args.address)
+    # Queued until connected; the executor waits for every rank's hello before it starts.
+    sock.send(pickle.dumps(("ok", {"pid": os.getpid(), "host": socket.gethostname(),
+                                   "address": _local_address(args.address)})))
     rank = _Rank(args)
+    connected = heard = False
+    started = time.monotonic()
     try:
         while True:
             if not sock.poll(_IDLE_POLL_MS):
+                # Nothing to do: is the engine still there? (Messages first: a shutdown
+                # arrives just before the connection closes.)
+                while monitor is not None and monitor.poll(0):
+                    event = recv_monitor_message(monitor)["event"]
+                    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        connected = True
+                    elif event == zmq.EVENT_DISCONNECTED and connected and not sock.poll(0):
+                        logger.error("rank %d lost the engine at %s; exiting", args.rank, args.address)
+                        return 1
                 if os.getppid() != args.parent_pid:
                     logger.warning("the engine core (pid %d) is gone; rank %d exits", args.parent_pid, args.rank)
                     return 1
+                if not heard and time.monotonic() - started > args.join_timeout:
+                    logger.error("rank %d heard nothing from the engine at %s in %.0f s (is node 0 running, "
+                                 "and can this host reach it?); exiting", args.rank, args.address, args.join_timeout)
+                    return 1
                 continue
+            heard = True
             method, call_args = pickle.loads(sock.recv())
             if method == "shutdown":
                 return 0
@@ -171,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(0)
         sock.close()
         context.term()
 

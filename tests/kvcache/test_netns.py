@@ -10,8 +10,6 @@ the session serves its next turn from the cluster store. Needs root (CI runs as 
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -22,55 +20,15 @@ from pathlib import Path
 import httpx
 import pytest
 from live_server import LiveServer, start_server, stop_server
+from netns_hosts import Hosts, make_hosts, needs_netns
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                reason="network namespaces need root and iproute2 (CI has both)")
-
-
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True)
-
-
-@dataclass
-class Hosts:
-    """Namespaces by name, each with an address on one bridge; the test's side is .1."""
-
-    prefix: str
-    addresses: dict[str, str]
-    bridge: str
-
-    def exec(self, name: str) -> tuple[str, ...]:
-        return ("ip", "netns", "exec", f"{self.prefix}{name}")
+pytestmark = needs_netns
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    tag = f"{os.getpid() % 10000}"
-    prefix, bridge, subnet = f"tdm{tag}-", f"tdmbr{tag}", f"10.77.{os.getpid() % 200}"
-    names = ["prefill0", "prefill1", "decode", "redis"]
-    created: list[str] = []
-    try:
-        sh("ip", "link", "add", bridge, "type", "bridge")
-        sh("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
-        sh("ip", "link", "set", bridge, "up")
-        addresses = {}
-        for index, name in enumerate(names, start=2):
-            ns, veth = f"{prefix}{name}", f"tdm{tag}v{index}"
-            sh("ip", "netns", "add", ns)
-            created.append(ns)
-            sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            sh("ip", "link", "set", veth, "master", bridge)
-            sh("ip", "link", "set", veth, "up")
-            address = f"{subnet}.{index}"
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            addresses[name] = address
-        yield Hosts(prefix, addresses, bridge)
-    finally:
-        for ns in created:
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
-        subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
+    with make_hosts(["prefill0", "prefill1", "decode", "redis"], "tdm") as made:
+        yield made
 
 
 @dataclass

@@ -13,6 +13,9 @@ def make_executor(config: EngineConfig) -> Executor:
                          f"not {parallel.executor_backend!r}")
     if parallel.world_size < 1:
         raise ValueError(f"world size must be >= 1, got {parallel.world_size}")
+    if parallel.node_rank != 0:
+        raise ValueError(f"--node-rank {parallel.node_rank}: only node 0 runs the engine; start the other "
+                         "nodes with `tandem serve --headless`")
     if parallel.uses_processes:
         from tandem.engine.executor.multiproc import MultiprocExecutor
 
