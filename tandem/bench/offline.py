@@ -37,6 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from tandem import supervisor
+from tandem.bench.offline_layouts import (
+    format_breakdown_table,
+    format_layout_table,
+    layout_of,
+    mean_breakdown,
+    parse_layout,
+    plot_breakdown,
+)
 from tandem.bench.offline_report import format_table, plot, ratio_rows, token_agreement
 from tandem.bench.offline_workloads import (
     WARMUP_OUTPUT,
@@ -78,6 +86,13 @@ def add_offline_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="transformers peer: prompts per padded generate call (default: 16)")
     bench.add_argument("--scale", type=float, default=1.0,
                        help="shrink request counts and lengths, e.g. 0.1 for a quick run (default: 1.0)")
+    bench.add_argument("--layouts", default=None, metavar="LIST",
+                       help="tandem alone in several parallel layouts, side by side, e.g. tp1,tp2,ep2,pp2 "
+                            "(tpN, ppN, epN, joined by + as in tp2+pp2); ratios are to the first")
+    bench.add_argument("--profile", action="store_true",
+                       help="after each timed tandem run, an untimed pass with the ranks' profilers on: "
+                            "the share of step time in attention, routing, expert GEMMs, all-to-all, "
+                            "all-reduce and the pipeline")
     bench.add_argument("--workload-seed", type=int, default=0, help="seed offset of the request sets (default: 0)")
     bench.add_argument("--output-dir", default="bench-results/offline",
                        help="where the JSON, the PNG and the run logs go (default: bench-results/offline)")
@@ -99,6 +114,13 @@ def parse_list(text: str | None, allowed: tuple[str, ...], what: str) -> list[st
 
 
 def select_engines(args: argparse.Namespace) -> list[str]:
+    if args.layouts:
+        if args.engines is not None:
+            raise ValueError("--layouts compares tandem with itself; leave --engines out")
+        layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+        for layout in layouts:
+            parse_layout(layout)
+        return [f"tandem@{layout}" for layout in dict.fromkeys(layouts)]
     if args.engines is None:
         engines = ["tandem", "transformers"] + (["vllm"] if args.vllm_python else [])
     else:
@@ -116,6 +138,11 @@ def tandem_flags(args: argparse.Namespace) -> list[str]:
 
 
 def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: int) -> dict[str, Any]:
+    if engine.startswith("tandem@"):
+        values = engine_args("tandem", args, hf_dir, kv_bytes)
+        values.update(parse_layout(layout_of(engine)))
+        values["world_size"] = 1  # set by the layout's sizes
+        return values
     if engine == "tandem":
         # Every engine flag, turned into `tandem.LLM` keywords in the worker (tandem.flags), so a
         # flag added to the engine is benchmarkable here without touching this file.
@@ -183,6 +210,7 @@ def run_one(engine: str, workload: Workload, args: argparse.Namespace, hf_dir: P
         "engine": engine, "workload": workload.to_json(),
         "engine_args": engine_args(engine, args, hf_dir, kv_bytes),
         "warmup_prompt": warmup_prompt(vocab_size, args.workload_seed), "warmup_tokens": WARMUP_OUTPUT,
+        "profile": bool(getattr(args, "profile", False)) and engine.startswith("tandem"),
     }
     out_path.unlink(missing_ok=True)
     spec["launch_time"] = time.time()
@@ -227,7 +255,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
     if args.scale <= 0:
         raise ValueError(f"--scale must be > 0, got {args.scale}")
     kv_bytes = parse_memory_size(args.kv_cache_memory or DEFAULT_BENCH_KV)
-    resolved = resolve_model(args.model, "float32")  # the peers' checkpoint: always float32
+    # The peers' checkpoint is always float32; dummy weights need only the config.
+    resolved = resolve_model(args.model, "float32" if args.load_format != "dummy" else args.dtype)
     hf_config = json.loads((resolved.hf_dir / "config.json").read_text())
     vocab_size = int(hf_config["vocab_size"])
     workloads = {name: build_workload(name, vocab_size, args.scale, args.workload_seed) for name in workload_names}
@@ -262,6 +291,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
             else:
                 logger.warning("%s / %s failed: %s", engine, name, result.get("error"))
 
+    if args.layouts:
+        return _report_layouts(args, resolved, engines, workloads, results, output_dir, stamp, log_dir, started)
     for by_engine in results.values():
         reference = by_engine.get("tandem", {})
         for engine, result in by_engine.items():
@@ -302,3 +333,37 @@ def cmd_offline(args: argparse.Namespace) -> int:
     print(f"\nresults: {json_path}\nchart:   {png_path}\nlogs:    {log_dir}")
     tandem_ok = all(by_engine.get("tandem", {}).get("ok") for by_engine in results.values())
     return 0 if tandem_ok else 1
+
+
+def _report_layouts(args: argparse.Namespace, resolved: Any, engines: list[str], workloads: dict[str, Workload],
+                    results: dict[str, dict[str, dict[str, Any]]], output_dir: Path, stamp: str, log_dir: Path,
+                    started: float) -> int:
+    """The --layouts report: each layout's figures beside the first's, and where steps go."""
+    flags = " ".join(f for f in tandem_flags(args) if not f.startswith(("--tensor-parallel", "--pipeline-parallel",
+                                                                         "--enable-expert")))
+    title = (f"tandem bench offline --layouts: {resolved.name}, {args.dtype}{' ' + flags if flags else ''}, "
+             f"scale {args.scale:g}, {os.cpu_count()} CPUs")
+    table = format_layout_table(results, engines, title)
+    breakdown = format_breakdown_table(results, engines)
+    report = {
+        "schema": SCHEMA, "created": dt.datetime.now().isoformat(timespec="seconds"), "command": sys.argv,
+        "wall_s": time.time() - started, "model": resolved.name, "hf_dir": str(resolved.hf_dir),
+        "host": {"platform": platform.platform(), "python": platform.python_version(),
+                 "cpu_count": os.cpu_count(), "processor": platform.processor()},
+        "config": {"layouts": [layout_of(e) for e in engines], "workloads": list(workloads), "scale": args.scale,
+                   "dtype": args.dtype, "load_format": args.load_format, "profile": args.profile},
+        "workloads": {name: w.summary() for name, w in workloads.items()},
+        "results": [{k: v for k, v in r.items() if k != "output_token_ids"}
+                    for by_engine in results.values() for r in by_engine.values()],
+        "breakdown": {f"{w}/{layout_of(e)}": mean_breakdown(r["profile"])
+                      for w, by_engine in results.items() for e, r in by_engine.items() if r.get("profile")},
+        "table": table, "breakdown_table": breakdown,
+    }
+    json_path = output_dir / f"offline-layouts-{stamp}.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    print(table)
+    if breakdown:
+        print("\nwhere a step's time goes (profiled pass, mean over ranks; % of step time):\n" + breakdown)
+    png = plot_breakdown(results, engines, output_dir / f"offline-layouts-{stamp}.png", title)
+    print(f"\nresults: {json_path}" + (f"\nchart:   {png}" if png else "") + f"\nlogs:    {log_dir}")
+    return 0 if all(r.get("ok") for by_engine in results.values() for r in by_engine.values()) else 1

@@ -32,10 +32,43 @@ Generate = Callable[[list[list[int]], int], list[list[int]]]
 
 
 def peak_rss_mib() -> float:
+    """This process's peak RSS, plus its live descendants' (an engine's rank processes) on
+    Linux, or the largest waited-for child's where /proc is not there."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return max(own, children) * scale / (1 << 20)
+    live = sum(_peak_kib(pid) for pid in _descendants(os.getpid())) if os.path.isdir("/proc") else 0
+    return (max(own, children) * scale + live * 1024) / (1 << 20)
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        kids = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _peak_kib(pid: int) -> int:
+    """VmHWM: the peak resident set of a live process, in KiB (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 # --- engines: each returns (generate function, info dict) -------------------------------------
@@ -60,6 +93,11 @@ def start_tandem(args: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
     info = {"version": tandem.__version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "max_model_len": llm.engine.max_model_len, "kv_blocks": llm.engine.block_pool.num_blocks,
             "engine_startup_s": llm.engine.startup_seconds}
+    core = llm.engine.core
+    # --profile: the ranks record the named phases of each step (tandem/profiling.py).
+    # The pass starts from an empty prefix cache, so its prefills are computed as the timed ones were.
+    generate.profile = (lambda: (core.reset_prefix_cache(), core.collective_rpc("start_profile")),  # type: ignore[attr-defined]
+                        lambda: core.collective_rpc("stop_profile"))
     return generate, info
 
 
@@ -159,7 +197,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "python": platform.python_version(), "pid": os.getpid(), "loadavg_start": _loadavg(),
     }
     try:
-        generate, info = ENGINES[spec["engine"]](spec.get("engine_args") or {})
+        # "tandem@ep2": tandem in one parallel layout of several (the engine args say which).
+        generate, info = ENGINES[spec["engine"].partition("@")[0]](spec.get("engine_args") or {})
         result["ready_s"] = time.time() - spec["launch_time"]
         result["engine_info"] = info
         logger.info("%s ready in %.1f s", spec["engine"], result["ready_s"])
@@ -183,6 +222,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 outputs += generate([prompt], n)
                 result["request_seconds"].append(time.perf_counter() - started)
             result["elapsed_s"] = sum(result["request_seconds"])
+        if spec.get("profile") and hasattr(generate, "profile"):
+            result["profile"] = profile_pass(generate, workload)
         result["prompt_tokens"] = sum(len(p) for p in prompts)
         result["output_tokens"] = sum(len(o) for o in outputs)
         result["output_token_ids"] = outputs
@@ -200,6 +241,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result["peak_rss_mib"] = peak_rss_mib()
     result["loadavg_end"] = _loadavg()
     return result
+
+
+def profile_pass(generate: Generate, workload: dict[str, Any]) -> list[dict[str, float]]:
+    """The workload once more (untimed) with the ranks' profilers on: per rank, milliseconds
+    per phase of the step. A separate pass, so the timed figures carry no profiler overhead."""
+    start, stop = generate.profile  # type: ignore[attr-defined]
+    start()
+    prompts, max_tokens = workload["prompts"], workload["max_tokens"]
+    if workload["mode"] == "batch":
+        generate(prompts, max_tokens[0])
+    else:
+        for prompt, n in zip(prompts, max_tokens, strict=True):
+            generate([prompt], n)
+    return stop()
 
 
 def _loadavg() -> list[float] | None:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.profiling import profiled
+
 
 @dataclass
 class PipelineStage:
@@ -57,14 +59,16 @@ class PipelineStage:
     def send(self, hidden: torch.Tensor) -> None:
         """Hand `hidden` to the next stage without waiting for it to be received."""
         assert self.next_rank is not None, "the last stage sends nothing"
-        self.wait_sent()
-        buffer = hidden.contiguous()
-        self._pending = (dist.isend(buffer, self.next_rank), buffer)
+        with profiled("pp.send"):
+            self.wait_sent()
+            buffer = hidden.contiguous()
+            self._pending = (dist.isend(buffer, self.next_rank), buffer)
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         assert self.prev_rank is not None, "the first stage receives nothing"
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype)
-        dist.recv(hidden, self.prev_rank)
+        with profiled("pp.recv"):  # the wait for the stage before: this stage's idle time
+            dist.recv(hidden, self.prev_rank)
         return hidden
 
     def wait_sent(self) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.profiling import profiled
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -65,7 +67,8 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.split:
-            dist.all_reduce(x, group=self.group)
+            with profiled("tp.all_reduce"):
+                dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +76,8 @@ class TensorParallel:
         if not self.split:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        with profiled("tp.all_gather"):
+            dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
 

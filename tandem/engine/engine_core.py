@@ -303,6 +303,15 @@ class EngineCore:
             events += connector.drain_events()
         return events
 
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a worker method on every rank between steps (profiling); with no request
+        running, after collecting whatever steps are still in flight."""
+        if self._groups:
+            raise RuntimeError("collective_rpc while requests run")
+        while self._in_flight:
+            self.scheduler.update_from_output(self._in_flight.popleft(), self.executor.collect())
+        return self.executor.collective_rpc(method, *args)
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 

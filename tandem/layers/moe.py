@@ -29,8 +29,6 @@ moe.gather (entered only while a profiler runs: otherwise they cost a flag check
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,14 +37,7 @@ from tandem.config import MoeConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.layers.linear import GateUpLinear, RowParallelLinear
-
-_NO_RANGE = contextlib.nullcontext()
-
-
-def _profiled(name: str) -> contextlib.AbstractContextManager:
-    """A profiler range named `name` while a profiler runs; nothing (not even the ~4 us of an
-    idle record_function) otherwise."""
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else _NO_RANGE
+from tandem.profiling import profiled
 
 
 class SharedExperts(nn.Module):
@@ -148,7 +139,7 @@ class FusedMoE(nn.Module):
         if self.ep is not None:
             out = self._expert_parallel_forward(x)
             return out if residual is None else residual + out
-        with _profiled("moe.route"):
+        with profiled("moe.route"):
             weights, experts = route(F.linear(x, self.gate.to(x.dtype)), self.moe, self.correction_bias)
         out = self.experts_forward(x, weights, experts)
         out = self.tp.all_reduce(out)
@@ -157,7 +148,7 @@ class FusedMoE(nn.Module):
         return out if residual is None else residual + out
 
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        with _profiled("moe.experts"):
+        with profiled("moe.experts"):
             top_k = experts.shape[1]
             flat_experts = experts.reshape(-1)
             order = flat_experts.argsort(stable=True)
@@ -193,9 +184,9 @@ class FusedMoE(nn.Module):
         start, count = ep.token_slice(x.shape[0])
         mine = x[start : start + count]
 
-        with _profiled("moe.route"):
+        with profiled("moe.route"):
             weights, experts = route(F.linear(mine, self.gate.to(x.dtype)), self.moe, self.correction_bias)
-        with _profiled("moe.dispatch"):
+        with profiled("moe.dispatch"):
             top_k = experts.shape[1]
             flat_experts = experts.reshape(-1)
             order = flat_experts.argsort(stable=True)  # by expert, hence by the rank that owns it
@@ -205,13 +196,13 @@ class FusedMoE(nn.Module):
             received = ep.exchange_counts(sent)  # [source rank, local expert]
             send_counts, recv_counts = sent.sum(1).tolist(), received.sum(1).tolist()
             rows = ep.all_to_all(mine.index_select(0, token_of), send_counts, recv_counts)
-        with _profiled("moe.experts"):
+        with profiled("moe.experts"):
             # rows arrive by source rank, each source's sorted by expert: sort them by expert
             local_expert = torch.arange(per_rank, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
             by_expert = local_expert.argsort(stable=True)
             sorted_outputs = self._run_experts(rows.index_select(0, by_expert), received.sum(0).tolist())
             outputs = torch.empty_like(sorted_outputs).index_copy_(0, by_expert, sorted_outputs)
-        with _profiled("moe.combine"):
+        with profiled("moe.combine"):
             returned = ep.all_to_all(outputs, recv_counts, send_counts)  # in `order`, as sent
             scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)
             out = torch.zeros(mine.shape, dtype=torch.float32, device=x.device)
@@ -219,5 +210,5 @@ class FusedMoE(nn.Module):
             out = out.to(x.dtype)
             if self.shared_experts is not None:
                 out = out + self.shared_experts(mine)
-        with _profiled("moe.gather"):
+        with profiled("moe.gather"):
             return ep.all_gather_rows(out, token_counts)

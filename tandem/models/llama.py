@@ -24,6 +24,7 @@ from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.moe import FusedMoE
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.profiling import profiled
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -125,7 +126,8 @@ class DecoderLayer(nn.Module):
         self, angles: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.self_attn(angles, self.input_layernorm(hidden), kv_cache, meta, residual=hidden)
+        with profiled("attention"):
+            hidden = self.self_attn(angles, self.input_layernorm(hidden), kv_cache, meta, residual=hidden)
         return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
 
 

@@ -24,6 +24,7 @@ from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan, kv_cache_shape
 from tandem.layers.sampler import Sampler, SamplingRow
+from tandem.profiling import STEP, profiled
 from tandem.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -263,6 +264,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        with profiled(STEP):
+            return self._execute_model(out)
+
+    def _execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(out)
         result = ModelRunnerOutput()
         if out.empty:

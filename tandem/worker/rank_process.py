@@ -168,6 +168,13 @@ class _Rank:
             if self.args.rank != self.output_rank:
                 result.sampled = {}  # the output rank's tokens are the step's
             return result
+        if method == "rpc":
+            from tandem.worker.worker import RPC_METHODS
+
+            name, *rest = args
+            if name not in RPC_METHODS:
+                raise ValueError(f"{name!r} is not a worker RPC; one of {', '.join(RPC_METHODS)}")
+            return getattr(self.worker, name)(*rest)
         raise ValueError(f"unknown call {method!r}")
 
 

@@ -41,9 +41,13 @@ from tandem.loader.model_loader import (
     read_model_config,
 )
 from tandem.loader.resolve import default_cache_dir, resolve_model
+from tandem.profiling import step_breakdown
 from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block, rank_kv_spec
 
 logger = logging.getLogger(__name__)
+
+# What an executor's collective_rpc may call on every rank.
+RPC_METHODS = ("start_profile", "stop_profile")
 
 _DEFAULT_KV_FRACTION = 0.25
 _DEFAULT_KV_CAP = 4 << 30
@@ -102,6 +106,7 @@ class Worker:
         self.kv_shm_path: str | None = None
         self._model: torch.nn.Module | None = None
         self._info: WorkerInfo | None = None
+        self._profiler: Any = None
 
     # --- start-up -------------------------------------------------------------------
     def load_model(self) -> WorkerInfo:
@@ -242,6 +247,19 @@ class Worker:
             connector.wait_for_save()
             result.kv_connector_output = connector.get_finished()
         return result
+
+    # --- profiling (tandem bench offline --profile) -------------------------------------
+    def start_profile(self) -> None:
+        """Record the named phases of every step from now on (tandem/profiling.py)."""
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._profiler.start()
+
+    def stop_profile(self) -> dict[str, float]:
+        """Milliseconds per phase since `start_profile`, the step time they partition."""
+        self._profiler.stop()
+        breakdown = step_breakdown(self._profiler.events())
+        self._profiler = None
+        return breakdown
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -64,6 +64,10 @@ class Executor(ABC):
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; the output rank's result, connector reports merged."""
 
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` (one of the worker's RPC_METHODS) on every rank; replies in rank order."""
+
     def check_health(self) -> None:  # noqa: B027 - nothing to check in-process
         """Raise WorkerDiedError if a rank is gone."""
 

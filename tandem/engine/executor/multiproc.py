@@ -149,6 +149,11 @@ class MultiprocExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> list[dict[str, Any]]:
         return self._call("initialize_cache", num_blocks, timeout=_START_TIMEOUT_S)
 
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        if self._in_flight:
+            raise RuntimeError("collective_rpc with steps in flight: collect them first")
+        return self._call("rpc", method, *args, timeout=_START_TIMEOUT_S)
+
     @property
     def max_concurrent_batches(self) -> int:
         return self.config.parallel.pipeline_parallel_size

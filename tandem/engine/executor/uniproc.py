@@ -31,6 +31,14 @@ class InProcessExecutor(Executor):
         assert self.worker is not None
         return self.worker.execute_model(out)
 
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        from tandem.worker.worker import RPC_METHODS
+
+        assert self.worker is not None
+        if method not in RPC_METHODS:
+            raise ValueError(f"{method!r} is not a worker RPC; one of {', '.join(RPC_METHODS)}")
+        return [getattr(self.worker, method)(*args)]
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

@@ -1,0 +1,136 @@
+"""`tandem bench offline --layouts`: one model in several parallel layouts, side by side.
+
+A layout names how the ranks split the model: `tp2` (tensor parallelism over 2 ranks), `pp2`
+(2 pipeline stages), `ep2` (2 ranks, experts sharded whole, tokens moved by all-to-all, the
+attention tensor-parallel), joined by `+` (`tp2+pp2`); `tp1` is one rank. Each runs the same
+workloads in its own process; the table gives each layout's figures and its ratio to the first.
+
+With `--profile` each run makes a second, untimed pass with the ranks' profilers on and
+reports where a step's time goes, per phase (tandem/profiling.py), averaged over the ranks:
+attention (projections and the attention itself), MoE routing, the experts' GEMMs, the
+all-to-all dispatch and combine (and the all-gather after it), the tensor-parallel
+all-reduces, the pipeline's sends and its wait for the previous stage, and the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from tandem.bench.offline_report import METRICS, WORKLOAD_METRICS, _cell, _ratio_cell, ratio
+
+_PART = re.compile(r"^(tp|pp|ep)(\d+)$")
+
+# Report columns of the step breakdown: (label, the phases summed into it).
+BREAKDOWN_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("attention",)),
+    ("routing", ("moe.route",)),
+    ("expert GEMMs", ("moe.experts",)),
+    ("all-to-all", ("moe.dispatch", "moe.combine", "moe.gather")),
+    ("all-reduce", ("tp.all_reduce", "tp.all_gather")),
+    ("pipeline", ("pp.send", "pp.recv")),
+    ("other", ("other",)),
+)
+
+
+def parse_layout(name: str) -> dict[str, Any]:
+    """tandem.LLM keywords for a layout name ("tp2", "pp2", "ep2", "tp2+pp2", "tp1")."""
+    sizes = {"tp": 1, "pp": 1, "ep": 1}
+    for part in name.split("+"):
+        match = _PART.match(part.strip())
+        if match is None or int(match.group(2)) < 1:
+            raise ValueError(f"layout {name!r}: each part is tpN, ppN or epN (e.g. tp2, pp2, ep2, tp2+pp2)")
+        sizes[match.group(1)] = int(match.group(2))
+    if sizes["ep"] > 1 and sizes["tp"] not in (1, sizes["ep"]):
+        raise ValueError(f"layout {name!r}: experts are sharded over the tensor-parallel ranks, so epN needs tpN "
+                         "alike or none")
+    return {"tensor_parallel_size": max(sizes["tp"], sizes["ep"]), "pipeline_parallel_size": sizes["pp"],
+            "enable_expert_parallel": sizes["ep"] > 1}
+
+
+def layout_of(engine: str) -> str:
+    return engine.partition("@")[2]
+
+
+def format_layout_table(results: dict[str, dict[str, dict[str, Any]]], engines: list[str], title: str) -> str:
+    """Each layout's figures, and each one's ratio to the first layout (x first)."""
+    first = engines[0]
+    header = ["workload", "metric", layout_of(first)]
+    for engine in engines[1:]:
+        header += [layout_of(engine), f"x {layout_of(first)}"]
+    rows = [header]
+    errors = []
+    for workload, by_engine in results.items():
+        for metric in WORKLOAD_METRICS.get(workload, ()):
+            if metric == "agreement":
+                continue
+            label, _ = METRICS[metric]
+            values = [by_engine.get(e, {}).get(metric) if by_engine.get(e, {}).get("ok") else None for e in engines]
+            row = [workload, label, _cell(values[0])]
+            for value in values[1:]:
+                row += [_cell(value), _ratio_cell(ratio(value, values[0]))]
+            rows.append(row)
+        errors += [f"{layout_of(e)} / {workload}: {r.get('error')}" for e, r in by_engine.items() if not r.get("ok")]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [title, ""] + ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                           for r in rows]
+    if errors:
+        lines += ["", *errors]
+    return "\n".join(lines)
+
+
+def mean_breakdown(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The ranks' breakdowns averaged, as shares of the mean step time (%), plus step ms."""
+    ranks = len(per_rank)
+    step = sum(r["step"] for r in per_rank) / ranks
+    steps = max(r["steps"] for r in per_rank) or 1
+    shares = {label: 100 * sum(r.get(p, 0.0) for r in per_rank for p in phases) / ranks / step if step else 0.0
+              for label, phases in BREAKDOWN_COLUMNS}
+    return {"step_ms": step / steps, "steps": steps, **shares}
+
+
+def format_breakdown_table(results: dict[str, dict[str, dict[str, Any]]], engines: list[str]) -> str:
+    """Where a step's time goes, per layout and workload (profiled pass, mean over ranks)."""
+    header = ["workload", "layout", "ms/step", *(label + " %" for label, _ in BREAKDOWN_COLUMNS)]
+    rows = [header]
+    for workload, by_engine in results.items():
+        for engine in engines:
+            profile = by_engine.get(engine, {}).get("profile")
+            if not profile:
+                continue
+            mean = mean_breakdown(profile)
+            rows.append([workload, layout_of(engine), f"{mean['step_ms']:.1f}",
+                         *(f"{mean[label]:.1f}" for label, _ in BREAKDOWN_COLUMNS)])
+    if len(rows) == 1:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                     for r in rows)
+
+
+def plot_breakdown(results: dict[str, dict[str, dict[str, Any]]], engines: list[str], path: Path, title: str) -> Path | None:
+    """Stacked bars: ms per step by phase, one bar per (workload, layout)."""
+    bars = [(f"{workload}\n{layout_of(e)}", mean_breakdown(by_engine[e]["profile"]))
+            for workload, by_engine in results.items() for e in engines if by_engine.get(e, {}).get("profile")]
+    if not bars:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(bars)), 4.5))
+    bottoms = [0.0] * len(bars)
+    for label, _ in BREAKDOWN_COLUMNS:
+        heights = [b[label] / 100 * b["step_ms"] for _, b in bars]
+        ax.bar(range(len(bars)), heights, bottom=bottoms, label=label)
+        bottoms = [x + h for x, h in zip(bottoms, heights, strict=True)]
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
+    ax.set_ylabel("ms per step (mean over ranks)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,38 @@
+"""`tandem bench offline --layouts`: layout names, and the step breakdown's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.bench.offline_layouts import BREAKDOWN_COLUMNS, format_breakdown_table, mean_breakdown, parse_layout
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("tp1", (1, 1, False)),
+    ("tp2", (2, 1, False)),
+    ("pp2", (1, 2, False)),
+    ("ep2", (2, 1, True)),
+    ("tp2+ep2", (2, 1, True)),
+    ("tp2+pp2", (2, 2, False)),
+])
+def test_layout_names(name: str, expected: tuple[int, int, bool]) -> None:
+    got = parse_layout(name)
+    assert (got["tensor_parallel_size"], got["pipeline_parallel_size"], got["enable_expert_parallel"]) == expected
+
+
+@pytest.mark.parametrize("name", ["tp", "dp2", "tp0", "tp2+ep4"])
+def test_bad_layout_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="layout"):
+        parse_layout(name)
+
+
+def test_the_breakdown_is_a_partition_of_the_mean_step() -> None:
+    rank0 = {"step": 100.0, "steps": 10, "attention": 30.0, "moe.route": 5.0, "moe.experts": 40.0,
+             "moe.dispatch": 4.0, "moe.combine": 4.0, "moe.gather": 2.0, "tp.all_reduce": 5.0, "other": 10.0}
+    rank1 = {**rank0, "step": 120.0, "other": 30.0}
+    mean = mean_breakdown([rank0, rank1])
+    assert mean["step_ms"] == pytest.approx(11.0)  # 110 ms over 10 steps
+    assert sum(mean[label] for label, _ in BREAKDOWN_COLUMNS) == pytest.approx(100.0)
+    assert mean["all-to-all"] == pytest.approx(100 * 10 / 110)
+    results = {"decode-heavy": {"tandem@ep2": {"ok": True, "profile": [rank0, rank1]}}}
+    assert "decode-heavy" in format_breakdown_table(results, ["tandem@ep2"])
