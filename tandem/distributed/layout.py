@@ -45,16 +45,14 @@ class RankLayout:
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
     """[start, end) of the decoder layers a pipeline stage holds.
 
-    Layers are dealt evenly; the remainder goes to the earliest stages but never to the last
-    while another can take it, since the last also runs the final norm and the LM head (the
-    same rule as vLLM's). A stage must hold at least one layer.
+    vLLM's rule (`get_pp_indices`), which `tandem plan memory` also follows: equal parts, the
+    remainder one each to the stages just before the last (the last also runs the final norm
+    and the LM head). A stage must hold at least one layer.
     """
     if num_stages > num_layers:
         raise ValueError(f"--pipeline-parallel-size {num_stages} exceeds the model's {num_layers} layers")
-    base, extra = divmod(num_layers, num_stages)
-    sizes = [base] * num_stages
-    takers = list(range(num_stages - 1)) if num_stages > 1 else [0]
-    for index in range(extra):
-        sizes[takers[index % len(takers)]] += 1
+    sizes = [num_layers // num_stages] * num_stages
+    for index in range(2, num_layers % num_stages + 2):
+        sizes[-index] += 1
     start = sum(sizes[:stage])
     return start, start + sizes[stage]

@@ -25,6 +25,7 @@ from tandem.engine.block_pool import BlockPool
 from tandem.engine.executor.base import Executor
 from tandem.engine.executor.factory import make_executor
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.memory_report import log_memory_split
 from tandem.engine.messages import RequestDelta, SequenceDelta
 from tandem.engine.scheduler import RequestUpdate, Scheduler
 from tandem.engine.scheduler_output import SchedulerOutput
@@ -76,6 +77,8 @@ class EngineCore:
             raise
         info = infos[0]
         self.worker_info = info
+        self.worker_infos = infos
+        self.num_blocks = num_blocks
         self.model_config = info.model_config
         self.model_name = info.model_name
         self.hf_dir = info.hf_dir
@@ -101,6 +104,7 @@ class EngineCore:
             self.max_model_len, info.attention_backend,
             "1 rank" if len(infos) == 1 else f"{len(infos)} ranks", self.startup_seconds,
         )
+        log_memory_split(logger, config, infos, num_blocks)
 
     @property
     def root_hash(self) -> int:

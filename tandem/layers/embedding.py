@@ -69,9 +69,11 @@ class LMHead(LinearWeights, nn.Module):
         self.shard = VocabShard(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(self.shard.rows, hidden_size), requires_grad=False)
         self.bias = None
+        self.tied = False  # the weight is the embedding's: never drop it
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         mine = self.shard.take(tensor)

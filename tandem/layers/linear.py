@@ -117,13 +117,14 @@ def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights) -> int:
 
 
 def pack_weights_for_cpu(model: nn.Module) -> int:
-    """oneDNN-pack every linear layer (dense copies dropped) and the LM head (kept: it may be
-    the tied embedding). Returns the layers packed; 0 when oneDNN is not available."""
+    """oneDNN-pack every linear layer and the LM head, dropping their dense copies, except a
+    head tied to the embedding (the embedding reads it). Returns the layers packed; 0 when
+    oneDNN is not available."""
     if not onednn_available():
         return 0
     layers = [m for m in model.modules() if isinstance(m, LinearWeights)]
     for layer in layers:
-        layer.pack_for_cpu(drop_dense=isinstance(layer, Linear))
+        layer.pack_for_cpu(drop_dense=not getattr(layer, "tied", False))
     return len(layers)
 
 

@@ -74,6 +74,10 @@ class WorkerInfo:
     max_model_len: int
     attention_backend: str
     load_seconds: float
+    weight_bytes: int = 0  # what this rank's weights take in memory, packed copies included
+    layers: tuple[int, int] = (0, 0)  # [start, end) of the decoder layers it holds
+    stage: int = 0
+    tp_rank: int = 0
 
 
 class Worker:
@@ -145,6 +149,10 @@ class Worker:
             max_model_len=max_model_len,
             attention_backend=backend.name,
             load_seconds=time.perf_counter() - started,
+            weight_bytes=model_bytes(self._model),
+            layers=(self.stage.start_layer, self.stage.end_layer),
+            stage=self.stage.index,
+            tp_rank=self.tp.rank,
         )
         return self._info
 
@@ -269,6 +277,29 @@ class Worker:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.kv_shm_path)
             self.kv_shm_path = None
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights take: parameters, their oneDNN-packed layouts and their
+    small-step copies (each storage once: a tied head is the embedding)."""
+    seen: set[int] = set()
+    total = 0
+    tensors: list[torch.Tensor] = list(model.parameters())
+    for module in model.modules():
+        for name in ("packed_weight", "small_weight", "small_bias"):
+            extra = getattr(module, name, None)
+            if isinstance(extra, torch.Tensor):
+                tensors.append(extra)
+        tensors += list(getattr(module, "packed_halves", None) or ())
+    for tensor in tensors:
+        if tensor.is_mkldnn:
+            total += tensor.element_size() * tensor.numel()
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def _eos_token_ids(model_config: ModelConfig, hf_dir: Path) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ import pytest
 from tiny_models import save_tiny
 
 from tandem import LLM, SamplingParams
+from tandem.engine.memory_report import memory_split_lines
 
 MODES = {
     "tp2": dict(tensor_parallel_size=2),
@@ -93,6 +94,14 @@ def test_the_default_model_over_two_stages_gives_one_rank_s_tokens() -> None:
         assert [o.outputs[0].token_ids for o in two.generate(DEFAULT_PROMPTS, greedy)] == expected
         assert [[s.token_ids for s in o.outputs] for o in two.generate(DEFAULT_PROMPTS[:2], seeded)] == expected_seeded
         assert two.engine.block_pool.num_blocks == 2 * blocks_one
+        core = two.engine.core
+        split = memory_split_lines(core.config, core.worker_infos, core.num_blocks)
+    assert [line.split(":")[0] for line in split] == ["rank 0 (stage 0, layers 0-14, tp rank 0)",
+                                                       "rank 1 (stage 1, layers 15-29, tp rank 0)"]
+    # Each stage holds half the layers and one of embedding / head: what the plan says, and
+    # what the ranks measure.
+    assert all("weights 0.30 GiB" in line and "planned: weights 0.30 GiB" in line for line in split)
+    assert all("KV 0.06 GiB = 182 blocks" in line for line in split)
 
 
 @pytest.mark.parametrize("victim", [0, 1])

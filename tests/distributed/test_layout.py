@@ -21,9 +21,17 @@ def test_ranks_are_laid_out_stage_major() -> None:
 
 def test_layers_are_dealt_evenly_with_the_remainder_kept_off_the_last_stage() -> None:
     assert [stage_layers(30, 2, s) for s in range(2)] == [(0, 15), (15, 30)]
-    assert [stage_layers(61, 4, s) for s in range(4)] == [(0, 16), (16, 31), (31, 46), (46, 61)]
+    assert [stage_layers(61, 4, s) for s in range(4)] == [(0, 15), (15, 30), (30, 46), (46, 61)]
     assert [stage_layers(7, 4, s) for s in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 7)]
     assert stage_layers(5, 1, 0) == (0, 5)
+
+
+@pytest.mark.parametrize("layers, stages", [(61, 4), (61, 8), (30, 2), (7, 4), (3, 3), (94, 5)])
+def test_the_engine_splits_layers_as_the_memory_plan_does(layers: int, stages: int) -> None:
+    from tandem.plan.sharding import pp_layer_ranges
+
+    planned = [(r.start, r.stop) for r in pp_layer_ranges(layers, stages)]
+    assert [stage_layers(layers, stages, s) for s in range(stages)] == planned
     with pytest.raises(ValueError, match="--pipeline-parallel-size 3 exceeds the model's 2 layers"):
         stage_layers(2, 3, 0)
 
