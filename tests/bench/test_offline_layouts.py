@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.offline_layouts import BREAKDOWN_COLUMNS, format_breakdown_table, mean_breakdown, parse_layout
+from tandem.bench.offline_layouts import (
+    BREAKDOWN_COLUMNS,
+    format_breakdown_table,
+    mean_breakdown,
+    parse_layout,
+)
 
 
 @pytest.mark.parametrize("name, expected", [
