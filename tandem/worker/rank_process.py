@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             try:
                 reply = ("ok", rank.handle(method, call_args))
+            except (ValueError, FileNotFoundError) as exc:  # a bad config or flag: its message says it
+                logger.error("rank %d: %s failed: %s", args.rank, method, exc)
+                reply = ("error", (_picklable(exc), f"{type(exc).__name__}: {exc}"))
+                sock.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+                return 1
             except Exception as exc:
                 logger.exception("rank %d: %s failed", args.rank, method)
                 reply = ("error", (_picklable(exc), f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))

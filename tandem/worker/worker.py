@@ -171,6 +171,7 @@ class Worker:
                      max_model_len: int) -> torch.nn.Module:
         """Build the model, fill its weights, then lay them out for the kernels that read them."""
         load = self.config.load
+        self._check_weights_fit(hf_dir)
         if self.ep is not None and model_config.moe is None and self.rank == 0:
             logger.info("--enable-expert-parallel: %s has no experts; nothing to shard", model_config.architecture)
         model = build_model(model_config, backend, max_model_len, self.dtype, self.tp, self.stage, self.ep)
@@ -187,6 +188,35 @@ class Worker:
         if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
             logger.info("linear weights packed for oneDNN")
         return model
+
+    def _check_weights_fit(self, hf_dir: Path) -> None:
+        """Refuse, before allocating anything, a share of the model this host cannot hold:
+        the memory plan's weight bytes for this rank against the memory available to each of
+        this host's ranks (they load at once). A model too large gets a message saying how to
+        split it, not an allocator's failure halfway through building it."""
+        import json
+
+        from tandem.plan.errors import PlanError
+        from tandem.plan.model_config import read_shape
+        from tandem.plan.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
+
+        parallel = self.config.parallel
+        split = Parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.enable_expert_parallel)
+        try:
+            shape = read_shape(json.loads((hf_dir / "config.json").read_text()))
+            assert self.stage is not None
+            need = stage_weight_bytes(stages(shape, split)[self.stage.index], split, WeightFormat(self.config.load.dtype))
+        except (PlanError, OSError, ValueError, KeyError, IndexError):
+            return  # the plan cannot say; building the model will
+        local_ranks = min(self.world_size, parallel.ranks_per_node)
+        available = psutil.virtual_memory().available // local_ranks
+        if need > available:
+            raise ValueError(
+                f"rank {self.rank} would hold {need / (1 << 30):.1f} GiB of {self.config.load.dtype} weights, but "
+                f"this host has {available / (1 << 30):.1f} GiB available per rank; split the model over more "
+                "ranks or hosts (--tensor-parallel-size, --pipeline-parallel-size, --enable-expert-parallel, "
+                f"--nnodes) or use a smaller --dtype; `tandem plan memory {hf_dir} --devices ...` shows the splits"
+            )
 
     def _small_step_weights(self) -> SmallStepWeights | None:
         load = self.config.load
