@@ -1,18 +1,29 @@
-"""Build a model from its config and fill it: safetensors (mmap), or dummy random weights."""
+"""Build a model from its config and fill it: safetensors (mmap), or dummy random weights.
+
+Weights are read straight from mmap'd safetensors (`safetensors_mmap`): every tensor reaches
+the model as a zero-copy view of the file, each layer narrows it to its tensor-parallel slice
+(still a view) and copies that into its parameter, so only the slice's pages are read from
+disk. The files, cut into spans of consecutive tensors, are loaded by a pool of threads: torch's
+copies release the GIL, so one thread's page faults overlap another's.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from tandem.config import ModelConfig
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend
+from tandem.loader.safetensors_mmap import PrefetchReads, SafetensorsFile
 from tandem.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -34,14 +45,62 @@ def read_model_config(hf_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(hf_dir.glob("*.safetensors"))
+def weight_files(hf_dir: Path) -> list[Path]:
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {hf_dir} (use load_format='dummy' for random weights)")
+    return files
+
+
+def open_checkpoint(hf_dir: Path) -> list[SafetensorsFile]:
+    """Every weight file of `hf_dir`, mapped; a tensor named in two files is refused."""
+    opened = [SafetensorsFile(path) for path in weight_files(hf_dir)]
+    seen: dict[str, Path] = {}
+    for file in opened:
+        for name in file.tensors:
+            if name in seen:
+                raise ValueError(f"{name} is in both {seen[name].name} and {file.path.name} (in {hf_dir})")
+            seen[name] = file.path
+    return opened
+
+
+def iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, zero-copy view) of every checkpoint tensor, file by file in file order."""
+    for file in open_checkpoint(hf_dir):
+        yield from file.items()
+
+
+@dataclass(frozen=True)
+class ReadSpan:
+    """Consecutive tensors of one file, loaded by one thread."""
+
+    file: SafetensorsFile
+    names: tuple[str, ...]
+    nbytes: int
+
+
+def read_spans(files: list[SafetensorsFile], workers: int) -> list[ReadSpan]:
+    """Cut every file into spans of whole tensors, about 1/`workers` of the checkpoint each
+    (at least 64 MiB), so even a single-file checkpoint keeps `workers` threads busy."""
+    total = sum(info.nbytes for file in files for info in file.tensors.values())
+    target = max(-(-total // max(workers, 1)), 64 << 20)
+    spans = []
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, handle.get_tensor(name)
+        names: list[str] = []
+        size = 0
+        for info in file.tensors.values():
+            names.append(info.name)
+            size += info.nbytes
+            if size >= target:
+                spans.append(ReadSpan(file, tuple(names), size))
+                names, size = [], 0
+        if names:
+            spans.append(ReadSpan(file, tuple(names), size))
+    return spans
+
+
+def default_load_workers() -> int:
+    return min(16, max(4, 2 * (os.cpu_count() or 1)))
 
 
 def build_model(
@@ -54,8 +113,41 @@ def build_model(
     return model.to(dtype).eval()
 
 
-def load_weights(model: torch.nn.Module, hf_dir: Path) -> None:
-    loaded = model.load_weights(iter_safetensors(hf_dir))
+def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = None) -> None:
+    """Fill `model` (this rank's share of it) from the safetensors in `hf_dir`.
+
+    The files' spans are fed to `model.load_weights` from `workers` threads at once (default:
+    two per core, 4 to 16: a thread waiting for the disk leaves its core to another). Every
+    tensor goes to its own parameter slice, so the threads never write the same memory.
+    Each span maps its file again, with its own readahead state. A tensor-parallel rank,
+    which keeps slices, loads under `PrefetchReads`: every copy out of the mapping first asks
+    the kernel for exactly the pages it reads, so the other ranks' bytes are never read. A
+    rank that keeps everything lets the kernel's readahead stream the file, which it does
+    best. Torch's intra-op threads are held at one meanwhile: our threads already fill the
+    cores, and a copy split over cores only splits its page faults.
+    """
+    files = open_checkpoint(hf_dir)
+    workers = workers or default_load_workers()
+    spans = read_spans(files, workers)
+    del files  # each span maps its file again; a mapping goes with its last view
+
+    exact = getattr(model, "tp", SINGLE_RANK).split
+
+    def load(span: ReadSpan) -> set[str]:
+        file = span.file.remap()
+        with PrefetchReads(file) if exact else contextlib.nullcontext():
+            return model.load_weights(file.items(list(span.names)))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if workers == 1 or len(spans) == 1:
+            loaded = set().union(*map(load, spans))
+        else:
+            with ThreadPoolExecutor(min(workers, len(spans)), thread_name_prefix="load-weights") as pool:
+                loaded = set().union(*pool.map(load, spans))
+    finally:
+        torch.set_num_threads(threads)
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"checkpoint in {hf_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
