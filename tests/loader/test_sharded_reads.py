@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from tandem.distributed.tensor_parallel import TensorParallel
 from tandem.kernels.torch_attention import TorchAttentionBackend
-from tandem.loader import page_cache
-from tandem.loader.model_loader import build_model, load_weights, read_model_config
+from tandem.loader import model_loader, page_cache
+from tandem.loader.model_loader import build_model, load_weights, read_model_config, read_spans
 
 # The vocabulary (embedding and head, split by rows) dominates, so a rank's share is about
 # half the file; o_proj and down_proj (split by columns, rows of 1 and 4 KiB) are read whole,
@@ -93,7 +93,8 @@ def _reference_load(model: torch.nn.Module, directory: Path) -> None:
 
 
 @pytest.mark.parametrize("tp", [TensorParallel(0, 1), TensorParallel(1, 2)])
-def test_several_files_load_what_one_file_loads(tmp_path: Path, tp: TensorParallel) -> None:
+def test_several_files_load_what_one_file_loads(tmp_path: Path, tp: TensorParallel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_loader, "_MIN_SPAN", 1 << 20)  # so one file is cut into spans too
     tensors = _state_dict()
     tensors = {n: t.bfloat16() if "mlp" in n else t for n, t in tensors.items()}  # converted on copy
     one, three = _save(tmp_path / "one", tensors), _save(tmp_path / "three", tensors, files=3)
@@ -105,6 +106,16 @@ def test_several_files_load_what_one_file_loads(tmp_path: Path, tp: TensorParall
         got = dict(model.named_parameters())
         for name, param in reference.named_parameters():
             assert torch.equal(got[name], param), (directory.name, workers, name)
+
+
+def test_files_are_cut_into_spans_only_when_there_are_fewer_than_workers(tmp_path: Path) -> None:
+    directory = _save(tmp_path, _state_dict(), files=2)
+    files = model_loader.open_checkpoint(directory)
+    assert [len(span.names) for span in read_spans(files, 8)] == [len(f.tensors) for f in files]  # < 1 GiB
+    spans = read_spans(files, 8, min_span=1 << 20)
+    assert len(spans) > len(files)  # cut (a tensor is never split, so not always into 8)
+    assert [n for span in spans for n in span.names] == [n for f in files for n in f.names()]  # file order
+    assert all(span.nbytes == sum(span.file.tensors[n].nbytes for n in span.names) for span in spans)
 
 
 def test_a_tensor_in_two_files_is_refused(tmp_path: Path) -> None:
