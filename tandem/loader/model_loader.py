@@ -24,6 +24,7 @@ import torch
 from tandem.config import ModelConfig
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend
+from tandem.loader.copy_pipeline import ReadAhead, SplitCopies
 from tandem.loader.safetensors_mmap import PrefetchReads, SafetensorsFile
 from tandem.models.registry import model_class
 
@@ -128,14 +129,16 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     `model.load_weights` at once. Every tensor goes to its own parameter slice, so the threads
     never write the same memory. Each stream maps its file again, so has its own readahead.
 
-    A rank that keeps every tensor whole gives each stream one thread and lets the kernel's
-    readahead run ahead of it; on this project's 2-core VM one sequential reader per file loads
-    fastest (two to four through one file: 15-60% slower). A tensor-parallel rank keeps
-    slices: it loads under `PrefetchReads`, every copy first asking the kernel for exactly the
-    pages it reads, so the other ranks' bytes are never read; those reads start only when the
-    copy does, so a stream gets several threads, one copying while another waits for the disk.
-    Torch's intra-op threads are held at one meanwhile: a copy split over cores only splits its
-    page faults into competing streams.
+    A rank that keeps every tensor whole gives each stream one copying thread and a
+    `ReadAhead` thread mapping the file in order ahead of it: one sequential reader per file,
+    the access dd makes (on this project's 2-core VM two to four readers through one file were
+    15-60% slower). A tensor-parallel rank keeps slices: it loads under `PrefetchReads`, every
+    copy first asking the kernel for exactly the pages it reads, so the other ranks' bytes are
+    never read; those reads start only when the copy does, so a stream gets several threads,
+    one copying while another waits for the disk. Either way `SplitCopies` has a helper fault
+    in half of each large destination while the copy fills the other (copy_pipeline). Torch's
+    intra-op threads are held at one meanwhile: a copy split over cores only splits its page
+    faults into competing streams.
     """
     files = open_checkpoint(hf_dir)
     workers = workers or default_load_workers()
@@ -143,10 +146,15 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     del files  # each span maps its file again; a mapping goes with its last view
     exact = getattr(model, "tp", SINGLE_RANK).split
     per_span = max(1, workers // len(spans)) if exact and spans else 1
-    streams = [_Stream(span) for span in spans]
+    streams = [_Stream(span, read_ahead=not exact) for span in spans]
+    helpers = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="load-populate")
 
     def load(stream: _Stream) -> set[str]:
-        with PrefetchReads(stream.file) if exact else contextlib.nullcontext():
+        with contextlib.ExitStack() as modes:
+            modes.callback(stream.close)
+            if exact:
+                modes.enter_context(PrefetchReads(stream.file))
+            modes.enter_context(SplitCopies(helpers))
             return model.load_weights(stream)
 
     jobs = [stream for stream in streams for _ in range(per_span)]
@@ -160,6 +168,7 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
                 loaded = set().union(*pool.map(load, jobs))
     finally:
         torch.set_num_threads(threads)
+        helpers.shutdown()
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"checkpoint in {hf_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
@@ -167,20 +176,37 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
 
 class _Stream:
     """A span's (name, view) pairs in file order, handed out one at a time to whichever of its
-    threads asks next; iterating it gives each thread its own iterator over the same stream."""
+    threads asks next; iterating it gives each thread its own iterator over the same stream.
+    With `read_ahead`, a `ReadAhead` maps the span ahead of the tensor last handed out, from
+    the first one on until `close()`."""
 
-    def __init__(self, span: ReadSpan) -> None:
+    def __init__(self, span: ReadSpan, read_ahead: bool) -> None:
         self.file = span.file.remap()
         self._names = iter(span.names)
+        self._span = span if read_ahead else None
+        self._read_ahead: ReadAhead | None = None
         self._lock = threading.Lock()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while True:
             with self._lock:
                 name = next(self._names, None)
+                if name is not None and self._span is not None:
+                    info = self.file.tensors[name]
+                    if self._read_ahead is None:
+                        last = self.file.tensors[self._span.names[-1]]
+                        self._read_ahead = ReadAhead(self.file.address, info.start, last.end)
+                    self._read_ahead.advance(info.start)
             if name is None:
                 return
             yield name, self.file.tensor(name)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._read_ahead is not None:
+                self._read_ahead.stop()
+                self._read_ahead = None
+            self._span = None
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
