@@ -1,7 +1,7 @@
 """`tandem bench load`: cold start (building the model and reading its weights) against the
 disk's own read speed.
 
-Each repeat, for MODEL's safetensors files:
+After a warm-up round that is not kept, each repeat, for MODEL's safetensors files:
 
 1. the files are dropped from the page cache (POSIX_FADV_DONTNEED, no root needed) and
    mincore checks that they left it;
@@ -51,8 +51,10 @@ def add_load_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("model", nargs="?", default=None, help="model: alias, HF directory or .gguf (default: smollm2-135m)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="the engine's dtype, which the model is built in (default: float32)")
-    parser.add_argument("--repeats", type=int, default=3, metavar="N",
-                        help="cold (and warm) loads, each paired with a dd run (default: 3)")
+    parser.add_argument("--repeats", type=int, default=5, metavar="N",
+                        help="cold (and warm) loads, each paired with a dd run (default: 5)")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N",
+                        help="rounds run first and not kept: the first reads after start-up are often slow (default: 1)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="N processes at once, each loading its share, as the ranks of one machine do (default: 1)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
@@ -125,6 +127,26 @@ def _cached(files: list[Path]) -> int | None:
     return None if any(x is None for x in cached) else sum(x for x in cached if x is not None)
 
 
+def _cpu_by_process() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds so far) of every process (/proc; empty elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    table = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            table[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, ValueError, IndexError):
+            continue
+    return table
+
+
+def _others_cpu(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]], ours: set[int]) -> float:
+    """CPU seconds spent between the snapshots by processes that are not this bench's (ours,
+    their children) and did not start or end meanwhile (a noisy neighbour)."""
+    mine = set(ours) | {pid for pid, (parent, _) in after.items() if parent in ours}
+    return sum(cpu - before[pid][1] for pid, (_, cpu) in after.items() if pid in before and pid not in mine)
+
+
 def _dd(files: list[Path]) -> float:
     """Seconds to read every file once, in order, with dd (or a 16 MiB read loop without dd)."""
     dd = shutil.which("dd")
@@ -164,6 +186,7 @@ def _timed(kind: str, hf_dir: Path, args: argparse.Namespace, files: list[Path])
             if process.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a loading process failed before loading:\n{process.stderr.read()[-3000:]}")
         left = _drop(files) if kind != "warm" else None
+        before = _cpu_by_process()
         for process in ranks:
             assert process.stdin is not None
             process.stdin.write("go\n")
@@ -174,12 +197,14 @@ def _timed(kind: str, hf_dir: Path, args: argparse.Namespace, files: list[Path])
             if process.returncode != 0:
                 raise RuntimeError(f"a loading process failed:\n{err[-3000:]}")
             results.append(json.loads(out.strip().splitlines()[-1]))
+        others = _others_cpu(before, _cpu_by_process(), {os.getpid(), *(p.pid for p in ranks)})
     finally:
         for process in ranks:
             if process.poll() is None:
                 process.kill()
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return {"seconds": seconds, "ranks": results, "left_cached": left, "cached_after": _cached(files)}
+    return {"seconds": seconds, "ranks": results, "left_cached": left, "cached_after": _cached(files),
+            "others_cpu_s": others}
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -188,8 +213,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     from tandem.loader.model_loader import weight_files
     from tandem.loader.resolve import resolve_model
 
-    if args.repeats < 1 or args.tensor_parallel_size < 1:
-        raise ValueError("--repeats and --tensor-parallel-size must be at least 1")
+    if args.repeats < 1 or args.tensor_parallel_size < 1 or args.warmup < 0:
+        raise ValueError("--repeats and --tensor-parallel-size must be at least 1, --warmup at least 0")
     resolved = resolve_model(args.model, args.dtype)
     files = weight_files(resolved.hf_dir)
     total = sum(path.stat().st_size for path in files)
@@ -197,8 +222,11 @@ def cmd_load(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     kinds = ["dd", "cold"] + ([] if args.no_warm else ["warm"])
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
-    for _, kind in tqdm([(r, k) for r in range(args.repeats) for k in kinds], desc="cold start", unit="run"):
-        runs[kind].append(_timed(kind, resolved.hf_dir, args, files))
+    plan = [(r, k) for r in range(-args.warmup, args.repeats) for k in kinds]
+    for repeat, kind in tqdm(plan, desc="cold start", unit="run"):
+        result = _timed(kind, resolved.hf_dir, args, files)
+        if repeat >= 0:  # the warm-up rounds are not kept
+            runs[kind].append(result)
     summary = summarize(runs, total, args.tensor_parallel_size)
     table = report(summary, resolved.name, files, total, args)
     print(table)
@@ -235,6 +263,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]], total: int, size: int) -> d
         ]
         entry["cached_after"] = _median([r["cached_after"] for r in runs[kind]])
         summary[kind] = entry
+    timed = [r for kind_runs in runs.values() for r in kind_runs]
+    summary["others_cpu_share"] = (sum(r["others_cpu_s"] for r in timed)
+                                   / max(1e-9, sum(r["seconds"] for r in timed) * (os.cpu_count() or 1)))
     lefts = [r["left_cached"] for kind in ("dd", "cold") for r in runs.get(kind, [])]
     summary["cache_drop"] = ("unverified" if any(x is None for x in lefts)
                              else "ok" if max(lefts) <= 0.01 * total else f"failed: up to {max(lefts)} bytes stayed cached")
@@ -270,6 +301,9 @@ def report(summary: dict[str, Any], name: str, files: list[Path], total: int, ar
     if size > 1 and cold["cached_after"] is not None:
         lines.append(f"  the ranks together read {cold['cached_after'] / 1e9:.3f} GB of {total / 1e9:.3f} GB")
     lines.append(f"page cache drop: {summary['cache_drop']}")
+    share = summary["others_cpu_share"]
+    lines.append(f"other processes used {share:.0%} of the CPUs during the timed runs"
+                 + (": a busy machine, figures noisy" if share > 0.05 else " (a quiet machine)"))
     verdict = "met" if cold["ratio_to_dd"] >= GOAL else "not met"
     each = ", ".join(f"{r:.0%}" for r in cold["ratios_to_dd"])
     lines.append(f"goal: cold load >= {GOAL:.0%} of dd's GB/s: {cold['ratio_to_dd']:.0%} (median of {each}), {verdict}")

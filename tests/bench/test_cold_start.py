@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _bench(model_dir: Path, out: Path, *args: str) -> tuple[str, dict]:
-    done = subprocess.run([sys.executable, "-m", "tandem", "bench", "load", str(model_dir), "--repeats", "2",
+    done = subprocess.run([sys.executable, "-m", "tandem", "bench", "load", str(model_dir), "--repeats", "2", "--warmup", "0",
                            "--output-dir", str(out), *args], capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = out.glob("load-*")
