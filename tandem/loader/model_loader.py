@@ -1,20 +1,33 @@
-"""Build a model from its config and fill it: safetensors (mmap), or dummy random weights."""
+"""Build a model from its config and fill it: safetensors (mmap), or dummy random weights.
+
+Weights are read straight from mmap'd safetensors (`safetensors_mmap`): every tensor reaches
+the model as a zero-copy view of the file, each layer narrows it to its tensor-parallel slice
+(still a view) and copies that into its parameter, so only the slice's pages are read from
+disk. The files (big ones cut into spans of consecutive tensors) are loaded by a pool of
+threads: torch's copies release the GIL, so one thread's page faults overlap another's.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from tandem.config import ModelConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend
+from tandem.loader.copy_pipeline import ReadAhead, SplitCopies
+from tandem.loader.safetensors_mmap import PrefetchReads, SafetensorsFile
 from tandem.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -36,14 +49,68 @@ def read_model_config(hf_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(hf_dir.glob("*.safetensors"))
+def weight_files(hf_dir: Path) -> list[Path]:
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {hf_dir} (use load_format='dummy' for random weights)")
+    return files
+
+
+def open_checkpoint(hf_dir: Path) -> list[SafetensorsFile]:
+    """Every weight file of `hf_dir`, mapped; a tensor named in two files is refused."""
+    opened = [SafetensorsFile(path) for path in weight_files(hf_dir)]
+    seen: dict[str, Path] = {}
+    for file in opened:
+        for name in file.tensors:
+            if name in seen:
+                raise ValueError(f"{name} is in both {seen[name].name} and {file.path.name} (in {hf_dir})")
+            seen[name] = file.path
+    return opened
+
+
+def iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, zero-copy view) of every checkpoint tensor, file by file in file order."""
+    for file in open_checkpoint(hf_dir):
+        yield from file.items()
+
+
+@dataclass(frozen=True)
+class ReadSpan:
+    """Consecutive tensors of one file, loaded by one thread."""
+
+    file: SafetensorsFile
+    names: tuple[str, ...]
+    nbytes: int
+
+
+_MIN_SPAN = 1 << 30
+
+
+def read_spans(files: list[SafetensorsFile], workers: int, min_span: int | None = None) -> list[ReadSpan]:
+    """Cut the files into spans of whole tensors, one thread's work each: a file is one span,
+    unless the checkpoint has fewer files than `workers`, when files are cut into spans of
+    about 1/`workers` of the checkpoint, but never under `min_span` (1 GiB). Measured on a
+    2-core VM's virtio disk: a 0.54 GB file read by one sequential stream loads at dd's
+    speed, by two to four streams 15-60% slower; several files in parallel do not lose."""
+    total = sum(info.nbytes for file in files for info in file.tensors.values())
+    target = max(-(-total // max(workers, 1)), _MIN_SPAN if min_span is None else min_span)
+    spans = []
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, handle.get_tensor(name)
+        names: list[str] = []
+        size = 0
+        for info in file.tensors.values():
+            names.append(info.name)
+            size += info.nbytes
+            if size >= target:
+                spans.append(ReadSpan(file, tuple(names), size))
+                names, size = [], 0
+        if names:
+            spans.append(ReadSpan(file, tuple(names), size))
+    return spans
+
+
+def default_load_workers() -> int:
+    return min(16, max(4, 2 * (os.cpu_count() or 1)))
 
 
 def build_model(
@@ -58,11 +125,92 @@ def build_model(
     return model.to(dtype).eval()
 
 
-def load_weights(model: torch.nn.Module, hf_dir: Path) -> None:
-    loaded = model.load_weights(iter_safetensors(hf_dir))
+def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = None) -> None:
+    """Fill `model` (this rank's share of it) from the safetensors in `hf_dir`.
+
+    Each file (`read_spans`: a big one may be cut into spans) is one stream of tensors in file
+    order, and `workers` threads (default: two per core, 4 to 16) feed the streams to
+    `model.load_weights` at once. Every tensor goes to its own parameter slice, so the threads
+    never write the same memory. Each stream maps its file again, so has its own readahead.
+
+    A rank that keeps every tensor whole gives each stream one copying thread and a
+    `ReadAhead` thread mapping the file in order ahead of it: one sequential reader per file,
+    the access dd makes (on this project's 2-core VM two to four readers through one file were
+    15-60% slower). A tensor-parallel rank keeps slices: it loads under `PrefetchReads`, every
+    copy first asking the kernel for exactly the pages it reads, so the other ranks' bytes are
+    never read; those reads start only when the copy does, so a stream gets several threads,
+    one copying while another waits for the disk. Either way `SplitCopies` has a helper fault
+    in half of each large destination while the copy fills the other (copy_pipeline). Torch's
+    intra-op threads are held at one meanwhile: a copy split over cores only splits its page
+    faults into competing streams.
+    """
+    files = open_checkpoint(hf_dir)
+    workers = workers or default_load_workers()
+    spans = read_spans(files, workers)
+    del files  # each span maps its file again; a mapping goes with its last view
+    exact = getattr(model, "tp", SINGLE_RANK).split
+    per_span = max(1, workers // len(spans)) if exact and spans else 1
+    streams = [_Stream(span, read_ahead=not exact) for span in spans]
+    helpers = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="load-populate")
+
+    def load(stream: _Stream) -> set[str]:
+        with contextlib.ExitStack() as modes:
+            modes.callback(stream.close)
+            if exact:
+                modes.enter_context(PrefetchReads(stream.file))
+            modes.enter_context(SplitCopies(helpers))
+            return model.load_weights(stream)
+
+    jobs = [stream for stream in streams for _ in range(per_span)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if workers == 1 or len(jobs) == 1:
+            loaded = set().union(*map(load, jobs))
+        else:
+            with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="load-weights") as pool:
+                loaded = set().union(*pool.map(load, jobs))
+    finally:
+        torch.set_num_threads(threads)
+        helpers.shutdown()
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"checkpoint in {hf_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+
+class _Stream:
+    """A span's (name, view) pairs in file order, handed out one at a time to whichever of its
+    threads asks next; iterating it gives each thread its own iterator over the same stream.
+    With `read_ahead`, a `ReadAhead` maps the span ahead of the tensor last handed out, from
+    the first one on until `close()`."""
+
+    def __init__(self, span: ReadSpan, read_ahead: bool) -> None:
+        self.file = span.file.remap()
+        self._names = iter(span.names)
+        self._span = span if read_ahead else None
+        self._read_ahead: ReadAhead | None = None
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            with self._lock:
+                name = next(self._names, None)
+                if name is not None and self._span is not None:
+                    info = self.file.tensors[name]
+                    if self._read_ahead is None:
+                        last = self.file.tensors[self._span.names[-1]]
+                        self._read_ahead = ReadAhead(self.file.address, info.start, last.end)
+                    self._read_ahead.advance(info.start)
+            if name is None:
+                return
+            yield name, self.file.tensor(name)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._read_ahead is not None:
+                self._read_ahead.stop()
+                self._read_ahead = None
+            self._span = None
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:

@@ -3,8 +3,9 @@ cache (layers/mla.py), the first `first_k_dense_replace` layers with a dense MLP
 with 256 (384 for K2) routed experts chosen by group-limited sigmoid routing plus a shared
 expert (layers/moe.py). The decoder around them is the Llama one.
 
-Checkpoint fix-ups on load: the rotary rows are de-interleaved (loader/mla_weights.py), and
-the multi-token-prediction layer some checkpoints carry after the last layer (used only for
+Checkpoint fix-ups on load: the rotary rows are de-interleaved (loader/mla_weights.py) in the
+loaded parameters, so a tensor-parallel rank reorders only the heads it holds, and the
+multi-token-prediction layer some checkpoints carry after the last layer (used only for
 speculative decoding) is skipped.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from tandem.loader.mla_weights import deinterleave_rope_rows
+from tandem.loader.mla_weights import deinterleave_rope_rows_, has_interleaved_rope_rows
 from tandem.models.llama import LlamaForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -23,9 +24,16 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._fixed(weights))
+        loaded = super().load_weights(self._checked(weights))
+        mla = self.config.mla
+        assert mla is not None
+        with torch.no_grad():
+            for name in loaded:
+                if has_interleaved_rope_rows(name, mla):
+                    deinterleave_rope_rows_(name, self.get_parameter(name).data, mla)
+        return loaded
 
-    def _fixed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
         assert cfg.mla is not None
         for name, tensor in weights:
@@ -37,4 +45,4 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                     f"{name}: FP8 block-quantised checkpoints are not supported yet; "
                     "use a bf16 conversion or --load-format dummy"
                 )
-            yield name, deinterleave_rope_rows(name, tensor, cfg.mla, cfg.num_attention_heads)
+            yield name, tensor

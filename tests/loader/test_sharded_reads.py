@@ -1,0 +1,126 @@
+"""Loading from mmap'd safetensors: a tensor-parallel rank reads only its shard of the file
+(checked in the page cache), and several files, read by several threads, load exactly what one
+file read the old way (safetensors' own full reads) does."""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tandem.distributed.tensor_parallel import TensorParallel
+from tandem.kernels.torch_attention import TorchAttentionBackend
+from tandem.loader import model_loader, page_cache
+from tandem.loader.model_loader import build_model, load_weights, read_model_config, read_spans
+
+# The vocabulary (embedding and head, split by rows) dominates, so a rank's share is about
+# half the file; o_proj and down_proj (split by columns, rows of 1 and 4 KiB) are read whole,
+# since half a row is less than a page.
+CONFIG = transformers.LlamaConfig(
+    vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+)
+PAGE = mmap.PAGESIZE
+
+
+def _state_dict() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(CONFIG)
+    return {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+
+
+def _save(directory: Path, tensors: dict[str, torch.Tensor], files: int = 1) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**CONFIG.to_dict(), "architectures": ["LlamaForCausalLM"]}))
+    names = sorted(tensors)
+    for index in range(files):
+        part = {name: tensors[name] for name in names[index::files]}
+        save_file(part, str(directory / f"model-{index + 1:05d}-of-{files:05d}.safetensors"))
+    return directory
+
+
+def _build(directory: Path, tp: TensorParallel) -> torch.nn.Module:
+    return build_model(read_model_config(directory), TorchAttentionBackend(), 128, torch.float32, tp)
+
+
+def _cold(path: Path) -> None:
+    left = page_cache.make_cold(path)
+    if left is None:
+        pytest.skip("mincore cannot see this file's page cache")
+    if left > 2 * PAGE:
+        pytest.skip(f"{path.parent} keeps its pages cached after POSIX_FADV_DONTNEED (tmpfs?)")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_reads_only_its_shard_of_the_file(tmp_path: Path, rank: int) -> None:
+    tensors = _state_dict()
+    directory = _save(tmp_path, tensors)
+    (path,) = directory.glob("*.safetensors")
+    _cold(path)
+    model = _build(directory, TensorParallel(rank, 2))
+    load_weights(model, directory, workers=3)
+    read = page_cache.resident_bytes(path)
+    # What the rank holds of each split tensor (a contiguous block of rows, so whole pages
+    # but the two at its ends), plus the tensors read whole: columns of o/down, the norms.
+    whole = {n for n in tensors if n.endswith(("o_proj.weight", "down_proj.weight", "norm.weight"))}
+    held = sum(p.numel() * 4 for n, p in model.named_parameters()
+               if not n.endswith(("o_proj.weight", "down_proj.weight", "norm.weight")))
+    expected = held + sum(tensors[n].numel() * 4 for n in whole)
+    slack = 2 * PAGE * len(tensors) + 16 * PAGE  # partial pages at each tensor's ends; the header
+    assert expected - slack <= read <= expected + slack, (read, expected)
+    assert read < 0.6 * path.stat().st_size  # about half the file
+    _cold(path)
+    load_weights(_build(directory, TensorParallel(0, 1)), directory, workers=3)
+    assert page_cache.resident_bytes(path) >= path.stat().st_size - PAGE  # unsplit: all of it
+
+
+def _reference_load(model: torch.nn.Module, directory: Path) -> None:
+    """What loading did before mmap views: safetensors' full read of every tensor."""
+    def tensors():
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, handle.get_tensor(name)
+
+    loaded = model.load_weights(tensors())
+    assert loaded >= model.expected_weight_names()
+
+
+@pytest.mark.parametrize("tp", [TensorParallel(0, 1), TensorParallel(1, 2)])
+def test_several_files_load_what_one_file_loads(tmp_path: Path, tp: TensorParallel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_loader, "_MIN_SPAN", 1 << 20)  # so one file is cut into spans too
+    tensors = _state_dict()
+    tensors = {n: t.bfloat16() if "mlp" in n else t for n, t in tensors.items()}  # converted on copy
+    one, three = _save(tmp_path / "one", tensors), _save(tmp_path / "three", tensors, files=3)
+    reference = _build(one, tp)
+    _reference_load(reference, one)
+    for directory, workers in [(one, 1), (one, 4), (three, 1), (three, 3)]:
+        model = _build(directory, tp)
+        load_weights(model, directory, workers=workers)
+        got = dict(model.named_parameters())
+        for name, param in reference.named_parameters():
+            assert torch.equal(got[name], param), (directory.name, workers, name)
+
+
+def test_files_are_cut_into_spans_only_when_there_are_fewer_than_workers(tmp_path: Path) -> None:
+    directory = _save(tmp_path, _state_dict(), files=2)
+    files = model_loader.open_checkpoint(directory)
+    assert [len(span.names) for span in read_spans(files, 8)] == [len(f.tensors) for f in files]  # < 1 GiB
+    spans = read_spans(files, 8, min_span=1 << 20)
+    assert len(spans) > len(files)  # cut (a tensor is never split, so not always into 8)
+    assert [n for span in spans for n in span.names] == [n for f in files for n in f.names()]  # file order
+    assert all(span.nbytes == sum(span.file.tensors[n].nbytes for n in span.names) for span in spans)
+
+
+def test_a_tensor_in_two_files_is_refused(tmp_path: Path) -> None:
+    tensors = _state_dict()
+    directory = _save(tmp_path, tensors, files=2)
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(directory / "extra.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight is in both"):
+        load_weights(_build(directory, TensorParallel(0, 1)), directory)
