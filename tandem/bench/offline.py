@@ -255,6 +255,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
     if args.scale <= 0:
         raise ValueError(f"--scale must be > 0, got {args.scale}")
     kv_bytes = parse_memory_size(args.kv_cache_memory or DEFAULT_BENCH_KV)
+    if Path(args.model).exists():  # the runs start in a scratch directory
+        args.model = str(Path(args.model).resolve())
     # The peers' checkpoint is always float32; dummy weights need only the config.
     resolved = resolve_model(args.model, "float32" if args.load_format != "dummy" else args.dtype)
     hf_config = json.loads((resolved.hf_dir / "config.json").read_text())
