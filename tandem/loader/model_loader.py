@@ -133,10 +133,11 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     `model.load_weights` at once. Every tensor goes to its own parameter slice, so the threads
     never write the same memory. Each stream maps its file again, so has its own readahead.
 
-    A rank that keeps every tensor whole gives each stream one copying thread and a
+    A rank that keeps the whole checkpoint gives each stream one copying thread and a
     `ReadAhead` thread mapping the file in order ahead of it: one sequential reader per file,
     the access dd makes (on this project's 2-core VM two to four readers through one file were
-    15-60% slower). A tensor-parallel rank keeps slices: it loads under `PrefetchReads`, every
+    15-60% slower). A rank that keeps part of it (tensor-parallel slices, a pipeline stage, a
+    share of the experts) loads under `PrefetchReads`, every
     copy first asking the kernel for exactly the pages it reads, so the other ranks' bytes are
     never read; those reads start only when the copy does, so a stream gets several threads,
     one copying while another waits for the disk. Either way `SplitCopies` has a helper fault
@@ -148,7 +149,10 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     workers = workers or default_load_workers()
     spans = read_spans(files, workers)
     del files  # each span maps its file again; a mapping goes with its last view
-    exact = getattr(model, "tp", SINGLE_RANK).split
+    # A rank that keeps part of the checkpoint (tensor-parallel slices, a pipeline stage's
+    # layers, a share of the experts) reads exactly what it keeps; the rest is never touched.
+    stage = getattr(model, "stage", None)
+    exact = getattr(model, "tp", SINGLE_RANK).split or bool(stage is not None and stage.split)
     per_span = max(1, workers // len(spans)) if exact and spans else 1
     streams = [_Stream(span, read_ahead=not exact) for span in spans]
     helpers = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="load-populate")
@@ -222,5 +226,6 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
         elif name.endswith(".bias"):
             param.data.zero_()
         else:
-            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.02
-            param.data.copy_(values)
+            # In place, in the run dtype: no float32 temporary as large as the tensor (an
+            # expert stack of a DeepSeek-V3 layer is 3.5 GB in float32).
+            param.data.normal_(0.0, 0.02, generator=generator)

@@ -80,6 +80,29 @@ def test_a_rank_reads_only_its_shard_of_the_file(tmp_path: Path, rank: int) -> N
     assert page_cache.resident_bytes(path) >= path.stat().st_size - PAGE  # unsplit: all of it
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_pipeline_stage_reads_only_its_layers(tmp_path: Path, stage: int) -> None:
+    """Stage 0 keeps layer 0 and the embedding, stage 1 layer 1, the final norm and the head;
+    neither reads a byte of the other's tensors."""
+    from tandem.distributed.pipeline_parallel import PipelineStage
+
+    tensors = _state_dict()
+    directory = _save(tmp_path, tensors)
+    (path,) = directory.glob("*.safetensors")
+    _cold(path)
+    config = read_model_config(directory)
+    model = build_model(config, TorchAttentionBackend(), 128, torch.float32, TensorParallel(),
+                        PipelineStage(stage, 2, stage, stage + 1))
+    load_weights(model, directory, workers=3)
+    kept = model.expected_weight_names()
+    assert kept and all(model.holds_weight(n) for n in kept)
+    expected = sum(tensors[n].numel() * 4 for n in kept)
+    slack = 2 * PAGE * len(tensors) + 16 * PAGE
+    read = page_cache.resident_bytes(path)
+    assert expected - slack <= read <= expected + slack, (read, expected)
+    assert read < 0.6 * path.stat().st_size
+
+
 def _reference_load(model: torch.nn.Module, directory: Path) -> None:
     """What loading did before mmap views: safetensors' full read of every tensor."""
     def tensors():
