@@ -18,7 +18,7 @@ not scheduled again until its result arrives (its next token is unknown), except
 whose in-flight chunk samples nothing: its next chunk may follow at once, since every stage
 runs the micro-batches in order. Such requests are never preempted (a stage may still be
 writing their blocks), and each micro-batch takes at most its share of the running requests
-so that the next one has work for the stage the first has left.
+and of the tokens to compute, so that the next one has work for the stage the first has left.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from tandem.engine.scheduler_output import (
 )
 from tandem.kvcache.connector.base import KVConnectorOutput, KVConnectorScheduler
 from tandem.types import Request, RequestStatus, SampledToken
+
+
+_MIN_MICRO_BATCH = 128  # tokens: below this a micro-batch's GEMMs get thin for little gain
 
 
 @dataclass
@@ -169,7 +172,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_since_step)
         self._finished_since_step = []
         self._give_up_late_loads()
-        budget = self.config.max_num_batched_tokens
+        budget = self._micro_batch_budget()
 
         # With micro-batches in flight, each takes at most its share of the running requests.
         room = len(self.running)
@@ -206,6 +209,20 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _micro_batch_budget(self) -> int:
+        """The step's token budget. With micro-batches in flight, a step takes its share of
+        the work there is (and at least `_MIN_MICRO_BATCH`), so that prompts arriving together
+        fill every stage of the pipeline instead of one micro-batch with the others empty."""
+        budget = self.config.max_num_batched_tokens
+        depth = self.max_concurrent_batches
+        if depth == 1:
+            return budget
+        # The work in flight counts too: two micro-batches share what there is between them.
+        work = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        work += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting
+                    if r.status != RequestStatus.WAITING_FOR_REMOTE_KV)
+        return min(budget, max(_MIN_MICRO_BATCH, -(-work // depth)))
 
     def _preemption_victim(self) -> Request | None:
         """The most recently admitted running request with no step in flight."""

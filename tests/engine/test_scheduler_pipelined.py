@@ -138,3 +138,24 @@ def test_an_abort_while_in_flight_frees_the_blocks_once(make_engine) -> None:
     assert eng.scheduler._in_flight.get("a") is None
     driver.run()
     assert eng.finished["b"].reason == RequestStatus.FINISHED_LENGTH
+
+
+def test_prompts_arriving_together_are_shared_between_micro_batches(make_engine, reference) -> None:
+    """Six 200-token prompts (1,200 tokens) under a 2,048-token budget: one step could take
+    them all and leave the second stage idle; each micro-batch takes about half."""
+    from tandem.engine import scheduler as scheduler_module
+
+    eng = make_engine(num_blocks=512, max_num_batched_tokens=2048, max_concurrent_batches=DEPTH,
+                      max_model_len=512)
+    prompts = {f"r{i}": prompt(200, 40 + i) for i in range(6)}
+    for request_id, tokens in prompts.items():
+        eng.add(request_id, tokens, max_tokens=3)
+    driver = Pipelined(eng)
+    driver.step()
+    driver.step()
+    first, second = (sum(n for _, _, n in chunks) for chunks in driver.chunks[:2])
+    assert (first, second) == (600, 600)
+    assert scheduler_module._MIN_MICRO_BATCH < 600
+    driver.run()
+    for request_id, tokens in prompts.items():
+        assert eng.finished[request_id].request.output_token_ids == reference(tokens, 3)
