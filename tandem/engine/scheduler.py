@@ -40,7 +40,6 @@ from tandem.engine.scheduler_output import (
 from tandem.kvcache.connector.base import KVConnectorOutput, KVConnectorScheduler
 from tandem.types import Request, RequestStatus, SampledToken
 
-
 _MIN_MICRO_BATCH = 128  # tokens: below this a micro-batch's GEMMs get thin for little gain
 
 

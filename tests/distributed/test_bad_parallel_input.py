@@ -17,7 +17,7 @@ MINI = str(CONFIGS / "deepseek-v3-mini")
 @pytest.mark.parametrize("args, message", [
     ([str(CONFIGS / "deepseek-v3")], "rank 0 would hold 2499.8 GiB of float32 weights, but this host has"),
     ([MINI, "--tensor-parallel-size", "3"], "--tensor-parallel-size 3 does not divide the model's attention heads (128)"),
-    ([MINI, "--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4 exceeds the model's 3 layers"),
+    ([MINI, "--pipeline-parallel-size", "5"], "--pipeline-parallel-size 5 exceeds the model's 4 layers"),
     ([MINI, "--enable-expert-parallel"], "--enable-expert-parallel shards the experts over the tensor-parallel ranks"),
     ([MINI, "--world-size", "3", "--tensor-parallel-size", "2"], "the world is their product, 2 ranks"),
     ([MINI, "--pipeline-parallel-size", "2", "--node-rank", "1", "--nnodes", "2", "--master-port", "29800"], "only node 0 runs the engine"),
