@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from tandem.bench.machine import matmul_flops_per_s, memory_copy_bytes_per_s
 from tandem.bench.serve import LaunchedServer, free_port
 
 logger = logging.getLogger(__name__)
@@ -172,21 +173,8 @@ def run_tier(tier: str, args: argparse.Namespace, prompts: list[tuple[list[int],
 def machine_limits(kv_bytes_per_token: int, params: int, tokens: int) -> dict[str, float]:
     """What this machine could do at best: a memory copy of the prefix's KV, and its prefill's
     matmul FLOPs at the measured fp32 matmul rate (2 threads, torch)."""
-    import torch
-
-    big = torch.empty(64 << 20, dtype=torch.uint8)
-    big.fill_(1)
-    out = torch.empty_like(big)
-    started = time.perf_counter()
-    for _ in range(5):
-        out.copy_(big)
-    copy_bps = 5 * big.numel() / (time.perf_counter() - started)
-    a, b = torch.randn(2048, 576), torch.randn(576, 1536)
-    torch.mm(a, b)
-    started = time.perf_counter()
-    for _ in range(5):
-        torch.mm(a, b)
-    flops = 5 * 2 * 2048 * 576 * 1536 / (time.perf_counter() - started)
+    copy_bps = memory_copy_bytes_per_s()
+    flops = matmul_flops_per_s("float32")
     kv_bytes = kv_bytes_per_token * tokens
     return {"memcpy_bytes_per_s": copy_bps, "matmul_flops_per_s": flops, "kv_bytes": kv_bytes,
             "ideal_load_s": kv_bytes / copy_bps, "ideal_prefill_s": 2 * params * tokens / flops}

@@ -39,8 +39,10 @@ from typing import Any
 from tandem import supervisor
 from tandem.bench.offline_layouts import (
     format_breakdown_table,
+    format_ceilings,
     format_layout_table,
     layout_of,
+    machine_ceilings,
     mean_breakdown,
     parse_layout,
     plot_breakdown,
@@ -347,6 +349,8 @@ def _report_layouts(args: argparse.Namespace, resolved: Any, engines: list[str],
              f"scale {args.scale:g}, {os.cpu_count()} CPUs")
     table = format_layout_table(results, engines, title)
     breakdown = format_breakdown_table(results, engines)
+    ceilings = machine_ceilings(resolved.hf_dir, args.dtype, workloads)
+    table += "\n\n" + format_ceilings(ceilings, results, engines)
     report = {
         "schema": SCHEMA, "created": dt.datetime.now().isoformat(timespec="seconds"), "command": sys.argv,
         "wall_s": time.time() - started, "model": resolved.name, "hf_dir": str(resolved.hf_dir),
@@ -359,7 +363,7 @@ def _report_layouts(args: argparse.Namespace, resolved: Any, engines: list[str],
                     for by_engine in results.values() for r in by_engine.values()],
         "breakdown": {f"{w}/{layout_of(e)}": mean_breakdown(r["profile"])
                       for w, by_engine in results.items() for e, r in by_engine.items() if r.get("profile")},
-        "table": table, "breakdown_table": breakdown,
+        "table": table, "breakdown_table": breakdown, "ceilings": ceilings,
     }
     json_path = output_dir / f"offline-layouts-{stamp}.json"
     json_path.write_text(json.dumps(report, indent=2))

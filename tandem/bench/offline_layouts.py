@@ -134,3 +134,52 @@ def plot_breakdown(results: dict[str, dict[str, dict[str, Any]]], engines: list[
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dict[str, Any]:
+    """The best this machine could do on each workload, from the model's shape and two rates
+    measured now: a `dtype` matmul on every core, and a memory copy.
+
+    prefill-heavy (prompt tok/s): every prompt token costs 2 x active parameters of FLOPs.
+    decode-heavy (output tok/s): a step of B sequences reads the weights once (at these batch
+    sizes every expert is chosen by some token) and does B x 2 x active FLOPs; whichever takes
+    longer bounds the step. Attention's FLOPs and KV reads are left out (short contexts here),
+    so the ceilings are a little high.
+    """
+    import json
+
+    from tandem.bench.machine import matmul_flops_per_s, memory_copy_bytes_per_s
+    from tandem.plan.model_config import read_shape
+    from tandem.plan.sharding import DTYPE_BYTES
+    from tandem.plan.tensors import count_params
+
+    params = count_params(read_shape(json.loads((Path(hf_dir) / "config.json").read_text())))
+    flops = matmul_flops_per_s(dtype, 2048, 2048, 2048)
+    bandwidth = memory_copy_bytes_per_s(256 << 20)
+    weight_bytes = params.total * DTYPE_BYTES[dtype]
+    per_token = 2 * params.active
+    ceilings: dict[str, Any] = {"matmul_flops_per_s": flops, "memory_bytes_per_s": bandwidth,
+                                "weight_bytes": weight_bytes, "flops_per_token": per_token}
+    for name, workload in workloads.items():
+        if name == "prefill-heavy":
+            ceilings[name] = ("prompt_tok_s", flops / per_token)
+        elif name == "decode-heavy":
+            batch = len(workload.prompts)
+            step = max(weight_bytes / bandwidth, batch * per_token / flops)
+            ceilings[name] = ("output_tok_s", batch / step)
+    return ceilings
+
+
+def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[str, Any]]], engines: list[str]) -> str:
+    lines = [f"this machine's ceilings: {ceilings['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s matmul, "
+             f"{ceilings['memory_bytes_per_s'] / 1e9:.1f} GB/s memory copy; the model is "
+             f"{ceilings['weight_bytes'] / 1e9:.1f} GB of weights, {ceilings['flops_per_token'] / 1e9:.1f} GFLOP "
+             "per token"]
+    for workload, by_engine in results.items():
+        if workload not in ceilings:
+            continue
+        metric, limit = ceilings[workload]
+        shares = ", ".join(f"{layout_of(e)} {100 * r[metric] / limit:.0f}%" for e, r in by_engine.items()
+                           if r.get("ok") and r.get(metric))
+        lines.append(f"  {workload}: {METRICS[metric][0]} <= {limit:,.0f}; reached: {shares}")
+    return "\n".join(lines)
