@@ -30,25 +30,17 @@ unsplit layer: the MoE layer then never calls these collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from tandem.distributed.group import GroupPlace
+
 
 @dataclass(frozen=True)
-class ExpertParallel:
-    rank: int = 0
-    size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup; None: the default group
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"expert-parallel rank {self.rank} of {self.size} is not a valid place")
-
-    @property
-    def split(self) -> bool:
-        return self.size > 1
+class ExpertParallel(GroupPlace):
+    kind: ClassVar[str] = "expert-parallel"
 
     def local_experts(self, num_experts: int) -> tuple[int, int]:
         """(first expert, count) this rank holds: the experts dealt contiguously, equal shares."""

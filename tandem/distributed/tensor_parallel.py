@@ -14,27 +14,18 @@ single-rank runs take exactly the code path they always did.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from tandem.distributed.group import GroupPlace
 from tandem.profiling import profiled
 
 
 @dataclass(frozen=True)
-class TensorParallel:
-    rank: int = 0
-    size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup; None: the default group
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"tensor-parallel rank {self.rank} of {self.size} is not a valid place")
-
-    @property
-    def split(self) -> bool:
-        return self.size > 1
+class TensorParallel(GroupPlace):
+    kind: ClassVar[str] = "tensor-parallel"
 
     def divide(self, total: int, what: str) -> int:
         """`total` / size, refusing sizes that do not divide it (heads, KV heads, intermediate)."""
