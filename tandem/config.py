@@ -6,6 +6,7 @@ explicitly to whatever needs it; nothing reads configuration from globals.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -451,6 +452,82 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size > 1
 
 
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+_SPEC_ALIASES = {"draft": "draft_model", "[ngram]": "ngram"}
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (tandem/spec/), in vLLM's `--speculative-config` shape.
+
+    `num_speculative_tokens` is the most draft tokens verified per request per step; with
+    `adaptive` (a tandem extension, on by default) the engine picks each request's k per step
+    between 0 and that, from its acceptance so far and the measured cost of a token in the
+    step (tandem/spec/adaptive.py). Off when `method` is None.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    model: str | None = None  # draft_model / eagle3: the proposer's weights
+    adaptive: bool = True
+    # ngram: the longest suffix of n tokens, n in [min, max], found earlier proposes what followed.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # suffix: Arctic Inference's knobs, vLLM's names and defaults.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        method = _SPEC_ALIASES.get(self.method, self.method)
+        object.__setattr__(self, "method", method)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of {', '.join(SPEC_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 1..{MAX_SPEC_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if method in ("draft_model", "eagle3") and not self.model:
+            raise ValueError(f"speculative method {method!r} needs a \"model\" (the draft's weights)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
+                             f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")
+        if self.suffix_decoding_max_tree_depth < 2 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 2 and "
+                             "suffix_decoding_max_cached_requests >= 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0 or self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1] and "
+                             "suffix_decoding_max_spec_factor > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig:
+        """From `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`."""
+        if text is None or text == "":
+            return cls()
+        if isinstance(text, str):
+            try:
+                text = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--speculative-config is not valid JSON: {error}") from None
+        if not isinstance(text, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(text) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "method" not in text:
+            raise ValueError("--speculative-config needs a \"method\"")
+        return cls(**text)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -460,6 +537,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = KVTransferConfig()
     parallel: ParallelConfig = ParallelConfig()
     kv_tiers: KVTiersConfig = KVTiersConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 @dataclass(frozen=True)

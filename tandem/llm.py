@@ -14,6 +14,7 @@ from tandem.config import (
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_memory_size,
 )
 from tandem.engine.llm_engine import LLMEngine
@@ -55,6 +56,7 @@ class LLM:
         join_timeout: float = 120.0,
         distributed_executor_backend: str = "auto",
         kv_tiers: KVTiersConfig | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model or "smollm2-135m",
@@ -78,6 +80,8 @@ class LLM:
                                        node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                                        join_timeout=join_timeout),
             kv_tiers=kv_tiers or KVTiersConfig(),
+            speculative=(speculative_config if isinstance(speculative_config, SpeculativeConfig)
+                         else SpeculativeConfig.from_json(speculative_config)),
         )
         self.engine = LLMEngine(config)
 

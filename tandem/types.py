@@ -35,6 +35,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # tandem: False opts this request out of speculative decoding (its drafts are never
+    # verified), e.g. a latency probe that must not share a step's extra tokens.
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -31,6 +31,7 @@ from tandem.engine.scheduler import RequestUpdate, Scheduler
 from tandem.engine.scheduler_output import SchedulerOutput
 from tandem.kvcache.block_hash import root_hash
 from tandem.kvcache.connector.factory import make_connector_scheduler
+from tandem.spec.factory import make_speculator
 from tandem.types import EngineLoad, Request, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,9 @@ class EngineCore:
         connector = make_connector_scheduler(config)
         if connector is not None:
             connector.set_worker_info(handshakes)
+        self.speculator = make_speculator(config.speculative)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, connector,
-                                   self.executor.max_concurrent_batches)
+                                   self.executor.max_concurrent_batches, self.speculator)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         self.kv_source = connector.endpoints().get("kv_source") if connector is not None else None
         self._groups: dict[str, _Group] = {}
@@ -224,7 +226,10 @@ class EngineCore:
             # polling for it, rather than spinning on empty steps that starve the loader
             # threads of the GIL (a spinning loop made a 190 MB tier load 5x slower).
             time.sleep(min(pending, _IDLE_KV_POLL_S))
+        started = time.perf_counter()
         result = self.executor.execute_model(out)
+        if self.speculator is not None and not out.empty:
+            self.speculator.observe_step(out.total_num_scheduled_tokens, time.perf_counter() - started)
         updates = self.scheduler.update_from_output(out, result)
         return self._deltas(updates)
 
@@ -238,13 +243,13 @@ class EngineCore:
             delta = deltas.get(group.request_id)
             if delta is None:
                 delta = deltas[group.request_id] = self._new_delta(group)
-            request, token, finished = update.request, update.token, update.finished
+            request, tokens, finished = update.request, update.tokens, update.finished
             logprobs = None
-            if request.sampling_params.logprobs is not None and token is not None:
-                logprobs = [token.top_logprobs or []]
+            if request.sampling_params.logprobs is not None and tokens:
+                logprobs = [token.top_logprobs or [] for token in tokens]
             delta.sequences.append(SequenceDelta(
                 index=index,
-                token_ids=[] if token is None else [token.token_id],
+                token_ids=[token.token_id for token in tokens],
                 logprobs=logprobs,
                 finish_reason=None if finished is None else finished.reason.value,
                 stop_reason=None if finished is None else request.stop_reason,

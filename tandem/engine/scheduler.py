@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.config import SchedulerConfig
@@ -38,6 +38,7 @@ from tandem.engine.scheduler_output import (
     SchedulerOutput,
 )
 from tandem.kvcache.connector.base import KVConnectorOutput, KVConnectorScheduler
+from tandem.spec.speculator import Candidate, Speculator
 from tandem.types import Request, RequestStatus, SampledToken
 
 _MIN_MICRO_BATCH = 128  # tokens: below this a micro-batch's GEMMs get thin for little gain
@@ -52,10 +53,11 @@ class FinishedRequest:
 
 @dataclass(slots=True)
 class RequestUpdate:
-    """What one step did to one request: a new token, an end, or both."""
+    """What one step did to one request: new tokens (several when drafts were accepted), an
+    end, or both."""
 
     request: Request
-    token: SampledToken | None = None
+    tokens: list[SampledToken] = field(default_factory=list)
     finished: FinishedRequest | None = None
 
 
@@ -89,8 +91,10 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
-                 connector: KVConnectorScheduler | None = None, max_concurrent_batches: int = 1) -> None:
+                 connector: KVConnectorScheduler | None = None, max_concurrent_batches: int = 1,
+                 speculator: Speculator | None = None) -> None:
         self.config = config
+        self.speculator = speculator
         self.max_concurrent_batches = max_concurrent_batches
         self._in_flight: dict[str, int] = {}  # request id -> its tokens in steps not yet reported
         self.kv = kv_manager
@@ -149,6 +153,8 @@ class Scheduler:
             assert decision is not None and decision.hold_id is not None
             self._held[decision.hold_id] = kept
         del self.requests[request.request_id]
+        if self.speculator is not None:
+            self.speculator.request_finished(request)
         self._in_flight.pop(request.request_id, None)
         self._external.pop(request.request_id, None)
         self._runner.pop(request.request_id, None)
@@ -178,6 +184,7 @@ class Scheduler:
         if self.max_concurrent_batches > 1:
             room = -(-len(self.running) // self.max_concurrent_batches)
         index = 0
+        reaching_end: list[Request] = []  # scheduled up to their last known token: may take drafts
         while index < len(self.running) and budget > 0 and room > 0:
             request = self.running[index]
             pending = self._in_flight.get(request.request_id, 0)
@@ -198,16 +205,71 @@ class Scheduler:
             if stalled or request.status != RequestStatus.RUNNING:
                 break
             self._schedule_chunk(out, request, num_new)
+            if pending + num_new == request.num_tokens - request.num_computed_tokens:
+                reaching_end.append(request)
             budget -= num_new
             room -= 1
             index += 1
 
+        if self.speculator is not None and reaching_end and budget > 0:
+            budget = self._add_drafts(out, reaching_end, budget)
         if not out.preempted_request_ids:
             budget = self._admit_waiting(out, budget)
 
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, requests: list[Request], budget: int) -> int:
+        """Extend the chunks of requests that will sample with draft tokens to verify, as many
+        as the speculator finds worth it, in the budget and blocks left (no preemption for
+        a guess)."""
+        assert self.speculator is not None
+        candidates = []
+        for request in requests:
+            if not request.sampling_params.speculate:
+                continue
+            params = request.sampling_params
+            left = self.max_model_len - request.num_tokens - 1
+            if params.max_tokens is not None:
+                left = min(left, params.max_tokens - request.num_output_tokens - 1)
+            if left > 0:
+                candidates.append(Candidate(request, left))
+        if not candidates:
+            return budget
+        num_sampling = len(requests)  # each yields a token anyway
+        plan = self.speculator.plan(candidates, out.total_num_scheduled_tokens, num_sampling, budget)
+        for request_id, drafts in plan.items():
+            request = self.requests[request_id]
+            num_new = out.num_scheduled_tokens[request_id] + len(drafts)
+            pending = self._in_flight.get(request_id, 0) - out.num_scheduled_tokens[request_id]
+            if not self.kv.allocate_slots(request, pending + num_new):
+                continue
+            self._send_new_blocks(out, request)
+            out.num_scheduled_tokens[request_id] = num_new
+            out.spec_token_ids[request_id] = drafts
+            self._in_flight[request_id] += len(drafts)
+            budget -= len(drafts)
+        return budget
+
+    def _send_new_blocks(self, out: SchedulerOutput, request: Request) -> None:
+        """Blocks allocated after the request's entry in `out` was written go out with it."""
+        request_id = request.request_id
+        view = self._runner[request_id]
+        num_blocks = self.kv.num_blocks_of(request_id)
+        if num_blocks <= view.num_blocks:
+            return
+        new_ids = self.kv.block_ids_of(request_id, view.num_blocks)
+        for new in out.new_requests:
+            if new.request_id == request_id:
+                new.block_ids = new.block_ids + new_ids
+                break
+        else:
+            for cached in out.cached_requests:
+                if cached.request_id == request_id:
+                    cached.new_block_ids = cached.new_block_ids + new_ids
+                    break
+        view.num_blocks = num_blocks
 
     def _micro_batch_budget(self) -> int:
         """The step's token budget. With micro-batches in flight, a step takes its share of
@@ -406,15 +468,29 @@ class Scheduler:
                 if request_id in failed:
                     self._roll_back_failed_sync_load(request, external)
                     continue
-            request.num_computed_tokens += num_tokens
-            self.kv.cache_computed_blocks(request)
-            token = result.sampled.get(request_id)
-            if token is None:
+            tokens = result.sampled.get(request_id)
+            if not tokens:
+                request.num_computed_tokens += num_tokens
+                self.kv.cache_computed_blocks(request)
                 continue
-            request.append_output_token(token.token_id)
+            drafts = out.spec_token_ids.get(request_id)
+            if drafts and self.speculator is not None:
+                # The target kept len(tokens) - 1 drafts and sampled one token after them.
+                self.speculator.record(request_id, len(drafts), len(tokens) - 1)
+            update = RequestUpdate(request)
+            reason = None
+            for token in tokens:
+                request.append_output_token(token.token_id)
+                update.tokens.append(token)
+                reason = self._stop_reason(request, token.token_id)
+                if reason is not None:
+                    break
+            # The KV now valid: the chunk's, up to the last token kept. That cap is the whole
+            # rollback of rejected drafts: their slots are written again next step, and the
+            # blocks holding them are neither published nor hashed until then.
+            request.num_computed_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens - 1)
             self.kv.update_block_hashes(request)
-            update = RequestUpdate(request, token)
-            reason = self._stop_reason(request, token.token_id)
+            self.kv.cache_computed_blocks(request)
             if reason is not None:
                 update.finished = self._finish(request, reason)
             updates.append(update)

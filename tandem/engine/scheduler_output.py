@@ -50,6 +50,8 @@ class SchedulerOutput:
     # ...and preempted this step (they come back as new requests, recomputed).
     preempted_request_ids: list[str] = field(default_factory=list)
     kv_connector_metadata: Any = None  # the KV connectors' per-step instructions to their worker sides
+    # Draft tokens to verify, per request: the last len(drafts) of its scheduled tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -63,5 +65,7 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)  # request id -> its new token
+    # request id -> its new tokens: one, or with drafts verified, the accepted drafts and the
+    # target's own token after them.
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None  # None: no KV connector is configured

@@ -41,13 +41,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         if all(self.plain_greedy(r.params, bool(r.banned_token_ids)) for r in rows):
             return self.argmax(logits)
-        logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in rows)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if any(r.params.has_penalties or r.banned_token_ids for r in rows):
-            logits = logits.clone()
-            for i, row in enumerate(rows):
-                self._apply_penalties(logits[i], row)
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+        logits = self.adjusted_logits(logits, rows)
 
         token_ids = torch.empty(len(rows), dtype=torch.long)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -60,21 +56,50 @@ class Sampler:
         chosen = token_ids.tolist()
         results = []
         for i, (row, token) in enumerate(zip(rows, chosen, strict=True)):
-            if raw_logprobs is None or row.params.logprobs is None:
-                results.append(SampledToken(token))
-                continue
-            row_logprobs = raw_logprobs[i]
-            token_logprob = float(row_logprobs[token])
-            top = None
-            if row.params.logprobs > 0:
-                values, indices = row_logprobs.topk(row.params.logprobs)
-                top = [
-                    TokenLogprob(int(t), float(v), rank + 1)
-                    for rank, (v, t) in enumerate(zip(values.tolist(), indices.tolist(), strict=True))
-                ]
-            rank = int((row_logprobs > token_logprob).sum()) + 1
-            results.append(SampledToken(token, token_logprob, [TokenLogprob(token, token_logprob, rank)] + (top or [])))
+            row_logprobs = None if raw_logprobs is None else raw_logprobs[i]
+            results.append(self.sampled_token(token, row.params, row_logprobs))
         return results
+
+    @staticmethod
+    def sampled_token(token: int, params: SamplingParams, row_logprobs: torch.Tensor | None) -> SampledToken:
+        """The token with the logprobs its request asked for, from the raw model distribution."""
+        if row_logprobs is None or params.logprobs is None:
+            return SampledToken(token)
+        token_logprob = float(row_logprobs[token])
+        top = None
+        if params.logprobs > 0:
+            values, indices = row_logprobs.topk(params.logprobs)
+            top = [
+                TokenLogprob(int(t), float(v), rank + 1)
+                for rank, (v, t) in enumerate(zip(values.tolist(), indices.tolist(), strict=True))
+            ]
+        rank = int((row_logprobs > token_logprob).sum()) + 1
+        return SampledToken(token, token_logprob, [TokenLogprob(token, token_logprob, rank)] + (top or []))
+
+    def adjusted_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """float32 logits with each row's penalties and bans applied (a copy when any apply)."""
+        logits = logits.float()
+        if any(r.params.has_penalties or r.banned_token_ids for r in rows):
+            logits = logits.clone()
+            for i, row in enumerate(rows):
+                self._apply_penalties(logits[i], row)
+        return logits
+
+    def target_probs(self, adjusted: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each (random) row's token is drawn from, in vocabulary order:
+        temperature, then top-k, top-p and min-p, as `__call__` draws."""
+        temperatures = torch.tensor([r.params.temperature for r in rows], dtype=adjusted.dtype).unsqueeze(1)
+        logits = adjusted / temperatures
+        if any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0 for r in rows):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            self._filter_sorted(sorted_logits, rows)
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        return torch.softmax(logits, dim=-1)
+
+    def draw(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One draw from a distribution (one row), by the exponential race."""
+        noise = torch.empty_like(probs).exponential_(generator=generator or self.generator)
+        return int((probs / noise).argmax())
 
     @staticmethod
     def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:

@@ -23,9 +23,10 @@ from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan, kv_cache_shape
+from tandem.layers.rejection_sampler import DraftedRequest, RejectionSampler
 from tandem.layers.sampler import Sampler, SamplingRow
 from tandem.profiling import STEP, profiled
-from tandem.types import SamplingParams
+from tandem.types import SampledToken, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,16 @@ class ScheduledChunk:
     block_ids: list[int]
     samples: bool  # reaches the end of the known tokens, so produces the next token
     state: RequestState | None = field(default=None, repr=False)
+    draft_token_ids: list[int] = field(default_factory=list)  # the chunk's last tokens: guesses to verify
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows whose logits are needed: the last real token's and one per draft."""
+        return len(self.draft_token_ids) + 1 if self.samples else 0
 
 
 @dataclass(slots=True)
@@ -122,7 +129,7 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
         blocks = chunk.block_ids
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in chunk_positions)
         if chunk.samples:
-            sample_rows.append(len(input_ids) - 1)
+            sample_rows.extend(range(len(input_ids) - chunk.num_sample_rows, len(input_ids)))
             sample_chunks.append(chunk)
         if index >= len(decodes):
             context_len = chunk.start + chunk.num_tokens
@@ -216,6 +223,7 @@ class ModelRunner:
             self.kv_cache = lazily_zeroed(full_shape, dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.requests: dict[str, RequestState] = {}
         self._generators: dict[str, torch.Generator] = {}
 
@@ -255,9 +263,16 @@ class ModelRunner:
 
     def chunks(self, out: SchedulerOutput) -> list[ScheduledChunk]:
         chunks = []
+        spec = out.spec_token_ids
         for request_id, count in out.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = state.num_computed_tokens
+            drafts = spec.get(request_id) if spec else None
+            if drafts:
+                count -= len(drafts)
+                chunks.append(ScheduledChunk(request_id, state.tokens(start, count) + drafts, start,
+                                             state.block_ids, True, state, drafts))
+                continue
             chunks.append(ScheduledChunk(request_id, state.tokens(start, count), start, state.block_ids,
                                          start + count == state.num_tokens, state))
         return chunks
@@ -283,22 +298,45 @@ class ModelRunner:
             return result
         if batch.sample_chunks:
             # A decode-only batch samples every row in order: no gather needed.
-            every_row = len(batch.sample_chunks) == hidden.shape[0]
+            every_row = batch.sample_rows.shape[0] == hidden.shape[0]
             logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_rows])
-            states = [chunk.state for chunk in batch.sample_chunks]
-            if all(Sampler.plain_greedy(s.sampling_params, len(s.output_token_ids) < s.sampling_params.min_tokens)
-                   for s in states):
-                sampled = Sampler.argmax(logits)
-            else:
-                sampled = self.sampler(logits, [self._sampling_row(state) for state in states])
-            result.sampled = {c.request_id: s for c, s in zip(batch.sample_chunks, sampled, strict=True)}
+            result.sampled = self._sample(logits, batch.sample_chunks)
         return result
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]]:
+        if any(chunk.draft_token_ids for chunk in chunks):
+            kept = self.rejection_sampler(logits, [self._drafted_request(chunk) for chunk in chunks])
+            return {chunk.request_id: tokens for chunk, tokens in zip(chunks, kept, strict=True)}
+        states = [chunk.state for chunk in chunks]
+        if all(Sampler.plain_greedy(s.sampling_params, len(s.output_token_ids) < s.sampling_params.min_tokens)
+               for s in states):
+            sampled = Sampler.argmax(logits)
+        else:
+            sampled = self.sampler(logits, [self._sampling_row(state) for state in states])
+        return {c.request_id: [s] for c, s in zip(chunks, sampled, strict=True)}
+
+    def _drafted_request(self, chunk: ScheduledChunk) -> DraftedRequest:
+        state = chunk.state
+        params = state.sampling_params
+        return DraftedRequest(
+            params=params,
+            prompt_token_ids=state.prompt_token_ids,
+            output_token_ids=state.output_token_ids,
+            draft_token_ids=chunk.draft_token_ids,
+            generator=self._generator_for(state.request_id, params.seed),
+            min_tokens_banned=self._min_tokens_banned(state) if params.min_tokens else [],
+        )
+
+    @staticmethod
+    def _min_tokens_banned(state: RequestState) -> list[int]:
+        params = state.sampling_params
+        return list(params.stop_token_ids) + ([] if params.ignore_eos else list(state.eos_token_ids))
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
         params = state.sampling_params
         banned: list[int] = []
         if len(state.output_token_ids) < params.min_tokens:
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(state.eos_token_ids))
+            banned = self._min_tokens_banned(state)
         return SamplingRow(
             params=params,
             prompt_token_ids=state.prompt_token_ids,

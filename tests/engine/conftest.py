@@ -20,12 +20,13 @@ from typing import Any
 import pytest
 import xxhash
 
-from tandem.config import SchedulerConfig
+from tandem.config import MAX_SPEC_TOKENS, SchedulerConfig
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.scheduler import FinishedRequest, Scheduler
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kvcache.block_hash import root_hash
+from tandem.spec.speculator import Speculator
 from tandem.types import Request, RequestStatus, SampledToken, SamplingParams
 
 BLOCK_SIZE = 4
@@ -119,6 +120,7 @@ class Chunk:
     samples: bool
     block_ids: list[int]
     token_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 class FakeModel:
@@ -164,8 +166,11 @@ class FakeModel:
             state = self.requests[request_id]
             tokens = state.tokens
             start = state.num_computed
-            chunks.append(Chunk(request_id, start, count, start + count == len(tokens), state.block_ids,
-                                tokens[start : start + count]))
+            drafts = out.spec_token_ids.get(request_id, [])
+            real = count - len(drafts)
+            assert not drafts or start + real == len(tokens), "drafts follow the last known token"
+            chunks.append(Chunk(request_id, start, count, start + real == len(tokens), state.block_ids,
+                                tokens[start : start + real] + drafts, list(drafts)))
         return chunks
 
     def write(self, block_ids: list[int], start: int, tokens: list[int]) -> None:
@@ -194,16 +199,26 @@ class FakeModel:
                 continue
             state = self.requests[chunk.request_id]
             end = chunk.start + chunk.num_tokens
-            context = [self.memory[chunk.block_ids[p // size]][p % size] for p in range(end)]
+            stored = [self.memory[chunk.block_ids[p // size]][p % size] for p in range(end)]
             if oracle is not None and chunk.request_id in oracle:
                 assert state.tokens == oracle[chunk.request_id].all_token_ids, "runner state drifted"
-            if context != state.tokens[:end] and chunk.request_id in self.tolerate_garbage:
-                result.sampled[chunk.request_id] = SampledToken(POISON)
+            expected = state.tokens[: end - len(chunk.draft_token_ids)] + chunk.draft_token_ids
+            if stored != expected and chunk.request_id in self.tolerate_garbage:
+                result.sampled[chunk.request_id] = [SampledToken(POISON)]
                 continue
-            assert context == state.tokens[:end], "KV memory does not hold the context"
+            assert stored == expected, "KV memory does not hold the context"
+            context = stored[: end - len(chunk.draft_token_ids)]
             script = self.script.get(chunk.request_id)
-            token = next_token(context) if script is None else script[len(state.outputs)]
-            result.sampled[chunk.request_id] = SampledToken(token)
+            # Greedy verification: the target's token after the context and after each
+            # draft, kept up to and including the first that disagrees with its draft.
+            kept: list[SampledToken] = []
+            for i in range(len(chunk.draft_token_ids) + 1):
+                seen = context + chunk.draft_token_ids[:i]
+                token = next_token(seen) if script is None else script[len(state.outputs) + i]
+                kept.append(SampledToken(token))
+                if i == len(chunk.draft_token_ids) or token != chunk.draft_token_ids[i]:
+                    break
+            result.sampled[chunk.request_id] = kept
         return result
 
 
@@ -283,7 +298,9 @@ class Engine:
             request = self.scheduler.requests[request_id]
             assert request.status == RequestStatus.RUNNING
             assert start == request.num_computed_tokens
-            assert start + num_tokens <= request.num_tokens
+            drafts = out.spec_token_ids.get(request_id, [])
+            assert start + num_tokens - len(drafts) <= request.num_tokens
+            assert not drafts or start + num_tokens - len(drafts) == request.num_tokens
         for request_id in out.preempted_request_ids:
             assert request_id not in ids
 
@@ -301,7 +318,11 @@ class Engine:
             for block_id in held:
                 refs[block_id] += 1
             if request.status == RequestStatus.RUNNING:
-                assert len(held) == -(-request.num_computed_tokens // size)
+                # Blocks allocated for drafts the target rejected stay with the request (the
+                # next step writes over them), never more than a full draft window's worth.
+                lookahead = MAX_SPEC_TOKENS + 1 if self.scheduler.speculator is not None else 0
+                assert -(-request.num_computed_tokens // size) <= len(held)
+                assert len(held) <= -(-(request.num_computed_tokens + lookahead) // size)
                 assert request.num_computed_tokens < request.num_tokens
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 assert held and request.num_computed_tokens < request.num_tokens
@@ -331,11 +352,12 @@ def make_engine(make_pool: Callable[..., BlockPool]) -> Callable[..., Engine]:
         connector: Any = None,
         connector_worker: Callable[[FakeModel], Any] | None = None,
         max_concurrent_batches: int = 1,
+        speculator: Speculator | None = None,
     ) -> Engine:
         pool = make_pool(num_blocks, enable_caching)
         kv = KVCacheManager(pool, BLOCK_SIZE, ROOT)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
-        scheduler = Scheduler(config, kv, max_model_len, connector, max_concurrent_batches)
+        scheduler = Scheduler(config, kv, max_model_len, connector, max_concurrent_batches, speculator)
         model = FakeModel(pool, BLOCK_SIZE, script)
         return Engine(scheduler, model, connector_worker=connector_worker(model) if connector_worker else None)
 

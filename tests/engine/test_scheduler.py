@@ -224,7 +224,7 @@ def test_abort_while_the_step_runs(make_engine) -> None:
     b = eng.add("b", prompt(6, 1), max_tokens=3)
     out = eng.scheduler.schedule()
     eng.scheduler.abort(["a"])
-    sampled = {"a": SampledToken(500), "b": SampledToken(501)}
+    sampled = {"a": [SampledToken(500)], "b": [SampledToken(501)]}
     updates = eng.scheduler.update_from_output(out, ModelRunnerOutput(sampled))
     assert [(u.request, u.finished) for u in updates] == [(b, None)]
     assert a.output_token_ids == [] and a.num_computed_tokens == 0
