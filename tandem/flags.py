@@ -28,6 +28,7 @@ from tandem.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     parse_memory_size,
 )
 from tandem.loader.resolve import DEFAULT_MODEL
@@ -121,6 +122,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--distributed-executor-backend",
          "uni = the one rank inside the engine core process, mp = one process per rank, auto = uni "
          "for one rank, else mp (default: auto)", "auto", choices=("auto", "uni", "mp")),
+    Flag("--speculative-config",
+         "speculative decoding, as JSON in vLLM's shape, e.g. '{\"method\": \"ngram\", "
+         "\"num_speculative_tokens\": 4}'; methods: ngram, suffix, draft_model, eagle3; "
+         "\"adaptive\": false pins k (default: off)", metavar="JSON"),
     Flag("--kv-offload-cpu-bytes",
          "KV tier in CPU memory: prefix chunks are copied here as they are computed and outlive "
          "their eviction from the KV cache, e.g. 8GiB (default: off)", metavar="SIZE"),
@@ -188,6 +193,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
         parallel=parallel_config(args),
         kv_tiers=kv_tiers_config(args),
+        speculative=SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
     )
 
 
@@ -248,6 +254,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "join_timeout": args.join_timeout,
         "distributed_executor_backend": args.distributed_executor_backend,
         "kv_tiers": kv_tiers_config(args),
+        "speculative_config": SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
     }
 
 

@@ -235,6 +235,8 @@ class EngineLoad:
     # The KV tiers (CPU, disk, cluster store): blocks and traffic per tier, loads, the writer
     # (tandem/kvcache/connector/tiers.py `counters`); empty when no tier is on.
     kv_tiers: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding's counters (tandem/spec/stats.py `as_dict`); empty when it is off.
+    spec_decode: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

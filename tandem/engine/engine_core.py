@@ -302,6 +302,7 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             kv_transfer=transfer,
             kv_tiers=tiers,
+            spec_decode=self.speculator.stats.as_dict() if self.speculator is not None else {},
         )
 
     def drain_kv_events(self) -> list[tuple]:

@@ -117,6 +117,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             "kv_source": serving.client.info.kv_source,
             "kv_transfer": current.kv_transfer,
             "kv_tiers": current.kv_tiers,
+            "spec_decode": current.spec_decode,
         }
 
     @app.get("/kv/events")

@@ -77,6 +77,29 @@ class _EngineStateCollector(Collector):
                       transfer.get("pull_seconds", 0.0))
         if load.kv_tiers:
             yield from _tier_metrics(self.model_name, load.kv_tiers)
+        if load.spec_decode:
+            yield from _spec_decode_metrics(self.model_name, load.spec_decode)
+
+
+def _spec_decode_metrics(model_name: str, spec: dict[str, Any]) -> Iterable[Metric]:
+    """vLLM's speculative decoding counters (`vllm:spec_decode_*`) under `tandem:`."""
+    for name, doc in (("num_drafts", "Verifications that checked at least one draft token."),
+                      ("num_draft_tokens", "Draft tokens verified."),
+                      ("num_accepted_tokens", "Draft tokens the target accepted.")):
+        metric = CounterMetricFamily(f"tandem:spec_decode_{name}", doc, labels=["model_name"])
+        metric.add_metric([model_name], spec.get(name, 0))
+        yield metric
+    per_position = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by position in the draft.",
+                                       labels=["model_name", "position"])
+    for position, count in enumerate(spec.get("accepted_per_position", [])):
+        per_position.add_metric([model_name, str(position)], count)
+    yield per_position
+    length = GaugeMetricFamily("tandem:spec_decode_mean_acceptance_length",
+                               "Tokens per verification, the target's own included (1 + accepted / drafts).",
+                               labels=["model_name"])
+    length.add_metric([model_name], spec.get("mean_acceptance_length", 0.0))
+    yield length
 
 
 # Per-tier counters the KV tiers report (connector/tiers.py), as `tandem:kv_tier_<name>{medium}`.

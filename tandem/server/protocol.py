@@ -119,6 +119,8 @@ class SamplingFields(OpenAIModel):
     # Salts the prompt's KV block hashes so only requests with the same salt share cached
     # blocks (vLLM's field): tenants' prompts never hit each other's cache.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # tandem: false opts this request out of speculative decoding, where the server runs it.
+    speculate: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -151,6 +153,7 @@ class SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            speculate=self.speculate,
         )
         params.validate()
         return params
