@@ -148,6 +148,8 @@ class Request:
     cache_salt: str | None = None  # isolates a tenant's cache: the chain's root is salted
     # A KV connector's instructions for this request (e.g. the prefill/decode handoff).
     kv_transfer_params: dict[str, Any] | None = None
+    # Guesses a worker-side proposer (a draft model) made after the last step, to verify next.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

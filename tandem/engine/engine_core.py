@@ -229,7 +229,9 @@ class EngineCore:
         started = time.perf_counter()
         result = self.executor.execute_model(out)
         if self.speculator is not None and not out.empty:
-            self.speculator.observe_step(out.total_num_scheduled_tokens, time.perf_counter() - started)
+            # The target's share: a draft model's forwards inside the step are costed apart.
+            seconds = time.perf_counter() - started - result.draft_seconds
+            self.speculator.observe_step(out.total_num_scheduled_tokens, seconds)
         updates = self.scheduler.update_from_output(out, result)
         return self._deltas(updates)
 

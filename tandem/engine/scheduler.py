@@ -239,13 +239,29 @@ class Scheduler:
             return budget
         num_sampling = len(requests)  # each yields a token anyway
         plan = self.speculator.plan(candidates, out.total_num_scheduled_tokens, num_sampling, budget)
-        for request_id, drafts in plan.items():
-            request = self.requests[request_id]
+        if self.speculator.lookahead:
+            out.draft_lookahead = self.speculator.guesses_wanted(candidates, out.total_num_scheduled_tokens,
+                                                                 num_sampling)
+        for candidate in candidates:
+            request = candidate.request
+            request_id = request.request_id
+            drafts = plan.get(request_id, [])
+            # A worker-side proposer (a draft model) writes its own KV past the verified
+            # tokens: the next token's and its guesses'. Room for them if there is any; it
+            # proposes fewer where there is not.
+            lookahead = min(self.speculator.lookahead, candidate.cap) if out.draft_lookahead.get(request_id) else 0
+            if not drafts and not lookahead:
+                continue
             num_new = out.num_scheduled_tokens[request_id] + len(drafts)
             pending = self._in_flight.get(request_id, 0) - out.num_scheduled_tokens[request_id]
-            if not self.kv.allocate_slots(request, pending + num_new):
-                continue
+            if lookahead:
+                self.kv.allocate_slots(request, pending + num_new + lookahead)
+            if drafts and not self.kv.allocate_slots(request, pending + num_new):
+                drafts = []
             self._send_new_blocks(out, request)
+            request.spec_token_ids = []
+            if not drafts:
+                continue
             out.num_scheduled_tokens[request_id] = num_new
             out.spec_token_ids[request_id] = drafts
             self._in_flight[request_id] += len(drafts)
@@ -493,7 +509,11 @@ class Scheduler:
             self.kv.cache_computed_blocks(request)
             if reason is not None:
                 update.finished = self._finish(request, reason)
+            else:
+                request.spec_token_ids = result.draft_token_ids.get(request_id, [])
             updates.append(update)
+        if self.speculator is not None and result.draft_forward_seconds:
+            self.speculator.observe_draft(result.draft_forward_seconds)
         if connector_output is not None:
             self._apply_connector_output(connector_output)
         return updates

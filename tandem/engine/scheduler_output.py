@@ -52,6 +52,8 @@ class SchedulerOutput:
     kv_connector_metadata: Any = None  # the KV connectors' per-step instructions to their worker sides
     # Draft tokens to verify, per request: the last len(drafts) of its scheduled tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Guesses a worker-side proposer (draft model) should make for each request after this step.
+    draft_lookahead: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -68,4 +70,8 @@ class ModelRunnerOutput:
     # request id -> its new tokens: one, or with drafts verified, the accepted drafts and the
     # target's own token after them.
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # A worker-side proposer's guesses for each sampling request's next step (draft model).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_seconds: float = 0.0  # the draft model's share of the step
+    draft_forward_seconds: float = 0.0  # one single-token forward of the draft over the batch
     kv_connector_output: KVConnectorOutput | None = None  # None: no KV connector is configured

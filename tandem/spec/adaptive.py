@@ -122,14 +122,16 @@ class AcceptanceTracker:
 
 
 def choose_lookahead(rates: dict[str, float], caps: dict[str, int], base_tokens: int, num_sampling: int,
-                     cost: StepCostModel, budget: int) -> dict[str, int]:
+                     cost: StepCostModel, budget: int, extra_per_token: float = 0.0) -> dict[str, int]:
     """Draft tokens per request for this step (absent: 0), by the rule in the module docstring.
 
     `rates`: α per candidate request; `caps`: the most drafts each may take (k_max, room
     left before max_tokens or the context end); `base_tokens`: tokens the step computes
     anyway; `num_sampling`: tokens it yields anyway (one per request that samples);
-    `budget`: token budget left in the step."""
+    `budget`: token budget left in the step; `extra_per_token`: what proposing a token costs
+    besides verifying it (a draft model's forward, shared by the requests guessing)."""
     fixed, per_token = cost.coefficients()
+    per_token += extra_per_token
     produced = float(max(num_sampling, 1))
     seconds = fixed + per_token * base_tokens
     chosen: dict[str, int] = {}

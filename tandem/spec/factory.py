@@ -23,7 +23,12 @@ def make_token_proposer(config: SpeculativeConfig) -> TokenProposer:
     raise ValueError(f"speculative method {config.method!r} does not run in the engine core")
 
 
+WORKER_METHODS = ("draft_model",)  # proposers that run a model, on the worker
+
+
 def make_speculator(config: SpeculativeConfig) -> Speculator | None:
     if not config.enabled:
         return None
+    if config.method in WORKER_METHODS:
+        return Speculator(config, None)
     return Speculator(config, make_token_proposer(config))

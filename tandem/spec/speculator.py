@@ -29,13 +29,18 @@ class Candidate:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: TokenProposer) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: TokenProposer | None) -> None:
+        """`proposer` None: the workers propose (a draft model runs beside the target after
+        each step); their guesses arrive on the requests (`Request.spec_token_ids`)."""
         self.config = config
         self.proposer = proposer
         self.max_tokens = config.num_speculative_tokens
+        # KV slots a worker-side proposer writes past the verified tokens: its own guesses.
+        self.lookahead = self.max_tokens if proposer is None else 0
         self.cost = StepCostModel()
         self.acceptance = AcceptanceTracker()
         self.stats = SpecDecodeStats()
+        self.draft_forward_seconds = 0.0  # a worker-side draft's single-token forward, smoothed
 
     def plan(self, candidates: list[Candidate], base_tokens: int, num_sampling: int,
              budget: int) -> dict[str, list[int]]:
@@ -46,7 +51,11 @@ class Speculator:
             cap = min(candidate.cap, self.max_tokens)
             if cap <= 0:
                 continue
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids, request.num_prompt_tokens, cap)
+            if self.proposer is None:
+                drafts = request.spec_token_ids
+            else:
+                drafts = self.proposer.propose(request.request_id, request.all_token_ids, request.num_prompt_tokens,
+                                               cap)
             if drafts:
                 proposals[request.request_id] = drafts[:cap]
         if not proposals:
@@ -64,6 +73,22 @@ class Speculator:
         chosen = choose_lookahead(rates, caps, base_tokens, num_sampling, self.cost, budget)
         return {request_id: proposals[request_id][:k] for request_id, k in chosen.items()}
 
+    def guesses_wanted(self, candidates: list[Candidate], base_tokens: int, num_sampling: int) -> dict[str, int]:
+        """How many guesses a worker-side proposer should make for each request after this
+        step: what the adaptive rule would verify next step, a draft forward's cost included
+        (shared by the requests guessing), or k_max (capped) when k is fixed."""
+        caps = {c.request.request_id: min(c.cap, self.max_tokens) for c in candidates}
+        if not self.config.adaptive:
+            return {request_id: cap for request_id, cap in caps.items() if cap > 0}
+        rates = {request_id: self.acceptance.rate(request_id) for request_id in caps}
+        extra = self.draft_forward_seconds / max(len(caps), 1)
+        return choose_lookahead(rates, caps, base_tokens, num_sampling, self.cost, 1 << 30, extra)
+
+    def observe_draft(self, forward_seconds: float) -> None:
+        if forward_seconds > 0:
+            previous = self.draft_forward_seconds
+            self.draft_forward_seconds = forward_seconds if not previous else 0.8 * previous + 0.2 * forward_seconds
+
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
         self.acceptance.observe(request_id, num_proposed, num_accepted)
@@ -73,4 +98,5 @@ class Speculator:
 
     def request_finished(self, request: Request) -> None:
         self.acceptance.forget(request.request_id)
-        self.proposer.request_finished(request.request_id, request.all_token_ids, request.num_prompt_tokens)
+        if self.proposer is not None:
+            self.proposer.request_finished(request.request_id, request.all_token_ids, request.num_prompt_tokens)

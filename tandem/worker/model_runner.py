@@ -15,6 +15,7 @@ import math
 import mmap
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -226,6 +227,8 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.requests: dict[str, RequestState] = {}
         self._generators: dict[str, torch.Generator] = {}
+        # A draft model proposing after each step (tandem/spec/draft_model.py), set by the worker.
+        self.drafter: Any = None
 
     # --- KV blocks as data, for handoffs between workers ------------------------------
     # Dimension 3 of the cache is the block: [layers, planes (k/v), kv_heads, blocks, block_size, head_dim].
@@ -246,11 +249,16 @@ class ModelRunner:
 
     # --- per-request state, from the scheduler's messages ---------------------------
     def update_states(self, out: SchedulerOutput) -> None:
+        drafter = self.drafter
         for request_id in out.finished_request_ids:
             self.requests.pop(request_id, None)
             self._generators.pop(request_id, None)  # a seeded stream ends with its request
         for request_id in out.preempted_request_ids:
             self.requests.pop(request_id, None)  # it comes back as a new request
+        if drafter is not None:
+            for request_id in (*out.finished_request_ids, *out.preempted_request_ids,
+                               *(new.request_id for new in out.new_requests)):
+                drafter.forget(request_id)
         for new in out.new_requests:
             self.requests[new.request_id] = RequestState(
                 new.request_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
@@ -287,7 +295,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if out.empty:
             return result
-        batch = prepare_batch(self.chunks(out), self.block_size)
+        chunks = self.chunks(out)
+        batch = prepare_batch(chunks, self.block_size)
         stage = self.stage
         incoming = None
         if not stage.is_first:  # this micro-batch's hidden states, from the stage before
@@ -301,6 +310,11 @@ class ModelRunner:
             every_row = batch.sample_rows.shape[0] == hidden.shape[0]
             logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_rows])
             result.sampled = self._sample(logits, batch.sample_chunks)
+        if self.drafter is not None:
+            kept = {request_id: [t.token_id for t in tokens] for request_id, tokens in result.sampled.items()}
+            result.draft_token_ids = self.drafter.propose(chunks, kept, out.draft_lookahead)
+            result.draft_seconds = self.drafter.report.seconds
+            result.draft_forward_seconds = self.drafter.report.guess_forward_seconds
         return result
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]]:
