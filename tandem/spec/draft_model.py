@@ -9,9 +9,12 @@ Each step, for every request the target just ran:
 
 1. **catch up**: the draft computes its KV for the tokens it has not seen, up to and
    including the token the target just sampled (the accepted drafts and the bonus token).
-   A request new to this worker (a fresh prompt, a prefix-cache hit, a prompt whose KV came
-   from a prefill worker) is caught up from position 0: the draft's KV is rebuilt from the
-   prompt wherever the target's came from, so it never reads KV it did not write;
+   A request new to this worker starts after its longest run of leading blocks whose draft
+   KV is known good: a block is good once the draft has computed all of it, and stops being
+   good when anything else writes it (the target computing new tokens into a reused block
+   without the draft, a KV connector loading a prefill worker's or a tier's KV into it). So
+   a prefix-cache hit costs the draft nothing, and a prompt whose KV came from elsewhere is
+   rebuilt from the prompt: the draft never reads KV it did not write;
 2. **guess**: the catch-up's last row gives the first guess; each further guess is one
    single-token forward of the draft over the requests still guessing.
 
@@ -36,6 +39,7 @@ from tandem.worker.model_runner import RequestState, ScheduledChunk, lazily_zero
 class DraftStepReport:
     seconds: float = 0.0  # draft time this step (catch-up and guesses)
     guess_forward_seconds: float = 0.0  # mean time of one single-token guessing forward
+    catch_up_tokens: int = 0  # cumulative: tokens the draft computed to follow the target
 
 
 class DraftModelProposer:
@@ -50,11 +54,32 @@ class DraftModelProposer:
         self.kv_cache = lazily_zeroed((config.num_hidden_layers, *shape), dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self._computed: dict[str, int] = {}  # request id -> tokens whose draft KV is valid
+        self._good_blocks: set[int] = set()  # blocks whose whole draft KV matches their tokens
         self.report = DraftStepReport()
 
     def forget(self, request_id: str) -> None:
         """The request finished or was preempted: its blocks (and this KV) are gone."""
         self._computed.pop(request_id, None)
+
+    def invalidate(self, block_ids: list[int]) -> None:
+        """Something other than the draft wrote these blocks (a KV connector's load)."""
+        self._good_blocks.difference_update(block_ids)
+
+    def _blocks_between(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        size = self.block_size
+        return block_ids[start // size : -(-end // size)]
+
+    def _first_unseen(self, chunk: ScheduledChunk) -> int:
+        """Where the draft's KV for this request stops being good."""
+        known = self._computed.get(chunk.request_id)
+        if known is not None:
+            return known
+        good = 0
+        for block_id in chunk.block_ids[: chunk.start // self.block_size]:
+            if block_id not in self._good_blocks:
+                break
+            good += self.block_size
+        return good
 
     @torch.inference_mode()
     def propose(self, chunks: list[ScheduledChunk], kept: dict[str, list[int]],
@@ -64,6 +89,8 @@ class DraftModelProposer:
         started = time.perf_counter()
         catch_up: list[ScheduledChunk] = []
         ends: dict[str, int] = {}  # request id -> tokens known after this step (draft KV valid to there)
+        for chunk in chunks:  # the target wrote these slots this step; the draft rewrites its own below
+            self.invalidate(self._blocks_between(chunk.block_ids, chunk.start, chunk.start + chunk.num_tokens))
         for chunk in chunks:
             state = chunk.state
             assert state is not None
@@ -72,18 +99,23 @@ class DraftModelProposer:
             new_tokens = kept.get(chunk.request_id, []) if chunk.samples else []
             real_end = chunk.start + chunk.num_tokens - len(chunk.draft_token_ids)
             end = min(real_end + len(new_tokens), len(chunk.block_ids) * self.block_size)
-            done = min(self._computed.get(chunk.request_id, 0), end)
+            done = min(self._first_unseen(chunk), end)
             if end <= done:
                 continue
             tokens = self._tokens(state, new_tokens, done, end)
             wants = chunk.samples and lookahead.get(chunk.request_id, 0) > 0 and end == real_end + len(new_tokens)
             catch_up.append(ScheduledChunk(chunk.request_id, tokens, done, chunk.block_ids, wants, state))
             ends[chunk.request_id] = end
+            self.report.catch_up_tokens += end - done
         guesses: dict[str, list[int]] = {}
         if catch_up:
             guesses = self._forward_and_pick(catch_up)
-            for request_id, end in ends.items():
-                self._computed[request_id] = end
+            size = self.block_size
+            for chunk in catch_up:
+                end = ends[chunk.request_id]
+                self._computed[chunk.request_id] = end
+                # Blocks the draft has now computed whole hold good draft KV.
+                self._good_blocks.update(chunk.block_ids[chunk.start // size : end // size])
         guesses = self._guess_further(guesses, catch_up, ends, lookahead)
         self.report.seconds = time.perf_counter() - started
         return guesses
@@ -104,6 +136,8 @@ class DraftModelProposer:
                                                states[request_id]))
             if not step:
                 break
+            for chunk in step:  # a guess's KV is only as good as the guess
+                self.invalidate(self._blocks_between(chunk.block_ids, chunk.start, chunk.start + 1))
             for request_id, token in self._forward_and_pick(step).items():
                 guesses[request_id] += token
             forwards += 1

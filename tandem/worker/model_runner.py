@@ -237,6 +237,8 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.kv_cache.index_copy_(3, torch.tensor(block_ids, dtype=torch.long), data)
+        if self.drafter is not None:  # the target's KV came from elsewhere; the draft's did not
+            self.drafter.invalidate(block_ids)
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -70,6 +70,29 @@ def test_the_target_drafting_for_itself_is_accepted_and_changes_nothing(plain: l
     assert stats.acceptance_rate > 0.9  # a draft reading stale or misplaced KV would miss far more
 
 
+def test_a_prefix_cache_hit_reuses_the_drafts_kv_and_a_connector_load_does_not(plain: list[list[int]]) -> None:
+    long_prompt = PROMPTS[0] * 4
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(kv_cache_memory="128MiB", speculative_config=draft("smollm2-135m")) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        report = runner.drafter.report
+        first = llm.generate([long_prompt], params, use_tqdm=False)[0]
+        cold = report.catch_up_tokens
+        second = llm.generate([long_prompt], params, use_tqdm=False)[0]
+        warm = report.catch_up_tokens - cold
+        assert second.num_cached_tokens >= 64
+        assert second.outputs[0].token_ids == first.outputs[0].token_ids
+        # Only the uncached tail and the new tokens: the cached blocks' draft KV was good.
+        assert warm <= len(first.prompt_token_ids) - second.num_cached_tokens + 16
+        assert cold >= len(first.prompt_token_ids)
+        # A connector writing the cached blocks (as a PD handoff does) makes the draft rebuild them.
+        blocks = llm.engine.block_pool
+        cached = [b.block_id for b in blocks.blocks if b.block_hash is not None]
+        runner.write_blocks(cached, runner.read_blocks(cached))
+        llm.generate([long_prompt], params, use_tqdm=False)
+        assert report.catch_up_tokens - cold - warm >= second.num_cached_tokens
+
+
 def test_a_random_draft_is_rejected_and_changes_nothing(plain: list[list[int]], random_draft: Path) -> None:
     with LLM(kv_cache_memory="128MiB", speculative_config=draft(str(random_draft), k=3)) as llm:
         assert chat(llm) == plain
