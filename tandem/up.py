@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
 # Flags of the engine group that `tandem up` sets itself or splits per role.
-_OWN_ENGINE_FLAGS = {"--threads", "--kv-offload-disk-path"}
+_OWN_ENGINE_FLAGS = {"--threads", "--kv-offload-disk-path", "--speculative-config"}
 # `--kv-store redis` (no URL): `tandem up` runs a redis-server of its own for the cluster tier.
 _LOCAL_STORES = ("redis", "valkey")
 # Per-role overrides: (flag on `tandem up`, flag passed to that role's workers).
@@ -143,6 +143,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def _role_argv(args: argparse.Namespace, role: str) -> list[str]:
     argv: list[str] = []
+    speculative = getattr(args, "speculative_config", None)
+    if speculative and role != "prefill":  # prefill workers sample one token: nothing to speculate
+        argv += ["--speculative-config", speculative]
     for name in _ROLE_OVERRIDES.get(role, ()):
         value = getattr(args, f"{role}_{name}", None)
         if value is not None:

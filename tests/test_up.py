@@ -360,3 +360,42 @@ def test_kv_store_redis_starts_a_local_server_for_the_workers(tmp_path: Path) ->
     finally:
         server.stop()
     assert start_local_store(_args("--kv-store", "redis://10.0.0.5:6379"), tmp_path) is None
+
+
+def test_speculation_goes_to_the_workers_that_decode(tmp_path: Path) -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    plan = plan_cluster(_args("--speculative-config", spec, "--log-dir", str(tmp_path)), None, free_port=_ports())
+    argvs = {w.name: list(w.argv) for w in plan.workers}
+    assert "--speculative-config" not in argvs["prefill-0"]
+    decode = argvs["decode-0"]
+    assert decode[decode.index("--speculative-config") + 1] == spec
+    colocated = plan_cluster(_args("--workers", "2", "--speculative-config", spec, "--log-dir", str(tmp_path)),
+                             None, free_port=_ports())
+    assert all("--speculative-config" in w.argv for w in colocated.workers)
+
+
+def test_decode_workers_speculate_with_a_draft_rebuilt_from_the_handed_over_prompt(tmp_path: Path) -> None:
+    """A draft model on the decode worker only: the prompt's KV arrives from the prefill
+    worker, the draft rebuilds its own from the prompt, and the answer is the plain one."""
+    from tandem import LLM, SamplingParams
+
+    messages = [{"role": "system", "content": f"Ticket 42. {LONG_SYSTEM}"},
+                {"role": "user", "content": "Repeat the first sentence of these instructions."}]
+    with LLM(kv_cache_memory="64MiB") as llm:
+        plain = llm.chat([messages], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    spec = '{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3}'
+    up = _start_up(tmp_path, "--speculative-config", spec)
+    try:
+        endpoints = up.endpoints()
+        before = _transfers(endpoints["decode-0"])
+        reply = _chat(up.url, messages, 24)
+        assert _transfers(endpoints["decode-0"])["pulls"] == before["pulls"] + 1  # the KV was handed over
+        assert reply["choices"][0]["message"]["content"] == plain.outputs[0].text
+        decode = httpx.get(f"{endpoints['decode-0']}/load", timeout=10).json()["spec_decode"]
+        prefill = httpx.get(f"{endpoints['prefill-0']}/load", timeout=10).json()["spec_decode"]
+        assert decode["num_drafts"] > 0 and decode["num_accepted_tokens"] > 0
+        assert prefill == {}
+    finally:
+        up.process.send_signal(signal.SIGINT)
+        up.process.wait(timeout=90)
+    assert up.process.returncode == 0, up.stderr.read_text()[-3000:]

@@ -92,7 +92,7 @@ class EngineCore:
         connector = make_connector_scheduler(config)
         if connector is not None:
             connector.set_worker_info(handshakes)
-        self.speculator = make_speculator(config.speculative)
+        self.speculator = make_speculator(config.speculative, config.kv_transfer.role)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, connector,
                                    self.executor.max_concurrent_batches, self.speculator)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted, not yet collected

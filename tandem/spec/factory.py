@@ -26,8 +26,10 @@ def make_token_proposer(config: SpeculativeConfig) -> TokenProposer:
 WORKER_METHODS = ("draft_model",)  # proposers that run a model, on the worker
 
 
-def make_speculator(config: SpeculativeConfig) -> Speculator | None:
-    if not config.enabled:
+def make_speculator(config: SpeculativeConfig, role: str = "both") -> Speculator | None:
+    """None when speculation is off, or on a prefill worker: it samples one token per
+    request, so there is nothing to guess (a draft model would only cost memory)."""
+    if not config.enabled or role == "prefill":
         return None
     if config.method in WORKER_METHODS:
         return Speculator(config, None)

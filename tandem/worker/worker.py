@@ -171,7 +171,7 @@ class Worker:
         """The draft model's directory and config (speculative method draft_model), after
         checking it speaks the target's vocabulary: its guesses are target token ids."""
         spec = self.config.speculative
-        if spec.method != "draft_model":
+        if spec.method != "draft_model" or self.config.kv_transfer.role == "prefill":
             return None, None
         assert spec.model is not None
         draft_dir = resolve_model(spec.model, self.config.load.dtype, self.config.load.cache_dir).hf_dir
