@@ -14,15 +14,15 @@ Two trees are consulted, as in Arctic:
   FIFO-bounded by `max_cached_requests` whole requests; an evicted request's occurrences are
   subtracted again, so the tree is always exactly the tree of the requests still cached.
 
-Each tree counts, for every substring of length <= `max_tree_depth` of its sequences, how
-many times it occurs (its node's `count`). A continuation's estimated probability is the
-product of `child.count / node.count` along its path, Arctic's estimate. The structure is a
-trie of all those substrings in which every part that occurs once is not built node by node
-but kept as one `_Leaf`, a reference to where that single occurrence lies in its sequence.
-Most windows of real text are unique, so this stores and indexes far fewer objects than the
-plain trie (which holds depth x tokens nodes) while answering exactly as it would; a node
-becomes real only when a second occurrence reaches it, and becomes a leaf again when
-eviction takes it back to one occurrence.
+A tree counts, for every substring of length <= `max_tree_depth` of its sequences, how many
+times it occurs; a continuation's estimated probability is the product of
+`child.count / node.count` along its path (Arctic's estimate). The plain trie of those
+substrings holds depth x tokens nodes (~200k for an 8k prompt, tens of MB as Python objects),
+so it is compressed the way a suffix tree is: a node is an edge of several tokens that share one
+count, cut only where the path branches or an occurrence ends, and the single-occurrence rest
+of a path is a `_Leaf`, a reference into the sequence that holds it, that grows by itself as
+a live request's sequence grows. Only suffixes of the request's tail that occur earlier need
+work per new token, and the answers are exactly those of the plain trie.
 
 Pure Python and torch-free: it runs in the engine core once per decoding request per step.
 """
@@ -30,7 +30,7 @@ Pure Python and torch-free: it runs in the engine core once per decoding request
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tandem.spec.proposer import TokenProposer
@@ -77,7 +77,7 @@ class SuffixConfig:
 class SuffixDraft:
     """A proposal and why: `score` is the sum of its tokens' path probabilities (its expected
     accepted length under the tree's estimate), `match_len` the tail length it continues,
-    `source` "request" or "global" (or "" for no proposal)."""
+    `source` "request" or "global" ("" for no proposal)."""
 
     tokens: list[int]
     score: float = 0.0
@@ -86,30 +86,31 @@ class SuffixDraft:
 
 
 class _Node:
-    """A substring that occurs at least twice (or the root, the empty string).
+    """An edge: `length` tokens that every occurrence passing through takes together (same
+    `count`), stored as wseq[wpos : wpos + length] of the newest occurrence. Under FIFO
+    eviction the newest occurrence is the last to go, so the reference stays valid for the
+    node's whole life, and it is the occurrence left when eviction brings a count back to 1.
 
-    `best` caches the most frequent child so a proposal walks down in O(1) per token; of
-    children with equal counts the one that reached its count last wins, i.e. the most
-    recently seen continuation (after an eviction, which leaves `best` None with children
-    present, it is recomputed and ties go to the last child in the dict instead). `wseq`/`wstart` name the newest occurrence passing through: under
-    FIFO eviction that is the one left when eviction brings the count back to 1, which is
-    what the node turns back into a leaf with."""
+    `best` caches the most frequent child, so a proposal walks down in O(1) per edge. Ties go
+    to the child whose latest occurrence is newest (the most recently seen continuation).
+    None with children present means "stale after an eviction": recomputed when next read.
+    The root is a node of length 0 whose count is the number of indexed tokens."""
 
-    __slots__ = ("count", "children", "best", "token", "wseq", "wstart")
+    __slots__ = ("count", "children", "best", "length", "wseq", "wpos")
 
-    def __init__(self, count: int, token: int, wseq: list[int] | None, wstart: int) -> None:
+    def __init__(self, count: int, length: int, wseq: list[int] | None, wpos: int) -> None:
         self.count = count
         self.children: dict[int, _Node | _Leaf] = {}
         self.best: _Node | _Leaf | None = None
-        self.token = token
+        self.length = length
         self.wseq = wseq
-        self.wstart = wstart
+        self.wpos = wpos
 
 
 class _Leaf:
-    """The single-occurrence rest of a path: tokens seq[pos : min(start + depth, len(seq))] of
-    the suffix of `seq` that starts at `start`. It grows by itself while `seq` (a request's
-    live token list) grows, which is why the end is not stored."""
+    """The single-occurrence rest of a path: seq[pos : min(start + depth, len(seq))], part of
+    the suffix of `seq` that starts at `start`. The end is not stored because it moves: while
+    `seq` is a live request's token list, the leaf grows with it."""
 
     __slots__ = ("seq", "start", "pos")
     count = 1
@@ -120,9 +121,13 @@ class _Leaf:
         self.pos = pos
 
 
-# A suffix being extended token by token: (its start in the sequence, the node its path ends
-# at). Suffixes whose path occurs only once live in their own leaf and need no entry.
+# The suffixes of a sequence being extended whose path ends at a real node (always at the
+# node's last token): (start of the suffix in the sequence, node). Suffixes whose path
+# occurs only once live in their own leaf and need no entry. Sorted by start.
 _Active = list[tuple[int, _Node]]
+# A place in a tree: a node or leaf, and the index in its sequence of the next token on its
+# edge (the edge's end when the place is the node's end).
+_Place = tuple[_Node | _Leaf, int]
 
 
 class _SuffixTree:
@@ -130,7 +135,7 @@ class _SuffixTree:
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self.root = _Node(0, -1, None, 0)
+        self.root = _Node(0, 0, None, 0)
         # Insertion rank of each indexed sequence (by id): orders occurrences across
         # sequences when a stale `best` is recomputed.
         self.rank: dict[int, int] = {}
@@ -139,10 +144,9 @@ class _SuffixTree:
     # ---- building -------------------------------------------------------------------------
 
     def extend(self, seq: list[int], active: _Active, tokens: Sequence[int]) -> _Active:
-        """Append `tokens` to `seq` and index them: every suffix of `seq` shorter than depth
-        whose path ends at a real node moves to (or creates) its child for the token; one new
-        suffix starts at the root. O(suffixes at real nodes) per token, not O(depth): a
-        suffix inside its own leaf extends by itself."""
+        """Append `tokens` to `seq` and index them. For each token, every active suffix (and a
+        new one at the root) moves one token down; longest first, which keeps the entries not
+        yet processed valid when an edge is cut or fused."""
         if id(seq) not in self.rank:
             self.rank[id(seq)] = self._next_rank
             self._next_rank += 1
@@ -161,96 +165,145 @@ class _SuffixTree:
                     continue
                 children = node.children
                 child = children.get(tok)
-                if child is None:
+                if child is None:  # a new continuation: this suffix is now unique
                     leaf = leaf_cls(seq, start, pos)
                     children[tok] = leaf
                     best = node.best
                     if len(children) == 1 or (best is not None and best.count == 1):
                         node.best = leaf
+                elif node is not root and len(children) == 1 and node.count == child.count + 1:
+                    # Only this suffix ended here and all others go on into `child`, which
+                    # this one now follows too: the node's edge takes the child's first token.
+                    self._absorb(node, child, seq, pos)
+                    moved.append((start, node))
                 elif child.__class__ is leaf_cls:
-                    moved.append((start, self._split(node, tok, child, seq, start)))
-                else:
+                    moved.append((start, self._split_leaf(node, tok, child, seq, pos)))
+                elif child.length == 1:
                     count = child.count + 1
                     child.count = count
                     child.wseq = seq
-                    child.wstart = start
+                    child.wpos = pos
                     best = node.best
                     if best is not None and count >= best.count:
                         node.best = child
                     moved.append((start, child))
+                else:
+                    moved.append((start, self._split_node(node, tok, child, seq, pos)))
             active = moved
         return active
 
-    def _split(self, node: _Node, tok: int, leaf: _Leaf, seq: list[int], start: int) -> _Node:
-        """A second occurrence reaches the leaf's first token: make that token a real node of
-        count 2 and keep the leaf's remaining tokens, if any, as its child."""
-        child = _Node(2, tok, seq, start)
+    def _absorb(self, node: _Node, child: _Node | _Leaf, seq: list[int], pos: int) -> None:
+        """Move the child's first token into the node's edge (the child disappears when that
+        was all of it); the node's count already includes the suffix now passing through."""
+        node.wseq = seq
+        node.wpos = pos - node.length
+        node.length += 1
+        if child.__class__ is _Leaf:
+            lseq = child.seq
+            nxt = child.pos + 1
+            if nxt < min(child.start + self.depth, len(lseq)):
+                child.pos = nxt
+                node.children = {lseq[nxt]: child}
+            else:
+                node.children = {}
+                child = None
+        elif child.length == 1:
+            node.children = child.children
+            child = child.best
+        else:
+            child.wpos += 1
+            child.length -= 1
+            node.children = {child.wseq[child.wpos]: child}
+        node.best = child
+
+    def _split_leaf(self, node: _Node, tok: int, leaf: _Leaf, seq: list[int],
+                    pos: int) -> _Node:
+        """A second occurrence reaches the leaf's first token: that token becomes a real node
+        of count 2, the leaf keeps the rest (if the other occurrence goes on)."""
+        real = _Node(2, 1, seq, pos)
         lseq = leaf.seq
         nxt = leaf.pos + 1
         if nxt < min(leaf.start + self.depth, len(lseq)):
             leaf.pos = nxt
-            child.children[lseq[nxt]] = leaf
-            child.best = leaf
-        node.children[tok] = child
+            real.children[lseq[nxt]] = leaf
+            real.best = leaf
+        node.children[tok] = real
         best = node.best
         if best is leaf or (best is not None and best.count <= 2):
-            node.best = child
-        return child
+            node.best = real
+        return real
+
+    @staticmethod
+    def _split_node(node: _Node, tok: int, child: _Node, seq: list[int], pos: int) -> _Node:
+        """The suffix enters a longer edge and stops after its first token: cut the edge there
+        (the first token has one more occurrence than the rest)."""
+        head = _Node(child.count + 1, 1, seq, pos)
+        child.wpos += 1
+        child.length -= 1
+        head.children[child.wseq[child.wpos]] = child
+        head.best = child
+        node.children[tok] = head
+        best = node.best
+        if best is child or (best is not None and best.count <= head.count):
+            node.best = head
+        return head
 
     # ---- eviction -------------------------------------------------------------------------
 
     def remove(self, seq: list[int]) -> None:
-        """Subtract every suffix of `seq` (which must be the oldest sequence in the tree):
-        decrement counts along its paths, drop what falls to 0, then turn nodes that fell to
-        a single occurrence back into leaves, so the tree is again exactly the tree of the
-        other sequences."""
-        depth = self.depth
-        root = self.root
-        n = len(seq)
+        """Subtract every suffix of `seq`, which must be the oldest sequence in the tree, so
+        that the tree is again exactly the tree of the other sequences."""
         del self.rank[id(seq)]
-        single: list[tuple[_Node, int, _Node, int]] = []  # (parent, token, node, node depth)
-        for start in range(n):
-            root.count -= 1
-            node = root
-            for i in range(start, min(start + depth, n)):
-                tok = seq[i]
-                child = node.children[tok]
-                if child.__class__ is _Leaf:  # the rest of this path is this suffix alone
-                    self._detach(node, tok, child)
-                    break
-                child.count -= 1
-                if child.count == 0:
-                    self._detach(node, tok, child)
-                    break
-                if node.best is child:
-                    node.best = None  # it may no longer be the most frequent
-                if child.count == 1:
-                    single.append((node, tok, child, i - start + 1))
-                node = child
-        for parent, tok, node, node_depth in single:
-            # Only the topmost node of a single-occurrence chain becomes the leaf; those below
-            # it are covered by that leaf (their parent has count 1 too).
-            if node.count != 1 or parent.children.get(tok) is not node:
-                continue
-            if parent is not root and parent.count == 1:
-                continue
-            wstart = node.wstart
-            parent.children[tok] = _Leaf(node.wseq, wstart, wstart + node_depth - 1)
-            if parent.best is node:
-                parent.best = None
+        for start in range(len(seq)):
+            self._remove_suffix(seq, start)
 
-    @staticmethod
-    def _detach(node: _Node, tok: int, child: _Node | _Leaf) -> None:
-        del node.children[tok]
-        if node.best is child:
-            node.best = None
+    def _remove_suffix(self, seq: list[int], start: int) -> None:
+        """Decrement the counts along the suffix's path, drop what falls to 0, then restore the
+        compressed shape: a node back to one occurrence becomes a leaf, and a node left with
+        one child of its own count absorbs that child."""
+        root = self.root
+        root.count -= 1
+        end = min(start + self.depth, len(seq))
+        path: list[tuple[_Node, int, _Node, int]] = []  # (parent, token, node, depth above)
+        node = root
+        i = start
+        while i < end:
+            tok = seq[i]
+            child = node.children[tok]
+            if child.__class__ is not _Leaf:
+                child.count -= 1
+            if child.__class__ is _Leaf or child.count == 0:  # the rest was this suffix only
+                del node.children[tok]
+                if node.best is child:
+                    node.best = None
+                break
+            if node.best is child:
+                node.best = None  # it may no longer be the most frequent
+            path.append((node, tok, child, i - start))
+            i += child.length
+            node = child
+        for parent, tok, real, above in path:
+            if real.count == 1:  # the topmost node of a single occurrence: a leaf again
+                parent.children[tok] = _Leaf(real.wseq, real.wpos - above, real.wpos)
+                if parent.best is real:
+                    parent.best = None
+                return
+        # Only the deepest node lost a child or an ending occurrence without its child
+        # losing one too, so only it can have become a chain link.
+        if path:
+            last = path[-1][2]
+            if len(last.children) == 1:
+                child = next(iter(last.children.values()))
+                if child.count == last.count:  # a real node: `last` has count >= 2
+                    last.length += child.length
+                    last.children = child.children
+                    last.best = child.best
 
     # ---- proposing ------------------------------------------------------------------------
 
-    def best_child(self, node: _Node, depth: int) -> _Node | _Leaf | None:
-        """The most frequent child of `node` (at `depth`), recomputed when an eviction left
-        the cache stale, with the same tie rule as the cache: the latest occurrence wins,
-        which is the witness of a real child and the one occurrence of a leaf."""
+    def best_child(self, node: _Node) -> _Node | _Leaf | None:
+        """The most frequent child, recomputed when an eviction left the cache stale, with the
+        cache's tie rule: the newest latest occurrence wins."""
         best = node.best
         if best is None and node.children:
             rank = self.rank
@@ -259,70 +312,84 @@ class _SuffixTree:
                 if child.__class__ is _Leaf:
                     key = (1, rank[id(child.seq)], child.pos)
                 else:
-                    key = (child.count, rank[id(child.wseq)], child.wstart + depth)
+                    key = (child.count, rank[id(child.wseq)], child.wpos)
                 if top is None or key > top:
                     best, top = child, key
             node.best = best
         return best
 
-    def walk(self, node: _Node, depth: int, budget: int,
-             min_prob: float) -> tuple[list[int], float]:
-        """Greedy path below `node` (at `depth`): most frequent child each step while the
-        path's estimated probability stays >= min_prob. Returns the tokens and the sum of
-        their path probabilities."""
-        tokens: list[int] = []
+    def edge_end(self, obj: _Node | _Leaf) -> tuple[list[int], int, int]:
+        """(sequence, index of the first token, index past the last) of an edge."""
+        if obj.__class__ is _Leaf:
+            seq = obj.seq
+            return seq, obj.pos, min(obj.start + self.depth, len(seq))
+        return obj.wseq, obj.wpos, obj.wpos + obj.length
+
+    def walk(self, place: _Place, budget: int, min_prob: float) -> tuple[list[int], float]:
+        """Greedy continuation from `place`: the rest of its edge, then the most frequent child
+        each step while the path's estimated probability stays >= min_prob. Returns the
+        tokens and the sum of their path probabilities."""
+        obj, nxt = place
+        seq, _, end = self.edge_end(obj)
+        tokens = seq[nxt:min(end, nxt + budget)]  # within an edge the probability stays 1
+        score = float(len(tokens))
+        if obj.__class__ is _Leaf:
+            return tokens, score
+        depth = self.depth
+        node = obj
         prob = 1.0
-        score = 0.0
-        while True:
+        while len(tokens) < budget:
             child = node.best
             if child is None:
-                child = self.best_child(node, depth)
+                child = self.best_child(node)
                 if child is None:
                     break
             prob *= child.count / node.count
             if prob < min_prob:
                 break
+            room = budget - len(tokens)
             if child.__class__ is _Leaf:
                 seq = child.seq
-                pos = child.pos
-                end = min(child.start + self.depth, len(seq), pos + budget - len(tokens))
-                tokens += seq[pos:end]
-                score += prob * (end - pos)
+                first = child.pos
+                end = min(child.start + depth, len(seq), first + room)
+                tokens += seq[first:end]
+                score += prob * (end - first)
                 break
-            tokens.append(child.token)
-            score += prob
-            if len(tokens) >= budget:
-                break
+            first = child.wpos
+            end = first + min(child.length, room)
+            tokens += child.wseq[first:end]
+            score += prob * (end - first)
             node = child
-            depth += 1
         return tokens, score
 
-    def match(self, pattern: list[int], lo: int) -> _Node | tuple[_Leaf, int] | None:
-        """Where pattern[lo:] ends in the tree: a node, (leaf, index in its sequence of the
-        next token) when it ends inside a single occurrence, or None when it does not occur."""
+    def match(self, pattern: list[int], lo: int) -> _Place | None:
+        """Where pattern[lo:] (non-empty) ends, or None when it does not occur. Compares
+        whole edges at once, so its cost is the number of edges, not of tokens."""
         node = self.root
         hi = len(pattern)
         i = lo
-        while i < hi:
+        while True:
             child = node.children.get(pattern[i])
             if child is None:
                 return None
-            i += 1
             if child.__class__ is _Leaf:
                 seq = child.seq
-                pos = child.pos + 1
-                rest = hi - i
-                if pos + rest > min(child.start + self.depth, len(seq)):
+                first = child.pos
+                n = min(hi - i, child.start + self.depth - first, len(seq) - first)
+                if n < hi - i or seq[first:first + n] != pattern[i:hi]:
                     return None
-                if seq[pos:pos + rest] != pattern[i:hi]:
+                return child, first + n
+            first = child.wpos
+            n = hi - i
+            if n <= child.length:
+                if child.wseq[first:first + n] != pattern[i:hi]:
                     return None
-                return child, pos + rest
+                return child, first + n
+            n = child.length
+            if n > 1 and child.wseq[first:first + n] != pattern[i:i + n]:
+                return None
+            i += n
             node = child
-        return node
-
-    def leaf_tail(self, leaf: _Leaf, pos: int, budget: int) -> list[int]:
-        """Up to `budget` tokens of a single occurrence from sequence index `pos` on."""
-        return leaf.seq[pos:min(leaf.start + self.depth, len(leaf.seq), pos + budget)]
 
     def size(self) -> tuple[int, int]:
         """(real nodes, leaves), the root excluded: for tests and memory reports."""
@@ -340,7 +407,7 @@ class _SuffixTree:
 
 
 class _RequestIndex:
-    """A decoding request's own tree: its prompt and output so far."""
+    """What a decoding request keeps between steps: its own tree and its active suffixes."""
 
     __slots__ = ("tree", "seq", "active")
 
@@ -350,8 +417,8 @@ class _RequestIndex:
         self.active: _Active = []
 
     def catch_up(self, token_ids: Sequence[int]) -> None:
-        """Index the tokens added since the last call (all of them the first time, or when the
-        sequence is shorter than what was indexed, which a growing request never is)."""
+        """Index the tokens added since the last call: all of them the first time, or again
+        from scratch if the sequence got shorter (a decoding request's never does)."""
         if len(token_ids) < len(self.seq):
             self.tree = _SuffixTree(self.tree.depth)
             self.seq = []
@@ -367,7 +434,7 @@ class SuffixProposer(TokenProposer):
     window of max_tree_depth tokens) that occurs earlier, walk the most frequent continuation
     for up to min(max_tokens, floor(factor * m + offset)) tokens, keeping the walk with the
     highest score (sum of path probabilities; ties go to the longer match), over the
-    request's tree first and then the global tree, which must score strictly higher to win.
+    request's tree and then the global tree, which must score strictly higher to win.
     """
 
     name = "suffix"
@@ -377,30 +444,20 @@ class SuffixProposer(TokenProposer):
         self._requests: dict[str, _RequestIndex] = {}
         self._global = _SuffixTree(self.config.max_tree_depth)
         self._cached: deque[list[int]] = deque()  # outputs in the global tree, oldest first
+        self._orders: dict[tuple[int, int], list[tuple[int, int]]] = {}
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
                 max_tokens: int) -> list[int]:
-        return self.draft(request_id, token_ids, max_tokens).tokens
+        return self._search(request_id, token_ids, max_tokens)[0]
 
     def draft(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> SuffixDraft:
         """`propose`, with the score, match length and source of the answer."""
-        index = self._requests.get(request_id)
-        if index is None:
-            index = self._requests[request_id] = _RequestIndex(self.config.max_tree_depth)
-        index.catch_up(token_ids)
-        if max_tokens <= 0:
-            return SuffixDraft([])
-        best = self._from_request(index, max_tokens)
-        if self._cached:
-            other = self._from_global(index.seq, max_tokens, best.score)
-            if other.score > best.score + _TIE:
-                best = other
-        return best
+        return SuffixDraft(*self._search(request_id, token_ids, max_tokens))
 
     def request_finished(self, request_id: str, token_ids: Sequence[int],
                          num_prompt_tokens: int) -> None:
         self._requests.pop(request_id, None)
-        output = list(token_ids[num_prompt_tokens:])
+        output = token_ids[num_prompt_tokens:]
         limit = self.config.max_cached_requests
         if limit == 0 or not output:
             return
@@ -426,53 +483,101 @@ class SuffixProposer(TokenProposer):
 
     # ---- search ---------------------------------------------------------------------------
 
-    def _budget(self, match_len: int, max_tokens: int) -> int:
-        """How many tokens a match of `match_len` may propose (the tree depth bounds it too:
-        a path holds at most max_tree_depth tokens, match included)."""
-        cfg = self.config
-        by_match = int(match_len * cfg.max_spec_factor + cfg.max_spec_offset + _EPS)
-        return min(max_tokens, by_match, cfg.max_tree_depth - match_len)
-
-    def _from_request(self, index: _RequestIndex, max_tokens: int) -> SuffixDraft:
-        """The request's active suffixes are exactly its tail's matches that occur earlier
-        (the rest lie in their own leaf, with nothing after them), so no lookup is needed."""
+    def _search(self, request_id: str, token_ids: Sequence[int],
+                max_tokens: int) -> tuple[list[int], float, int, str]:
+        """Index the new tokens, then the best walk over the request's tree and, if it scores
+        strictly higher, over the global tree: (tokens, score, match length, source)."""
+        index = self._requests.get(request_id)
+        if index is None:
+            index = self._requests[request_id] = _RequestIndex(self.config.max_tree_depth)
+        index.catch_up(token_ids)
         n = len(index.seq)
         window = min(n, self.config.max_tree_depth)
-        min_prob = self.config.min_token_prob
-        tree = index.tree
-        best = SuffixDraft([])
-        for start, node in index.active:  # longest match first
-            match_len = n - start
-            if match_len >= window:
-                continue
-            budget = self._budget(match_len, max_tokens)
-            if budget <= best.score + _TIE:  # cannot beat the best (a tie goes to the longer match)
-                continue
-            tokens, score = tree.walk(node, match_len, budget, min_prob)
-            if tokens and score > best.score + _TIE:
-                best = SuffixDraft(tokens, score, match_len, "request")
+        if max_tokens <= 0 or window < 2:
+            return [], 0.0, 0, ""
+        order = self._order(max_tokens, window)
+        places: list[_Place | None] = [None] * window  # by match length
+        for start, node in index.active:
+            if n - start < window:
+                places[n - start] = (node, node.wpos + node.length)
+        best = self._best_walk(index.tree, places.__getitem__, order, ([], 0.0, 0, ""),
+                               "request")
+        if self._cached:
+            # The global tree must beat the request's own strictly: a tie never goes to it.
+            to_beat = (best[0], best[1], window, best[3])
+            place_at = self._global_matcher(index.seq, window)
+            other = self._best_walk(self._global, place_at, order, to_beat, "global")
+            if other[3] == "global":
+                best = other
         return best
 
-    def _from_global(self, seq: list[int], max_tokens: int, to_beat: float) -> SuffixDraft:
-        """Match the tail against the global tree, shortest first: a tail that does not occur
-        has no longer tail that does, so the first miss ends the search."""
-        n = len(seq)
-        window = min(n, self.config.max_tree_depth)
+    def _order(self, max_tokens: int, window: int) -> list[tuple[int, int]]:
+        """(match length, token budget) for 1 <= m < window with a budget, most promising
+        first: budget descending, then longer matches (which win ties). The budget is
+        min(max_tokens, floor(factor * m + offset), max_tree_depth - m), the last because a
+        path holds at most max_tree_depth tokens, match included. Cached per argument pair."""
+        key = (max_tokens, window)
+        order = self._orders.get(key)
+        if order is None:
+            cfg = self.config
+            order = []
+            for m in range(1, window):
+                by_match = int(m * cfg.max_spec_factor + cfg.max_spec_offset + _EPS)
+                budget = min(max_tokens, by_match, cfg.max_tree_depth - m)
+                if budget > 0:
+                    order.append((m, budget))
+            order.sort(key=lambda mb: (mb[1], mb[0]), reverse=True)
+            self._orders[key] = order
+        return order
+
+    def _best_walk(self, tree: _SuffixTree, place_at: Callable[[int], _Place | None],
+                   order: list[tuple[int, int]], best: tuple[list[int], float, int, str],
+                   source: str) -> tuple[list[int], float, int, str]:
+        """The highest-scoring walk from the places that exist, ties to the longer match;
+        `best` is the answer to beat. A place whose budget (its best possible score) cannot
+        win is not walked; none after the first whose budget falls short can either."""
         min_prob = self.config.min_token_prob
-        tree = self._global
-        best = SuffixDraft([], to_beat)
-        for match_len in range(1, window):
-            found = tree.match(seq, n - match_len)
-            if found is None:
+        _, best_score, best_len, _ = best
+        for match_len, budget in order:
+            if budget < best_score - _TIE:
                 break
-            budget = self._budget(match_len, max_tokens)
-            if budget <= 0 or budget < best.score - _TIE:  # a tie may still win: it is longer
+            if budget <= best_score + _TIE and match_len < best_len:
                 continue
-            if isinstance(found, tuple):
-                tokens = tree.leaf_tail(found[0], found[1], budget)
-                score = float(len(tokens))
-            else:
-                tokens, score = tree.walk(found, match_len, budget, min_prob)
-            if tokens and score >= best.score - _TIE:
-                best = SuffixDraft(tokens, score, match_len, "global")
+            place = place_at(match_len)
+            if place is None:
+                continue
+            tokens, score = tree.walk(place, budget, min_prob)
+            if tokens and (score > best_score + _TIE
+                           or (score >= best_score - _TIE and match_len > best_len)):
+                best = (tokens, score, match_len, source)
+                best_score = score
+                best_len = match_len
         return best
+
+    def _global_matcher(self, seq: list[int], window: int) -> Callable[[int], _Place | None]:
+        """Where the tail of each length ends in the global tree, matched from the root on
+        demand: a proposal usually needs only one or two lengths, and finished requests
+        change the tree between steps, so nothing is kept. The longest tail that occurs is
+        found first by bisection (a tail that does not occur has no longer one that does), so
+        that no length is matched only to learn that it is absent."""
+        tree = self._global
+        n = len(seq)
+        found: dict[int, _Place] = {}
+        lo, hi = 0, window - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            place = tree.match(seq, n - mid)
+            if place is None:
+                hi = mid - 1
+            else:
+                found[mid] = place
+                lo = mid
+        longest = lo
+
+        def place_at(match_len: int) -> _Place | None:
+            if match_len > longest:
+                return None
+            place = found.get(match_len)
+            return place if place is not None else tree.match(seq, n - match_len)
+
+        return place_at
