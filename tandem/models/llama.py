@@ -174,6 +174,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
         self._own_layers = tuple(self.model.layers[stage.start_layer : stage.end_layer])  # not a submodule
+        # EAGLE-3 drafts read the residual stream entering these layers (set by its proposer);
+        # each forward then leaves them, concatenated, in `aux_hidden` [T, len * hidden].
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -186,8 +190,21 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.model.embed_tokens(input_ids)
         assert hidden is not None, "a stage after the first needs the previous stage's hidden states"
         angles = self.rotary.angles(positions)
+        if self.aux_hidden_layers:
+            return self._forward_keeping_aux(angles, hidden, kv_caches, meta)
         for layer, kv_cache in zip(self._own_layers, kv_caches, strict=True):
             hidden = layer(angles, hidden, kv_cache, meta)
+        return hidden if self.model.norm is None else self.model.norm(hidden)
+
+    def _forward_keeping_aux(self, angles: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                             kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        kept = []
+        start = self.stage.start_layer
+        for index, (layer, kv_cache) in enumerate(zip(self._own_layers, kv_caches, strict=True), start):
+            if index in self.aux_hidden_layers:
+                kept.append(hidden)
+            hidden = layer(angles, hidden, kv_cache, meta)
+        self.aux_hidden = torch.cat(kept, dim=-1)
         return hidden if self.model.norm is None else self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ PROSE = "Write two sentences about the sea."
 METHODS = [
     {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
+    {"method": "suffix", "num_speculative_tokens": 6},
 ]
 
 
