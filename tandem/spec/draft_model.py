@@ -150,8 +150,7 @@ class DraftModelProposer:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_chunks:
             return {}
-        every_row = batch.sample_rows.shape[0] == hidden.shape[0]
-        logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_rows])
+        logits = self.model.compute_logits(hidden if batch.sample_rows_in_order else hidden[batch.sample_rows])
         picked = logits.argmax(dim=-1).tolist()
         return {chunk.request_id: [token] for chunk, token in zip(batch.sample_chunks, picked, strict=True)}
 

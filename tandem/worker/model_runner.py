@@ -87,6 +87,7 @@ class PreparedBatch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # indices into the flat batch whose logits are needed
     sample_chunks: list[ScheduledChunk]
+    sample_rows_in_order: bool = False  # every row is sampled, in order: no gather needed
 
 
 def rank_kv_spec(config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> KVCacheSpec:
@@ -109,12 +110,20 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+def _decodes_a_row_each(chunk: ScheduledChunk) -> bool:
+    """A one-token step over cached context, or a verification of drafts: each of its tokens
+    attends like a decode (its context is the cache up to its own position), so it runs
+    through the decode kernel as that many rows sharing one block table instead of as a
+    prefill chunk (one gather of the context and one SDPA per request per layer)."""
+    return chunk.start > 0 and (chunk.num_tokens == 1 or bool(chunk.draft_token_ids))
+
+
 def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatch:
-    """Flatten chunks (decodes first) into the model inputs and attention metadata."""
-    # Decodes ordered by context length: the attention backend pads similar lengths together.
-    decodes = sorted((c for c in chunks if c.num_tokens == 1 and c.start > 0), key=lambda c: c.start)
-    prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
-    ordered = decodes + prefills
+    """Flatten chunks (decode rows first) into the model inputs and attention metadata."""
+    decodes = [c for c in chunks if _decodes_a_row_each(c)]
+    prefills = [c for c in chunks if not _decodes_a_row_each(c)]
+    # Decode rows ordered by context length: the attention backend pads similar lengths together.
+    rows = sorted(((c.start + j, c, j) for c in decodes for j in range(c.num_tokens)), key=lambda r: r[0])
 
     input_ids: list[int] = []
     positions: list[int] = []
@@ -122,7 +131,17 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
     sample_rows: list[int] = []
     sample_chunks: list[ScheduledChunk] = []
     spans: list[PrefillSpan] = []
-    for index, chunk in enumerate(ordered):
+    row_of: dict[int, list[int]] = {id(c): [] for c in decodes}  # chunk -> its rows, in token order
+    for position, chunk, j in rows:
+        row_of[id(chunk)].append(len(input_ids))
+        input_ids.append(chunk.token_ids[j])
+        positions.append(position)
+        slots.append(chunk.block_ids[position // block_size] * block_size + position % block_size)
+    for chunk in sorted(decodes, key=lambda c: c.start):
+        if chunk.samples:
+            sample_rows.extend(row_of[id(chunk)][chunk.num_tokens - chunk.num_sample_rows :])
+            sample_chunks.append(chunk)
+    for chunk in prefills:
         q_start = len(input_ids)
         input_ids.extend(chunk.token_ids)
         chunk_positions = range(chunk.start, chunk.start + chunk.num_tokens)
@@ -132,24 +151,23 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
         if chunk.samples:
             sample_rows.extend(range(len(input_ids) - chunk.num_sample_rows, len(input_ids)))
             sample_chunks.append(chunk)
-        if index >= len(decodes):
-            context_len = chunk.start + chunk.num_tokens
-            num_blocks = -(-context_len // block_size)
-            spans.append(PrefillSpan(q_start, chunk.num_tokens, context_len, torch.tensor(blocks[:num_blocks])))
+        context_len = chunk.start + chunk.num_tokens
+        num_blocks = -(-context_len // block_size)
+        spans.append(PrefillSpan(q_start, chunk.num_tokens, context_len, torch.tensor(blocks[:num_blocks])))
 
-    context_lens = [c.start + 1 for c in decodes]
+    context_lens = [position + 1 for position, _, _ in rows]
     max_blocks = max((len(c.block_ids) for c in decodes), default=0)
     # One tensor built from one list, then split into views: each torch.tensor() call and
     # each row assignment costs microseconds, and at batch 1 they add up to a real share of
     # a step the model itself spends ~20 ms on.
-    table_rows = [b for c in decodes for b in (*c.block_ids, *(0,) * (max_blocks - len(c.block_ids)))]
+    table_rows = [b for _, c, _ in rows for b in (*c.block_ids, *(0,) * (max_blocks - len(c.block_ids)))]
     sizes = [len(input_ids), len(positions), len(slots), len(sample_rows), len(context_lens), len(table_rows)]
     flat = torch.tensor(input_ids + positions + slots + sample_rows + context_lens + table_rows, dtype=torch.long)
     ids_t, positions_t, slots_t, rows_t, lens_t, table_t = flat.split(sizes)
     meta = AttentionMetadata(
         slot_mapping=slots_t,
-        num_decode_tokens=len(decodes),
-        decode_block_tables=table_t.view(len(decodes), max_blocks),
+        num_decode_tokens=len(rows),
+        decode_block_tables=table_t.view(len(rows), max_blocks),
         decode_context_lens=lens_t,
         decode_max_context_len=max(context_lens, default=0),
         prefills=spans,
@@ -161,6 +179,7 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
         meta=meta,
         sample_rows=rows_t,
         sample_chunks=sample_chunks,
+        sample_rows_in_order=sample_rows == list(range(len(input_ids))),
     )
 
 
@@ -308,9 +327,7 @@ class ModelRunner:
             stage.send(hidden)  # asynchronous: this stage moves on to the next micro-batch
             return result
         if batch.sample_chunks:
-            # A decode-only batch samples every row in order: no gather needed.
-            every_row = batch.sample_rows.shape[0] == hidden.shape[0]
-            logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_rows])
+            logits = self.model.compute_logits(hidden if batch.sample_rows_in_order else hidden[batch.sample_rows])
             result.sampled = self._sample(logits, batch.sample_chunks)
         if self.drafter is not None:
             kept = {request_id: [t.token_id for t in tokens] for request_id, tokens in result.sampled.items()}

@@ -24,3 +24,28 @@ def test_large_budget_costs_no_memory_until_used() -> None:
     assert process.memory_info().rss - before < 64 << 20
     tensor[:4].fill_(1.0)  # touch 16 MiB
     assert process.memory_info().rss - before >= 16 << 20
+
+
+def test_a_verification_runs_as_decode_rows_and_samples_its_own_rows_in_order() -> None:
+    from tandem.worker.model_runner import ScheduledChunk, prepare_batch
+
+    block = 4
+    decode = ScheduledChunk("d", [7], 9, [0, 1, 2], True)  # one token at position 9
+    verify = ScheduledChunk("v", [5, 50, 51], 4, [3, 4], True, draft_token_ids=[50, 51])  # positions 4..6
+    prompt = ScheduledChunk("p", [1, 2, 3], 0, [5], True)
+    batch = prepare_batch([decode, verify, prompt], block)
+    meta = batch.meta
+    # Every verification token is a decode row with its own context, sorted with the others.
+    assert meta.num_decode_tokens == 4
+    assert batch.positions.tolist() == [4, 5, 6, 9, 0, 1, 2]
+    assert meta.decode_context_lens.tolist() == [5, 6, 7, 10]
+    assert batch.input_ids.tolist() == [5, 50, 51, 7, 1, 2, 3]
+    assert meta.decode_block_tables.tolist() == [[3, 4, 0], [3, 4, 0], [3, 4, 0], [0, 1, 2]]
+    assert batch.meta.slot_mapping.tolist()[:4] == [4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2, 2 * 4 + 1]  # position // 4 -> block
+    assert [(s.q_start, s.q_len) for s in meta.prefills] == [(4, 3)]
+    # Rows to sample: the verification's three in token order, then the decode's, then the prompt's last.
+    assert [c.request_id for c in batch.sample_chunks] == ["v", "d", "p"]
+    assert batch.sample_rows.tolist() == [0, 1, 2, 3, 6]
+    assert not batch.sample_rows_in_order
+    only_decodes = prepare_batch([ScheduledChunk("a", [1], 5, [0, 1], True), ScheduledChunk("b", [2], 3, [2], True)], block)
+    assert only_decodes.sample_rows_in_order and [c.request_id for c in only_decodes.sample_chunks] == ["b", "a"]
