@@ -123,3 +123,18 @@ def test_a_stage_killed_mid_run_stops_the_engine_naming_it(victim: int) -> None:
         llm.shutdown()
     gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert not alive, f"ranks left behind: {[p.pid for p in alive]}"
+
+
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_speculation_over_split_engines_gives_one_rank_s_tokens(split: dict) -> None:
+    """Every rank builds the same verification chunk from the plain output's drafts; the
+    output rank verifies; a pipeline keeps the request out of the next micro-batch until
+    its verified tokens are in."""
+    prompts = ["Count: 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "def fibonacci(n):"]
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    with LLM(kv_cache_memory="64MiB", num_threads=1) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
+    with LLM(kv_cache_memory="64MiB", num_threads=1, speculative_config=spec, **split) as two:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy, use_tqdm=False)] == expected
+        assert two.engine.core.speculator.stats.num_accepted_tokens > 0
