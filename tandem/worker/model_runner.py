@@ -14,6 +14,7 @@ import logging
 import math
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,21 @@ class PreparedBatch:
     sample_rows: torch.Tensor  # indices into the flat batch whose logits are needed
     sample_chunks: list[ScheduledChunk]
     sample_rows_in_order: bool = False  # every row is sampled, in order: no gather needed
+    # request id -> the flat rows of its chunk's tokens, in token order
+    rows_of: dict[str, Sequence[int]] = field(default_factory=dict)
+
+
+@dataclass
+class TargetStep:
+    """What the target's step leaves for a model-running proposer (tandem/spec/paged_draft.py):
+    each chunk, the tokens each request kept, the guesses the scheduler wants, and for EAGLE
+    the target's aux hidden states with the flat rows of each chunk's tokens."""
+
+    chunks: list[ScheduledChunk]
+    kept: dict[str, list[int]]
+    lookahead: dict[str, int]
+    aux_hidden: torch.Tensor | None = None
+    rows_of: dict[str, Sequence[int]] | None = None
 
 
 def rank_kv_spec(config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> KVCacheSpec:
@@ -137,6 +153,7 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
         input_ids.append(chunk.token_ids[j])
         positions.append(position)
         slots.append(chunk.block_ids[position // block_size] * block_size + position % block_size)
+    rows_of: dict[str, Sequence[int]] = {c.request_id: row_of[id(c)] for c in decodes}
     for chunk in sorted(decodes, key=lambda c: c.start):
         if chunk.samples:
             sample_rows.extend(row_of[id(chunk)][chunk.num_tokens - chunk.num_sample_rows :])
@@ -151,6 +168,7 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
         if chunk.samples:
             sample_rows.extend(range(len(input_ids) - chunk.num_sample_rows, len(input_ids)))
             sample_chunks.append(chunk)
+        rows_of[chunk.request_id] = range(q_start, len(input_ids))
         context_len = chunk.start + chunk.num_tokens
         num_blocks = -(-context_len // block_size)
         spans.append(PrefillSpan(q_start, chunk.num_tokens, context_len, torch.tensor(blocks[:num_blocks])))
@@ -180,6 +198,7 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
         sample_rows=rows_t,
         sample_chunks=sample_chunks,
         sample_rows_in_order=sample_rows == list(range(len(input_ids))),
+        rows_of=rows_of,
     )
 
 
@@ -331,7 +350,8 @@ class ModelRunner:
             result.sampled = self._sample(logits, batch.sample_chunks)
         if self.drafter is not None:
             kept = {request_id: [t.token_id for t in tokens] for request_id, tokens in result.sampled.items()}
-            result.draft_token_ids = self.drafter.propose(chunks, kept, out.draft_lookahead)
+            result.draft_token_ids = self.drafter.propose(TargetStep(
+                chunks, kept, out.draft_lookahead, self.model.aux_hidden, batch.rows_of))
             result.draft_seconds = self.drafter.report.seconds
             result.draft_forward_seconds = self.drafter.report.guess_forward_seconds
         return result

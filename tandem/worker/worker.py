@@ -296,9 +296,8 @@ class Worker:
             from tandem.spec.draft_model import DraftModelProposer
 
             draft, draft_config = self._draft
-            self.runner.drafter = DraftModelProposer(draft, draft_config, self._backend, num_blocks,
-                                                     config.cache.block_size, self.dtype,
-                                                     config.speculative.num_speculative_tokens)
+            self.runner.drafter = DraftModelProposer(draft, draft_config, num_blocks, config.cache.block_size,
+                                                     self.dtype, config.speculative.num_speculative_tokens)
         self.connector = make_connector_worker(config, self.rank)
         if self.connector is None:
             return {}
