@@ -1,4 +1,4 @@
-"""The `tandem` command line: up, serve, route, generate, chat, bench, plan.
+"""The `tandem` command line: up, serve, route, generate, chat, bench, plan, spec.
 
 This module is the command table: each command's parser comes from the module that owns the
 command (engine and server flags from `tandem.flags`), and heavy imports (torch, the engine,
@@ -28,6 +28,7 @@ from tandem.flags import (
 )
 from tandem.plan.cli import add_plan_parser
 from tandem.router.cli import add_route_parser
+from tandem.spec.cli import add_spec_parser
 from tandem.up import add_up_parser
 
 _DESCRIPTION = """\
@@ -169,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_perplexity_parser(bench_commands)
     add_serve_parser(bench_commands)
     add_plan_parser(commands)
+    add_spec_parser(commands)
     return parser
 
 
