@@ -23,7 +23,7 @@ def make_token_proposer(config: SpeculativeConfig) -> TokenProposer:
     raise ValueError(f"speculative method {config.method!r} does not run in the engine core")
 
 
-WORKER_METHODS = ("draft_model",)  # proposers that run a model, on the worker
+WORKER_METHODS = ("draft_model", "eagle3")  # proposers that run a model, on the worker
 
 
 def make_speculator(config: SpeculativeConfig, role: str = "both") -> Speculator | None:

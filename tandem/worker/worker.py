@@ -42,6 +42,7 @@ from tandem.loader.model_loader import (
 )
 from tandem.loader.resolve import default_cache_dir, resolve_model
 from tandem.profiling import step_breakdown
+from tandem.spec.model_proposers import ModelProposerLoader, model_proposer_loader
 from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block, rank_kv_spec
 
 logger = logging.getLogger(__name__)
@@ -95,9 +96,10 @@ class Worker:
         self.stage: PipelineStage | None = None  # known once the model's layer count is
         # MoE layers: whole experts, a share per rank of the tensor-parallel group.
         self.ep = ExpertParallel(self.tp.rank, self.tp.size, tp_group) if parallel.enable_expert_parallel else None
-        if parallel.splits_model and config.speculative.method == "draft_model":
-            raise ValueError("speculative method 'draft_model' runs the draft beside a whole target on one rank; "
-                             "it does not yet work with --tensor-parallel-size or --pipeline-parallel-size > 1")
+        if parallel.splits_model and config.speculative.method in ("draft_model", "eagle3"):
+            raise ValueError(f"speculative method {config.speculative.method!r} runs its model beside a whole "
+                             "target on one rank; it does not yet work with --tensor-parallel-size or "
+                             "--pipeline-parallel-size > 1")
         if parallel.splits_model and (config.kv_transfer.role != "both" or config.kv_tiers.enabled):
             raise ValueError(
                 "--tensor-parallel-size or --pipeline-parallel-size > 1 does not yet work with --role "
@@ -112,7 +114,7 @@ class Worker:
         self.connector: KVConnectorWorker | None = None
         self.kv_shm_path: str | None = None
         self._model: torch.nn.Module | None = None
-        self._draft: tuple[torch.nn.Module, ModelConfig] | None = None  # speculative draft model, if any
+        self._proposer: ModelProposerLoader | None = None  # a draft model or EAGLE head, if any
         self._info: WorkerInfo | None = None
         self._profiler: Any = None
 
@@ -129,10 +131,10 @@ class Worker:
         block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.dtype, self.tp.size,
                                          self.stage.num_layers)
         budget = cache.kv_cache_memory_bytes or default_kv_cache_bytes(min(self.world_size, config.parallel.ranks_per_node))
-        draft_dir, draft_config = self._draft_config(model_config, resolved.hf_dir)
-        if draft_config is not None:
-            # The draft's KV shares the block ids: one block costs both models' bytes.
-            block_bytes += kv_bytes_per_block(draft_config, cache.block_size, self.dtype)
+        self._proposer = model_proposer_loader(config, model_config, resolved.hf_dir, self.dtype)
+        if self._proposer is not None:
+            # The proposer's KV shares the block ids: one block costs both models' bytes.
+            block_bytes += self._proposer.kv_bytes_per_block(cache.block_size)
         num_blocks = budget // block_bytes
         if num_blocks < 2:
             raise ValueError(
@@ -144,9 +146,8 @@ class Worker:
         self._backend = backend
         self._model = self._build_model(model_config, resolved.hf_dir, backend, max_model_len)
         self._model_config = model_config
-        if draft_config is not None:
-            assert draft_dir is not None
-            self._draft = (self._build_draft(draft_config, draft_dir, backend, max_model_len), draft_config)
+        if self._proposer is not None:
+            self._proposer.load(backend, max_model_len, self._model)
         self._info = WorkerInfo(
             rank=self.rank,
             model_name=resolved.name,
@@ -166,37 +167,6 @@ class Worker:
             tp_rank=self.tp.rank,
         )
         return self._info
-
-    def _draft_config(self, target: ModelConfig, target_dir: Path) -> tuple[Path | None, ModelConfig | None]:
-        """The draft model's directory and config (speculative method draft_model), after
-        checking it speaks the target's vocabulary: its guesses are target token ids."""
-        spec = self.config.speculative
-        if spec.method != "draft_model" or self.config.kv_transfer.role == "prefill":
-            return None, None
-        assert spec.model is not None
-        draft_dir = resolve_model(spec.model, self.config.load.dtype, self.config.load.cache_dir).hf_dir
-        draft = read_model_config(draft_dir)
-        mismatch = _vocabulary_mismatch(target_dir, draft_dir)
-        if draft.vocab_size > target.vocab_size or mismatch:
-            raise ValueError(
-                f"draft model {spec.model!r} does not share the target's vocabulary "
-                f"({mismatch or f'{draft.vocab_size} ids against {target.vocab_size}'}); a draft must use "
-                "the target's tokenizer, e.g. a smaller model of the same family")
-        return draft_dir, draft
-
-    def _build_draft(self, config: ModelConfig, hf_dir: Path, backend: TorchAttentionBackend,
-                     max_model_len: int) -> torch.nn.Module:
-        started = time.perf_counter()
-        model = build_model(config, backend, max_model_len, self.dtype)
-        if self.config.load.load_format == "dummy":
-            init_dummy_weights(model, self.config.load.seed + 1)
-        else:
-            load_weights(model, hf_dir)
-        if self.config.load.pack_weights:
-            pack_weights_for_cpu(model)
-        logger.info("draft model %s: %d layers, %.0f MiB, loaded in %.1f s", self.config.speculative.model,
-                    config.num_hidden_layers, model_bytes(model) / (1 << 20), time.perf_counter() - started)
-        return model
 
     def _pipeline_stage(self, num_layers: int) -> PipelineStage:
         """This rank's stage: its layers, and the peers it receives from and sends to."""
@@ -292,12 +262,8 @@ class Worker:
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
                                   config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
                                   tp=self.tp, stage=self.stage)
-        if self._draft is not None:
-            from tandem.spec.draft_model import DraftModelProposer
-
-            draft, draft_config = self._draft
-            self.runner.drafter = DraftModelProposer(draft, draft_config, num_blocks, config.cache.block_size,
-                                                     self.dtype, config.speculative.num_speculative_tokens)
+        if self._proposer is not None:
+            self.runner.drafter = self._proposer.proposer(num_blocks, config.cache.block_size)
         self.connector = make_connector_worker(config, self.rank)
         if self.connector is None:
             return {}
@@ -378,22 +344,6 @@ def model_bytes(model: torch.nn.Module) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
-
-
-def _vocabulary_mismatch(target_dir: Path, draft_dir: Path) -> str | None:
-    """How two models' tokenizers differ (None: same token -> id map, or no tokenizer to
-    compare, as for bare random-weight configs)."""
-    from tandem.loader.tokenizer import load_tokenizer
-
-    try:
-        target, draft = load_tokenizer(target_dir), load_tokenizer(draft_dir)
-    except FileNotFoundError:
-        return None
-    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
-    if target_vocab == draft_vocab:
-        return None
-    differing = sum(1 for token, index in draft_vocab.items() if target_vocab.get(token) != index)
-    return f"{differing} of the draft's {len(draft_vocab)} tokens map to other ids or are missing"
 
 
 def _eos_token_ids(model_config: ModelConfig, hf_dir: Path) -> tuple[int, ...]:
