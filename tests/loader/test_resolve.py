@@ -44,8 +44,8 @@ def test_unknown_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # so the name cannot be a relative path that happens to exist
     with pytest.raises(FileNotFoundError, match=r"model 'llama-9000' not found") as info:
         resolve_model("llama-9000")
-    assert "alias (smollm2-135m)" in str(info.value)
-    assert "nothing is downloaded" in str(info.value)
+    assert "alias (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)" in str(info.value)
+    assert "nothing is downloaded from a model hub" in str(info.value)
 
 
 def test_alias_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,7 +218,7 @@ def test_resolve_gguf_and_alias(tiny_llama: Path, tmp_path: Path, monkeypatch: p
     assert resolved.name == str(tiny_llama) and resolved.source == tiny_llama
     assert (resolved.hf_dir / "config.json").is_file()
 
-    monkeypatch.setitem(resolve.ALIASES, "tiny", lambda: tiny_llama)
+    monkeypatch.setitem(resolve.ALIASES, "tiny", lambda cache_dir: tiny_llama)
     by_alias = resolve_model("tiny", "float32", tmp_path / "cache")
     assert by_alias == ResolvedModel("tiny", resolved.hf_dir, tiny_llama)
 
