@@ -25,7 +25,7 @@ from tandem.loader.pypi_parts import PartSet, ensure_gguf
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"  # 2: qwen2 tokenizers NFC-normalize; generation_config.json
 _KEY_SPAN = 4 << 20
 
 
@@ -162,6 +162,20 @@ def write_hf_directory(gguf_path: Path, out_dir: Path, dtype: str) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
+    _set_normalizer(out_dir / "tokenizer.json", checkpoint.tokenizer_normalizer())
+    end_ids = checkpoint.end_of_generation_ids()
+    if end_ids:
+        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": end_ids}, indent=2))
     (out_dir / "tandem_source.json").write_text(
         json.dumps({"gguf": str(gguf_path.resolve()), "dtype": dtype, "converter": _CONVERTER_VERSION})
     )
+
+
+def _set_normalizer(tokenizer_json: Path, normalizer: dict | None) -> None:
+    """Put back the normalizer transformers' GGUF conversion drops (see gguf_loader._NORMALIZERS)."""
+    if normalizer is None or not tokenizer_json.is_file():
+        return
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    if data.get("normalizer") is None:
+        data["normalizer"] = normalizer
+        tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
