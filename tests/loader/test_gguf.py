@@ -341,3 +341,34 @@ def test_truncated_gguf_file(tmp_path: Path) -> None:
     cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"cut\.gguf: not a readable GGUF file"):
         GGUFCheckpoint(cut)
+
+
+def _tokenizer_only(path: Path, pre: str, eos: str, **ids: int) -> Path:
+    """A qwen2 GGUF with a ChatML-style vocabulary and no tensors: enough for the end tokens."""
+    tokens = ["a", "b", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>"]
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1, 1, 3, 3, 3, 4])  # 3 CONTROL, 4 USER_DEFINED
+    writer.add_eos_token_id(tokens.index(eos))
+    for key, value in ids.items():
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_qwen_ends_at_im_end_and_endoftext(tmp_path: Path) -> None:
+    """Qwen's HF generation_config stops on both; the GGUF names only <|im_end|> as eos."""
+    checkpoint = GGUFCheckpoint(_tokenizer_only(tmp_path / "q.gguf", "qwen2", "<|im_end|>"))
+    assert checkpoint.pre_tokenizer == "qwen2"
+    assert checkpoint.end_of_generation_ids() == [2, 4]
+    assert checkpoint.tokenizer_normalizer() == {"type": "NFC"}
+
+
+def test_other_families_end_at_eos_eot_and_eom_only(tmp_path: Path) -> None:
+    checkpoint = GGUFCheckpoint(_tokenizer_only(tmp_path / "l.gguf", "llama-bpe", "<|im_end|>", eot=1))
+    assert checkpoint.end_of_generation_ids() == [1, 4]
+    assert checkpoint.tokenizer_normalizer() is None

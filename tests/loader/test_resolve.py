@@ -44,8 +44,8 @@ def test_unknown_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # so the name cannot be a relative path that happens to exist
     with pytest.raises(FileNotFoundError, match=r"model 'llama-9000' not found") as info:
         resolve_model("llama-9000")
-    assert "alias (smollm2-135m)" in str(info.value)
-    assert "nothing is downloaded" in str(info.value)
+    assert "alias (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)" in str(info.value)
+    assert "nothing is downloaded from a model hub" in str(info.value)
 
 
 def test_alias_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,6 +128,40 @@ def test_converted_tokenizer(tiny_llama: Path, tmp_path: Path) -> None:
     ids = tokenizer("the the<|endoftext|>")["input_ids"]
     assert ids[-2:] == [258, EOS_ID]  # "Ġthe" merged, the control token kept whole
     assert tokenizer.decode(ids, skip_special_tokens=True) == "the the"
+
+
+def test_qwen2_tokenizer_normalizes_like_qwen2s_own(tmp_path: Path) -> None:
+    """transformers' GGUF conversion drops Qwen2's NFC normalizer; the converted directory has
+    it back, so decomposed and composed text give transformers' Qwen2Tokenizer's ids."""
+    from transformers import Qwen2Tokenizer
+
+    from tandem.loader.tokenizer import load_tokenizer
+
+    (tmp_path / "src").mkdir()
+    gguf = write_gguf(tmp_path / "src" / "tiny-qwen2.gguf", "qwen2", Q.F32).path
+    out = convert_gguf(gguf, "float32", tmp_path / "cache")
+    assert json.loads((out / "tokenizer.json").read_text())["normalizer"] == {"type": "NFC"}
+    ours = load_tokenizer(out)
+    reader = GGUFCheckpoint(gguf).reader
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    reference = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges])
+    for text in ("cafe\u0301 the", "café the", "Å\u030a and A\u030a", "the the<|endoftext|>"):
+        assert ours.encode(text) == reference(text)["input_ids"], text
+    assert ours.encode("cafe\u0301") == ours.encode("café")
+
+
+def test_llama_tokenizer_keeps_no_normalizer(tiny_llama: Path, tmp_path: Path) -> None:
+    out = convert_gguf(tiny_llama, "float32", tmp_path / "cache")
+    assert json.loads((out / "tokenizer.json").read_text())["normalizer"] is None
+
+
+def test_generation_config_lists_the_end_tokens(tiny_llama: Path, tmp_path: Path) -> None:
+    from tandem.loader.model_loader import read_model_config
+
+    out = convert_gguf(tiny_llama, "float32", tmp_path / "cache")
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [EOS_ID]}
+    assert read_model_config(out).eos_token_ids == (EOS_ID,)
 
 
 def test_convert_gguf_bfloat16(tiny_llama: Path, tmp_path: Path) -> None:
@@ -218,7 +252,7 @@ def test_resolve_gguf_and_alias(tiny_llama: Path, tmp_path: Path, monkeypatch: p
     assert resolved.name == str(tiny_llama) and resolved.source == tiny_llama
     assert (resolved.hf_dir / "config.json").is_file()
 
-    monkeypatch.setitem(resolve.ALIASES, "tiny", lambda: tiny_llama)
+    monkeypatch.setitem(resolve.ALIASES, "tiny", lambda cache_dir: tiny_llama)
     by_alias = resolve_model("tiny", "float32", tmp_path / "cache")
     assert by_alias == ResolvedModel("tiny", resolved.hf_dir, tiny_llama)
 
