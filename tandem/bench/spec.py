@@ -16,9 +16,13 @@ Each target model runs in its own process (tandem/bench/spec_worker.py): the def
 with every method that proposes from tokens (ngram, suffix), and, when --methods names
 draft_model, the --draft-target model with its --draft-model proposer (own baseline, own
 step-time ratio: a plain decode step of the draft over one of the target). Inside a process,
-one engine per configuration serves every cell. A method that fails to start (not built
-yet, no such model) gets error rows and the run goes on; a process that dies is restarted
-for the configurations after the one it died in.
+one engine per configuration serves every cell. The baseline engine is measured first on
+its own and then stays up: every generate call of a speculative configuration alternates
+with the same call on the baseline (request by request at batch 1), and the speedup is the
+ratio of those paired times, so load from other processes that comes and goes during the
+run weighs on both sides alike (--unpaired: the first pass only, half the time). A method
+that fails to start (not built yet, no such model) gets error rows and the run goes on; a
+process that dies is restarted for the configurations after the one it died in.
 
 Verdicts are printed for the issue's goals (spec_report.GOALS), with the distance to this
 machine's memory-bandwidth bound (tandem/bench/machine.py). Writes results.json, table.txt
@@ -94,8 +98,11 @@ def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--batches", default="1,8", help="batch sizes (default: 1,8)")
     bench.add_argument("--adaptive-batches", default="prose:32", metavar="KIND:B,...",
                        help="cells measured only with no speculation and adaptive k (default: prose:32; '' for none)")
-    bench.add_argument("--single-prompts", type=int, default=4, metavar="N",
-                       help="requests in a batch-1 cell, run one after another (default: 4)")
+    bench.add_argument("--single-prompts", type=int, default=3, metavar="N",
+                       help="requests in a batch-1 cell, run one after another (default: 3)")
+    bench.add_argument("--unpaired", action="store_true",
+                       help="measure the baseline once, first, instead of alternating its calls with each "
+                            "configuration's (half the time; fair only on a machine with no other load)")
     bench.add_argument("--max-tokens", type=int, default=128, help="most output tokens per request (default: 128)")
     bench.add_argument("--draft-target", default="qwen2.5-coder-1.5b",
                        help="target model of draft_model (default: qwen2.5-coder-1.5b)")
@@ -232,6 +239,7 @@ def _plan(role: str, model: str, values: dict[str, Any], configs: list[dict[str,
     return {"role": role, "group": model if role == "main" else f"{model} (draft {args.draft_model})",
             "model": model, "engine_values": {**values, "model": model}, "threads": args.threads,
             "configs": configs, "cells": cells, "max_tokens": args.max_tokens, "warmup": WARMUP_CONVERSATION,
+            "paired": not args.unpaired,
             "conversations": {kind: conversations(kind, n) for kind, n in needed.items()}}
 
 
@@ -417,6 +425,8 @@ def build_report(records: list[dict[str, Any]], plans: list[dict[str, Any]], mea
             f"{group}: " + ", ".join(f"{c} {s * 1000:.1f} ms" for c, s in by.items()) for group, by in steps.items()),
         f"load average (1 min) during the cells: {min(loads):.1f} to {max(loads):.1f} on {host.get('cpu_count')} CPUs"
         if loads else "load average not recorded",
+        _core_share_line(rows, meta.get("threads")),
+        _repeat_line(rows),
         "", "hardware bound:", *ceiling_lines(rows, measured), "", "goals:", format_verdicts(results), "",
         f"wall time {meta['wall_s'] / 60:.1f} min",
     ])
@@ -431,6 +441,26 @@ def build_report(records: list[dict[str, Any]], plans: list[dict[str, Any]], mea
         "rows": public_rows(rows), "verdicts": results, "table": text,
     }
     return text, report, rows
+
+
+def _core_share_line(rows: list[dict[str, Any]], threads: int | None) -> str:
+    shares = sorted(r["core_share"] for r in rows if r.get("core_share") is not None)
+    if not shares:
+        return "core share not measured"
+    line = (f"CPU time / wall time of the measured calls: {shares[0]:.2f} to {shares[-1]:.2f}, median "
+            f"{shares[len(shares) // 2]:.2f}")
+    if threads == 1 and shares[0] < 0.9:
+        line += " (one thread: below 1, other processes took the core part of the time)"
+    return line
+
+
+def _repeat_line(rows: list[dict[str, Any]]) -> str:
+    checked = [r for r in rows if r.get("baseline_repeats") is not None]
+    if not checked:
+        return "baseline not re-run (unpaired)"
+    failed = [f"{r['kind']}@{r['batch']} beside {r['label']}" for r in checked if not r["baseline_repeats"]]
+    return (f"baseline outputs repeated exactly in all {len(checked)} paired cells" if not failed
+            else f"✗ the baseline's own greedy outputs changed between runs: {', '.join(failed)}")
 
 
 def write_report(out_dir: Path, text: str, report: dict[str, Any], rows: list[dict[str, Any]],

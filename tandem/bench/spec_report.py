@@ -3,8 +3,11 @@
 Per measured cell (a configuration on one output kind at one batch size):
 
 - speedup = the baseline's wall time / this configuration's wall time, baseline = no
-  speculation on the same requests, in the same process; `cpu x` is the same ratio of the
-  process's CPU time, a check on the wall-time figure when other processes share the cores.
+  speculation on the same requests, in the same process. Paired (the default), the two
+  engines' generate calls alternate (request by request at batch 1), so a machine whose other
+  load drifts weighs on both alike; `cpu x` is the same ratio of the process's CPU time, a
+  check on the wall-time figure when other processes share the cores, and the core share
+  (CPU time / wall time, one thread) says how much of a core the bench actually had.
 - α = accepted / proposed draft tokens of the cell (vLLM's acceptance rate), and the mean
   acceptance length = 1 + accepted / verifications (vLLM's: tokens per step that verified
   drafts, the target's own token included).
@@ -113,14 +116,22 @@ def derive(raw: Iterable[dict[str, Any]], draft_ratios: dict[str, float] | None 
         if not row.get("ok"):
             continue
         row["tok_s"] = row["output_tokens"] / row["wall_s"] if row["wall_s"] > 0 else None
+        row["core_share"] = row["cpu_s"] / row["wall_s"] if row.get("cpu_s") and row["wall_s"] > 0 else None
         base = baselines.get((row["group"], row["kind"], row["batch"]))
-        row["speedup"] = base["wall_s"] / row["wall_s"] if base and row["wall_s"] > 0 else None
-        row["speedup_cpu"] = base["cpu_s"] / row["cpu_s"] if base and row.get("cpu_s") else None
-        if base is not None and "outputs" in row:
-            row["mismatches"] = compare_outputs(base["outputs"], row["outputs"])
+        # Paired: the baseline's calls alternated with this row's; else its own pass.
+        base_wall = row.get("base_wall_s") or (base["wall_s"] if base else None)
+        base_cpu = row.get("base_cpu_s") or (base["cpu_s"] if base else None)
+        row["speedup"] = base_wall / row["wall_s"] if base_wall and row["wall_s"] > 0 else None
+        row["speedup_cpu"] = base_cpu / row["cpu_s"] if base_cpu and row.get("cpu_s") else None
+        reference = row.get("base_outputs") or (base["outputs"] if base else None)
+        if reference is not None and "outputs" in row:
+            row["mismatches"] = compare_outputs(reference, row["outputs"])
             row["identical"] = not row["mismatches"]
         else:
             row["identical"] = None
+        if base is not None and row.get("base_outputs") is not None:
+            # The baseline against itself, minutes apart: greedy decoding must repeat exactly.
+            row["baseline_repeats"] = not compare_outputs(base["outputs"], row["base_outputs"])
         if row["method"] == BASELINE:
             continue
         spec = row.get("spec") or {}
@@ -325,13 +336,21 @@ def ceiling_lines(rows: list[dict[str, Any]], machine: dict[str, Any]) -> list[s
             text = f"  batch {batch}: plain decoding <= {bound:.1f} tok/s"
             if base:
                 best = max(base, key=lambda r: r["tok_s"])
-                text += f"; baseline best {best['tok_s']:.1f} tok/s ({best['kind']}, {best['tok_s'] / bound:.0%})"
+                text += f"; baseline best {best['tok_s']:.1f} tok/s ({best['kind']}, {best['tok_s'] / bound:.0%}{_per_cpu(best)})"
             if spec:
                 best = max(spec, key=lambda r: r["tok_s"])
                 text += (f"; best speculative {best['tok_s']:.1f} tok/s ({best['label']}, {best['kind']}, "
-                         f"{best['tok_s'] / bound:.0%})")
+                         f"{best['tok_s'] / bound:.0%}{_per_cpu(best)})")
             lines.append(text)
     return lines
+
+
+def _per_cpu(row: dict[str, Any]) -> str:
+    """Tokens per CPU second: with one thread, the rate the process had while it ran, i.e.
+    what an otherwise idle core would give."""
+    if not row.get("cpu_s") or row.get("core_share", 1.0) > 0.95:
+        return ""
+    return f"; {row['output_tokens'] / row['cpu_s']:.1f} per CPU second"
 
 
 # --- the chart ----------------------------------------------------------------------------------
@@ -399,4 +418,4 @@ def plot(rows: list[dict[str, Any]], group: str, path: Path, title: str = "") ->
 
 def public_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows for the JSON file: without the output tokens and texts."""
-    return [{k: v for k, v in r.items() if k not in ("outputs", "texts")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("outputs", "texts", "base_outputs")} for r in rows]

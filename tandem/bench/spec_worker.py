@@ -9,7 +9,9 @@ configuration, then one row per measured cell (or an error row per cell when the
 configuration did not start), so a crash loses only the configuration it happened in.
 
 Each configuration is one `tandem.LLM`, started once and used for every cell (kind x batch);
-the baseline (no speculation) comes first. Before each cell the prefix cache is emptied and
+the baseline (no speculation) comes first and, paired (the default), stays up: each later
+configuration's generate calls alternate with the same calls on it, so both sides of a
+speedup share whatever else the machine was doing at that moment. Before each cell the prefix cache is emptied and
 the speculator starts over (a fresh proposer, so suffix decoding's cache of finished outputs
 holds only that cell's requests, and a fresh acceptance history); the fitted step cost is
 kept, it describes the machine. A cell's wall time, CPU time, engine steps, the speculation
@@ -106,20 +108,6 @@ def _cost(speculator: Any) -> list[float] | None:
     return list(cost.coefficients())
 
 
-def _count_steps(llm: Any) -> dict[str, int]:
-    """Counts engine steps (LLM.generate drives engine.step until its requests finish)."""
-    engine = llm.engine
-    step = engine.step
-    counter = {"steps": 0}
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        counter["steps"] += 1
-        return step(*args, **kwargs)
-
-    engine.step = counted
-    return counter
-
-
 def _prompts(llm: Any, conversations: list[list[dict[str, str]]]) -> list[dict[str, Any]]:
     """Token ids by the model's own chat template, made before the clock starts."""
     from tandem.loader.tokenizer import render_chat
@@ -132,34 +120,90 @@ def _prompts(llm: Any, conversations: list[list[dict[str, str]]]) -> list[dict[s
     return prompts
 
 
-def measure_cell(llm: Any, steps: dict[str, int], conversations: list[list[dict[str, str]]], batch: int,
-                 max_tokens: int) -> dict[str, Any]:
-    """Generate the cell's requests: one at a time (batch 1) or all at once (batch B)."""
+class Engine:
+    """One configuration's `tandem.LLM`, warmed up, with its engine steps counted."""
+
+    def __init__(self, plan: dict[str, Any], config: dict[str, Any]) -> None:
+        from tandem.llm import LLM
+        from tandem.types import SamplingParams
+
+        started = time.perf_counter()
+        self.llm = LLM(config.get("model") or plan["model"], **engine_kwargs(plan),
+                       speculative_config=speculative_config(config))
+        self.ready_s = time.perf_counter() - started
+        self.steps = 0
+        engine = self.llm.engine
+        step = engine.step
+
+        def counted(*args: Any, **kwargs: Any) -> Any:  # LLM.generate drives engine.step
+            self.steps += 1
+            return step(*args, **kwargs)
+
+        engine.step = counted
+        self.llm.generate(_prompts(self.llm, [plan["warmup"]]), SamplingParams(temperature=0.0, max_tokens=16))
+
+    @property
+    def speculator(self) -> Any:
+        return _speculator(self.llm)
+
+    def prepare(self) -> None:
+        """Before a cell: an empty prefix cache, a fresh proposer and acceptance history."""
+        self.llm.engine.core.reset_prefix_cache()
+        _restart_speculation(self.speculator)
+
+    def generate(self, prompts: list[dict[str, Any]], params: Any) -> tuple[list[Any], float, float]:
+        """(completions, wall s, CPU s) of one generate call."""
+        cpu_started, started = time.process_time(), time.perf_counter()
+        outputs = self.llm.generate(prompts, params)
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        return [o.outputs[0] for o in outputs], wall, cpu
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def measure_cell(engine: Engine, conversations: list[list[dict[str, str]]], batch: int, max_tokens: int,
+                 reference: Engine | None = None, flip: bool = False) -> dict[str, Any]:
+    """Generate the cell's requests: one at a time (batch 1) or all at once (batch B).
+
+    With a `reference` (the baseline engine), every generate call of this engine is paired
+    with the same call on the reference, in alternating order (`flip` starts with the
+    reference), so both see the same share of a machine whose other load drifts; the
+    reference's time and outputs are recorded as `base_*`."""
     from tandem.types import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    prompts = _prompts(llm, conversations)
-    speculator = _speculator(llm)
-    llm.engine.core.reset_prefix_cache()
-    _restart_speculation(speculator)
-    before = _counters(speculator)
-    steps["steps"] = 0
+    prompts = _prompts(engine.llm, conversations)
+    calls = [[p] for p in prompts] if batch == 1 else [prompts]
+    engines = [engine] if reference is None else [engine, reference]
+    for e in engines:
+        e.prepare()
+    before = _counters(engine.speculator)
+    engine.steps = 0
     load_start = _loadavg()
-    cpu_started, started = time.process_time(), time.perf_counter()
-    if batch == 1:
-        outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
-    else:
-        outputs = llm.generate(prompts, params)
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    completions = [output.outputs[0] for output in outputs]
-    return {
-        "ok": True, "wall_s": wall, "cpu_s": cpu, "steps": steps["steps"],
+    completions: dict[int, list[Any]] = {id(e): [] for e in engines}
+    wall = {id(e): 0.0 for e in engines}
+    cpu = {id(e): 0.0 for e in engines}
+    for i, call in enumerate(calls):
+        order = engines if (i + flip) % 2 == 0 else engines[::-1]
+        for e in order:
+            done, seconds, cpu_seconds = e.generate(call, params)
+            completions[id(e)] += done
+            wall[id(e)] += seconds
+            cpu[id(e)] += cpu_seconds
+    mine = completions[id(engine)]
+    row = {
+        "ok": True, "wall_s": wall[id(engine)], "cpu_s": cpu[id(engine)], "steps": engine.steps,
         "requests": len(prompts), "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
-        "output_tokens": sum(len(c.token_ids) for c in completions),
-        "spec": counters_increase(before, _counters(speculator)), "cost": _cost(speculator),
-        "outputs": [list(c.token_ids) for c in completions], "texts": [c.text for c in completions],
-        "finish_reasons": [c.finish_reason for c in completions], "loadavg": [load_start, _loadavg()],
+        "output_tokens": sum(len(c.token_ids) for c in mine),
+        "spec": counters_increase(before, _counters(engine.speculator)), "cost": _cost(engine.speculator),
+        "outputs": [list(c.token_ids) for c in mine], "texts": [c.text for c in mine],
+        "finish_reasons": [c.finish_reason for c in mine], "loadavg": [load_start, _loadavg()],
     }
+    if reference is not None:
+        row.update(base_wall_s=wall[id(reference)], base_cpu_s=cpu[id(reference)],
+                   base_outputs=[list(c.token_ids) for c in completions[id(reference)]])
+    return row
 
 
 def decode_step_seconds(llm: Any, short: int = 8, long: int = 40) -> float:
@@ -198,45 +242,73 @@ def engine_kwargs(plan: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def run_config(plan: dict[str, Any], config: dict[str, Any], emit: Emitter) -> None:
-    from tandem.llm import LLM
-
-    base = {"group": plan["group"], "model": plan["model"], "config": config["name"], "method": config["method"],
+def _base(plan: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {"group": plan["group"], "model": plan["model"], "config": config["name"], "method": config["method"],
             "k": config.get("k"), "adaptive": bool(config.get("adaptive")), "draft_model": config.get("draft_model")}
+
+
+def run_config(plan: dict[str, Any], config: dict[str, Any], emit: Emitter, reference: Engine | None = None,
+               keep: bool = False) -> Engine | None:
+    """Start the configuration, measure its cells (paired with `reference` when given), and
+    shut it down, or return it still running with `keep` (the baseline, the reference of the
+    configurations after it)."""
+    base = _base(plan, config)
     cells = cells_for(config, plan["cells"])
     emit({"event": "start", "config": config["name"], "pid": os.getpid()})
-    model = config.get("model") or plan["model"]
     try:
-        started = time.perf_counter()
-        llm = LLM(model, **engine_kwargs(plan), speculative_config=speculative_config(config))
-        ready_s = time.perf_counter() - started
-        steps = _count_steps(llm)
-        from tandem.types import SamplingParams
-
-        warm = _prompts(llm, [plan["warmup"]])
-        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16))
+        engine = Engine(plan, config)
     except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
         error = f"{type(exc).__name__}: {exc}"
         logger.error("%s did not start: %s\n%s", config["name"], error, traceback.format_exc())
         for cell in cells:
             emit({**base, "kind": cell["kind"], "batch": cell["batch"], "ok": False, "error": error})
-        return
+        return None
     try:
         if config.get("measure_step"):
-            emit({**base, "event": "step_time", "decode_step_s": decode_step_seconds(llm), "ready_s": ready_s})
-        for cell in cells:
+            emit({**base, "event": "step_time", "decode_step_s": decode_step_seconds(engine.llm),
+                  "ready_s": engine.ready_s})
+        for n, cell in enumerate(cells):
             kind, batch = cell["kind"], cell["batch"]
             conversations = plan["conversations"][kind][:cell["requests"]]
             try:
-                row = measure_cell(llm, steps, conversations, batch, plan["max_tokens"])
+                row = measure_cell(engine, conversations, batch, plan["max_tokens"], reference, flip=n % 2 == 1)
             except Exception as exc:  # noqa: BLE001 - reported in the row
                 logger.error("%s %s@%d failed:\n%s", config["name"], kind, batch, traceback.format_exc())
                 row = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            emit({**base, "kind": kind, "batch": batch, "ready_s": ready_s, **row})
+            emit({**base, "kind": kind, "batch": batch, "ready_s": engine.ready_s, **row})
             logger.info("%s %s@%d: %s", config["name"], kind, batch,
                         f"{row['wall_s']:.2f} s" if row.get("ok") else row.get("error"))
+    except BaseException:
+        engine.shutdown()
+        raise
+    if keep:
+        return engine
+    engine.shutdown()
+    return None
+
+
+def run_plan(plan: dict[str, Any], emit: Emitter) -> None:
+    """Every configuration of the plan in order. Paired (the default), the baseline engine
+    stays up and each speculative configuration's calls alternate with its calls; a plan
+    that resumes after a crash (no baseline among its configurations) starts the baseline
+    engine again for that, without measuring it on its own."""
+    configs = plan["configs"]
+    paired = plan.get("paired", True) and any(c["method"] != "baseline" for c in configs)
+    reference: Engine | None = None
+    if paired and not any(c["name"] == "baseline" for c in configs):
+        try:
+            reference = Engine(plan, {"name": "baseline", "method": "baseline"})
+        except Exception:  # noqa: BLE001 - the configurations run unpaired, the log says why
+            logger.error("the baseline did not start; unpaired:\n%s", traceback.format_exc())
+    try:
+        for config in configs:
+            if config["name"] == "baseline":
+                reference = run_config(plan, config, emit, keep=paired)
+            else:
+                run_config(plan, config, emit, reference)
     finally:
-        llm.shutdown()
+        if reference is not None:
+            reference.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(int(plan["threads"]))
     emit = Emitter(plan["rows_path"])
-    for config in plan["configs"]:
-        run_config(plan, config, emit)
+    run_plan(plan, emit)
     emit({"event": "done"})
     return 0
 

@@ -136,6 +136,21 @@ def test_derived_rows() -> None:
     assert prose["k_eff"] == pytest.approx(1.0)  # adaptive: one draft token per verification
 
 
+def test_paired_rows_use_their_own_baseline_time_and_outputs() -> None:
+    raw = synthetic()
+    ngram = next(r for r in raw if r.get("method") == "ngram" and r["kind"] == "code")
+    # The baseline's calls alternated with ngram's took 6 s this time (the machine got busier
+    # after the first pass): the speedup is 6 / 4, not 10 / 4.
+    ngram.update(base_wall_s=6.0, base_cpu_s=5.0, base_outputs=[[1, 2, 3, 4], [1, 2, 3, 5]])
+    rows = derive(raw)
+    row = next(r for r in rows if r["method"] == "ngram" and r["kind"] == "code")
+    assert row["speedup"] == pytest.approx(1.5) and row["speedup_cpu"] == pytest.approx(1.25)
+    # Compared with the paired baseline's outputs, which differ from the first pass's.
+    assert row["identical"] is False and row["mismatches"] == [[1, 3]]
+    assert row["baseline_repeats"] is False
+    assert row["core_share"] == pytest.approx(1.0)
+
+
 def test_verdicts_met_missed_and_not_run() -> None:
     rows = derive(synthetic())
     by_id = {v["id"]: v for v in verdicts(rows, GROUPS)}
@@ -185,7 +200,8 @@ def test_report_files_from_a_synthetic_run(tmp_path: Path) -> None:
     assert saved["draft_ratios"] == {DRAFT: pytest.approx(0.35)}
     for needle in ("code edits — smollm2-135m", "ngram k=4", "2.50x", "✗", "ERROR", "ModuleNotFoundError",
                    "✗ MISSED", "draft step / target step", "batch 1: plain decoding <= 37.2 tok/s",
-                   "weight size unknown", "load average (1 min) during the cells: 0.5 to 0.7"):
+                   "weight size unknown", "load average (1 min) during the cells: 0.5 to 0.7",
+                   "baseline not re-run (unpaired)"):
         assert needle in text, needle
 
 
@@ -245,7 +261,7 @@ def test_draft_plan_and_refusals() -> None:
     plans = build_plans(_args("--methods", "ngram,draft", "--ks", "2", "--no-adaptive"))
     assert [p["role"] for p in plans] == ["main", "draft"]
     draft = plans[1]
-    assert draft["model"] == "qwen2.5-coder-1.5b" and draft["cells"] == [{"kind": "tool", "batch": 1, "requests": 4}]
+    assert draft["model"] == "qwen2.5-coder-1.5b" and draft["cells"] == [{"kind": "tool", "batch": 1, "requests": 3}]
     assert [c["name"] for c in draft["configs"]] == ["baseline", "draft_model-k2", "draft-alone"]
     assert speculative_config(draft["configs"][1])["model"] == "qwen2.5-coder-0.5b"
     assert cells_for(draft["configs"][2], draft["cells"]) == []  # the draft alone: its step time only
@@ -310,6 +326,7 @@ def test_tiny_real_run(tmp_path: Path) -> None:
     assert ngram["identical"] is True and ngram["mismatches"] == []
     assert ngram["spec"]["num_draft_tokens"] > 0 and ngram["alpha"] is not None
     assert ngram["speedup"] > 0 and ngram["pred_equal"] >= 1.0
+    assert ngram["base_wall_s"] > 0 and ngram["baseline_repeats"] is True  # paired with the baseline
     draft_rows = [r for r in saved["rows"] if r["method"] in ("baseline", "draft_model") and "no-such-model" in r["group"]]
     assert len(draft_rows) == 2 and not any(r["ok"] for r in draft_rows)
     assert all("FileNotFoundError" in r["error"] for r in draft_rows)
