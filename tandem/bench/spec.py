@@ -25,8 +25,9 @@ that fails to start (not built yet, no such model) gets error rows and the run g
 process that dies is restarted for the configurations after the one it died in.
 
 Verdicts are printed for the issue's goals (spec_report.GOALS), with the distance to this
-machine's memory-bandwidth bound (tandem/bench/machine.py). Writes results.json, table.txt
-and one PNG per target model to <output-dir>/spec-<timestamp>/.
+machine's memory-bandwidth bound (tandem/bench/machine.py). Writes results.json, table.txt,
+outputs.jsonl (every request's tokens and text) and one PNG per target model to
+<output-dir>/spec-<timestamp>/.
 
 Threads default to 1 (--threads): on a small machine shared with other jobs two-thread
 GEMMs stall whenever another process takes a core, and the ratio of two runs made minutes
@@ -465,10 +466,15 @@ def _repeat_line(rows: list[dict[str, Any]]) -> str:
 
 def write_report(out_dir: Path, text: str, report: dict[str, Any], rows: list[dict[str, Any]],
                  plans: list[dict[str, Any]]) -> list[Path]:
-    """results.json, table.txt and a chart per target model; returns the charts written."""
+    """results.json, table.txt, outputs.jsonl and a chart per target model; returns the charts."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
     (out_dir / "table.txt").write_text(text + "\n")
+    with (out_dir / "outputs.jsonl").open("w") as f:  # every request's tokens and text, to check by hand
+        for row in rows:
+            if row.get("ok") and row.get("outputs") is not None:
+                f.write(json.dumps({k: row.get(k) for k in ("group", "label", "kind", "batch", "texts", "outputs",
+                                                             "base_outputs")}) + "\n")
     charts = [plot(rows, p["group"], out_dir / f"spec-{p['role']}.png",
                    f"tandem bench spec: {p['group']}, speedup vs k (dashed: Leviathan, fitted step cost)")
               for p in plans]

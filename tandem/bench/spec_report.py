@@ -18,6 +18,8 @@ Per measured cell (a configuration on one output kind at one batch size):
   step cost the engine fitted (seconds ≈ fixed + per_token × tokens):
   (fixed + per_token·B·(1+k)) / (fixed + per_token·B), plus k·c for a draft model whose step
   costs c target steps. An adaptive row uses its mean k (draft tokens per verification).
+- time s / base s: this configuration's seconds and, paired, the baseline's seconds for the
+  same calls made alternately with them (the baseline row's own time is its first pass).
 - drafted = the share of output tokens that came out of steps that verified drafts: where
   the proposer had no guess (prose, for n-grams) the step is a plain one, which the
   prediction (every step drafts) does not know.
@@ -198,12 +200,13 @@ def verdicts(rows: list[dict[str, Any]], groups: dict[str, str], draft_ratios: d
         elif goal["mode"] == "best":
             best = max(measured, key=lambda r: r["speedup"])
             verdict.update(value=best["speedup"], status="met" if best["speedup"] >= goal["bar"] else "MISSED",
-                           detail=f"best: {best['label']} at batch {best['batch']}, {best['speedup']:.2f}x")
+                           detail=f"best: {best['label']} at batch {best['batch']}, {best['speedup']:.2f}x"
+                                  + _cpu_note(best))
         else:
             worst = min(measured, key=lambda r: r["speedup"])
             missing = [b for b in goal["batches"] if not any(r["batch"] == b for r in measured)]
             status = "met" if worst["speedup"] >= goal["bar"] else "MISSED"
-            detail = "; ".join(f"batch {r['batch']} {r['label']}: {r['speedup']:.2f}x"
+            detail = "; ".join(f"batch {r['batch']} {r['label']}: {r['speedup']:.2f}x{_cpu_note(r)}"
                                for r in sorted(measured, key=lambda r: (r["batch"], r["label"])))
             if missing and status == "met":
                 status = "partly measured"
@@ -225,6 +228,10 @@ def verdicts(rows: list[dict[str, Any]], groups: dict[str, str], draft_ratios: d
     return out
 
 
+def _cpu_note(row: dict[str, Any]) -> str:
+    return f" (CPU time {row['speedup_cpu']:.2f}x)" if row.get("speedup_cpu") is not None else ""
+
+
 def format_verdicts(items: list[dict[str, Any]]) -> str:
     marks = {"met": "✓ met", "MISSED": "✗ MISSED", "not measured": "- not measured", "partly measured": "~ partly"}
     return "\n".join(f"{marks.get(v['status'], v['status']):<16} {v['goal']}: {v['detail']}" for v in items)
@@ -232,7 +239,7 @@ def format_verdicts(items: list[dict[str, Any]]) -> str:
 
 # --- tables -------------------------------------------------------------------------------------
 
-COLUMNS = ("config", "batch", "reqs", "time s", "tok/s", "speedup", "cpu x", "α", "acc len", "k mean",
+COLUMNS = ("config", "batch", "reqs", "time s", "base s", "tok/s", "speedup", "cpu x", "α", "acc len", "k mean",
            "E(α,k)", "pred =", "pred cost", "drafted", "same")
 
 
@@ -242,11 +249,12 @@ def _f(value: float | None, fmt: str = "{:.2f}") -> str:
 
 def _cells(row: dict[str, Any]) -> list[str]:
     if not row.get("ok"):
-        return [row["label"], str(row["batch"]), "-", "ERROR", *["-"] * (len(COLUMNS) - 5), "-"]
+        return [row["label"], str(row["batch"]), "-", "ERROR", *["-"] * (len(COLUMNS) - 4)]
     same = {True: "✓", False: "✗", None: "?"}[row.get("identical")]
     if row["method"] == BASELINE:
         same = ""
-    return [row["label"], str(row["batch"]), str(row.get("requests", "-")), _f(row["wall_s"]), _f(row.get("tok_s"), "{:.1f}"),
+    return [row["label"], str(row["batch"]), str(row.get("requests", "-")), _f(row["wall_s"]),
+            _f(row.get("base_wall_s")), _f(row.get("tok_s"), "{:.1f}"),
             _f(row.get("speedup"), "{:.2f}x"), _f(row.get("speedup_cpu"), "{:.2f}x"), _f(row.get("alpha")),
             _f(row.get("mean_acceptance_length")), _f(row.get("k_eff"), "{:.1f}"),
             _f(row.get("leviathan_tokens")), _f(row.get("pred_equal"), "{:.2f}x"), _f(row.get("pred_cost"), "{:.2f}x"),

@@ -198,7 +198,8 @@ def test_report_files_from_a_synthetic_run(tmp_path: Path) -> None:
     assert len(saved["rows"]) == 9 and all("outputs" not in r for r in saved["rows"])
     assert {v["id"]: v["status"] for v in saved["verdicts"]}["greedy-identical"] == "MISSED"
     assert saved["draft_ratios"] == {DRAFT: pytest.approx(0.35)}
-    for needle in ("code edits — smollm2-135m", "ngram k=4", "2.50x", "✗", "ERROR", "ModuleNotFoundError",
+    assert len((tmp_path / "outputs.jsonl").read_text().splitlines()) == 7
+    for needle in ("code edits — smollm2-135m", "ngram k=4", "2.50x", "✗", "base s", "(CPU time 2.50x)", "ERROR", "ModuleNotFoundError",
                    "✗ MISSED", "draft step / target step", "batch 1: plain decoding <= 37.2 tok/s",
                    "weight size unknown", "load average (1 min) during the cells: 0.5 to 0.7",
                    "baseline not re-run (unpaired)"):
