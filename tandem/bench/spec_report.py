@@ -20,6 +20,12 @@ Per measured cell (a configuration on one output kind at one batch size):
   costs c target steps. An adaptive row uses its mean k (draft tokens per verification).
 - time s / base s: this configuration's seconds and, paired, the baseline's seconds for the
   same calls made alternately with them (the baseline row's own time is its first pass).
+- steps x = the baseline's engine steps / this row's: the speedup if a step that verifies
+  drafts cost what a plain step costs, measured rather than predicted. `pred =` against
+  `steps x` tests Leviathan's model of acceptance (each draft token accepted independently
+  with probability α; copying proposers fail or succeed in runs, so the mean acceptance
+  length beats E(α, k) at large k); `steps x` against `speedup` is the price of the
+  verification steps, which `pred cost` estimates from the engine's linear step-cost fit.
 - drafted = the share of output tokens that came out of steps that verified drafts: where
   the proposer had no guess (prose, for n-grams) the step is a plain one, which the
   prediction (every step drafts) does not know.
@@ -125,13 +131,14 @@ def derive(raw: Iterable[dict[str, Any]], draft_ratios: dict[str, float] | None 
         base_cpu = row.get("base_cpu_s") or (base["cpu_s"] if base else None)
         row["speedup"] = base_wall / row["wall_s"] if base_wall and row["wall_s"] > 0 else None
         row["speedup_cpu"] = base_cpu / row["cpu_s"] if base_cpu and row.get("cpu_s") else None
-        reference = row.get("base_outputs") or (base["outputs"] if base else None)
+        row["steps_ratio"] = base["steps"] / row["steps"] if base and base.get("steps") and row.get("steps") else None
+        reference = row.get("base_outputs") or (base.get("outputs") if base else None)
         if reference is not None and "outputs" in row:
             row["mismatches"] = compare_outputs(reference, row["outputs"])
             row["identical"] = not row["mismatches"]
         else:
             row["identical"] = None
-        if base is not None and row.get("base_outputs") is not None:
+        if base is not None and base.get("outputs") is not None and row.get("base_outputs") is not None:
             # The baseline against itself, minutes apart: greedy decoding must repeat exactly.
             row["baseline_repeats"] = not compare_outputs(base["outputs"], row["base_outputs"])
         if row["method"] == BASELINE:
@@ -240,7 +247,7 @@ def format_verdicts(items: list[dict[str, Any]]) -> str:
 # --- tables -------------------------------------------------------------------------------------
 
 COLUMNS = ("config", "batch", "reqs", "time s", "base s", "tok/s", "speedup", "cpu x", "α", "acc len", "k mean",
-           "E(α,k)", "pred =", "pred cost", "drafted", "same")
+           "E(α,k)", "pred =", "pred cost", "steps x", "drafted", "same")
 
 
 def _f(value: float | None, fmt: str = "{:.2f}") -> str:
@@ -258,7 +265,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
             _f(row.get("speedup"), "{:.2f}x"), _f(row.get("speedup_cpu"), "{:.2f}x"), _f(row.get("alpha")),
             _f(row.get("mean_acceptance_length")), _f(row.get("k_eff"), "{:.1f}"),
             _f(row.get("leviathan_tokens")), _f(row.get("pred_equal"), "{:.2f}x"), _f(row.get("pred_cost"), "{:.2f}x"),
-            _f(row.get("drafted_share"), "{:.0%}"), same]
+            _f(row.get("steps_ratio"), "{:.2f}x"), _f(row.get("drafted_share"), "{:.0%}"), same]
 
 
 def _order(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -280,7 +287,7 @@ def table_sections(rows: list[dict[str, Any]]) -> list[tuple[str, list[list[str]
     return sections
 
 
-def format_tables(rows: list[dict[str, Any]], width: int = 160) -> str:
+def format_tables(rows: list[dict[str, Any]], width: int = 200) -> str:
     """The tables as text: rich's when rich is installed, plain columns otherwise."""
     sections = table_sections(rows)
     try:
@@ -406,7 +413,7 @@ def plot(rows: list[dict[str, Any]], group: str, path: Path, title: str = "") ->
             ax.set_ylabel("speedup vs no speculation", fontsize=8)
             ax.grid(alpha=0.3)
             if not cell:
-                ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", color="#888")
+                ax.axis("off")  # e.g. batch 32, measured for prose alone
     handles, labels = [], []
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):

@@ -102,8 +102,8 @@ def synthetic(copy_wall: float = 4.0, prose_adaptive_32: float = 10.0, wrong: bo
     return [
         {"event": "step_time", "group": DRAFT, "config": "baseline", "decode_step_s": 0.2},
         {"event": "step_time", "group": DRAFT, "config": "draft-alone", "decode_step_s": 0.07},
-        _row("baseline", "code", 1, 10.0),
-        _row("ngram", "code", 1, copy_wall, k=4, spec=spec4,
+        _row("baseline", "code", 1, 10.0, steps=30),
+        _row("ngram", "code", 1, copy_wall, k=4, spec=spec4, steps=12,
              outputs=[[1, 2, 3, 4], [1, 2, 9, 9]] if wrong else None),
         _row("suffix", "code", 1, 0.0, k=4) | {"ok": False, "error": "ModuleNotFoundError: tandem.spec.suffix"},
         _row("baseline", "prose", 1, 10.0),
@@ -131,6 +131,7 @@ def test_derived_rows() -> None:
     assert ngram["pred_cost"] == pytest.approx(ngram["leviathan_tokens"] / (0.025 / 0.021))
     assert ngram["identical"] is True
     assert ngram["tok_s"] == pytest.approx(8 / 4.0)
+    assert ngram["steps_ratio"] == pytest.approx(30 / 12)
     prose = next(r for r in rows if r["method"] == "ngram" and r["kind"] == "prose" and r["batch"] == 1)
     assert prose["alpha"] == 0.0 and prose["leviathan_tokens"] == pytest.approx(1.0)
     assert prose["k_eff"] == pytest.approx(1.0)  # adaptive: one draft token per verification
@@ -199,7 +200,7 @@ def test_report_files_from_a_synthetic_run(tmp_path: Path) -> None:
     assert {v["id"]: v["status"] for v in saved["verdicts"]}["greedy-identical"] == "MISSED"
     assert saved["draft_ratios"] == {DRAFT: pytest.approx(0.35)}
     assert len((tmp_path / "outputs.jsonl").read_text().splitlines()) == 7
-    for needle in ("code edits — smollm2-135m", "ngram k=4", "2.50x", "✗", "base s", "(CPU time 2.50x)", "ERROR", "ModuleNotFoundError",
+    for needle in ("code edits — smollm2-135m", "ngram k=4", "2.50x", "✗", "base s", "(CPU time 2.50x)", "steps x", "ERROR", "ModuleNotFoundError",
                    "✗ MISSED", "draft step / target step", "batch 1: plain decoding <= 37.2 tok/s",
                    "weight size unknown", "load average (1 min) during the cells: 0.5 to 0.7",
                    "baseline not re-run (unpaired)"):
