@@ -19,7 +19,7 @@ from tandem.bench.offline import add_offline_parser
 from tandem.bench.overhead import add_overhead_parser
 from tandem.bench.perplexity_cli import add_perplexity_parser
 from tandem.bench.serve import add_serve_parser
-from tandem.bench.spec import add_spec_parser
+from tandem.bench.spec import add_spec_bench_parser
 from tandem.flags import (
     add_engine_args,
     add_server_args,
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_overhead_parser(bench_commands)
     add_perplexity_parser(bench_commands)
     add_serve_parser(bench_commands)
-    add_spec_parser(bench_commands)
+    add_spec_bench_parser(bench_commands)
     add_plan_parser(commands)
     add_spec_parser(commands)
     return parser

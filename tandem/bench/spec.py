@@ -80,7 +80,7 @@ DEFAULT_KV = "512MiB"
 _STOP_TIMEOUT_S = 5.0
 
 
-def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_spec_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "spec", help="speculative decoding: speedup per proposer and k vs the Leviathan prediction",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -490,9 +490,6 @@ class Scheduler:
                 self.kv.cache_computed_blocks(request)
                 continue
             drafts = out.spec_token_ids.get(request_id)
-            if drafts and self.speculator is not None:
-                # The target kept len(tokens) - 1 drafts and sampled one token after them.
-                self.speculator.record(request_id, len(drafts), len(tokens) - 1)
             update = RequestUpdate(request)
             reason = None
             for token in tokens:
@@ -501,6 +498,10 @@ class Scheduler:
                 reason = self._stop_reason(request, token.token_id)
                 if reason is not None:
                     break
+            if drafts and self.speculator is not None:
+                # The target kept len(tokens) - 1 drafts and sampled one token after them; a
+                # stop among them ends the count there (nothing after it reaches the user).
+                self.speculator.record(request_id, len(drafts), min(len(tokens) - 1, len(update.tokens)))
             # The KV now valid: the chunk's, up to the last token kept. That cap is the whole
             # rollback of rejected drafts: their slots are written again next step, and the
             # blocks holding them are neither published nor hashed until then.

@@ -26,6 +26,12 @@ blind trust nor a cold start. It never falls below `floor` (0.1): a request whos
 failed keeps trying one token where a token is cheap (batch 1: about 2% of a step here),
 so it notices when its output turns predictable again (prose, then a quoted code block),
 and stops trying where tokens are dear (a large batch, where the bar is far above 0.1).
+Where the bar is above the floor, a request that has stopped guessing would never learn
+again, so evidence fades without trials: each step a request's guesses are passed over, its
+counts shrink (x0.9), and each step nobody guesses, the proposer-wide counts do too (x0.95),
+so the estimates drift back to the prior and a guess is tried again now and then: a probe
+of one token per request every few dozen steps, against locking out for good on a bad
+start (the bench caught that: eight first guesses failed together at batch 8).
 """
 
 from __future__ import annotations
@@ -116,6 +122,18 @@ class AcceptanceTracker:
         slow = self.decay ** 0.1  # the proposer-wide rate moves ten times slower
         self._global_accepted = slow * self._global_accepted + num_accepted
         self._global_tested = slow * self._global_tested + tested
+
+    def passed_over(self, request_id: str) -> None:
+        """The request had guesses this step and none was tried: its evidence fades."""
+        counts = self._requests.get(request_id)
+        if counts is not None:
+            counts[0] *= self.decay
+            counts[1] *= self.decay
+
+    def nobody_tried(self) -> None:
+        """A step with guesses on offer and none tried: the proposer-wide evidence fades."""
+        self._global_accepted *= 0.95
+        self._global_tested *= 0.95
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -3,8 +3,9 @@
 Agents quote their context: a tool call repeats a path from the prompt, an edit copies the
 code it changes. The longest suffix of n tokens (n from `prompt_lookup_max` down to
 `prompt_lookup_min`) that occurred earlier in the prompt or output proposes the tokens that
-followed its most recent earlier occurrence (vLLM takes the earliest; the latest is closer
-to what the model is doing now, e.g. the previous call in a loop of tool calls).
+followed its earliest occurrence, as vLLM does. (The latest was tried: in an edit that copies
+a code block, the latest earlier "\n```" is the prompt's closing fence, which proposes the
+prose after the block instead of the code; `tandem bench spec` measured it.)
 
 Each request's tokens are kept as a growing byte string of little-endian uint32s, extended
 with only what is new each step, so a search is one `bytes.rfind` (C speed) per n instead
@@ -51,14 +52,15 @@ class NgramProposer(TokenProposer):
             pattern = bytes(encoded[(num_tokens - n) * _WIDTH:])
             # An earlier occurrence: it ends before the last token, so something follows it.
             end = (num_tokens - 1) * _WIDTH
+            start = 0
             while True:
-                found = encoded.rfind(pattern, 0, end)
+                found = encoded.find(pattern, start, end)
                 if found < 0:
                     break
                 if found % _WIDTH == 0:
                     follow = found // _WIDTH + n
                     return list(token_ids[follow : follow + max_tokens])
-                end = found + len(pattern) - 1  # misaligned (inside a token): look further left
+                start = found + 1  # misaligned (inside a token): look further right
         return []
 
     def request_finished(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:

@@ -71,6 +71,10 @@ class Speculator:
         rates = {request_id: self.acceptance.rate(request_id) for request_id in proposals}
         caps = {request_id: len(drafts) for request_id, drafts in proposals.items()}
         chosen = choose_lookahead(rates, caps, base_tokens, num_sampling, self.cost, budget)
+        for request_id in proposals.keys() - chosen.keys():
+            self.acceptance.passed_over(request_id)
+        if not chosen:
+            self.acceptance.nobody_tried()
         return {request_id: proposals[request_id][:k] for request_id, k in chosen.items()}
 
     def guesses_wanted(self, candidates: list[Candidate], base_tokens: int, num_sampling: int) -> dict[str, int]:

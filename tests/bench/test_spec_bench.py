@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tandem.bench.spec import (
-    add_spec_parser,
+    add_spec_bench_parser,
     build_plans,
     build_report,
     draft_ratios,
@@ -226,7 +226,7 @@ def test_plain_table_without_rich(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_spec_parser(parser.add_subparsers(dest="command"))
+    add_spec_bench_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["spec", *argv])
 
 

@@ -71,3 +71,15 @@ def test_leviathan_expected_tokens() -> None:
     assert expected_tokens_per_step(0.0, 4) == 1.0
     assert expected_tokens_per_step(1.0, 4) == 5.0
     assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)
+
+
+def test_a_request_passed_over_drifts_back_to_trying() -> None:
+    tracker = AcceptanceTracker()
+    for _ in range(8):
+        tracker.observe("r", 4, 0)
+    low = tracker.rate("r")
+    for _ in range(40):
+        tracker.passed_over("r")
+        tracker.nobody_tried()
+    assert low < 0.2
+    assert tracker.rate("r") > 0.4  # back near the prior: worth a probe again where the bar is ~0.3

@@ -16,10 +16,10 @@ def test_the_longest_suffix_match_proposes_what_followed() -> None:
     assert proposer.propose("b", tokens, 6, 2) == [50, 8]
 
 
-def test_the_most_recent_occurrence_of_the_longest_match_wins() -> None:
+def test_the_earliest_occurrence_of_the_longest_match_wins() -> None:
     proposer = NgramProposer(min_n=2, max_n=2)
     tokens = [1, 2, 10, 0, 1, 2, 20, 0, 1, 2]
-    assert proposer.propose("a", tokens, 3, 1) == [20]
+    assert proposer.propose("a", tokens, 3, 1) == [10]
 
 
 def test_no_match_shorter_than_min_n_and_the_token_limit() -> None:
