@@ -61,6 +61,9 @@ def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="training matmuls; auto: bf16 where the CPU multiplies it natively (default: auto)")
     fit.add_argument("--lr", type=float, metavar="LR", default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
     fit.add_argument("--weight-decay", type=float, metavar="W", default=0.01, help="AdamW weight decay (default: 0.01)")
+    fit.add_argument("--feature-loss", type=float, metavar="W", default=0.0,
+                     help="weight of a regression onto the target's last hidden state (EAGLE-1's feature "
+                          "loss; default: 0, cross-entropy only)")
     fit.add_argument("--train-lm-head", action="store_true",
                      help="train the final norm and LM head too (default: kept as the target's rows)")
     fit.add_argument("--seed", type=int, metavar="N", default=0)
@@ -79,7 +82,8 @@ def cmd_train_eagle3(args: argparse.Namespace) -> int:
         samples_cache=args.samples_cache,
         draft_vocab_size=args.draft_vocab_size, heldout_fraction=args.heldout_fraction, minutes=args.minutes,
         steps=args.steps, ttt_steps=args.ttt_steps, eval_steps=args.eval_steps, batch_tokens=args.batch_tokens,
-        lr=args.lr, weight_decay=args.weight_decay, train_lm_head=args.train_lm_head, precision=args.precision, seed=args.seed, threads=args.threads, progress=not args.no_progress,
+        lr=args.lr, weight_decay=args.weight_decay, train_lm_head=args.train_lm_head,
+        feature_loss=args.feature_loss, precision=args.precision, seed=args.seed, threads=args.threads, progress=not args.no_progress,
     )
     report = run(opts)
     print(format_report(report))

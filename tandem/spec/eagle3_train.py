@@ -71,6 +71,7 @@ class TrainOptions:
     lr: float = 1e-3
     weight_decay: float = 0.01
     train_lm_head: bool = False  # False: the output side (final norm, LM head rows) stays the target's
+    feature_loss: float = 0.0  # weight of a hidden-state regression (EAGLE-1's feature loss); 0: off
     warmup_steps: int = 20
     heldout_fraction: float = 0.1
     seed: int = 0
@@ -128,6 +129,7 @@ class SequenceFeatures:
     top_ids: torch.Tensor  # int64 [n, k]: draft ids
     top_probs: torch.Tensor  # float16 [n, k]
     argmax: torch.Tensor  # int64 [n]: draft id of the target's argmax, -1 outside the draft vocabulary
+    final: torch.Tensor  # bfloat16 [n, hidden]: the target's last hidden state (after its final norm)
     conversation: int = 0
     sampled: bool = False
 
@@ -260,8 +262,8 @@ def extract_features(target: nn.Module, samples: list[Sample], aux_layers: tuple
         for row, index in enumerate(batch):
             n, prompt_len = len(ids[row]), len(samples[index].prompt_ids)
             logits = target.lm_head(out.last_hidden_state[row, prompt_len - 1 : n - 1]).float()
-            features[index] = _sequence_features(ids[row], prompt_len, aux[row, :n], logits, to_draft, vocab, top_k,
-                                                 samples[index])
+            features[index] = _sequence_features(ids[row], prompt_len, aux[row, :n], out.last_hidden_state[row, :n],
+                                                 logits, to_draft, vocab, top_k, samples[index])
         bar.update(len(batch))
     bar.close()
     return [f for f in features if f is not None]
@@ -279,7 +281,7 @@ def _length_batches(order: list[int], samples: list[Sample], batch_tokens: int) 
         yield batch
 
 
-def _sequence_features(ids: list[int], prompt_len: int, aux: torch.Tensor, logits: torch.Tensor,
+def _sequence_features(ids: list[int], prompt_len: int, aux: torch.Tensor, final: torch.Tensor, logits: torch.Tensor,
                        to_draft: torch.Tensor, vocab: DraftVocab, top_k: int, sample: Sample) -> SequenceFeatures:
     n = len(ids)
     k = min(top_k, vocab.size)
@@ -293,7 +295,8 @@ def _sequence_features(ids: list[int], prompt_len: int, aux: torch.Tensor, logit
     full_top_probs[rows] = top_probs.half()
     argmax[rows] = to_draft[logits.argmax(-1)]
     return SequenceFeatures(torch.tensor(ids), prompt_len, aux.to(torch.bfloat16).clone(), full_top_ids,
-                            full_top_probs, argmax, sample.conversation, sample.sampled)
+                            full_top_probs, argmax, final.to(torch.bfloat16).clone(), sample.conversation,
+                            sample.sampled)
 
 
 # ---- the trainable head --------------------------------------------------------------------------
@@ -400,6 +403,7 @@ class Batch:
     top_ids: torch.Tensor  # int64 [B, T + steps + 1, k]
     top_probs: torch.Tensor  # float32 [B, T + steps + 1, k]
     argmax: torch.Tensor  # int64 [B, T + steps + 1] (-2: no target at that position)
+    final: torch.Tensor  # float32 [B, T + steps + 1, hidden]: the target's normed last hidden state
 
     @property
     def rows(self) -> int:
@@ -416,6 +420,7 @@ def make_batch(sequences: list[SequenceFeatures], steps: int) -> Batch:
     top_ids = torch.zeros(B, width, k, dtype=torch.long)
     top_probs = torch.zeros(B, width, k)
     argmax = torch.full((B, width), -2, dtype=torch.long)
+    final = torch.zeros(B, width, sequences[0].final.shape[1])
     for b, s in enumerate(sequences):
         n = s.ids.numel()
         ids[b, :n] = s.ids
@@ -424,12 +429,14 @@ def make_batch(sequences: list[SequenceFeatures], steps: int) -> Batch:
         top_ids[b, :n] = s.top_ids.clamp(min=0)
         top_probs[b, :n] = s.top_probs.float()
         argmax[b, :n] = torch.where(has_target, s.argmax, torch.full_like(s.argmax, -2))
-    return Batch(ids, aux, top_ids, top_probs, argmax)
+        final[b, :n] = s.final.float()
+    return Batch(ids, aux, top_ids, top_probs, argmax, final)
 
 
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean cross-entropy over the step's trainable rows
+    feature_loss: torch.Tensor  # mean relative squared error of the normed hidden state vs the target's
     correct: torch.Tensor  # bool [B, T]: the head's argmax equals the target's
     valid: torch.Tensor  # bool [B, T]: the step has a target here
     hidden: torch.Tensor  # [B, T, hidden]: the step's output, the next step's hidden input
@@ -447,7 +454,11 @@ def unroll(model: TrainableEagle3, embedding: torch.Tensor, batch: Batch, steps:
         argmax = batch.argmax[:, window]
         valid = argmax >= -1
         trainable = argmax >= 0  # the target's choice is in the draft vocabulary
-        logits = model.logits(hidden[valid])
+        normed = model.norm(hidden[valid])
+        logits = model.lm_head(normed)
+        target = batch.final[:, window][valid]
+        feature_loss = ((normed.float() - target).square().sum(-1) / target.square().sum(-1).clamp(min=1e-6)).mean() \
+            if target.numel() else normed.sum() * 0
         logp = torch.log_softmax(logits.float(), dim=-1)
         probs = batch.top_probs[:, window][valid]
         probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
@@ -456,7 +467,7 @@ def unroll(model: TrainableEagle3, embedding: torch.Tensor, batch: Batch, steps:
         loss = (ce * weight).sum() / weight.sum().clamp(min=1)
         correct = torch.zeros_like(valid)
         correct[valid] = logits.argmax(-1) == argmax[valid]
-        results.append(StepResult(loss, correct, valid, hidden))
+        results.append(StepResult(loss, feature_loss, correct, valid, hidden))
     return results
 
 
@@ -560,7 +571,7 @@ def train(model: TrainableEagle3, embedding: torch.Tensor, train_set: list[Seque
             batch = make_batch(group, opts.ttt_steps)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 results = unroll(model, embedding, batch, opts.ttt_steps)
-            loss = sum(LOSS_DECAY**k * r.loss for k, r in enumerate(results))
+            loss = sum(LOSS_DECAY**k * (r.loss + opts.feature_loss * r.feature_loss) for k, r in enumerate(results))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -117,7 +117,7 @@ def test_the_training_time_test_computes_what_the_paged_head_guesses(tmp_path: P
     ids = torch.randint(0, vocab_size, (n,))
     features = SequenceFeatures(ids, prompt_len, torch.randn(n, 3 * target_hidden).bfloat16(),
                                 torch.zeros(n, 2, dtype=torch.long), torch.full((n, 2), 0.5).half(),
-                                torch.zeros(n, dtype=torch.long))
+                                torch.zeros(n, dtype=torch.long), torch.randn(n, hidden_size).bfloat16())
     with torch.no_grad():
         results = unroll(model, embedding, make_batch([features], steps), steps)
 
