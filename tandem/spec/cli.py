@@ -43,6 +43,9 @@ def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--gen-minutes", type=float, metavar="M", default=None,
                       help="start no generation round (32 conversations, run whole) that would end "
                            "after M minutes (default: no limit)")
+    data.add_argument("--samples-cache", type=Path, metavar="FILE", default=None,
+                      help="JSONL of the target's continuations: reused, extended for conversations it "
+                           "lacks, rewritten (resume a cut run, re-train without generating)")
     data.add_argument("--draft-vocab-size", type=int, metavar="N", default=8192,
                       help="the head's vocabulary: the most frequent generated tokens (default: 8192)")
     data.add_argument("--heldout-fraction", type=float, metavar="F", default=0.1,
@@ -53,10 +56,16 @@ def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--steps", type=int, metavar="N", default=None, help="stop after this many optimizer steps")
     fit.add_argument("--ttt-steps", type=int, metavar="N", default=4, help="guesses unrolled per training row (default: 4)")
     fit.add_argument("--eval-steps", type=int, metavar="N", default=5, help="guesses unrolled in the report (default: 5)")
-    fit.add_argument("--batch-tokens", type=int, metavar="N", default=2048, help="rows per optimizer step (default: 2048)")
+    fit.add_argument("--batch-tokens", type=int, metavar="N", default=1024, help="rows per optimizer step (default: 1024)")
     fit.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                      help="training matmuls; auto: bf16 where the CPU multiplies it natively (default: auto)")
     fit.add_argument("--lr", type=float, metavar="LR", default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
+    fit.add_argument("--weight-decay", type=float, metavar="W", default=0.01, help="AdamW weight decay (default: 0.01)")
+    fit.add_argument("--feature-loss", type=float, metavar="W", default=0.0,
+                     help="weight of a regression onto the target's last hidden state (EAGLE-1's feature "
+                          "loss; default: 0, cross-entropy only)")
+    fit.add_argument("--train-lm-head", action="store_true",
+                     help="train the final norm and LM head too (default: kept as the target's rows)")
     fit.add_argument("--seed", type=int, metavar="N", default=0)
     fit.add_argument("--threads", type=int, metavar="N", default=None, help="torch threads (default: torch's)")
     fit.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -70,9 +79,11 @@ def cmd_train_eagle3(args: argparse.Namespace) -> int:
         model=args.model, output=args.output, prompts_file=args.prompts,
         use_builtin_prompts=not args.no_builtin_prompts, max_prompts=args.max_prompts,
         max_new_tokens=args.max_new_tokens, sampled_fraction=args.sampled_fraction, gen_minutes=args.gen_minutes,
+        samples_cache=args.samples_cache,
         draft_vocab_size=args.draft_vocab_size, heldout_fraction=args.heldout_fraction, minutes=args.minutes,
         steps=args.steps, ttt_steps=args.ttt_steps, eval_steps=args.eval_steps, batch_tokens=args.batch_tokens,
-        lr=args.lr, precision=args.precision, seed=args.seed, threads=args.threads, progress=not args.no_progress,
+        lr=args.lr, weight_decay=args.weight_decay, train_lm_head=args.train_lm_head,
+        feature_loss=args.feature_loss, precision=args.precision, seed=args.seed, threads=args.threads, progress=not args.no_progress,
     )
     report = run(opts)
     print(format_report(report))

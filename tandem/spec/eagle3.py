@@ -226,11 +226,14 @@ class Eagle3Head(nn.Module):
         `hidden` rows are the target's concatenated aux hidden states (3 x target hidden wide,
         projected by fc here) or the head's own previous output (hidden wide); one call takes
         one kind."""
-        hidden = self._project(hidden)
+        hidden = self.project_hidden(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         return self.midlayer(self.rotary.angles(positions), embeds, hidden, kv_cache, meta)
 
-    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+    def project_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's concatenated aux hidden states through `fc` (vLLM's
+        `combine_hidden_states`); hidden-wide rows (the head's own outputs) pass unchanged. A
+        caller mixing both kinds in one batch projects the target's rows here first."""
         width = hidden.shape[-1]
         cfg = self.config
         if self.fc is not None and width == cfg.fc_input_size and width != cfg.hidden_size:

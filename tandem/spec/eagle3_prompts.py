@@ -63,6 +63,22 @@ _AGENT_REQUESTS = [
     "Schedule 'Dentist' next Monday at 3pm for one hour.",
     "Install the requests package with pip.",
     "Count the rows in the users table.",
+    "What's the temperature in Berlin right now?",
+    "Look up the current exchange rate between the Swiss franc and the euro and convert 80 francs.",
+    "Open logs/error.log and tell me the most recent error.",
+    "Save a short summary of today's meeting to notes/meeting.md: we agreed to ship on Friday.",
+    "Which Python version is installed here?",
+    "Find papers about speculative decoding for large language models.",
+    "Email the team (team@example.com) that the office is closed on Monday.",
+    "Book a 45 minute 'Sprint planning' for Thursday at 2pm.",
+    "What were the top five products by revenue last quarter? Use the sales table.",
+    "Delete the temporary files in /tmp/build using a shell command.",
+    "Will I need an umbrella in London tomorrow?",
+    "Read package.json and list the dependencies.",
+    "Search for a vegetarian lasagna recipe.",
+    "Create requirements.txt with numpy, pandas and requests.",
+    "How many users signed up in the last seven days?",
+    "Show the last five git commits.",
 ]
 
 _CODE_TASKS = [
@@ -90,6 +106,22 @@ _CODE_TASKS = [
     "Write a Python function that reads a CSV file and returns the average of a column.",
     "How do I reverse a string in C? Show the code.",
     "Write a Dockerfile for a small Flask application.",
+    "Write a Python function that returns all prime numbers below n (sieve of Eratosthenes).",
+    "Explain the difference between `==` and `is` in Python.",
+    "Write a SQL query that counts orders per customer and sorts by the count.",
+    "Write a Python generator that yields the lines of a file without the trailing newline.",
+    "Implement quicksort in Python.",
+    "What does `git rebase` do? Give an example.",
+    "Write a JavaScript function that fetches JSON from a URL with async/await and handles errors.",
+    "Write a Python dataclass for a 2D point with a method that computes the distance to another point.",
+    "Explain big-O notation with three examples.",
+    "Write a bash one-liner that counts the lines of all .py files in a directory tree.",
+    "Write a Python function that validates an IPv4 address.",
+    "Refactor this function to be more readable: `def f(l): return [x for x in l if x%2==0 and x>10]`.",
+    "Write a C function that computes the length of a string without strlen.",
+    "Explain what a REST API is and show an example request with curl.",
+    "Write a Python context manager that changes the working directory temporarily.",
+    "Write a Python function that converts a Roman numeral to an integer.",
 ]
 
 _TOPICS = [
@@ -97,6 +129,10 @@ _TOPICS = [
     "climate change", "the printing press", "neural networks", "volcanoes", "the Roman Empire",
     "compound interest", "sleep", "the water cycle", "electric cars", "the stock market",
     "vaccines", "the Internet", "plate tectonics", "coffee", "the Renaissance",
+    "solar panels", "the human heart", "honey bees", "the Great Wall of China", "machine translation",
+    "earthquakes", "the Olympic Games", "antibiotics", "the ocean tides", "cryptocurrencies",
+    "the theory of evolution", "rainforests", "the printing of money", "nuclear energy", "jazz music",
+    "the moon landing", "recycling", "the speed of light", "ancient Egypt", "electric guitars",
 ]
 
 _PROSE_FORMS = [
@@ -118,6 +154,16 @@ _WRITING = [
     "How do I prepare for a job interview?",
     "Write a product description for a reusable water bottle.",
     "Summarize the plot of Romeo and Juliet.",
+    "Write a limerick about a cat who loves coffee.",
+    "Give me a weekly workout plan for a beginner.",
+    "Write a thank-you note to a colleague who helped me with a project.",
+    "How can I improve my sleep?",
+    "Write a short motivational speech for a team before a deadline.",
+    "What are good questions to ask at the end of a job interview?",
+    "Write a two-paragraph review of an imaginary restaurant.",
+    "Explain how to make a cup of tea, step by step.",
+    "Suggest five names for a bakery and explain each.",
+    "Write a short dialogue between a customer and a shop assistant.",
 ]
 
 

@@ -21,6 +21,7 @@ argmax, and the mean number of leading guesses that all agree (what greedy verif
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -58,16 +59,19 @@ class TrainOptions:
     temperature: float = 0.8
     gen_batch: int = 32  # conversations per generation round
     gen_minutes: float | None = None  # start no new generation round after this
+    samples_cache: Path | None = None  # JSONL of continuations: reused, extended, rewritten
     draft_vocab_size: int = 8192
     top_k: int = 16  # the target's distribution is kept as its top-k over the draft vocabulary
     ttt_steps: int = 4
     eval_steps: int = 5
     minutes: float = 45.0  # the training loop's budget (data comes before it)
     steps: int | None = None
-    batch_tokens: int = 2048
+    batch_tokens: int = 1024
     precision: str = "auto"  # training matmuls: bf16 (autocast), fp32, or auto (bf16 where the CPU has it)
     lr: float = 1e-3
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01
+    train_lm_head: bool = False  # False: the output side (final norm, LM head rows) stays the target's
+    feature_loss: float = 0.0  # weight of a hidden-state regression (EAGLE-1's feature loss); 0: off
     warmup_steps: int = 20
     heldout_fraction: float = 0.1
     seed: int = 0
@@ -125,6 +129,7 @@ class SequenceFeatures:
     top_ids: torch.Tensor  # int64 [n, k]: draft ids
     top_probs: torch.Tensor  # float16 [n, k]
     argmax: torch.Tensor  # int64 [n]: draft id of the target's argmax, -1 outside the draft vocabulary
+    final: torch.Tensor  # bfloat16 [n, hidden]: the target's last hidden state (after its final norm)
     conversation: int = 0
     sampled: bool = False
 
@@ -146,26 +151,31 @@ def collect_conversations(opts: TrainOptions) -> list[Conversation]:
     return conversations
 
 
-def generate_samples(model: str | None, conversations: list[Conversation], opts: TrainOptions) -> list[Sample]:
+def generate_samples(model: str | None, conversations: list[Conversation], opts: TrainOptions,
+                     indices: list[int] | None = None) -> list[Sample]:
     """The target's own continuations through tandem, in rounds of `gen_batch` conversations
     (greedy each, plus a sampled one for a `sampled_fraction` of them). With `gen_minutes`, a
     round that would end past the budget (judged by the longest round so far) is not started:
-    a round runs to completion, so it is the unit the budget can cut."""
+    a round runs to completion, so it is the unit the budget can cut. `indices`: the
+    conversations to continue (default: all)."""
     from tandem.llm import LLM
     from tandem.types import SamplingParams
 
+    indices = list(range(len(conversations))) if indices is None else indices
+    if not indices:
+        return []
     rng = random.Random(opts.seed)
     samples: list[Sample] = []
     started = time.monotonic()
     longest_round = 0.0
     with LLM(model, kv_cache_memory="1GiB", max_num_seqs=max(opts.gen_batch, 1) * 2) as llm:
-        for first in range(0, len(conversations), opts.gen_batch):
+        for first in range(0, len(indices), opts.gen_batch):
             round_started = time.monotonic()
             if opts.gen_minutes is not None and round_started - started + longest_round > opts.gen_minutes * 60:
-                logger.info("generation budget reached after %d of %d conversations", first, len(conversations))
+                logger.info("generation budget reached after %d of %d conversations", first, len(indices))
                 break
             jobs = []
-            for index in range(first, min(first + opts.gen_batch, len(conversations))):
+            for index in indices[first : first + opts.gen_batch]:
                 jobs.append((index, SamplingParams(temperature=0, max_tokens=opts.max_new_tokens), False))
                 if rng.random() < opts.sampled_fraction:
                     params = SamplingParams(temperature=opts.temperature, top_p=0.95, seed=rng.randrange(1 << 30),
@@ -177,6 +187,46 @@ def generate_samples(model: str | None, conversations: list[Conversation], opts:
                     samples.append(Sample(list(output.prompt_token_ids), list(output.outputs[0].token_ids),
                                           index, sampled))
             longest_round = max(longest_round, time.monotonic() - round_started)
+    return samples
+
+
+def conversation_key(conversation: Conversation) -> str:
+    return hashlib.sha1(json.dumps(conversation, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_samples(path: Path, keys: dict[str, int]) -> list[Sample]:
+    """Cached continuations, indexed by conversation content through `keys` (key -> index); a
+    cached conversation no longer given is added to `keys` under an index past the others."""
+    samples = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            item = json.loads(line)
+            index = keys.setdefault(item["conversation_key"], len(keys))
+            samples.append(Sample(item["prompt_ids"], item["output_ids"], index, item["sampled"]))
+    return samples
+
+
+def write_samples(path: Path, samples: list[Sample], keys: dict[str, int]) -> None:
+    key_of = {index: key for key, index in keys.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as out:
+        for s in samples:
+            out.write(json.dumps({"conversation_key": key_of[s.conversation], "sampled": s.sampled,
+                                  "prompt_ids": s.prompt_ids, "output_ids": s.output_ids}) + "\n")
+
+
+def gather_samples(model: str, conversations: list[Conversation], opts: TrainOptions) -> list[Sample]:
+    """The cache's continuations (if any), plus new ones for the conversations it lacks: a run
+    cut short by --gen-minutes can be resumed, and a re-run can skip generation."""
+    keys = {conversation_key(c): i for i, c in enumerate(conversations)}
+    cache = opts.samples_cache
+    cached = read_samples(cache, keys) if cache is not None and Path(cache).is_file() else []
+    covered = {s.conversation for s in cached}
+    fresh = generate_samples(model, conversations, opts, [i for i in range(len(conversations)) if i not in covered])
+    samples = cached + fresh
+    if cache is not None:
+        write_samples(Path(cache), samples, keys)
+    logger.info("%d continuations: %d from the cache, %d generated", len(samples), len(cached), len(fresh))
     return samples
 
 
@@ -212,8 +262,8 @@ def extract_features(target: nn.Module, samples: list[Sample], aux_layers: tuple
         for row, index in enumerate(batch):
             n, prompt_len = len(ids[row]), len(samples[index].prompt_ids)
             logits = target.lm_head(out.last_hidden_state[row, prompt_len - 1 : n - 1]).float()
-            features[index] = _sequence_features(ids[row], prompt_len, aux[row, :n], logits, to_draft, vocab, top_k,
-                                                 samples[index])
+            features[index] = _sequence_features(ids[row], prompt_len, aux[row, :n], out.last_hidden_state[row, :n],
+                                                 logits, to_draft, vocab, top_k, samples[index])
         bar.update(len(batch))
     bar.close()
     return [f for f in features if f is not None]
@@ -231,7 +281,7 @@ def _length_batches(order: list[int], samples: list[Sample], batch_tokens: int) 
         yield batch
 
 
-def _sequence_features(ids: list[int], prompt_len: int, aux: torch.Tensor, logits: torch.Tensor,
+def _sequence_features(ids: list[int], prompt_len: int, aux: torch.Tensor, final: torch.Tensor, logits: torch.Tensor,
                        to_draft: torch.Tensor, vocab: DraftVocab, top_k: int, sample: Sample) -> SequenceFeatures:
     n = len(ids)
     k = min(top_k, vocab.size)
@@ -245,7 +295,8 @@ def _sequence_features(ids: list[int], prompt_len: int, aux: torch.Tensor, logit
     full_top_probs[rows] = top_probs.half()
     argmax[rows] = to_draft[logits.argmax(-1)]
     return SequenceFeatures(torch.tensor(ids), prompt_len, aux.to(torch.bfloat16).clone(), full_top_ids,
-                            full_top_probs, argmax, sample.conversation, sample.sampled)
+                            full_top_probs, argmax, final.to(torch.bfloat16).clone(), sample.conversation,
+                            sample.sampled)
 
 
 # ---- the trainable head --------------------------------------------------------------------------
@@ -282,7 +333,10 @@ class TrainableEagle3(nn.Module):
 
     def init_from_target(self, final_norm: torch.Tensor, lm_head: torch.Tensor, vocab: DraftVocab) -> None:
         """Start the output side from the target's: its final norm and its LM head's rows for the
-        draft vocabulary, so the layer only has to learn to produce a target-like hidden state."""
+        draft vocabulary, so the layer only has to learn to produce a target-like hidden state.
+        The trainer keeps them frozen by default (EAGLE-1/2 reuse the target's head outright):
+        the LM head is about half the parameters at 8192 tokens, and trained on the ~10k tokens
+        a CPU run generates it fit the training text rather than the target."""
         with torch.no_grad():
             self.norm.weight.copy_(final_norm)
             self.lm_head.weight.copy_(lm_head[vocab.target_ids])
@@ -349,6 +403,7 @@ class Batch:
     top_ids: torch.Tensor  # int64 [B, T + steps + 1, k]
     top_probs: torch.Tensor  # float32 [B, T + steps + 1, k]
     argmax: torch.Tensor  # int64 [B, T + steps + 1] (-2: no target at that position)
+    final: torch.Tensor  # float32 [B, T + steps + 1, hidden]: the target's normed last hidden state
 
     @property
     def rows(self) -> int:
@@ -365,6 +420,7 @@ def make_batch(sequences: list[SequenceFeatures], steps: int) -> Batch:
     top_ids = torch.zeros(B, width, k, dtype=torch.long)
     top_probs = torch.zeros(B, width, k)
     argmax = torch.full((B, width), -2, dtype=torch.long)
+    final = torch.zeros(B, width, sequences[0].final.shape[1])
     for b, s in enumerate(sequences):
         n = s.ids.numel()
         ids[b, :n] = s.ids
@@ -373,12 +429,14 @@ def make_batch(sequences: list[SequenceFeatures], steps: int) -> Batch:
         top_ids[b, :n] = s.top_ids.clamp(min=0)
         top_probs[b, :n] = s.top_probs.float()
         argmax[b, :n] = torch.where(has_target, s.argmax, torch.full_like(s.argmax, -2))
-    return Batch(ids, aux, top_ids, top_probs, argmax)
+        final[b, :n] = s.final.float()
+    return Batch(ids, aux, top_ids, top_probs, argmax, final)
 
 
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean cross-entropy over the step's trainable rows
+    feature_loss: torch.Tensor  # mean relative squared error of the normed hidden state vs the target's
     correct: torch.Tensor  # bool [B, T]: the head's argmax equals the target's
     valid: torch.Tensor  # bool [B, T]: the step has a target here
     hidden: torch.Tensor  # [B, T, hidden]: the step's output, the next step's hidden input
@@ -396,7 +454,11 @@ def unroll(model: TrainableEagle3, embedding: torch.Tensor, batch: Batch, steps:
         argmax = batch.argmax[:, window]
         valid = argmax >= -1
         trainable = argmax >= 0  # the target's choice is in the draft vocabulary
-        logits = model.logits(hidden[valid])
+        normed = model.norm(hidden[valid])
+        logits = model.lm_head(normed)
+        target = batch.final[:, window][valid]
+        feature_loss = ((normed.float() - target).square().sum(-1) / target.square().sum(-1).clamp(min=1e-6)).mean() \
+            if target.numel() else normed.sum() * 0
         logp = torch.log_softmax(logits.float(), dim=-1)
         probs = batch.top_probs[:, window][valid]
         probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
@@ -405,7 +467,7 @@ def unroll(model: TrainableEagle3, embedding: torch.Tensor, batch: Batch, steps:
         loss = (ce * weight).sum() / weight.sum().clamp(min=1)
         correct = torch.zeros_like(valid)
         correct[valid] = logits.argmax(-1) == argmax[valid]
-        results.append(StepResult(loss, correct, valid, hidden))
+        results.append(StepResult(loss, feature_loss, correct, valid, hidden))
     return results
 
 
@@ -509,7 +571,7 @@ def train(model: TrainableEagle3, embedding: torch.Tensor, train_set: list[Seque
             batch = make_batch(group, opts.ttt_steps)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 results = unroll(model, embedding, batch, opts.ttt_steps)
-            loss = sum(LOSS_DECAY**k * r.loss for k, r in enumerate(results))
+            loss = sum(LOSS_DECAY**k * (r.loss + opts.feature_loss * r.feature_loss) for k, r in enumerate(results))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -607,7 +669,7 @@ def run(opts: TrainOptions) -> dict[str, Any]:
 
     started = time.monotonic()
     conversations = collect_conversations(opts)
-    samples = generate_samples(str(hf_dir), conversations, opts)
+    samples = gather_samples(str(hf_dir), conversations, opts)
     if not samples:
         raise ValueError("the target generated nothing to learn from")
     timings["generate_s"] = time.monotonic() - started
@@ -624,6 +686,8 @@ def run(opts: TrainOptions) -> dict[str, Any]:
     embedding = target.get_input_embeddings().weight.detach().clone()
     model = TrainableEagle3(Eagle3Config.from_hf(config))
     model.init_from_target(target.model.norm.weight.detach(), target.get_output_embeddings().weight.detach(), vocab)
+    for param in (*model.norm.parameters(), *model.lm_head.parameters()):
+        param.requires_grad_(opts.train_lm_head)
     del target
     timings["features_s"] = time.monotonic() - started
 

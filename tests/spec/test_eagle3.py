@@ -305,5 +305,7 @@ def test_config_reads_aux_layers_and_refuses_other_architectures(tmp_path: Path)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Eagle3Config.from_hf_dir(tmp_path)
     head = Eagle3Head(cfg, TorchAttentionBackend(), 64, torch.float32)
+    assert head.project_hidden(torch.zeros(2, 3 * TARGET_HIDDEN)).shape == (2, HIDDEN)
+    assert head.project_hidden(torch.ones(2, HIDDEN)).equal(torch.ones(2, HIDDEN))
     with pytest.raises(ValueError, match="hidden states 50 wide"):
-        head._project(torch.zeros(1, 50))
+        head.project_hidden(torch.zeros(1, 50))

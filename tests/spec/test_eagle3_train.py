@@ -23,6 +23,8 @@ from tandem.spec.eagle3_train import (
     TrainableEagle3,
     TrainOptions,
     build_draft_vocab,
+    collect_conversations,
+    gather_samples,
     head_hf_config,
     make_batch,
     run,
@@ -53,11 +55,19 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_few_steps_on_a_tiny_target_write_a_head_that_loads_and_guesses(tiny_target: Path, tmp_path: Path) -> None:
-    output = tmp_path / "head"
-    report = run(TrainOptions(model=str(tiny_target), output=output, max_prompts=6, max_new_tokens=10,
-                              sampled_fraction=0.5, draft_vocab_size=300, minutes=0, steps=3, ttt_steps=2,
-                              eval_steps=3, batch_tokens=256, heldout_fraction=0.34, progress=False))
+    output, cache = tmp_path / "head", tmp_path / "samples.jsonl"
+    opts = TrainOptions(model=str(tiny_target), output=output, max_prompts=6, max_new_tokens=10,
+                        sampled_fraction=0.5, draft_vocab_size=300, minutes=0, steps=3, ttt_steps=2,
+                        eval_steps=3, batch_tokens=256, heldout_fraction=0.34, progress=False, samples_cache=cache)
+    report = run(opts)
     assert report["training"]["steps"] == 3
+    # the cache holds every continuation; a second gathering generates nothing
+    cached = cache.read_text().splitlines()
+    assert len(cached) == report["data"]["continuations"]
+    again = gather_samples(str(tiny_target), collect_conversations(opts), opts)
+    assert [(s.prompt_ids, s.output_ids, s.sampled) for s in again] == \
+        [(json.loads(line)["prompt_ids"], json.loads(line)["output_ids"], json.loads(line)["sampled"]) for line in cached]
+    assert sorted({s.conversation for s in again}) == list(range(6))
     assert report["data"]["continuations"] >= 6 and report["data"]["heldout_sequences"] >= 1
     assert len(report["heldout"]["top1_per_step"]) == 3
     config = json.loads((output / "config.json").read_text())
@@ -107,7 +117,7 @@ def test_the_training_time_test_computes_what_the_paged_head_guesses(tmp_path: P
     ids = torch.randint(0, vocab_size, (n,))
     features = SequenceFeatures(ids, prompt_len, torch.randn(n, 3 * target_hidden).bfloat16(),
                                 torch.zeros(n, 2, dtype=torch.long), torch.full((n, 2), 0.5).half(),
-                                torch.zeros(n, dtype=torch.long))
+                                torch.zeros(n, dtype=torch.long), torch.randn(n, hidden_size).bfloat16())
     with torch.no_grad():
         results = unroll(model, embedding, make_batch([features], steps), steps)
 
