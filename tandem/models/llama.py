@@ -29,7 +29,7 @@ from tandem.profiling import profiled
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 # checkpoint projection name -> (merged module name, shard index)
-_STACKED = {
+STACKED_PROJECTIONS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -246,8 +246,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_path, _, param = name.rpartition(".")
             owner_path, _, proj = module_path.rpartition(".")
-            if proj in _STACKED and module_path not in modules:  # merged here (MLA keeps q_proj)
-                merged, shard = _STACKED[proj]
+            if proj in STACKED_PROJECTIONS and module_path not in modules:  # merged here (MLA keeps q_proj)
+                merged, shard = STACKED_PROJECTIONS[proj]
                 modules[f"{owner_path}.{merged}"].load(param, tensor, shard)
             elif hasattr(modules.get(module_path), "load"):  # linears, embedding, head: they shard
                 modules[module_path].load(param, tensor)

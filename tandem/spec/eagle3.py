@@ -39,17 +39,10 @@ from tandem.layers.embedding import LMHead, VocabEmbedding
 from tandem.layers.linear import GateUpLinear, Linear, MergedLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.llama import STACKED_PROJECTIONS
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
-# checkpoint projection -> (merged module, shard)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 _IGNORED = ("t2d", "rotary_emb.inv_freq")  # present in checkpoints, unused at inference
 
 
@@ -290,8 +283,8 @@ class Eagle3Head(nn.Module):
         module_path, _, param = name.rpartition(".")
         owner, _, proj = module_path.rpartition(".")
         try:
-            if proj in _STACKED:
-                merged, shard = _STACKED[proj]
+            if proj in STACKED_PROJECTIONS:
+                merged, shard = STACKED_PROJECTIONS[proj]
                 modules[f"{owner}.{merged}"].load(param, tensor.to(self.lm_head.weight.dtype), shard)
             elif hasattr(modules[module_path], "load"):
                 modules[module_path].load(param, tensor.to(self.lm_head.weight.dtype))
