@@ -298,6 +298,10 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
 
+# Compact weight copies a small step may read instead of the run dtype's (layers/linear.py).
+DECODE_WEIGHT_FORMATS = ("float16", "bfloat16", "int4")
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     dtype: str = "float32"
@@ -305,9 +309,9 @@ class LoadConfig:
     seed: int = 0
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
     num_threads: int | None = None
-    # Fast mode: steps of at most `decode_weights_max_tokens` tokens read a half-precision
-    # copy of the weights (see layers/linear.py SmallStepWeights). "none": exact.
-    decode_weights: str = "none"  # none | float16 | bfloat16
+    # Fast mode: steps of at most `decode_weights_max_tokens` tokens read a compact copy of
+    # the weights (see layers/linear.py SmallStepWeights). "none": exact.
+    decode_weights: str = "none"  # none | float16 | bfloat16 | int4
     decode_weights_max_tokens: int = 2
     # Reorder weights into oneDNN's layout on CPU (same arithmetic, faster kernels).
     pack_weights: bool = True
@@ -481,6 +485,12 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model / eagle3: the weights the proposer's small forwards (its guesses, a decode's
+    # catch-up of one or two tokens) read, as --decode-weights does for the target. A guess
+    # only has to be likely, not exact (the target verifies it), and int4 reads a quarter of
+    # bf16's bytes: a draft forward costs about half as much, so more of the target's time
+    # is saved. "none": the draft runs in the run dtype throughout.
+    draft_decode_weights: str = "int4"
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -500,6 +510,9 @@ class SpeculativeConfig:
         if self.suffix_decoding_max_tree_depth < 2 or self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 2 and "
                              "suffix_decoding_max_cached_requests >= 0")
+        if self.draft_decode_weights not in ("none", *DECODE_WEIGHT_FORMATS):
+            raise ValueError(f"draft_decode_weights must be none or one of {', '.join(DECODE_WEIGHT_FORMATS)}, "
+                             f"got {self.draft_decode_weights!r}")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0 or self.suffix_decoding_max_spec_factor <= 0:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1] and "
                              "suffix_decoding_max_spec_factor > 0")

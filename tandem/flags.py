@@ -82,8 +82,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--seed", "engine seed for unseeded sampling (default: 0)", 0, type=int),
     Flag("--threads", "torch intra-op threads (default: torch's)", type=int),
     Flag("--decode-weights",
-         "fast mode: small (decode) steps, bound by weight bandwidth, read a half-precision copy "
-         "of the weights (default: none, exact)", "none", choices=("none", "float16", "bfloat16")),
+         "fast mode: small (decode) steps, bound by weight bandwidth, read a compact copy of the "
+         "weights: half precision, or int4 (4-bit, a scale and zero per 32 columns) (default: "
+         "none, exact)", "none", choices=("none", "float16", "bfloat16", "int4")),
     Flag("--decode-weights-max-tokens",
          "largest step, in tokens, that reads the --decode-weights copy (default: 2)", 2, type=int,
          metavar="N"),

@@ -70,6 +70,7 @@ from tandem.bench.spec_workloads import (
     capacity,
     conversations,
 )
+from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.flags import add_engine_args, engine_values
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,9 @@ def add_spec_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="the draft model proposing for it (default: qwen2.5-coder-0.5b)")
     bench.add_argument("--draft-kinds", default="tool", help="output kinds measured with draft_model (default: tool)")
     bench.add_argument("--draft-batches", default="1", help="batch sizes measured with draft_model (default: 1)")
+    bench.add_argument("--draft-decode-weights", default="int4", choices=("none", *DECODE_WEIGHT_FORMATS),
+                       help="the weights the draft's small forwards read (speculative config "
+                            "draft_decode_weights); the draft-alone step is timed with the same (default: int4)")
     bench.add_argument("--output-dir", type=Path, default=Path("bench-results/spec"),
                        help="where spec-<timestamp>/ goes (default: bench-results/spec)")
     bench.add_argument("--run-timeout", type=float, default=3600.0,
@@ -178,10 +182,10 @@ def make_cells(kinds: list[str], batches: list[int], single_prompts: int,
 
 
 def make_configs(methods: list[str], ks: list[int], adaptive: bool, adaptive_k: int,
-                 draft_model: str | None = None) -> list[dict[str, Any]]:
+                 draft_model: str | None = None, draft_weights: str = "int4") -> list[dict[str, Any]]:
     configs: list[dict[str, Any]] = [{"name": BASELINE, "method": BASELINE, "measure_step": True}]
     for method in methods:
-        extra = {"draft_model": draft_model} if method in DRAFT_METHODS else {}
+        extra = {"draft_model": draft_model, "draft_weights": draft_weights} if method in DRAFT_METHODS else {}
         configs += [{"name": f"{method}-k{k}", "method": method, "k": k, "adaptive": False, **extra} for k in ks]
         if adaptive:
             configs.append({"name": f"{method}-adaptive{adaptive_k}", "method": method, "k": adaptive_k,
@@ -189,7 +193,7 @@ def make_configs(methods: list[str], ks: list[int], adaptive: bool, adaptive_k: 
     if draft_model and any(m in DRAFT_METHODS for m in methods):
         # A plain decode step of the draft model alone, for the draft/target step-time ratio.
         configs.append({"name": "draft-alone", "method": BASELINE, "model": draft_model, "step_only": True,
-                        "measure_step": True})
+                        "measure_step": True, "decode_weights": draft_weights})
     return configs
 
 
@@ -223,7 +227,8 @@ def build_plans(args: argparse.Namespace) -> list[dict[str, Any]]:
     if draft_methods:
         kinds = parse_names(args.draft_kinds, KINDS, "draft kinds")
         batches = parse_ints(args.draft_batches, "--draft-batches", 1)
-        configs = make_configs(draft_methods, ks, args.adaptive, adaptive_k, args.draft_model)
+        configs = make_configs(draft_methods, ks, args.adaptive, adaptive_k, args.draft_model,
+                               args.draft_decode_weights)
         plans.append(_plan("draft", args.draft_target, {**values, "model": args.draft_target}, configs,
                            make_cells(kinds, batches, args.single_prompts), args))
     return plans

@@ -58,6 +58,8 @@ def speculative_config(config: dict[str, Any]) -> dict[str, Any] | None:
                             "adaptive": bool(config["adaptive"])}
     if config.get("draft_model"):
         spec["model"] = config["draft_model"]
+    if config.get("draft_weights"):
+        spec["draft_decode_weights"] = config["draft_weights"]
     return spec
 
 
@@ -128,8 +130,10 @@ class Engine:
         from tandem.types import SamplingParams
 
         started = time.perf_counter()
-        self.llm = LLM(config.get("model") or plan["model"], **engine_kwargs(plan),
-                       speculative_config=speculative_config(config))
+        kwargs = engine_kwargs(plan)
+        if config.get("decode_weights"):  # the draft alone, timed with the weights it drafts with
+            kwargs.update(decode_weights=config["decode_weights"], decode_weights_max_tokens=2)
+        self.llm = LLM(config.get("model") or plan["model"], **kwargs, speculative_config=speculative_config(config))
         self.ready_s = time.perf_counter() - started
         self.steps = 0
         engine = self.llm.engine

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tandem.config import ModelConfig
-from tandem.spec.paged_draft import CatchUp, PagedDraftProposer
+from tandem.spec.paged_draft import CatchUp, FedGuesses, PagedDraftProposer
 from tandem.worker.model_runner import PreparedBatch, RequestState, ScheduledChunk, TargetStep
 
 
@@ -34,6 +34,25 @@ class DraftModelProposer(PagedDraftProposer):
         wants = chunk.samples and step.lookahead.get(chunk.request_id, 0) > 0 and end == known
         tokens = known_tokens(state, new_tokens, done, end)
         return CatchUp(ScheduledChunk(chunk.request_id, tokens, done, chunk.block_ids, wants, state), end)
+
+    def _resume_from(self, chunk: ScheduledChunk, step: TargetStep, done: int, fed: FedGuesses | None) -> int:
+        """Past the guesses the target kept: their KV here is the draft's own over the same
+        tokens at the same positions. The last known token always runs (its row guesses)."""
+        if fed is None or fed.start != done or not chunk.samples:
+            return done
+        state = chunk.state
+        assert state is not None
+        new_tokens = step.kept.get(chunk.request_id, [])
+        known = chunk.start + chunk.num_tokens - len(chunk.draft_token_ids) + len(new_tokens)
+        end = min(done + len(fed.tokens), known - 1)
+        if end <= done or self._blocks_between(chunk.block_ids, done, done + len(fed.tokens)) != fed.block_ids:
+            return done  # nothing to keep, or the blocks the guesses wrote are not this request's now
+        kept = 0
+        for actual, guessed in zip(known_tokens(state, new_tokens, done, end), fed.tokens, strict=False):
+            if actual != guessed:
+                break
+            kept += 1
+        return done + kept
 
     def _forward(self, batch: PreparedBatch, hidden: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)

@@ -16,6 +16,7 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.kernels.base import AttentionBackend
+from tandem.layers.linear import SmallStepWeights, attach_small_step_weights
 from tandem.loader.model_loader import (
     build_model,
     init_dummy_weights,
@@ -26,6 +27,11 @@ from tandem.loader.resolve import resolve_model
 from tandem.spec.paged_draft import PagedDraftProposer
 
 logger = logging.getLogger(__name__)
+
+# The largest proposer forward that reads its compact weights: a decode's catch-up is the
+# sampled token plus at most one guess whose KV was never written; the int4 kernel beats
+# packed bf16 up to about three rows and loses beyond (tandem/layers/int4.py).
+DRAFT_SMALL_STEP_TOKENS = 2
 
 
 class ModelProposerLoader:
@@ -82,6 +88,13 @@ class ModelProposerLoader:
             else:
                 load_weights(model, self.dir)
             self.module = model
+        small_step = self.spec.draft_decode_weights
+        if small_step != "none":
+            # The proposer's own forwards are one or two tokens per request (a decode's
+            # catch-up, each guess); a prompt's catch-up still reads the dense weights.
+            added = attach_small_step_weights(self.module, SmallStepWeights(DRAFT_SMALL_STEP_TOKENS, small_step))
+            logger.info("%s proposer: %s copy of its weights for forwards of <= %d tokens (+%.0f MiB)",
+                        self.spec.method, small_step, DRAFT_SMALL_STEP_TOKENS, added / (1 << 20))
         if load.pack_weights:
             from tandem.layers.linear import pack_weights_for_cpu
 

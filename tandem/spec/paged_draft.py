@@ -20,9 +20,13 @@ Each step, for every request the target just ran:
    single-token forward over the requests still guessing, feeding back what the last one
    returned (a token; for EAGLE also a hidden state).
 
-The guesses' KV slots are written speculatively and rewritten by the next catch-up. Guesses
-are greedy (argmax): for a sampled request that is a point-mass q, which rejection sampling
-keeps lossless.
+The guesses' KV slots are written speculatively. A proposer whose KV depends on tokens alone
+(a draft model) keeps the KV of the guesses the target accepted, so a decode's next catch-up
+is only what it never fed: the sampled token, and the last guess when all were kept; that
+bounds its forwards to two tokens per request, where a 4-bit weight copy is fastest. EAGLE's
+guess rows read its own hidden states, not the target's, so its catch-up rewrites them.
+Guesses are greedy (argmax): for a sampled request that is a point-mass q, which rejection
+sampling keeps lossless.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ from tandem.worker.model_runner import (
     prepare_batch,
 )
 
+# The longest catch-up run as decode rows (one per position); longer ones (a prompt) as a
+# prefill chunk.
+DECODE_ROW_CATCH_UP = 16
+
 
 @dataclass
 class DraftStepReport:
@@ -59,6 +67,17 @@ class CatchUp:
     chunk: ScheduledChunk
     done: int
     hidden: torch.Tensor | None = None  # per token of `chunk` (EAGLE)
+    good_from: int | None = None  # where the KV this leaves good begins (None: chunk.start)
+
+
+@dataclass
+class FedGuesses:
+    """Guesses whose KV a guessing forward wrote: `tokens` at positions start, start + 1, …,
+    into `block_ids` (the blocks of those positions then)."""
+
+    start: int
+    tokens: list[int]
+    block_ids: list[int]
 
 
 class PagedDraftProposer(ABC):
@@ -71,6 +90,7 @@ class PagedDraftProposer(ABC):
         self.kv_caches = list(self.kv_cache.unbind(0))
         self._computed: dict[str, int] = {}  # request id -> positions whose KV here is good
         self._good_blocks: set[int] = set()  # blocks whose whole KV here matches their tokens
+        self._fed: dict[str, FedGuesses] = {}  # request id -> last step's guesses with KV here
         self.report = DraftStepReport()
 
     # --- what a proposer defines ----------------------------------------------------------
@@ -83,10 +103,17 @@ class PagedDraftProposer(ABC):
         """Run the batch; the sampled rows' logits, and what the next guess of each sampled
         row needs besides its token (EAGLE: the output hidden state; else None)."""
 
+    def _resume_from(self, chunk: ScheduledChunk, step: TargetStep, done: int, fed: FedGuesses | None) -> int:
+        """Where this request's catch-up may start, given its KV is good up to `done` and
+        the last step's guesses `fed` wrote KV after it. By default the guesses' KV is
+        rewritten (it may depend on more than the tokens)."""
+        return done
+
     # --- bookkeeping ------------------------------------------------------------------------
     def forget(self, request_id: str) -> None:
         """The request finished or was preempted: its blocks (and this KV) are gone."""
         self._computed.pop(request_id, None)
+        self._fed.pop(request_id, None)
 
     def invalidate(self, block_ids: list[int]) -> None:
         """Something other than the proposer wrote these blocks (a KV connector's load)."""
@@ -118,9 +145,17 @@ class PagedDraftProposer(ABC):
         catch_ups = []
         for chunk in step.chunks:
             assert chunk.state is not None
+            fed = self._fed.pop(chunk.request_id, None)
             if chunk.state.sampling_params.speculate:
-                catch_up = self._catch_up(chunk, step, self._first_unseen(chunk))
+                done = self._first_unseen(chunk)
+                resume = self._resume_from(chunk, step, done, fed)
+                catch_up = self._catch_up(chunk, step, resume)
                 if catch_up is not None:
+                    if resume > done:
+                        catch_up.good_from = done
+                    # A decode's few positions go through the decode kernel, as a verification's
+                    # do, instead of a gather and SDPA per request per layer.
+                    catch_up.chunk.rows_as_decodes = catch_up.chunk.num_tokens <= DECODE_ROW_CATCH_UP
                     catch_ups.append(catch_up)
         guesses: dict[str, list[int]] = {}
         carry: dict[str, Any] = {}
@@ -139,7 +174,8 @@ class PagedDraftProposer(ABC):
                 self._computed[chunk.request_id] = catch_up.done
                 self.report.catch_up_tokens += chunk.num_tokens
                 # Blocks now computed whole hold good KV.
-                self._good_blocks.update(chunk.block_ids[chunk.start // size : catch_up.done // size])
+                good_from = chunk.start if catch_up.good_from is None else catch_up.good_from
+                self._good_blocks.update(chunk.block_ids[good_from // size : catch_up.done // size])
         self._guess_further(guesses, carry, {c.chunk.request_id: c for c in catch_ups}, step.lookahead)
         self.report.seconds = time.perf_counter() - started
         return guesses
@@ -197,3 +233,9 @@ class PagedDraftProposer(ABC):
             forwards += 1
         if forwards:
             self.report.guess_forward_seconds = (time.perf_counter() - started) / forwards
+        for request_id, tokens in guesses.items():
+            if len(tokens) > 1:  # all but the last guess went in, right after the catch-up
+                chunk = catch_ups[request_id].chunk
+                start = chunk.start + chunk.num_tokens
+                blocks = self._blocks_between(chunk.block_ids, start, start + len(tokens) - 1)
+                self._fed[request_id] = FedGuesses(start, tokens[:-1], blocks)

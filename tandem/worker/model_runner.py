@@ -70,6 +70,8 @@ class ScheduledChunk:
     samples: bool  # reaches the end of the known tokens, so produces the next token
     state: RequestState | None = field(default=None, repr=False)
     draft_token_ids: list[int] = field(default_factory=list)  # the chunk's last tokens: guesses to verify
+    # Run each token as a decode row even without drafts (a proposer's short catch-up).
+    rows_as_decodes: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -131,7 +133,7 @@ def _decodes_a_row_each(chunk: ScheduledChunk) -> bool:
     attends like a decode (its context is the cache up to its own position), so it runs
     through the decode kernel as that many rows sharing one block table instead of as a
     prefill chunk (one gather of the context and one SDPA per request per layer)."""
-    return chunk.start > 0 and (chunk.num_tokens == 1 or bool(chunk.draft_token_ids))
+    return chunk.start > 0 and (chunk.num_tokens == 1 or bool(chunk.draft_token_ids) or chunk.rows_as_decodes)
 
 
 def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatch:

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import torch
 
-from tandem.config import DTYPES, EngineConfig, ModelConfig
+from tandem.config import DECODE_WEIGHT_FORMATS, DTYPES, EngineConfig, ModelConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.layout import RankLayout, stage_layers
 from tandem.distributed.pipeline_parallel import PipelineStage
@@ -196,7 +196,7 @@ class Worker:
             added = attach_small_step_weights(model, small_step)
             if self.rank == 0:
                 logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
-                            str(small_step.dtype).removeprefix("torch."), small_step.max_tokens, added / (1 << 20))
+                            small_step.format, small_step.max_tokens, added / (1 << 20))
         if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
             logger.info("linear weights packed for oneDNN")
         return model
@@ -235,9 +235,9 @@ class Worker:
         choice = load.decode_weights
         if choice == "none" or load.decode_weights_max_tokens < 1:
             return None
-        if choice not in ("float16", "bfloat16"):
-            raise ValueError(f"decode weights must be none, float16 or bfloat16, not {choice!r}")
-        return SmallStepWeights(load.decode_weights_max_tokens, getattr(torch, choice))
+        if choice not in DECODE_WEIGHT_FORMATS:
+            raise ValueError(f"decode weights must be none or one of {', '.join(DECODE_WEIGHT_FORMATS)}, not {choice!r}")
+        return SmallStepWeights(load.decode_weights_max_tokens, choice)
 
     def _max_model_len(self, model_config: ModelConfig, kv_tokens: int) -> int:
         limits = [model_config.max_position_embeddings, kv_tokens]
@@ -334,6 +334,9 @@ def model_bytes(model: torch.nn.Module) -> int:
             extra = getattr(module, name, None)
             if isinstance(extra, torch.Tensor):
                 tensors.append(extra)
+        int4 = getattr(module, "small_int4", None)
+        if int4 is not None:
+            tensors += [int4.packed, int4.scales_and_zeros]
         tensors += list(getattr(module, "packed_halves", None) or ())
     for tensor in tensors:
         if tensor.is_mkldnn:

@@ -45,11 +45,12 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         ([300, 129], 16, 2, 128, 32),  # wide heads, 8 query heads per kv head
     ],
 )
-def test_kernel_matches_dense_reference(kernel, lengths, heads, kv_heads, dim, block) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_dense_reference(kernel, lengths, heads, kv_heads, dim, block, cache_dtype) -> None:
     generator = torch.Generator().manual_seed(len(lengths) * 1000 + heads)
     per_seq = [-(-n // block) for n in lengths]
     num_blocks = sum(per_seq) + 3  # spare blocks nobody reads
-    cache = torch.randn(kv_cache_shape(num_blocks, block, kv_heads, dim), generator=generator)
+    cache = torch.randn(kv_cache_shape(num_blocks, block, kv_heads, dim), generator=generator).to(cache_dtype)
     order = torch.randperm(num_blocks, generator=generator)
     tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.long)  # padded with block 0
     used = 0
@@ -59,13 +60,15 @@ def test_kernel_matches_dense_reference(kernel, lengths, heads, kv_heads, dim, b
     queries = torch.randn(len(lengths), heads, dim, generator=generator)
     scale = dim**-0.5
     got = kernel(queries, cache, tables, torch.tensor(lengths), scale)
+    assert got.dtype == torch.float32
+    cache = cache.float()  # bf16 widens to fp32 exactly: the same reference holds
     for row, length in enumerate(lengths):
         keys = cache[0][:, tables[row]].reshape(kv_heads, -1, dim)[:, :length].transpose(0, 1)
         values = cache[1][:, tables[row]].reshape(kv_heads, -1, dim)[:, :length].transpose(0, 1)
         torch.testing.assert_close(got[row], _reference(queries[row], keys, values, scale), rtol=1e-5, atol=1e-5)
 
 
-def test_backend_uses_the_kernel_for_fp32_and_torch_otherwise(kernel) -> None:
+def test_backend_uses_the_kernel_for_fp32_and_bf16_and_torch_otherwise(kernel) -> None:
     generator = torch.Generator().manual_seed(1)
     cache = torch.randn(kv_cache_shape(8, 4, 2, 8), generator=generator)
     tables = torch.arange(8).view(2, 4)
@@ -75,21 +78,35 @@ def test_backend_uses_the_kernel_for_fp32_and_torch_otherwise(kernel) -> None:
     backend = CpuAttentionBackend(kernel)
     torch_backend = TorchAttentionBackend()
     torch.testing.assert_close(backend._decode(queries, cache, meta, 0.3), torch_backend._decode(queries, cache, meta, 0.3))
-    half = backend._decode(queries.bfloat16(), cache.bfloat16(), meta, 0.3)  # not the kernel's dtype
-    torch.testing.assert_close(half, torch_backend._decode(queries.bfloat16(), cache.bfloat16(), meta, 0.3))
+    bf16 = backend._decode(queries.bfloat16(), cache.bfloat16(), meta, 0.3)
+    assert bf16.dtype == torch.bfloat16
+    # fp32 arithmetic over the widened cache (the torch path's bf16 softmax is coarser)
+    widened = torch_backend._decode(queries.bfloat16().float(), cache.bfloat16().float(), meta, 0.3)
+    torch.testing.assert_close(bf16, widened.bfloat16())
+    calls = []
+    kernel_call = type(kernel).__call__
+    try:
+        type(kernel).__call__ = lambda self, *args: calls.append(args[1].dtype) or kernel_call(self, *args)
+        backend._decode(queries.bfloat16(), cache.bfloat16(), meta, 0.3)
+        half = backend._decode(queries.half(), cache.half(), meta, 0.3)  # not the kernel's dtype
+    finally:
+        type(kernel).__call__ = kernel_call
+    assert calls == [torch.bfloat16]
+    torch.testing.assert_close(half, torch_backend._decode(queries.half(), cache.half(), meta, 0.3))
 
 
-def test_write_kv_matches_the_torch_path_for_views_into_a_fused_projection(kernel) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_the_torch_path_for_views_into_a_fused_projection(kernel, dtype) -> None:
     generator = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, tokens = 6, 2, 8, 5
     # q, k and v side by side per token, as the fused qkv projection lays them out
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
     qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
     k = qk.view(tokens, heads + kv_heads, dim)[:, heads:]
     v = v.view(tokens, kv_heads, dim)
     slots = torch.tensor([0, 5, 6, 17, 31])  # across blocks of 4, in any order
     meta = AttentionMetadata(slots, 0, torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0, [], 4)
-    ours = torch.randn(kv_cache_shape(8, 4, kv_heads, dim), generator=generator)
+    ours = torch.randn(kv_cache_shape(8, 4, kv_heads, dim), generator=generator).to(dtype)
     theirs = ours.clone()
     CpuAttentionBackend(kernel).write_kv(k, v, ours, meta)
     TorchAttentionBackend().write_kv(k, v, theirs, meta)

@@ -48,10 +48,10 @@ def test_packed_weights_compute_the_same_linear(bias: bool) -> None:
         torch.testing.assert_close(layer(x), exact(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float16, 0.02), (torch.bfloat16, 0.05)])
-def test_small_step_copy_used_only_for_small_steps(dtype: torch.dtype, tolerance: float) -> None:
+@pytest.mark.parametrize("dtype, tolerance", [("float16", 0.02), ("bfloat16", 0.05)])
+def test_small_step_copy_used_only_for_small_steps(dtype: str, tolerance: float) -> None:
     layer, exact = _random_pair()
-    added = attach_small_step_weights(layer, SmallStepWeights(max_tokens=4, dtype=dtype))
+    added = attach_small_step_weights(layer, SmallStepWeights(max_tokens=4, format=dtype))
     assert added == 64 * 32 * 2
 
     small, large = torch.randn(4, 64), torch.randn(5, 64)
@@ -118,7 +118,7 @@ def test_a_residual_is_added_to_the_projection(packed: bool) -> None:
 
 def test_small_steps_of_a_packed_gate_up_read_the_half_precision_copy() -> None:
     layer, weight, full_bias = _gate_up(bias=True)
-    attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, dtype=torch.float16))
+    attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="float16"))
     pack_weights_for_cpu(layer)
     small = torch.randn(2, 64)
     out = layer(small)
@@ -127,3 +127,33 @@ def test_small_steps_of_a_packed_gate_up_read_the_half_precision_copy() -> None:
     layer.small_weight.zero_()  # the small step now sees silu(bias_gate) * bias_up
     expected = F.silu(full_bias[:48].half().float()) * full_bias[48:].half().float()
     torch.testing.assert_close(layer(small), expected.expand(2, 48), rtol=1e-3, atol=1e-3)
+
+
+def test_int4_small_steps_read_the_4_bit_copy_and_larger_steps_the_dense_weights() -> None:
+    layer, exact = _random_pair(bias=True)
+    added = attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4"))
+    assert layer.small_int4 is not None
+    assert added == 32 * 64 // 2 + (64 // 32) * 32 * 2 * 4  # nibbles + an fp32 (scale, zero) per row and group
+    small, large = torch.randn(2, 64), torch.randn(3, 64)
+    assert torch.equal(layer(large), exact(large))
+    out = layer(small)
+    assert out.dtype == torch.float32
+    assert not torch.equal(out, exact(small))
+    dense = layer.small_int4.dequantize()
+    torch.testing.assert_close(out, small @ dense.T + layer.bias, rtol=1e-4, atol=1e-4)
+    layer.small_int4.scales_and_zeros.zero_()  # proves which copy a small step reads: bias only
+    torch.testing.assert_close(layer(small), layer.bias.expand(2, 32))
+
+
+def test_int4_leaves_a_matrix_the_kernel_cannot_take_dense() -> None:
+    torch.manual_seed(0)
+    layer = Linear(64, 24)  # 24 output rows: not a multiple of 16
+    torch.nn.init.normal_(layer.weight)
+    assert attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4")) == 0
+    x = torch.randn(1, 64)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+
+
+def test_unknown_small_step_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="float16, bfloat16, int4"):
+        SmallStepWeights(max_tokens=2, format="int3")

@@ -34,8 +34,9 @@ def chat(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def draft(method_model: str, k: int = 4, adaptive: bool = False) -> dict:
-    return {"method": "draft_model", "model": method_model, "num_speculative_tokens": k, "adaptive": adaptive}
+def draft(method_model: str, k: int = 4, adaptive: bool = False, weights: str = "int4") -> dict:
+    return {"method": "draft_model", "model": method_model, "num_speculative_tokens": k, "adaptive": adaptive,
+            "draft_decode_weights": weights}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,24 @@ def test_the_target_drafting_for_itself_is_accepted_and_changes_nothing(plain: l
         assert pool.num_free_blocks == pool.num_blocks
     assert stats.num_draft_tokens > 40
     assert stats.acceptance_rate > 0.9  # a draft reading stale or misplaced KV would miss far more
+
+
+@pytest.mark.parametrize("weights, least", [("none", 0.97), ("int4", 0.6)])
+def test_a_decode_catches_up_only_on_what_its_guesses_did_not_write(plain: list[list[int]], weights: str,
+                                                                     least: float) -> None:
+    """The KV of accepted guesses is kept: after the prompt, a step's catch-up is the sampled
+    token (and the last guess when all were kept), not every kept token again. Kept KV that
+    was wrong would show as lost acceptance of the target drafting for itself."""
+    with LLM(kv_cache_memory="128MiB", speculative_config=draft("smollm2-135m", weights=weights)) as llm:
+        report = llm.engine.core.executor.worker.runner.drafter.report
+        outputs = llm.chat([[{"role": "user", "content": PROMPTS[0]}]], PARAMS[0], use_tqdm=False)
+        stats = llm.engine.core.speculator.stats
+    assert outputs[0].outputs[0].token_ids == plain[0]
+    generated = len(plain[0])
+    decode_catch_up = report.catch_up_tokens - len(outputs[0].prompt_token_ids)
+    # All guesses kept at k = 4: 5 tokens per step, 2 caught up (every one of them before).
+    assert decode_catch_up <= 0.6 * generated
+    assert stats.acceptance_rate >= least
 
 
 def test_a_prefix_cache_hit_reuses_the_drafts_kv_and_a_connector_load_does_not(plain: list[list[int]]) -> None:
