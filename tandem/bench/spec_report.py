@@ -20,6 +20,10 @@ Per measured cell (a configuration on one output kind at one batch size):
   costs c target steps. An adaptive row uses its mean k (draft tokens per verification).
 - time s / base s: this configuration's seconds and, paired, the baseline's seconds for the
   same calls made alternately with them (the baseline row's own time is its first pass).
+- 1st tok = this row's time to the first token over the baseline's (summed over the calls;
+  a draft model computes its own KV of the prompt in the first step, so its first token
+  comes later), decode x = the speedup of the rest of the wall time, after each call's first
+  token: what speculation speeds up. `speedup`, over the whole time, is what goals judge.
 - steps x = the baseline's engine steps / this row's: the speedup if a step that verifies
   drafts cost what a plain step costs, measured rather than predicted. `pred =` against
   `steps x` tests Leviathan's model of acceptance (each draft token accepted independently
@@ -131,6 +135,14 @@ def derive(raw: Iterable[dict[str, Any]], draft_ratios: dict[str, float] | None 
         base_cpu = row.get("base_cpu_s") or (base["cpu_s"] if base else None)
         row["speedup"] = base_wall / row["wall_s"] if base_wall and row["wall_s"] > 0 else None
         row["speedup_cpu"] = base_cpu / row["cpu_s"] if base_cpu and row.get("cpu_s") else None
+        # The wall time split at each call's first token: the prompt (a draft model computes
+        # its own KV of it too) and the decoding after it, where speculation works.
+        first = row.get("first_token_s")
+        base_first = row.get("base_first_token_s") or (base.get("first_token_s") if base else None)
+        row["first_token_ratio"] = first / base_first if first and base_first else None
+        decode, base_decode = (row["wall_s"] - first if first is not None else None,
+                               base_wall - base_first if base_wall and base_first is not None else None)
+        row["decode_speedup"] = base_decode / decode if decode and base_decode else None
         row["steps_ratio"] = base["steps"] / row["steps"] if base and base.get("steps") and row.get("steps") else None
         reference = row.get("base_outputs") or (base.get("outputs") if base else None)
         if reference is not None and "outputs" in row:
@@ -236,7 +248,14 @@ def verdicts(rows: list[dict[str, Any]], groups: dict[str, str], draft_ratios: d
 
 
 def _cpu_note(row: dict[str, Any]) -> str:
-    return f" (CPU time {row['speedup_cpu']:.2f}x)" if row.get("speedup_cpu") is not None else ""
+    notes = []
+    if row.get("speedup_cpu") is not None:
+        notes.append(f"CPU time {row['speedup_cpu']:.2f}x")
+    if row.get("decode_speedup") is not None:
+        notes.append(f"after the first token {row['decode_speedup']:.2f}x")
+    if row.get("first_token_ratio") is not None:
+        notes.append(f"time to first token x{row['first_token_ratio']:.2f}")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def format_verdicts(items: list[dict[str, Any]]) -> str:
@@ -246,8 +265,8 @@ def format_verdicts(items: list[dict[str, Any]]) -> str:
 
 # --- tables -------------------------------------------------------------------------------------
 
-COLUMNS = ("config", "batch", "reqs", "time s", "base s", "tok/s", "speedup", "cpu x", "α", "acc len", "k mean",
-           "E(α,k)", "pred =", "pred cost", "steps x", "drafted", "same")
+COLUMNS = ("config", "batch", "reqs", "time s", "base s", "tok/s", "speedup", "cpu x", "1st tok", "decode x", "α",
+           "acc len", "k mean", "E(α,k)", "pred =", "pred cost", "steps x", "drafted", "same")
 
 
 def _f(value: float | None, fmt: str = "{:.2f}") -> str:
@@ -262,7 +281,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
         same = ""
     return [row["label"], str(row["batch"]), str(row.get("requests", "-")), _f(row["wall_s"]),
             _f(row.get("base_wall_s")), _f(row.get("tok_s"), "{:.1f}"),
-            _f(row.get("speedup"), "{:.2f}x"), _f(row.get("speedup_cpu"), "{:.2f}x"), _f(row.get("alpha")),
+            _f(row.get("speedup"), "{:.2f}x"), _f(row.get("speedup_cpu"), "{:.2f}x"),
+            _f(row.get("first_token_ratio"), "{:.2f}x"), _f(row.get("decode_speedup"), "{:.2f}x"), _f(row.get("alpha")),
             _f(row.get("mean_acceptance_length")), _f(row.get("k_eff"), "{:.1f}"),
             _f(row.get("leviathan_tokens")), _f(row.get("pred_equal"), "{:.2f}x"), _f(row.get("pred_cost"), "{:.2f}x"),
             _f(row.get("steps_ratio"), "{:.2f}x"), _f(row.get("drafted_share"), "{:.0%}"), same]

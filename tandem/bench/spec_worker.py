@@ -136,12 +136,18 @@ class Engine:
         self.llm = LLM(config.get("model") or plan["model"], **kwargs, speculative_config=speculative_config(config))
         self.ready_s = time.perf_counter() - started
         self.steps = 0
+        self.first_token_at: dict[str, float] = {}  # request id -> when its first token came out
         engine = self.llm.engine
         step = engine.step
 
         def counted(*args: Any, **kwargs: Any) -> Any:  # LLM.generate drives engine.step
             self.steps += 1
-            return step(*args, **kwargs)
+            outputs = step(*args, **kwargs)
+            now = time.perf_counter()
+            for output in outputs:
+                if output.request_id not in self.first_token_at and any(c.token_ids for c in output.outputs):
+                    self.first_token_at[output.request_id] = now
+            return outputs
 
         engine.step = counted
         self.llm.generate(_prompts(self.llm, [plan["warmup"]]), SamplingParams(temperature=0.0, max_tokens=16))
@@ -155,12 +161,16 @@ class Engine:
         self.llm.engine.core.reset_prefix_cache()
         _restart_speculation(self.speculator)
 
-    def generate(self, prompts: list[dict[str, Any]], params: Any) -> tuple[list[Any], float, float]:
-        """(completions, wall s, CPU s) of one generate call."""
+    def generate(self, prompts: list[dict[str, Any]], params: Any) -> tuple[list[Any], float, float, float]:
+        """(completions, wall s, CPU s, s until every request of the call had its first
+        token) of one generate call."""
+        self.first_token_at = {}
         cpu_started, started = time.process_time(), time.perf_counter()
         outputs = self.llm.generate(prompts, params)
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-        return [o.outputs[0] for o in outputs], wall, cpu
+        firsts = [self.first_token_at.get(o.request_id) for o in outputs]
+        first = max(firsts) - started if firsts and None not in firsts else wall
+        return [o.outputs[0] for o in outputs], wall, cpu, first
 
     def shutdown(self) -> None:
         self.llm.shutdown()
@@ -188,16 +198,19 @@ def measure_cell(engine: Engine, conversations: list[list[dict[str, str]]], batc
     completions: dict[int, list[Any]] = {id(e): [] for e in engines}
     wall = {id(e): 0.0 for e in engines}
     cpu = {id(e): 0.0 for e in engines}
+    first = {id(e): 0.0 for e in engines}
     for i, call in enumerate(calls):
         order = engines if (i + flip) % 2 == 0 else engines[::-1]
         for e in order:
-            done, seconds, cpu_seconds = e.generate(call, params)
+            done, seconds, cpu_seconds, first_seconds = e.generate(call, params)
             completions[id(e)] += done
             wall[id(e)] += seconds
             cpu[id(e)] += cpu_seconds
+            first[id(e)] += first_seconds
     mine = completions[id(engine)]
     row = {
-        "ok": True, "wall_s": wall[id(engine)], "cpu_s": cpu[id(engine)], "steps": engine.steps,
+        "ok": True, "wall_s": wall[id(engine)], "cpu_s": cpu[id(engine)], "first_token_s": first[id(engine)],
+        "steps": engine.steps,
         "requests": len(prompts), "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
         "output_tokens": sum(len(c.token_ids) for c in mine),
         "spec": counters_increase(before, _counters(engine.speculator)), "cost": _cost(engine.speculator),
@@ -206,6 +219,7 @@ def measure_cell(engine: Engine, conversations: list[list[dict[str, str]]], batc
     }
     if reference is not None:
         row.update(base_wall_s=wall[id(reference)], base_cpu_s=cpu[id(reference)],
+                   base_first_token_s=first[id(reference)],
                    base_outputs=[list(c.token_ids) for c in completions[id(reference)]])
     return row
 

@@ -25,6 +25,7 @@ from tandem.bench.spec import (
     write_report,
 )
 from tandem.bench.spec_report import (
+    _cpu_note,
     compare_outputs,
     derive,
     format_tables,
@@ -150,6 +151,18 @@ def test_paired_rows_use_their_own_baseline_time_and_outputs() -> None:
     assert row["identical"] is False and row["mismatches"] == [[1, 3]]
     assert row["baseline_repeats"] is False
     assert row["core_share"] == pytest.approx(1.0)
+
+
+def test_wall_time_split_at_the_first_token() -> None:
+    """A draft model's own prompt KV delays the first token; decoding after it is what
+    speculation speeds up."""
+    raw = synthetic()
+    ngram = next(r for r in raw if r.get("method") == "ngram" and r["kind"] == "code")
+    ngram.update(first_token_s=1.5, base_wall_s=6.0, base_first_token_s=1.0)
+    row = next(r for r in derive(raw) if r["method"] == "ngram" and r["kind"] == "code")
+    assert row["first_token_ratio"] == pytest.approx(1.5)
+    assert row["decode_speedup"] == pytest.approx((6.0 - 1.0) / (4.0 - 1.5))
+    assert "after the first token 2.00x" in _cpu_note(row)
 
 
 def test_verdicts_met_missed_and_not_run() -> None:
@@ -329,6 +342,7 @@ def test_tiny_real_run(tmp_path: Path) -> None:
     assert ngram["spec"]["num_draft_tokens"] > 0 and ngram["alpha"] is not None
     assert ngram["speedup"] > 0 and ngram["pred_equal"] >= 1.0
     assert ngram["base_wall_s"] > 0 and ngram["baseline_repeats"] is True  # paired with the baseline
+    assert 0 < ngram["first_token_s"] < ngram["wall_s"] and ngram["decode_speedup"] > 0
     draft_rows = [r for r in saved["rows"] if r["method"] in ("baseline", "draft_model") and "no-such-model" in r["group"]]
     assert len(draft_rows) == 2 and not any(r["ok"] for r in draft_rows)
     assert all("FileNotFoundError" in r["error"] for r in draft_rows)
