@@ -142,14 +142,20 @@ class Engine:
 
         def counted(*args: Any, **kwargs: Any) -> Any:  # LLM.generate drives engine.step
             self.steps += 1
-            outputs = step(*args, **kwargs)
+            return step(*args, **kwargs)
+
+        core_step = engine.core.step
+
+        def first_tokens(*args: Any, **kwargs: Any) -> Any:  # the core's per-step token deltas
+            deltas = core_step(*args, **kwargs)
             now = time.perf_counter()
-            for output in outputs:
-                if output.request_id not in self.first_token_at and any(c.token_ids for c in output.outputs):
-                    self.first_token_at[output.request_id] = now
-            return outputs
+            for delta in deltas:
+                if delta.request_id not in self.first_token_at and any(s.token_ids for s in delta.sequences):
+                    self.first_token_at[delta.request_id] = now
+            return deltas
 
         engine.step = counted
+        engine.core.step = first_tokens
         self.llm.generate(_prompts(self.llm, [plan["warmup"]]), SamplingParams(temperature=0.0, max_tokens=16))
 
     @property

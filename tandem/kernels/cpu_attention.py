@@ -57,28 +57,30 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.stdout else compiler
 
 
-def build_kernel_library(cache_dir: Path) -> Path:
-    """Compile the kernel once per (source, flags, compiler, machine) and return the .so path.
+def build_kernel_library(cache_dir: Path, source_path: Path | None = None) -> Path:
+    """Compile a C kernel (default: the decode-attention one) once per (source, flags,
+    compiler, machine) and return the .so path.
 
     Concurrent workers may build at once: each writes a private temporary file and renames
     it into place, so a reader never sees half a library.
     """
+    source_path = source_path or SOURCE
     compiler = _compiler()
     if compiler is None:
         raise KernelBuildError("no C compiler found (looked for $CC, cc, gcc, clang)")
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     key = xxhash.xxh64(
         b"\0".join([source, " ".join(_FLAGS).encode(), _compiler_version(compiler).encode(),
                     platform.machine().encode(), platform.processor().encode()])
     ).hexdigest()
-    target = cache_dir / "kernels" / f"paged_decode_attention-{key}.so"
+    target = cache_dir / "kernels" / f"{source_path.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        command = [compiler, *_FLAGS, str(SOURCE), "-o", temporary, "-lm"]
+        command = [compiler, *_FLAGS, str(source_path), "-o", temporary, "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise KernelBuildError(f"`{' '.join(command)}` failed: {result.stderr.strip()[-2000:]}")
@@ -86,7 +88,7 @@ def build_kernel_library(cache_dir: Path) -> Path:
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-    logger.info("compiled the CPU decode-attention kernel into %s", target)
+    logger.info("compiled the CPU kernel %s into %s", source_path.name, target)
     return target
 
 

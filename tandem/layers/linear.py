@@ -15,6 +15,7 @@ from torch import nn
 
 from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
+from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, q4_fits
 from tandem.layers.int4 import Int4Weight, int4_available, int4_fits
 
 
@@ -105,16 +106,20 @@ class LinearWeights:
     weight: torch.Tensor
     bias: torch.Tensor | None
     small_step: SmallStepWeights | None = None
-    small_int4: Int4Weight | None = None
+    small_int4: Q4Matrix | Int4Weight | None = None
     packed_weight: torch.Tensor | None = None
 
-    def attach_small_step_weights(self, plan: SmallStepWeights) -> int:
-        """Make the copy; returns the bytes it adds (0: this matrix keeps its dense weights)."""
+    def attach_small_step_weights(self, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None) -> int:
+        """Make the copy; returns the bytes it adds (0: this matrix keeps its dense weights).
+        int4 uses tandem's 4-bit GEMM (`q4_kernel`) where given, else PyTorch's."""
         weight = self.weight.detach()
         if plan.format == "int4":
-            if not int4_fits(weight, plan.group_size):
+            if q4_kernel is not None and q4_fits(weight):
+                self.small_int4 = Q4Matrix.quantize(weight, q4_kernel)
+            elif int4_fits(weight, plan.group_size):
+                self.small_int4 = Int4Weight.quantize(weight, plan.group_size)
+            else:
                 return 0
-            self.small_int4 = Int4Weight.quantize(weight, plan.group_size)
             self.small_step = plan
             return self.small_int4.nbytes
         self.small_weight = weight.to(plan.dtype).contiguous()
@@ -158,9 +163,9 @@ class LinearWeights:
         return residual + self.linear(x)
 
 
-def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights) -> int:
+def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None) -> int:
     """Give every linear layer and the LM head a small-step copy; returns the bytes added."""
-    return sum(m.attach_small_step_weights(plan) for m in model.modules() if isinstance(m, LinearWeights))
+    return sum(m.attach_small_step_weights(plan, q4_kernel) for m in model.modules() if isinstance(m, LinearWeights))
 
 
 def pack_weights_for_cpu(model: nn.Module) -> int:

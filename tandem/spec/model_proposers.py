@@ -16,6 +16,7 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.kernels.base import AttentionBackend
+from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.layers.linear import SmallStepWeights, attach_small_step_weights
 from tandem.loader.model_loader import (
     build_model,
@@ -70,7 +71,9 @@ class ModelProposerLoader:
             return self.eagle.kv_spec.values_per_token(1) * block_size * element
         return self.draft.kv_spec.values_per_token(self.draft.num_hidden_layers) * block_size * element
 
-    def load(self, backend: AttentionBackend, max_model_len: int, target_model: torch.nn.Module) -> None:
+    def load(self, backend: AttentionBackend, max_model_len: int, target_model: torch.nn.Module,
+             kernel_dir: Path) -> None:
+        """Build and load the proposer; `kernel_dir` is where compiled C kernels are kept."""
         started = time.perf_counter()
         load = self.config.load
         if self.spec.method == "eagle3":
@@ -92,7 +95,9 @@ class ModelProposerLoader:
         if small_step != "none":
             # The proposer's own forwards are one or two tokens per request (a decode's
             # catch-up, each guess); a prompt's catch-up still reads the dense weights.
-            added = attach_small_step_weights(self.module, SmallStepWeights(DRAFT_SMALL_STEP_TOKENS, small_step))
+            q4_kernel = load_q4_kernel(kernel_dir) if small_step == "int4" else None
+            added = attach_small_step_weights(self.module, SmallStepWeights(DRAFT_SMALL_STEP_TOKENS, small_step),
+                                              q4_kernel)
             logger.info("%s proposer: %s copy of its weights for forwards of <= %d tokens (+%.0f MiB)",
                         self.spec.method, small_step, DRAFT_SMALL_STEP_TOKENS, added / (1 << 20))
         if load.pack_weights:

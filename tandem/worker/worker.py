@@ -29,6 +29,7 @@ from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.cpu_attention import make_attention_backend
+from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorWorker
 from tandem.kvcache.connector.factory import make_connector_worker
@@ -141,13 +142,12 @@ class Worker:
                 f"--kv-cache-memory {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; need at least 2"
             )
         max_model_len = self._max_model_len(model_config, num_blocks * cache.block_size)
-        backend = make_attention_backend(load.attention_backend,
-                                         Path(load.cache_dir) if load.cache_dir else default_cache_dir())
+        backend = make_attention_backend(load.attention_backend, self._kernel_cache_dir())
         self._backend = backend
         self._model = self._build_model(model_config, resolved.hf_dir, backend, max_model_len)
         self._model_config = model_config
         if self._proposer is not None:
-            self._proposer.load(backend, max_model_len, self._model)
+            self._proposer.load(backend, max_model_len, self._model, self._kernel_cache_dir())
         self._info = WorkerInfo(
             rank=self.rank,
             model_name=resolved.name,
@@ -193,7 +193,8 @@ class Worker:
             load_weights(model, hf_dir)
         small_step = self._small_step_weights()
         if small_step is not None:
-            added = attach_small_step_weights(model, small_step)
+            q4_kernel = load_q4_kernel(self._kernel_cache_dir()) if small_step.format == "int4" else None
+            added = attach_small_step_weights(model, small_step, q4_kernel)
             if self.rank == 0:
                 logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
                             small_step.format, small_step.max_tokens, added / (1 << 20))
@@ -229,6 +230,11 @@ class Worker:
                 "ranks or hosts (--tensor-parallel-size, --pipeline-parallel-size, --enable-expert-parallel, "
                 f"--nnodes) or use a smaller --dtype; `tandem plan memory {hf_dir} --devices ...` shows the splits"
             )
+
+    def _kernel_cache_dir(self) -> Path:
+        """Where compiled C kernels are kept (under the model cache)."""
+        cache_dir = self.config.load.cache_dir
+        return Path(cache_dir) if cache_dir else default_cache_dir()
 
     def _small_step_weights(self) -> SmallStepWeights | None:
         load = self.config.load
@@ -336,7 +342,7 @@ def model_bytes(model: torch.nn.Module) -> int:
                 tensors.append(extra)
         int4 = getattr(module, "small_int4", None)
         if int4 is not None:
-            tensors += [int4.packed, int4.scales_and_zeros]
+            total += int4.nbytes
         tensors += list(getattr(module, "packed_halves", None) or ())
     for tensor in tensors:
         if tensor.is_mkldnn:

@@ -342,7 +342,8 @@ def test_tiny_real_run(tmp_path: Path) -> None:
     assert ngram["spec"]["num_draft_tokens"] > 0 and ngram["alpha"] is not None
     assert ngram["speedup"] > 0 and ngram["pred_equal"] >= 1.0
     assert ngram["base_wall_s"] > 0 and ngram["baseline_repeats"] is True  # paired with the baseline
-    assert 0 < ngram["first_token_s"] < ngram["wall_s"] and ngram["decode_speedup"] > 0
+    # 16 tokens of decoding follow the first: it comes well before the end
+    assert 0 < ngram["first_token_s"] < 0.8 * ngram["wall_s"] and ngram["decode_speedup"] > 0
     draft_rows = [r for r in saved["rows"] if r["method"] in ("baseline", "draft_model") and "no-such-model" in r["group"]]
     assert len(draft_rows) == 2 and not any(r["ok"] for r in draft_rows)
     assert all("FileNotFoundError" in r["error"] for r in draft_rows)

@@ -157,3 +157,18 @@ def test_int4_leaves_a_matrix_the_kernel_cannot_take_dense() -> None:
 def test_unknown_small_step_format_is_refused() -> None:
     with pytest.raises(ValueError, match="float16, bfloat16, int4"):
         SmallStepWeights(max_tokens=2, format="int3")
+
+
+def test_int4_small_steps_use_tandems_4_bit_kernel_where_given(tmp_path) -> None:
+    from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix
+
+    kernel = Q4Kernel.build(tmp_path)
+    layer, exact = _random_pair(bias=True)
+    attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4"), kernel)
+    assert isinstance(layer.small_int4, Q4Matrix)
+    small = torch.randn(2, 64)
+    torch.testing.assert_close(layer(small), layer.small_int4.matmul(small) + layer.bias)
+    dense = layer.small_int4.dequantize()  # the 4-bit weights, times int8-rounded activations
+    torch.testing.assert_close(layer(small), small @ dense.T + layer.bias, rtol=0.01, atol=0.3)
+    large = torch.randn(3, 64)
+    assert torch.equal(layer(large), exact(large))

@@ -1,0 +1,99 @@
+"""tandem's 4-bit GEMM against the dense matrix its nibbles stand for."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.kernels.q4_gemm import GROUP, SOURCE, Q4Kernel, Q4Matrix, q4_fits
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Q4Kernel:
+    return Q4Kernel.build(tmp_path_factory.mktemp("cache"))
+
+
+def _int8_groups(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: rounded to int8 per group of 32 with scale max|x| / 127."""
+    groups = x.reshape(*x.shape[:-1], -1, GROUP)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / scale.clamp_min(1e-30)) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("shape", [(48, 64), (96, 896), (160, 1536)])
+def test_gemm_is_int8_activations_times_the_dequantized_matrix(kernel: Q4Kernel, rows: int, shape) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + shape[1])
+    weight = torch.randn(shape, generator=generator) / 8
+    matrix = Q4Matrix.quantize(weight, kernel)
+    x = torch.randn(rows, shape[1], generator=generator)
+    dense = matrix.dequantize()
+    # The integer dot products use int8 activations; the minimum's term uses the exact ones.
+    groups = dense.reshape(shape[0], -1, GROUP)
+    mins = matrix.mins.float()
+    level_part = (groups - mins.unsqueeze(-1)).reshape(shape)
+    expected = _int8_groups(x) @ level_part.T + x.reshape(rows, -1, GROUP).sum(-1) @ mins.T
+    got = matrix.matmul(x)
+    assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # ...and close to the exact product: within int8 rounding of the activations.
+    torch.testing.assert_close(got, x @ dense.T, rtol=0.02, atol=0.05 * (shape[1] / 64) ** 0.5)
+
+
+def test_quantized_grid_and_layout(kernel: Q4Kernel) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(16, 128)
+    matrix = Q4Matrix.quantize(weight, kernel)
+    assert matrix.nibbles.shape == (16, 64) and matrix.scales.shape == matrix.mins.shape == (16, 4)
+    assert matrix.nbytes == 16 * 64 + 2 * 16 * 4 * 2
+    dense = matrix.dequantize()
+    step = matrix.scales.float().repeat_interleave(GROUP, dim=1)
+    assert ((dense - weight).abs() <= step / 2 + 1e-3).all()
+    # Input j of a 64-block sits in byte j's low nibble, input j + 32 in its high nibble.
+    levels = ((weight[0, 32] - matrix.mins[0, 1].float()) / matrix.scales[0, 1].float()).round().clamp(0, 15)
+    assert int(matrix.nibbles[0, 0]) >> 4 == int(levels)
+
+
+def test_bf16_activations_come_back_in_bf16(kernel: Q4Kernel) -> None:
+    torch.manual_seed(1)
+    matrix = Q4Matrix.quantize(torch.randn(32, 64), kernel)
+    x = torch.randn(2, 64).bfloat16()
+    out = matrix.matmul(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), matrix.matmul(x.float()), rtol=1e-2, atol=1e-2)
+
+
+def test_shapes_it_cannot_take(kernel: Q4Kernel) -> None:
+    assert q4_fits(torch.empty(24, 64)) and not q4_fits(torch.empty(24, 96))
+    with pytest.raises(ValueError, match="in % 64"):
+        Q4Matrix.quantize(torch.empty(8, 96), kernel)
+
+
+def test_the_isa_is_named(kernel: Q4Kernel) -> None:
+    assert kernel.isa in ("avx512-vnni", "avx2", "portable C")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("march, isa", [("x86-64", "portable C"), ("haswell", "avx2")])
+def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path: Path, march: str, isa: str) -> None:
+    """The machines this runs on differ (AVX2-only EPYCs, AVX-512 Xeons): the paths this CPU
+    does not pick by itself are built for an older target and checked against it."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / f"q4-{march}.so"
+    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE),
+                    "-o", str(library), "-lm"], check=True, capture_output=True)
+    other = Q4Kernel(library)
+    assert other.isa == isa
+    torch.manual_seed(2)
+    weight = torch.randn(64, 256) / 8
+    x = torch.randn(3, 256)
+    ours, theirs = Q4Matrix.quantize(weight, kernel), Q4Matrix.quantize(weight, other)
+    assert torch.equal(ours.nibbles, theirs.nibbles)
+    torch.testing.assert_close(theirs.matmul(x), ours.matmul(x), rtol=1e-5, atol=1e-5)
