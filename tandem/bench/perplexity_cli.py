@@ -15,7 +15,8 @@ def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
         "perplexity",
         help="perplexity of a fixed text: exact fp32 vs the fast weight formats",
         description="Perplexity of a fixed passage, fed one token per step (the decode path), "
-        "in exact fp32, with fp16 and bf16 decode weights (--decode-weights) and in pure bf16.",
+        "in exact fp32, with fp16, bf16 and int4 decode weights (--decode-weights) and in bf16 "
+        "(alone and with int4 decode weights).",
     )
     parser.add_argument("model", nargs="?", default=None, help="model (default: smollm2-135m)")
     parser.set_defaults(handler=run_perplexity)
@@ -29,7 +30,9 @@ def run_perplexity(args: argparse.Namespace) -> int:
         ("fp32 (exact)", {"dtype": "float32", "decode_weights": "none"}),
         ("fp32 + fp16 decode weights", {"dtype": "float32", "decode_weights": "float16"}),
         ("fp32 + bf16 decode weights", {"dtype": "float32", "decode_weights": "bfloat16"}),
+        ("fp32 + int4 decode weights", {"dtype": "float32", "decode_weights": "int4"}),
         ("bf16", {"dtype": "bfloat16"}),
+        ("bf16 + int4 decode weights", {"dtype": "bfloat16", "decode_weights": "int4"}),
     ]
     results = []
     for label, kwargs in modes:

@@ -37,6 +37,10 @@ class SmallStepWeights:
     max_tokens: int
     format: str  # float16 | bfloat16 | int4
     group_size: int = 32  # int4: input columns sharing a scale and zero point
+    # int4: a matrix whose 4-bit copy is further than this from it (relative Frobenius norm)
+    # keeps its dense weights; None: every matrix goes to 4 bits. A GGUF's own 4-bit tensors
+    # come back exactly; its 6- and 8-bit ones (often the LM head) would not.
+    int4_max_error: float | None = None
 
     def __post_init__(self) -> None:
         if self.format not in DECODE_WEIGHT_FORMATS:
@@ -114,14 +118,21 @@ class LinearWeights:
         int4 uses tandem's 4-bit GEMM (`q4_kernel`) where given, else PyTorch's."""
         weight = self.weight.detach()
         if plan.format == "int4":
+            int4: Q4Matrix | Int4Weight
             if q4_kernel is not None and q4_fits(weight):
-                self.small_int4 = Q4Matrix.quantize(weight, q4_kernel)
+                int4 = Q4Matrix.quantize(weight, q4_kernel)
             elif int4_fits(weight, plan.group_size):
-                self.small_int4 = Int4Weight.quantize(weight, plan.group_size)
+                int4 = Int4Weight.quantize(weight, plan.group_size)
             else:
                 return 0
+            if plan.int4_max_error is not None:
+                dense = weight.float()
+                error = (int4.dequantize().float() - dense).norm() / dense.norm().clamp_min(1e-30)
+                if error > plan.int4_max_error:
+                    return 0
+            self.small_int4 = int4
             self.small_step = plan
-            return self.small_int4.nbytes
+            return int4.nbytes
         self.small_weight = weight.to(plan.dtype).contiguous()
         bias = getattr(self, "bias", None)
         self.small_bias = None if bias is None else bias.detach().to(plan.dtype)

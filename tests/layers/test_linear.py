@@ -172,3 +172,17 @@ def test_int4_small_steps_use_tandems_4_bit_kernel_where_given(tmp_path) -> None
     torch.testing.assert_close(layer(small), small @ dense.T + layer.bias, rtol=0.01, atol=0.3)
     large = torch.randn(3, 64)
     assert torch.equal(layer(large), exact(large))
+
+
+def test_int4_max_error_keeps_matrices_that_4_bits_would_change() -> None:
+    """The target's int4 mode copies only matrices already on a 4-bit grid (a Q4 GGUF's)."""
+    torch.manual_seed(3)
+    plan = SmallStepWeights(max_tokens=2, format="int4", int4_max_error=0.01)
+    smooth = Linear(64, 32)
+    smooth.weight.data.normal_()
+    assert attach_small_step_weights(smooth, plan) == 0 and smooth.small_int4 is None
+    on_grid = Linear(64, 32)
+    levels = torch.randint(0, 16, (32, 64)).float()
+    levels[:, 0::32], levels[:, 1::32] = 0, 15  # every group spans its range
+    on_grid.weight.data.copy_(levels / 16 - 0.5)
+    assert attach_small_step_weights(on_grid, plan) > 0 and on_grid.small_int4 is not None
