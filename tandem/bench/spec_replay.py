@@ -10,8 +10,9 @@ per step), so that ratio is most of the speedup; `predicted_speedup` adds the pe
 
 Requests are replayed one after another on one proposer, as a batch-1 cell of the bench runs
 them (so a proposer that keeps finished requests' outputs, suffix decoding's global tree,
-sees the cell's earlier answers and no others). The step that computes the prompt may carry
-drafts too (the scheduler offers it the prompt's last chunk), and a request may take at most
+sees the cell's earlier answers and no others). The step that computes the prompt carries
+no drafts (the scheduler admits a new request after it has handed out drafts to the running
+ones; the bench's prompts take one step), and a request may take at most
 `max_tokens - outputs so far - 1` drafts, as in the scheduler. Fixed k verifies every draft
 up to k; adaptive k runs the engine's own rule (tandem/spec/adaptive.py) on a step cost of
 `1 + cost_ratio x tokens`.
@@ -131,7 +132,7 @@ def replay(proposer: TokenProposer, requests: Iterable[Recorded], k: int, adapti
         stats.requests += 1
         stats.output_tokens += len(output)
         while done < len(output):
-            cap = min(k, max_tokens - done - 1)
+            cap = min(k, max_tokens - done - 1) if done else 0  # the prompt's step: none
             drafts: list[int] = []
             if cap > 0:
                 started = clock() if timed else 0.0
@@ -211,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.outputs}: no batch-1 baseline answers", file=sys.stderr)
         return 1
     ks = [int(k) for k in args.ks.split(",") if k]
-    print(f"{'kind':6} {'config':20} {'steps x':>8} {'pred x':>7} {'drafted':>8} {'acc len':>8} {'k mean':>7} "
-          f"{'us/call':>8}")
+    print(f"{'kind':6} {'config':20} {'steps x':>8} {'pred x':>7} {'drafting':>8} {'acc len':>8} {'k mean':>7} "
+          f"{'us/call':>8}")  # drafting: the share of steps that verified a draft
     for kind, requests in by_kind.items():
         for method in args.methods.split(","):
             configs = [(k, False) for k in ks] + ([(max(ks), True)] if args.adaptive else [])

@@ -25,7 +25,7 @@ tree, and no proposal past `max_tree_depth` tokens of match and proposal togethe
 answer when the request has no such match (prose, a first mention). Replayed over the
 default model's greedy answers (tandem/bench/spec_replay.py) to code edits it was not chosen
 on, lookup first takes 4-7% fewer verification steps at k = 4-16 and wastes fewer guesses
-(0.5-0.9 rejected per step against 0.7-1.0); tool calls and prose change by under 1%.
+(0.4-0.9 rejected per step against 0.7-1.0); tool calls and prose change by 1% or less.
 
 A tree counts, for every substring of length <= `max_tree_depth` of its sequences, how many
 times it occurs; a continuation's estimated probability is the product of

@@ -65,44 +65,45 @@ def test_no_drafts_is_one_step_per_token() -> None:
     assert stats.predicted_speedup(0.01) == pytest.approx(1.0)
 
 
-def test_right_drafts_land_k_plus_one_tokens_per_step_from_the_prompt_step_on() -> None:
-    output = list(range(100, 120))  # 20 tokens
+def test_right_drafts_land_k_plus_one_tokens_per_step_after_the_prompts_step() -> None:
+    output = list(range(100, 121))  # 21 tokens
     oracle = Oracle({3: output})
     stats = replay(oracle, [Recorded([1, 2, 3], output)], k=4, max_tokens=128)
-    assert stats.steps == 4  # 5 tokens a step: the prompt's step already carries drafts
+    assert stats.steps == 1 + 4  # the prompt's step samples 1 token, then 5 tokens a step
     assert stats.accepted_tokens == 16 and stats.draft_tokens == 16
     assert stats.acceptance_length == 5.0 and stats.acceptance_rate == 1.0
-    assert oracle.calls[0] == ("replay-0", 3, 4)  # the prompt alone, first
+    assert oracle.calls[0] == ("replay-0", 4, 4)  # the prompt and the first sampled token
+    assert stats.step_sizes == {1: 1, 5: 4}
     assert oracle.finished == ["replay-0"]
 
 
 def test_a_wrong_draft_keeps_the_prefix_before_it_plus_the_targets_token() -> None:
-    output = list(range(100, 112))  # 12 tokens
+    output = list(range(100, 113))  # 13 tokens
     stats = replay(Oracle({2: output}, wrong_at=2), [Recorded([1, 2], output)], k=4)
-    assert stats.steps == 4  # 3 tokens a step
+    assert stats.steps == 1 + 4  # then 3 tokens a step
     assert stats.accepted_tokens == 8 and stats.draft_tokens == 4 + 4 + 4 + 3  # the answer ends
 
 
 def test_drafts_stop_at_max_tokens_and_at_the_end_of_the_answer() -> None:
-    output = list(range(100, 110))  # 10 tokens, max_tokens 10: at most 9 drafts, as the scheduler
+    output = list(range(100, 110))  # 10 tokens, max_tokens 10: 1 output, then at most 8 drafts
     oracle = Oracle({1: output})
     stats = replay(oracle, [Recorded([1], output)], k=16, max_tokens=10)
-    assert oracle.calls == [("replay-0", 1, 9)] and stats.steps == 1
+    assert oracle.calls == [("replay-0", 2, 8)] and stats.steps == 2
     oracle = Oracle({1: output})
-    stats = replay(oracle, [Recorded([1], output)], k=8, max_tokens=10)
-    assert oracle.calls == [("replay-0", 1, 8)]  # then no room for a draft: not asked
-    assert stats.steps == 2
+    stats = replay(oracle, [Recorded([1], output)], k=4, max_tokens=10)
+    assert oracle.calls == [("replay-0", 2, 4), ("replay-0", 7, 3)]  # 1 + 5 tokens, then room for 3 + 1
+    assert stats.steps == 3
     # An answer that ended early (a stop token): drafts past it count for nothing.
     short = [5, 6, 7]
     stats = replay(Oracle({1: short + [8, 9, 10]}), [Recorded([1], short)], k=8)
-    assert stats.steps == 1 and stats.accepted_tokens == 2 and stats.output_tokens == 3
+    assert stats.steps == 2 and stats.accepted_tokens == 1 and stats.output_tokens == 3
 
 
 def test_requests_run_one_after_another_on_one_proposer() -> None:
     a, b = list(range(50, 60)), list(range(60, 70))
     oracle = Oracle({2: a, 3: b})
     stats = replay(oracle, [Recorded([1, 2], a), Recorded([1, 2, 3], b)], k=9)
-    assert stats.requests == 2 and stats.steps == 2 and stats.output_tokens == 20
+    assert stats.requests == 2 and stats.steps == 2 + 2 and stats.output_tokens == 20
     assert oracle.finished == ["replay-0", "replay-1"]
 
 
@@ -110,7 +111,7 @@ def test_adaptive_k_verifies_fewer_wrong_guesses() -> None:
     output = list(range(100, 164))
     fixed = replay(Oracle({1: output}, wrong_at=0), [Recorded([1], output)], k=16)
     adaptive = replay(Oracle({1: output}, wrong_at=0), [Recorded([1], output)], k=16, adaptive=True)
-    assert fixed.steps == adaptive.steps == 64
+    assert fixed.steps == adaptive.steps == 64  # every guess wrong: one token a step
     assert adaptive.draft_tokens < fixed.draft_tokens / 4
 
 
