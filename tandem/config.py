@@ -485,6 +485,12 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # suffix, a tandem extension: before the trees, prompt lookup over the request's own tokens
+    # (the earliest occurrence of the longest tail of prompt_lookup_min..max_tree_depth tokens,
+    # proposing as much as the trees' length rule allows): a copy goes on where its source goes
+    # on, which the trees' most frequent continuation often is not (tandem/spec/suffix.py).
+    # false: Arctic's suffix decoding alone.
+    suffix_decoding_prompt_lookup: bool = True
     # draft_model / eagle3: the weights the proposer's small forwards (its guesses, a decode's
     # catch-up of one or two tokens) read, as --decode-weights does for the target. A guess
     # only has to be likely, not exact (the target verifies it), and int4 reads a quarter of
@@ -516,6 +522,14 @@ class SpeculativeConfig:
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0 or self.suffix_decoding_max_spec_factor <= 0:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1] and "
                              "suffix_decoding_max_spec_factor > 0")
+        if not isinstance(self.suffix_decoding_prompt_lookup, bool):
+            raise ValueError("suffix_decoding_prompt_lookup must be true or false, "
+                             f"got {self.suffix_decoding_prompt_lookup!r}")
+        if (method == "suffix" and self.suffix_decoding_prompt_lookup
+                and self.prompt_lookup_min > self.suffix_decoding_max_tree_depth):
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"suffix_decoding_max_tree_depth ({self.suffix_decoding_max_tree_depth}): "
+                             "suffix's prompt lookup matches up to that many tokens")
 
     @property
     def enabled(self) -> bool:

@@ -475,11 +475,13 @@ def write_report(out_dir: Path, text: str, report: dict[str, Any], rows: list[di
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
     (out_dir / "table.txt").write_text(text + "\n")
-    with (out_dir / "outputs.jsonl").open("w") as f:  # every request's tokens and text, to check by hand
+    # Every request's tokens and text, to check by hand, and with the prompts' tokens to replay a
+    # proposer over the baseline's answers (python -m tandem.bench.spec_replay).
+    with (out_dir / "outputs.jsonl").open("w") as f:
         for row in rows:
             if row.get("ok") and row.get("outputs") is not None:
                 f.write(json.dumps({k: row.get(k) for k in ("group", "label", "kind", "batch", "texts", "outputs",
-                                                             "base_outputs")}) + "\n")
+                                                             "base_outputs", "prompt_token_ids")}) + "\n")
     charts = [plot(rows, p["group"], out_dir / f"spec-{p['role']}.png",
                    f"tandem bench spec: {p['group']}, speedup vs k (dashed: Leviathan, fitted step cost)")
               for p in plans]

@@ -452,5 +452,6 @@ def plot(rows: list[dict[str, Any]], group: str, path: Path, title: str = "") ->
 
 
 def public_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows for the JSON file: without the output tokens and texts."""
-    return [{k: v for k, v in r.items() if k not in ("outputs", "texts", "base_outputs")} for r in rows]
+    """Rows for the JSON file: without the prompt and output tokens and the texts."""
+    return [{k: v for k, v in r.items() if k not in ("outputs", "texts", "base_outputs", "prompt_token_ids")}
+            for r in rows]

@@ -220,6 +220,7 @@ def measure_cell(engine: Engine, conversations: list[list[dict[str, str]]], batc
         "requests": len(prompts), "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
         "output_tokens": sum(len(c.token_ids) for c in mine),
         "spec": counters_increase(before, _counters(engine.speculator)), "cost": _cost(engine.speculator),
+        "prompt_token_ids": [p["prompt_token_ids"] for p in prompts],
         "outputs": [list(c.token_ids) for c in mine], "texts": [c.text for c in mine],
         "finish_reasons": [c.finish_reason for c in mine], "loadavg": [load_start, _loadavg()],
     }

@@ -19,6 +19,8 @@ def make_token_proposer(config: SpeculativeConfig) -> TokenProposer:
             max_cached_requests=config.suffix_decoding_max_cached_requests,
             max_spec_factor=config.suffix_decoding_max_spec_factor,
             min_token_prob=config.suffix_decoding_min_token_prob,
+            prompt_lookup=config.suffix_decoding_prompt_lookup,
+            lookup_min=config.prompt_lookup_min,
         ))
     raise ValueError(f"speculative method {config.method!r} does not run in the engine core")
 

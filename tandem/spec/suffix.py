@@ -14,6 +14,19 @@ Two trees are consulted, as in Arctic:
   FIFO-bounded by `max_cached_requests` whole requests; an evicted request's occurrences are
   subtracted again, so the tree is always exactly the tree of the requests still cached.
 
+Before the trees, optionally (`prompt_lookup`, on in the engine's default config), prompt
+lookup: the longest tail (`lookup_min` to `max_tree_depth` tokens) that occurred earlier in
+the request itself proposes what followed its earliest occurrence (tandem/spec/ngram.py), as
+many tokens as the same rule allows a tree's match (floor(factor * m + offset)). An agent's
+edit copies a block of its context, and a copy goes on where its source goes on, which the
+trees' answer often is not: their most frequent continuation of a tail that occurs in several
+places, an earlier request's similar answer out-scoring the request's own text in the global
+tree, and no proposal past `max_tree_depth` tokens of match and proposal together. The trees
+answer when the request has no such match (prose, a first mention). Replayed over the
+default model's greedy answers (tandem/bench/spec_replay.py) to code edits it was not chosen
+on, lookup first takes 4-7% fewer verification steps at k = 4-16 and wastes fewer guesses
+(0.4-0.9 rejected per step against 0.7-1.0); tool calls and prose change by 1% or less.
+
 A tree counts, for every substring of length <= `max_tree_depth` of its sequences, how many
 times it occurs; a continuation's estimated probability is the product of
 `child.count / node.count` along its path (Arctic's estimate). The plain trie of those
@@ -25,6 +38,8 @@ a live request's sequence grows. Only suffixes of the request's tail that occur 
 work per new token, and the answers are exactly those of the plain trie.
 
 Pure Python and torch-free: it runs in the engine core once per decoding request per step.
+A call with one new token costs about 35 us at 8k tokens of context, 95 us with prompt lookup
+(its byte searches scan the whole context; 2-core EPYC, against a 45 ms step).
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tandem.spec.ngram import NgramProposer
 from tandem.spec.proposer import TokenProposer
 
 # Float slack for floor(match_len * factor + offset), as Arctic: 3 * (1/3) must give 1.
@@ -54,6 +70,11 @@ class SuffixConfig:
         floor(factor * m + offset) tokens, so short, weak matches propose little.
     min_token_prob: stop extending a proposal once the estimated probability of its path
         (the product of branch frequency ratios) falls below this.
+    prompt_lookup: try prompt lookup over the request's own tokens first (a tandem
+        extension, off here so that the defaults are Arctic's algorithm; the engine's
+        SpeculativeConfig turns it on): the longest tail of lookup_min..max_tree_depth tokens
+        seen earlier proposes what followed its earliest occurrence, with the same length
+        rule as a tree's match.
     """
 
     max_tree_depth: int = 24
@@ -61,6 +82,8 @@ class SuffixConfig:
     max_spec_factor: float = 1.0
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
+    prompt_lookup: bool = False
+    lookup_min: int = 2
 
     def __post_init__(self) -> None:
         if self.max_tree_depth < 2:
@@ -71,13 +94,19 @@ class SuffixConfig:
             raise ValueError(f"max_spec_factor must be >= 0, got {self.max_spec_factor}")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if not isinstance(self.prompt_lookup, bool):
+            raise ValueError(f"prompt_lookup must be true or false, got {self.prompt_lookup!r}")
+        if not 1 <= self.lookup_min <= self.max_tree_depth:
+            raise ValueError(f"lookup_min must be in 1..max_tree_depth ({self.max_tree_depth}), "
+                             f"got {self.lookup_min}")
 
 
 @dataclass(frozen=True)
 class SuffixDraft:
     """A proposal and why: `score` is the sum of its tokens' path probabilities (its expected
-    accepted length under the tree's estimate), `match_len` the tail length it continues,
-    `source` "request" or "global" ("" for no proposal)."""
+    accepted length under the tree's estimate; a lookup's tokens count 1 each), `match_len`
+    the tail length it continues, `source` "lookup" (prompt lookup over the request's
+    tokens), "request" (its tree) or "global" ("" for no proposal)."""
 
     tokens: list[int]
     score: float = 0.0
@@ -430,7 +459,10 @@ class _RequestIndex:
 class SuffixProposer(TokenProposer):
     """Suffix decoding over the request's own tokens and recent requests' outputs.
 
-    Each step: index the request's new tokens; for every tail length m (1 <= m < the tail
+    Each step: index the request's new tokens; with `prompt_lookup`, propose what followed
+    the earliest earlier occurrence of the longest tail of m = lookup_min..max_tree_depth
+    tokens, if any, for up to min(max_tokens, floor(factor * m + offset)) tokens; otherwise,
+    for every tail length m (1 <= m < the tail
     window of max_tree_depth tokens) that occurs earlier, walk the most frequent continuation
     for up to min(max_tokens, floor(factor * m + offset)) tokens, keeping the walk with the
     highest score (sum of path probabilities; ties go to the longer match), over the
@@ -445,6 +477,8 @@ class SuffixProposer(TokenProposer):
         self._global = _SuffixTree(self.config.max_tree_depth)
         self._cached: deque[list[int]] = deque()  # outputs in the global tree, oldest first
         self._orders: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        cfg = self.config
+        self._lookup = NgramProposer(cfg.lookup_min, cfg.max_tree_depth) if cfg.prompt_lookup else None
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
                 max_tokens: int) -> list[int]:
@@ -457,6 +491,8 @@ class SuffixProposer(TokenProposer):
     def request_finished(self, request_id: str, token_ids: Sequence[int],
                          num_prompt_tokens: int) -> None:
         self._requests.pop(request_id, None)
+        if self._lookup is not None:
+            self._lookup.request_finished(request_id, token_ids, num_prompt_tokens)
         output = token_ids[num_prompt_tokens:]
         limit = self.config.max_cached_requests
         if limit == 0 or not output:
@@ -485,12 +521,19 @@ class SuffixProposer(TokenProposer):
 
     def _search(self, request_id: str, token_ids: Sequence[int],
                 max_tokens: int) -> tuple[list[int], float, int, str]:
-        """Index the new tokens, then the best walk over the request's tree and, if it scores
-        strictly higher, over the global tree: (tokens, score, match length, source)."""
+        """Index the new tokens, then prompt lookup (if on and it matches) or the best walk over
+        the request's tree and, if it scores strictly higher, over the global tree: (tokens,
+        score, match length, source)."""
         index = self._requests.get(request_id)
         if index is None:
             index = self._requests[request_id] = _RequestIndex(self.config.max_tree_depth)
         index.catch_up(token_ids)
+        if self._lookup is not None and max_tokens > 0:
+            cfg = self.config
+            match_len, tokens = self._lookup.lookup(request_id, token_ids, max_tokens)
+            del tokens[max(int(match_len * cfg.max_spec_factor + cfg.max_spec_offset + _EPS), 0):]
+            if tokens:
+                return tokens, float(len(tokens)), match_len, "lookup"
         n = len(index.seq)
         window = min(n, self.config.max_tree_depth)
         if max_tokens <= 0 or window < 2:

@@ -24,6 +24,7 @@ from tandem.bench.spec import (
     planned_cells,
     write_report,
 )
+from tandem.bench.spec_replay import read_outputs, replay
 from tandem.bench.spec_report import (
     _cpu_note,
     compare_outputs,
@@ -36,6 +37,7 @@ from tandem.bench.spec_report import (
 )
 from tandem.bench.spec_worker import cells_for, counters_increase, speculative_config
 from tandem.bench.spec_workloads import KINDS, capacity, conversations, looks_like
+from tandem.spec.ngram import NgramProposer
 
 # --- the prediction -----------------------------------------------------------------------------
 
@@ -351,3 +353,16 @@ def test_tiny_real_run(tmp_path: Path) -> None:
     assert statuses["draft-1.4x"] == "MISSED" and statuses["greedy-identical"] == "met"
     assert "ngram k=2" in result.stdout and "goals:" in result.stdout
     assert (report.parent / "spec-main.png").is_file()
+    # outputs.jsonl holds the prompts too: a replay of ngram over the baseline's answer counts
+    # exactly the engine steps the run took with it.
+    (recorded,) = read_outputs(report.parent / "outputs.jsonl")["code"]
+    assert recorded.prompt and list(recorded.output) == ngram_outputs(report.parent)
+    assert replay(NgramProposer(), [recorded], k=2, max_tokens=16).steps == ngram["steps"]
+
+
+def ngram_outputs(run_dir: Path) -> list[int]:
+    for line in (run_dir / "outputs.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["label"] == "ngram k=2":
+            return row["outputs"][0]
+    raise AssertionError("no ngram row in outputs.jsonl")

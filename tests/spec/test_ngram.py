@@ -49,3 +49,38 @@ def test_incremental_indexing_matches_a_fresh_proposer() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         NgramProposer(3, 2)
+
+
+def _reference_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, list[int]]:
+    """The definition, by brute force: the longest n whose tail occurs earlier (ending before
+    the last token), and what followed its earliest occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n):
+            if tokens[start:start + n] == tail:
+                return n, tokens[start + n:start + n + k]
+    return 0, []
+
+
+def test_lookup_reports_the_match_length() -> None:
+    proposer = NgramProposer(2, 24)
+    block = list(range(100, 130))
+    tokens = [1, *block, 2, *block[:12]]
+    assert proposer.lookup("a", tokens, 5) == (12, block[12:17])
+    assert proposer.lookup("b", [1, 2, 3, 4], 5) == (0, [])
+
+
+def test_the_bisection_finds_the_longest_match_as_a_linear_search_would() -> None:
+    import random
+
+    rng = random.Random(7)
+    for trial in range(400):
+        vocab = rng.choice([2, 3, 5, 40])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        if rng.random() < 0.5 and len(tokens) > 8:  # a copy in progress
+            cut = rng.randrange(2, len(tokens) // 2)
+            tokens = tokens + tokens[:cut]
+        min_n = rng.choice([1, 2, 3])
+        max_n = rng.choice([min_n, 5, 12, 24])
+        expected = _reference_lookup(tokens, min_n, max_n, 6)
+        assert NgramProposer(min_n, max_n).lookup(f"r{trial}", tokens, 6) == expected, (tokens, min_n, max_n)

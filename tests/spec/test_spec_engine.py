@@ -24,7 +24,13 @@ METHODS = [
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
     {"method": "suffix", "num_speculative_tokens": 6},
+    {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False, "suffix_decoding_prompt_lookup": False},
 ]
+
+
+def _spec_id(spec: dict) -> str:
+    lookup = "" if spec.get("suffix_decoding_prompt_lookup", True) else "-trees-only"
+    return f"{spec['method']}{lookup}-{'adaptive' if spec.get('adaptive', True) else 'fixed'}"
 
 
 def chat(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list:
@@ -50,7 +56,7 @@ def plain() -> list:
         return chat(llm, *requests())
 
 
-@pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s['method']}-{'adaptive' if s.get('adaptive', True) else 'fixed'}")
+@pytest.mark.parametrize("spec", METHODS, ids=_spec_id)
 def test_greedy_output_is_identical_with_speculation(plain: list, spec: dict) -> None:
     with LLM(kv_cache_memory="128MiB", speculative_config=spec) as llm:
         outputs = chat(llm, *requests())

@@ -236,6 +236,80 @@ def test_bad_config_is_refused():
             SuffixConfig(**bad)
 
 
+def test_bad_lookup_config_is_refused():
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        SuffixConfig(prompt_lookup="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lookup_min"):
+        SuffixConfig(prompt_lookup=True, lookup_min=0)
+    with pytest.raises(ValueError, match="lookup_min"):
+        SuffixConfig(prompt_lookup=True, max_tree_depth=4, lookup_min=5)
+
+
+# ---- prompt lookup before the trees -----------------------------------------------------------
+
+_LOOKUP = SuffixConfig(prompt_lookup=True)
+
+
+def test_prompt_lookup_copies_the_earliest_occurrence_not_the_most_frequent():
+    # [2 3] went on with 4 first (the source of a copy), then twice with 9.
+    seq = [2, 3, 4, 5, 0, 2, 3, 9, 8, 0, 2, 3, 9, 8, 7, 2, 3]
+    # The tree: 9 (2 of 4 occurrences), then 8: score 1/2 + 1/2.
+    assert SuffixProposer().draft("r", seq, 8) == SuffixDraft([9, 8], 1.0, 2, "request")
+    # Prompt lookup: what followed the first [2 3], as many tokens as a 2-token match may take.
+    assert SuffixProposer(_LOOKUP).draft("r", seq, 8) == SuffixDraft([4, 5], 2.0, 2, "lookup")
+
+
+def test_prompt_lookup_keeps_the_length_rule_but_not_the_tree_depth():
+    block = list(range(100, 120))
+    seq = [1, *block, 2, *block[:10]]  # a copy of `block`, 10 tokens in
+    # Depth 8: a tree proposes at most 8 - m after a match of m tokens.
+    tree = SuffixProposer(SuffixConfig(max_tree_depth=8)).draft("r", seq, 16)
+    assert tree.tokens == block[10:14] and tree.source == "request"
+    # Lookup matches up to 8 tokens too, and a match of 8 may propose 8 (factor 1).
+    looked = SuffixProposer(SuffixConfig(max_tree_depth=8, prompt_lookup=True)).draft("r", seq, 16)
+    assert looked == SuffixDraft(block[10:18], 8.0, 8, "lookup")
+    # The factor and offset apply as to a tree's match; max_tokens caps.
+    twice = SuffixConfig(prompt_lookup=True, max_spec_factor=2.0)
+    assert SuffixProposer(twice).propose("r", [7, 8, 9, 1, 2, 3, 4, 5, 6, 0, 7, 8], 0, 16) == [9, 1, 2, 3]
+    offset = SuffixConfig(prompt_lookup=True, max_spec_offset=1.0)
+    assert SuffixProposer(offset).propose("r", [7, 8, 9, 1, 2, 3, 4, 5, 6, 0, 7, 8], 0, 16) == [9, 1, 2]
+    assert SuffixProposer(_LOOKUP).propose("r", seq, 0, 3) == block[10:13]
+
+
+def test_the_global_tree_cannot_override_the_requests_own_copy():
+    p = SuffixProposer(_LOOKUP)
+    p.request_finished("a", [50, 30, 31, 32, 33, 34, 35], 0)
+    seq = [30, 31, 40, 41, 50, 30, 31]
+    # The trees alone: [50 30 31] (3 tokens, from a's output) beats [30 31] (2, own).
+    alone = SuffixProposer()
+    alone.request_finished("a", [50, 30, 31, 32, 33, 34, 35], 0)
+    assert alone.draft("b", seq, 8) == SuffixDraft([32, 33, 34], 3.0, 3, "global")
+    assert p.draft("b", seq, 8) == SuffixDraft([40, 41], 2.0, 2, "lookup")
+
+
+def test_no_lookup_match_falls_back_to_the_trees():
+    p = SuffixProposer(_LOOKUP)
+    # Only a single token repeats: shorter than lookup_min (2), so the request's tree answers.
+    assert p.draft("r", [5, 6, 7, 5], 8) == SuffixDraft([6], 0.5, 1, "request")  # 5 seen twice, once on
+    p.request_finished("a", [20, 21, 22, 23], 0)
+    assert p.draft("b", [9, 20, 21], 8) == SuffixDraft([22, 23], 2.0, 2, "global")
+    # A factor that leaves a lookup match nothing to propose (2 x 0.4 < 1) hands over to the
+    # trees too: the global tree's 3-token match may propose 1.
+    tiny = SuffixProposer(SuffixConfig(prompt_lookup=True, max_spec_factor=0.4))
+    tiny.request_finished("a", [9, 1, 2, 5, 6], 0)
+    assert tiny.draft("r", [1, 2, 4, 9, 1, 2], 8) == SuffixDraft([5], 1.0, 3, "global")
+
+
+def test_a_finished_requests_lookup_state_is_dropped():
+    p = SuffixProposer(_LOOKUP)
+    p.propose("a", [1, 2, 3, 1, 2], 2, 4)
+    p.request_finished("a", [1, 2, 3, 1, 2, 3], 2)
+    # The same id again with other tokens, longer than before: nothing of the old ones may remain.
+    seq = [7, 8, 9, 4, 5, 6, 7, 8]
+    assert p.draft("a", seq, 4) == SuffixProposer(_LOOKUP).draft("x", seq, 4)
+    assert p.propose("a", seq, 0, 4) == [9, 4]
+
+
 # ---- eviction ------------------------------------------------------------------------------
 
 
