@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -114,7 +115,7 @@ def add_spec_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--draft-batches", default="1", help="batch sizes measured with draft_model (default: 1)")
     bench.add_argument("--draft-decode-weights", default="int4", choices=("none", *DECODE_WEIGHT_FORMATS),
                        help="the weights the draft's small forwards read (speculative config "
-                            "draft_decode_weights); the draft-alone step is timed with the same (default: int4)")
+                            "draft_decode_weights) (default: int4)")
     bench.add_argument("--output-dir", type=Path, default=Path("bench-results/spec"),
                        help="where spec-<timestamp>/ goes (default: bench-results/spec)")
     bench.add_argument("--run-timeout", type=float, default=3600.0,
@@ -193,7 +194,7 @@ def make_configs(methods: list[str], ks: list[int], adaptive: bool, adaptive_k: 
     if draft_model and any(m in DRAFT_METHODS for m in methods):
         # A plain decode step of the draft model alone, for the draft/target step-time ratio.
         configs.append({"name": "draft-alone", "method": BASELINE, "model": draft_model, "step_only": True,
-                        "measure_step": True, "decode_weights": draft_weights})
+                        "measure_step": True})
     return configs
 
 
@@ -399,9 +400,25 @@ def step_times(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def draft_ratios(steps: dict[str, dict[str, float]]) -> dict[str, float]:
-    return {group: by["draft-alone"] / by[BASELINE] for group, by in steps.items()
-            if by.get("draft-alone") and by.get(BASELINE)}
+def draft_forwards(records: list[dict[str, Any]]) -> dict[str, float]:
+    """group -> the median seconds of a draft model's one-token guessing forward inside the
+    speculative engine (the proposer times its own forwards), over the group's draft rows."""
+    by_group: dict[str, list[float]] = {}
+    for r in records:
+        if r.get("draft_forward_s"):
+            by_group.setdefault(r["group"], []).append(r["draft_forward_s"])
+    return {group: statistics.median(values) for group, values in by_group.items()}
+
+
+def draft_ratios(steps: dict[str, dict[str, float]], forwards: dict[str, float] | None = None) -> dict[str, float]:
+    """group -> a draft step over a target step: the draft's forward as it runs in the loop
+    (its compact weights, the real context) where measured, else the draft alone."""
+    ratios = {}
+    for group, by in steps.items():
+        draft = (forwards or {}).get(group) or by.get("draft-alone")
+        if draft and by.get(BASELINE):
+            ratios[group] = draft / by[BASELINE]
+    return ratios
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -410,7 +427,8 @@ def build_report(records: list[dict[str, Any]], plans: list[dict[str, Any]], mea
                  host: dict[str, Any], meta: dict[str, Any]) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
     """(the printed text, the JSON report, the derived rows) from the workers' records."""
     steps = step_times(records)
-    ratios = draft_ratios(steps)
+    forwards = draft_forwards(records)
+    ratios = draft_ratios(steps, forwards)
     rows = derive(records, ratios)
     groups = {p["role"]: p["group"] for p in plans}
     convs = {kind: max((p["conversations"].get(kind, []) for p in plans), key=len) for kind in KINDS}
@@ -428,7 +446,9 @@ def build_report(records: list[dict[str, Any]], plans: list[dict[str, Any]], mea
             f"{group}: " + ", ".join(f"{KIND_LABELS[k]} {v[0]}/{v[1]}" for k, v in by.items())
             for group, by in checks.items()),
         "plain decode step at batch 1: " + "; ".join(
-            f"{group}: " + ", ".join(f"{c} {s * 1000:.1f} ms" for c, s in by.items()) for group, by in steps.items()),
+            f"{group}: " + ", ".join(f"{c} {s * 1000:.1f} ms" for c, s in by.items())
+            + (f", a draft forward in the speculative loop {forwards[group] * 1000:.1f} ms" if group in forwards else "")
+            for group, by in steps.items()),
         f"load average (1 min) during the cells: {min(loads):.1f} to {max(loads):.1f} on {host.get('cpu_count')} CPUs"
         if loads else "load average not recorded",
         _core_share_line(rows, meta.get("threads")),
@@ -441,7 +461,7 @@ def build_report(records: list[dict[str, Any]], plans: list[dict[str, Any]], mea
         "wall_s": meta["wall_s"], "host": host,
         "config": {"plans": [{k: v for k, v in p.items() if k != "conversations"} for p in plans], **{
             k: v for k, v in meta.items() if k not in ("command", "wall_s")}},
-        "machine": measured, "step_times": steps, "draft_ratios": ratios, "kind_checks": checks,
+        "machine": measured, "step_times": steps, "draft_forwards": forwards, "draft_ratios": ratios, "kind_checks": checks,
         "samples": {f"{r['group']} / {r['kind']}": r["texts"][0] for r in rows
                     if r["method"] == BASELINE and r.get("ok") and r.get("texts")},
         "rows": public_rows(rows), "verdicts": results, "table": text,

@@ -130,10 +130,8 @@ class Engine:
         from tandem.types import SamplingParams
 
         started = time.perf_counter()
-        kwargs = engine_kwargs(plan)
-        if config.get("decode_weights"):  # the draft alone, timed with the weights it drafts with
-            kwargs.update(decode_weights=config["decode_weights"], decode_weights_max_tokens=2)
-        self.llm = LLM(config.get("model") or plan["model"], **kwargs, speculative_config=speculative_config(config))
+        self.llm = LLM(config.get("model") or plan["model"], **engine_kwargs(plan),
+                       speculative_config=speculative_config(config))
         self.ready_s = time.perf_counter() - started
         self.steps = 0
         self.first_token_at: dict[str, float] = {}  # request id -> when its first token came out
@@ -220,6 +218,8 @@ def measure_cell(engine: Engine, conversations: list[list[dict[str, str]]], batc
         "requests": len(prompts), "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
         "output_tokens": sum(len(c.token_ids) for c in mine),
         "spec": counters_increase(before, _counters(engine.speculator)), "cost": _cost(engine.speculator),
+        # a draft model's one-token guessing forward, as the proposer timed it (smoothed)
+        "draft_forward_s": getattr(engine.speculator, "draft_forward_seconds", 0.0) or None,
         "prompt_token_ids": [p["prompt_token_ids"] for p in prompts],
         "outputs": [list(c.token_ids) for c in mine], "texts": [c.text for c in mine],
         "finish_reasons": [c.finish_reason for c in mine], "loadavg": [load_start, _loadavg()],

@@ -16,6 +16,7 @@ from tandem.bench.spec import (
     add_spec_bench_parser,
     build_plans,
     build_report,
+    draft_forwards,
     draft_ratios,
     make_cells,
     make_configs,
@@ -124,6 +125,11 @@ GROUPS = {"main": MAIN, "draft": DRAFT}
 def test_derived_rows() -> None:
     ratios = draft_ratios({DRAFT: {"baseline": 0.2, "draft-alone": 0.07}})
     assert ratios == {DRAFT: pytest.approx(0.35)}
+    # The draft's forward as the proposer timed it in the loop wins over the draft alone.
+    forwards = draft_forwards([{"group": DRAFT, "draft_forward_s": 0.03}, {"group": DRAFT, "draft_forward_s": 0.05},
+                               {"group": DRAFT, "draft_forward_s": 0.04}, {"group": MAIN, "draft_forward_s": None}])
+    assert forwards == {DRAFT: pytest.approx(0.04)}
+    assert draft_ratios({DRAFT: {"baseline": 0.2, "draft-alone": 0.07}}, forwards) == {DRAFT: pytest.approx(0.2)}
     rows = derive(synthetic(), ratios)
     ngram = next(r for r in rows if r["method"] == "ngram" and r["kind"] == "code")
     assert ngram["speedup"] == pytest.approx(2.5)
