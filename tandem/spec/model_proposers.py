@@ -100,11 +100,12 @@ class ModelProposerLoader:
                                               q4_kernel)
             logger.info("%s proposer: %s copy of its weights for forwards of <= %d tokens (+%.0f MiB)",
                         self.spec.method, small_step, DRAFT_SMALL_STEP_TOKENS, added / (1 << 20))
+        # Counted before packing, which releases the dense copies it reorders.
+        size = sum(p.numel() * p.element_size() for p in self.module.parameters())
         if load.pack_weights:
             from tandem.layers.linear import pack_weights_for_cpu
 
             pack_weights_for_cpu(self.module)
-        size = sum(p.numel() * p.element_size() for p in self.module.parameters())
         logger.info("%s proposer %s: %.0f MiB of weights, loaded in %.1f s", self.spec.method, self.spec.model,
                     size / (1 << 20), time.perf_counter() - started)
 
