@@ -27,11 +27,12 @@ class SmallStepWeights:
     this 2-core AVX-512 CPU over the default model's matrices, per one-token step: fp32
     43 ms with F.linear, 25 ms with oneDNN-packed fp32, bf16 19 ms, fp16 10 ms; at 64 tokens:
     packed fp32 92 ms, bf16 71 ms, fp16 435 ms (no native fp16 GEMM). So fp16 is the fast
-    mode for single streams only. `int4` (tandem/layers/int4.py: 4 bits per weight plus a
-    scale and zero per `group_size` columns) reads a quarter of bf16's bytes and is the
-    fastest from one to three tokens. Activations and the KV cache stay in the run dtype, so
-    a step can switch copies without touching the cache. A matrix the int4 kernel cannot
-    take (rows not a multiple of 16) keeps its dense weights.
+    mode for single streams only. `int4` (4 bits per weight plus a scale and a minimum per 32
+    inputs) reads a quarter of bf16's bytes and is the fastest at one and two tokens: tandem's
+    integer GEMM (tandem/kernels/q4_gemm.py) where it builds and the matrix has whole blocks
+    of 64 inputs, else PyTorch's int4 kernel (tandem/layers/int4.py), else the dense weights.
+    Activations and the KV cache stay in the run dtype, so a step can switch copies without
+    touching the cache.
     """
 
     max_tokens: int

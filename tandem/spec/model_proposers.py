@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # The largest proposer forward that reads its compact weights: a decode's catch-up is the
 # sampled token plus at most one guess whose KV was never written; the int4 kernel beats
-# packed bf16 up to about three rows and loses beyond (tandem/layers/int4.py).
+# packed bf16 at one and two rows and loses from three on (tandem/kernels/q4_gemm.py).
 DRAFT_SMALL_STEP_TOKENS = 2
 
 

@@ -186,3 +186,26 @@ def test_int4_max_error_keeps_matrices_that_4_bits_would_change() -> None:
     levels[:, 0::32], levels[:, 1::32] = 0, 15  # every group spans its range
     on_grid.weight.data.copy_(levels / 16 - 0.5)
     assert attach_small_step_weights(on_grid, plan) > 0 and on_grid.small_int4 is not None
+
+
+def test_one_and_two_row_gemms_are_padded_to_four_rows_for_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's 1-2 row path is slower than its 4-row one: small inputs go in padded, and
+    each output row is still its own input row's."""
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    layer, exact = _random_pair(bias=True)
+    pack_weights_for_cpu(layer)
+    seen: list[int] = []
+    call = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.append(x.shape[0])
+        return call(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    for tokens in (1, 2, 3, 5):
+        x = torch.randn(tokens, 64)
+        out = layer(x)
+        assert out.shape == (tokens, 32)
+        torch.testing.assert_close(out, exact(x), rtol=1e-5, atol=1e-5)
+    assert seen == [4, 4, 4, 5]

@@ -65,6 +65,8 @@ def test_a_request_can_opt_out(spec_server: LiveServer) -> None:
     ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens must be in 1..16"),
     ('{"method": "ngram"', "not valid JSON"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown key(s) lookahead"),
+    ('{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 2, "draft_decode_weights": "int3"}',
+     "draft_decode_weights must be none or one of float16, bfloat16, int4"),
 ])
 def test_a_bad_config_is_refused_at_start(config: str, message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "tandem", "serve", "--speculative-config", config],

@@ -49,3 +49,16 @@ def test_a_verification_runs_as_decode_rows_and_samples_its_own_rows_in_order() 
     assert not batch.sample_rows_in_order
     only_decodes = prepare_batch([ScheduledChunk("a", [1], 5, [0, 1], True), ScheduledChunk("b", [2], 3, [2], True)], block)
     assert only_decodes.sample_rows_in_order and [c.request_id for c in only_decodes.sample_chunks] == ["b", "a"]
+
+
+def test_a_proposers_short_catch_up_runs_as_decode_rows() -> None:
+    """Without drafts a chunk of several tokens is a prefill span, unless the proposer asks
+    for decode rows (its 1-2 token catch-up after a step)."""
+    from tandem.worker.model_runner import ScheduledChunk, prepare_batch
+
+    plain = prepare_batch([ScheduledChunk("c", [5, 6], 8, [0, 1, 2], True)], 4)
+    assert plain.meta.num_decode_tokens == 0 and len(plain.meta.prefills) == 1
+    rows = prepare_batch([ScheduledChunk("c", [5, 6], 8, [0, 1, 2], True, rows_as_decodes=True)], 4)
+    assert rows.meta.num_decode_tokens == 2 and not rows.meta.prefills
+    assert rows.meta.decode_context_lens.tolist() == [9, 10]
+    assert rows.sample_rows.tolist() == [1]  # only the last token's logits
