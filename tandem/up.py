@@ -37,6 +37,7 @@ from tandem.router.accounting.flags import (
     check_accounting,
 )
 from tandem.router.placement.flags import add_policy_args, policy_argv
+from tandem.router.resilience.flags import add_resilience_args, resilience_argv
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"per start-up phase (default: {_START_TIMEOUT_S:.0f})",
     )
     add_policy_args(parser, full=False)  # passed on to the router
+    add_resilience_args(parser)  # passed on to the router
     add_accounting_args(parser, worker_key=False)  # passed to the router
     roles = parser.add_argument_group("per-role engine flags (override the engine flags above)")
     for role, names in _ROLE_OVERRIDES.items():
@@ -240,6 +242,7 @@ def plan_cluster(
         "--pd-min-prompt-tokens",
         str(args.pd_min_prompt_tokens),
         *policy_argv(args),
+        *resilience_argv(args),
     ]
     flags = {"prefill": "--prefill", "decode": "--decode", "both": "--worker"}
     for role, worker in zip(roles, workers, strict=True):

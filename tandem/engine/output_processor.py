@@ -60,14 +60,30 @@ class SequenceText:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def prime(self, token_ids: list[int], emit: bool) -> None:
-        """Tokens generated elsewhere (a prefill worker's first token): they are context for
-        detokenization and stop strings, and reach the client only if `emit`."""
-        for token_id in token_ids:
+    @property
+    def shown_text(self) -> str:
+        """The text emitted so far (what a client of this sequence has seen)."""
+        return self.text[:self.emitted]
+
+    def prime(self, token_ids: list[int], emit: bool, streamed_from: int | None = None) -> None:
+        """Tokens generated elsewhere: context for detokenization and stop strings, whose text
+        reaches the client only if `emit`.
+
+        A prefill worker's first token was shown in full. A stream moved here from a broken
+        worker (`streamed_from`: where its streamed tokens start) showed its text only up to
+        that worker's hold-back, as `add` would have: the held-back tail is still to send.
+        """
+        shown = len(token_ids) if streamed_from is None else streamed_from
+        for token_id in token_ids[:shown]:
             self.num_tokens += 1
             self._append(self._detokenize(token_id))
         if not emit:
             self.emitted = len(self.text)
+        for token_id in token_ids[shown:]:
+            self.num_tokens += 1
+            self._append(self._detokenize(token_id))
+        if not emit and not self.finished:
+            self.emitted = max(self.emitted, len(self.text) - self.hold)
 
     def add(self, token_ids: list[int], logprobs: list[list[TokenLogprob]] | None,
             finish_reason: str | None, stop_reason: int | str | None) -> SequenceStep | None:
@@ -115,10 +131,11 @@ class RequestText:
     """One request's n sequences: engine deltas in, text steps out."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
-                 prior_output_ids: list[int] | None = None, emit_prior: bool = False) -> None:
+                 prior_output_ids: list[int] | None = None, emit_prior: bool = False,
+                 streamed_from: int | None = None) -> None:
         self.sequences = [SequenceText(tokenizer, i, prompt_token_ids, params) for i in range(params.n)]
         if prior_output_ids:
-            self.sequences[0].prime(prior_output_ids, emit_prior)
+            self.sequences[0].prime(prior_output_ids, emit_prior, streamed_from)
 
     @property
     def finished(self) -> bool:

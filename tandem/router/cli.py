@@ -21,6 +21,7 @@ from tandem.router.config import (
     specs_from_lists,
 )
 from tandem.router.placement.flags import add_policy_args, policy_config
+from tandem.router.resilience.flags import add_resilience_args
 
 _DESCRIPTION = """\
 One OpenAI endpoint in front of tandem workers. Long prompts are split into a prefill hop
@@ -31,7 +32,8 @@ the longest prefix of the prompt's KV, weighed against its queue; requests with 
 x-session-affinity header (or --affinity-header, or a `user` field) stick to one worker by
 consistent hashing with bounded loads. Workers are polled every --health-interval seconds,
 marked down after --down-after failures and up after --up-after successes. Failures before
-the client saw a byte are retried on another worker.
+the client saw a byte are retried on another worker; a stream whose worker fails after
+that continues on another worker (--migration-limit).
 
 Worker file (--config, JSON or YAML; POST /workers/reload or SIGHUP re-reads it):
   {"prefill": ["http://10.0.0.1:8001"], "decode": ["http://10.0.0.2:8001"], "worker": []}
@@ -168,6 +170,7 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"longest silence between stream chunks after the first (default: {Timeouts.idle_s})",
     )
+    add_resilience_args(parser)
     add_policy_args(parser)
     add_accounting_args(parser)
     parser.set_defaults(handler=cmd_route)
@@ -189,6 +192,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         scoring=ScoringConfig(decode_sequence_weight=args.decode_sequence_weight),
         policy=policy_config(args),
         accounting=accounting_config(args),
+        migration_limit=args.migration_limit,
         install_sighup=True,
         log_level=args.log_level.lower(),
         access_log=args.access_log,

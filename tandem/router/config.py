@@ -157,6 +157,9 @@ class RouterConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
+    # Times a stream may move to another worker when its worker fails mid-response
+    # (http/migration.py); 0 turns migration off.
+    migration_limit: int = 3
     install_sighup: bool = False  # only the main thread of a `tandem route` process may
     log_level: str = "info"
     access_log: bool = False
@@ -166,6 +169,8 @@ class RouterConfig:
             raise ValueError(
                 f"--pd-min-prompt-tokens must be >= 0, got {self.pd_min_prompt_tokens}"
             )
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.retry.max_attempts < 1:
             raise ValueError(f"--max-attempts must be >= 1, got {self.retry.max_attempts}")
         if self.health.failures_to_down < 1 or self.health.successes_to_up < 1:

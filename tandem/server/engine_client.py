@@ -63,6 +63,10 @@ class Handoff:
     kv_transfer_params: dict[str, Any] | None = None
     prior_output_ids: list[int] = field(default_factory=list)  # decode side: the first token(s)
     emit_prior: bool = False  # decode side: also send the prior tokens' text to the client
+    # A migrated stream: prior_output_ids[streamed_from:] reached the client through another
+    # worker's stream, whose hold-back (stop strings) kept their text's tail from it. None: a
+    # prefill worker's first token(s), whose text the client saw in full (or not at all).
+    streamed_from: int | None = None
 
     @property
     def prefill_side(self) -> bool:

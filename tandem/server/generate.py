@@ -38,14 +38,22 @@ class RequestTimings:
             self.last_token = now
 
 
+def request_text(tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+                 handoff: Handoff | None) -> RequestText:
+    """The request's text state, primed with the output another worker generated."""
+    if handoff is None:
+        return RequestText(tokenizer, prompt_token_ids, params)
+    return RequestText(tokenizer, prompt_token_ids, params, handoff.prior_output_ids, handoff.emit_prior,
+                       handoff.streamed_from)
+
+
 async def process_request(
     client: AsyncEngineClient, tokenizer: Any, request_id: str, prompt_token_ids: list[int],
     params: SamplingParams, timings: RequestTimings, handoff: Handoff | None = None,
     cache_salt: str | None = None,
 ) -> AsyncIterator[RequestStep]:
     """Run one request on the engine and yield its text steps until every sequence is done."""
-    prior = handoff.prior_output_ids if handoff is not None else None
-    text = RequestText(tokenizer, prompt_token_ids, params, prior, bool(handoff and handoff.emit_prior))
+    text = request_text(tokenizer, prompt_token_ids, params, handoff)
     async with aclosing(client.generate(request_id, prompt_token_ids, params, handoff, cache_salt)) as deltas:
         async for delta in deltas:
             timings.observe(delta.queue_seconds, any(s.token_ids for s in delta.sequences))

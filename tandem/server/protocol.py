@@ -121,6 +121,9 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # tandem: false opts this request out of speculative decoding, where the server runs it.
     speculate: bool = True
+    # vLLM's field: each streamed choice carries the ids of the tokens it covers (`token_ids`).
+    # The router asks for them so that it can move a broken stream to another worker.
+    return_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod

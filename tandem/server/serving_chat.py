@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tandem.errors import bad_request
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
 from tandem.server.engine_client import Handoff
-from tandem.server.generate import RequestTimings, process_request
+from tandem.server.generate import RequestTimings, process_request, request_text
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.serving import (
     ServingState,
@@ -42,6 +42,7 @@ class _ChatRun:
     single_call: bool
     handoff: Handoff | None = None
     cache_salt: str | None = None
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     timings: RequestTimings = field(default_factory=RequestTimings)
     completion_tokens: int = 0
@@ -78,6 +79,7 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
         single_call=single_call,
         handoff=handoff,
         cache_salt=body.cache_salt,
+        return_token_ids=body.return_token_ids,
         completion_tokens=len(handoff.prior_output_ids) if handoff else 0,
     )
     if body.stream:
@@ -158,6 +160,11 @@ async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
         return sse(payload)
 
     parsers = [run.parser.stream(run.prompt.forced_prefix) for _ in range(n)] if run.parser else None
+    if parsers is not None and run.handoff is not None and not run.handoff.emit_prior:
+        # A stream moved here: the client has this much of the output already. Its parser
+        # reads it (and what it says was said) so that it goes on where the other one stopped.
+        shown = request_text(state.tokenizer, run.prompt_token_ids, run.params, run.handoff).sequences[0]
+        parsers[0].feed(shown.shown_text)
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)])
     async with aclosing(process_request(state.client, state.tokenizer, run.request_id,
@@ -188,7 +195,11 @@ async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
                     logprobs = {"content": state.chat_logprobs(seq.logprobs)}
                 if reason is not None:
                     run.finish_reasons.append(reason)
-                if delta or reason is not None or logprobs is not None:
+                if run.return_token_ids and seq.token_ids:
+                    # Every token is reported, held-back text or not: the ids are the record.
+                    choices.append({"index": seq.index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": reason, "token_ids": seq.token_ids})
+                elif delta or reason is not None or logprobs is not None:
                     choices.append({"index": seq.index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": reason})
             if choices:

@@ -52,6 +52,7 @@ class _CompletionRun:
     include_usage: bool
     handoff: Handoff | None = None
     cache_salt: str | None = None
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     finish_reasons: list[str] = field(default_factory=list)
 
@@ -86,7 +87,7 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
     state.check_admission()
     run = _CompletionRun(request_id, model, runs, params, body.echo, logprobs is not None,
                          bool(body.stream_options and body.stream_options.include_usage), handoff,
-                         cache_salt=body.cache_salt)
+                         cache_salt=body.cache_salt, return_token_ids=body.return_token_ids)
     if handoff is not None:
         runs[0].completion_tokens = len(handoff.prior_output_ids)
     if body.stream:
@@ -181,11 +182,14 @@ async def _stream(state: ServingState, run: _CompletionRun) -> AsyncIterator[str
     n = run.params.n
 
     def chunk(index: int, text: str, logprobs: dict[str, Any] | None, reason: str | None,
-              stop_reason: int | str | None = None) -> str:
+              stop_reason: int | str | None = None, token_ids: list[int] | None = None) -> str:
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                                  "stop_reason": stop_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         payload: dict[str, Any] = {
             "id": run.request_id, "object": "text_completion", "created": run.created, "model": run.model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                         "stop_reason": stop_reason}],
+            "choices": [choice],
         }
         if run.include_usage:
             payload["usage"] = None
@@ -213,7 +217,10 @@ async def _stream(state: ServingState, run: _CompletionRun) -> AsyncIterator[str
                     logprobs = builder.body()
                 if seq.finish_reason is not None:
                     run.finish_reasons.append(seq.finish_reason)
-                if seq.text or seq.finish_reason is not None or logprobs is not None:
+                if run.return_token_ids and seq.token_ids:
+                    # Every token is reported, held-back text or not: the ids are the record.
+                    yield chunk(choice, seq.text, logprobs, seq.finish_reason, seq.stop_reason, seq.token_ids)
+                elif seq.text or seq.finish_reason is not None or logprobs is not None:
                     yield chunk(choice, seq.text, logprobs, seq.finish_reason, seq.stop_reason)
     if run.include_usage:
         yield sse({"id": run.request_id, "object": "text_completion", "created": run.created,

@@ -71,6 +71,9 @@ class ThreadServer:
         self.thread.join(10)
 
 
+FIRST_TOKEN_ID = 7
+
+
 @dataclass
 class Behaviour:
     mode: str = "ok"  # ok | error500 | hang | drop | bad_request
@@ -166,7 +169,10 @@ class FakeWorker:
         if kv.get("do_remote_decode"):
             return JSONResponse(self._prefill_reply(kind, tokens[0], len(tokens) == 1))
         output = tokens[:max_tokens]
-        skip = 1 if kv.get("do_remote_prefill") and not kv.get("emit_first_token") else 0
+        # Token i has id FIRST_TOKEN_ID + i. A decode hop continues after the tokens it is
+        # given: a prefill's first token, or all a broken stream had sent (migration).
+        prior = kv.get("first_token_ids") or [] if kv.get("do_remote_prefill") else []
+        skip = len(prior) if not kv.get("emit_first_token") else 0
         cached = self.behaviour.decode_cached if kv else 0
         usage = {
             "prompt_tokens": PROMPT_TOKENS,
@@ -179,7 +185,13 @@ class FakeWorker:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(
                 self._stream(
-                    kind, output[skip:], reason, usage, include_usage, drop=mode == "drop"
+                    kind,
+                    output[skip:],
+                    reason,
+                    usage,
+                    include_usage,
+                    drop=mode == "drop",
+                    first_id=FIRST_TOKEN_ID + skip if body.get("return_token_ids") else None,
                 ),
                 media_type="text/event-stream",
             )
@@ -201,7 +213,7 @@ class FakeWorker:
                 None
                 if stops
                 else {
-                    "first_token_ids": [7],
+                    "first_token_ids": [FIRST_TOKEN_ID],
                     "transfer_id": f"{self.name}-t1",
                     "host": "127.0.0.1",
                     "port": 1,
@@ -217,6 +229,7 @@ class FakeWorker:
         usage: dict[str, Any],
         include_usage: bool,
         drop: bool,
+        first_id: int | None = None,
     ) -> Any:
         base = {
             "id": f"{self.name}-stream",
@@ -262,6 +275,8 @@ class FakeWorker:
                         "stop_reason": None,
                     }
                 )
+                if first_id is not None:
+                    choice["token_ids"] = [first_id + i]
                 yield sse({**base, "choices": [choice]})
                 await asyncio.sleep(0.01)
             if include_usage:

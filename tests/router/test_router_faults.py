@@ -190,15 +190,81 @@ def test_hung_worker_times_out_and_the_request_moves(
     )  # first-byte limit 1 s
 
 
-def test_stream_cut_in_the_middle_ends_with_an_error_event(
+def test_stream_cut_in_the_middle_ends_with_an_error_event_without_migration(
     fake_workers: FakeFactory, start_router: Callable[..., str]
 ) -> None:
     worker, worker_url = fake_workers("dropper")
     worker.behaviour.mode = "drop"
-    url = start_router([WorkerSpec(worker_url, "both")])
+    url = start_router([WorkerSpec(worker_url, "both")], migration_limit=0)
     events = read_stream(url, CHAT)
     assert stream_text(events) == "Hello there"
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_stream_broken"
+    assert "return_token_ids" not in worker.requests[-1]  # nothing to follow
+
+
+def test_a_broken_stream_continues_on_a_worker_with_the_tokens_sent_so_far(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    """The fake drops every stream at its third chunk: the router moves the stream twice,
+    each time sending the token ids the client has; the client sees every token once."""
+    worker, worker_url = fake_workers("dropper")
+    worker.behaviour.mode = "drop"
+    url = start_router([WorkerSpec(worker_url, "both")])
+    for body, path in ((CHAT, "/v1/chat/completions"), (COMPLETION, "/v1/completions")):
+        events = read_stream(url, {**body, "stream_options": {"include_usage": True}}, path)
+        assert stream_text(events) == FULL
+        assert events[-1] == "[DONE]" and not any(
+            isinstance(e, dict) and "error" in e for e in events
+        )
+        assert len(_ids(events)) == 1
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert all("token_ids" not in c for chunk in chunks for c in chunk["choices"])
+        if path == "/v1/chat/completions":
+            assert sum("role" in (c["choices"] or [{}])[0].get("delta", {}) for c in chunks) == 1
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+        first, second, third = worker.requests[-3:]
+        assert first["return_token_ids"] is True and "kv_transfer_params" not in first
+        assert second["kv_transfer_params"] == {
+            "do_remote_prefill": True, "first_token_ids": [7, 8], "emit_first_token": False,
+            "streamed_from": 0,
+        }
+        assert third["kv_transfer_params"]["first_token_ids"] == [7, 8, 9, 10]
+        assert third["max_tokens"] == 5  # the worker counts the tokens it is given
+    text = httpx.get(f"{url}/metrics").text
+    assert metric(text, "tandem_router_migrations_total", route="direct") == 4
+
+
+def test_migration_limit_and_streams_that_cannot_move(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    worker, worker_url = fake_workers("dropper")
+    worker.behaviour.mode = "drop"
+    url = start_router([WorkerSpec(worker_url, "both")], migration_limit=1)
+    events = read_stream(url, CHAT)
+    assert stream_text(events) == "Hello there, friend"
+    assert events[-2]["error"]["code"] == "worker_stream_broken"
+    events = read_stream(url, {**CHAT, "n": 2})  # two sequences: not followed
+    assert events[-2]["error"]["code"] == "worker_stream_broken"
+    assert "return_token_ids" not in worker.requests[-1]
+
+
+def test_a_pd_stream_whose_decode_worker_breaks_moves_after_the_first_token(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    """The router showed the prefill's first token itself (streamed_from 1); the decode
+    worker's stream broke after two more; the next worker gets all three."""
+    prefill, decode, url = _pd_router(fake_workers, start_router)
+    decode.behaviour.mode = "drop"
+    events = read_stream(url, {**CHAT, "return_token_ids": True})
+    assert stream_text(events) == FULL
+    kv = decode.requests[-1]["kv_transfer_params"]
+    assert kv == {"do_remote_prefill": True, "first_token_ids": [7, 8, 9],
+                  "emit_first_token": False, "streamed_from": 1}
+    assert "transfer_id" not in kv  # the prefill's lease may be gone: computed again
+    # The client asked for token ids: the workers' pass through.
+    ids = [i for e in events if isinstance(e, dict) for c in e["choices"]
+           for i in c.get("token_ids", [])]
+    assert ids == [8, 9, 10, 11]  # the first token came from the prefill reply, as text
 
 
 def test_a_stream_queued_on_its_worker_longer_than_the_idle_timeout_is_not_broken(

@@ -104,6 +104,12 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.migrations = Counter(
+            "tandem_router_migrations",
+            "streams moved to another worker after theirs failed mid-response",
+            ["route"],
+            registry=r,
+        )
         self.retries = Counter(
             "tandem_router_retries", "hops retried on another worker", ["hop"], registry=r
         )

@@ -32,6 +32,7 @@ from tandem.router.accounting.accounting import Accounting
 from tandem.router.accounting.auth import caller_of
 from tandem.router.config import Role, RouterConfig
 from tandem.router.http.metrics import RouterMetrics
+from tandem.router.http.migration import StreamRecord, can_migrate, resume_body
 from tandem.router.http.upstream import Hop, HopFailure, StreamBroken, Upstream
 from tandem.router.pd.merge import (
     SSE_DONE,
@@ -52,6 +53,7 @@ from tandem.router.pd.split import (
     emit_first_token,
     prefill_body,
     prefill_outcome,
+    requested_max_tokens,
     with_upstream_usage,
 )
 from tandem.router.placement.placement import Placement
@@ -101,6 +103,7 @@ class Call:
     status: int = 200
     usage: dict[str, Any] | None = None
     retries: int = 0
+    migrations: int = 0
     finished: bool = False
     prompt_route: PromptRoute = field(default_factory=lambda: PromptRoute(0))
     # For the usage ledger (accounting/accounting.py): who called, and what is known if no
@@ -108,10 +111,17 @@ class Call:
     caller: str = ""
     prefill_usage: dict[str, Any] | None = None
     output_chunks: int = 0
+    # A stream the router can move to another worker if its worker fails (migration.py).
+    record: StreamRecord | None = None
+    failed_workers: set[str] = field(default_factory=set)
 
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
+
+    @property
+    def wants_token_ids(self) -> bool:
+        return self.body.get("return_token_ids") is True
 
     @property
     def include_usage(self) -> bool:
@@ -195,12 +205,16 @@ class Proxy:
     # --- one worker --------------------------------------------------------------------
     async def _whole(self, call: Call, request: Request) -> Response:
         call.route = "direct"
+        body = with_upstream_usage(call.body)
+        if self._follows(call):
+            call.record = StreamRecord()
+            body = {**body, "return_token_ids": True}
         hop = await self._open(
             call,
             request,
             "direct",
             WHOLE_ROLES,
-            with_upstream_usage(call.body),
+            body,
             "prefill",
             call.prompt_tokens,
         )
@@ -220,6 +234,7 @@ class Proxy:
                 call.include_usage,
                 drop_role=False,
                 on_usage=self.accounting.pricer(call.identity.model),
+                keep_token_ids=call.wants_token_ids,
             )
             async for piece in self._relay(call, hop, rewriter):
                 yield piece
@@ -273,6 +288,12 @@ class Proxy:
         emit = emit_first_token(call.body, outcome.first_text) or not outcome.takes_part
         body = decode_body(call.body, outcome.kv if outcome.takes_part else None, emit)
         if call.stream:
+            if self._follows(call):
+                first = (outcome.kv or {}).get("first_token_ids") if outcome.takes_part else None
+                call.record = StreamRecord.after_prefill(
+                    [t for t in first or [] if isinstance(t, int)], shown_by_router=not emit
+                )
+                body = {**body, "return_token_ids": True}
             return _SSE(self._stream_pd(call, outcome, decode, body, emit), self._cleanup(call))
         hop = await self._open(
             call,
@@ -336,6 +357,7 @@ class Proxy:
                 drop_role=True,
                 prefill_usage=_prefill_usage(outcome),
                 on_usage=self.accounting.pricer(call.identity.model),
+                keep_token_ids=call.wants_token_ids,
             )
             async for piece in self._relay(call, hop, rewriter, decode_sent=sent):
                 yield piece
@@ -371,14 +393,18 @@ class Proxy:
         kind: DispatchKind,
         tokens: int,
         preferred: Worker | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> Hop:
-        """Open a hop on the best worker of `roles`, retrying on others; errors as responses."""
+        """Open a hop on the best worker of `roles`, retrying on others; errors as responses.
+
+        Workers in `avoid` (a migrated stream's failed ones) are the last resort."""
 
         def pick(exclude: set[str]) -> Worker | None:
             if preferred is not None and preferred.healthy and preferred.url not in exclude:
                 return preferred
             pool = [w for w in self.registry.pool(roles) if w.url not in exclude]
-            return self.placement.choose(pool, call.prompt_route, hop_name)
+            fresh = [w for w in pool if w.url not in avoid]
+            return self.placement.choose(fresh or pool, call.prompt_route, hop_name)
 
         if call.first_hop_at is None:
             call.first_hop_at = time.monotonic()
@@ -450,48 +476,146 @@ class Proxy:
     async def _relay(
         self, call: Call, hop: Hop, rewriter: ChunkRewriter, decode_sent: float | None = None
     ) -> AsyncIterator[str]:
-        """A worker's SSE stream, rewritten chunk by chunk, always ending with [DONE]."""
+        """A worker's SSE stream, rewritten chunk by chunk, always ending with [DONE].
+
+        If the worker fails mid-stream (the stream breaks, or it sends a 5xx error event) and
+        the call may move, the stream continues on another worker (`_migrate`); the caller
+        closes `hop`, this closes the hops it opened itself."""
+        own: list[Hop] = []
         try:
-            async for data in self.upstream.events(hop.response, is_output=_is_output_event):
-                if data == "[DONE]":
-                    break
+            while True:
+                failure: str | None = None
                 try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    logger.warning(
-                        "skipping a malformed event from %s: %.200s", hop.worker.url, data
+                    async for data in self.upstream.events(
+                        hop.response, is_output=_is_output_event
+                    ):
+                        if data == "[DONE]":
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            logger.warning(
+                                "skipping a malformed event from %s: %.200s", hop.worker.url, data
+                            )
+                            continue
+                        if not isinstance(chunk, dict):
+                            continue
+                        if "error" in chunk and "choices" not in chunk:
+                            if _server_side(chunk) and self._may_migrate(call):
+                                failure = f"error event: {_message_of(chunk)}"
+                                break
+                            call.status = _status_of(chunk)
+                            yield sse(chunk)
+                            continue
+                        if call.record is not None:
+                            call.record.take(chunk)
+                        out = rewriter(chunk)
+                        if out is None:
+                            continue
+                        if has_output(out):
+                            call.output_chunks += 1
+                            if decode_sent is not None:
+                                self.metrics.decode_first.observe(time.monotonic() - decode_sent)
+                                decode_sent = None
+                            call.mark_first_output(hop.worker)
+                        yield sse(out)
+                except StreamBroken as exc:
+                    failure = str(exc)
+                    self.metrics.hops.labels(hop.worker.url, "stream", "broken").inc()
+                    self.upstream.report("stream", HopFailure(hop.worker, failure))
+                if failure is None:
+                    break
+                if not self._may_migrate(call):
+                    call.status = 502
+                    logger.warning("stream from %s broke: %s", hop.worker.url, failure)
+                    yield sse(
+                        error_body(
+                            502,
+                            f"worker {hop.worker.url} failed mid-stream: {failure}",
+                            None,
+                            "worker_stream_broken",
+                        )
                     )
-                    continue
-                if not isinstance(chunk, dict):
-                    continue
-                if "error" in chunk and "choices" not in chunk:
-                    call.status = _status_of(chunk)
-                    yield sse(chunk)
-                    continue
-                out = rewriter(chunk)
-                if out is None:
-                    continue
-                if has_output(out):
-                    call.output_chunks += 1
-                    if decode_sent is not None:
-                        self.metrics.decode_first.observe(time.monotonic() - decode_sent)
-                        decode_sent = None
-                    call.mark_first_output(hop.worker)
-                yield sse(out)
-        except StreamBroken as exc:
-            call.status = 502
-            logger.warning("stream from %s broke: %s", hop.worker.url, exc)
-            self.metrics.hops.labels(hop.worker.url, "stream", "broken").inc()
-            yield sse(
-                error_body(
-                    502,
-                    f"worker {hop.worker.url} failed mid-stream: {exc}",
-                    None,
-                    "worker_stream_broken",
-                )
-            )
+                    break
+                moved = await self._migrate(call, hop, failure)
+                if isinstance(moved, dict):
+                    call.status = _status_of(moved)
+                    yield sse(moved)
+                    break
+                if moved is None:  # every token was out: only the end was missing
+                    yield sse(_length_chunk(call))
+                    break
+                own.append(moved)
+                hop = moved
+                rewriter.drop_role = True
+        finally:
+            for opened in own:
+                await opened.close()
         call.usage = rewriter.usage
         yield SSE_DONE
+
+    # --- migration (migration.py) ------------------------------------------------------
+    def _follows(self, call: Call) -> bool:
+        """Whether the router records this stream's tokens so that it can move it."""
+        return (
+            call.stream
+            and self.config.migration_limit > 0
+            and can_migrate(call.body, call.kind)
+        )
+
+    def _may_migrate(self, call: Call) -> bool:
+        record = call.record
+        return (
+            record is not None
+            and not record.finished
+            and record.migrations < self.config.migration_limit
+        )
+
+    async def _migrate(
+        self, call: Call, broken: Hop, failure: str
+    ) -> Hop | dict[str, Any] | None:
+        """Continue `call` on another worker: the new hop, an error event, or None when the
+        client has every token it asked for already (the stream only lacks its end)."""
+        record = call.record
+        assert record is not None
+        record.migrations += 1
+        call.failed_workers.add(broken.worker.url)
+        await broken.close()
+        if record.out_of_budget(requested_max_tokens(call.body, call.kind)):
+            record.finished = True
+            return None
+        self.metrics.migrations.labels(call.route).inc()
+        logger.warning(
+            "stream from %s broke after %d tokens (%s); moving it to another worker (%d of %d)",
+            broken.worker.url,
+            len(record.token_ids),
+            failure,
+            record.migrations,
+            self.config.migration_limit,
+        )
+        try:
+            hop = await self._open(
+                call,
+                None,
+                "direct",
+                WHOLE_ROLES,
+                resume_body(call.body, record),
+                "prefill",
+                call.prompt_tokens + len(record.token_ids),
+                avoid=frozenset(call.failed_workers),
+            )
+        except APIError as exc:
+            return exc.body()
+        except Answered as answered:
+            return _error_payload(bytes(answered.response.body), answered.response.status_code)
+        if hop.status >= 400:
+            try:
+                return _error_payload(await self.upstream.read(hop.response), hop.status)
+            finally:
+                await hop.close()
+        call.decode_worker = hop.worker
+        call.migrations = record.migrations
+        return hop
 
     # --- bookkeeping -------------------------------------------------------------------
     def _warn_no_pd(self, worker: Worker) -> None:
@@ -540,7 +664,7 @@ class Proxy:
         counted = f"{prompt}" if prompt is not None else f"~{call.prompt_tokens}"
         logger.info(
             "%s %s route=%s (%s) prefill=%s decode=%s prompt_tokens=%s ttft=%s e2e=%.3fs "
-            "retries=%d status=%d placement=%s",
+            "retries=%d migrations=%d status=%d placement=%s",
             call.kind,
             "stream" if call.stream else "whole",
             route,
@@ -551,6 +675,7 @@ class Proxy:
             f"{call.ttft:.3f}s" if call.ttft is not None else "-",
             end - call.received,
             call.retries,
+            call.migrations,
             call.status,
             ",".join(call.prompt_route.notes) or "-",
         )
@@ -658,6 +783,25 @@ def _error_payload(data: bytes, status: int) -> dict[str, Any]:
     except ValueError:
         pass
     return error_body(status, data.decode(errors="replace")[:500] or f"HTTP {status}")
+
+
+def _server_side(chunk: dict[str, Any]) -> bool:
+    """An error event that is the worker's fault (its engine died, say), not the request's."""
+    error = chunk.get("error")
+    if not isinstance(error, dict):
+        return False
+    code = error.get("code")
+    return error.get("type") == "server_error" or (isinstance(code, int) and code >= 500)
+
+
+def _message_of(chunk: dict[str, Any]) -> str:
+    error = chunk.get("error")
+    return str(error.get("message", "")) if isinstance(error, dict) else str(error)
+
+
+def _length_chunk(call: Call) -> dict[str, Any]:
+    """The end of a stream whose tokens were all out when its worker failed."""
+    return text_chunk(call.identity, "", call.include_usage, "length")
 
 
 def _status_of(chunk: dict[str, Any]) -> int:

@@ -118,6 +118,10 @@ class Upstream:
         self._on_failure = on_failure
         self._on_retry = on_retry
 
+    def report(self, hop_name: str, failure: HopFailure) -> None:
+        """A failure seen outside `open` (a stream that broke): the worker's health counts it."""
+        self._on_failure(hop_name, failure)
+
     async def open(
         self,
         worker: Worker,

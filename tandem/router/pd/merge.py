@@ -287,6 +287,9 @@ class ChunkRewriter:
     whether the client asked, and if not the usage fields and the usage-only chunk go.
     `drop_role` removes the worker's role delta when the router already sent one.
     `on_usage` decorates the merged usage (the router adds its price there).
+    Workers report each chunk's `token_ids` when the router asks (to move a broken stream);
+    unless `keep_token_ids` (the client asked too) they go, and a choice left with nothing
+    to say goes with them.
     """
 
     def __init__(
@@ -296,7 +299,9 @@ class ChunkRewriter:
         drop_role: bool,
         prefill_usage: dict[str, Any] | None = None,
         on_usage: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        keep_token_ids: bool = False,
     ) -> None:
+        self.keep_token_ids = keep_token_ids
         self.identity = identity
         self.include_usage = include_usage
         self.drop_role = drop_role
@@ -328,6 +333,10 @@ class ChunkRewriter:
                 choice = _without_role(choice)
                 if choice is None:
                     continue
+            if not self.keep_token_ids and "token_ids" in choice:
+                choice = {k: v for k, v in choice.items() if k != "token_ids"}
+                if _says_nothing(choice):
+                    continue
             kept.append(choice)
         if not kept:
             return None
@@ -342,3 +351,12 @@ def _without_role(choice: dict[str, Any]) -> dict[str, Any] | None:
     if not delta and choice.get("finish_reason") is None and choice.get("logprobs") is None:
         return None
     return {**choice, "delta": delta}
+
+
+def _says_nothing(choice: dict[str, Any]) -> bool:
+    """A choice with no text, delta, end or logprobs (it carried only token ids)."""
+    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+        return False
+    if "delta" in choice:
+        return not any(v not in (None, "") for v in (choice.get("delta") or {}).values())
+    return not choice.get("text")
