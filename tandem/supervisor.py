@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -161,6 +161,17 @@ def start(spec: ProcessSpec) -> Child:
     return Child(spec, process, time.monotonic())
 
 
+def is_healthy(child: Child, timeout: float = 1.0) -> bool:
+    """One GET /health (200), for a child already running."""
+    if child.spec.url is None:
+        return True
+    try:
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            return client.get(f"{child.spec.url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_healthy(
     children: Sequence[Child],
     timeout: float,
@@ -210,6 +221,40 @@ def wait_healthy(
                     stop.wait(interval)
                 else:
                     time.sleep(interval)
+
+
+@dataclass
+class RestartPolicy:
+    """Restart a child that died, after a growing pause; a crash loop (more than
+    `max_restarts` restarts within `window_s`) is given up on. A child that stayed up for
+    `window_s` starts over at the shortest pause."""
+
+    max_restarts: int = 5
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    _times: list[float] = field(default_factory=list)
+
+    def next_delay(self, now: float, ran_s: float) -> float | None:
+        """The pause before the next start, or None: a crash loop, give up."""
+        if ran_s >= self.window_s:
+            self._times.clear()
+        self._times = [t for t in self._times if now - t < self.window_s]
+        if len(self._times) >= self.max_restarts:
+            return None
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** len(self._times))
+        self._times.append(now)
+        return delay
+
+    @property
+    def restarts(self) -> int:
+        return len(self._times)
+
+
+def kill_leftovers(child: Child) -> None:
+    """What a child that died left running in its process group (its engine core, say)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
 
 
 def stop(children: Sequence[Child], timeout: float = 30.0, log: logging.Logger = logger) -> list[int]:

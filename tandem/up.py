@@ -10,8 +10,10 @@ Children are started and stopped by `tandem.supervisor`: in their own session, s
 Ctrl-C reaches only this process, which stops them in order (router first, then workers:
 SIGINT, wait, kill, including their own children such as the engine core). On Linux they also
 get SIGTERM if this process dies without cleaning up, so a killed `tandem up` leaves no
-orphans. If any child exits on its own the cluster is incomplete: everything is stopped and
-`tandem up` exits non-zero.
+orphans. A child that exits on its own is restarted after a growing pause while the others
+keep serving (the router marks a dead worker down, moves its streams to the others, and takes
+it back once its /health answers); only a crash loop (--max-restarts) stops everything, and
+`tandem up` then exits non-zero.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +105,15 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="with --kv-store redis (no URL): the local redis-server's maxmemory; the oldest "
         "chunks are evicted first (allkeys-lru) (default: 2GiB)",
+    )
+    cluster.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="a process that dies is restarted (after 1 s, then 2, 4 ... up to 30 s) while the "
+        "others keep serving; more than N restarts of one process within 5 minutes is a crash "
+        "loop and stops the cluster; 0 stops it at the first death (default: 5)",
     )
     cluster.add_argument(
         "--start-timeout",
@@ -301,7 +313,10 @@ def stop_children(children: list[supervisor.Child], timeout: float = _STOP_TIMEO
 class Cluster:
     """The running processes; `run` is the whole life of `tandem up`."""
 
-    def __init__(self, plan: ClusterPlan, start_timeout: float, stop: threading.Event) -> None:
+    def __init__(
+        self, plan: ClusterPlan, start_timeout: float, stop: threading.Event, max_restarts: int = 5
+    ) -> None:
+        self.max_restarts = max_restarts
         self.plan = plan
         self.start_timeout = start_timeout
         self.stop = stop
@@ -328,28 +343,67 @@ class Cluster:
         return code
 
     def watch(self) -> int:
-        """Until a stop signal (0) or a child's unexpected exit (1)."""
+        """Until a stop signal (0), restarting children that die, or a crash loop (1)."""
         children = [*self.workers, *([self.router] if self.router else [])]
+        policies = {c.name: supervisor.RestartPolicy(max_restarts=self.max_restarts) for c in children}
+        due: dict[str, tuple[float, supervisor.ProcessSpec]] = {}  # name -> (start at, spec)
+        rejoining: dict[str, supervisor.Child] = {}
         while not self.stop.wait(0.5):
-            for child in children:
+            now = time.monotonic()
+            for child in list(children):
                 code = child.poll()
-                if code is not None:
+                if code is None:
+                    continue
+                children.remove(child)
+                rejoining.pop(child.name, None)
+                supervisor.kill_leftovers(child)
+                delay = policies[child.name].next_delay(now, now - child.started_at)
+                tail = f"Last lines of {child.spec.log_path}:\n{child.log_tail()}"
+                if delay is None:
                     logger.error(
-                        "%s exited unexpectedly with %s; stopping the cluster. Last lines of "
-                        "%s:\n%s",
-                        child.name,
-                        code,
-                        child.spec.log_path,
-                        child.log_tail(),
+                        "%s exited with %s, its %s crash in %.0f s; giving up and stopping the "
+                        "cluster. %s",
+                        child.name, code, _ordinal(self.max_restarts + 1),
+                        policies[child.name].window_s, tail,
                     )
                     return 1
+                logger.error(
+                    "%s exited unexpectedly with %s; restarting it in %.0f s (restart %d of at "
+                    "most %d in %.0f s); the other processes keep serving. %s",
+                    child.name, code, delay, policies[child.name].restarts, self.max_restarts,
+                    policies[child.name].window_s, tail,
+                )
+                due[child.name] = (now + delay, child.spec)
+            for name, (at, spec) in list(due.items()):
+                if at <= now:
+                    del due[name]
+                    child = launch(spec)
+                    self._replace(child)
+                    children.append(child)
+                    rejoining[name] = child
+            for name, child in list(rejoining.items()):
+                if child.poll() is None and supervisor.is_healthy(child):
+                    del rejoining[name]
+                    logger.info("%s is healthy again after %.1f s; the router takes it back",
+                                name, time.monotonic() - child.started_at)
         logger.info("stopping the cluster")
         return 0
+
+    def _replace(self, child: supervisor.Child) -> None:
+        if self.router is not None and child.name == self.router.name:
+            self.router = child
+            return
+        self.workers = [child if w.name == child.name else w for w in self.workers]
 
     def shutdown(self) -> None:
         if self.router is not None:
             stop_children([self.router])
         stop_children(self.workers)
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def banner(plan: ClusterPlan) -> str:
@@ -404,7 +458,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        return Cluster(plan, args.start_timeout, stop).run()
+        return Cluster(plan, args.start_timeout, stop, args.max_restarts).run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

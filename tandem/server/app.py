@@ -7,8 +7,11 @@ the bench) relies on. Every failure is answered in OpenAI's error shape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import secrets
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,7 +35,7 @@ from tandem.errors import (
 )
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
-from tandem.server.engine_client import AsyncEngineClient
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
 from tandem.server.metrics import ServerMetrics, tier_blocks
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -61,7 +64,11 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
                                              get_tool_parser(parser_name))
             logger.info("serving %s at http://%s:%d/v1 (tool-call format: %s)", ", ".join(names),
                         config.host, config.port, parser_name)
-            yield
+            watcher = asyncio.create_task(_exit_when_engine_dies(client), name="engine watcher")
+            try:
+                yield
+            finally:
+                watcher.cancel()
         finally:
             logger.info("stopping the engine core")
             await client.shutdown()
@@ -71,6 +78,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(ClientDisconnected, _disconnected_handler)
+    app.add_exception_handler(EngineDeadError, _engine_dead_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
 
     def state(request: Request) -> ServingState:
@@ -180,11 +188,39 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens", "invalid_token_id")
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
+    @app.post("/kv/release", dependencies=guarded)
+    async def kv_release(request: Request) -> dict[str, bool]:
+        """Free a prefill handoff's held KV now, not at its lease's end: a router calls this
+        when the decode half failed and nobody will read it (an unknown id is a no-op)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        transfer_id = body.get("transfer_id") if isinstance(body, dict) else None
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise bad_request("give {\"transfer_id\": \"...\"}", "transfer_id", "invalid_value")
+        state(request).client.release_transfer(transfer_id)
+        return {"released": True}
+
     @app.post("/reset_prefix_cache", dependencies=guarded)
     async def reset_prefix_cache(request: Request) -> dict[str, bool]:
         return {"reset": await state(request).client.reset_prefix_cache()}
 
     return app
+
+
+_ENGINE_DEATH_GRACE_S = 2.0
+
+
+async def _exit_when_engine_dies(client: AsyncEngineClient) -> None:
+    """A server whose engine core died can never serve again: after a moment (in-flight
+    streams get their error event, the router sees /health fail) it stops itself, like vLLM's,
+    so that whatever supervises it (`tandem up`, systemd, Kubernetes) starts a fresh one."""
+    reason = await client.wait_dead()
+    logger.error("%s; stopping this server in %.0f s so that its supervisor can start a new one",
+                 reason, _ENGINE_DEATH_GRACE_S)
+    await asyncio.sleep(_ENGINE_DEATH_GRACE_S)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _counted_api_error_handler(request: Request, exc: Exception) -> Response:
@@ -193,6 +229,11 @@ async def _counted_api_error_handler(request: Request, exc: Exception) -> Respon
     if serving is not None and isinstance(exc, APIError):
         serving.metrics.observe_error(exc.status)
     return await api_error_handler(request, exc)
+
+
+async def _engine_dead_handler(request: Request, exc: Exception) -> Response:
+    """A request the engine died under: retryable elsewhere (a router moves it on)."""
+    return await _counted_api_error_handler(request, APIError(503, str(exc), None, "engine_dead"))
 
 
 async def _disconnected_handler(_: Request, __: Exception) -> Response:

@@ -92,6 +92,7 @@ class AsyncEngineClient:
         self._socket_dir = socket_dir
         self._streams: dict[str, _Stream] = {}
         self._dead: str | None = None
+        self._died = asyncio.Event()
         self._reset_waiters: list[asyncio.Future[bool]] = []
         self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch())]
 
@@ -265,6 +266,12 @@ class AsyncEngineClient:
         self._dead = f"the engine core process exited (code {self.process.exitcode})"
         logger.error("%s; requests in flight fail", self._dead)
         self._fail_all(self._dead)
+        self._died.set()
+
+    async def wait_dead(self) -> str:
+        """Until the engine core process is gone; why."""
+        await self._died.wait()
+        return self._dead or "the engine core stopped"
 
     def _fail_all(self, reason: str) -> None:
         for stream in self._streams.values():

@@ -95,6 +95,7 @@ class FakeWorker:
     requests: list[dict[str, Any]] = field(default_factory=list)
     authorization: list[str | None] = field(default_factory=list)
     disconnects: int = 0
+    releases: list[str] = field(default_factory=list)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -126,6 +127,11 @@ class FakeWorker:
         async def chat(request: Request) -> Response:
             self.authorization.append(request.headers.get("authorization"))
             return await self._serve(await request.json(), "chat")
+
+        @app.post("/kv/release")
+        async def release(request: Request) -> dict[str, bool]:
+            self.releases.append((await request.json())["transfer_id"])
+            return {"released": True}
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

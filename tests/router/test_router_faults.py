@@ -265,6 +265,12 @@ def test_a_pd_stream_whose_decode_worker_breaks_moves_after_the_first_token(
     ids = [i for e in events if isinstance(e, dict) for c in e["choices"]
            for i in c.get("token_ids", [])]
     assert ids == [8, 9, 10, 11]  # the first token came from the prefill reply, as text
+    # The decode half moved: the prefill worker's held KV is released at once.
+    assert wait_for(lambda: prefill.releases == ["prefill-t1"])
+    decode.behaviour.mode = "ok"
+    assert stream_text(read_stream(url, CHAT)) == FULL
+    time.sleep(0.2)
+    assert prefill.releases == ["prefill-t1"]  # a clean PD stream leaves it to the decode worker
 
 
 def test_a_stream_queued_on_its_worker_longer_than_the_idle_timeout_is_not_broken(

@@ -153,6 +153,7 @@ class Proxy:
         self.placement = placement
         self.accounting = accounting or Accounting()
         self._warned_no_pd: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     # --- entry -----------------------------------------------------------------------
     async def serve(self, kind: Kind, path: str, request: Request) -> Response:
@@ -295,19 +296,23 @@ class Proxy:
                 )
                 body = {**body, "return_token_ids": True}
             return _SSE(self._stream_pd(call, outcome, decode, body, emit), self._cleanup(call))
-        hop = await self._open(
-            call,
-            request,
-            "decode",
-            WHOLE_ROLES,
-            body,
-            "decode",
-            call.prompt_tokens,
-            preferred=decode,
-        )
-        call.decode_worker = hop.worker
-        await self._raise_client_error(call, hop)
-        reply = await self._read_reply(hop, request)
+        try:
+            hop = await self._open(
+                call,
+                request,
+                "decode",
+                WHOLE_ROLES,
+                body,
+                "decode",
+                call.prompt_tokens,
+                preferred=decode,
+            )
+            call.decode_worker = hop.worker
+            await self._raise_client_error(call, hop)
+            reply = await self._read_reply(hop, request)
+        except BaseException:
+            self._release_prefill_kv(call, outcome)
+            raise
         out = self._priced(call, rewrite_reply(reply, call.identity, _prefill_usage(outcome)))
         call.usage = out.get("usage")
         return JSONResponse(out)
@@ -367,6 +372,8 @@ class Proxy:
         finally:
             if hop is not None:
                 await hop.close()
+            if call.status != 200 or (call.record is not None and call.record.migrations):
+                self._release_prefill_kv(call, outcome)
             self._finish(call)
 
     async def _stream_reply(self, call: Call, reply: dict[str, Any]) -> AsyncIterator[str]:
@@ -616,6 +623,29 @@ class Proxy:
         call.decode_worker = hop.worker
         call.migrations = record.migrations
         return hop
+
+    def _release_prefill_kv(self, call: Call, outcome: PrefillOutcome) -> None:
+        """The decode half failed or moved: the prefill worker's held KV for it is freed now
+        (POST /kv/release), not when its lease runs out. A no-op if it was read already."""
+        transfer_id = (outcome.kv or {}).get("transfer_id")
+        worker = call.prefill_worker
+        if not isinstance(transfer_id, str) or worker is None:
+            return
+
+        async def release() -> None:
+            try:
+                await self.upstream.client.post(
+                    f"{worker.url}/kv/release",
+                    json={"transfer_id": transfer_id},
+                    headers=call.headers,
+                    timeout=self.config.health.timeout_s,
+                )
+            except Exception as exc:  # the lease still ends on its own
+                logger.debug("releasing %s on %s failed: %s", transfer_id, worker.url, exc)
+
+        task = asyncio.create_task(release(), name=f"release {transfer_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # --- bookkeeping -------------------------------------------------------------------
     def _warn_no_pd(self, worker: Worker) -> None:
