@@ -123,7 +123,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"per start-up phase (default: {_START_TIMEOUT_S:.0f})",
     )
     add_policy_args(parser, full=False)  # passed on to the router
-    add_resilience_args(parser)  # passed on to the router
+    add_resilience_args(parser, full=False)  # passed on to the router
     add_accounting_args(parser, worker_key=False)  # passed to the router
     roles = parser.add_argument_group("per-role engine flags (override the engine flags above)")
     for role, names in _ROLE_OVERRIDES.items():

@@ -21,7 +21,7 @@ from tandem.router.config import (
     specs_from_lists,
 )
 from tandem.router.placement.flags import add_policy_args, policy_config
-from tandem.router.resilience.flags import add_resilience_args
+from tandem.router.resilience.flags import add_resilience_args, breaker_policy
 
 _DESCRIPTION = """\
 One OpenAI endpoint in front of tandem workers. Long prompts are split into a prefill hop
@@ -188,7 +188,13 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             args.health_interval, args.health_timeout, args.down_after, args.up_after
         ),
         timeouts=Timeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout),
-        retry=RetryPolicy(args.max_attempts, args.retry_backoff),
+        retry=RetryPolicy(
+            args.max_attempts,
+            args.retry_backoff,
+            budget_ratio=args.retry_budget,
+            budget_min_per_s=args.retry_budget_min,
+        ),
+        breaker=breaker_policy(args),
         scoring=ScoringConfig(decode_sequence_weight=args.decode_sequence_weight),
         policy=policy_config(args),
         accounting=accounting_config(args),

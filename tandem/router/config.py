@@ -54,11 +54,42 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries before the client saw a byte: other workers of the same pool first."""
+    """Retries before the client saw a byte: other workers of the same pool first, after a
+    backoff with full jitter (a random pause up to backoff_s × multiplier^n, so retries after
+    one failure do not arrive together), within a budget (resilience/retry_budget.py):
+    retries at most `budget_ratio` of the requests over `budget_window_s`, plus a floor of
+    `budget_min_per_s` so that a quiet router may retry at all."""
 
     max_attempts: int = 3
     backoff_s: float = 0.05
     backoff_multiplier: float = 2.0
+    jitter: bool = True
+    budget_ratio: float = 0.2
+    budget_min_per_s: float = 1.0
+    budget_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.budget_ratio < 0 or self.budget_min_per_s < 0 or self.budget_window_s <= 0:
+            raise ValueError("--retry-budget and --retry-budget-min must be >= 0")
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    """A worker's circuit breaker (resilience/breaker.py): `failures` within `window_s`
+    open it for `cooldown_s`, doubling per failed trial up to `max_cooldown_s`."""
+
+    failures: int = 5
+    window_s: float = 10.0
+    cooldown_s: float = 5.0
+    max_cooldown_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.failures < 1:
+            raise ValueError(f"--breaker-failures must be >= 1, got {self.failures}")
+        if self.window_s <= 0 or self.cooldown_s <= 0:
+            raise ValueError("--breaker-window and --breaker-cooldown must be > 0")
+        if self.max_cooldown_s < self.cooldown_s:
+            raise ValueError("the breaker's longest cool-down must be >= --breaker-cooldown")
 
 
 @dataclass(frozen=True)
@@ -154,6 +185,7 @@ class RouterConfig:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)

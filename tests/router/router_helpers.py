@@ -76,7 +76,7 @@ FIRST_TOKEN_ID = 7
 
 @dataclass
 class Behaviour:
-    mode: str = "ok"  # ok | error500 | hang | drop | bad_request
+    mode: str = "ok"  # ok | error500 | busy429 | hang | drop | bad_request
     health_status: int = 200
     pd: bool = True  # answers prefill hops with kv_transfer_params
     tokens: tuple[str, ...] = ("Hello", " there", ",", " friend", ".")
@@ -154,6 +154,19 @@ class FakeWorker:
                     }
                 },
                 status_code=500,
+            )
+        if mode == "busy429":
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"{self.name} is full",
+                        "type": "rate_limit_error",
+                        "param": None,
+                        "code": "overloaded",
+                    }
+                },
+                status_code=429,
+                headers={"Retry-After": "2"},
             )
         if mode == "bad_request":
             return JSONResponse(

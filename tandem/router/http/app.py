@@ -87,7 +87,7 @@ class RouterState:
 
 def build_state(config: RouterConfig, keys: ApiKeys | None = None) -> RouterState:
     client = make_client(config.timeouts)
-    registry = WorkerRegistry(all_worker_specs(config), config.health)
+    registry = WorkerRegistry(all_worker_specs(config), config.health, config.breaker)
     monitor = HealthMonitor(registry, client, config.health, config.scoring)
     metrics = RouterMetrics(lambda: registry.workers)
 
@@ -100,6 +100,8 @@ def build_state(config: RouterConfig, keys: ApiKeys | None = None) -> RouterStat
         metrics.hops.labels(failure.worker.url, hop, outcome).inc()
         if failure.transport:
             monitor.record(failure.worker, False, failure.reason)
+        if not failure.busy:
+            failure.worker.breaker.record_failure(time.monotonic(), failure.reason)
 
     upstream = Upstream(
         client,
@@ -107,6 +109,7 @@ def build_state(config: RouterConfig, keys: ApiKeys | None = None) -> RouterStat
         config.retry,
         on_failure,
         lambda hop: metrics.retries.labels(hop).inc(),
+        lambda hop: metrics.retries_denied.labels(hop).inc(),
     )
     kv_index = KvIndex()
     placement_metrics = PlacementMetrics(metrics.registry, kv_index, registry)

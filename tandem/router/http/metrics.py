@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tandem.router.resilience.breaker import STATE_CODES
 from tandem.router.workers.registry import Worker
 
 _LATENCY_BUCKETS = (
@@ -61,13 +62,25 @@ class _WorkerCollector(Collector):
             "KV cache fraction in use at the last poll",
             labels=["worker"],
         )
+        breaker = GaugeMetricFamily(
+            "tandem_router_worker_breaker_state",
+            "the worker's circuit breaker: 0 closed, 1 open, 2 half-open",
+            labels=["worker"],
+        )
+        trips = CounterMetricFamily(
+            "tandem_router_worker_breaker_trips",
+            "times the worker's circuit breaker opened",
+            labels=["worker"],
+        )
         for worker in self._workers():
             healthy.add_metric([worker.url, worker.role], 1.0 if worker.healthy else 0.0)
+            breaker.add_metric([worker.url], STATE_CODES[worker.breaker.state])
+            trips.add_metric([worker.url], worker.breaker.trips)
             in_flight.add_metric([worker.url], worker.in_flight)
             if worker.load is not None:
                 queued.add_metric([worker.url], worker.load.waiting_prefill_tokens)
                 kv.add_metric([worker.url], float(worker.load.raw.get("kv_usage") or 0.0))
-        yield from (healthy, in_flight, queued, kv)
+        yield from (healthy, in_flight, queued, kv, breaker, trips)
 
 
 class RouterMetrics:
@@ -112,6 +125,12 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "tandem_router_retries", "hops retried on another worker", ["hop"], registry=r
+        )
+        self.retries_denied = Counter(
+            "tandem_router_retries_denied",
+            "retries not made because the retry budget was spent (the failure went to the client)",
+            ["hop"],
+            registry=r,
         )
         self.ledger_rows = Counter(
             "tandem_router_ledger_rows",

@@ -407,7 +407,11 @@ class Proxy:
         Workers in `avoid` (a migrated stream's failed ones) are the last resort."""
 
         def pick(exclude: set[str]) -> Worker | None:
-            if preferred is not None and preferred.healthy and preferred.url not in exclude:
+            if (
+                preferred is not None
+                and preferred.available(time.monotonic())
+                and preferred.url not in exclude
+            ):
                 return preferred
             pool = [w for w in self.registry.pool(roles) if w.url not in exclude]
             fresh = [w for w in pool if w.url not in avoid]

@@ -1,9 +1,10 @@
 """HTTP to workers: one hop with its timeouts, retries before the first byte, SSE reading.
 
 A hop is "open" once the worker's response headers arrived. Everything that can go wrong
-before that (connection refused or reset, a 5xx, no headers within the first-byte limit) is
-retried on another worker of the same pool with a short backoff, because the client has seen
-nothing yet. A 4xx is the client's fault and comes back as it is. After the headers, each
+before that (connection refused or reset, a 5xx, a 429, no headers within the first-byte
+limit) is retried on another worker of the same pool after a jittered backoff, within the
+retry budget, because the client has seen nothing yet. Any other 4xx is the client's fault and
+comes back as it is. After the headers, each
 read waits at most the idle limit.
 
 httpx's own read timeout is off: it would apply to the wait for headers as well, and a
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ import anyio
 import httpx
 
 from tandem.router.config import RetryPolicy, Timeouts
+from tandem.router.resilience.retry_budget import RetryBudget
 from tandem.router.workers.registry import DispatchKind, Worker
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,14 @@ class HopFailure(Exception):
     def transport(self) -> bool:
         """No HTTP answer at all (the worker may be dead), as opposed to a 5xx status."""
         return self.status is None
+
+    @property
+    def busy(self) -> bool:
+        """"Full, try another worker" (429, or a 503 with Retry-After: a full queue or a
+        drain), not a fault: it moves the request on without feeding the breaker."""
+        if self.status == 429:
+            return True
+        return self.status == 503 and any(k.lower() == "retry-after" for k in self.headers)
 
 
 class StreamBroken(Exception):
@@ -111,12 +122,16 @@ class Upstream:
         retry: RetryPolicy,
         on_failure: Callable[[str, HopFailure], None],
         on_retry: Callable[[str], None],
+        on_retry_denied: Callable[[str], None] = lambda hop: None,
     ) -> None:
         self.client = client
         self.timeouts = timeouts
         self.retry = retry
+        self.budget = RetryBudget(retry)
+        self._random = random.Random()
         self._on_failure = on_failure
         self._on_retry = on_retry
+        self._on_retry_denied = on_retry_denied
 
     def report(self, hop_name: str, failure: HopFailure) -> None:
         """A failure seen outside `open` (a stream that broke): the worker's health counts it."""
@@ -149,7 +164,7 @@ class Upstream:
                 ) from exc
             except httpx.TransportError as exc:
                 raise HopFailure(worker, f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
-            if response.status_code >= 500:
+            if response.status_code >= 500 or response.status_code == 429:
                 data = b""
                 with contextlib.suppress(httpx.HTTPError, TimeoutError):
                     data = await self.read(response)
@@ -160,6 +175,7 @@ class Upstream:
                     data,
                     _passed_headers(response),
                 )
+            worker.breaker.record_success()
             return Hop(worker, response, started, handle, 1)
         except BaseException:
             worker.in_flight -= 1
@@ -191,13 +207,23 @@ class Upstream:
         dead: set[str] = set()
         last: HopFailure | None = None
         delay = self.retry.backoff_s
+        self.budget.on_request(time.monotonic())
         for attempt in range(self.retry.max_attempts):
             worker = pick(tried) or pick(dead)  # a worker that answered 5xx may be tried again
             if worker is None:
                 break
             if attempt:
+                if not self.budget.try_retry(time.monotonic()):
+                    self._on_retry_denied(hop_name)
+                    logger.warning(
+                        "%s hop not retried: the retry budget is spent (%.0f%% of requests)",
+                        hop_name,
+                        self.retry.budget_ratio * 100,
+                    )
+                    break
                 self._on_retry(hop_name)
-                await asyncio.sleep(delay)
+                # Full jitter: retries after one failure spread out instead of arriving at once.
+                await asyncio.sleep(self._random.uniform(0, delay) if self.retry.jitter else delay)
                 delay *= self.retry.backoff_multiplier
             try:
                 load = tokens(worker) if callable(tokens) else tokens

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.router.config import RouterConfig
+from tandem.router.config import BreakerPolicy, RetryPolicy, RouterConfig
 
 _DEFAULTS = RouterConfig()
+_BREAKER = BreakerPolicy()
+_RETRY = RetryPolicy()
 
 
-def add_resilience_args(parser: argparse.ArgumentParser) -> None:
+def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
+    """`full` adds the breaker and retry-budget tuning (`tandem route`); `tandem up` offers
+    the migration limit only."""
     group = parser.add_argument_group("faults")
     group.add_argument(
         "--migration-limit",
@@ -19,6 +23,60 @@ def add_resilience_args(parser: argparse.ArgumentParser) -> None:
         help="when a worker fails mid-stream, continue the stream on another worker (the "
         "prompt plus the tokens sent so far), at most N times per request; 0 turns it off "
         f"(default: {_DEFAULTS.migration_limit})",
+    )
+    if not full:
+        return
+    group.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=_BREAKER.failures,
+        metavar="N",
+        help="a worker's circuit breaker opens after N of its own failures (no connection, "
+        "a timeout, a 5xx other than a busy 503, a broken stream) within --breaker-window; "
+        f"busy answers (429) and clients' errors never count (default: {_BREAKER.failures})",
+    )
+    group.add_argument(
+        "--breaker-window",
+        type=float,
+        default=_BREAKER.window_s,
+        metavar="S",
+        help=f"seconds over which --breaker-failures are counted (default: {_BREAKER.window_s:g})",
+    )
+    group.add_argument(
+        "--breaker-cooldown",
+        type=float,
+        default=_BREAKER.cooldown_s,
+        metavar="S",
+        help="an open breaker sends the worker nothing for S seconds, then one trial request; "
+        f"each failed trial doubles S, up to {_BREAKER.max_cooldown_s:g} s "
+        f"(default: {_BREAKER.cooldown_s:g})",
+    )
+    group.add_argument(
+        "--retry-budget",
+        type=float,
+        default=_RETRY.budget_ratio,
+        metavar="R",
+        help="retries may add at most R x the requests of the last "
+        f"{_RETRY.budget_window_s:g} s, so that retries cannot multiply an overload "
+        f"(default: {_RETRY.budget_ratio:g})",
+    )
+    group.add_argument(
+        "--retry-budget-min",
+        type=float,
+        default=_RETRY.budget_min_per_s,
+        metavar="N",
+        help="retries per second allowed whatever the ratio, for quiet routers "
+        f"(default: {_RETRY.budget_min_per_s:g})",
+    )
+
+
+def breaker_policy(args: argparse.Namespace) -> BreakerPolicy:
+    cooldown = args.breaker_cooldown
+    return BreakerPolicy(
+        failures=args.breaker_failures,
+        window_s=args.breaker_window,
+        cooldown_s=cooldown,
+        max_cooldown_s=max(_BREAKER.max_cooldown_s, cooldown),
     )
 
 

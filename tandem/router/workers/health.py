@@ -50,6 +50,7 @@ class HealthMonitor:
         if worker.health.record(ok):
             if worker.healthy:
                 logger.info("worker %s (%s) is up", worker.url, worker.role)
+                worker.breaker.reset("its /health is back")
             else:
                 logger.warning(
                     "worker %s (%s) is down after %d failures: %s",

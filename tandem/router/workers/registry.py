@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.router.config import HealthPolicy, Role, WorkerSpec
+from tandem.router.config import BreakerPolicy, HealthPolicy, Role, WorkerSpec
+from tandem.router.resilience.breaker import CircuitBreaker
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +98,13 @@ class _Dispatch:
 class Worker:
     """One worker endpoint in one role; the router's only mutable view of it."""
 
-    def __init__(self, spec: WorkerSpec, policy: HealthPolicy) -> None:
+    def __init__(
+        self, spec: WorkerSpec, policy: HealthPolicy, breaker: BreakerPolicy | None = None
+    ) -> None:
         self.spec = spec
         self.health = HealthState(policy.failures_to_down, policy.successes_to_up)
+        self.breaker = CircuitBreaker(f"{spec.role} worker {spec.url}", breaker or BreakerPolicy())
+        self.draining = False  # POST /workers/{id}/drain: no new requests
         self.load: LoadSnapshot | None = None
         self.load_at: float | None = None
         self.in_flight = 0
@@ -118,8 +124,13 @@ class Worker:
     def healthy(self) -> bool:
         return self.health.healthy
 
+    def available(self, now: float) -> bool:
+        """Whether a new request may go here: up, its breaker lets it, not draining."""
+        return self.health.healthy and not self.draining and self.breaker.allows(now)
+
     # --- the router's own record of what it sent -----------------------------------
     def dispatch(self, kind: DispatchKind, tokens: int, now: float) -> int:
+        self.breaker.on_dispatch()
         handle = next(self._ids)
         self._dispatches[handle] = _Dispatch(kind, tokens, now)
         return handle
@@ -153,6 +164,9 @@ class Worker:
             "url": self.url,
             "role": self.role,
             "healthy": self.healthy,
+            "breaker": self.breaker.state,
+            "breaker_trips": self.breaker.trips,
+            "draining": self.draining,
             "consecutive_failures": self.health.consecutive_failures,
             "consecutive_successes": self.health.consecutive_successes,
             "in_flight": self.in_flight,
@@ -165,8 +179,14 @@ class Worker:
 class WorkerRegistry:
     """The current worker list; a reload keeps the state of workers that stay."""
 
-    def __init__(self, specs: tuple[WorkerSpec, ...], policy: HealthPolicy) -> None:
+    def __init__(
+        self,
+        specs: tuple[WorkerSpec, ...],
+        policy: HealthPolicy,
+        breaker: BreakerPolicy | None = None,
+    ) -> None:
         self._policy = policy
+        self._breaker = breaker or BreakerPolicy()
         self._workers: dict[WorkerSpec, Worker] = {}
         self._picks = itertools.count(1)
         self.replace(specs)
@@ -183,15 +203,19 @@ class WorkerRegistry:
         for spec in specs:
             worker = self._workers.get(spec)
             if worker is None:
-                worker = Worker(spec, self._policy)
+                worker = Worker(spec, self._policy, self._breaker)
                 added.append(worker)
             workers[spec] = worker
         self._workers = workers
         return added, removed
 
     def pool(self, roles: tuple[Role, ...], healthy_only: bool = True) -> list[Worker]:
+        """The workers of these roles that may take a new request now (or all of them)."""
+        now = time.monotonic()
         return [
-            w for w in self._workers.values() if w.role in roles and (w.healthy or not healthy_only)
+            w
+            for w in self._workers.values()
+            if w.role in roles and (not healthy_only or w.available(now))
         ]
 
     def mark_picked(self, worker: Worker) -> None:
