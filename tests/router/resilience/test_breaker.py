@@ -88,4 +88,4 @@ def test_reset_closes_it_with_the_shortest_cool_down() -> None:
     assert breaker.state == "closed" and breaker.allows(5.4)
     for t in (6.0, 6.1, 6.2):
         breaker.record_failure(t, "boom")
-    assert breaker.allows(11.2)  # 5 s, not the doubled 10 s
+    assert not breaker.allows(11.1) and breaker.allows(11.3)  # 5 s, not the doubled 10 s
