@@ -394,7 +394,7 @@ def test_router_logs_one_line_per_request(cluster: Cluster) -> None:
     log = Path(cluster.router_log).read_text()
     assert re.search(
         r"chat whole route=pd \(long prompt\) prefill=http://\S+ decode=http://\S+ "
-        r"prompt_tokens=\d+ ttft=\S+ e2e=\S+ retries=0 status=200",
+        r"prompt_tokens=\d+ ttft=\S+ e2e=\S+ retries=0 migrations=0 status=200",
         log,
     )
 

@@ -11,12 +11,18 @@ import httpx
 import pytest
 from router_helpers import PROMPT_TOKENS, FakeWorker, metric, read_stream, stream_text, wait_for
 
-from tandem.router.config import WorkerSpec
+from tandem.router.config import BreakerPolicy, HealthPolicy, WorkerSpec
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}
 COMPLETION = {"model": "fake", "prompt": "Say hello.", "max_tokens": 5}
 FULL = "Hello there, friend."
+# A worker that breaks its streams on purpose but is otherwise fine: neither its health nor
+# its breaker may take it out while a test counts on it.
+TOLERANT = {
+    "health": HealthPolicy(interval_s=0.1, timeout_s=1.0, failures_to_down=50),
+    "breaker": BreakerPolicy(failures=50),
+}
 
 
 def _pd_router(
@@ -209,7 +215,7 @@ def test_a_broken_stream_continues_on_a_worker_with_the_tokens_sent_so_far(
     each time sending the token ids the client has; the client sees every token once."""
     worker, worker_url = fake_workers("dropper")
     worker.behaviour.mode = "drop"
-    url = start_router([WorkerSpec(worker_url, "both")])
+    url = start_router([WorkerSpec(worker_url, "both")], **TOLERANT)
     for body, path in ((CHAT, "/v1/chat/completions"), (COMPLETION, "/v1/completions")):
         events = read_stream(url, {**body, "stream_options": {"include_usage": True}}, path)
         assert stream_text(events) == FULL
@@ -239,7 +245,7 @@ def test_migration_limit_and_streams_that_cannot_move(
 ) -> None:
     worker, worker_url = fake_workers("dropper")
     worker.behaviour.mode = "drop"
-    url = start_router([WorkerSpec(worker_url, "both")], migration_limit=1)
+    url = start_router([WorkerSpec(worker_url, "both")], migration_limit=1, **TOLERANT)
     events = read_stream(url, CHAT)
     assert stream_text(events) == "Hello there, friend"
     assert events[-2]["error"]["code"] == "worker_stream_broken"
@@ -253,7 +259,7 @@ def test_a_pd_stream_whose_decode_worker_breaks_moves_after_the_first_token(
 ) -> None:
     """The router showed the prefill's first token itself (streamed_from 1); the decode
     worker's stream broke after two more; the next worker gets all three."""
-    prefill, decode, url = _pd_router(fake_workers, start_router)
+    prefill, decode, url = _pd_router(fake_workers, start_router, **TOLERANT)
     decode.behaviour.mode = "drop"
     events = read_stream(url, {**CHAT, "return_token_ids": True})
     assert stream_text(events) == FULL
