@@ -28,6 +28,7 @@ from tandem.flags import (
     server_config,
 )
 from tandem.plan.cli import add_plan_parser
+from tandem.router.accounting.keys_cli import add_keys_parser
 from tandem.router.cli import add_route_parser
 from tandem.spec.cli import add_spec_parser
 from tandem.up import add_up_parser
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--master-addr, --master-port); node 0 serves the API")
     serve.set_defaults(handler=cmd_serve)
     add_route_parser(commands)
+    add_keys_parser(commands)
 
     generate = commands.add_parser("generate", help="complete prompts offline and print the text",
                                    description="Complete prompts (batched together) and print the completions.")

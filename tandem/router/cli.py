@@ -21,7 +21,11 @@ from tandem.router.config import (
     specs_from_lists,
 )
 from tandem.router.placement.flags import add_policy_args, policy_config
-from tandem.router.resilience.flags import add_resilience_args, breaker_policy
+from tandem.router.resilience.flags import (
+    add_resilience_args,
+    admission_policy,
+    breaker_policy,
+)
 
 _DESCRIPTION = """\
 One OpenAI endpoint in front of tandem workers. Long prompts are split into a prefill hop
@@ -195,6 +199,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             budget_min_per_s=args.retry_budget_min,
         ),
         breaker=breaker_policy(args),
+        admission=admission_policy(args),
         scoring=ScoringConfig(decode_sequence_weight=args.decode_sequence_weight),
         policy=policy_config(args),
         accounting=accounting_config(args),

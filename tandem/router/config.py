@@ -93,6 +93,19 @@ class BreakerPolicy:
 
 
 @dataclass(frozen=True)
+class AdmissionPolicy:
+    """The router's bounded queue (resilience/admission.py); max_in_flight 0: no bound."""
+
+    max_in_flight: int = 256
+    max_queue: int = 1024
+    queue_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 0 or self.max_queue < 0 or self.queue_timeout_s <= 0:
+            raise ValueError("--max-in-flight and --max-queue must be >= 0, --queue-timeout > 0")
+
+
+@dataclass(frozen=True)
 class ScoringConfig:
     # Weight of one running sequence in the decode score, whose main term is the KV fraction
     # in use (0..1): 0.01 makes 100 sequences weigh as much as a full KV cache.
@@ -170,6 +183,10 @@ class AccountingConfig:
     api_keys_file: Path | None = None  # None: no keys; every caller is "anonymous"
     worker_api_key: str | None = field(default=None, repr=False)
     usage_admins: tuple[str, ...] = ()  # identities that may read everyone's /v1/usage
+    # Per-key defaults where the key file sets none (None: unlimited); accounting/limits.py.
+    rate_limit_rpm: int | None = None
+    rate_limit_tpm: int | None = None
+    quota_tokens_per_day: int | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +203,7 @@ class RouterConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)

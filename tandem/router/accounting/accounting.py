@@ -21,8 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tandem.router.accounting.auth import ANONYMOUS, ApiKeys, read_api_keys, worker_headers
+from tandem.router.accounting.auth import ANONYMOUS, ApiKeys, Caller, KeyFile, worker_headers
+from tandem.router.accounting.keys_store import KeyLimits
 from tandem.router.accounting.ledger import Ledger, UsageRow
+from tandem.router.accounting.limits import DailyQuota, RateLimiter
 from tandem.router.accounting.pricing import (
     PriceTable,
     cached_tokens,
@@ -59,9 +61,24 @@ class FinishedCall(Protocol):
 class Accounting:
     prices: PriceTable = field(default_factory=PriceTable)
     ledger: Ledger | None = None
-    keys: ApiKeys | None = None
+    keys: ApiKeys | KeyFile | None = None
     worker_api_key: str | None = field(default=None, repr=False)
     usage_admins: frozenset[str] = frozenset()
+    rate_limits: RateLimiter = field(default_factory=lambda: RateLimiter(KeyLimits()))
+    quota: DailyQuota = field(default_factory=lambda: DailyQuota(KeyLimits(), None))
+
+    async def admit(self, caller: Caller, prompt_tokens: int) -> None:
+        """The caller's rate limits and daily quota, or a 429 (limits.py)."""
+        await self.quota.check(caller)
+        self.rate_limits.admit(caller, prompt_tokens)
+
+    def settle(self, caller: Caller, admitted_prompt: int, usage: dict[str, Any] | None) -> None:
+        """What an admitted request used beyond the prompt tokens taken at admission (the
+        router's count), for the next admissions."""
+        completion = int((usage or {}).get("completion_tokens") or 0)
+        prompt = int((usage or {}).get("prompt_tokens") or admitted_prompt)
+        self.rate_limits.charge(caller, max(0, prompt - admitted_prompt) + completion)
+        self.quota.charge(caller.identity, prompt + completion)
 
     @property
     def keys_on(self) -> bool:
@@ -144,13 +161,13 @@ class Accounting:
             self.ledger.close()
 
 
-def load_keys(config: AccountingConfig) -> ApiKeys | None:
-    return read_api_keys(config.api_keys_file) if config.api_keys_file is not None else None
+def load_keys(config: AccountingConfig) -> KeyFile | None:
+    return KeyFile(config.api_keys_file) if config.api_keys_file is not None else None
 
 
 def open_accounting(
     config: AccountingConfig,
-    keys: ApiKeys | None,
+    keys: ApiKeys | KeyFile | None,
     on_batch: Callable[[int, bool], None] | None = None,
 ) -> Accounting:
     """Read the price file and start the ledger's writer (close it with `close`)."""
@@ -158,8 +175,21 @@ def open_accounting(
     ledger = None
     if config.ledger_path is not None:
         ledger = Ledger(config.ledger_path, on_batch=on_batch).start()
+    defaults = KeyLimits(config.rate_limit_rpm, config.rate_limit_tpm, config.quota_tokens_per_day)
+
+    def ledger_tokens(identity: str, start: float, end: float) -> int:
+        assert ledger is not None
+        totals = ledger.totals(start, end, identity).get(identity)
+        return 0 if totals is None else int(totals.prompt_tokens + totals.completion_tokens)
+
     return Accounting(
-        prices, ledger, keys, config.worker_api_key, frozenset(config.usage_admins)
+        prices,
+        ledger,
+        keys,
+        config.worker_api_key,
+        frozenset(config.usage_admins),
+        RateLimiter(defaults),
+        DailyQuota(defaults, ledger_tokens if ledger is not None else None),
     )
 
 

@@ -43,9 +43,23 @@ def add_accounting_args(parser: argparse.ArgumentParser, worker_key: bool = True
         type=Path,
         default=None,
         metavar="FILE",
-        help="require 'Authorization: Bearer KEY' on /v1/*: JSON/YAML {KEY: IDENTITY} or "
-        "lines 'KEY IDENTITY' (default: no keys)",
+        help="require 'Authorization: Bearer KEY' on /v1/*: a file `tandem keys add` wrote "
+        "(salted hashes and per-key limits), or JSON/YAML {KEY: IDENTITY} or lines "
+        "'KEY IDENTITY'; re-read when it changes (default: no keys)",
     )
+    for flag, what in (
+        ("--rate-limit-rpm", "requests per minute per API key"),
+        ("--rate-limit-tpm", "tokens (prompt + completion) per minute per API key"),
+        ("--quota-tokens-per-day", "tokens per identity per day (UTC), from the usage ledger"),
+    ):
+        group.add_argument(
+            flag,
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"{what}, where the key file sets none; beyond it, 429 with Retry-After "
+            "(default: unlimited)",
+        )
     group.add_argument(
         "--usage-admin",
         action="append",
@@ -72,6 +86,9 @@ def accounting_config(args: argparse.Namespace) -> AccountingConfig:
         api_keys_file=args.api_keys,
         worker_api_key=worker_key or None,
         usage_admins=tuple(args.usage_admin),
+        rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm,
+        quota_tokens_per_day=args.quota_tokens_per_day,
     )
 
 
@@ -86,6 +103,10 @@ def accounting_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--api-keys", str(args.api_keys)]
     for identity in args.usage_admin:
         argv += ["--usage-admin", identity]
+    for name in ("rate_limit_rpm", "rate_limit_tpm", "quota_tokens_per_day"):
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv
 
 
@@ -94,6 +115,13 @@ def check_accounting(config: AccountingConfig) -> None:
     if config.prices_file is not None:
         read_price_file(config.prices_file)
     load_keys(config)
+    for flag, value in (
+        ("--rate-limit-rpm", config.rate_limit_rpm),
+        ("--rate-limit-tpm", config.rate_limit_tpm),
+        ("--quota-tokens-per-day", config.quota_tokens_per_day),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if config.ledger_path is not None:
         try:
             config.ledger_path.parent.mkdir(parents=True, exist_ok=True)

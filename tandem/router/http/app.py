@@ -39,7 +39,7 @@ from tandem.errors import (
     validation_error_handler,
 )
 from tandem.router.accounting.accounting import load_keys, open_accounting
-from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, caller_of
+from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, caller_of
 from tandem.router.accounting.usage_api import usage_report
 from tandem.router.config import RouterConfig, all_worker_specs
 from tandem.router.http.metrics import RouterMetrics
@@ -85,7 +85,7 @@ class RouterState:
         return {"added": [w.url for w in added], "removed": [w.url for w in removed]}
 
 
-def build_state(config: RouterConfig, keys: ApiKeys | None = None) -> RouterState:
+def build_state(config: RouterConfig, keys: ApiKeys | KeyFile | None = None) -> RouterState:
     client = make_client(config.timeouts)
     registry = WorkerRegistry(all_worker_specs(config), config.health, config.breaker)
     monitor = HealthMonitor(registry, client, config.health, config.scoring)

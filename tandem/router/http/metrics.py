@@ -126,6 +126,12 @@ class RouterMetrics:
         self.retries = Counter(
             "tandem_router_retries", "hops retried on another worker", ["hop"], registry=r
         )
+        self.queue_wait = Histogram(
+            "tandem_router_queue_wait_seconds",
+            "time requests waited in the router's admission queue (those that waited)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.retries_denied = Counter(
             "tandem_router_retries_denied",
             "retries not made because the retry budget was spent (the failure went to the client)",

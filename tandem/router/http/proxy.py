@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from tandem.errors import APIError, error_body
 from tandem.router.accounting.accounting import Accounting
-from tandem.router.accounting.auth import caller_of
+from tandem.router.accounting.auth import Caller, caller_key_of, caller_of
 from tandem.router.config import Role, RouterConfig
 from tandem.router.http.metrics import RouterMetrics
 from tandem.router.http.migration import StreamRecord, can_migrate, resume_body
@@ -59,6 +59,7 @@ from tandem.router.pd.split import (
 from tandem.router.placement.placement import Placement
 from tandem.router.placement.policies import PromptRoute
 from tandem.router.placement.prompt_tokens import PromptCounter
+from tandem.router.resilience.admission import AdmissionQueue
 from tandem.router.workers.registry import DispatchKind, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ class Call:
     # A stream the router can move to another worker if its worker fails (migration.py).
     record: StreamRecord | None = None
     failed_workers: set[str] = field(default_factory=set)
+    # Admission: the key and limits it was admitted under, and whether it holds a slot.
+    key: Caller | None = None
+    admitted_tokens: int = 0  # the prompt tokens its rate limit took at admission
+    admitted: bool = False
 
     @property
     def stream(self) -> bool:
@@ -154,6 +159,7 @@ class Proxy:
         self.accounting = accounting or Accounting()
         self._warned_no_pd: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
+        self.admission = AdmissionQueue(config.admission)
 
     # --- entry -----------------------------------------------------------------------
     async def serve(self, kind: Kind, path: str, request: Request) -> Response:
@@ -171,6 +177,7 @@ class Proxy:
         )
         try:
             call.prompt_tokens = await self.counter.count(body, kind)
+            await self._admit(call, request)
             call.prompt_route = await self.placement.prepare(
                 body, kind, request.headers, call.headers, call.prompt_tokens
             )
@@ -202,6 +209,18 @@ class Proxy:
         if not isinstance(response, StreamingResponse):
             self._finish(call)
         return response
+
+    async def _admit(self, call: Call, request: Request) -> None:
+        """The caller's rate limits and quota, then a slot in the router's bounded queue."""
+        key = caller_key_of(request)
+        await self.accounting.admit(key, call.prompt_tokens)
+        call.key, call.admitted_tokens = key, call.prompt_tokens
+        started = time.monotonic()
+        await _unless_disconnected(request, self.admission.enter())
+        call.admitted = True
+        waited = time.monotonic() - started
+        if waited > 0.001:
+            self.metrics.queue_wait.observe(waited)
 
     # --- one worker --------------------------------------------------------------------
     async def _whole(self, call: Call, request: Request) -> Response:
@@ -693,6 +712,10 @@ class Proxy:
             call.usage,
         )
         self.accounting.record(call, end)
+        if call.key is not None:
+            self.accounting.settle(call.key, call.admitted_tokens, call.usage)
+        if call.admitted:
+            self.admission.leave()
         self.placement.ended(call.prefill_worker, call.decode_worker)
         prompt = call.usage.get("prompt_tokens") if call.usage else None
         counted = f"{prompt}" if prompt is not None else f"~{call.prompt_tokens}"

@@ -209,18 +209,18 @@ class Upstream:
         delay = self.retry.backoff_s
         self.budget.on_request(time.monotonic())
         for attempt in range(self.retry.max_attempts):
+            if attempt and not self.budget.try_retry(time.monotonic()):
+                self._on_retry_denied(hop_name)
+                logger.warning(
+                    "%s hop not retried: the retry budget is spent (%.0f%% of requests)",
+                    hop_name,
+                    self.retry.budget_ratio * 100,
+                )
+                break
             worker = pick(tried) or pick(dead)  # a worker that answered 5xx may be tried again
             if worker is None:
                 break
             if attempt:
-                if not self.budget.try_retry(time.monotonic()):
-                    self._on_retry_denied(hop_name)
-                    logger.warning(
-                        "%s hop not retried: the retry budget is spent (%.0f%% of requests)",
-                        hop_name,
-                        self.retry.budget_ratio * 100,
-                    )
-                    break
                 self._on_retry(hop_name)
                 # Full jitter: retries after one failure spread out instead of arriving at once.
                 await asyncio.sleep(self._random.uniform(0, delay) if self.retry.jitter else delay)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.router.config import BreakerPolicy, RetryPolicy, RouterConfig
+from tandem.router.config import AdmissionPolicy, BreakerPolicy, RetryPolicy, RouterConfig
 
 _DEFAULTS = RouterConfig()
 _BREAKER = BreakerPolicy()
 _RETRY = RetryPolicy()
+_ADMISSION = AdmissionPolicy()
 
 
 def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
@@ -23,6 +24,30 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
         help="when a worker fails mid-stream, continue the stream on another worker (the "
         "prompt plus the tokens sent so far), at most N times per request; 0 turns it off "
         f"(default: {_DEFAULTS.migration_limit})",
+    )
+    group.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=_ADMISSION.max_in_flight,
+        metavar="N",
+        help="requests the router serves at once; more wait in its queue (0: no bound) "
+        f"(default: {_ADMISSION.max_in_flight})",
+    )
+    group.add_argument(
+        "--max-queue",
+        type=int,
+        default=_ADMISSION.max_queue,
+        metavar="N",
+        help="requests that may wait for a slot; beyond, 429 with Retry-After "
+        f"(default: {_ADMISSION.max_queue})",
+    )
+    group.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=_ADMISSION.queue_timeout_s,
+        metavar="S",
+        help=f"a request that waited S seconds for a slot gets a 408 "
+        f"(default: {_ADMISSION.queue_timeout_s:g})",
     )
     if not full:
         return
@@ -80,8 +105,18 @@ def breaker_policy(args: argparse.Namespace) -> BreakerPolicy:
     )
 
 
+def admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
+    return AdmissionPolicy(args.max_in_flight, args.max_queue, args.queue_timeout)
+
+
 def resilience_argv(args: argparse.Namespace) -> list[str]:
-    """The flags `tandem up` passes on to its `tandem route`."""
+    """The flags `tandem up` passes on to its `tandem route`, checked here first."""
     if args.migration_limit < 0:
         raise ValueError(f"--migration-limit must be >= 0, got {args.migration_limit}")
-    return ["--migration-limit", str(args.migration_limit)]
+    admission_policy(args)
+    return [
+        "--migration-limit", str(args.migration_limit),
+        "--max-in-flight", str(args.max_in_flight),
+        "--max-queue", str(args.max_queue),
+        "--queue-timeout", str(args.queue_timeout),
+    ]
