@@ -204,6 +204,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         policy=policy_config(args),
         accounting=accounting_config(args),
         migration_limit=args.migration_limit,
+        shared_prefix_cache=args.shared_prefix_cache,
         install_sighup=True,
         log_level=args.log_level.lower(),
         access_log=args.access_log,

@@ -210,6 +210,9 @@ class RouterConfig:
     # Times a stream may move to another worker when its worker fails mid-response
     # (http/migration.py); 0 turns migration off.
     migration_limit: int = 3
+    # With API keys, each identity's requests get their own cache_salt (proxy.tenant_salted);
+    # True lets tenants share cached prompt KV (faster, but a timing side channel).
+    shared_prefix_cache: bool = False
     install_sighup: bool = False  # only the main thread of a `tandem route` process may
     log_level: str = "info"
     access_log: bool = False

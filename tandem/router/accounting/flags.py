@@ -61,6 +61,13 @@ def add_accounting_args(parser: argparse.ArgumentParser, worker_key: bool = True
             "(default: unlimited)",
         )
     group.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="with --api-keys, let every identity's requests share cached prompt KV; by "
+        "default each identity gets its own cache_salt, because a shared cache's faster "
+        "answers tell one tenant what another tenant's prompts began with",
+    )
+    group.add_argument(
         "--usage-admin",
         action="append",
         default=[],
@@ -103,6 +110,8 @@ def accounting_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--api-keys", str(args.api_keys)]
     for identity in args.usage_admin:
         argv += ["--usage-admin", identity]
+    if args.shared_prefix_cache:
+        argv += ["--shared-prefix-cache"]
     for name in ("rate_limit_rpm", "rate_limit_tpm", "quota_tokens_per_day"):
         value = getattr(args, name)
         if value is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -165,6 +166,8 @@ class Proxy:
     async def serve(self, kind: Kind, path: str, request: Request) -> Response:
         received = time.monotonic()
         body = await _json_body(request)
+        if self.config.accounting.api_keys_file is not None and not self.config.shared_prefix_cache:
+            body = tenant_salted(body, caller_of(request))
         model = body.get("model")
         call = Call(
             kind,
@@ -761,6 +764,20 @@ class _SSE(StreamingResponse):
                 if isinstance(body, AsyncGenerator):
                     await body.aclose()
                 await self._cleanup()
+
+
+def tenant_salted(body: dict[str, Any], identity: str) -> dict[str, Any]:
+    """The body with the tenant's own `cache_salt` (the client's salt kept inside it).
+
+    Workers salt a request's KV block hashes with it, so one tenant's requests never hit
+    blocks another tenant's prompts left in any cache tier: a shared prefix cache answers a
+    prompt another tenant sent faster, and that time difference leaks the prompt (prefix
+    caching's published timing side channel). One tenant is one identity, so keys rotated
+    under an identity keep its cache."""
+    tenant = "tenant-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+    own = body.get("cache_salt")
+    salt = f"{tenant}:{own}" if isinstance(own, str) and own else tenant
+    return {**body, "cache_salt": salt}
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
