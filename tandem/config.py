@@ -570,6 +570,22 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Per request, on the worker and the router (tandem/http_limits.py)."""
+
+    max_body_bytes: int = 16 << 20
+    body_timeout_s: float = 30.0
+    max_messages: int = 4096
+    max_tools: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024 or self.body_timeout_s <= 0:
+            raise ValueError("--max-request-bytes must be >= 1KiB and --body-timeout > 0")
+        if self.max_messages < 1 or self.max_tools < 0:
+            raise ValueError("--max-messages must be >= 1 and --max-tools >= 0")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI server around one engine (`tandem serve`)."""
 
@@ -581,6 +597,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # None: chosen from the chat template
     engine_start_timeout: float = 900.0  # a first start converts the GGUF; allow for it
     log_level: str = "info"
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -31,6 +31,7 @@ from tandem.config import (
     SpeculativeConfig,
     parse_memory_size,
 )
+from tandem.http_limits import add_request_limit_args, request_limits
 from tandem.loader.resolve import DEFAULT_MODEL
 
 
@@ -274,6 +275,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
                        help="tool-call format (default: chosen from the chat template; hermes when it has none)")
     group.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    add_request_limit_args(parser)
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
                     help="prefill: computes prompts and hands their KV to decode workers; decode: fetches "
@@ -295,6 +297,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, max_waiting=args.max_waiting,
         tool_call_parser=args.tool_call_parser, log_level=args.log_level.lower(),
+        limits=request_limits(args),
     )
     if config.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {config.max_waiting}")

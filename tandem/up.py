@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem import flags, supervisor
+from tandem.http_limits import add_request_limit_args, request_limit_argv
 from tandem.router.accounting.flags import (
     accounting_argv,
     accounting_config,
@@ -124,6 +125,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_policy_args(parser, full=False)  # passed on to the router
     add_resilience_args(parser, full=False)  # passed on to the router
+    add_request_limit_args(parser)  # passed on to the router and the workers
     add_accounting_args(parser, worker_key=False)  # passed to the router
     roles = parser.add_argument_group("per-role engine flags (override the engine flags above)")
     for role, names in _ROLE_OVERRIDES.items():
@@ -225,6 +227,7 @@ def plan_cluster(
             str(threads),
             *common,
             *_role_argv(args, role),
+            *request_limit_argv(args),
             "--role",
             role,
         ]
@@ -255,6 +258,7 @@ def plan_cluster(
         str(args.pd_min_prompt_tokens),
         *policy_argv(args),
         *resilience_argv(args),
+        *request_limit_argv(args),
     ]
     flags = {"prefill": "--prefill", "decode": "--decode", "both": "--worker"}
     for role, worker in zip(roles, workers, strict=True):

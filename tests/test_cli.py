@@ -30,7 +30,7 @@ def _commands(help_text: str) -> list[str]:
 def test_help_lists_commands() -> None:
     result = _run(["--help"])
     assert result.returncode == 0
-    assert _commands(result.stdout) == ["up", "serve", "route", "generate", "chat", "bench", "plan", "spec"]
+    assert _commands(result.stdout) == ["up", "serve", "route", "keys", "generate", "chat", "bench", "plan", "spec"]
     assert "    generate            complete prompts offline and print the text\n" in result.stdout
     bench = _run(["bench", "--help"])
     assert bench.returncode == 0 and _commands(bench.stdout) == ["kv-tiers", "load", "offline", "overhead", "perplexity", "serve", "spec"]

@@ -58,7 +58,9 @@ def test_plan_prefill_and_decode_workers(tmp_path: Path) -> None:
         and decode[decode.index("--role") + 1] == "decode"
     )
     assert prefill[prefill.index("--kv-cache-memory") + 1] == "256MiB"
-    assert "--max-num-seqs" not in prefill and decode[-4:-2] == ["--max-num-seqs", "8"]
+    assert "--max-num-seqs" not in prefill and decode[decode.index("--max-num-seqs") + 1] == "8"
+    assert decode[decode.index("--max-request-bytes") + 1] == str(16 << 20)  # workers and router
+    assert list(plan.router.argv).count("--max-messages") == 1
     assert prefill[prefill.index("--max-num-batched-tokens") + 1] == "4096"
     assert (
         prefill[prefill.index("--port") + 1] == "9100"

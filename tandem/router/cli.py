@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from tandem.http_limits import add_request_limit_args, request_limits
 from tandem.router.accounting.flags import (
     accounting_config,
     add_accounting_args,
@@ -175,6 +176,7 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"longest silence between stream chunks after the first (default: {Timeouts.idle_s})",
     )
     add_resilience_args(parser)
+    add_request_limit_args(parser)
     add_policy_args(parser)
     add_accounting_args(parser)
     parser.set_defaults(handler=cmd_route)
@@ -200,6 +202,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         ),
         breaker=breaker_policy(args),
         admission=admission_policy(args),
+        limits=request_limits(args),
         scoring=ScoringConfig(decode_sequence_weight=args.decode_sequence_weight),
         policy=policy_config(args),
         accounting=accounting_config(args),

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tandem.config import RequestLimits
+
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 # File keys: `worker` names colocated workers (role "both"), as the --worker flag does.
@@ -204,6 +206,7 @@ class RouterConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)

@@ -33,6 +33,7 @@ from tandem.errors import (
     http_error_handler,
     validation_error_handler,
 )
+from tandem.http_limits import RequestLimitMiddleware
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
@@ -74,6 +75,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             await client.shutdown()
 
     app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(RequestLimitMiddleware, limits=config.limits)
     app.add_exception_handler(APIError, _counted_api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

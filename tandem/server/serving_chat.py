@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.errors import bad_request
+from tandem.http_limits import check_shape
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
 from tandem.server.engine_client import Handoff
 from tandem.server.generate import RequestTimings, process_request, request_text
@@ -52,6 +53,7 @@ class _ChatRun:
 
 async def create_chat_completion(state: ServingState, body: ChatCompletionRequest, raw: Request) -> Response:
     model = state.check_model(body.model)
+    check_shape({"messages": body.messages, "tools": body.tools or []}, state.config.limits)
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request(f"response_format {body.response_format.type!r} is not supported: tandem has no "
                           "constrained decoding yet; ask for JSON in the prompt instead",

@@ -3,6 +3,8 @@ hashed key file, against fake workers on real ports."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import threading
 import time
@@ -138,3 +140,55 @@ def test_the_key_file_holds_hashes_and_a_revoked_key_stops_working(
     assert _chat(url, keys["dave"]).status_code == 401
     assert _chat(url, keys["alice"]).status_code == 200  # the others still work
     assert not any(key in caplog.text for key in keys.values())
+
+
+def _raw(url: str, payload: bytes, pause_after: int | None = None, pause_s: float = 0.0) -> str:
+    """POST over a bare socket (to send a body slowly or lie about its length); the status line."""
+    import socket
+    from urllib.parse import urlparse
+
+    target = urlparse(url)
+    with socket.create_connection((target.hostname, target.port), timeout=10) as sock:
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n").encode()
+        sock.sendall(head + payload[:pause_after])
+        if pause_after is not None:
+            time.sleep(pause_s)
+            with contextlib.suppress(OSError):  # it may have answered and closed already
+                sock.sendall(payload[pause_after:])
+        return sock.recv(65536).decode(errors="replace")
+
+
+def test_request_limits_refuse_big_slow_and_crowded_requests(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    from tandem.config import RequestLimits
+
+    worker, worker_url = fake_workers("worker")
+    url = start_router(
+        [WorkerSpec(worker_url, "both")],
+        limits=RequestLimits(max_body_bytes=4096, body_timeout_s=0.5, max_messages=3, max_tools=1),
+    )
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=big, timeout=10)
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit applies as the body arrives
+        yield b'{"model": "fake", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}]}'
+
+    reply = httpx.post(f"{url}/v1/chat/completions", content=chunks(), timeout=10,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 413
+    payload = json.dumps(CHAT).encode()
+    assert _raw(url, payload, pause_after=10, pause_s=1.0).startswith("HTTP/1.1 408")
+    crowded = {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 4}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=crowded, timeout=10)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(2)]
+    reply = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "tools": tools}, timeout=10)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
+    assert worker.requests == []  # none of them reached the worker
+    assert _chat(url).status_code == 200  # and the router serves on

@@ -1,7 +1,9 @@
-"""API key, admission control and SIGTERM, on a server of its own started with strict limits."""
+"""API key, admission control, request limits and SIGTERM, on a server of its own started with
+strict limits."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -20,7 +22,8 @@ LONG = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write
 def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     log = tmp_path_factory.mktemp("strict") / "serve.log"
     server = start_server(log, "--kv-cache-memory", "128MiB", "--max-num-seqs", "1", "--max-waiting", "1",
-                          "--api-key", KEY)
+                          "--api-key", KEY, "--max-request-bytes", "64KiB", "--max-messages", "8",
+                          "--max-tools", "2", "--body-timeout", "1")
     yield server
     left = stop_server(server, signal.SIGTERM)
     assert not left, f"processes left after SIGTERM: {left}"
@@ -66,4 +69,35 @@ def test_queue_beyond_max_waiting_gets_503(strict_server: LiveServer) -> None:
     reply = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=60,
                        json={**LONG, "stream": False, "max_tokens": 3})
     assert reply.status_code == 200
+    assert strict_server.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_request_limits_refuse_before_the_engine_sees_anything(strict_server: LiveServer) -> None:
+    url = strict_server.url
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    huge = {**body, "messages": [{"role": "user", "content": "word " * 20000}]}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=huge, headers=headers, timeout=30)
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    crowded = {**body, "messages": [{"role": "user", "content": "Hi"}] * 9}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=crowded, headers=headers, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    reply = httpx.post(f"{url}/v1/chat/completions", json={**body, "tools": [tool] * 3}, headers=headers,
+                       timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
+    # A client that sends half its body and stalls gets a 408 after --body-timeout.
+    import socket
+    from urllib.parse import urlparse
+
+    target = urlparse(url)
+    payload = json.dumps(body).encode()
+    with socket.create_connection((target.hostname, target.port), timeout=10) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                     + payload[:10])
+        started = time.monotonic()
+        answer = sock.recv(65536).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 408") and 0.8 < time.monotonic() - started < 5
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60).status_code == 200
     assert strict_server.wait_idle()["kv_blocks_used"] == 0

@@ -38,6 +38,7 @@ from tandem.errors import (
     http_error_handler,
     validation_error_handler,
 )
+from tandem.http_limits import RequestLimitMiddleware
 from tandem.router.accounting.accounting import load_keys, open_accounting
 from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, caller_of
 from tandem.router.accounting.usage_api import usage_report
@@ -185,6 +186,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(ApiKeyMiddleware, keys=keys)
+    app.add_middleware(RequestLimitMiddleware, limits=config.limits)  # outermost: before keys
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.errors import APIError, error_body
+from tandem.http_limits import check_shape
 from tandem.router.accounting.accounting import Accounting
 from tandem.router.accounting.auth import Caller, caller_key_of, caller_of
 from tandem.router.config import Role, RouterConfig
@@ -166,6 +167,7 @@ class Proxy:
     async def serve(self, kind: Kind, path: str, request: Request) -> Response:
         received = time.monotonic()
         body = await _json_body(request)
+        check_shape(body, self.config.limits)
         if self.config.accounting.api_keys_file is not None and not self.config.shared_prefix_cache:
             body = tenant_salted(body, caller_of(request))
         model = body.get("model")

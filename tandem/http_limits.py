@@ -1,0 +1,154 @@
+"""Request limits for the worker's and the router's HTTP servers: body size, slow bodies, and
+how many messages and tools one request may carry.
+
+A body larger than `max_body_bytes` gets a 413 before it is read (its Content-Length says so)
+or as soon as it grows past the limit; a body that has not fully arrived `body_timeout_s`
+after the request began gets a 408, so a client trickling bytes cannot hold a connection and
+a request slot for ever. Both answers are OpenAI-shaped. The body is read here, once, and
+handed to the app as it came (FastAPI reads whole JSON bodies anyway).
+
+Message and tool counts are checked where the JSON is parsed (`check_shape`): each message
+and tool is rendered into the prompt and tokenized, so their number bounds work done before
+the context-length check can refuse the request.
+
+uvicorn bounds the rest: headers (h11's 16 KiB incomplete-event limit) and idle keep-alive
+connections (5 s). It does not time out a client that sends its headers slowly.
+
+Imports Starlette and argparse only: the router must not import the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.config import RequestLimits, parse_memory_size
+from tandem.errors import APIError, error_body
+
+
+def check_shape(body: dict[str, Any], limits: RequestLimits) -> None:
+    """400 when a request carries more messages or tools than the limits allow."""
+    for field, limit in (("messages", limits.max_messages), ("tools", limits.max_tools)):
+        value = body.get(field)
+        if isinstance(value, list) and len(value) > limit:
+            raise APIError(
+                400,
+                f"'{field}' holds {len(value)} entries; this server takes at most {limit}",
+                field,
+                "too_many_entries",
+            )
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+class RequestLimitMiddleware:
+    """Plain ASGI: reads a request's body under the size and time limits, then replays it."""
+
+    def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await self._read(scope, receive)
+        except _Refused as refused:
+            response = JSONResponse(
+                error_body(refused.status, refused.message, None, refused.code),
+                status_code=refused.status,
+                headers={"Connection": "close"},
+            )
+            await response(scope, receive, send)
+            return
+        except _ClientLeft:
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.limits.max_body_bytes
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise _too_large(int(length), limit)
+        deadline = time.monotonic() + self.limits.body_timeout_s
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    message = await receive()
+            except TimeoutError:
+                raise _Refused(
+                    408,
+                    f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                    "body_timeout",
+                ) from None
+            if message["type"] == "http.disconnect":
+                raise _ClientLeft
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _ClientLeft(Exception):
+    pass
+
+
+def _too_large(size: int, limit: int) -> _Refused:
+    return _Refused(
+        413,
+        f"the request body is {size} bytes or more; this server takes at most {limit} bytes",
+        "request_too_large",
+    )
+
+
+# --- flags, shared by `tandem serve`, `tandem route` and `tandem up` ---------------------------
+_DEFAULTS = RequestLimits()
+
+
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("request limits")
+    group.add_argument("--max-request-bytes", default=str(_DEFAULTS.max_body_bytes), metavar="SIZE",
+                       help="larger request bodies get 413, e.g. 16MiB (default: 16MiB)")
+    group.add_argument("--body-timeout", type=float, default=_DEFAULTS.body_timeout_s, metavar="S",
+                       help="a request body not fully sent after S seconds gets 408 "
+                            f"(default: {_DEFAULTS.body_timeout_s:g})")
+    group.add_argument("--max-messages", type=int, default=_DEFAULTS.max_messages, metavar="N",
+                       help=f"messages per chat request (default: {_DEFAULTS.max_messages})")
+    group.add_argument("--max-tools", type=int, default=_DEFAULTS.max_tools, metavar="N",
+                       help=f"tool definitions per request (default: {_DEFAULTS.max_tools})")
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(parse_memory_size(args.max_request_bytes), args.body_timeout,
+                         args.max_messages, args.max_tools)
+
+
+def request_limit_argv(args: argparse.Namespace) -> list[str]:
+    request_limits(args)
+    return ["--max-request-bytes", str(args.max_request_bytes), "--body-timeout", str(args.body_timeout),
+            "--max-messages", str(args.max_messages), "--max-tools", str(args.max_tools)]
