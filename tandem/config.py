@@ -598,6 +598,7 @@ class ServerConfig:
     engine_start_timeout: float = 900.0  # a first start converts the GGUF; allow for it
     log_level: str = "info"
     limits: RequestLimits = field(default_factory=RequestLimits)
+    shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long at most (tandem/drain.py)
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -275,6 +275,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
                        help="tool-call format (default: chosen from the chat template; hermes when it has none)")
     group.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                       help="SIGTERM drains: new requests get a retryable 503, /health fails, running ones "
+                            "finish (and handed-over KV is read) for up to S seconds, then the server stops; "
+                            "a second SIGTERM or Ctrl-C stops it at once (default: 30)")
     add_request_limit_args(parser)
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
@@ -297,7 +301,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, max_waiting=args.max_waiting,
         tool_call_parser=args.tool_call_parser, log_level=args.log_level.lower(),
-        limits=request_limits(args),
+        limits=request_limits(args), shutdown_timeout_s=args.shutdown_timeout,
     )
     if config.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {config.max_waiting}")

@@ -203,6 +203,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         breaker=breaker_policy(args),
         admission=admission_policy(args),
         limits=request_limits(args),
+        shutdown_timeout_s=args.shutdown_timeout,
         scoring=ScoringConfig(decode_sequence_weight=args.decode_sequence_weight),
         policy=policy_config(args),
         accounting=accounting_config(args),

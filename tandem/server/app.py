@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import EngineConfig, ServerConfig
+from tandem.drain import Drain, DrainingServer
 from tandem.errors import (
     APIError,
     api_error_handler,
@@ -52,7 +53,9 @@ from tandem.server.tool_parsers import detect_tool_parser, get_tool_parser
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
+def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | None = None) -> FastAPI:
+    drain = drain or Drain(config.shutdown_timeout_s)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = await AsyncEngineClient.start(engine_config, config.engine_start_timeout)
@@ -62,7 +65,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
             names = config.served_model_names or (engine_config.model,)
             metrics = ServerMetrics(names[0], lambda: client.load, lambda: client.num_in_flight)
             app.state.serving = ServingState(config, client, tokenizer, tuple(names), metrics,
-                                             get_tool_parser(parser_name))
+                                             get_tool_parser(parser_name), drain)
+            # A drain waits for requests in flight and for handed-over prompt KV to be read.
+            drain.busy = lambda: client.num_in_flight + int(client.load.kv_transfer.get("held", 0))
             logger.info("serving %s at http://%s:%d/v1 (tool-call format: %s)", ", ".join(names),
                         config.host, config.port, parser_name)
             watcher = asyncio.create_task(_exit_when_engine_dies(client), name="engine watcher")
@@ -99,6 +104,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
+        if drain.draining:
+            return JSONResponse(drain.refusal("this worker").body(), status_code=503)
         if state(request).client.healthy:
             return Response(status_code=200)
         return JSONResponse(error_body(503, "the engine core is not running"), status_code=503)
@@ -250,6 +257,8 @@ async def _internal_error_handler(_: Request, exc: Exception) -> JSONResponse:
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, access_log: bool = True) -> None:
     """Serve until SIGINT / SIGTERM; the lifespan then stops the engine core."""
-    app = build_app(engine_config, config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=access_log,
-                timeout_graceful_shutdown=5)
+    drain = Drain(config.shutdown_timeout_s)
+    app = build_app(engine_config, config, drain)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           access_log=access_log, timeout_graceful_shutdown=5), drain)
+    server.serve_until_stopped()

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from tandem.config import ServerConfig
+from tandem.drain import Drain
 from tandem.errors import APIError, bad_request, error_body
 from tandem.server.engine_client import (
     AsyncEngineClient,
@@ -47,6 +48,7 @@ class ServingState:
     model_names: tuple[str, ...]
     metrics: ServerMetrics
     tool_parser: ToolParser
+    drain: Drain = field(default_factory=Drain)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -66,6 +68,8 @@ class ServingState:
                             f"{', '.join(self.model_names)}.", "model", "model_not_found")
 
     def check_admission(self) -> None:
+        if self.drain.draining:
+            raise self.drain.refusal("this worker")
         if not self.client.healthy:
             raise APIError(503, "the engine is not running", None, "engine_dead")
         limit = self.config.max_waiting

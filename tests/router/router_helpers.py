@@ -76,7 +76,7 @@ FIRST_TOKEN_ID = 7
 
 @dataclass
 class Behaviour:
-    mode: str = "ok"  # ok | error500 | busy429 | hang | drop | bad_request
+    mode: str = "ok"  # ok | error500 | busy429 | draining | hang | drop | bad_request
     health_status: int = 200
     pd: bool = True  # answers prefill hops with kv_transfer_params
     tokens: tuple[str, ...] = ("Hello", " there", ",", " friend", ".")
@@ -167,6 +167,19 @@ class FakeWorker:
                 },
                 status_code=429,
                 headers={"Retry-After": "2"},
+            )
+        if mode == "draining":
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"{self.name} is shutting down",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "draining",
+                    }
+                },
+                status_code=503,
+                headers={"Retry-After": "1"},
             )
         if mode == "bad_request":
             return JSONResponse(

@@ -119,3 +119,100 @@ def test_the_retry_budget_caps_retries(
     metrics = httpx.get(f"{url}/metrics").text
     assert metric(metrics, "tandem_router_retries_denied_total") == codes.count(500)
     assert metric(metrics, "tandem_router_retries_total") == 0
+
+
+def test_draining_a_worker_sends_it_nothing_new_until_it_resumes(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    a, a_url = fake_workers("a")
+    b, b_url = fake_workers("b")
+    url = start_router([WorkerSpec(a_url, "both"), WorkerSpec(b_url, "both")], policy=ROUND_ROBIN)
+    worker_id = a_url.split("://")[1]
+    drained = httpx.post(f"{url}/workers/{worker_id}/drain", timeout=10).json()
+    assert drained["draining"] is True and drained["id"] == worker_id
+    before = len(a.requests)
+    for _ in range(4):
+        assert _chat(url).status_code == 200
+    assert len(a.requests) == before and len(b.requests) >= 4
+    assert httpx.post(f"{url}/workers/{worker_id}/resume", timeout=10).json()["draining"] is False
+    for _ in range(4):
+        assert _chat(url).status_code == 200
+    assert len(a.requests) > before
+    missing = httpx.post(f"{url}/workers/nowhere:1/drain", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "worker_not_found"
+
+
+def test_a_draining_worker_answers_503_and_the_router_moves_on(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    """What a worker says while it drains (503 draining with Retry-After) is "busy": the
+    request goes to another worker and the breaker is not fed."""
+    busy, busy_url = fake_workers("draining")
+    _, good_url = fake_workers("good")
+    busy.behaviour.mode = "draining"
+    url = start_router(
+        [WorkerSpec(busy_url, "both"), WorkerSpec(good_url, "both")],
+        policy=ROUND_ROBIN,
+        breaker=QUICK_BREAKER,
+    )
+    for _ in range(6):
+        assert _chat(url).status_code == 200
+    assert len(busy.requests) >= 3 and _worker(url, busy_url)["breaker"] == "closed"
+
+
+def test_sigterm_drains_the_router(fake_workers: FakeFactory, tmp_path) -> None:  # noqa: ANN001
+    """A `tandem route` process: after SIGTERM its running stream completes, new requests and
+    /health get 503 'draining', and it exits once the stream is done."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from live_server import free_port
+
+    worker, worker_url = fake_workers("slow")
+    worker.behaviour.tokens = tuple(f" w{i}" for i in range(40))
+    port = free_port()
+    log = tmp_path / "router.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tandem", "route", "--port", str(port), "--worker", worker_url,
+             "--no-ledger", "--shutdown-timeout", "30"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        pieces: list[str] = []
+
+        def stream() -> None:
+            body = {**CHAT, "max_tokens": 40, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        pieces.append((chunk["choices"] or [{}])[0].get("delta", {}).get("content") or "")
+
+        running = threading.Thread(target=stream)
+        running.start()
+        while len(pieces) < 3:
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = _chat(url)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        running.join(60)
+        assert "".join(pieces) == "".join(worker.behaviour.tokens)
+        assert process.wait(15) is not None
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "drained: nothing in flight; stopping" in log.read_text()

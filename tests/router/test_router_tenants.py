@@ -42,5 +42,5 @@ def test_one_tenants_prompt_is_no_cache_hit_for_another(
     assert _cached(isolated, bob, prompt) == 0  # bob learns nothing from alice's prompt
     assert _cached(isolated, bob, prompt) > 32  # but has his own cache
     other = f"Secret {uuid.uuid4().hex}: " + "the launch date is next Tuesday. " * 6
-    assert _cached(shared, alice, other) == 0
-    assert _cached(shared, bob, other) > 32  # opted out: tenants share
+    first = _cached(shared, alice, other)  # at most the chat template's opening, cached before
+    assert first < 32 and _cached(shared, bob, other) > 32  # opted out: tenants share

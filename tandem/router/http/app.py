@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (proxy.py), GET /v1/models (from a
 healthy worker), GET /health (200 while some worker can serve a whole request), GET /workers,
-POST /workers/reload (re-reads --config; SIGHUP does the same), GET /metrics, GET /v1/usage
+POST /workers/reload (re-reads --config; SIGHUP does the same), POST /workers/{id}/drain and
+/resume (rolling restarts; the id is the worker's host:port), GET /metrics, GET /v1/usage
 (totals from the usage ledger, accounting/usage_api.py). With --api-keys, /v1/* needs a key
 (accounting/auth.py).
 
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.drain import Drain, DrainingServer
 from tandem.errors import (
     APIError,
     api_error_handler,
@@ -150,12 +152,15 @@ def build_state(config: RouterConfig, keys: ApiKeys | KeyFile | None = None) -> 
     )
 
 
-def build_app(config: RouterConfig) -> FastAPI:
+def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
     keys = load_keys(config.accounting)  # a bad key file fails here, before serving
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(config, keys)
+        if drain is not None:
+            state.proxy.drain = drain
+        state.proxy.drain.busy = lambda: state.proxy.admission.in_flight + state.proxy.admission.waiting
         app.state.router = state
         background: set[asyncio.Task[Any]] = set()
         await state.monitor.probe_all()
@@ -234,6 +239,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> Response:
         state = state_of(request)
+        if state.proxy.drain.draining:
+            return JSONResponse(state.proxy.drain.refusal("this router").body(), status_code=503)
         serving = state.registry.pool(WHOLE_ROLES)
         if serving:
             return JSONResponse(
@@ -259,11 +266,34 @@ def build_app(config: RouterConfig) -> FastAPI:
             ) from exc
         return {**change, "workers": _describe_workers(state)}
 
+    @app.post("/workers/{worker_id}/drain")
+    async def drain_worker(worker_id: str, request: Request) -> dict[str, Any]:
+        """No new requests to this worker (rolling restarts); its running ones go on.
+        Poll GET /workers until its in_flight is 0, restart it; it rejoins when its health
+        comes back, or at POST /workers/{id}/resume."""
+        return _set_draining(state_of(request), worker_id, True)
+
+    @app.post("/workers/{worker_id}/resume")
+    async def resume_worker(worker_id: str, request: Request) -> dict[str, Any]:
+        return _set_draining(state_of(request), worker_id, False)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _set_draining(state: RouterState, worker_id: str, draining: bool) -> dict[str, Any]:
+    worker = next((w for w in state.registry.workers if w.id == worker_id), None)
+    if worker is None:
+        known = ", ".join(w.id for w in state.registry.workers) or "none"
+        raise APIError(404, f"no worker {worker_id!r} (workers: {known})", None, "worker_not_found")
+    if worker.draining != draining:
+        worker.draining = draining
+        logger.info("worker %s %s", worker.url,
+                    "drains: no new requests" if draining else "takes requests again")
+    return worker.describe(time.monotonic())
 
 
 def _describe_workers(state: RouterState) -> list[dict[str, Any]]:
@@ -303,12 +333,17 @@ async def _internal_error_handler(_: Request, exc: Exception) -> Response:
 
 
 def run_router(config: RouterConfig) -> None:
-    """Serve until SIGINT / SIGTERM."""
-    uvicorn.run(
-        build_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=config.access_log,
-        timeout_graceful_shutdown=5,
+    """Serve until SIGINT, or a SIGTERM and its drain (tandem/drain.py)."""
+    drain = Drain(config.shutdown_timeout_s)
+    server = DrainingServer(
+        uvicorn.Config(
+            build_app(config, drain),
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=config.access_log,
+            timeout_graceful_shutdown=5,
+        ),
+        drain,
     )
+    server.serve_until_stopped()

@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tandem.drain import Drain
 from tandem.errors import APIError, error_body
 from tandem.http_limits import check_shape
 from tandem.router.accounting.accounting import Accounting
@@ -162,9 +163,12 @@ class Proxy:
         self._warned_no_pd: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         self.admission = AdmissionQueue(config.admission)
+        self.drain = Drain(config.shutdown_timeout_s)
 
     # --- entry -----------------------------------------------------------------------
     async def serve(self, kind: Kind, path: str, request: Request) -> Response:
+        if self.drain.draining:
+            return self.drain.refusal("this router").response()
         received = time.monotonic()
         body = await _json_body(request)
         check_shape(body, self.config.limits)

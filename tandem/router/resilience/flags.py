@@ -52,6 +52,15 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
     if not full:
         return
     group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_DEFAULTS.shutdown_timeout_s,
+        metavar="S",
+        help="SIGTERM drains: new requests get a retryable 503 and /health fails while the "
+        "requests in flight finish, for up to S seconds; a second SIGTERM or Ctrl-C stops at "
+        f"once (default: {_DEFAULTS.shutdown_timeout_s:g})",
+    )
+    group.add_argument(
         "--breaker-failures",
         type=int,
         default=_BREAKER.failures,

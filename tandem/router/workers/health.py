@@ -51,6 +51,7 @@ class HealthMonitor:
             if worker.healthy:
                 logger.info("worker %s (%s) is up", worker.url, worker.role)
                 worker.breaker.reset("its /health is back")
+                worker.draining = False  # a drained worker that restarted takes requests again
             else:
                 logger.warning(
                     "worker %s (%s) is down after %d failures: %s",

@@ -117,6 +117,11 @@ class Worker:
         return self.spec.url
 
     @property
+    def id(self) -> str:
+        """host:port, the name POST /workers/{id}/drain takes."""
+        return self.url.split("://", 1)[-1].rstrip("/")
+
+    @property
     def role(self) -> Role:
         return self.spec.role
 
@@ -161,6 +166,7 @@ class Worker:
 
     def describe(self, now: float) -> dict[str, Any]:
         return {
+            "id": self.id,
             "url": self.url,
             "role": self.role,
             "healthy": self.healthy,
