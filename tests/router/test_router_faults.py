@@ -394,6 +394,27 @@ def test_reload_from_the_config_file(
     config.write_text("decoder: []\n")
     reply = httpx.post(f"{url}/workers/reload", timeout=30)
     assert reply.status_code == 400 and "decoder" in reply.json()["error"]["message"]
+    # A bad file changes nothing: never a partial view.
+    workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
+    assert [w["url"] for w in workers] == [second_url]
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+
+
+def test_health_reports_each_pool(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    prefill, decode, url = _pd_router(fake_workers, start_router)
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    assert health["status"] == "ok"
+    assert health["pools"]["prefill"] == {"total": 1, "up": 1, "available": 1}
+    assert health["pools"]["decode"] == {"total": 1, "up": 1, "available": 1}
+    prefill.behaviour.health_status = 503
+    assert wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "degraded")
+    assert httpx.get(f"{url}/health").status_code == 200  # served whole on the decode worker
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+    decode.behaviour.health_status = 503
+    assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 503)
+    assert httpx.get(f"{url}/health").json()["pools"]["decode"]["up"] == 0
 
 
 def test_models_and_metrics(fake_workers: FakeFactory, start_router: Callable[..., str]) -> None:

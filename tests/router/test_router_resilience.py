@@ -216,3 +216,28 @@ def test_sigterm_drains_the_router(fake_workers: FakeFactory, tmp_path) -> None:
         if process.poll() is None:
             process.kill()
     assert "drained: nothing in flight; stopping" in log.read_text()
+
+
+def test_two_routers_send_a_sessions_turns_to_the_same_worker(
+    fake_workers: FakeFactory, start_router: Callable[..., str]
+) -> None:
+    """Two router replicas behind one address share no state: the affinity ring over the same
+    workers gives both the same answer for every session, whichever replica a turn hits."""
+    workers = [fake_workers(f"w{i}") for i in range(3)]
+    specs = [WorkerSpec(u, "both") for _, u in workers]
+    routers = [start_router(specs), start_router(specs)]
+    sessions = [f"session-{i}" for i in range(12)]
+    for turn in range(4):
+        for n, session in enumerate(sessions):
+            url = routers[(n + turn) % 2]  # alternate replicas turn by turn
+            body = {**CHAT, "messages": [{"role": "user", "content": session}]}
+            reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30,
+                               headers={"x-session-affinity": session})
+            assert reply.status_code == 200
+    homes = {}
+    for index, (worker, _) in enumerate(workers):
+        for request in worker.requests:
+            homes.setdefault(request["messages"][0]["content"], set()).add(index)
+    assert sorted(homes) == sorted(sessions)
+    assert all(len(where) == 1 for where in homes.values()), homes  # one worker per session
+    assert len({next(iter(w)) for w in homes.values()}) > 1  # and sessions spread out

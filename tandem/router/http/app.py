@@ -1,7 +1,8 @@
 """The router's FastAPI app: OpenAI endpoints in front of the workers, plus its own views.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (proxy.py), GET /v1/models (from a
-healthy worker), GET /health (200 while some worker can serve a whole request), GET /workers,
+healthy worker), GET /health (200 while some worker can serve a whole request, "degraded" when the prefill
+pool is gone; each pool's total / up / available workers), GET /workers,
 POST /workers/reload (re-reads --config; SIGHUP does the same), POST /workers/{id}/drain and
 /resume (rolling restarts; the id is the worker's host:port), GET /metrics, GET /v1/usage
 (totals from the usage ledger, accounting/usage_api.py). With --api-keys, /v1/* needs a key
@@ -241,15 +242,20 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
         state = state_of(request)
         if state.proxy.drain.draining:
             return JSONResponse(state.proxy.drain.refusal("this router").body(), status_code=503)
-        serving = state.registry.pool(WHOLE_ROLES)
-        if serving:
+        pools = _pools(state)
+        whole = pools["decode"]["available"] + pools["both"]["available"]
+        if whole:
+            # Without prefill workers requests are served whole on the others: slower, not down.
+            split = pools["prefill"]["total"] == 0 or pools["prefill"]["available"] > 0
             return JSONResponse(
-                {"status": "ok", "workers_up": sum(w.healthy for w in state.registry.workers)}
+                {
+                    "status": "ok" if split else "degraded",
+                    "workers_up": sum(w.healthy for w in state.registry.workers),
+                    "pools": pools,
+                }
             )
-        return JSONResponse(
-            error_body(503, "no healthy worker can serve requests", None, "no_healthy_worker"),
-            status_code=503,
-        )
+        body = error_body(503, "no healthy worker can serve requests", None, "no_healthy_worker")
+        return JSONResponse({**body, "pools": pools}, status_code=503)
 
     @app.get("/workers")
     async def workers(request: Request) -> dict[str, Any]:
@@ -282,6 +288,21 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
         return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _pools(state: RouterState) -> dict[str, dict[str, int]]:
+    """Per role: workers configured, up (health polls), available (up, breaker closed or
+    half-open, not draining): what each pool can serve now."""
+    now = time.monotonic()
+    pools = {}
+    for role in ("prefill", "decode", "both"):
+        members = [w for w in state.registry.workers if w.role == role]
+        pools[role] = {
+            "total": len(members),
+            "up": sum(w.healthy for w in members),
+            "available": sum(w.available(now) for w in members),
+        }
+    return pools
 
 
 def _set_draining(state: RouterState, worker_id: str, draining: bool) -> dict[str, Any]:
