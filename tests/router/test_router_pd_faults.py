@@ -1,0 +1,142 @@
+"""A prefill/decode pair whose prefill leg fails, on real workers: before connecting, in the
+middle of the prefill, and when the decode worker pulls the KV. Each time the client gets the
+text a clean run gives, nothing hangs, and neither worker is left holding KV blocks. (A decode
+worker killed mid-stream is tests/test_up.py's SIGKILL test: the stream moves.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import httpx
+import psutil
+import pytest
+from live_server import LiveServer, free_port, start_server, stop_server
+from router_helpers import metric
+
+from tandem.router.config import Timeouts, WorkerSpec
+
+WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8")
+CONTEXT = "Our travel agency answers questions about cities, food, history and weather. " * 60
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LiveServer]]:
+    logs = tmp_path_factory.mktemp("pd-faults")
+    started: dict[str, LiveServer] = {}
+    try:
+        started["prefill"] = start_server(logs / "prefill.log", "--role", "prefill", *WORKER_ARGS)
+        # Its leases end almost at once: a decode worker's pull comes too late and is refused.
+        started["short_lease"] = start_server(logs / "short.log", "--role", "prefill", *WORKER_ARGS,
+                                              "--kv-transfer-hold-timeout", "0.001")
+        started["decode"] = start_server(logs / "decode.log", "--role", "decode", *WORKER_ARGS,
+                                         "--kv-transfer-fetch-timeout", "3")
+        yield started
+    finally:
+        for server in started.values():
+            assert not stop_server(server)
+
+
+def _body() -> dict:
+    return {"model": "smollm2-135m", "max_tokens": 24, "temperature": 0, "stream": True,
+            "messages": [{"role": "system", "content": f"Ticket {uuid.uuid4().hex}. {CONTEXT}"},
+                         {"role": "user", "content": "What should I eat in Lisbon?"}]}
+
+
+def _stream(url: str, body: dict) -> tuple[str, list[dict]]:
+    text, errors = [], []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk)
+                for choice in chunk.get("choices") or []:
+                    text.append(choice["delta"].get("content") or "")
+    return "".join(text), errors
+
+
+def _expected(tandem_server: str, body: dict) -> str:
+    reply = httpx.post(f"{tandem_server}/v1/chat/completions", json={**body, "stream": False}, timeout=120)
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def _idle(server: LiveServer) -> dict:
+    load = server.wait_idle()
+    deadline = time.monotonic() + 10
+    while load["kv_transfer"].get("held", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        load = server.load()
+    return load
+
+
+def _tree(server: LiveServer) -> list[psutil.Process]:
+    root = psutil.Process(server.process.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _router(start_router: Callable[..., str], prefill: str, decode: str, first_byte_s: float = 30.0) -> str:
+    return start_router([WorkerSpec(prefill, "prefill"), WorkerSpec(decode, "decode")], migration_limit=0,
+                        timeouts=Timeouts(connect_s=1.0, first_byte_s=first_byte_s, idle_s=30.0))
+
+
+def test_prefill_worker_unreachable(workers: dict[str, LiveServer], tandem_server: str,
+                                    start_router: Callable[..., str]) -> None:
+    url = _router(start_router, f"http://127.0.0.1:{free_port()}", workers["decode"].url)
+    body = _body()
+    assert _stream(url, body) == (_expected(tandem_server, body), [])
+    assert _idle(workers["decode"])["kv_blocks_used"] == 0
+
+
+def test_prefill_worker_stalls_mid_prefill(workers: dict[str, LiveServer], tandem_server: str,
+                                           start_router: Callable[..., str]) -> None:
+    """Frozen (SIGSTOP) while it computes the prompt: the prefill hop times out, the request is
+    served whole by the decode worker; thawed, the prefill worker drops the abandoned request."""
+    prefill = workers["prefill"]
+    url = _router(start_router, prefill.url, workers["decode"].url, first_byte_s=5.0)
+    body = _body()
+    expected = _expected(tandem_server, body)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(_stream(url, body)))
+    started = time.monotonic()
+    thread.start()
+    deadline = time.monotonic() + 10
+    while prefill.load()["num_requests_in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    frozen = _tree(prefill)
+    for process in frozen:
+        os.kill(process.pid, signal.SIGSTOP)
+    try:
+        thread.join(60)
+    finally:
+        for process in frozen:
+            os.kill(process.pid, signal.SIGCONT)
+    assert result == [(expected, [])] and time.monotonic() - started < 30
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert metric(metrics, "tandem_router_pd_fallbacks_total") == 1  # it was caught mid-prefill
+    load = _idle(prefill)
+    assert load["kv_blocks_used"] == 0 and load["kv_transfer"].get("held", 0) == 0
+    assert _idle(workers["decode"])["kv_blocks_used"] == 0
+
+
+def test_the_kv_pull_is_refused_after_the_lease(workers: dict[str, LiveServer], tandem_server: str,
+                                                start_router: Callable[..., str]) -> None:
+    """The prefill worker's lease ended before the decode worker read it: the read is
+    refused (never stale blocks), and the decode worker computes the prompt itself."""
+    decode = workers["decode"]
+    url = _router(start_router, workers["short_lease"].url, decode.url)
+    body = _body()
+    before = decode.load()["kv_transfer"]
+    assert _stream(url, body) == (_expected(tandem_server, body), [])
+    after = decode.load()["kv_transfer"]
+    assert after["pulls"] == before["pulls"] + 1
+    assert after["pull_failures"] == before["pull_failures"] + 1  # refused: computed here
+    load = _idle(workers["short_lease"])
+    assert load["kv_blocks_used"] == 0 and load["kv_transfer"].get("held", 0) == 0
+    assert _idle(decode)["kv_blocks_used"] == 0
