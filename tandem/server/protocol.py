@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tandem.types import SamplingParams
 
 _MAX_TOP_LOGPROBS = 20
+MAX_N = 128
 
 
 class OpenAIModel(BaseModel):
@@ -94,7 +95,9 @@ class SamplingFields(OpenAIModel):
     """What chat and completion requests share."""
 
     model: str | None = None
-    n: int = 1
+    # OpenAI's bound; each sequence costs memory before the engine sees the request, so an
+    # unbounded n was a way to run the server out of memory (found by fuzzing).
+    n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -195,7 +198,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""

@@ -73,3 +73,17 @@ def test_urls_are_normalized_and_deduplicated() -> None:
     assert specs_from_lists(["a:1", "http://a:1/v1"], [], []) == (
         WorkerSpec("http://a:1", "prefill"),
     )
+
+
+def test_malformed_bodies_that_fuzzing_found_do_not_break_prompt_counting() -> None:
+    """Each once made the router answer 500: a content part whose text is a list, tool_calls
+    that is not a list, token ids no vocabulary has (they broke the block hashing)."""
+    from tandem.router.placement.prompt_tokens import chat_text
+    from tandem.router.placement.tokenize import token_id_prompt
+
+    assert chat_text({"messages": [{"role": "system", "content": [{"type": "", "text": [None]}]}]}) == ""
+    assert chat_text({"messages": [{"role": "user", "content": "hi", "tool_calls": 5}]}) == "hi"
+    assert chat_text({"messages": 7}) == ""
+    assert token_id_prompt({"prompt": [-1, 5]}, "completion") is None
+    assert token_id_prompt({"prompt": [1 << 40]}, "completion") is None
+    assert token_id_prompt({"prompt": [[3, 4]]}, "completion") == [3, 4]

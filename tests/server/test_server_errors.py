@@ -30,6 +30,9 @@ CHAT_CASES: list[tuple[str, Any, int, str | None]] = [
     ("top_p out of range", {"model": MODEL, "messages": HELLO, "top_p": 5}, 400, "top_p"),
     ("negative temperature", {"model": MODEL, "messages": HELLO, "temperature": -1}, 400, "temperature"),
     ("n zero", {"model": MODEL, "messages": HELLO, "n": 0}, 400, "n"),
+    # Fuzzing found this one: 129 million sequences ran the server out of memory before it
+    # reached the engine.
+    ("n huge", {"model": MODEL, "messages": HELLO, "n": 129189130}, 400, "n"),
     ("too many top_logprobs", {"model": MODEL, "messages": HELLO, "logprobs": True, "top_logprobs": 50},
      400, "top_logprobs"),
     ("unknown tool_choice function",

@@ -64,9 +64,9 @@ class StreamRecord:
             if choice.get("finish_reason") is not None:
                 self.finished = True
 
-    def out_of_budget(self, max_tokens: int | None) -> bool:
+    def out_of_budget(self, max_tokens: object) -> bool:
         """Every token the client asked for is out already: only the end is missing."""
-        return max_tokens is not None and len(self.token_ids) >= max_tokens
+        return isinstance(max_tokens, int) and len(self.token_ids) >= max_tokens
 
 
 def resume_body(body: dict[str, Any], record: StreamRecord) -> dict[str, Any]:

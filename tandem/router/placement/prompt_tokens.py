@@ -60,15 +60,17 @@ class PromptCounter:
 
 def chat_text(body: dict[str, Any]) -> str:
     parts: list[str] = []
-    for message in body.get("messages") or []:
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else []:
         if not isinstance(message, dict):
             continue
         content = message.get("content")
         if isinstance(content, str):
             parts.append(content)
         elif isinstance(content, list):
-            parts.extend(p.get("text") or "" for p in content if isinstance(p, dict))
-        for call in message.get("tool_calls") or []:
+            parts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
             if isinstance(call, dict):
                 parts.append(json.dumps(call.get("function", call)))
     if body.get("tools"):

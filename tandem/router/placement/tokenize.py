@@ -50,11 +50,15 @@ def tokenize_body(body: dict[str, Any], kind: str) -> dict[str, Any] | None:
 
 
 def token_id_prompt(body: dict[str, Any], kind: str) -> list[int] | None:
-    """A completion prompt given as token ids needs no hop."""
+    """A completion prompt given as token ids needs no hop. Ids no vocabulary has (negative,
+    or past 32 bits: block hashes pack them as such) are the worker's to refuse, with a 400;
+    such a request is routed by load."""
     prompt = body.get("prompt") if kind == "completion" else None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in prompt
+    ):
         return prompt
     return None
 
