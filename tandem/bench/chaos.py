@@ -1,0 +1,414 @@
+"""`tandem bench chaos`: load through `tandem up` while workers are killed, and what survived.
+
+Each phase starts a `tandem up` cluster (1 prefill + 2 decode workers by default), runs a
+closed loop of streaming greedy chat requests (half of them long enough to be split over a
+prefill and a decode worker) for `--duration` seconds, and SIGKILLs workers on a schedule
+(`--faults`, seconds:worker). `tandem up` restarts each one; the router moves the streams of
+a dead decode worker to another (mid-stream migration) and serves whole what a dead prefill
+worker left. Then it waits for every worker to be back and idle and reports:
+
+- requests sent / completed / failed, and streams migrated (the router's counter);
+- wrong text: completed streams whose text differs from a clean run of the same prompt
+  (a token duplicated or lost at a migration would show here);
+- p99 end-to-end latency of requests that overlapped a fault (from the kill until the worker
+  is back) and of the others;
+- KV blocks leaked: blocks still used, and handed-over KV still held, on any worker once
+  nothing runs.
+
+The peer phase is the same cluster with `--migration-limit 0`: a router that retries only
+before the first byte, which is what the peers do by default (NVIDIA Dynamo ships migration
+off; vLLM's router and SGLang's have none), so every stream on a killed worker fails there.
+Goals (issue 15): 0 failed requests while each pool keeps a healthy worker; 0 leaked blocks;
+0 wrong texts. Network partitions (a cut link in `ip netns`) are not part of it yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+logger = logging.getLogger(__name__)
+
+_CONTEXT = ("You are the assistant of a travel agency. You answer questions about cities, their "
+            "history, food and weather briefly and precisely. ") * 12
+_CITIES = ["Lisbon", "Kyoto", "Lima", "Oslo", "Cairo", "Hanoi", "Quito", "Perth"]
+
+
+@dataclass
+class Request:
+    prompt: int
+    started: float
+    ended: float = 0.0
+    ok: bool = False
+    text: str = ""
+    error: str = ""
+
+
+@dataclass
+class Fault:
+    at: float  # seconds after the load started
+    worker: str
+    killed_at: float = 0.0  # monotonic
+    back_at: float | None = None  # when it answered /health again
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    migration_limit: int
+    sent: int = 0
+    completed: int = 0
+    failed: int = 0
+    wrong_text: int = 0
+    migrated: int = 0
+    retries: int = 0
+    p99_during_s: float | None = None
+    p99_steady_s: float | None = None
+    leaked_blocks: int = 0
+    held_handoffs: int = 0
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "chaos", help="load through tandem up while workers are killed: what failed, moved, leaked",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="model (default: smollm2-135m)")
+    parser.add_argument("--decode-workers", type=int, default=2, help="decode workers (default: 2)")
+    parser.add_argument("--prefill-workers", type=int, default=1, help="prefill workers (default: 1)")
+    parser.add_argument("--concurrency", type=int, default=16, help="streams in flight (default: 16)")
+    parser.add_argument("--duration", type=float, default=60.0, metavar="S", help="load per phase (default: 60)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default: 48)")
+    parser.add_argument("--faults", default="10:decode-0,30:prefill-0,45:decode-1", metavar="S:WORKER,...",
+                        help="SIGKILL WORKER (a tandem up process name) S seconds into the load "
+                             "(default: 10:decode-0,30:prefill-0,45:decode-1)")
+    parser.add_argument("--phases", default="peer,tandem",
+                        help="peer (--migration-limit 0) and/or tandem (default: peer,tandem)")
+    parser.add_argument("--kv-cache-memory", default="512MiB", help="per worker (default: 512MiB)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/chaos"), help="report directory")
+    parser.add_argument("--port", type=int, default=8450, help="router port (default: 8450)")
+    parser.set_defaults(handler=cmd_chaos)
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        at, _, worker = item.partition(":")
+        if not worker:
+            raise ValueError(f"--faults: expected S:WORKER, got {item!r}")
+        faults.append(Fault(float(at), worker))
+    return sorted(faults, key=lambda f: f.at)
+
+
+def prompts(count: int) -> list[list[dict[str, str]]]:
+    """Half long (split over prefill and decode), half short (served whole)."""
+    out = []
+    for i in range(count):
+        city = _CITIES[i % len(_CITIES)]
+        system = f"Ticket {i}. {_CONTEXT}" if i % 2 else f"Ticket {i}. Be brief."
+        out.append([{"role": "system", "content": system},
+                    {"role": "user", "content": f"Tell me about {city}, trip number {i}."}])
+    return out
+
+
+async def _stream(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]],
+                  max_tokens: int, record: Request) -> None:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    pieces = []
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
+            if reply.status_code != 200:
+                record.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+                return
+            done = False
+            async for line in reply.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        record.error = str(chunk["error"].get("message"))[:200]
+                    for choice in chunk.get("choices") or []:
+                        pieces.append((choice.get("delta") or {}).get("content") or "")
+            record.ok = done and not record.error
+            if not done and not record.error:
+                record.error = "stream ended without [DONE]"
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        record.text = "".join(pieces)
+        record.ended = time.monotonic()
+
+
+async def _load(url: str, conversations: list[list[dict[str, str]]], args: argparse.Namespace,
+                deadline: float) -> list[Request]:
+    records: list[Request] = []
+    turn = 0
+
+    async def loop(client: httpx.AsyncClient) -> None:
+        nonlocal turn
+        while time.monotonic() < deadline:
+            index = turn % len(conversations)
+            turn += 1
+            record = Request(index, time.monotonic())
+            records.append(record)
+            await _stream(client, url, args.model, conversations[index], args.max_tokens, record)
+            if not record.ok:
+                await asyncio.sleep(0.2)  # a client's pause before its next request
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, trust_env=False) as client:
+        await asyncio.gather(*(loop(client) for _ in range(args.concurrency)))
+    return records
+
+
+async def _once(url: str, model: str, conversations: list[list[dict[str, str]]],
+                max_tokens: int) -> list[Request]:
+    """Every conversation once, all at the same time."""
+    records = [Request(i, time.monotonic()) for i in range(len(conversations))]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), trust_env=False) as client:
+        await asyncio.gather(*(_stream(client, url, model, conversations[r.prompt], max_tokens, r)
+                               for r in records))
+    return records
+
+
+class Cluster:
+    """A `tandem up` process and the names of its children."""
+
+    def __init__(self, args: argparse.Namespace, migration_limit: int, log_dir: Path) -> None:
+        self.url = f"http://127.0.0.1:{args.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "tandem", "up", args.model, "--port", str(args.port),
+                   "--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers),
+                   "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.concurrency),
+                   "--migration-limit", str(migration_limit), "--log-dir", str(log_dir / "logs"),
+                   "--no-ledger", "--max-restarts", "20"]
+        self.stdout = log_dir / "up.stdout"
+        self.stderr = log_dir / "up.stderr"
+        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
+            self.process = subprocess.Popen(command, stdout=out, stderr=err,
+                                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + 600
+        while "Ctrl-C stops the cluster." not in self.stdout.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tandem up did not start:\n{self.stderr.read_text()[-3000:]}")
+            time.sleep(0.5)
+        rows = re.findall(r"^  (\S+)\s+(http://\S+)\s+log: ", self.stdout.read_text(), re.MULTILINE)
+        self.endpoints = dict(rows)
+
+    def worker_process(self, name: str) -> psutil.Process:
+        port = self.endpoints[name].rsplit(":", 1)[1]
+        for child in psutil.Process(self.process.pid).children():
+            cmdline = child.cmdline()
+            if "serve" in cmdline and "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == port:
+                return child
+        raise LookupError(f"no running process for {name}")
+
+    def kill(self, name: str) -> None:
+        victim = self.worker_process(name)
+        for process in [*victim.children(recursive=True), victim]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+    def healthy(self, name: str) -> bool:
+        try:
+            return httpx.get(f"{self.endpoints[name]}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+
+
+def run_phase(name: str, migration_limit: int, args: argparse.Namespace,
+              expected: dict[int, str] | None) -> tuple[PhaseResult, dict[int, str], list[Request]]:
+    conversations = prompts(2 * args.concurrency)
+    cluster = Cluster(args, migration_limit, args.out / name)
+    result = PhaseResult(name, migration_limit)
+    try:
+        if expected is None:  # a clean run of every prompt, before any fault
+            clean = asyncio.run(_once(cluster.url, args.model, conversations, args.max_tokens))
+            expected = {r.prompt: r.text for r in clean if r.ok}
+            logger.info("clean run: %d of %d prompts answered", len(expected), len(conversations))
+            if len(expected) < len(conversations):
+                errors = sorted({r.error for r in clean if r.error})
+                raise RuntimeError(f"the clean run failed before any fault: {'; '.join(errors)[:500]}")
+        faults = parse_faults(args.faults)
+        started = time.monotonic()
+        deadline = started + args.duration
+
+        async def faulted() -> list[Request]:
+            load = asyncio.create_task(_load(cluster.url, conversations, args, deadline))
+            for fault in faults:
+                await asyncio.sleep(max(0.0, started + fault.at - time.monotonic()))
+                fault.killed_at = time.monotonic()
+                await asyncio.to_thread(cluster.kill, fault.worker)
+                logger.info("%s: SIGKILL %s at %.1f s", name, fault.worker, fault.at)
+            return await load
+
+        records = asyncio.run(faulted())
+        for fault in faults:  # wait until every killed worker answers again
+            limit = time.monotonic() + 300
+            while not cluster.healthy(fault.worker) and time.monotonic() < limit:
+                time.sleep(0.5)
+        _settle(cluster)
+        result = _summarize(name, migration_limit, records, expected, faults, cluster)
+    finally:
+        cluster.stop()
+    return result, expected, records
+
+
+def _settle(cluster: Cluster) -> None:
+    """Until no worker runs or holds anything (or 60 s)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        loads = [httpx.get(f"{u}/load", timeout=5).json() for n, u in cluster.endpoints.items() if n != "router"]
+        if all(load["num_requests_in_flight"] == 0 and load["kv_blocks_used"] == 0
+               and not (load.get("kv_transfer") or {}).get("held") for load in loads):
+            return
+        time.sleep(0.5)
+
+
+def _summarize(name: str, migration_limit: int, records: list[Request], expected: dict[int, str],
+               faults: list[Fault], cluster: Cluster) -> PhaseResult:
+    result = PhaseResult(name, migration_limit)
+    result.sent = len(records)
+    result.completed = sum(r.ok for r in records)
+    result.failed = result.sent - result.completed
+    result.wrong_text = sum(1 for r in records if r.ok and r.prompt in expected and r.text != expected[r.prompt])
+    result.errors = sorted({r.error for r in records if r.error})[:10]
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    result.migrated = int(_metric(metrics, "tandem_router_migrations_total"))
+    result.retries = int(_metric(metrics, "tandem_router_retries_total"))
+    log = cluster.stderr.read_text()
+    windows = []
+    for fault in faults:
+        back = re.findall(rf"(\d\d:\d\d:\d\d) INFO tandem.up: {re.escape(fault.worker)} is healthy again after "
+                          r"([\d.]+) s", log)
+        fault.back_at = fault.killed_at + 1.0 + float(back[-1][1]) if back else None
+        windows.append((fault.killed_at, fault.back_at or fault.killed_at + 30.0))
+        result.faults.append({"at_s": fault.at, "worker": fault.worker,
+                              "back_after_s": None if fault.back_at is None else round(fault.back_at - fault.killed_at, 1)})
+    during, steady = [], []
+    for r in records:
+        if not r.ok:
+            continue
+        overlaps = any(r.started <= end and r.ended >= start for start, end in windows)
+        (during if overlaps else steady).append(r.ended - r.started)
+    result.p99_during_s, result.p99_steady_s = _p99(during), _p99(steady)
+    for worker, url in cluster.endpoints.items():
+        if worker == "router":
+            continue
+        load = httpx.get(f"{url}/load", timeout=5).json()
+        result.leaked_blocks += int(load["kv_blocks_used"])
+        result.held_handoffs += int((load.get("kv_transfer") or {}).get("held") or 0)
+    return result
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def report(results: list[PhaseResult]) -> str:
+    lines = ["| phase | migration | sent | completed | failed | migrated | wrong text | p99 e2e during faults (s) "
+             "| p99 e2e otherwise (s) | leaked KV blocks | held handoffs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.name} | {'off' if r.migration_limit == 0 else f'limit {r.migration_limit}'} | {r.sent} "
+                     f"| {r.completed} | {r.failed} | {r.migrated} | {r.wrong_text} | {_fmt(r.p99_during_s)} "
+                     f"| {_fmt(r.p99_steady_s)} | {r.leaked_blocks} | {r.held_handoffs} |")
+    return "\n".join(lines)
+
+
+def _plot(results: list[tuple[PhaseResult, list[Request]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
+    for axis, (result, records) in zip(axes[:, 0], results, strict=True):
+        if not records:
+            continue
+        zero = min(r.started for r in records)
+        for ok, colour, label in ((True, "tab:blue", "completed"), (False, "tab:red", "failed")):
+            chosen = [r for r in records if r.ok == ok]
+            axis.scatter([r.started - zero for r in chosen], [r.ended - r.started for r in chosen], s=6,
+                         c=colour, label=f"{label} ({len(chosen)})")
+        for fault in result.faults:
+            axis.axvline(fault["at_s"], color="grey", linestyle="--", linewidth=0.8)
+            axis.text(fault["at_s"], axis.get_ylim()[1] * 0.9, f" kill {fault['worker']}", fontsize=7)
+        axis.set_title(f"{result.name}: migration {'off' if result.migration_limit == 0 else 'on'}")
+        axis.set_xlabel("request start (s into the load)")
+        axis.set_ylabel("end-to-end latency (s)")
+        axis.legend(loc="upper right", fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - {"peer", "tandem"}
+    if unknown:
+        raise ValueError(f"--phases: unknown {', '.join(sorted(unknown))} (peer, tandem)")
+    parse_faults(args.faults)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    expected: dict[int, str] | None = None
+    done: list[tuple[PhaseResult, list[Request]]] = []
+    for phase in phases:
+        limit = 0 if phase == "peer" else 3
+        print(f"== {phase}: tandem up, migration {'off' if limit == 0 else 'on'}, {args.duration:g} s of load, "
+              f"faults {args.faults}", flush=True)
+        result, expected, records = run_phase(phase, limit, args, expected)
+        done.append((result, records))
+        print(report([result]), flush=True)
+    results = [r for r, _ in done]
+    text = report(results)
+    print("\n" + text)
+    for r in results:
+        if r.errors:
+            print(f"{r.name}: errors seen: " + "; ".join(r.errors))
+    (args.out / "chaos.md").write_text(text + "\n")
+    (args.out / "chaos.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    _plot(done, args.out / "chaos.png")
+    print(f"report: {args.out / 'chaos.md'}, {args.out / 'chaos.json'}, {args.out / 'chaos.png'}")
+    ours = next((r for r in results if r.name == "tandem"), None)
+    if ours is not None:
+        met = ours.failed == 0 and ours.leaked_blocks == 0 and ours.held_handoffs == 0 and ours.wrong_text == 0
+        print(f"goals (0 failed, 0 leaked, 0 wrong text): {'met' if met else 'missed'}")
+    return 0

@@ -1,0 +1,30 @@
+"""`tandem bench chaos`'s pure parts: the fault schedule, the prompts, the report."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.bench.chaos import PhaseResult, _p99, parse_faults, prompts, report
+
+
+def test_fault_schedule_is_parsed_and_sorted() -> None:
+    faults = parse_faults("30:prefill-0, 10:decode-0")
+    assert [(f.at, f.worker) for f in faults] == [(10.0, "decode-0"), (30.0, "prefill-0")]
+    with pytest.raises(ValueError, match="S:WORKER"):
+        parse_faults("10")
+
+
+def test_half_the_prompts_are_long_enough_to_split() -> None:
+    conversations = prompts(4)
+    lengths = [len(c[0]["content"]) for c in conversations]
+    assert lengths[1] > 1000 > lengths[0] and lengths[3] > 1000 > lengths[2]
+    assert len({c[1]["content"] for c in conversations}) == 4
+
+
+def test_report_has_a_row_per_phase_and_p99_takes_the_tail() -> None:
+    assert _p99([]) is None and _p99([1.0] * 98 + [5.0, 6.0]) == 5.0
+    text = report([PhaseResult("peer", 0, sent=10, completed=8, failed=2),
+                   PhaseResult("tandem", 3, sent=10, completed=10, migrated=2, p99_during_s=1.5)])
+    rows = text.splitlines()
+    assert rows[2].startswith("| peer | off | 10 | 8 | 2 | 0 |")
+    assert rows[3].startswith("| tandem | limit 3 | 10 | 10 | 0 | 2 | 0 | 1.50 |")
