@@ -336,6 +336,8 @@ class KVTransferConfig:
     hold_timeout: float = 60.0  # kept blocks are freed after this if nobody released them
     fetch_timeout: float = 10.0  # a decode worker computes the prompt itself after this
     shared_memory: bool = False  # KV cache in /dev/shm so same-host peers copy it directly
+    # Peers sign requests to the KV source with it (kvcache/transfer/auth.py); None: no check.
+    secret: str | None = field(default=None, repr=False)
 
     @property
     def serves_kv(self) -> bool:

@@ -291,6 +291,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                     help="free kept prompt KV after S seconds if no decode worker released it (default: 60)")
     pd.add_argument("--kv-transfer-fetch-timeout", type=float, default=10.0, metavar="S",
                     help="a decode worker computes the prompt itself after S seconds (default: 10)")
+    pd.add_argument("--cluster-secret", default=None, metavar="SECRET",
+                    help="the KV transfer port serves only peers that sign their requests with this "
+                         "secret (an HMAC), and this worker signs its own; every worker of a cluster needs "
+                         "the same (default: env TANDEM_CLUSTER_SECRET; tandem up makes one per cluster)")
     pd.add_argument("--kv-transfer-shm", action="store_true",
                     help="keep the KV cache in /dev/shm so decode workers on this host copy it directly")
 
@@ -308,13 +312,18 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return config
 
 
+CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
+
+
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
     """The worker's prefill/decode role and how its prompt KV moves between workers."""
     return KVTransferConfig(connectors=("pd",), role=args.role, host=args.kv_transfer_host,
                             port=args.kv_transfer_port,
                             hold_timeout=args.kv_transfer_hold_timeout,
                             fetch_timeout=args.kv_transfer_fetch_timeout,
-                            shared_memory=args.kv_transfer_shm)
+                            shared_memory=args.kv_transfer_shm,
+                            secret=getattr(args, "cluster_secret", None)
+                            or os.environ.get(CLUSTER_SECRET_ENV) or None)
 
 
 def serve_engine_config(args: argparse.Namespace) -> EngineConfig:

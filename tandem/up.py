@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -200,6 +201,9 @@ def plan_cluster(
     counts: dict[str, int] = {}
     workers = []
     taken: set[int] = {args.port}
+    # The workers' KV ports serve only each other: one secret per cluster, passed in their
+    # environment so that it appears on no command line (kvcache/transfer/auth.py).
+    secret = os.environ.get(flags.CLUSTER_SECRET_ENV) or secrets.token_hex(32)
 
     def distinct_port() -> int:
         """A free port no other process of this cluster was given."""
@@ -244,7 +248,11 @@ def plan_cluster(
             argv += ["--kv-transfer-shm"]
         workers.append(
             supervisor.ProcessSpec(
-                name, tuple(argv), log_dir / f"{name}.log", url=f"http://127.0.0.1:{port}"
+                name,
+                tuple(argv),
+                log_dir / f"{name}.log",
+                url=f"http://127.0.0.1:{port}",
+                env={**os.environ, flags.CLUSTER_SECRET_ENV: secret},
             )
         )
     router_argv = [
@@ -260,9 +268,9 @@ def plan_cluster(
         *resilience_argv(args),
         *request_limit_argv(args),
     ]
-    flags = {"prefill": "--prefill", "decode": "--decode", "both": "--worker"}
+    role_flags = {"prefill": "--prefill", "decode": "--decode", "both": "--worker"}
     for role, worker in zip(roles, workers, strict=True):
-        router_argv += [flags[role], worker.url]
+        router_argv += [role_flags[role], worker.url]
     if tokenizer_dir is not None:
         router_argv += ["--tokenizer", str(tokenizer_dir)]
     router_argv += accounting_argv(args)

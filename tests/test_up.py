@@ -59,6 +59,10 @@ def test_plan_prefill_and_decode_workers(tmp_path: Path) -> None:
     )
     assert prefill[prefill.index("--kv-cache-memory") + 1] == "256MiB"
     assert "--max-num-seqs" not in prefill and decode[decode.index("--max-num-seqs") + 1] == "8"
+    # One cluster secret for the KV ports, in every worker's environment, on no command line.
+    secrets = {w.env["TANDEM_CLUSTER_SECRET"] for w in plan.workers}
+    assert len(secrets) == 1 and len(next(iter(secrets))) == 64
+    assert not any(next(iter(secrets)) in " ".join(w.argv) for w in (*plan.workers, plan.router))
     assert decode[decode.index("--max-request-bytes") + 1] == str(16 << 20)  # workers and router
     assert list(plan.router.argv).count("--max-messages") == 1
     assert prefill[prefill.index("--max-num-batched-tokens") + 1] == "4096"
@@ -259,6 +263,17 @@ def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
             w["healthy"] for w in workers
         )
         assert {w["load"]["role"] for w in workers} == {"prefill", "decode"}  # started with --role
+        # The prefill worker's KV port serves only the cluster's own workers (signed requests).
+        import zmq
+
+        source = next(w["load"]["kv_source"] for w in workers if w["role"] == "prefill")
+        with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(source)
+            sock.send_multipart([b"CHECK", json.dumps({"transfer_id": "x"}).encode()])
+            assert sock.poll(5000)
+            status, body = sock.recv_multipart()
+        assert status == b"ERR" and "cluster secret" in json.loads(body)["message"]
 
         # A short prompt goes whole to the decode worker: greedy, the README's answer.
         short = _chat(url, [{"role": "user", "content": "What is the capital of France?"}], 20)

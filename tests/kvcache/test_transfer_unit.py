@@ -191,3 +191,31 @@ def test_a_latent_cache_travels_as_one_plane_of_one_head() -> None:
             TcpTransport().fetch(wrong, [0], timeout=5)
     finally:
         source.close()
+
+
+def test_a_source_with_the_cluster_secret_serves_only_signed_requests(source_cache: torch.Tensor) -> None:
+    """Peers without the secret, with a wrong one, or replaying a stale request are refused;
+    a sink that signs with it fetches, checks and releases as usual."""
+    import json as _json
+
+    from tandem.kvcache.transfer import auth, tcp
+
+    secret = "s3cret"
+    source = KVSource(lambda ids: source_cache.index_select(3, torch.tensor(ids)), LAYOUT, secret=secret)
+    try:
+        handle = _held(source, [0, 1], lease_id="lease-1")
+        for wrong in (None, "guess"):
+            with pytest.raises(KVTransferError, match="cluster secret"):
+                TcpTransport(wrong).fetch(handle, [0], timeout=5)
+        stale = auth.sign(secret, [b"CHECK", _json.dumps({"transfer_id": "lease-1"}).encode()])
+        assert auth.refusal(secret, stale, now=time.time() + 120) == "stale request (clock skew or a replay)"
+        body = _json.loads(stale[1])
+        assert auth.refusal(secret, [stale[0], _json.dumps({**body, "ts": 0}).encode(), stale[2]]) \
+            == "wrong cluster secret"  # the stamp is under the MAC
+        data = TcpTransport(secret).fetch(handle, [0, 1], timeout=5)
+        assert torch.equal(data, source_cache.index_select(3, torch.tensor([0, 1])))
+        tcp.check(handle, timeout=5, secret=secret)
+        tcp.release(handle, timeout=5, secret=secret)
+        assert source.refused == 2
+    finally:
+        source.close()

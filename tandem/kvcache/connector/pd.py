@@ -290,11 +290,11 @@ class PDConnectorWorker(KVConnectorWorker):
         info: dict[str, Any] = {}
         if self.config.serves_kv and kv.rank == 0:
             self.source = KVSource(kv.read_blocks, kv.layout, self.config.host, self.config.port,
-                                   kv.shm_path, kv.num_blocks)
+                                   kv.shm_path, kv.num_blocks, secret=self.config.secret)
             info = {"host": self.source.host, "port": self.source.port, "shm_path": kv.shm_path,
                     "shm_num_blocks": kv.num_blocks, "layout": asdict(kv.layout)}
         if self.config.fetches_kv:
-            self.sink = KVSink(kv.write_blocks, self.config.fetch_timeout)
+            self.sink = KVSink(kv.write_blocks, self.config.fetch_timeout, secret=self.config.secret)
         return info
 
     def start_load_kv(self, metadata: Any) -> None:

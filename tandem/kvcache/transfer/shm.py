@@ -23,8 +23,9 @@ from tandem.kvcache.transfer.base import KVTransferError, KVTransferHandle
 class ShmTransport:
     name = "shm"
 
-    def __init__(self) -> None:
+    def __init__(self, secret: str | None = None) -> None:
         self._maps: dict[str, np.ndarray] = {}
+        self.secret = secret  # for the lease check over the source's port (auth.py)
 
     def available(self, handle: KVTransferHandle) -> bool:
         return bool(handle.shm_path) and os.path.exists(handle.shm_path) and "block_ids" in handle.extra
@@ -57,5 +58,5 @@ class ShmTransport:
             raise KVTransferError("block index out of range")
         source = self._mapping(handle)
         data = torch.from_numpy(np.ascontiguousarray(source[:, :, :, [block_ids[i] for i in indices]]))
-        tcp.check(handle, timeout=min(5.0, timeout))
+        tcp.check(handle, timeout=min(5.0, timeout), secret=self.secret)
         return data

@@ -51,11 +51,12 @@ class PullResult:
 
 class KVSink:
     def __init__(self, write_blocks: Callable[[list[int], torch.Tensor], None], fetch_timeout: float = 10.0,
-                 use_shm: bool = True) -> None:
+                 use_shm: bool = True, secret: str | None = None) -> None:
         self.write_blocks = write_blocks
         self.fetch_timeout = fetch_timeout
-        self.shm = ShmTransport() if use_shm else None
-        self.tcp = TcpTransport()
+        self.secret = secret
+        self.shm = ShmTransport(secret) if use_shm else None
+        self.tcp = TcpTransport(secret)
         self._jobs: queue.Queue[PullJob | None] = queue.Queue()
         self._releases: queue.Queue[KVTransferHandle | None] = queue.Queue()
         self._results: queue.Queue[PullResult] = queue.Queue()
@@ -136,6 +137,6 @@ class KVSink:
             if handle is None:
                 return
             try:
-                tcp.release(handle, timeout=min(5.0, self.fetch_timeout))
+                tcp.release(handle, timeout=min(5.0, self.fetch_timeout), secret=self.secret)
             except Exception as exc:
                 logger.debug("release of %s failed (it will expire): %s", handle.transfer_id, exc)

@@ -31,6 +31,7 @@ import torch
 import xxhash
 import zmq
 
+from tandem.kvcache.transfer.auth import refusal
 from tandem.kvcache.transfer.base import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ class _Lease:
 class KVSource:
     def __init__(self, read_blocks: Callable[[list[int]], torch.Tensor], layout: KVLayout,
                  host: str = "127.0.0.1", port: int = 0, shm_path: str | None = None,
-                 shm_num_blocks: int = 0) -> None:
+                 shm_num_blocks: int = 0, secret: str | None = None) -> None:
         self.read_blocks = read_blocks
+        self._secret = secret
         self.layout = layout
         self.host = host
         self.shm_path = shm_path
@@ -70,8 +72,10 @@ class KVSource:
         self._thread = threading.Thread(target=self._serve, name="kv-source", daemon=True)
         self._thread.start()
         self.blocks_sent = 0
-        logger.info("KV transfer source listening on tcp://%s:%d%s", host, self.port,
-                    f" (shared memory {shm_path})" if shm_path else "")
+        self.refused = 0  # requests without the cluster secret
+        logger.info("KV transfer source listening on tcp://%s:%d%s%s", host, self.port,
+                    f" (shared memory {shm_path})" if shm_path else "",
+                    "; peers must sign with the cluster secret" if secret else "")
 
     # --- worker thread ----------------------------------------------------------------
     def hold(self, lease_id: str, block_ids: list[int], block_hashes: list[int], timeout: float) -> None:
@@ -131,6 +135,10 @@ class KVSource:
     def _handle(self, frames: list[bytes]) -> list[bytes | memoryview]:
         if len(frames) < 2:
             return self._error("malformed request")
+        refused = refusal(self._secret, frames)
+        if refused is not None:
+            self.refused += 1
+            return self._error(refused)
         kind, body = frames[0], json.loads(frames[1])
         lease_id = str(body.get("transfer_id", ""))
         if kind == b"RELEASE":

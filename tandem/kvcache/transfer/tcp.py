@@ -9,10 +9,13 @@ import torch
 import xxhash
 import zmq
 
+from tandem.kvcache.transfer.auth import sign
 from tandem.kvcache.transfer.base import KVTransferError, KVTransferHandle
 
 
-def _request(handle: KVTransferHandle, frames: list[bytes], timeout: float) -> list[bytes]:
+def _request(handle: KVTransferHandle, frames: list[bytes], timeout: float,
+             secret: str | None = None) -> list[bytes]:
+    frames = sign(secret, frames)
     context = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -30,22 +33,27 @@ def _request(handle: KVTransferHandle, frames: list[bytes], timeout: float) -> l
     return reply
 
 
-def release(handle: KVTransferHandle, timeout: float = 5.0) -> None:
+def release(handle: KVTransferHandle, timeout: float = 5.0, secret: str | None = None) -> None:
     """Tell the source it may free the blocks (every transport releases this way)."""
-    _request(handle, [b"RELEASE", json.dumps({"transfer_id": handle.transfer_id}).encode()], timeout)
+    _request(handle, [b"RELEASE", json.dumps({"transfer_id": handle.transfer_id}).encode()], timeout,
+             secret)
 
 
-def check(handle: KVTransferHandle, timeout: float = 5.0) -> None:
+def check(handle: KVTransferHandle, timeout: float = 5.0, secret: str | None = None) -> None:
     """Raise KVTransferError unless the handle's lease still lives at the source."""
-    _request(handle, [b"CHECK", json.dumps({"transfer_id": handle.transfer_id}).encode()], timeout)
+    _request(handle, [b"CHECK", json.dumps({"transfer_id": handle.transfer_id}).encode()], timeout,
+             secret)
 
 
 class TcpTransport:
     name = "tcp"
 
+    def __init__(self, secret: str | None = None) -> None:
+        self.secret = secret  # the cluster secret the sources want (auth.py)
+
     def fetch(self, handle: KVTransferHandle, indices: list[int], timeout: float) -> torch.Tensor:
         body = json.dumps({"transfer_id": handle.transfer_id, "indices": indices}).encode()
-        reply = _request(handle, [b"FETCH", body], timeout)
+        reply = _request(handle, [b"FETCH", body], timeout, self.secret)
         if len(reply) != 3:
             raise KVTransferError("malformed FETCH reply")
         header, payload = json.loads(reply[1]), reply[2]
