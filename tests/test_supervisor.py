@@ -260,3 +260,15 @@ def test_a_child_of_a_process_ignoring_sigint_still_stops_on_sigint(
     supervisor.wait_healthy([child], 30)
     assert supervisor.stop([child], timeout=10) == []
     assert child.process.returncode == -signal.SIGINT
+
+
+def test_restart_policy_backs_off_and_gives_up_on_a_crash_loop() -> None:
+    policy = supervisor.RestartPolicy(max_restarts=3, window_s=100.0, backoff_s=1.0, max_backoff_s=3.0)
+    assert [policy.next_delay(t, ran_s=1.0) for t in (0.0, 5.0, 10.0)] == [1.0, 2.0, 3.0]  # capped
+    assert policy.next_delay(15.0, ran_s=1.0) is None  # a 4th death within 100 s: a crash loop
+    # Restarts older than the window no longer count, and a child that ran a whole window
+    # starts over at the shortest pause.
+    assert policy.next_delay(108.0, ran_s=1.0) == 2.0  # only the restart at 10 s is left
+    assert policy.next_delay(300.0, ran_s=150.0) == 1.0
+    never = supervisor.RestartPolicy(max_restarts=0)
+    assert never.next_delay(0.0, ran_s=1.0) is None  # --max-restarts 0: the first death stops all

@@ -143,56 +143,19 @@ class FakeWorker:
     async def _serve(self, body: dict[str, Any], kind: str) -> Response:
         self.requests.append(body)
         mode = self.behaviour.mode
-        if mode == "error500":
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"{self.name} broke",
-                        "type": "server_error",
-                        "param": None,
-                        "code": None,
-                    }
-                },
-                status_code=500,
-            )
-        if mode == "busy429":
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"{self.name} is full",
-                        "type": "rate_limit_error",
-                        "param": None,
-                        "code": "overloaded",
-                    }
-                },
-                status_code=429,
-                headers={"Retry-After": "2"},
-            )
-        if mode == "draining":
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"{self.name} is shutting down",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "draining",
-                    }
-                },
-                status_code=503,
-                headers={"Retry-After": "1"},
-            )
-        if mode == "bad_request":
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "bad temperature",
-                        "type": "invalid_request_error",
-                        "param": "temperature",
-                        "code": "invalid_value",
-                    }
-                },
-                status_code=400,
-            )
+        refusals = {
+            "error500": (500, f"{self.name} broke", "server_error", None, {}),
+            "busy429": (429, f"{self.name} is full", "rate_limit_error", "overloaded",
+                        {"Retry-After": "2"}),
+            "draining": (503, f"{self.name} is shutting down", "server_error", "draining",
+                         {"Retry-After": "1"}),
+            "bad_request": (400, "bad temperature", "invalid_request_error", "invalid_value", {}),
+        }
+        if mode in refusals:
+            status, message, kind, code, headers = refusals[mode]
+            param = "temperature" if mode == "bad_request" else None
+            error = {"message": message, "type": kind, "param": param, "code": code}
+            return JSONResponse({"error": error}, status_code=status, headers=headers)
         if mode == "hang":
             await asyncio.sleep(self.behaviour.hang_s)
         kv = body.get("kv_transfer_params") or {}

@@ -120,3 +120,14 @@ def test_the_tool_call_parser_goes_on_where_the_first_stream_stopped(tandem_serv
     calls = [t for c in rest for t in (c.get("delta") or {}).get("tool_calls") or []]
     assert [t["function"].get("name") for t in calls if t.get("id")] == ["get_weather"]
     assert [c["finish_reason"] for c in rest if c["finish_reason"]] == ["tool_calls"]
+
+
+def test_kv_release_refuses_a_body_without_a_transfer_id(tandem_server: str) -> None:
+    for body in ({}, {"transfer_id": 5}, {"transfer_id": ""}):
+        reply = httpx.post(f"{tandem_server}/kv/release", json=body, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "transfer_id"
+    reply = httpx.post(f"{tandem_server}/kv/release", content=b"not json", timeout=30)
+    assert reply.status_code == 400
+    ok = httpx.post(f"{tandem_server}/kv/release", json={"transfer_id": "nobody-holds-this"}, timeout=30)
+    assert ok.json() == {"released": True}  # an unknown id is a no-op
+    assert httpx.get(f"{tandem_server}/health", timeout=10).status_code == 200

@@ -107,7 +107,6 @@ class Call:
     status: int = 200
     usage: dict[str, Any] | None = None
     retries: int = 0
-    migrations: int = 0
     finished: bool = False
     prompt_route: PromptRoute = field(default_factory=lambda: PromptRoute(0))
     # For the usage ledger (accounting/accounting.py): who called, and what is known if no
@@ -653,7 +652,6 @@ class Proxy:
             finally:
                 await hop.close()
         call.decode_worker = hop.worker
-        call.migrations = record.migrations
         return hop
 
     def _release_prefill_kv(self, call: Call, outcome: PrefillOutcome) -> None:
@@ -741,7 +739,7 @@ class Proxy:
             f"{call.ttft:.3f}s" if call.ttft is not None else "-",
             end - call.received,
             call.retries,
-            call.migrations,
+            call.record.migrations if call.record is not None else 0,
             call.status,
             ",".join(call.prompt_route.notes) or "-",
         )
