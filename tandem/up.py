@@ -35,6 +35,7 @@ from pathlib import Path
 
 from tandem import flags, supervisor
 from tandem.http_limits import add_request_limit_args, request_limit_argv
+from tandem.netns import WorkerNetwork
 from tandem.router.accounting.flags import (
     accounting_argv,
     accounting_config,
@@ -86,6 +87,13 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     cluster.add_argument("--kv-transfer", default="shm", choices=["shm", "tcp"],
                         help="how decode workers fetch prompt KV from prefill workers: shm (through "
                              "/dev/shm, the default: all workers share this host) or tcp")
+    cluster.add_argument(
+        "--netns",
+        action="store_true",
+        help="run each worker in a network namespace of its own, joined to the router by a "
+        "bridge, as if on its own host (Linux, root): a link can then fail without the "
+        "process dying (tandem bench chaos cuts links this way)",
+    )
     cluster.add_argument("--host", default="127.0.0.1", help="router address (default: 127.0.0.1)")
     cluster.add_argument("--port", type=int, default=8000, help="router port (default: 8000)")
     cluster.add_argument(
@@ -150,6 +158,7 @@ class ClusterPlan:
     workers: tuple[supervisor.ProcessSpec, ...]
     log_dir: Path
     api_keys: bool = False  # the router wants a key: the banner's examples say so
+    network: WorkerNetwork | None = None  # --netns: the workers' namespaces and bridge
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -204,6 +213,7 @@ def plan_cluster(
     # The workers' KV ports serve only each other: one secret per cluster, passed in their
     # environment so that it appears on no command line (kvcache/transfer/auth.py).
     secret = os.environ.get(flags.CLUSTER_SECRET_ENV) or secrets.token_hex(32)
+    network = WorkerNetwork(args.port) if getattr(args, "netns", False) else None
 
     def distinct_port() -> int:
         """A free port no other process of this cluster was given."""
@@ -218,12 +228,14 @@ def plan_cluster(
         counts[role] = index + 1
         name = f"{'worker' if role == 'both' else role}-{index}"
         port = distinct_port()
+        host = network.address(name) if network else "127.0.0.1"
         argv = [
+            *(network.exec_prefix(name) if network else []),
             *python,
             "serve",
             args.model,
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--no-access-log",
@@ -242,6 +254,8 @@ def plan_cluster(
             # Chosen here, not by the worker: a KV source binding a random port of its own
             # could take the HTTP port just handed to the next worker.
             argv += ["--kv-transfer-port", str(distinct_port())]
+            if network:
+                argv += ["--kv-transfer-host", host]
         if role != "decode" and args.kv_transfer != "tcp":
             # Every worker shares this host: decode workers copy prompt KV straight out
             # of the prefill worker's cache file instead of over a socket.
@@ -251,7 +265,7 @@ def plan_cluster(
                 name,
                 tuple(argv),
                 log_dir / f"{name}.log",
-                url=f"http://127.0.0.1:{port}",
+                url=f"http://{host}:{port}",
                 env={**os.environ, flags.CLUSTER_SECRET_ENV: secret},
             )
         )
@@ -278,7 +292,9 @@ def plan_cluster(
     router = supervisor.ProcessSpec(
         "router", tuple(router_argv), log_dir / "router.log", url=f"http://{shown_host}:{args.port}"
     )
-    return ClusterPlan(args.model, router, tuple(workers), log_dir, args.api_keys is not None)
+    return ClusterPlan(
+        args.model, router, tuple(workers), log_dir, args.api_keys is not None, network
+    )
 
 
 def pick_free_port() -> int:
@@ -456,6 +472,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_accounting(accounting_config(args))  # so do bad price / key files
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     _check_port_free(args.host, args.port)
+    if args.netns:
+        from tandem import netns
+
+        reason = netns.available()
+        if reason:
+            raise ValueError(f"--netns: {reason}")
+        if args.kv_store:
+            raise ValueError("--netns does not reach a --kv-store: the namespaces see only "
+                             "their bridge; leave one of them out")
     # Resolve (and, for a GGUF, convert) once here rather than in N workers at once; the
     # router counts prompt tokens with the same tokenizer.json.
     resolved = resolve_model(args.model, args.dtype)
@@ -470,10 +495,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
+        if plan.network is not None:
+            plan.network.create()
         return Cluster(plan, args.start_timeout, stop, args.max_restarts).run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if plan.network is not None:
+            plan.network.remove()
         if store is not None:
             store.stop()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import os
@@ -19,8 +20,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from netns_hosts import needs_netns
 
 from tandem.cli import build_parser
+from tandem.netns import WorkerNetwork
 from tandem.up import banner, default_threads, engine_argv, plan_cluster
 
 SMALL = ["--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8"]
@@ -506,3 +509,76 @@ def test_sigkill_of_a_decode_worker_under_32_streams_loses_nothing(tmp_path: Pat
         process.send_signal(signal.SIGINT)
         process.wait(timeout=90)
     assert process.returncode == 0, up.stderr.read_text()[-3000:]
+
+
+@needs_netns
+def test_a_cut_link_to_a_decode_worker_under_16_streams_loses_nothing(tmp_path: Path) -> None:
+    """`tandem up --netns` puts each worker in a network namespace of its own; the link of a
+    decode worker is cut mid-stream, so its streams fall silent instead of breaking. The
+    router's health checks mark it down, its streams move to the other decode worker, and
+    every stream completes with a clean run's text. Mended, the worker rejoins and ends the
+    requests the router gave up, holding nothing; Ctrl-C removes the namespaces."""
+    up = _start_up(tmp_path, "--netns", "--decode-workers", "2", "--max-num-seqs", "16",
+                   "--kv-cache-memory", "512MiB")
+    process, url = up.process, up.url
+    network = WorkerNetwork(int(url.rsplit(":", 1)[1]))
+    endpoints = up.endpoints()
+    try:
+        assert all(ipaddress.ip_address(httpx.URL(endpoints[w]).host) in network.subnet
+                   for w in ("prefill-0", "decode-0", "decode-1")), endpoints
+        bodies = []
+        for i in range(16):
+            system = f"Ticket {i}. {LONG_SYSTEM}" if i % 2 else f"Ticket {i}. Be brief."
+            bodies.append({"model": "smollm2-135m", "max_tokens": 40, "temperature": 0,
+                           "ignore_eos": True,
+                           "messages": [{"role": "system", "content": system},
+                                        {"role": "user", "content": f"Tell me about city number {i}."}]})
+        with ThreadPoolExecutor(16) as pool:
+            clean = list(pool.map(lambda ib: _stream_chat(url, ib[1], [0] * 16, ib[0]),
+                                  enumerate(bodies)))
+        assert all(not errors and text for text, errors in clean)
+        # The PD handoff crossed the bridge: decode workers pulled prompt KV from prefill-0.
+        assert _transfers(endpoints["decode-0"])["pulls"] + _transfers(endpoints["decode-1"])["pulls"] >= 1
+
+        progress = [0] * 16
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(_stream_chat, url, b, progress, i) for i, b in enumerate(bodies)]
+            deadline = time.monotonic() + 120
+            while sum(p >= 4 for p in progress) < 8 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            network.cut("decode-0")
+            cut_at = time.monotonic()
+            faulted = [f.result() for f in futures]
+        waited = time.monotonic() - cut_at
+        assert [errors for _, errors in faulted] == [[]] * 16
+        assert [text for text, _ in faulted] == [text for text, _ in clean]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        moved = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("tandem_router_migrations_total{"))
+        assert moved >= 1
+        print(f"migrated streams: {moved:.0f}; streams done {waited:.1f} s after the cut")
+        assert "(decode) is down after 3 failures" in (tmp_path / "logs" / "router.log").read_text()
+
+        network.mend("decode-0")
+
+        def settled() -> bool:
+            workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
+            if not (len(workers) == 3 and all(w["healthy"] for w in workers)):
+                return False
+            loads = {n: httpx.get(f"{endpoints[n]}/load", timeout=10).json()
+                     for n in ("prefill-0", "decode-0", "decode-1")}
+            return all(load["num_running_requests"] == load["num_waiting_requests"] == 0
+                       and load["kv_blocks_used"] == 0 and not load["kv_transfer"].get("held")
+                       for load in loads.values())
+
+        deadline = time.monotonic() + 120
+        while not settled() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert settled(), up.stderr.read_text()[-3000:]
+        assert "exited unexpectedly" not in up.stderr.read_text()  # nothing died: only a link
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=90)
+    assert process.returncode == 0, up.stderr.read_text()[-3000:]
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert network.namespace("decode-0") not in namespaces

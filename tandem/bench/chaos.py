@@ -15,11 +15,17 @@ worker left. Then it waits for every worker to be back and idle and reports:
 - KV blocks leaked: blocks still used, and handed-over KV still held, on any worker once
   nothing runs.
 
+A fault `S:cut:WORKER:D` cuts the link between WORKER and the rest of the cluster for D
+seconds instead: the cluster then runs with `tandem up --netns` (each worker in a network
+namespace of its own behind a bridge; root and iproute2 needed, else cut faults are left out
+with a note), and the worker's end of its link goes down, so its streams go silent rather
+than break. The router sees it go down through its health checks and moves its streams.
+
 The peer phase is the same cluster with `--migration-limit 0`: a router that retries only
 before the first byte, which is what the peers do by default (NVIDIA Dynamo ships migration
 off; vLLM's router and SGLang's have none), so every stream on a killed worker fails there.
 Goals (issue 15): 0 failed requests while each pool keeps a healthy worker; 0 leaked blocks;
-0 wrong texts. Network partitions (a cut link in `ip netns`) are not part of it yet.
+0 wrong texts.
 """
 
 from __future__ import annotations
@@ -42,10 +48,14 @@ from typing import Any
 import httpx
 import psutil
 
+from tandem import netns
+from tandem.netns import WorkerNetwork
+
 logger = logging.getLogger(__name__)
 
 _CONTEXT = ("You are the assistant of a travel agency. You answer questions about cities, their "
             "history, food and weather briefly and precisely. ") * 12
+_DEFAULT_FAULTS = "10:decode-0,25:cut:decode-1:10,45:prefill-0"
 _CITIES = ["Lisbon", "Kyoto", "Lima", "Oslo", "Cairo", "Hanoi", "Quito", "Perth"]
 
 
@@ -63,8 +73,16 @@ class Request:
 class Fault:
     at: float  # seconds after the load started
     worker: str
-    killed_at: float = 0.0  # monotonic
+    cut_s: float | None = None  # a cut link for this long, instead of a SIGKILL
+    killed_at: float = 0.0  # monotonic: when the fault began
     back_at: float | None = None  # when it answered /health again
+
+    @property
+    def kind(self) -> str:
+        return "kill" if self.cut_s is None else "cut"
+
+    def describe(self) -> str:
+        return f"SIGKILL {self.worker}" if self.cut_s is None else f"cut {self.worker} for {self.cut_s:g} s"
 
 
 @dataclass
@@ -95,9 +113,12 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="streams in flight (default: 16)")
     parser.add_argument("--duration", type=float, default=60.0, metavar="S", help="load per phase (default: 60)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default: 48)")
-    parser.add_argument("--faults", default="10:decode-0,30:prefill-0,45:decode-1", metavar="S:WORKER,...",
-                        help="SIGKILL WORKER (a tandem up process name) S seconds into the load "
-                             "(default: 10:decode-0,30:prefill-0,45:decode-1)")
+    parser.add_argument("--faults", default=_DEFAULT_FAULTS, metavar="S:WORKER,S:cut:WORKER:D,...",
+                        help="S:WORKER SIGKILLs WORKER (a tandem up process name) S seconds into the "
+                             "load; S:cut:WORKER:D cuts its network link for D seconds (needs root: "
+                             f"the cluster runs with --netns) (default: {_DEFAULT_FAULTS})")
+    parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                        help="the router's --idle-timeout (default: its own)")
     parser.add_argument("--phases", default="peer,tandem",
                         help="peer (--migration-limit 0) and/or tandem (default: peer,tandem)")
     parser.add_argument("--kv-cache-memory", default="512MiB", help="per worker (default: 512MiB)")
@@ -109,10 +130,16 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
 def parse_faults(text: str) -> list[Fault]:
     faults = []
     for item in filter(None, (p.strip() for p in text.split(","))):
-        at, _, worker = item.partition(":")
-        if not worker:
-            raise ValueError(f"--faults: expected S:WORKER, got {item!r}")
-        faults.append(Fault(float(at), worker))
+        parts = item.split(":")
+        try:
+            if len(parts) == 2 and parts[1]:
+                faults.append(Fault(float(parts[0]), parts[1]))
+            elif len(parts) == 4 and parts[1] == "cut" and parts[2]:
+                faults.append(Fault(float(parts[0]), parts[2], cut_s=float(parts[3])))
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--faults: expected S:WORKER or S:cut:WORKER:D, got {item!r}") from None
     return sorted(faults, key=lambda f: f.at)
 
 
@@ -192,14 +219,16 @@ async def _once(url: str, model: str, conversations: list[list[dict[str, str]]],
 class Cluster:
     """A `tandem up` process and the names of its children."""
 
-    def __init__(self, args: argparse.Namespace, migration_limit: int, log_dir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, migration_limit: int, log_dir: Path, netns: bool) -> None:
         self.url = f"http://127.0.0.1:{args.port}"
+        self.network = WorkerNetwork(args.port) if netns else None
         log_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "tandem", "up", args.model, "--port", str(args.port),
                    "--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers),
                    "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.concurrency),
                    "--migration-limit", str(migration_limit), "--log-dir", str(log_dir / "logs"),
-                   "--no-ledger", "--max-restarts", "20"]
+                   "--no-ledger", "--max-restarts", "20", *(["--netns"] if netns else []),
+                   *(["--idle-timeout", str(args.idle_timeout)] if args.idle_timeout else [])]
         self.stdout = log_dir / "up.stdout"
         self.stderr = log_dir / "up.stderr"
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
@@ -226,6 +255,14 @@ class Cluster:
         for process in [*victim.children(recursive=True), victim]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+    def cut(self, name: str) -> None:
+        assert self.network is not None
+        self.network.cut(name)
+
+    def mend(self, name: str) -> None:
+        assert self.network is not None
+        self.network.mend(name)
 
     def healthy(self, name: str) -> bool:
         try:
@@ -257,27 +294,43 @@ def _p99(values: list[float]) -> float | None:
 def run_phase(name: str, migration_limit: int, args: argparse.Namespace,
               expected: dict[int, str] | None) -> tuple[PhaseResult, dict[int, str], list[Request]]:
     conversations = prompts(2 * args.concurrency)
-    cluster = Cluster(args, migration_limit, args.out / name)
+    faults = parse_faults(args.faults)
+    cluster = Cluster(args, migration_limit, args.out / name, netns=any(f.cut_s for f in faults))
     result = PhaseResult(name, migration_limit)
     try:
-        if expected is None:  # a clean run of every prompt, before any fault
-            clean = asyncio.run(_once(cluster.url, args.model, conversations, args.max_tokens))
-            expected = {r.prompt: r.text for r in clean if r.ok}
-            logger.info("clean run: %d of %d prompts answered", len(expected), len(conversations))
-            if len(expected) < len(conversations):
-                errors = sorted({r.error for r in clean if r.error})
-                raise RuntimeError(f"the clean run failed before any fault: {'; '.join(errors)[:500]}")
-        faults = parse_faults(args.faults)
+        # A clean run of every prompt before any fault, in every phase: the first phase's
+        # answers are the expected texts, and each phase starts with the same warm caches
+        # (a phase that started cold would be slower for that alone).
+        clean = asyncio.run(_once(cluster.url, args.model, conversations, args.max_tokens))
+        answered = {r.prompt: r.text for r in clean if r.ok}
+        logger.info("%s: clean run: %d of %d prompts answered", name, len(answered), len(conversations))
+        if len(answered) < len(conversations):
+            errors = sorted({r.error for r in clean if r.error})
+            raise RuntimeError(f"the clean run failed before any fault: {'; '.join(errors)[:500]}")
+        if expected is None:
+            expected = answered
+        elif answered != expected:
+            raise RuntimeError(f"{name}: a clean run answered differently from the first phase's")
         started = time.monotonic()
         deadline = started + args.duration
 
+        async def inject(fault: Fault) -> None:
+            await asyncio.sleep(max(0.0, started + fault.at - time.monotonic()))
+            fault.killed_at = time.monotonic()
+            logger.info("%s: %s at %.1f s", name, fault.describe(), fault.at)
+            if fault.cut_s is None:
+                await asyncio.to_thread(cluster.kill, fault.worker)
+                return
+            await asyncio.to_thread(cluster.cut, fault.worker)
+            await asyncio.sleep(fault.cut_s)
+            await asyncio.to_thread(cluster.mend, fault.worker)
+            while not await asyncio.to_thread(cluster.healthy, fault.worker):
+                await asyncio.sleep(0.2)
+            fault.back_at = time.monotonic()
+
         async def faulted() -> list[Request]:
             load = asyncio.create_task(_load(cluster.url, conversations, args, deadline))
-            for fault in faults:
-                await asyncio.sleep(max(0.0, started + fault.at - time.monotonic()))
-                fault.killed_at = time.monotonic()
-                await asyncio.to_thread(cluster.kill, fault.worker)
-                logger.info("%s: SIGKILL %s at %.1f s", name, fault.worker, fault.at)
+            await asyncio.gather(*(inject(fault) for fault in faults))
             return await load
 
         records = asyncio.run(faulted())
@@ -317,11 +370,13 @@ def _summarize(name: str, migration_limit: int, records: list[Request], expected
     log = cluster.stderr.read_text()
     windows = []
     for fault in faults:
-        back = re.findall(rf"(\d\d:\d\d:\d\d) INFO tandem.up: {re.escape(fault.worker)} is healthy again after "
-                          r"([\d.]+) s", log)
-        fault.back_at = fault.killed_at + 1.0 + float(back[-1][1]) if back else None
+        if fault.cut_s is None:
+            back = re.findall(rf"(\d\d:\d\d:\d\d) INFO tandem.up: {re.escape(fault.worker)} is healthy again "
+                              r"after ([\d.]+) s", log)
+            fault.back_at = fault.killed_at + 1.0 + float(back[-1][1]) if back else None
         windows.append((fault.killed_at, fault.back_at or fault.killed_at + 30.0))
-        result.faults.append({"at_s": fault.at, "worker": fault.worker,
+        result.faults.append({"at_s": fault.at, "worker": fault.worker, "kind": fault.kind,
+                              "cut_s": fault.cut_s,
                               "back_after_s": None if fault.back_at is None else round(fault.back_at - fault.killed_at, 1)})
     during, steady = [], []
     for r in records:
@@ -371,7 +426,10 @@ def _plot(results: list[tuple[PhaseResult, list[Request]]], path: Path) -> None:
                          c=colour, label=f"{label} ({len(chosen)})")
         for fault in result.faults:
             axis.axvline(fault["at_s"], color="grey", linestyle="--", linewidth=0.8)
-            axis.text(fault["at_s"], axis.get_ylim()[1] * 0.9, f" kill {fault['worker']}", fontsize=7)
+            if fault.get("cut_s"):
+                axis.axvspan(fault["at_s"], fault["at_s"] + fault["cut_s"], color="orange", alpha=0.15)
+            axis.text(fault["at_s"], axis.get_ylim()[1] * 0.9, f" {fault.get('kind', 'kill')} {fault['worker']}",
+                      fontsize=7)
         axis.set_title(f"{result.name}: migration {'off' if result.migration_limit == 0 else 'on'}")
         axis.set_xlabel("request start (s into the load)")
         axis.set_ylabel("end-to-end latency (s)")
@@ -386,7 +444,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     unknown = set(phases) - {"peer", "tandem"}
     if unknown:
         raise ValueError(f"--phases: unknown {', '.join(sorted(unknown))} (peer, tandem)")
-    parse_faults(args.faults)
+    faults = parse_faults(args.faults)
+    reason = netns.available()
+    if reason and any(f.cut_s for f in faults):
+        kept = [f for f in faults if f.cut_s is None]
+        print(f"note: cut faults left out ({reason}): only SIGKILLs this run", flush=True)
+        args.faults = ",".join(f"{f.at:g}:{f.worker}" for f in kept)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     expected: dict[int, str] | None = None
     done: list[tuple[PhaseResult, list[Request]]] = []

@@ -168,13 +168,6 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
         "event (a request's wait in the worker's queue); a non-streamed reply sends its headers "
         f"at its end (default: {Timeouts.first_byte_s})",
     )
-    health.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=Timeouts.idle_s,
-        metavar="S",
-        help=f"longest silence between stream chunks after the first (default: {Timeouts.idle_s})",
-    )
     add_resilience_args(parser)
     add_request_limit_args(parser)
     add_policy_args(parser)

@@ -14,6 +14,16 @@ def test_fault_schedule_is_parsed_and_sorted() -> None:
         parse_faults("10")
 
 
+def test_cut_faults_name_a_worker_and_a_duration() -> None:
+    kill, cut = parse_faults("25:cut:decode-1:10,10:decode-0")
+    assert (kill.kind, kill.worker, kill.cut_s) == ("kill", "decode-0", None)
+    assert (cut.at, cut.kind, cut.worker, cut.cut_s) == (25.0, "cut", "decode-1", 10.0)
+    assert cut.describe() == "cut decode-1 for 10 s"
+    for bad in ("5:cut:decode-1", "5:cut::3", "5:snip:decode-1:3", "x:decode-0"):
+        with pytest.raises(ValueError, match="S:cut:WORKER:D"):
+            parse_faults(bad)
+
+
 def test_half_the_prompts_are_long_enough_to_split() -> None:
     conversations = prompts(4)
     lengths = [len(c[0]["content"]) for c in conversations]

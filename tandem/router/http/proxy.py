@@ -525,7 +525,7 @@ class Proxy:
                 failure: str | None = None
                 try:
                     async for data in self.upstream.events(
-                        hop.response, is_output=_is_output_event
+                        hop.response, is_output=_is_output_event, worker=hop.worker
                     ):
                         if data == "[DONE]":
                             break

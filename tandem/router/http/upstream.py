@@ -155,15 +155,19 @@ class Upstream:
             request = self.client.build_request(
                 "POST", worker.url + path, json=body, headers=headers
             )
+            watch = LostWatch(worker)
             try:
-                async with asyncio.timeout(self.timeouts.first_byte_s):
+                async with watch.timeout(self.timeouts.first_byte_s):
                     response = await self.client.send(request, stream=True)
             except TimeoutError as exc:
-                raise HopFailure(
-                    worker, f"no response within {self.timeouts.first_byte_s:g} s", timed_out=True
-                ) from exc
+                reason = (
+                    _DOWN if watch.lost else f"no response within {self.timeouts.first_byte_s:g} s"
+                )
+                raise HopFailure(worker, reason, timed_out=True) from exc
             except httpx.TransportError as exc:
                 raise HopFailure(worker, f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+            finally:
+                watch.close()
             if response.status_code >= 500 or response.status_code == 429:
                 data = b""
                 with contextlib.suppress(httpx.HTTPError, TimeoutError):
@@ -254,7 +258,10 @@ class Upstream:
             return await response.aread()
 
     async def events(
-        self, response: httpx.Response, is_output: Callable[[str], bool] | None = None
+        self,
+        response: httpx.Response,
+        is_output: Callable[[str], bool] | None = None,
+        worker: Worker | None = None,
     ) -> AsyncIterator[str]:
         """The `data:` payloads of an SSE stream, through `[DONE]`; StreamBroken otherwise.
 
@@ -262,18 +269,23 @@ class Upstream:
         output when the request's first token is out, after however long the request waited
         in its queue: that wait is bounded by `first_byte_s`, like the wait for the headers;
         the gaps after it by `idle_s` (a worker that stops mid-stream). `is_output` tells an
-        output event from a preamble (default: every event is output)."""
+        output event from a preamble (default: every event is output). With `worker`, the
+        stream also breaks as soon as the health checks mark that worker down: a cut link
+        leaves the stream silent rather than closed."""
         lines = response.aiter_lines()
         data: list[str] = []
         timeout = self.timeouts.first_byte_s
+        watch = LostWatch(worker) if worker is not None else None
         try:
             while True:
                 try:
-                    async with asyncio.timeout(timeout):
+                    async with watch.timeout(timeout) if watch else asyncio.timeout(timeout):
                         line = await anext(lines)
                 except StopAsyncIteration:
                     raise StreamBroken("the worker closed the stream before [DONE]") from None
                 except TimeoutError:
+                    if watch is not None and watch.lost:
+                        raise StreamBroken(_DOWN) from None
                     raise StreamBroken(f"no data for {timeout:g} s") from None
                 except httpx.HTTPError as exc:
                     raise StreamBroken(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
@@ -290,7 +302,40 @@ class Upstream:
                 if payload == "[DONE]":
                     return
         finally:
+            if watch is not None:
+                watch.close()
             await lines.aclose()
+
+
+_DOWN = "the worker went down (its health checks fail) while the router waited on it"
+
+
+class LostWatch:
+    """The timeouts of one wait on a worker, cut short when the worker goes down.
+
+    A worker behind a cut link or a frozen host sends nothing at all, not a reset, so a
+    stream on it would wait out its idle timeout (minutes when prefills are long). The health
+    monitor notices within a few polls and calls `Worker.lost`, which expires the timeout in
+    force now; `lost` then tells that expiry from a plain timeout."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.lost = False
+        self._current: asyncio.Timeout | None = None
+        self._unwatch = worker.watch_lost(self._expire)
+
+    def timeout(self, seconds: float) -> asyncio.Timeout:
+        self._current = asyncio.timeout(0 if self.lost else seconds)
+        return self._current
+
+    def _expire(self) -> None:
+        self.lost = True
+        current = self._current
+        if current is not None and not current.expired():
+            with contextlib.suppress(RuntimeError):  # not entered, or already left
+                current.reschedule(asyncio.get_running_loop().time())
+
+    def close(self) -> None:
+        self._unwatch()
 
 
 def _passed_headers(response: httpx.Response) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.router.config import AdmissionPolicy, BreakerPolicy, RetryPolicy, RouterConfig
+from tandem.router.config import AdmissionPolicy, BreakerPolicy, RetryPolicy, RouterConfig, Timeouts
 
 _DEFAULTS = RouterConfig()
 _BREAKER = BreakerPolicy()
@@ -48,6 +48,15 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
         metavar="S",
         help=f"a request that waited S seconds for a slot gets a 408 "
         f"(default: {_ADMISSION.queue_timeout_s:g})",
+    )
+    group.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=Timeouts.idle_s,
+        metavar="S",
+        help="a stream silent for S seconds after its first token is broken (and moved, see "
+        "--migration-limit); a worker whose health checks fail breaks its streams at once "
+        f"(default: {Timeouts.idle_s:g})",
     )
     if not full:
         return
@@ -128,4 +137,5 @@ def resilience_argv(args: argparse.Namespace) -> list[str]:
         "--max-in-flight", str(args.max_in_flight),
         "--max-queue", str(args.max_queue),
         "--queue-timeout", str(args.queue_timeout),
+        "--idle-timeout", str(args.idle_timeout),
     ]

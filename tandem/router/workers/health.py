@@ -54,12 +54,14 @@ class HealthMonitor:
                 worker.draining = False  # a drained worker that restarted takes requests again
             else:
                 logger.warning(
-                    "worker %s (%s) is down after %d failures: %s",
+                    "worker %s (%s) is down after %d failures: %s%s",
                     worker.url,
                     worker.role,
                     worker.health.consecutive_failures,
                     reason or "unreachable",
+                    f"; giving up {worker.in_flight} request(s) on it" if worker.in_flight else "",
                 )
+                worker.lost()
         elif first and not ok:
             logger.warning(
                 "worker %s (%s) is not reachable yet: %s", worker.url, worker.role, reason

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -111,6 +112,9 @@ class Worker:
         self.last_picked = 0  # the registry's pick counter when last chosen (ties → least recent)
         self._dispatches: dict[int, _Dispatch] = {}
         self._ids = itertools.count()
+        # Waits on this worker (a stream's next chunk, a reply's headers) that end at once
+        # when its health checks mark it down: a cut link sends no reset, only silence.
+        self._on_lost: set[Callable[[], None]] = set()
 
     @property
     def url(self) -> str:
@@ -132,6 +136,16 @@ class Worker:
     def available(self, now: float) -> bool:
         """Whether a new request may go here: up, its breaker lets it, not draining."""
         return self.health.healthy and not self.draining and self.breaker.allows(now)
+
+    def watch_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` if this worker goes down; returns the function that unregisters."""
+        self._on_lost.add(callback)
+        return lambda: self._on_lost.discard(callback)
+
+    def lost(self) -> None:
+        """Its health checks failed: every wait on it gives up now."""
+        for callback in list(self._on_lost):
+            callback()
 
     # --- the router's own record of what it sent -----------------------------------
     def dispatch(self, kind: DispatchKind, tokens: int, now: float) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -182,3 +183,56 @@ def test_the_first_event_may_wait_in_a_queue_up_to_the_first_byte_timeout() -> N
         asyncio.run(events(first_after=1.5, gap=0.0))
     with pytest.raises(StreamBroken, match="no data for 0.2 s"):
         asyncio.run(events(first_after=0.0, gap=0.5))
+
+
+def test_a_worker_marked_down_ends_the_waits_on_it_at_once() -> None:
+    """A cut link sends no reset: a stream on it, or a request waiting for its headers, hears
+    nothing until its timeout. When the health checks mark the worker down (`Worker.lost`),
+    both give up at once, long before their timeouts, and say why."""
+
+    async def silence() -> None:  # the worker behind a cut link
+        await asyncio.sleep(3600)
+
+    def stream():  # noqa: ANN202
+        async def body():  # noqa: ANN202
+            yield b'data: {"a":1}\n\n'
+            await silence()
+            yield b"data: [DONE]\n\n"
+
+        return body()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "headers-never-come":
+            await silence()
+        return httpx.Response(200, content=stream())
+
+    worker = healthy_worker("http://a")
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    upstream = Upstream(client, Timeouts(connect_s=1, first_byte_s=60, idle_s=60), RetryPolicy(),
+                        lambda hop, failure: None, lambda hop: None)
+
+    async def read_stream() -> tuple[list[str], float]:
+        response = await client.send(client.build_request("GET", "http://a/"), stream=True)
+        seen: list[str] = []
+        asyncio.get_running_loop().call_later(0.3, worker.lost)
+        started = time.monotonic()
+        with pytest.raises(StreamBroken, match="went down"):
+            async for event in upstream.events(response, worker=worker):
+                seen.append(event)
+        return seen, time.monotonic() - started
+
+    seen, waited = asyncio.run(read_stream())
+    assert seen == ['{"a":1}'] and waited < 5
+
+    async def open_hop() -> float:
+        stuck = healthy_worker("http://headers-never-come")
+        asyncio.get_running_loop().call_later(0.3, stuck.lost)
+        started = time.monotonic()
+        with pytest.raises(HopFailure, match="went down") as failure:
+            await upstream.open(stuck, "/v1/chat/completions", {}, {}, "decode", 10)
+        assert failure.value.timed_out and stuck.in_flight == 0
+        return time.monotonic() - started
+
+    assert asyncio.run(open_hop()) < 5
+    # Nothing stays registered on the workers once the waits are over.
+    assert not worker._on_lost

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tandem.router.config import HealthPolicy, WorkerSpec
+import httpx
+
+from tandem.router.config import HealthPolicy, ScoringConfig, WorkerSpec
+from tandem.router.workers.health import HealthMonitor
 from tandem.router.workers.registry import HealthState, WorkerRegistry
 
 POLICY = HealthPolicy()
@@ -47,3 +50,23 @@ def test_reload_keeps_the_state_of_workers_that_stay() -> None:
     assert [w.spec for w in added] == [c] and [w.spec for w in removed] == [b]
     assert registry.workers[0] is kept and kept.healthy and kept.in_flight == 2
     assert [w.spec for w in registry.pool(("prefill",), healthy_only=False)] == [c]
+
+
+def test_a_worker_going_down_tells_whoever_waits_on_it() -> None:
+    """The health monitor's down transition calls Worker.lost, which ends every wait on the
+    worker (upstream.LostWatch); unregistered callbacks are not called."""
+    registry = WorkerRegistry((WorkerSpec("http://a:1", "decode"),), POLICY)
+    worker = registry.workers[0]
+    monitor = HealthMonitor(registry, httpx.AsyncClient(), POLICY, ScoringConfig())
+    calls: list[str] = []
+    worker.watch_lost(lambda: calls.append("stream"))
+    unwatch = worker.watch_lost(lambda: calls.append("gone"))
+    unwatch()
+    monitor.record(worker, True)
+    for _ in range(POLICY.failures_to_down - 1):
+        monitor.record(worker, False, "ConnectTimeout")
+    assert calls == [] and worker.healthy
+    monitor.record(worker, False, "ConnectTimeout")
+    assert calls == ["stream"] and not worker.healthy
+    monitor.record(worker, False, "ConnectTimeout")  # already down: no second call
+    assert calls == ["stream"]
