@@ -201,6 +201,7 @@ def plan_cluster(
     args: argparse.Namespace,
     tokenizer_dir: Path | None,
     free_port: Callable[[], int],
+    secret: str | None = None,
 ) -> ClusterPlan:
     roles = worker_roles(args)
     log_dir = args.log_dir or Path("tandem-logs") / f"up-{dt.datetime.now():%Y%m%d-%H%M%S}"
@@ -212,7 +213,7 @@ def plan_cluster(
     taken: set[int] = {args.port}
     # The workers' KV ports serve only each other: one secret per cluster, passed in their
     # environment so that it appears on no command line (kvcache/transfer/auth.py).
-    secret = os.environ.get(flags.CLUSTER_SECRET_ENV) or secrets.token_hex(32)
+    secret = secret or cluster_secret()
     network = WorkerNetwork(args.port) if getattr(args, "netns", False) else None
 
     def distinct_port() -> int:
@@ -295,6 +296,11 @@ def plan_cluster(
     return ClusterPlan(
         args.model, router, tuple(workers), log_dir, args.api_keys is not None, network
     )
+
+
+def cluster_secret() -> str:
+    """The one the user gave (env), else a fresh one for this cluster."""
+    return os.environ.get(flags.CLUSTER_SECRET_ENV) or secrets.token_hex(32)
 
 
 def pick_free_port() -> int:
@@ -488,8 +494,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or Path("tandem-logs") / f"up-{dt.datetime.now():%Y%m%d-%H%M%S}"
     args.log_dir = log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
-    store = start_local_store(args, log_dir)
-    plan = plan_cluster(args, tokenizer_dir, pick_free_port)
+    secret = cluster_secret()
+    store = start_local_store(args, log_dir, secret)
+    plan = plan_cluster(args, tokenizer_dir, pick_free_port, secret)
     stop = threading.Event()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
@@ -507,17 +514,20 @@ def cmd_up(args: argparse.Namespace) -> int:
             store.stop()
 
 
-def start_local_store(args: argparse.Namespace, log_dir: Path):  # noqa: ANN201 - RedisServer | None
+def start_local_store(  # noqa: ANN201 - RedisServer | None
+    args: argparse.Namespace, log_dir: Path, secret: str | None = None
+):
     """`--kv-store redis`: start a redis-server for the cluster KV tier and point the workers
-    at it (args.kv_store becomes its URL)."""
+    at it (args.kv_store becomes its URL). It requires `secret`, the cluster's, which the
+    workers have in their environment and present as its password."""
     if (args.kv_store or "").lower() not in _LOCAL_STORES:
         return None
     from tandem.config import parse_memory_size
     from tandem.kvcache.tiers.redis_server import RedisServer
 
     server = RedisServer(maxmemory_bytes=parse_memory_size(args.kv_store_memory),
-                         log_path=log_dir / "redis.log").start()
-    logger.info("cluster KV store: redis-server on %s (maxmemory %s, allkeys-lru)", server.url,
-                args.kv_store_memory)
+                         log_path=log_dir / "redis.log", password=secret).start()
+    logger.info("cluster KV store: redis-server on %s (maxmemory %s, allkeys-lru%s)", server.url,
+                args.kv_store_memory, ", the cluster secret as its password" if secret else "")
     args.kv_store = server.url
     return server

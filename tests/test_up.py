@@ -369,16 +369,29 @@ def test_each_worker_gets_its_own_disk_tier_directory(tmp_path: Path) -> None:
 def test_kv_store_redis_starts_a_local_server_for_the_workers(tmp_path: Path) -> None:
     import redis
 
+    from tandem.kvcache.tiers.open import open_cluster_store
     from tandem.up import start_local_store
 
     args = _args("--kv-store", "redis", "--kv-store-memory", "64MiB")
-    server = start_local_store(args, tmp_path)
+    secret = "cluster secret " + uuid.uuid4().hex
+    server = start_local_store(args, tmp_path, secret)
     try:
         assert args.kv_store == server.url and args.kv_store.startswith("redis://127.0.0.1:")
-        client = redis.Redis.from_url(server.url)
+        # Only peers with the cluster secret get in; it is on no command line.
+        assert secret not in " ".join(psutil.Process(server.pid).cmdline())
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url, password="a guess").ping()
+        client = redis.Redis.from_url(server.url, password=secret)
         assert client.config_get("maxmemory")["maxmemory"] == str(64 << 20)
         assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
         client.close()
+        # A worker's store presents the secret from its engine config (--cluster-secret / env).
+        store = open_cluster_store(server.url, secret=secret)
+        store.put("chunk", b"kv bytes")
+        assert store.get("chunk") == b"kv bytes"
+        store.close()
     finally:
         server.stop()
     assert start_local_store(_args("--kv-store", "redis://10.0.0.5:6379"), tmp_path) is None

@@ -19,18 +19,22 @@ def open_stores(config: EngineConfig, role: str, rank: int = 0) -> dict[str, Chu
         else:
             stores["disk"] = DiskStore(tiers.disk_path, tiers.disk_bytes)
     if tiers.store_url:
-        stores["cluster"] = open_cluster_store(tiers.store_url, probe=role == "probe")
+        stores["cluster"] = open_cluster_store(
+            tiers.store_url, probe=role == "probe", secret=config.kv_transfer.secret
+        )
     return stores
 
 
-def open_cluster_store(url: str, probe: bool = False) -> ChunkStore:
+def open_cluster_store(url: str, probe: bool = False, secret: str | None = None) -> ChunkStore:
     """The cluster store at `url`; `probe`: only for existence checks (a Mooncake prober
-    contributes no memory segment of its own)."""
+    contributes no memory segment of its own). `secret`, the cluster's, is Redis's password
+    unless the URL names one (the redis-server `tandem up` starts requires it; a server
+    without a password ignores it)."""
     scheme = url.split("://", 1)[0].lower()
     if scheme in ("redis", "rediss", "valkey", "unix"):
         from tandem.kvcache.tiers.redis_store import RedisStore
 
-        return RedisStore(url)
+        return RedisStore(url, password=secret)
     if scheme == "mooncake":
         from tandem.kvcache.tiers.mooncake_store import MooncakeStore
 

@@ -61,6 +61,17 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def _read_replies(sock: socket.socket, count: int) -> bytes:
+    """`count` one-line replies (+OK, +PONG, -ERR ...), concatenated."""
+    data = b""
+    while data.count(b"\r\n") < count:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 class RedisServer:
     """One server process. `start()` it (or use `with`), read `url`, `stop()` it. The server
     is also stopped when this object is garbage-collected or the interpreter exits, so keep
@@ -68,8 +79,12 @@ class RedisServer:
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
                  maxmemory_bytes: int | None = None, policy: str = "allkeys-lru",
-                 data_dir: str | Path | None = None, log_path: str | Path | None = None) -> None:
+                 data_dir: str | Path | None = None, log_path: str | Path | None = None,
+                 password: str | None = None) -> None:
         self.host = host
+        # Clients must AUTH with it (tandem up: the cluster secret). It goes to the server in
+        # a 0600 config file, not on its command line, where `ps` would show it.
+        self.password = password
         self.port = port
         self.maxmemory_bytes = maxmemory_bytes
         self.policy = policy
@@ -124,7 +139,15 @@ class RedisServer:
         raise AssertionError("unreachable")
 
     def _launch(self, binary: str, directory: Path, timeout: float) -> None:
-        argv = [binary, "--port", str(self.port), "--bind", self.host, "--protected-mode", "no",
+        argv = [binary]
+        if self.password is not None:
+            config = directory / "auth.conf"
+            config.touch(mode=0o600)
+            config.chmod(0o600)
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            config.write_text(f'requirepass "{quoted}"\n')
+            argv.append(str(config))
+        argv += ["--port", str(self.port), "--bind", self.host, "--protected-mode", "no",
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(directory),
                 "--maxmemory-policy", self.policy]
         if self.maxmemory_bytes is not None:
@@ -159,7 +182,9 @@ class RedisServer:
             return False
         try:
             with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
-                sock.sendall(b"PING\r\n")
+                sock.sendall(self._auth() + b"PING\r\n")
+                if self.password is not None:
+                    return b"+PONG" in _read_replies(sock, 2)
                 return sock.recv(64).startswith(b"+PONG")
         except OSError:
             return False
@@ -168,6 +193,9 @@ class RedisServer:
         """The process id of the server answering on our port (INFO server), or None."""
         try:
             with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+                sock.sendall(self._auth())
+                if self.password is not None and not _read_replies(sock, 1).startswith(b"+OK"):
+                    return None
                 sock.sendall(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
                 reply = b""
                 while True:  # a bulk string: $<length>\r\n<body>\r\n
@@ -185,6 +213,13 @@ class RedisServer:
             if line.startswith(b"process_id:"):
                 return int(line.split(b":", 1)[1])
         return None
+
+    def _auth(self) -> bytes:
+        """The AUTH command to send first, as a RESP array (nothing without a password)."""
+        if self.password is None:
+            return b""
+        secret = self.password.encode()
+        return b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret)
 
     def _log_tail(self, max_bytes: int = 4000) -> str:
         """The end of what the server logged since the last launch."""

@@ -59,15 +59,18 @@ class RedisStore(ChunkStore):
 
     def __init__(self, url: str, prefix: str = "tandem:kv:", socket_timeout: float = 2.0,
                  connect_timeout: float = 0.5, ttl_s: int | None = None, backoff_s: float = 1.0,
-                 max_connections: int = 32) -> None:
+                 max_connections: int = 32, password: str | None = None) -> None:
         self.url = normalize_url(url)
+        # The URL's own password wins; else `password` (the cluster secret) if given.
+        auth = {} if password is None or redis.connection.parse_url(self.url).get("password") \
+            else {"password": password}
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
         self._pool = redis.BlockingConnectionPool.from_url(
             self.url, max_connections=max_connections, timeout=socket_timeout,
             socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-            retry=Retry(NoBackoff(), 0))
+            retry=Retry(NoBackoff(), 0), **auth)
         self._client = redis.Redis(connection_pool=self._pool)
         self._lock = threading.Lock()  # the counters and the back-off deadline
         self._down_until = 0.0

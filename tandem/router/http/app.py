@@ -47,6 +47,7 @@ from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, ca
 from tandem.router.accounting.usage_api import usage_report
 from tandem.router.config import RouterConfig, all_worker_specs
 from tandem.router.http.metrics import RouterMetrics
+from tandem.router.http.openapi import document_request_bodies
 from tandem.router.http.proxy import WHOLE_ROLES, Proxy
 from tandem.router.http.upstream import HopFailure, Upstream, make_client
 from tandem.router.placement.kv_events import KvEventPoller
@@ -287,6 +288,7 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
     async def metrics(request: Request) -> Response:
         return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    document_request_bodies(app)
     return app
 
 

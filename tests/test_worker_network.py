@@ -1,5 +1,5 @@
-"""`tandem up --netns`'s network: names, addresses, and a real namespace whose link is cut
-and mended (needs root and iproute2, which CI has)."""
+"""`tandem up --netns`'s network (tandem/netns.py): names, addresses, and a real namespace
+whose link is cut and mended (needs root and iproute2, which CI has)."""
 
 from __future__ import annotations
 
