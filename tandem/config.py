@@ -317,7 +317,7 @@ class LoadConfig:
     pack_weights: bool = True
     # Decode attention: "cpu" = the C kernel over the paged cache (kernels/cpu_attention.py),
     # "torch" = gather + batched matmuls, "auto" = the kernel when it compiles here.
-    attention_backend: str = "auto"  # auto | cpu | torch
+    attention_backend: str = "auto"  # auto | cpu | torch | triton
 
 
 ROLES = ("both", "prefill", "decode")

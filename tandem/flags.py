@@ -93,8 +93,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          False, switch=True),
     Flag("--attention-backend",
          "decode attention: cpu = a C kernel reading the paged cache in place (compiled on first "
-         "use with the system C compiler), torch = gather + matmuls, auto = cpu when it compiles, "
-         "else torch (default: auto)", "auto", choices=("auto", "cpu", "torch")),
+         "use with the system C compiler), torch = gather + matmuls, triton = the Triton kernels "
+         "(a GPU's; on a CPU only under TRITON_INTERPRET=1, slowly: for tests), auto = cpu when it "
+         "compiles, else torch (default: auto)", "auto", choices=("auto", "cpu", "torch", "triton")),
     Flag("--world-size",
          "ranks that run the model, one process each, joined by torch.distributed (gloo on CPU, NCCL "
          "on GPU); each holds the whole model unless --tensor-parallel-size splits it (default: 1)",

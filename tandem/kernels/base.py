@@ -8,8 +8,8 @@ A GPU backend (Triton) implements the same two methods over the same metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +33,9 @@ class AttentionMetadata:
     decode_max_context_len: int
     prefills: list[PrefillSpan]
     block_size: int
+    # Per-step scratch a backend fills once and reuses in every layer (the Triton backend's
+    # chunk tensors, say); the runner makes new metadata each step.
+    scratch: dict[str, Any] = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):

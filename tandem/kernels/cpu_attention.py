@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from tandem.kernels.base import AttentionMetadata
+from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -178,13 +178,23 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def make_attention_backend(choice: str, cache_dir: Path) -> TorchAttentionBackend:
-    """`--attention-backend`: "torch", "cpu" (the kernel, or an error), or "auto" (the kernel
+def make_attention_backend(choice: str, cache_dir: Path, device_type: str = "cpu") -> AttentionBackend:
+    """`--attention-backend`: "torch", "cpu" (the kernel, or an error), "triton" (the Triton
+    kernels: on a GPU, or on this CPU under TRITON_INTERPRET=1), or "auto" (the C kernel
     when it builds, else torch with a warning)."""
     if choice == "torch":
         return TorchAttentionBackend()
+    if choice == "triton":
+        from tandem.kernels.gpu import available
+
+        reason = available(device_type)
+        if reason:
+            raise ValueError(f"--attention-backend triton: {reason}")
+        from tandem.kernels.gpu.backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     if choice not in ("auto", "cpu"):
-        raise ValueError(f"unknown attention backend {choice!r}; choose auto, cpu or torch")
+        raise ValueError(f"unknown attention backend {choice!r}; choose auto, cpu, torch or triton")
     try:
         return CpuAttentionBackend(PagedDecodeKernel(build_kernel_library(cache_dir)))
     except (KernelBuildError, OSError, subprocess.SubprocessError) as error:

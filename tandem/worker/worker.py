@@ -28,9 +28,9 @@ from tandem.distributed.layout import RankLayout, stage_layers
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.kernels.base import AttentionBackend
 from tandem.kernels.cpu_attention import make_attention_backend
 from tandem.kernels.q4_gemm import load_q4_kernel
-from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorWorker
 from tandem.kvcache.connector.factory import make_connector_worker
 from tandem.layers.linear import SmallStepWeights, attach_small_step_weights, pack_weights_for_cpu
@@ -179,7 +179,7 @@ class Worker:
                              prev_rank=layout.peer(rank, index - 1) if index > 0 else None,
                              next_rank=layout.peer(rank, index + 1) if index < stages - 1 else None)
 
-    def _build_model(self, model_config: ModelConfig, hf_dir: Path, backend: TorchAttentionBackend,
+    def _build_model(self, model_config: ModelConfig, hf_dir: Path, backend: AttentionBackend,
                      max_model_len: int) -> torch.nn.Module:
         """Build the model, fill its weights, then lay them out for the kernels that read them."""
         load = self.config.load

@@ -1,0 +1,91 @@
+"""`--attention-backend triton`: the attention backend interface over the Triton kernels.
+
+Per step the runner's metadata is turned into the kernels' tensors once (the chunks' starts,
+lengths, contexts and one padded block table) and kept in `meta.scratch` for every layer.
+The step's keys and values are written into the cache first, so a prefill chunk reads its
+whole context, cached prefix and fresh tokens alike, from the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels.base import AttentionMetadata
+from tandem.kernels.gpu import available
+from tandem.kernels.gpu.cache_write import write_kv
+from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
+from tandem.kernels.gpu.prefill_attention import prefill_attention
+
+_SCRATCH_KEY = "triton"
+
+
+@dataclass
+class _Chunks:
+    starts: torch.Tensor
+    lens: torch.Tensor
+    contexts: torch.Tensor
+    tables: torch.Tensor
+    max_len: int
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, target_programs: int = 264) -> None:
+        # Decode splits aim at this many programs: a couple per SM of an H100 (132 SMs).
+        self.target_programs = target_programs
+
+    @staticmethod
+    def check(kv_cache: torch.Tensor) -> None:
+        reason = available(kv_cache.device.type)
+        if reason:
+            raise RuntimeError(f"--attention-backend triton: {reason}")
+        block_size = kv_cache.shape[3]
+        if kv_cache.shape[0] != 2 or block_size < 16 or block_size & (block_size - 1):
+            raise ValueError("--attention-backend triton needs a key and a value plane and a "
+                             f"block size that is a power of two >= 16, got {tuple(kv_cache.shape)}")
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        write_kv(key, value, kv_cache, meta.slot_mapping)
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        decodes = meta.num_decode_tokens
+        if decodes:
+            max_blocks = -(-meta.decode_max_context_len // meta.block_size)
+            splits = decode_splits(decodes, kv_cache.shape[1], max_blocks, self.target_programs)
+            out[:decodes] = paged_decode_attention(
+                query[:decodes], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+                meta.decode_max_context_len, scale, splits,
+            )
+        if meta.prefills:
+            chunks = self._chunks(meta, query.device)
+            prefill_attention(query, kv_cache, chunks.starts, chunks.lens, chunks.contexts,
+                              chunks.tables, chunks.max_len, scale, out)
+        return out
+
+    @staticmethod
+    def _chunks(meta: AttentionMetadata, device: torch.device) -> _Chunks:
+        cached = meta.scratch.get(_SCRATCH_KEY)
+        if cached is None:
+            spans = meta.prefills
+            width = max(len(s.block_ids) for s in spans)
+            tables = torch.zeros(len(spans), width, dtype=torch.int64)
+            for i, span in enumerate(spans):
+                tables[i, : len(span.block_ids)] = span.block_ids
+            cached = _Chunks(
+                torch.tensor([s.q_start for s in spans], dtype=torch.int64, device=device),
+                torch.tensor([s.q_len for s in spans], dtype=torch.int64, device=device),
+                torch.tensor([s.context_len for s in spans], dtype=torch.int64, device=device),
+                tables.to(device),
+                max(s.q_len for s in spans),
+            )
+            meta.scratch[_SCRATCH_KEY] = cached
+        return cached

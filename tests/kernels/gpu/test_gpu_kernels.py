@@ -1,0 +1,149 @@
+"""The Triton kernels against the torch reference backend, in Triton's CPU interpreter (and
+on a GPU when one runs them): block sizes, head sizes 64 and 128, GQA ratios, contexts that
+cross block boundaries, split and unsplit decodes, chunks with and without a cached prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels.base import AttentionMetadata, PrefillSpan, kv_cache_shape
+from tandem.kernels.gpu.backend import TritonAttentionBackend
+from tandem.kernels.gpu.cache_write import write_kv
+from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
+from tandem.kernels.gpu.rms_norm import rms_norm
+from tandem.kernels.torch_attention import TorchAttentionBackend
+from tandem.layers.norm import RMSNorm
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def _cache(blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(kv_cache_shape(blocks, block_size, kv_heads, dim), dtype=dtype)
+
+
+def _tables(contexts: list[int], block_size: int, blocks: int, generator: torch.Generator) -> torch.Tensor:
+    """Each row's blocks: distinct, scattered over the cache (not in order)."""
+    width = max(-(-c // block_size) for c in contexts)
+    order = torch.randperm(blocks, generator=generator)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int64)
+    used = 0
+    for i, context in enumerate(contexts):
+        n = -(-context // block_size)
+        tables[i, :n] = order[used: used + n]
+        used += n
+    return tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_puts_each_token_in_its_slot_and_skips_padding(dtype: torch.dtype, block_size: int) -> None:
+    torch.manual_seed(0)
+    cache, reference = (_cache(6, block_size, 3, 64, dtype) for _ in range(2))
+    reference.copy_(cache)
+    slots = torch.tensor([5, block_size, 3 * block_size + 7, -1, 6 * block_size - 1])
+    qkv = torch.randn(5, 3 * 2 * 64, dtype=dtype)  # key and value as views into one projection
+    key, value = qkv[:, :192].view(5, 3, 64), qkv[:, 192:].view(5, 3, 64)
+    write_kv(key, value, cache, slots)
+    meta = AttentionMetadata(slots[[0, 1, 2, 4]], 0, torch.zeros(0, 1, dtype=torch.int64),
+                             torch.zeros(0, dtype=torch.int64), 0, [], block_size)
+    TorchAttentionBackend().write_kv(key[[0, 1, 2, 4]], value[[0, 1, 2, 4]], reference, meta)
+    assert torch.equal(cache, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (9, 3, 64), (14, 2, 64), (12, 2, 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_the_torch_backend(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                                          block_size: int, splits: int) -> None:
+    generator = torch.Generator().manual_seed(heads * 1000 + dim + block_size + splits)
+    torch.manual_seed(heads + dim)
+    contexts = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 100]
+    blocks = sum(-(-c // block_size) for c in contexts) + 3
+    cache = _cache(blocks, block_size, kv_heads, dim, dtype)
+    tables = _tables(contexts, block_size, blocks, generator)
+    lens = torch.tensor(contexts)
+    query = torch.randn(len(contexts), heads, dim, dtype=dtype)
+    scale = dim ** -0.5
+    got = paged_decode_attention(query, cache, tables, lens, max(contexts), scale, splits)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), len(contexts), tables, lens, max(contexts), [],
+                             block_size)
+    want = TorchAttentionBackend()._decode(query.float(), cache.float(), meta, scale)
+    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_decode_splits_fill_the_device_but_keep_a_few_blocks_each() -> None:
+    assert decode_splits(rows=1, kv_heads=8, max_blocks=4, target_programs=264) == 1
+    assert decode_splits(rows=1, kv_heads=8, max_blocks=512, target_programs=264) == 33
+    assert decode_splits(rows=64, kv_heads=8, max_blocks=512, target_programs=264) == 1
+    assert decode_splits(rows=1, kv_heads=2, max_blocks=40, target_programs=264) == 10
+    assert decode_splits(rows=1, kv_heads=1, max_blocks=8192, target_programs=10_000) == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_mixed_batch_matches_the_torch_backend(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                                                 block_size: int) -> None:
+    """Two decodes, then three prefill chunks: a fresh prompt, a chunk after a cached prefix
+    that ends mid-block, and a one-token chunk; the step's K/V written by the backend."""
+    generator = torch.Generator().manual_seed(7)
+    torch.manual_seed(dim + block_size)
+    decode_contexts = [block_size + 3, 2]
+    chunks = [(0, 5), (block_size + 9, 2 * block_size + 2), (70, 1)]  # (cached, q_len)
+    contexts = decode_contexts + [cached + q_len for cached, q_len in chunks]
+    blocks = sum(-(-c // block_size) for c in contexts) + 2
+    cache = _cache(blocks, block_size, kv_heads, dim, dtype)
+    tables = _tables(contexts, block_size, blocks, generator)
+    rows = len(decode_contexts) + sum(q_len for _, q_len in chunks)
+    query = torch.randn(rows, heads, dim, dtype=dtype)
+    key = torch.randn(rows, kv_heads, dim, dtype=dtype)
+    value = torch.randn(rows, kv_heads, dim, dtype=dtype)
+    slots, spans, start = [], [], len(decode_contexts)
+    for i, c in enumerate(decode_contexts):  # a decode's token is the last of its context
+        slots.append(int(tables[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size)
+    for j, (cached, q_len) in enumerate(chunks):
+        row = len(decode_contexts) + j
+        table = tables[row, : -(-(cached + q_len) // block_size)]
+        spans.append(PrefillSpan(start, q_len, cached + q_len, table))
+        slots += [int(table[p // block_size]) * block_size + p % block_size for p in range(cached, cached + q_len)]
+        start += q_len
+    meta = AttentionMetadata(torch.tensor(slots), len(decode_contexts), tables[:2], torch.tensor(decode_contexts),
+                             max(decode_contexts), spans, block_size)
+    scale = dim ** -0.5
+    reference_cache = cache.float().clone()
+    triton_backend = TritonAttentionBackend(target_programs=16)  # splits the 2 decodes too
+    triton_backend.check(cache)
+    triton_backend.write_kv(key, value, cache, meta)
+    got = triton_backend.attend(query, key, value, cache, meta, scale)
+    torch_backend = TorchAttentionBackend()
+    torch_backend.write_kv(key.float(), value.float(), reference_cache, meta)
+    want = torch_backend.attend(query.float(), key.float(), value.float(), reference_cache, meta, scale)
+    torch.testing.assert_close(cache.float(), reference_cache, atol=0, rtol=0)
+    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cols", [576, 1000])
+def test_rms_norm_alone_and_fused_with_the_residual_add(dtype: torch.dtype, cols: int) -> None:
+    torch.manual_seed(cols)
+    layer = RMSNorm(cols, 1e-5)
+    layer.weight.data = torch.randn(cols).to(dtype)
+    x = torch.randn(7, cols, dtype=dtype)
+    residual = torch.randn(7, cols, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(rms_norm(x, layer.weight, 1e-5), layer(x),
+                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        summed = x + residual
+        fused_residual = residual.clone()
+        out = rms_norm(x, layer.weight, 1e-5, fused_residual)
+        assert torch.equal(fused_residual, summed)  # the sum is stored in place, rounded as torch rounds it
+        torch.testing.assert_close(out, layer(summed), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_the_backend_refuses_what_its_kernels_cannot_read() -> None:
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        TritonAttentionBackend.check(torch.zeros(kv_cache_shape(4, 8, 2, 64)))
+    with pytest.raises(ValueError, match="key and a value plane"):
+        TritonAttentionBackend.check(torch.zeros(kv_cache_shape(4, 16, 1, 64, num_planes=1)))
