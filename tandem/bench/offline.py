@@ -11,8 +11,12 @@ Engines:
 - ``transformers``: ``AutoModelForCausalLM`` from the same HF directory (float32; a GGUF model
   is the directory tandem converted it into), left-padded batched greedy ``generate``.
 - ``vllm``: vLLM's ``LLM`` in the interpreter given by ``--vllm-python`` (a venv with vllm;
-  tandem need not be installed there), float32, prefix caching on, the same KV budget and
-  scheduler limits as tandem.
+  tandem need not be installed there), in tandem's ``--dtype``, prefix caching on, the same KV
+  budget and scheduler limits as tandem.
+- ``llamacpp``: llama.cpp through ``llama_cpp.Llama`` in the interpreter given by
+  ``--llamacpp-python``, on the model's own GGUF file (quantized weights, as llama.cpp users
+  run it), one sequence at a time (its Python API has no batching): the peer for the
+  single-stream workload; compare with tandem's ``--decode-weights int4``.
 
 Every engine runs one short untimed warm-up request once it is ready. ``--threads`` applies
 to all three (vLLM through OMP_NUM_THREADS; left alone, vLLM serves with 1 torch thread while
@@ -60,7 +64,9 @@ from tandem.flags import ENGINE_FLAGS, add_engine_args, engine_values
 
 logger = logging.getLogger(__name__)
 
-ENGINE_NAMES = ("tandem", "transformers", "vllm")
+ENGINE_NAMES = ("tandem", "transformers", "vllm", "llamacpp")
+# Peers that run in an interpreter of their own (a venv outside the repo): engine -> flag dest.
+_PEER_PYTHONS = {"vllm": "vllm_python", "llamacpp": "llamacpp_python"}
 SCHEMA = "tandem.bench.offline/1"
 DEFAULT_BENCH_KV = "2GiB"
 _WORKER = Path(__file__).with_name("offline_worker.py")
@@ -77,10 +83,12 @@ def add_offline_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--workloads", default=",".join(WORKLOAD_NAMES),
                        help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: all)")
     bench.add_argument("--engines", default=None,
-                       help="comma-separated subset of tandem,transformers,vllm "
-                            "(default: tandem,transformers, plus vllm when --vllm-python is given)")
+                       help="comma-separated subset of tandem,transformers,vllm,llamacpp (default: "
+                            "tandem,transformers, plus vllm and llamacpp when their --*-python is given)")
     bench.add_argument("--vllm-python", default=None, metavar="PATH",
                        help="Python of a venv with vllm installed (e.g. /opt/venvs/vllm/bin/python)")
+    bench.add_argument("--llamacpp-python", default=None, metavar="PATH",
+                       help="Python of a venv with llama-cpp-python installed: llama.cpp on the model's GGUF")
     bench.add_argument("--vllm-no-iomp-preload", action="store_true",
                        help="do not LD_PRELOAD the venv's libiomp5.so into vLLM (preloaded by default "
                             "when present, as vLLM's CPU guide recommends)")
@@ -124,7 +132,9 @@ def select_engines(args: argparse.Namespace) -> list[str]:
             parse_layout(layout)
         return [f"tandem@{layout}" for layout in dict.fromkeys(layouts)]
     if args.engines is None:
-        engines = ["tandem", "transformers"] + (["vllm"] if args.vllm_python else [])
+        engines = ["tandem", "transformers"] + [
+            engine for engine, dest in _PEER_PYTHONS.items() if getattr(args, dest, None)
+        ]
     else:
         engines = parse_list(args.engines, ENGINE_NAMES, "engines")
     if "tandem" not in engines:
@@ -155,11 +165,18 @@ def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: i
         return {"hf_dir": str(hf_dir), "batch_size": args.hf_batch_size, "threads": args.threads}
     if engine == "vllm":
         return {
-            "model": str(hf_dir), "dtype": "float32", "enable_prefix_caching": not args.no_prefix_caching,
+            # The same dtype as tandem's: a bf16 run is compared with vLLM's bf16 path.
+            "model": str(hf_dir), "dtype": args.dtype, "enable_prefix_caching": not args.no_prefix_caching,
             "kv_cache_memory_bytes": kv_bytes, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
             "seed": args.seed,
         }
+    if engine == "llamacpp":
+        gguf = getattr(args, "gguf_path", None)
+        if gguf is None:
+            raise ValueError(f"llama.cpp needs a GGUF model; {args.model} is not one")
+        return {"model_path": str(gguf), "n_ctx": args.max_model_len or 4096, "n_batch": 512,
+                "n_threads": args.threads or len(os.sched_getaffinity(0)), "seed": args.seed}
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -185,16 +202,23 @@ def vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None,
 
 
 def _command(engine: str, args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict[str, str]]:
-    if engine != "vllm":
+    dest = _PEER_PYTHONS.get(engine)
+    if dest is None:
         return [sys.executable, "-m", "tandem.bench.offline_worker"], dict(os.environ)
-    if not args.vllm_python:
-        raise ValueError("the vllm engine needs --vllm-python PATH (the Python of a venv with vllm)")
-    if not Path(args.vllm_python).exists():
-        raise FileNotFoundError(f"--vllm-python {args.vllm_python} does not exist")
-    driver = scratch / "vllm_offline_driver.py"
+    python = getattr(args, dest, None)
+    flag = "--" + dest.replace("_", "-")
+    if not python:
+        raise ValueError(f"the {engine} engine needs {flag} PATH (the Python of a venv with it)")
+    if not Path(python).exists():
+        raise FileNotFoundError(f"{flag} {python} does not exist")
+    driver = scratch / "peer_offline_driver.py"
     if not driver.exists():
         shutil.copyfile(_WORKER, driver)  # stdlib-only at module level: runs without tandem
-    return [args.vllm_python, str(driver)], vllm_env(args.vllm_python, not args.vllm_no_iomp_preload, args.threads)
+    if engine == "vllm":
+        return [python, str(driver)], vllm_env(python, not args.vllm_no_iomp_preload, args.threads)
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return [python, str(driver)], env
 
 
 def run_one(engine: str, workload: Workload, args: argparse.Namespace, hf_dir: Path, kv_bytes: int,
@@ -261,6 +285,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         args.model = str(Path(args.model).resolve())
     # The peers' checkpoint is always float32; dummy weights need only the config.
     resolved = resolve_model(args.model, "float32" if args.load_format != "dummy" else args.dtype)
+    args.gguf_path = resolved.source if resolved.source.suffix == ".gguf" else None
     hf_config = json.loads((resolved.hf_dir / "config.json").read_text())
     vocab_size = int(hf_config["vocab_size"])
     workloads = {name: build_workload(name, vocab_size, args.scale, args.workload_seed) for name in workload_names}

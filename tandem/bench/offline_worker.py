@@ -179,10 +179,34 @@ def start_vllm(args: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
     return generate, info
 
 
+def start_llamacpp(args: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(**args, logits_all=False, verbose=False)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outputs = []
+        for prompt in prompts:  # one sequence at a time: the Python API has no batching
+            tokens: list[int] = []
+            # Greedy (temperature 0), no penalties; the loop, not an EOS, ends it (ignore_eos).
+            for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                      repeat_penalty=1.0, reset=True):
+                tokens.append(int(token))
+                if len(tokens) == max_tokens:
+                    break
+            outputs.append(tokens)
+        return outputs
+
+    info = {"version": llama_cpp.__version__, "threads": args.get("n_threads"),
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")[:300]}
+    return generate, info
+
+
 ENGINES: dict[str, Callable[[dict[str, Any]], tuple[Generate, dict[str, Any]]]] = {
     "tandem": start_tandem,
     "transformers": start_transformers,
     "vllm": start_vllm,
+    "llamacpp": start_llamacpp,
 }
 
 

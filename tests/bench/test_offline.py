@@ -159,6 +159,8 @@ def test_parser_and_engine_selection() -> None:
     assert select_engines(args) == ["tandem", "transformers", "vllm"]
     args = _parser().parse_args(["offline", "--engines", "vllm"])
     assert select_engines(args) == ["tandem", "vllm"]
+    args = _parser().parse_args(["offline", "--llamacpp-python", "/venv/bin/python"])
+    assert select_engines(args) == ["tandem", "transformers", "llamacpp"]
     with pytest.raises(ValueError):
         parse_list("decode-heavy,bogus", WORKLOAD_NAMES, "workloads")
 
@@ -174,10 +176,17 @@ def test_engine_args_forward_every_engine_flag() -> None:
     assert kwargs["kv_cache_memory"] == 1 << 30
     assert tandem_flags(args) == ["--no-prefix-caching", "--threads 1"]
     vllm = engine_args("vllm", args, Path("/hf"), 1 << 30)
-    assert vllm == {
-        "model": "/hf", "dtype": "float32", "enable_prefix_caching": False, "kv_cache_memory_bytes": 1 << 30,
+    assert vllm == {  # the same dtype as tandem's: bf16 against vLLM's bf16
+        "model": "/hf", "dtype": "bfloat16", "enable_prefix_caching": False, "kv_cache_memory_bytes": 1 << 30,
         "max_num_seqs": 128, "max_num_batched_tokens": 2048, "max_model_len": None, "seed": 0,
     }
+    args.gguf_path = Path("/models/smol.gguf")
+    assert engine_args("llamacpp", args, Path("/hf"), 1 << 30) == {
+        "model_path": "/models/smol.gguf", "n_ctx": 4096, "n_batch": 512, "n_threads": 1, "seed": 0,
+    }
+    args.gguf_path = None
+    with pytest.raises(ValueError, match="GGUF"):
+        engine_args("llamacpp", args, Path("/hf"), 1 << 30)
 
 
 # --- end to end ---------------------------------------------------------------------------
