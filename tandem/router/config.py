@@ -52,6 +52,9 @@ class Timeouts:
     connect_s: float = 5.0
     first_byte_s: float = 600.0
     idle_s: float = 120.0
+    # A wait on a worker its health checks marked down (a cut link: silence, no reset) ends
+    # once it has been silent this long; a stream still flowing from it goes on.
+    down_silence_s: float = 5.0
 
 
 @dataclass(frozen=True)

@@ -36,15 +36,15 @@ from tandem.errors import (
 )
 from tandem.http_limits import RequestLimitMiddleware
 from tandem.loader.tokenizer import load_tokenizer
-from tandem.server.chat_prompt import render_chat_prompt
-from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
-from tandem.server.metrics import ServerMetrics, tier_blocks
-from tandem.server.protocol import (
+from tandem.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tandem.server.chat_prompt import render_chat_prompt
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
+from tandem.server.metrics import ServerMetrics, tier_blocks
 from tandem.server.serving import ClientDisconnected, ServingState
 from tandem.server.serving_chat import create_chat_completion
 from tandem.server.serving_completion import create_completion

@@ -21,7 +21,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from tandem.errors import bad_request
-from tandem.server.protocol import ChatMessage, NamedToolChoice, Tool
+from tandem.openai_protocol import ChatMessage, NamedToolChoice, Tool
 from tandem.server.tool_parsers import ToolParser, template_supports_tools
 
 

@@ -18,6 +18,7 @@ from fastapi import Request
 from tandem.config import ServerConfig
 from tandem.drain import Drain
 from tandem.errors import APIError, bad_request, error_body
+from tandem.openai_protocol import SamplingFields
 from tandem.server.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -25,7 +26,6 @@ from tandem.server.engine_client import (
     Handoff,
 )
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import SamplingFields
 from tandem.server.tool_parsers import ToolParser
 from tandem.types import SamplingParams, TokenLogprob
 

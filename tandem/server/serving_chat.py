@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.errors import bad_request
 from tandem.http_limits import check_shape
+from tandem.openai_protocol import ChatCompletionRequest
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
 from tandem.server.engine_client import Handoff
 from tandem.server.generate import RequestTimings, process_request, request_text
-from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.serving import (
     ServingState,
     sse,

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.engine.output_processor import RequestStep
 from tandem.errors import bad_request
+from tandem.openai_protocol import CompletionRequest
 from tandem.server.engine_client import Handoff
 from tandem.server.generate import RequestTimings, process_request
-from tandem.server.protocol import CompletionRequest
 from tandem.server.serving import (
     ServingState,
     merge,

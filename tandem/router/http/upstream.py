@@ -155,7 +155,7 @@ class Upstream:
             request = self.client.build_request(
                 "POST", worker.url + path, json=body, headers=headers
             )
-            watch = LostWatch(worker)
+            watch = LostWatch(worker, self.timeouts.down_silence_s)
             try:
                 async with watch.timeout(self.timeouts.first_byte_s):
                     response = await self.client.send(request, stream=True)
@@ -275,7 +275,7 @@ class Upstream:
         lines = response.aiter_lines()
         data: list[str] = []
         timeout = self.timeouts.first_byte_s
-        watch = LostWatch(worker) if worker is not None else None
+        watch = LostWatch(worker, self.timeouts.down_silence_s) if worker is not None else None
         try:
             while True:
                 try:
@@ -315,24 +315,34 @@ class LostWatch:
 
     A worker behind a cut link or a frozen host sends nothing at all, not a reset, so a
     stream on it would wait out its idle timeout (minutes when prefills are long). The health
-    monitor notices within a few polls and calls `Worker.lost`, which expires the timeout in
-    force now; `lost` then tells that expiry from a plain timeout."""
+    monitor notices within a few polls and calls `Worker.lost`; a wait that has been silent
+    for `silence_s` by then ends at once, a younger one once it has (and every later wait on
+    the worker is bounded by `silence_s`). A stream still flowing is left alone: an
+    overloaded worker whose /health answered late is slow, not gone. `lost` tells such an
+    expiry from a plain timeout."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, silence_s: float) -> None:
         self.lost = False
+        self.silence_s = silence_s
         self._current: asyncio.Timeout | None = None
+        self._since = 0.0
         self._unwatch = worker.watch_lost(self._expire)
 
     def timeout(self, seconds: float) -> asyncio.Timeout:
-        self._current = asyncio.timeout(0 if self.lost else seconds)
+        self._since = asyncio.get_running_loop().time()
+        self._current = asyncio.timeout(min(seconds, self.silence_s) if self.lost else seconds)
         return self._current
 
     def _expire(self) -> None:
         self.lost = True
         current = self._current
-        if current is not None and not current.expired():
+        if current is None or current.expired():
+            return
+        when = max(self._since + self.silence_s, asyncio.get_running_loop().time())
+        deadline = current.when()
+        if deadline is None or when < deadline:
             with contextlib.suppress(RuntimeError):  # not entered, or already left
-                current.reschedule(asyncio.get_running_loop().time())
+                current.reschedule(when)
 
     def close(self) -> None:
         self._unwatch()

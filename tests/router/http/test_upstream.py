@@ -208,8 +208,8 @@ def test_a_worker_marked_down_ends_the_waits_on_it_at_once() -> None:
 
     worker = healthy_worker("http://a")
     client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    upstream = Upstream(client, Timeouts(connect_s=1, first_byte_s=60, idle_s=60), RetryPolicy(),
-                        lambda hop, failure: None, lambda hop: None)
+    upstream = Upstream(client, Timeouts(connect_s=1, first_byte_s=60, idle_s=60, down_silence_s=0.5),
+                        RetryPolicy(), lambda hop, failure: None, lambda hop: None)
 
     async def read_stream() -> tuple[list[str], float]:
         response = await client.send(client.build_request("GET", "http://a/"), stream=True)
@@ -222,7 +222,7 @@ def test_a_worker_marked_down_ends_the_waits_on_it_at_once() -> None:
         return seen, time.monotonic() - started
 
     seen, waited = asyncio.run(read_stream())
-    assert seen == ['{"a":1}'] and waited < 5
+    assert seen == ['{"a":1}'] and 0.45 < waited < 5  # silent for down_silence_s, not 60 s
 
     async def open_hop() -> float:
         stuck = healthy_worker("http://headers-never-come")
@@ -236,3 +236,30 @@ def test_a_worker_marked_down_ends_the_waits_on_it_at_once() -> None:
     assert asyncio.run(open_hop()) < 5
     # Nothing stays registered on the workers once the waits are over.
     assert not worker._on_lost
+
+
+def test_a_stream_still_flowing_from_a_worker_marked_down_goes_on() -> None:
+    """/health answering late (an overloaded worker) marks it down, but its streams that
+    still deliver are not broken: only silence longer than down_silence_s ends a wait."""
+
+    def stream():  # noqa: ANN202
+        async def body():  # noqa: ANN202
+            for i in range(12):
+                yield b'data: {"i":%d}\n\n' % i
+                await asyncio.sleep(0.1)
+            yield b"data: [DONE]\n\n"
+
+        return body()
+
+    worker = healthy_worker("http://a")
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=stream())))
+    upstream = Upstream(client, Timeouts(connect_s=1, first_byte_s=60, idle_s=60, down_silence_s=0.5),
+                        RetryPolicy(), lambda hop, failure: None, lambda hop: None)
+
+    async def read() -> list[str]:
+        response = await client.send(client.build_request("GET", "http://a/"), stream=True)
+        asyncio.get_running_loop().call_later(0.25, worker.lost)
+        return [event async for event in upstream.events(response, worker=worker)]
+
+    events = asyncio.run(read())
+    assert len(events) == 13 and events[-1] == "[DONE]"

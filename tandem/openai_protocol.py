@@ -4,7 +4,9 @@ Field names and defaults are OpenAI's, plus the sampling extras vLLM accepts (`t
 `min_p`, `repetition_penalty`, `ignore_eos`, ...), so a client written for either works
 unchanged. Unknown fields are ignored rather than refused: OpenAI keeps adding optional
 fields (`store`, `metadata`, `service_tier`) that say nothing to a local engine.
-Responses are built as plain dicts where they are assembled (serving_*.py).
+Responses are built as plain dicts where they are assembled (tandem/server/serving_*.py).
+It lives outside `tandem.server` because the router documents its /v1 bodies with the same
+models (tandem/router/http/openapi.py), and the router imports nothing of the server.
 """
 
 from __future__ import annotations
