@@ -112,6 +112,7 @@ class LinearWeights:
     bias: torch.Tensor | None
     small_step: SmallStepWeights | None = None
     small_int4: Q4Matrix | Int4Weight | None = None
+    small_packed: torch.Tensor | None = None  # int4 plan, a matrix 4 bits would spoil: packed bf16
     packed_weight: torch.Tensor | None = None
 
     def attach_small_step_weights(self, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None) -> int:
@@ -125,12 +126,12 @@ class LinearWeights:
             elif int4_fits(weight, plan.group_size):
                 int4 = Int4Weight.quantize(weight, plan.group_size)
             else:
-                return 0
+                return self._attach_bf16_fallback(plan)
             if plan.int4_max_error is not None:
                 dense = weight.float()
                 error = (int4.dequantize().float() - dense).norm() / dense.norm().clamp_min(1e-30)
                 if error > plan.int4_max_error:
-                    return 0
+                    return self._attach_bf16_fallback(plan)
             self.small_int4 = int4
             self.small_step = plan
             return int4.nbytes
@@ -139,6 +140,20 @@ class LinearWeights:
         self.small_bias = None if bias is None else bias.detach().to(plan.dtype)
         self.small_step = plan
         return self.small_weight.numel() * self.small_weight.element_size()
+
+    def _attach_bf16_fallback(self, plan: SmallStepWeights) -> int:
+        """A matrix that 4 bits would spoil (an 8-bit LM head) or that the 4-bit kernels
+        cannot read: small steps read a oneDNN-packed bf16 copy instead, half an fp32
+        matrix's bytes (SmolLM2's tied LM head: 57 MB instead of 113 MB a token). Without
+        oneDNN it keeps its dense weights (0 bytes added)."""
+        weight = self.weight.detach()
+        if not onednn_available() or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return 0
+        self.small_packed = _pack(weight.to(torch.bfloat16))
+        bias = getattr(self, "bias", None)
+        self.small_bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        self.small_step = plan
+        return weight.numel() * 2
 
     def pack_for_cpu(self, drop_dense: bool) -> int:
         """Reorder the weight for oneDNN; returns the bytes of dense weight released."""
@@ -162,6 +177,9 @@ class LinearWeights:
             if self.small_int4 is not None:
                 out = self.small_int4.matmul(x)
                 return out if bias is None else out + bias
+            if self.small_packed is not None:
+                small_bias = self.small_bias if with_bias else None
+                return _onednn_linear(x.to(torch.bfloat16), self.small_packed, small_bias).to(x.dtype)
             small_bias = self.small_bias if with_bias else None
             return F.linear(x.to(self.small_step.dtype), self.small_weight, small_bias).to(x.dtype)
         if self.packed_weight is not None:

@@ -145,13 +145,21 @@ def test_int4_small_steps_read_the_4_bit_copy_and_larger_steps_the_dense_weights
     torch.testing.assert_close(layer(small), layer.bias.expand(2, 32))
 
 
-def test_int4_leaves_a_matrix_the_kernel_cannot_take_dense() -> None:
+def test_int4_gives_a_matrix_the_kernel_cannot_take_a_bf16_copy() -> None:
+    """Half an fp32 matrix's bytes for small steps where 4 bits cannot go; large steps keep
+    the exact weights."""
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
     torch.manual_seed(0)
     layer = Linear(64, 24)  # 24 output rows: not a multiple of 16
     torch.nn.init.normal_(layer.weight)
-    assert attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4")) == 0
+    assert attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4")) == 24 * 64 * 2
+    assert layer.small_int4 is None and layer.small_packed is not None
     x = torch.randn(1, 64)
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    want = torch.nn.functional.linear(x.bfloat16(), layer.weight.bfloat16()).float()
+    torch.testing.assert_close(layer(x), want, rtol=0.02, atol=0.05)
+    large = torch.randn(3, 64)
+    assert torch.equal(layer(large), torch.nn.functional.linear(large, layer.weight))
 
 
 def test_unknown_small_step_format_is_refused() -> None:
@@ -180,7 +188,8 @@ def test_int4_max_error_keeps_matrices_that_4_bits_would_change() -> None:
     plan = SmallStepWeights(max_tokens=2, format="int4", int4_max_error=0.01)
     smooth = Linear(64, 32)
     smooth.weight.data.normal_()
-    assert attach_small_step_weights(smooth, plan) == 0 and smooth.small_int4 is None
+    added = attach_small_step_weights(smooth, plan)  # a bf16 copy instead, where oneDNN is
+    assert smooth.small_int4 is None and added == (64 * 32 * 2 if onednn_available() else 0)
     on_grid = Linear(64, 32)
     levels = torch.randint(0, 16, (32, 64)).float()
     levels[:, 0::32], levels[:, 1::32] = 0, 15  # every group spans its range
