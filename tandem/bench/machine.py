@@ -21,6 +21,20 @@ def memory_copy_bytes_per_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     return repeats * nbytes / (time.perf_counter() - started)
 
 
+def memory_read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second of reading a large fp32 tensor (a sum), with torch's threads: what a
+    one-token step, which reads every weight once, is bound by. Filled first, so the pages
+    are real memory rather than the shared zero page."""
+    import torch
+
+    big = torch.ones(nbytes // 4, dtype=torch.float32)
+    big.sum()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        big.sum()
+    return repeats * nbytes / (time.perf_counter() - started)
+
+
 def matmul_flops_per_s(dtype: str = "float32", m: int = 2048, k: int = 576, n: int = 1536, repeats: int = 5) -> float:
     """FLOP/s of a [m, k] x [k, n] matmul in `dtype` with torch's threads."""
     import torch

@@ -329,9 +329,13 @@ def cmd_offline(args: argparse.Namespace) -> int:
                 result["agreement"] = token_agreement(reference["output_token_ids"], result["output_token_ids"])
 
     flags = " ".join(tandem_flags(args))
-    title = (f"tandem bench offline: {resolved.name}, tandem {args.dtype}{' ' + flags if flags else ''}, "
-             f"peers float32, scale {args.scale:g}, {os.cpu_count()} CPUs")
+    peers = {"vllm": f"vllm {args.dtype}", "transformers": "transformers float32", "llamacpp": "llama.cpp GGUF"}
+    shown = ", ".join(peers[e] for e in engines if e in peers)
+    title = (f"tandem bench offline: {resolved.name}, tandem {args.dtype}{' ' + flags if flags else ''}"
+             f"{', ' + shown if shown else ''}, scale {args.scale:g}, {os.cpu_count()} CPUs")
     table = format_table(results, engines, title)
+    # How far every engine is from this machine's limits (a matmul and a copy measured now).
+    table += "\n\n" + format_ceilings(machine_ceilings(resolved.hf_dir, args.dtype, workloads), results, engines)
     report = {
         "schema": SCHEMA,
         "created": dt.datetime.now().isoformat(timespec="seconds"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,10 @@ def test_tiny_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert header == ["workload", "metric", "tandem", "transformers", "tandem/transformers", "vllm",
                       "tandem/vllm"]
     assert "vllm / decode-heavy: " in report["table"] and "vllm / single-stream: " in report["table"]
+    # how far each engine is from this machine's limits, measured in the same run
+    assert "this machine, measured now:" in report["table"] and "GB/s memory read" in report["table"]
+    assert re.search(r"single-stream: decode tok/s \(1 stream\) <= [\d,]+; reached: tandem \d+%, "
+                     r"transformers \d+%", report["table"])
     assert report["schema"] == "tandem.bench.offline/1"
     assert set(report["workloads"]) == {"decode-heavy", "single-stream"}
     runs = {(r["engine"], r["workload"]): r for r in report["results"]}
