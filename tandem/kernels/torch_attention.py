@@ -20,6 +20,39 @@ _SPLIT_MIN_SEQS = 8
 _SPLIT_MIN_SAVING = 1.25
 
 
+# PyTorch's CPU flash attention with its log-sum-exp (a private op; None where missing).
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefill_after_prefix(q: torch.Tensor, kv_cache: torch.Tensor, span, scale: float) -> torch.Tensor:
+    """A chunk's attention over a cached prefix and itself, as two flash-attention calls
+    merged by their log-sum-exps, instead of one call with an explicit causal mask (which
+    PyTorch's CPU kernel runs 1.3-1.6x slower: 196 against 124 ms a layer for 2,048 queries
+    after 2,048 cached tokens, fp32, 2 threads). Over the prefix no mask is needed, so the
+    query heads of a KV group fold into one long query (no copy of the keys per head); over
+    the chunk itself it is plain causal attention."""
+    q_len, heads, dim = q.shape
+    kv_heads = kv_cache.shape[1]
+    group = heads // kv_heads
+    cached = span.context_len - q_len
+    keys = kv_cache[0][:, span.block_ids].reshape(kv_heads, -1, dim)[:, : span.context_len].to(q.dtype)
+    values = kv_cache[1][:, span.block_ids].reshape(kv_heads, -1, dim)[:, : span.context_len].to(q.dtype)
+    by_group = q.reshape(q_len, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * q_len, dim)
+    old, old_lse = _FLASH_WITH_LSE(by_group, keys[None, :, :cached], values[None, :, :cached], 0.0, False,
+                                   scale=scale)[:2]
+    old = old.reshape(kv_heads, group, q_len, dim).reshape(heads, q_len, dim)
+    old_lse = old_lse.reshape(heads, q_len)
+    new_keys = keys[:, cached:].repeat_interleave(group, 0)[None]  # the chunk's own: q_len tokens
+    new_values = values[:, cached:].repeat_interleave(group, 0)[None]
+    new, new_lse = _FLASH_WITH_LSE(q.transpose(0, 1)[None], new_keys, new_values, 0.0, True, scale=scale)[:2]
+    new, new_lse = new[0], new_lse.reshape(heads, q_len)
+    top = torch.maximum(old_lse, new_lse)
+    w_old, w_new = (old_lse - top).exp_(), (new_lse - top).exp_()
+    total = w_old + w_new
+    out = old.float() * (w_old / total).unsqueeze(-1) + new.float() * (w_new / total).unsqueeze(-1)
+    return out.to(q.dtype).transpose(0, 1)  # [q_len, heads, dim]
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -46,6 +79,8 @@ class TorchAttentionBackend:
 
     def _prefill(self, q, k, v, kv_cache, span, scale) -> torch.Tensor:
         cached = span.context_len - span.q_len
+        if cached > 0 and _FLASH_WITH_LSE is not None:
+            return _prefill_after_prefix(q, kv_cache, span, scale)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
         if cached > 0:
             _, heads, _, _, dim = kv_cache.shape
