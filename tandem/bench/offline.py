@@ -53,6 +53,7 @@ from tandem.bench.offline_layouts import (
 )
 from tandem.bench.offline_report import format_table, plot, ratio_rows, token_agreement
 from tandem.bench.offline_workloads import (
+    DEFAULT_WORKLOADS,
     WARMUP_OUTPUT,
     WORKLOAD_NAMES,
     Workload,
@@ -80,8 +81,9 @@ def add_offline_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_args(parser)
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--workloads", default=",".join(WORKLOAD_NAMES),
-                       help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: all)")
+    bench.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                       help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} "
+                            f"(default: {','.join(DEFAULT_WORKLOADS)})")
     bench.add_argument("--engines", default=None,
                        help="comma-separated subset of tandem,transformers,vllm,llamacpp (default: "
                             "tandem,transformers, plus vllm and llamacpp when their --*-python is given)")

@@ -12,6 +12,7 @@ METRICS: dict[str, tuple[str, bool]] = {
     "output_tok_s": ("output tok/s", True),
     "prompt_tok_s": ("prompt tok/s", True),
     "decode_tok_s": ("decode tok/s (1 stream)", True),
+    "ttft_s": ("time to first token s", False),
     "ready_s": ("start-to-ready s", False),
     "peak_rss_mib": ("peak RSS MiB", False),
     "agreement": ("greedy tokens = tandem %", True),
@@ -20,6 +21,7 @@ WORKLOAD_METRICS: dict[str, tuple[str, ...]] = {
     "decode-heavy": ("output_tok_s", "prompt_tok_s", "ready_s", "peak_rss_mib", "agreement"),
     "prefill-heavy": ("output_tok_s", "prompt_tok_s", "ready_s", "peak_rss_mib", "agreement"),
     "single-stream": ("decode_tok_s", "ready_s", "peak_rss_mib", "agreement"),
+    "long-prompt": ("ttft_s", "prompt_tok_s", "ready_s", "peak_rss_mib"),
 }
 REFERENCE = "tandem"
 
@@ -155,9 +157,10 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], engines: Sequence[str], 
     engines = [REFERENCE] + [e for e in engines if e != REFERENCE]
     panels: list[tuple[str, str, list[str]]] = []
     for workload, metric in (("decode-heavy", "output_tok_s"), ("prefill-heavy", "prompt_tok_s"),
-                             ("single-stream", "decode_tok_s")):
+                             ("single-stream", "decode_tok_s"), ("long-prompt", "ttft_s")):
         if workload in results:
-            panels.append((f"{workload}: {METRICS[metric][0]}", metric, [workload]))
+            better = "" if METRICS[metric][1] else " (lower is better)"
+            panels.append((f"{workload}: {METRICS[metric][0]}{better}", metric, [workload]))
     workloads = list(results)
     panels.append(("start-to-ready (s, lower is better)", "ready_s", workloads))
     panels.append(("peak RSS (MiB, lower is better)", "peak_rss_mib", workloads))

@@ -11,6 +11,10 @@ Workloads (at scale 1.0):
 - ``single-stream``: pairs of different 64-token prompts run one request at a time, one with
   129 output tokens and one with 1; decode tok/s = 128 / (t(129) - t(1)), so prefill cancels
   and the prefix cache cannot help the second prompt of a pair.
+- ``long-prompt`` (not run by default): one 8,000-token prompt and one output token, the
+  first turn of an agent harness (system prompt, tool definitions, files) with nothing
+  cached: its time to first token. Chunked prefill makes most of its chunks attend to a
+  cached prefix, where attention, quadratic in the length, outweighs the GEMMs.
 
 Every request is greedy with ignore_eos, so each engine generates exactly max_tokens tokens.
 """
@@ -22,7 +26,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-WORKLOAD_NAMES = ("decode-heavy", "prefill-heavy", "single-stream")
+WORKLOAD_NAMES = ("decode-heavy", "prefill-heavy", "single-stream", "long-prompt")
+DEFAULT_WORKLOADS = ("decode-heavy", "prefill-heavy", "single-stream")
+LONG_PROMPT_LEN = 8000
 
 # Token ids below this are skipped: the low ids of most BPE vocabularies are special or
 # byte-fallback tokens, which random prompts should not be made of.
@@ -33,7 +39,8 @@ SINGLE_STREAM_REPEATS = 3
 WARMUP_PROMPT_LEN = 16
 WARMUP_OUTPUT = 2
 
-_SEEDS = {"decode-heavy": 1001, "prefill-heavy": 2002, "single-stream": 3003, "warmup": 4004}
+_SEEDS = {"decode-heavy": 1001, "prefill-heavy": 2002, "single-stream": 3003, "warmup": 4004,
+          "long-prompt": 5005}
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,11 @@ def build_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0
         return _batch(name, 24, 256, 1024, 16, scale, vocab_size, seed)
     if name == "single-stream":
         return _single_stream(scale, vocab_size, seed)
+    if name == "long-prompt":
+        length = _scaled(LONG_PROMPT_LEN, scale, 64)
+        prompt = _random_prompt(random.Random(_SEEDS[name] + seed), length, vocab_size)
+        return Workload(name=name, mode="sequential", prompts=[prompt], max_tokens=[1],
+                        description=f"one {length}-token prompt, 1 output token: time to first token")
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
 
 
@@ -149,6 +161,10 @@ def compute_metrics(workload: Workload, result: dict[str, Any]) -> dict[str, flo
         metrics["prompt_tok_s"] = result["prompt_tokens"] / elapsed if elapsed > 0 else None
         return metrics
     times = result["request_seconds"]
+    if workload.name == "long-prompt":
+        metrics["ttft_s"] = times[0]
+        metrics["prompt_tok_s"] = result["prompt_tokens"] / times[0] if times[0] > 0 else None
+        return metrics
     rates = []
     for i in range(0, len(times) - 1, 2):
         extra = workload.max_tokens[i] - workload.max_tokens[i + 1]

@@ -69,6 +69,15 @@ def test_single_stream_shape() -> None:
     assert len({tuple(p) for p in w.prompts}) == len(w.prompts)  # nothing for the prefix cache
 
 
+def test_long_prompt_is_one_agent_first_turn_timed_to_its_first_token() -> None:
+    w = build_workload("long-prompt", VOCAB)
+    assert w.mode == "sequential" and w.max_tokens == [1] and len(w.prompts[0]) == 8000
+    assert len(build_workload("long-prompt", VOCAB, scale=0.001).prompts[0]) == 64
+    m = compute_metrics(w, {"request_seconds": [20.0], "prompt_tokens": 8000, "output_tokens": 1})
+    assert m["ttft_s"] == 20.0 and m["prompt_tok_s"] == 400.0
+    assert "long-prompt" not in _parser().parse_args(["offline"]).workloads  # opt-in: long to run
+
+
 def test_scale_shrinks_and_keeps_floors() -> None:
     w = build_workload("decode-heavy", VOCAB, scale=0.1)
     assert w.num_requests == 6 and w.max_tokens[0] == 13
