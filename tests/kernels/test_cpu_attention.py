@@ -136,6 +136,17 @@ def test_no_compiler_falls_back_under_auto_and_fails_under_cpu(monkeypatch, tmp_
         make_attention_backend("cuda", tmp_path)
 
 
+def test_triton_on_a_cpu_needs_the_interpreter(monkeypatch, tmp_path) -> None:
+    """--attention-backend triton on CPU tensors: a clear error, unless TRITON_INTERPRET=1
+    (the tests' way of running the GPU kernels here)."""
+    pytest.importorskip("triton", reason="triton comes with the test extras")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        make_attention_backend("triton", tmp_path)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert make_attention_backend("triton", tmp_path).name == "triton"
+
+
 def test_a_failed_compile_says_what_ran_and_leaves_nothing(monkeypatch, tmp_path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C;\n")
