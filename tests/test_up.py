@@ -457,6 +457,26 @@ def _stream_chat(url: str, body: dict, progress: list[int], slot: int) -> tuple[
     return "".join(text), errors
 
 
+def _city_streams(count: int) -> list[dict]:
+    """Greedy chat bodies, every other one long enough to be split over prefill and decode."""
+    bodies = []
+    for i in range(count):
+        system = f"Ticket {i}. {LONG_SYSTEM}" if i % 2 else f"Ticket {i}. Be brief."
+        bodies.append({"model": "smollm2-135m", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                       "messages": [{"role": "system", "content": system},
+                                    {"role": "user", "content": f"Tell me about city number {i}."}]})
+    return bodies
+
+
+def _clean_run(url: str, bodies: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Every body streamed at once with no fault: the texts a faulted run must reproduce."""
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        clean = list(pool.map(lambda ib: _stream_chat(url, ib[1], [0] * len(bodies), ib[0]),
+                              enumerate(bodies)))
+    assert all(not errors and text for text, errors in clean)
+    return clean
+
+
 def test_sigkill_of_a_decode_worker_under_32_streams_loses_nothing(tmp_path: Path) -> None:
     """32 concurrent greedy streams, half of them long enough to be split over prefill and
     decode; a decode worker is SIGKILLed mid-stream. The router moves its streams to the other
@@ -466,18 +486,8 @@ def test_sigkill_of_a_decode_worker_under_32_streams_loses_nothing(tmp_path: Pat
                    "--kv-cache-memory", "512MiB")
     process, url = up.process, up.url
     try:
-        bodies = []
-        for i in range(32):
-            system = f"Ticket {i}. {LONG_SYSTEM}" if i % 2 else f"Ticket {i}. Be brief."
-            bodies.append({"model": "smollm2-135m", "max_tokens": 40, "temperature": 0,
-                           "ignore_eos": True,
-                           "messages": [{"role": "system", "content": system},
-                                        {"role": "user", "content": f"Tell me about city number {i}."}]})
-
-        with ThreadPoolExecutor(32) as pool:
-            clean = list(pool.map(lambda ib: _stream_chat(url, ib[1], [0] * 32, ib[0]),
-                                  enumerate(bodies)))
-        assert all(not errors and text for text, errors in clean)
+        bodies = _city_streams(32)
+        clean = _clean_run(url, bodies)
 
         endpoints = up.endpoints()
         victim = next(c for c in psutil.Process(process.pid).children()
@@ -539,17 +549,8 @@ def test_a_cut_link_to_a_decode_worker_under_16_streams_loses_nothing(tmp_path: 
     try:
         assert all(ipaddress.ip_address(httpx.URL(endpoints[w]).host) in network.subnet
                    for w in ("prefill-0", "decode-0", "decode-1")), endpoints
-        bodies = []
-        for i in range(16):
-            system = f"Ticket {i}. {LONG_SYSTEM}" if i % 2 else f"Ticket {i}. Be brief."
-            bodies.append({"model": "smollm2-135m", "max_tokens": 40, "temperature": 0,
-                           "ignore_eos": True,
-                           "messages": [{"role": "system", "content": system},
-                                        {"role": "user", "content": f"Tell me about city number {i}."}]})
-        with ThreadPoolExecutor(16) as pool:
-            clean = list(pool.map(lambda ib: _stream_chat(url, ib[1], [0] * 16, ib[0]),
-                                  enumerate(bodies)))
-        assert all(not errors and text for text, errors in clean)
+        bodies = _city_streams(16)
+        clean = _clean_run(url, bodies)
         # The PD handoff crossed the bridge: decode workers pulled prompt KV from prefill-0.
         assert _transfers(endpoints["decode-0"])["pulls"] + _transfers(endpoints["decode-1"])["pulls"] >= 1
 

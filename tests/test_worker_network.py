@@ -24,6 +24,17 @@ def test_names_and_addresses_follow_the_router_port() -> None:
     assert len(network.bridge) <= 15 and len(WorkerNetwork(65535).bridge) <= 15  # IFNAMSIZ
 
 
+def _wait_answering(url: str, seconds: float, why: str) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            assert httpx.get(url, timeout=1, trust_env=False).status_code == 200
+            return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, why
+            time.sleep(0.2)
+
+
 def _links() -> str:
     return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
 
@@ -41,14 +52,7 @@ def test_a_cut_link_is_silent_and_a_mended_one_serves_again() -> None:
             [*network.exec_prefix("decode-0"), sys.executable, "-m", "http.server", "8080",
              "--bind", address], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://{address}:8080/"
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                assert httpx.get(url, timeout=1, trust_env=False).status_code == 200
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the server in the namespace never answered"
-                time.sleep(0.2)
+        _wait_answering(url, 20, "the server in the namespace never answered")
         network.cut("decode-0")
         started = time.monotonic()
         try:
@@ -58,13 +62,7 @@ def test_a_cut_link_is_silent_and_a_mended_one_serves_again() -> None:
             pass  # silence, not a refused connection
         assert time.monotonic() - started >= 1.4
         network.mend("decode-0")
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert httpx.get(url, timeout=1, trust_env=False).status_code == 200
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the mended link never answered"
+        _wait_answering(url, 10, "the mended link never answered")
     finally:
         if server is not None:
             server.kill()

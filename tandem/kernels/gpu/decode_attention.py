@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.gpu.online_softmax import attend_block
+
 
 @triton.jit
 def _decode_kernel(
@@ -52,16 +54,8 @@ def _decode_kernel(
         valid = j * BLOCK_SIZE + t < context
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
         where = block * stride_cb + t[:, None] * stride_ct + d[None, :]
-        k = tl.load(keys + where, mask=kv_mask, other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        v = tl.load(values + where, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, total, acc = attend_block(q, keys, values, where, kv_mask, valid[None, :], scale, m, total, acc,
+                                     PRECISION)
 
     seen = total > 0  # a split past the row's context saw nothing
     out = acc / tl.where(seen, total, 1.0)[:, None]

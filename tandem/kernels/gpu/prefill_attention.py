@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.gpu.online_softmax import attend_block
+
 
 @triton.jit
 def _prefill_kernel(
@@ -53,17 +55,9 @@ def _prefill_kernel(
             key_pos = j * BLOCK_SIZE + t
             kv_mask = (key_pos[:, None] < context) & (d[None, :] < HEAD_DIM)
             where = block * stride_cb + t[:, None] * stride_ct + d[None, :]
-            k = tl.load(keys + where, mask=kv_mask, other=0.0).to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < context)
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(values + where, mask=kv_mask, other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, total, acc = attend_block(q, keys, values, where, kv_mask, visible, scale, m, total, acc,
+                                         PRECISION)
         out = acc / total[:, None]
         tl.store(out_ptr + (q_start + r)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
