@@ -1,11 +1,19 @@
-"""Session fixtures: one live `tandem serve` on the default model (see live_server.py)."""
+"""Session fixtures: one live `tandem serve` on the default model (see live_server.py).
+
+Triton's kernels run on the CPU here, in its interpreter, and Triton reads TRITON_INTERPRET
+when it is first imported, which transformers and torch may do while any test module is
+collected: so it is set here, before every test module, not only in tests/kernels/gpu.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from live_server import LiveServer, start_server, stop_server
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""CPU attention backend: decode attention read straight from the paged cache by a C kernel.
+"""CPU attention backend: decode and prefill attention read straight from the paged cache by
+C kernels (prefill's is in cpu_prefill.py).
 
 The torch backend gathers every decoding sequence's blocks into one padded tensor before two
 batched matmuls: at 64 sequences that copy is most of a decode step's attention time, and
@@ -6,90 +7,31 @@ attention is half the step. The kernel in `csrc/paged_decode_attention.c` walks 
 tables instead and reads each cached key and value once, with no padding, in one call per
 layer instead of ~15 ops.
 
-The C source is compiled on first use with the system C compiler (`cc -O3 -march=native
--fopenmp`, about a second) into the tandem cache directory, keyed by a hash of the source,
-flags and compiler, and loaded with ctypes: no torch headers, no build step at install.
-Where there is no compiler, or the build fails, or the cache is neither fp32 nor bf16, the
+The C sources are compiled on first use (c_library.py). Where there is no compiler, or the build fails, or the cache is neither fp32 nor bf16, the
 torch path runs and the log says why. A bf16 cache is read by the kernel's bf16 variant (q and
 out stay fp32 inside it): the torch path's gather + SDPA took ~0.9 ms a layer at a 700-token
-context for Qwen2.5-Coder in bf16, most of it overhead, ~20 ms of a 0.5B draft's forward. The library links libgomp.so.1, the soname torch's own OpenMP
-runtime already loaded carries, so both share one thread pool.
+context for Qwen2.5-Coder in bf16, most of it overhead, ~20 ms of a 0.5B draft's forward.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
-import xxhash
 
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
+from tandem.kernels.c_library import KernelBuildError, build_kernel_library
+from tandem.kernels.cpu_prefill import PrefillAttentionKernel
 from tandem.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c11")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-
-
-class KernelBuildError(RuntimeError):
-    """The C kernel could not be compiled or loaded; the message says what was tried."""
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _compiler_version(compiler: str) -> str:
-    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-    return result.stdout.splitlines()[0] if result.stdout else compiler
-
-
-def build_kernel_library(cache_dir: Path, source_path: Path | None = None) -> Path:
-    """Compile a C kernel (default: the decode-attention one) once per (source, flags,
-    compiler, machine) and return the .so path.
-
-    Concurrent workers may build at once: each writes a private temporary file and renames
-    it into place, so a reader never sees half a library.
-    """
-    source_path = source_path or SOURCE
-    compiler = _compiler()
-    if compiler is None:
-        raise KernelBuildError("no C compiler found (looked for $CC, cc, gcc, clang)")
-    source = source_path.read_bytes()
-    key = xxhash.xxh64(
-        b"\0".join([source, " ".join(_FLAGS).encode(), _compiler_version(compiler).encode(),
-                    platform.machine().encode(), platform.processor().encode()])
-    ).hexdigest()
-    target = cache_dir / "kernels" / f"{source_path.stem}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        command = [compiler, *_FLAGS, str(source_path), "-o", temporary, "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise KernelBuildError(f"`{' '.join(command)}` failed: {result.stderr.strip()[-2000:]}")
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-    logger.info("compiled the CPU kernel %s into %s", source_path.name, target)
-    return target
 
 
 class PagedDecodeKernel:
@@ -149,12 +91,14 @@ class PagedDecodeKernel:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decode attention done by `PagedDecodeKernel` where it applies."""
+    """The torch backend with decode attention done by `PagedDecodeKernel` and prefill
+    attention by `PrefillAttentionKernel` where they apply."""
 
     name = "cpu"
 
-    def __init__(self, kernel: PagedDecodeKernel) -> None:
+    def __init__(self, kernel: PagedDecodeKernel, prefill: PrefillAttentionKernel | None = None) -> None:
         self.kernel = kernel
+        self.prefill = prefill
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -170,6 +114,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super()._decode(q, kv_cache, meta, scale)
         out = self.kernel(q.float().contiguous(), kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
         return out.to(q.dtype)
+
+    def _prefill(self, q, k, v, kv_cache, span, scale) -> torch.Tensor:
+        # The chunk's own keys and values are in the cache already (write_kv runs first).
+        if self.prefill is not None and self.prefill.takes(q, kv_cache):
+            return self.prefill(q, kv_cache, span.block_ids, span.context_len, scale)
+        return super()._prefill(q, k, v, kv_cache, span, scale)
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -196,9 +146,12 @@ def make_attention_backend(choice: str, cache_dir: Path, device_type: str = "cpu
     if choice not in ("auto", "cpu"):
         raise ValueError(f"unknown attention backend {choice!r}; choose auto, cpu, torch or triton")
     try:
-        return CpuAttentionBackend(PagedDecodeKernel(build_kernel_library(cache_dir)))
+        backend = CpuAttentionBackend(PagedDecodeKernel(build_kernel_library(cache_dir, SOURCE)),
+                                      PrefillAttentionKernel.build(cache_dir))
     except (KernelBuildError, OSError, subprocess.SubprocessError) as error:
         if choice == "cpu":
             raise
-        logger.warning("CPU decode-attention kernel unavailable (%s); using the torch backend", error)
+        logger.warning("CPU attention kernels unavailable (%s); using the torch backend", error)
         return TorchAttentionBackend()
+    logger.info("CPU attention kernels: paged decode; prefill with %s", backend.prefill.isa)
+    return backend

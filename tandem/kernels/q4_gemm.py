@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels.cpu_attention import KernelBuildError, build_kernel_library
+from tandem.kernels.c_library import KernelBuildError, build_kernel_library
 
 logger = logging.getLogger(__name__)
 

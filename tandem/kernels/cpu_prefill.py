@@ -1,0 +1,77 @@
+"""Prefill attention from the paged cache by a C kernel (csrc/prefill_attention.c).
+
+PyTorch's CPU flash attention reaches 60-130 GFLOP/s on the 2-core AVX-512 EPYC, where a
+bf16 GEMM reaches ~450; at an 8,000-token prompt attention is three quarters of the time to
+first token. The kernel keeps 16 queries in the lanes of a vector so the online softmax is
+lane-wise, and uses AVX-512-BF16 dot products where the CPU has them. Measured there, one
+layer of SmolLM2 (9 heads, 3 kv heads, dim 64), 2,048 queries after 5,952 cached tokens,
+2 threads: bf16 113 ms (291 GFLOP/s) against PyTorch's 251 ms, fp32 202 against 251 ms.
+
+It applies where q, the cache and the output share one dtype (fp32 or bf16) and the head
+size is a multiple of 16 up to 256; elsewhere the caller's torch path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tandem.kernels.c_library import KernelBuildError, build_kernel_library
+
+SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.c"
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class PrefillAttentionKernel:
+    """The loaded C function, called on tensors' data pointers."""
+
+    def __init__(self, library: Path) -> None:
+        try:
+            loaded = ctypes.CDLL(str(library))
+            self._attend = loaded.tandem_prefill_attention
+            uses_bf16_dot = loaded.tandem_prefill_uses_bf16_dot
+        except (OSError, AttributeError) as error:
+            raise KernelBuildError(f"cannot load {library}: {error}") from error
+        self._attend.restype = ctypes.c_int
+        self._attend.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 9, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        uses_bf16_dot.restype = ctypes.c_int
+        self.isa = "AVX-512-BF16 dot products" if uses_bf16_dot() else "fp32 FMA (bf16 widened)"
+
+    @classmethod
+    def build(cls, cache_dir: Path) -> PrefillAttentionKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE))
+
+    @staticmethod
+    def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether the kernel runs this chunk: one dtype it knows, dense rows, a head size it
+        tiles."""
+        dim = q.shape[-1]
+        return (
+            q.dtype == kv_cache.dtype and q.dtype in _KINDS and kv_cache.is_contiguous()
+            and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == dim
+            and dim % 16 == 0 and dim <= 256
+        )
+
+    def __call__(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, scale: float
+    ) -> torch.Tensor:
+        """q [q_len, heads, dim] -> out [q_len, heads, dim]: causal attention over the first
+        `context_len` cached tokens, the last q_len of which are the chunk's own."""
+        q_len, num_heads, head_dim = q.shape
+        _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+        out = torch.empty(q_len, num_heads, head_dim, dtype=q.dtype)
+        block_ids = block_ids.contiguous()
+        status = self._attend(
+            q.data_ptr(), kv_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), q_len, context_len,
+            num_heads, num_kv_heads, head_dim, block_size, num_blocks, q.stride(0), out.stride(0),
+            _KINDS[q.dtype], scale, torch.get_num_threads(),
+        )
+        if status == -1:
+            raise MemoryError("prefill attention could not allocate its context buffers")
+        if status != 0:
+            raise ValueError(f"prefill attention does not take head size {head_dim}")
+        return out

@@ -1,0 +1,359 @@
+/*
+ * Prefill attention for CPUs: one sequence's chunk of queries attends causally to its cached
+ * prefix and to itself, read from the paged KV cache (flash attention: online softmax, the
+ * score matrix never leaves registers and L1).
+ *
+ * Why a kernel of our own: PyTorch's CPU flash attention reaches 60-130 GFLOP/s on a 2-core
+ * AVX-512 box where a bf16 GEMM reaches ~450, and at an 8,000-token prompt attention is 3/4
+ * of the time to first token.
+ *
+ * The shape of the work. A tile is 16 consecutive query tokens of one query head, held
+ * transposed: the 16 queries are the 16 lanes of a vector, so every softmax step (max, exp,
+ * sum, rescale) is lane-wise, with no horizontal reductions. Keys go by in groups of 16:
+ *   S[j] (16 lanes = 16 queries) += Q^T[d] * broadcast(K[j][d])      for each key j, dim d
+ *   O^T[d] (16 lanes)            += P[j] * broadcast(V[j][d])
+ * so K and V are read as rows, straight as the cache stores them. With AVX-512-BF16 both
+ * products use vdpbf16ps on pairs: pairs of dims for Q.K (a cached key row already is pairs),
+ * pairs of keys for P.V (V is regrouped into key pairs once per call, below).
+ *
+ * Before the tiles, one pass gathers each kv head's context from its blocks into a dense,
+ * zero-padded buffer (V in key pairs for bf16); that is O(context * dim) against the tiles'
+ * O(queries * context * dim), and it keeps block tables and never-written cache slots out of
+ * the inner loops.
+ *
+ * Arithmetic is fp32 throughout (a bf16 P is rounded to bf16 for P.V, as in every bf16 flash
+ * attention); the score scale is folded into a base-2 exponent. Vector code is written with
+ * GCC vector extensions, which compile to AVX-512 or AVX2 (two halves) as -march=native
+ * allows; vdpbf16ps is used only where __AVX512BF16__ is defined, else bf16 is widened.
+ *
+ * Layout (tandem/kernels/base.py): one layer's cache is [2, kv_heads, num_blocks, block_size,
+ * head_dim]; q and out are [q_len, num_heads, head_dim] with a token stride of their own.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+#define MAX_DIM 256
+
+typedef float v16 __attribute__((vector_size(64), aligned(64)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(64)));
+
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+static inline v16 vmax(v16 a, v16 b) {
+    v16i take_a = a > b;
+    return (v16)(((v16i)a & take_a) | ((v16i)b & ~take_a));
+}
+
+static inline float widen(uint16_t x) {
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
+    return bits.f;
+}
+
+/* 2^x for x <= 0, to ~1e-7 relative: x = n + f with n an integer and |f| <= 1/2, 2^f by its
+ * Taylor series, 2^n built in the exponent field. Inputs below -126 give ~2^-126. */
+static inline v16 exp2_nonpositive(v16 x) {
+    x = vmax(x, splat(-126.0f));
+    const v16i n = __builtin_convertvector(x - 0.5f, v16i); /* truncates: rounds to nearest */
+    const v16 f = (x - __builtin_convertvector(n, v16)) * 0.69314718f; /* f * ln 2 */
+    v16 p = splat(1.0f / 5040.0f);
+    p = p * f + 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    return p * (v16)((n + 127) << 23);
+}
+
+static inline int any_greater(v16 a, v16 b) {
+    v16i greater = a > b;
+    int any = 0;
+    for (int i = 0; i < LANES; i++) any |= greater[i];
+    return any;
+}
+
+/* The cache element: fp32 (KIND 0) or bf16 held as uint16_t (KIND 1). */
+static inline float load_kv(const void *base, int64_t index, int kind) {
+    return kind == 0 ? ((const float *)base)[index] : widen(((const uint16_t *)base)[index]);
+}
+
+/* One kv head's first `padded` keys and values out of its blocks, dense and zero beyond
+ * `context`. K stays in rows [padded][dim]. V is rows too, or, for the vdpbf16ps path, key
+ * pairs: [padded / 2][dim][2] (element (t, d) at ((t / 2) * dim + d) * 2 + t % 2). */
+static void gather_head(const char *k_head, const char *v_head, const int64_t *block_ids,
+                        int64_t context, int64_t padded, int64_t dim, int64_t block_size,
+                        size_t element, int pair_values, char *k_out, char *v_out) {
+    const size_t row = (size_t)dim * element;
+    for (int64_t t = 0; t < padded; t++) {
+        char *k_row = k_out + (size_t)t * row;
+        if (t >= context) {
+            memset(k_row, 0, row);
+        } else {
+            const int64_t slot = block_ids[t / block_size] * block_size + t % block_size;
+            memcpy(k_row, k_head + (size_t)slot * row, row);
+        }
+    }
+    if (!pair_values) {
+        for (int64_t t = 0; t < padded; t++) {
+            char *v_row = v_out + (size_t)t * row;
+            if (t >= context) {
+                memset(v_row, 0, row);
+            } else {
+                const int64_t slot = block_ids[t / block_size] * block_size + t % block_size;
+                memcpy(v_row, v_head + (size_t)slot * row, row);
+            }
+        }
+        return;
+    }
+    uint16_t *pairs = (uint16_t *)v_out;
+    for (int64_t t = 0; t < padded; t++) {
+        uint16_t *column = pairs + (t / 2) * dim * 2 + t % 2;
+        if (t >= context) {
+            for (int64_t d = 0; d < dim; d++) column[2 * d] = 0;
+            continue;
+        }
+        const int64_t slot = block_ids[t / block_size] * block_size + t % block_size;
+        const uint16_t *source = (const uint16_t *)v_head + slot * dim;
+        for (int64_t d = 0; d < dim; d++) column[2 * d] = source[d];
+    }
+}
+
+typedef struct {
+    const char *q;
+    char *out;
+    const char *keys;   /* [kv_heads][padded][dim] */
+    const char *values; /* [kv_heads][padded][dim] or key pairs */
+    int64_t q_len, cached, padded, num_heads, group, dim, q_stride, out_stride;
+    int kind;           /* 0 fp32, 1 bf16 */
+    int pair_values;    /* vdpbf16ps path */
+    float log2_scale;   /* softmax scale * log2(e) */
+} Problem;
+
+/* S[j] += Q^T . K[j] for 16 keys, fp32 arithmetic on widened or fp32 keys; eight keys at a
+ * time, so eight independent accumulations hide the FMA latency. */
+static inline void scores_fma(const Problem *p, const v16 *qt, const char *k_group, v16 *s) {
+    for (int j0 = 0; j0 < LANES; j0 += 8) {
+        v16 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = splat(0.0f);
+        for (int64_t d = 0; d < p->dim; d++) {
+            const v16 q = qt[d];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) acc[j] += q * load_kv(k_group, (int64_t)(j0 + j) * p->dim + d, p->kind);
+        }
+        for (int j = 0; j < 8; j++) s[j0 + j] = acc[j];
+    }
+}
+
+/* O^T[d] += sum_j P[j] * V[j][d] for 16 keys, V in rows. */
+static inline void values_fma(const Problem *p, const v16 *probs, const char *v_group, v16 *ot) {
+    for (int64_t d0 = 0; d0 < p->dim; d0 += LANES) {
+        v16 acc[LANES];
+        for (int i = 0; i < LANES; i++) acc[i] = ot[d0 + i];
+        for (int j = 0; j < LANES; j++) {
+            const int64_t base = (int64_t)j * p->dim + d0;
+#pragma GCC unroll 16
+            for (int i = 0; i < LANES; i++) acc[i] += probs[j] * load_kv(v_group, base + i, p->kind);
+        }
+        for (int i = 0; i < LANES; i++) ot[d0 + i] = acc[i];
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* S[j] += Q^T . K[j] with vdpbf16ps: qt holds pairs of dims (16 lanes x 2 bf16 each), and a
+ * cached key row read as 32-bit words is already pairs of dims. */
+static inline void scores_bf16(const Problem *p, const __m512i *qt_pairs, const char *k_group, v16 *s) {
+    const int64_t pairs = p->dim / 2;
+    const uint32_t *k_words = (const uint32_t *)k_group;
+    for (int j0 = 0; j0 < LANES; j0 += 8) {
+        __m512 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t w = 0; w < pairs; w++) {
+            const __m512bh q = (__m512bh)qt_pairs[w];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], q, (__m512bh)_mm512_set1_epi32((int)k_words[(j0 + j) * pairs + w]));
+        }
+        for (int j = 0; j < 8; j++) s[j0 + j] = (v16)acc[j];
+    }
+}
+
+/* O^T[d] += sum_j P[j] * V[j][d] with vdpbf16ps over key pairs: P[j], P[j+1] rounded to bf16
+ * and interleaved lane by lane; V regrouped into key pairs by gather_head. */
+static inline void values_bf16(const Problem *p, const v16 *probs, const char *v_group, v16 *ot) {
+    /* word i of the result: bf16 of a[i] low, of b[i] high; cvtne2ps puts b in words 0-15 and
+     * a in words 16-31 */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i prob_pairs[LANES / 2];
+    for (int i = 0; i < LANES / 2; i++) {
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)probs[2 * i + 1], (__m512)probs[2 * i]);
+        prob_pairs[i] = _mm512_permutexvar_epi16(interleave, both);
+    }
+    const uint32_t *v_words = (const uint32_t *)v_group; /* [8 key pairs][dim] words */
+    for (int64_t d0 = 0; d0 < p->dim; d0 += LANES) {
+        __m512 acc[LANES];
+        for (int i = 0; i < LANES; i++) acc[i] = (__m512)ot[d0 + i];
+        for (int k = 0; k < LANES / 2; k++) {
+            const __m512bh pk = (__m512bh)prob_pairs[k];
+            const uint32_t *row = v_words + k * p->dim + d0;
+#pragma GCC unroll 16
+            for (int i = 0; i < LANES; i++)
+                acc[i] = _mm512_dpbf16_ps(acc[i], pk, (__m512bh)_mm512_set1_epi32((int)row[i]));
+        }
+        for (int i = 0; i < LANES; i++) ot[d0 + i] = (v16)acc[i];
+    }
+}
+#endif
+
+/* One tile: query tokens [t0, t0 + rows) of query head `head`. */
+static void attend_tile(const Problem *p, int64_t head, int64_t t0, int64_t rows) {
+    const int64_t dim = p->dim, kv_head = head / p->group;
+    const size_t element = p->kind == 0 ? 4 : 2;
+    v16 qt[MAX_DIM]; /* Q^T in fp32: [dim] vectors of 16 queries */
+    v16 ot[MAX_DIM]; /* O^T: [dim] vectors */
+    v16 s[LANES];
+    v16i position; /* each lane's query position in the context; padding lanes repeat the last */
+    for (int r = 0; r < LANES; r++) position[r] = (int32_t)(p->cached + t0 + (r < rows ? r : rows - 1));
+#if defined(__AVX512BF16__)
+    __m512i qt_pairs[MAX_DIM / 2];
+#endif
+    for (int r = 0; r < LANES; r++) {
+        const int64_t token = t0 + (r < rows ? r : rows - 1);
+        const char *row = p->q + (size_t)token * p->q_stride * element + (size_t)head * dim * element;
+#if defined(__AVX512BF16__)
+        if (p->pair_values) {
+            for (int64_t w = 0; w < dim / 2; w++) ((uint32_t *)&qt_pairs[w])[r] = ((const uint32_t *)row)[w];
+            continue;
+        }
+#endif
+        for (int64_t d = 0; d < dim; d++) qt[d][r] = load_kv(row, d, p->kind);
+    }
+    for (int64_t d = 0; d < dim; d++) ot[d] = splat(0.0f);
+    v16 top = splat(-1e30f), total = splat(0.0f);
+    const int64_t first = p->cached + t0, last = p->cached + t0 + rows - 1;
+    const int64_t groups = last / LANES + 1;
+    const size_t head_bytes = (size_t)p->padded * dim * element;
+    const char *k_head = p->keys + kv_head * head_bytes, *v_head = p->values + kv_head * head_bytes;
+    for (int64_t g = 0; g < groups; g++) {
+        const char *k_group = k_head + (size_t)g * LANES * dim * element;
+        const char *v_group = v_head + (size_t)g * LANES * dim * element;
+#if defined(__AVX512BF16__)
+        if (p->pair_values)
+            scores_bf16(p, qt_pairs, k_group, s);
+        else
+#endif
+            scores_fma(p, qt, k_group, s);
+        const int64_t key0 = g * LANES;
+        const int masked = key0 + LANES - 1 > first;
+        v16 block_top = splat(-1e30f);
+        for (int j = 0; j < LANES; j++) {
+            s[j] *= p->log2_scale;
+            if (masked) {
+                v16i visible = position >= (int32_t)(key0 + j);
+                s[j] = (v16)(((v16i)s[j] & visible) | ((v16i)splat(-1e30f) & ~visible));
+            }
+            block_top = vmax(block_top, s[j]);
+        }
+        if (any_greater(block_top, top)) {
+            const v16 new_top = vmax(top, block_top);
+            const v16 correction = exp2_nonpositive(top - new_top);
+            total *= correction;
+            for (int64_t d = 0; d < dim; d++) ot[d] *= correction;
+            top = new_top;
+        }
+        for (int j = 0; j < LANES; j++) {
+            v16 prob = exp2_nonpositive(s[j] - top);
+            if (masked) {
+                v16i visible = position >= (int32_t)(key0 + j);
+                prob = (v16)((v16i)prob & visible);
+            }
+            s[j] = prob;
+            total += prob;
+        }
+#if defined(__AVX512BF16__)
+        if (p->pair_values)
+            values_bf16(p, s, v_group, ot);
+        else
+#endif
+            values_fma(p, s, v_group, ot);
+    }
+    const v16 inverse = 1.0f / total;
+    for (int r = 0; r < rows; r++) {
+        char *row = p->out + (size_t)(t0 + r) * p->out_stride * element + (size_t)head * dim * element;
+        for (int64_t d = 0; d < dim; d++) {
+            const float value = ot[d][r] * inverse[r];
+            if (p->kind == 0) {
+                ((float *)row)[d] = value;
+            } else { /* round to nearest even bf16 */
+                union { float f; uint32_t u; } bits = {.f = value};
+                bits.u += 0x7FFFu + ((bits.u >> 16) & 1u);
+                ((uint16_t *)row)[d] = (uint16_t)(bits.u >> 16);
+            }
+        }
+    }
+}
+
+/* Whether this build uses vdpbf16ps for a bf16 cache (1) or widens to fp32 (0). */
+int tandem_prefill_uses_bf16_dot(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/*
+ * q [q_len, num_heads, head_dim] (token stride q_stride elements) attends to the first
+ * context_len tokens of the sequence whose blocks are block_ids; its last q_len tokens are the
+ * chunk's own, already written to the cache. kind: 0 fp32 (q, cache, out), 1 bf16.
+ * Returns 0; -1 when a scratch allocation failed; -2 when head_dim is not a multiple of 16 or
+ * above 256.
+ */
+int tandem_prefill_attention(const void *q, const void *kv_cache, const int64_t *block_ids, void *out,
+                             int64_t q_len, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t q_stride,
+                             int64_t out_stride, int kind, float scale, int num_threads) {
+    if (head_dim % LANES != 0 || head_dim > MAX_DIM) return -2;
+    const size_t element = kind == 0 ? 4 : 2;
+    const int64_t padded = (context_len + LANES - 1) / LANES * LANES;
+    const size_t head_bytes = (size_t)padded * head_dim * element;
+    char *keys = aligned_alloc(64, (head_bytes * num_kv_heads + 63) / 64 * 64);
+    char *values = aligned_alloc(64, (head_bytes * num_kv_heads + 63) / 64 * 64);
+    if (keys == NULL || values == NULL) {
+        free(keys);
+        free(values);
+        return -1;
+    }
+    Problem problem = {
+        .q = q, .out = out, .keys = keys, .values = values, .q_len = q_len,
+        .cached = context_len - q_len, .padded = padded, .num_heads = num_heads,
+        .group = num_heads / num_kv_heads, .dim = head_dim, .q_stride = q_stride,
+        .out_stride = out_stride, .kind = kind, .pair_values = kind == 1 && tandem_prefill_uses_bf16_dot(),
+        .log2_scale = scale * 1.4426950408889634f,
+    };
+    const size_t plane = (size_t)num_kv_heads * num_blocks * block_size * head_dim * element;
+    const size_t cache_head = (size_t)num_blocks * block_size * head_dim * element;
+#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
+    for (int64_t h = 0; h < num_kv_heads; h++)
+        gather_head((const char *)kv_cache + h * cache_head, (const char *)kv_cache + plane + h * cache_head,
+                    block_ids, context_len, padded, head_dim, block_size, element, problem.pair_values,
+                    keys + h * head_bytes, values + h * head_bytes);
+    const int64_t tiles = (q_len + LANES - 1) / LANES;
+    /* The last tiles see the longest context: hand them out first. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < tiles * num_heads; item++) {
+        const int64_t tile = tiles - 1 - item / num_heads, head = item % num_heads;
+        const int64_t t0 = tile * LANES;
+        attend_tile(&problem, head, t0, q_len - t0 < LANES ? q_len - t0 : LANES);
+    }
+    free(keys);
+    free(values);
+    return 0;
+}

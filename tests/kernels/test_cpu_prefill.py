@@ -1,0 +1,121 @@
+"""The C prefill-attention kernel against masked SDPA, and the CPU backend's use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels import cpu_attention
+from tandem.kernels.base import AttentionMetadata, PrefillSpan, kv_cache_shape
+from tandem.kernels.c_library import build_kernel_library
+from tandem.kernels.cpu_attention import CpuAttentionBackend, PagedDecodeKernel
+from tandem.kernels.cpu_prefill import PrefillAttentionKernel
+from tandem.kernels.torch_attention import TorchAttentionBackend
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def kernel(cache_dir) -> PrefillAttentionKernel:
+    return PrefillAttentionKernel.build(cache_dir)
+
+
+def _paged(context: int, kv_heads: int, dim: int, block: int, dtype, generator):
+    """A cache holding one sequence's `context` tokens in shuffled blocks, with spare blocks
+    full of NaN that nobody may read."""
+    used = -(-context // block)
+    cache = torch.full(kv_cache_shape(used + 3, block, kv_heads, dim), float("nan"))
+    order = torch.randperm(used + 3, generator=generator)
+    block_ids = order[:used].clone()
+    flat = cache.view(2, kv_heads, -1, dim)
+    slots = block_ids.repeat_interleave(block) * block + torch.arange(block).repeat(used)
+    flat[:, :, slots[:context]] = torch.randn(2, kv_heads, context, dim, generator=generator)
+    return cache.to(dtype), block_ids
+
+
+def _reference(q, cache, block_ids, context: int, scale: float) -> torch.Tensor:
+    """Masked SDPA in fp32 over the gathered context."""
+    q_len, _, dim = q.shape
+    kv_heads = cache.shape[1]
+    keys = cache[0][:, block_ids].reshape(kv_heads, -1, dim)[:, :context].float()
+    values = cache[1][:, block_ids].reshape(kv_heads, -1, dim)[:, :context].float()
+    mask = torch.arange(context)[None] <= torch.arange(context - q_len, context)[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys[None], values[None],
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("q_len", "context", "heads", "kv_heads", "dim", "block"),
+    [
+        (1, 1, 9, 3, 64, 16),  # a one-token prompt
+        (5, 5, 9, 3, 64, 16),  # fewer queries than a tile, nothing cached
+        (37, 37, 9, 3, 64, 16),  # tiles and key groups ending mid-way, nothing cached
+        (37, 100, 9, 3, 64, 16),  # after a cached prefix that ends mid-block
+        (200, 233, 14, 2, 64, 16),  # Qwen2.5-0.5B's heads (7 per kv head)
+        (33, 70, 12, 2, 128, 32),  # Qwen2.5-1.5B's head size, blocks of 32
+        (17, 17, 4, 4, 32, 4),  # no grouping, blocks smaller than a key group
+        (16, 48, 6, 1, 64, 16),  # exactly one tile after three full key groups
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_masked_sdpa(kernel, q_len, context, heads, kv_heads, dim, block, dtype) -> None:
+    generator = torch.Generator().manual_seed(q_len * 1000 + context)
+    cache, block_ids = _paged(context, kv_heads, dim, block, dtype, generator)
+    q = torch.randn(q_len, heads, dim, generator=generator).to(dtype)
+    got = kernel(q, cache, block_ids, context, dim**-0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = _reference(q, cache, block_ids, context, dim**-0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    else:  # P is rounded to bf16 before P.V and the output to bf16, as in bf16 flash attention
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2)
+
+
+def test_queries_may_be_a_view_into_the_fused_projection(kernel) -> None:
+    """q comes in as a slice of the qkv projection: its token stride is not heads * dim."""
+    generator = torch.Generator().manual_seed(3)
+    cache, block_ids = _paged(50, 2, 64, 16, torch.float32, generator)
+    qkv = torch.randn(20, (6 + 2 * 2) * 64, generator=generator)
+    q = qkv[:, : 6 * 64].view(20, 6, 64)
+    assert q.stride(0) != 6 * 64 and kernel.takes(q, cache)
+    torch.testing.assert_close(kernel(q, cache, block_ids, 50, 0.125), _reference(q.contiguous(), cache, block_ids, 50, 0.125))
+
+
+def test_what_the_kernel_does_not_take(kernel) -> None:
+    cache = torch.zeros(kv_cache_shape(2, 16, 1, 64))
+    assert kernel.takes(torch.zeros(3, 2, 64), cache)
+    assert not kernel.takes(torch.zeros(3, 2, 64, dtype=torch.bfloat16), cache)  # dtypes differ
+    assert not kernel.takes(torch.zeros(3, 2, 64, dtype=torch.float16), cache.half())  # fp16
+    assert not kernel.takes(torch.zeros(3, 2, 40), torch.zeros(kv_cache_shape(2, 16, 1, 40)))  # head size
+    assert not kernel.takes(torch.zeros(3, 64, 2).transpose(1, 2), cache)  # dims not dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_prefill_agrees_with_the_torch_backend(cache_dir, kernel, dtype) -> None:
+    """A mixed step through the CPU backend: two decodes, a fresh prompt and a chunk after a
+    cached prefix, against the torch backend on the same cache."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    cache = torch.randn(kv_cache_shape(40, block, kv_heads, dim), generator=generator).to(dtype)
+    fresh_ids, chunk_ids = torch.tensor([3, 4]), torch.tensor([10, 11, 12, 13, 14])
+    spans = [PrefillSpan(2, 30, 30, fresh_ids), PrefillSpan(32, 20, 75, chunk_ids)]
+    tables = torch.tensor([[20, 21], [30, 0]])
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 2, tables, torch.tensor([20, 9]), 20, spans, block)
+    total = 52
+    q = torch.randn(total, heads, dim, generator=generator).to(dtype)
+    # the fresh prompt's keys and values as the cache holds them (write_kv runs first)
+    k = torch.zeros(total, kv_heads, dim, dtype=dtype)
+    v = torch.zeros(total, kv_heads, dim, dtype=dtype)
+    flat = cache.view(2, kv_heads, -1, dim)
+    fresh_slots = (fresh_ids.repeat_interleave(block) * block + torch.arange(block).repeat(2))[:30]
+    k[2:32], v[2:32] = flat[0][:, fresh_slots].transpose(0, 1), flat[1][:, fresh_slots].transpose(0, 1)
+    decode = PagedDecodeKernel(build_kernel_library(cache_dir, cpu_attention.SOURCE))
+    ours = CpuAttentionBackend(decode, kernel).attend(q, k, v, cache, meta, dim**-0.5)
+    theirs = TorchAttentionBackend().attend(q, k, v, cache, meta, dim**-0.5)
+    tolerance = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+    torch.testing.assert_close(ours.float(), theirs.float(), **tolerance)
