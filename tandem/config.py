@@ -313,6 +313,10 @@ class LoadConfig:
     # the weights (see layers/linear.py SmallStepWeights). "none": exact.
     decode_weights: str = "none"  # none | float16 | bfloat16 | int4
     decode_weights_max_tokens: int = 2
+    # Steps larger than the small-step copy's reach: "int8" multiplies 8-bit weights by 8-bit
+    # activations (W8A8, layers/int8.py), twice bf16's multiply-adds per instruction; "none":
+    # the run dtype's weights.
+    quantization: str = "none"  # none | int8
     # Reorder weights into oneDNN's layout on CPU (same arithmetic, faster kernels).
     pack_weights: bool = True
     # Decode attention: "cpu" = the C kernel over the paged cache (kernels/cpu_attention.py),

@@ -43,6 +43,7 @@ class LLM:
         cache_dir: str | None = None,
         decode_weights: str = "none",
         decode_weights_max_tokens: int = 2,
+        quantization: str = "none",
         pack_weights: bool = True,
         attention_backend: str = "auto",
         world_size: int = 1,
@@ -62,7 +63,8 @@ class LLM:
             model=model or "smollm2-135m",
             load=LoadConfig(dtype=dtype, load_format=load_format, seed=seed, cache_dir=cache_dir,
                             num_threads=num_threads, decode_weights=decode_weights,
-                            decode_weights_max_tokens=decode_weights_max_tokens, pack_weights=pack_weights,
+                            decode_weights_max_tokens=decode_weights_max_tokens, quantization=quantization,
+                            pack_weights=pack_weights,
                             attention_backend=attention_backend),
             cache=CacheConfig(
                 block_size=block_size,

@@ -15,8 +15,10 @@ def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
         "perplexity",
         help="perplexity of a fixed text: exact fp32 vs the fast weight formats",
         description="Perplexity of a fixed passage, fed one token per step (the decode path), "
-        "in exact fp32, with fp16, bf16 and int4 decode weights (--decode-weights) and in bf16 "
-        "(alone and with int4 decode weights).",
+        "in exact fp32, with fp16, bf16 and int4 decode weights (--decode-weights), in bf16 "
+        "(alone and with int4 decode weights) and with 8-bit weights and activations "
+        "(--quantization int8; each token's activations are quantized on their own, so one token "
+        "per step gives what a prefill chunk gives).",
     )
     parser.add_argument("model", nargs="?", default=None, help="model (default: smollm2-135m)")
     parser.set_defaults(handler=run_perplexity)
@@ -33,6 +35,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
         ("fp32 + int4 decode weights", {"dtype": "float32", "decode_weights": "int4"}),
         ("bf16", {"dtype": "bfloat16"}),
         ("bf16 + int4 decode weights", {"dtype": "bfloat16", "decode_weights": "int4"}),
+        ("fp32 + int8 (W8A8)", {"dtype": "float32", "quantization": "int8"}),
+        ("bf16 + int8 (W8A8)", {"dtype": "bfloat16", "quantization": "int8"}),
     ]
     results = []
     for label, kwargs in modes:

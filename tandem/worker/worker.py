@@ -30,10 +30,17 @@ from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend
 from tandem.kernels.cpu_attention import make_attention_backend
+from tandem.kernels.int8_rows import load_int8_rows_kernel
 from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorWorker
 from tandem.kvcache.connector.factory import make_connector_worker
-from tandem.layers.linear import SmallStepWeights, attach_small_step_weights, pack_weights_for_cpu
+from tandem.layers.int8 import int8_available
+from tandem.layers.linear import (
+    SmallStepWeights,
+    attach_small_step_weights,
+    pack_weights_for_cpu,
+    quantize_int8,
+)
 from tandem.loader.fingerprint import model_fingerprint
 from tandem.loader.model_loader import (
     build_model,
@@ -183,6 +190,10 @@ class Worker:
                      max_model_len: int) -> torch.nn.Module:
         """Build the model, fill its weights, then lay them out for the kernels that read them."""
         load = self.config.load
+        if load.quantization not in ("none", "int8"):
+            raise ValueError(f"--quantization must be none or int8, not {load.quantization!r}")
+        if load.quantization == "int8" and not int8_available():
+            raise ValueError("--quantization int8 needs PyTorch's integer GEMM (torch._int_mm)")
         self._check_weights_fit(hf_dir)
         if self.ep is not None and model_config.moe is None and self.rank == 0:
             logger.info("--enable-expert-parallel: %s has no experts; nothing to shard", model_config.architecture)
@@ -198,6 +209,11 @@ class Worker:
             if self.rank == 0:
                 logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
                             small_step.format, small_step.max_tokens, added / (1 << 20))
+        if load.quantization == "int8":
+            quantized = quantize_int8(model, load_int8_rows_kernel(self._kernel_cache_dir()))
+            if self.rank == 0:
+                logger.info("--quantization int8: %d projections hold 8-bit weights for steps of more than %s tokens",
+                            quantized, small_step.max_tokens if small_step is not None else 0)
         if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
             logger.info("linear weights packed for oneDNN")
         return model
@@ -349,9 +365,9 @@ def model_bytes(model: torch.nn.Module) -> int:
             extra = getattr(module, name, None)
             if isinstance(extra, torch.Tensor):
                 tensors.append(extra)
-        int4 = getattr(module, "small_int4", None)
-        if int4 is not None:
-            total += int4.nbytes
+        for compact in (getattr(module, "small_int4", None), getattr(module, "int8", None)):
+            if compact is not None:
+                total += compact.nbytes
         tensors += list(getattr(module, "packed_halves", None) or ())
     for tensor in tensors:
         if tensor.is_mkldnn:

@@ -32,3 +32,29 @@ def test_perplexity_same_through_decode_and_chunked_steps(tmp_path: Path) -> Non
     assert pool.num_free_blocks == pool.num_blocks
     with pytest.raises(ValueError, match="two tokens"):
         perplexity(llm.engine, [1], step_tokens=1)
+
+
+def test_int8_on_the_default_model_stays_within_one_percent_of_fp32() -> None:
+    """--quantization int8 on real weights: the text's perplexity within 1% of exact fp32, and
+    the same through one-token steps and 64-token chunks (each token's activations are
+    quantized on their own), so the one-token figure `tandem bench perplexity` prints is what a
+    prefill gets too."""
+    from tandem.bench.perplexity import REFERENCE_TEXT
+
+    exact = LLM(kv_cache_memory="64MiB")
+    tokens = exact.tokenizer.encode(REFERENCE_TEXT)
+    reference = perplexity(exact.engine, tokens, step_tokens=1)
+    del exact
+    int8 = LLM(kv_cache_memory="64MiB", dtype="bfloat16", quantization="int8")
+    layers = int8.engine.runner.model.model.layers
+    assert layers[0].self_attn.qkv_proj.int8 is not None and layers[0].mlp.gate_up_proj.int8 is None
+    one_at_a_time = perplexity(int8.engine, tokens, step_tokens=1)
+    chunked = perplexity(int8.engine, tokens, step_tokens=64)
+    assert one_at_a_time == pytest.approx(reference, rel=0.01)
+    assert chunked == pytest.approx(one_at_a_time, rel=2e-3)
+
+
+def test_an_unknown_quantization_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    with pytest.raises(ValueError, match="--quantization must be none or int8"):
+        LLM(str(tmp_path), load_format="dummy", kv_cache_memory="8MiB", quantization="int4")

@@ -1,0 +1,88 @@
+"""8-bit weights and activations (W8A8) for large steps: the arithmetic, and where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels.int8_rows import Int8RowsKernel
+from tandem.layers.int8 import Int8Weight, int8_fits, quantize_rows
+from tandem.layers.linear import GateUpLinear, Linear, SmallStepWeights, pack_weights_for_cpu, quantize_int8
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Int8RowsKernel:
+    return Int8RowsKernel.build(tmp_path_factory.mktemp("cache"))
+
+
+def _exact(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """What the mode computes, in float: the quantized rows times the quantized matrix."""
+    values, scales = quantize_rows(x)
+    return (values.double() * scales.double()) @ weight.dequantize().double().t()
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_matmul_is_quantized_rows_times_the_quantized_matrix(kernel, use_kernel) -> None:
+    generator = torch.Generator().manual_seed(1)
+    matrix = torch.randn(96, 64, generator=generator) / 8
+    weight = Int8Weight.quantize(matrix, kernel if use_kernel else None)
+    x = torch.randn(33, 64, generator=generator)
+    got = weight.matmul(x)
+    torch.testing.assert_close(got.double(), _exact(x, weight), rtol=1e-5, atol=1e-5)
+    dense = x @ matrix.t()
+    assert (got - dense).norm() / dense.norm() < 0.02  # and close to the dense product
+
+
+def test_a_row_gets_the_same_result_alone_as_in_a_batch(kernel) -> None:
+    """Each row is quantized with its own scale: a one-token step computes what the same token
+    gets inside a prefill chunk (what lets a one-token-per-step perplexity measure the mode)."""
+    generator = torch.Generator().manual_seed(2)
+    weight = Int8Weight.quantize(torch.randn(64, 128, generator=generator), kernel)
+    x = torch.randn(40, 128, generator=generator) * torch.logspace(-2, 2, 40).unsqueeze(1)
+    batch = weight.matmul(x)
+    for row in (0, 17, 39):
+        assert torch.equal(weight.matmul(x[row : row + 1]), batch[row : row + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_and_torch_paths_agree_with_bias_and_residual(kernel, dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    matrix = torch.randn(64, 96, generator=generator) / 8
+    bias = torch.randn(64, generator=generator).to(dtype)
+    x = torch.randn(20, 96, generator=generator).to(dtype)
+    residual = torch.randn(20, 64, generator=generator).to(dtype)
+    fast = Int8Weight.quantize(matrix, kernel).matmul(x, bias, residual)
+    plain = Int8Weight.quantize(matrix).matmul(x, bias, residual)
+    assert fast.dtype == plain.dtype == dtype
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(fast, plain, **tolerance)
+
+
+def test_shapes_int8_takes() -> None:
+    assert int8_fits(torch.zeros(16, 64))
+    assert not int8_fits(torch.zeros(12, 64))
+    assert not int8_fits(torch.zeros(16, 60))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        Int8Weight.quantize(torch.zeros(12, 64))
+
+
+def test_large_steps_read_int8_small_steps_their_copy_and_gate_up_stays_dense(kernel) -> None:
+    torch.manual_seed(4)
+    model = torch.nn.ModuleDict({"proj": Linear(64, 32, bias=True), "mlp": GateUpLinear(64, 48)})
+    for layer in model.values():
+        layer.weight.data.normal_(0, 0.1)
+    model["proj"].bias.data.normal_()
+    dense = model["proj"].weight.detach().clone()
+    model["proj"].attach_small_step_weights(SmallStepWeights(2, "float16"))
+    assert quantize_int8(model, kernel) == 1  # the projection; the gate/up keeps its weights
+    assert model["mlp"].int8 is None
+    pack_weights_for_cpu(model)
+    assert model["proj"].weight.numel() == 0  # the dense copy is released
+    proj = model["proj"]
+    x = torch.randn(8, 64)
+    torch.testing.assert_close(proj(x), proj.int8.matmul(x, proj.bias))
+    small = x[:2]
+    torch.testing.assert_close(proj(small), (small.half() @ dense.half().t() + proj.bias.half()).float(),
+                               rtol=1e-3, atol=1e-3)
+    residual = torch.randn(8, 32)
+    torch.testing.assert_close(proj(x, residual), proj.int8.matmul(x, proj.bias, residual))
