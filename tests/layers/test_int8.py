@@ -7,7 +7,13 @@ import torch
 
 from tandem.kernels.int8_rows import Int8RowsKernel
 from tandem.layers.int8 import Int8Weight, int8_fits, quantize_rows
-from tandem.layers.linear import GateUpLinear, Linear, SmallStepWeights, pack_weights_for_cpu, quantize_int8
+from tandem.layers.linear import (
+    GateUpLinear,
+    Linear,
+    SmallStepWeights,
+    pack_weights_for_cpu,
+    quantize_int8,
+)
 
 
 @pytest.fixture(scope="module")
