@@ -2,8 +2,10 @@
  * Decode attention straight from the paged KV cache, for CPUs.
  *
  * One query token per sequence attends to its sequence's cached keys/values, read block by
- * block through the block table: no gathered copy of the context, one pass over K and one
- * over V. Exact softmax (scores kept, then max, exp, sum), fp32 arithmetic throughout; the
+ * block through the block table: no gathered copy of the context. Where the CPU has AVX-512
+ * and the head size is a multiple of 16 (up to 256), one pass over K and V with an online
+ * softmax (below, `attend_item_vec`); elsewhere, one pass over K and one over V with an
+ * exact softmax (scores kept, then max, exp, sum). fp32 arithmetic throughout; the
  * cache is fp32 or bf16 (`_bf16` entry points: each cached value widened to fp32 as it is
  * read, which is exact), q and out are fp32 either way.
  *
@@ -104,6 +106,164 @@ static inline __attribute__((always_inline)) void attend_item##SUFFIX(          
 DEFINE_ATTEND(, float, dot, axpy)
 DEFINE_ATTEND(_bf16, uint16_t, dot_bf16, axpy_bf16)
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/*
+ * The AVX-512 path (head sizes a multiple of 16, up to 256): keys go by in groups of 16 and
+ * their scores come out as one vector, 16 keys in 16 lanes. Each key's products with a query
+ * are summed down to one vector per key, then the 16 vectors are transposed and added in a
+ * tree (15 shuffle-and-add steps for 16 dot products, instead of a horizontal reduction per
+ * dot product), and the softmax is online: per group of keys, one max, one vector exp, a
+ * rescale of the running output when the max grows. The widened values of a key are used for
+ * every query head of its group. Measured on the 2-core AVX-512 EPYC, one call for 64
+ * sequences of 64-256 tokens with SmolLM2's heads: bf16 cache 1,070 -> 430 us on one thread,
+ * ~560 -> 220-290 us on two; fp32 1,450 -> 560 and ~500 -> 250-390 us.
+ */
+#define MAX_GROUP 16
+
+static inline __m512 load16(const float *x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16_bf16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+/* Sum each of 16 vectors down to one lane: lane t of the result is the sum of v[t]'s lanes. */
+static inline __m512 transpose_sum16(__m512 v[16]) {
+    /* step 1: pairs -> 8 vectors, lanes of each 128-bit part hold partial sums of 2 inputs */
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    /* a[i] lanes (per 128-bit part): [v2i.01+23 interleaved]: x0 y0 x1 y1 (sums of pairs) */
+    for (int i = 0; i < 4; i++) {
+        __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1])));
+        __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1])));
+        b[i] = _mm512_add_ps(lo, hi);
+    }
+    /* b[i]: each 128-bit part holds [v4i, v4i+1, v4i+2, v4i+3] partial sums (one per 128-bit part) */
+    for (int i = 0; i < 2; i++) {
+        __m512 lo = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88); /* parts 0,2 of each */
+        __m512 hi = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD); /* parts 1,3 of each */
+        c[i] = _mm512_add_ps(lo, hi);
+    }
+    __m512 lo = _mm512_shuffle_f32x4(c[0], c[1], 0x88);
+    __m512 hi = _mm512_shuffle_f32x4(c[0], c[1], 0xDD);
+    return _mm512_add_ps(lo, hi);
+}
+
+/* e^x for a vector, to ~1e-7 relative; lanes at -inf or far below give 0. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define DEFINE_ATTEND_VEC(SUFFIX, KV_T, LOAD)                                                    \
+static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(                       \
+    const float *q_rows, float *out_rows, const KV_T *k_head, const KV_T *v_head,                \
+    const int64_t *table, int64_t len, int64_t heads, int64_t head_dim, int64_t block_size,      \
+    float scale) {                                                                               \
+    const int64_t chunks = head_dim / 16;                                                        \
+    __m512 acc[MAX_GROUP][16];                                                                   \
+    float top[MAX_GROUP], total[MAX_GROUP];                                                      \
+    float probs[MAX_GROUP][16] __attribute__((aligned(64)));                                     \
+    for (int64_t g = 0; g < heads; g++) {                                                        \
+        top[g] = -INFINITY;                                                                      \
+        total[g] = 0.0f;                                                                         \
+        for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();                    \
+    }                                                                                            \
+    const int64_t block_values = block_size * head_dim;                                          \
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {                                                   \
+        const int64_t count = len - t0 < 16 ? len - t0 : 16;                                     \
+        const KV_T *keys[16], *values[16];                                                       \
+        for (int64_t j = 0; j < 16; j++) {                                                       \
+            const int64_t t = t0 + (j < count ? j : count - 1);                                  \
+            const int64_t offset = table[t / block_size] * block_values + (t % block_size) * head_dim; \
+            keys[j] = k_head + offset;                                                           \
+            values[j] = v_head + offset;                                                         \
+        }                                                                                        \
+        if (t0 + 16 < len) { /* the next group's first key and value rows */                     \
+            const int64_t t = t0 + 16;                                                           \
+            const int64_t offset = table[t / block_size] * block_values + (t % block_size) * head_dim; \
+            __builtin_prefetch(k_head + offset, 0, 1);                                           \
+            __builtin_prefetch(v_head + offset, 0, 1);                                           \
+        }                                                                                        \
+        const __mmask16 valid = (__mmask16)((1u << count) - 1u);                                 \
+        __m512 partial[MAX_GROUP][16];                                                           \
+        for (int j = 0; j < 16; j++) { /* each key row widened once, for every head */           \
+            __m512 k[16];                                                                        \
+            for (int64_t c = 0; c < chunks; c++) k[c] = LOAD(keys[j] + 16 * c);                  \
+            for (int64_t g = 0; g < heads; g++) {                                                \
+                const float *q = q_rows + g * head_dim;                                          \
+                __m512 sum = _mm512_mul_ps(load16(q), k[0]);                                     \
+                for (int64_t c = 1; c < chunks; c++) sum = _mm512_fmadd_ps(load16(q + 16 * c), k[c], sum); \
+                partial[g][j] = sum;                                                             \
+            }                                                                                    \
+        }                                                                                        \
+        for (int64_t g = 0; g < heads; g++) {                                                    \
+            __m512 scores = _mm512_mul_ps(transpose_sum16(partial[g]), _mm512_set1_ps(scale));   \
+            scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores);             \
+            const float group_top = _mm512_reduce_max_ps(scores);                                \
+            if (group_top > top[g]) {                                                            \
+                const __m512 correction = _mm512_set1_ps(expf(top[g] - group_top));              \
+                total[g] *= correction[0];                                                       \
+                for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], correction); \
+                top[g] = group_top;                                                              \
+            }                                                                                    \
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(top[g])))); \
+            total[g] += _mm512_reduce_add_ps(p);                                                 \
+            _mm512_store_ps(probs[g], p);                                                        \
+        }                                                                                        \
+        for (int64_t j = 0; j < count; j++) {                                                    \
+            for (int64_t c = 0; c < chunks; c++) {                                               \
+                const __m512 v = LOAD(values[j] + 16 * c);                                       \
+                for (int64_t g = 0; g < heads; g++)                                              \
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][j]), v, acc[g][c]);      \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int64_t g = 0; g < heads; g++) {                                                        \
+        const __m512 inverse = _mm512_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);         \
+        for (int64_t c = 0; c < chunks; c++)                                                     \
+            _mm512_storeu_ps(out_rows + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inverse)); \
+    }                                                                                            \
+}
+
+DEFINE_ATTEND_VEC(, float, load16)
+DEFINE_ATTEND_VEC(_bf16, uint16_t, load16_bf16)
+
+/* With the head size a literal where it is a common one, so the per-chunk loops unroll and
+ * the accumulators stay in registers. */
+#define DEFINE_DISPATCH_VEC(SUFFIX, KV_T)                                                        \
+static void attend_vector##SUFFIX(const float *q_rows, float *out_rows, const KV_T *k_head,      \
+                                  const KV_T *v_head, const int64_t *table, int64_t len,         \
+                                  int64_t heads, int64_t head_dim, int64_t block_size, float scale) { \
+    if (head_dim == 64 && heads == 3)                                                            \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, 3, 64, block_size, scale); \
+    else if (head_dim == 64)                                                                     \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, 64, block_size, scale); \
+    else if (head_dim == 128)                                                                    \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, 128, block_size, scale); \
+    else                                                                                         \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, head_dim, block_size, scale); \
+}
+DEFINE_DISPATCH_VEC(, float)
+DEFINE_DISPATCH_VEC(_bf16, uint16_t)
+#define HAS_VECTOR_PATH 1
+#else
+#define HAS_VECTOR_PATH 0
+#define attend_vector(...) ((void)0)
+#define attend_vector_bf16(...) ((void)0)
+#endif
+
 /* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
 #define DEFINE_ENTRY(SUFFIX, KV_T)                                                               \
 int tandem_paged_decode_attention##SUFFIX(                                                       \
@@ -129,6 +289,11 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reductio
         const KV_T *v_head = v_base + kv_head * head_stride;                                     \
         const float *q_rows = q + (seq * num_heads + first_head) * head_dim;                     \
         float *out_rows = out + (seq * num_heads + first_head) * head_dim;                       \
+        if (HAS_VECTOR_PATH && head_dim % 16 == 0 && head_dim <= 256 && heads_per_item <= 16) {  \
+            attend_vector##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item,  \
+                                  head_dim, block_size, scale);                                  \
+            continue;                                                                            \
+        }                                                                                        \
         float *scores = malloc(sizeof(float) * (size_t)(heads_per_item * (len > 0 ? len : 1)));  \
         if (scores == NULL) {                                                                    \
             failed = 1;                                                                          \
