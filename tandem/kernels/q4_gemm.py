@@ -40,11 +40,13 @@ class Q4Kernel:
         try:
             loaded = ctypes.CDLL(str(library))
             self._gemm = loaded.tandem_q4_gemm
+            self._gemm_bf16 = loaded.tandem_q4_gemm_bf16
             isa = loaded.tandem_q4_gemm_isa
         except (OSError, AttributeError) as error:
             raise KernelBuildError(f"cannot load {library}: {error}") from error
-        self._gemm.restype = ctypes.c_int
-        self._gemm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+        for gemm in (self._gemm, self._gemm_bf16):
+            gemm.restype = ctypes.c_int
+            gemm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()
 
@@ -53,10 +55,11 @@ class Q4Kernel:
         return cls(build_kernel_library(cache_dir, SOURCE))
 
     def gemm(self, matrix: Q4Matrix, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] fp32 contiguous -> [M, N] fp32."""
+        """x [M, K] fp32 or bf16, contiguous -> [M, N] in x's dtype (fp32 arithmetic)."""
         rows = x.shape[0]
-        out = torch.empty(rows, matrix.out_features, dtype=torch.float32)
-        status = self._gemm(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
+        out = torch.empty(rows, matrix.out_features, dtype=x.dtype)
+        gemm = self._gemm_bf16 if x.dtype == torch.bfloat16 else self._gemm
+        status = gemm(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
                             x.data_ptr(), out.data_ptr(), rows, matrix.out_features, matrix.in_features,
                             torch.get_num_threads())
         if status != 0:
@@ -118,7 +121,8 @@ class Q4Matrix:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for x of shape [..., K], in x's dtype (the kernel works in fp32)."""
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows.contiguous() if rows.dtype == torch.bfloat16 else rows.float().contiguous()
         return self.kernel.gemm(self, rows).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
