@@ -177,7 +177,9 @@ def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: i
         gguf = getattr(args, "gguf_path", None)
         if gguf is None:
             raise ValueError(f"llama.cpp needs a GGUF model; {args.model} is not one")
-        return {"model_path": str(gguf), "n_ctx": args.max_model_len or 4096, "n_batch": 512,
+        # n_ctx: room for the longest workload (long-prompt: 8,000 tokens and one more); llama.cpp
+        # refuses a prompt longer than its context ("llama_decode returned 1").
+        return {"model_path": str(gguf), "n_ctx": args.max_model_len or 8192, "n_batch": 512,
                 "n_threads": args.threads or len(os.sched_getaffinity(0)), "seed": args.seed}
     raise ValueError(f"unknown engine {engine!r}")
 

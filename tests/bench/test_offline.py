@@ -192,7 +192,7 @@ def test_engine_args_forward_every_engine_flag() -> None:
     }
     args.gguf_path = Path("/models/smol.gguf")
     assert engine_args("llamacpp", args, Path("/hf"), 1 << 30) == {
-        "model_path": "/models/smol.gguf", "n_ctx": 4096, "n_batch": 512, "n_threads": 1, "seed": 0,
+        "model_path": "/models/smol.gguf", "n_ctx": 8192, "n_batch": 512, "n_threads": 1, "seed": 0,
     }
     args.gguf_path = None
     with pytest.raises(ValueError, match="GGUF"):
