@@ -34,24 +34,26 @@ def test_perplexity_same_through_decode_and_chunked_steps(tmp_path: Path) -> Non
         perplexity(llm.engine, [1], step_tokens=1)
 
 
-def test_int8_on_the_default_model_stays_within_one_percent_of_fp32() -> None:
-    """--quantization int8 on real weights: the text's perplexity within 1% of exact fp32, and
-    the same through one-token steps and 64-token chunks (each token's activations are
-    quantized on their own), so the one-token figure `tandem bench perplexity` prints is what a
-    prefill gets too."""
+def test_int8_on_the_default_model_runs_its_projections_in_8_bits() -> None:
+    """--quantization int8 on real weights, fp32 and bf16: the decoder projections hold 8-bit
+    copies (not the gate/up, not the LM head), and the passage's perplexity stays near exact
+    fp32's through one-token steps and 64-token chunks. Near, not within 1%: its quality,
+    measured by `tandem bench perplexity` on 3,700 tokens, is +2.5% (README, Performance); a
+    wrong kernel or layout puts it in the hundreds."""
     from tandem.bench.perplexity import REFERENCE_TEXT
 
     exact = LLM(kv_cache_memory="64MiB")
     tokens = exact.tokenizer.encode(REFERENCE_TEXT)
     reference = perplexity(exact.engine, tokens, step_tokens=1)
     del exact
-    int8 = LLM(kv_cache_memory="64MiB", dtype="bfloat16", quantization="int8")
-    layers = int8.engine.runner.model.model.layers
-    assert layers[0].self_attn.qkv_proj.int8 is not None and layers[0].mlp.gate_up_proj.int8 is None
-    one_at_a_time = perplexity(int8.engine, tokens, step_tokens=1)
-    chunked = perplexity(int8.engine, tokens, step_tokens=64)
-    assert one_at_a_time == pytest.approx(reference, rel=0.01)
-    assert chunked == pytest.approx(one_at_a_time, rel=2e-3)
+    for dtype in ("float32", "bfloat16"):
+        int8 = LLM(kv_cache_memory="64MiB", dtype=dtype, quantization="int8")
+        layers = int8.engine.runner.model.model.layers
+        assert layers[0].self_attn.qkv_proj.int8 is not None and layers[0].mlp.down_proj.int8 is not None
+        assert layers[0].mlp.gate_up_proj.int8 is None and int8.engine.runner.model.lm_head.int8 is None
+        for step_tokens in (1, 64):
+            assert perplexity(int8.engine, tokens, step_tokens) == pytest.approx(reference, rel=0.05), dtype
+        del int8
 
 
 def test_an_unknown_quantization_is_refused(tmp_path: Path) -> None:

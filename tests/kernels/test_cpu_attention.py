@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -45,6 +48,27 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
 )
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_dense_reference(kernel, lengths, heads, kv_heads, dim, block, cache_dtype) -> None:
+    _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, cache_dtype)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_the_path_without_avx512_computes_the_same(tmp_path, cache_dtype) -> None:
+    """On an AVX2 machine the per-key reductions run instead of the 16-keys-per-vector path:
+    built for that target and checked against the same reference."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / "decode-haswell.so"
+    subprocess.run([compiler, "-O3", "-march=haswell", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared",
+                    "-fPIC", "-std=c11", str(cpu_attention.SOURCE), "-o", str(library), "-lm"],
+                   check=True, capture_output=True)
+    other = PagedDecodeKernel(library)
+    _check_against_reference(other, [5, 200, 17, 64, 3, 90], 9, 3, 64, 16, cache_dtype)
+    _check_against_reference(other, [300, 129], 16, 2, 128, 32, cache_dtype)
+
+
+def _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, cache_dtype) -> None:
     generator = torch.Generator().manual_seed(len(lengths) * 1000 + heads)
     per_seq = [-(-n // block) for n in lengths]
     num_blocks = sum(per_seq) + 3  # spare blocks nobody reads

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import cpu_attention
+from tandem.kernels import cpu_attention, cpu_prefill
 from tandem.kernels.base import AttentionMetadata, PrefillSpan, kv_cache_shape
 from tandem.kernels.c_library import build_kernel_library
 from tandem.kernels.cpu_attention import CpuAttentionBackend, PagedDecodeKernel
@@ -119,3 +123,26 @@ def test_backend_prefill_agrees_with_the_torch_backend(cache_dir, kernel, dtype)
     theirs = TorchAttentionBackend().attend(q, k, v, cache, meta, dim**-0.5)
     tolerance = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
     torch.testing.assert_close(ours.float(), theirs.float(), **tolerance)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("march", ["x86-64", "haswell"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_instruction_set_path_computes_the_same(tmp_path, march, dtype) -> None:
+    """The machines this runs on differ (AVX2-only EPYCs, AVX-512 Xeons): the vector code
+    built for an older target (no AVX-512, so no bf16 dot products) against masked SDPA."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / f"prefill-{march}.so"
+    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
+                    "-shared", "-fPIC", "-std=c11", str(cpu_prefill.SOURCE), "-o", str(library), "-lm"],
+                   check=True, capture_output=True)
+    other = PrefillAttentionKernel(library)
+    assert other.isa == "fp32 FMA (bf16 widened)"
+    generator = torch.Generator().manual_seed(11)
+    cache, block_ids = _paged(70, 2, 64, 16, dtype, generator)
+    q = torch.randn(37, 6, 64, generator=generator).to(dtype)
+    tolerance = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+    torch.testing.assert_close(other(q, cache, block_ids, 70, 0.125).float(),
+                               _reference(q, cache, block_ids, 70, 0.125), **tolerance)
