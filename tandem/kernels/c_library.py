@@ -10,6 +10,7 @@ runtime already loaded carries, so they share torch's thread pool.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import platform
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -83,3 +85,18 @@ def build_kernel_library(cache_dir: Path, source_path: Path) -> Path:
             os.unlink(temporary)
     logger.info("compiled the CPU kernel %s into %s", source_path.name, target)
     return target
+
+
+def bind(library: Path, signatures: dict[str, tuple[Any, list[Any]]]) -> dict[str, Any]:
+    """Load a compiled library and declare each named function's ctypes result and argument
+    types: {name: (restype, argtypes)} -> {name: function}. A missing library or symbol is a
+    KernelBuildError, so callers fall back as they do for a failed build."""
+    try:
+        loaded = ctypes.CDLL(str(library))
+        functions = {name: getattr(loaded, name) for name in signatures}
+    except (OSError, AttributeError) as error:
+        raise KernelBuildError(f"cannot load {library}: {error}") from error
+    for name, (restype, argtypes) in signatures.items():
+        functions[name].restype = restype
+        functions[name].argtypes = argtypes
+    return functions

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
-from tandem.kernels.c_library import KernelBuildError, build_kernel_library
+from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
 from tandem.kernels.cpu_prefill import PrefillAttentionKernel
 from tandem.kernels.torch_attention import TorchAttentionBackend
 
@@ -32,24 +32,20 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+_INT = ctypes.c_int
 
 
 class PagedDecodeKernel:
     """The loaded C function, called on tensors' data pointers."""
 
     def __init__(self, library: Path) -> None:
-        try:
-            loaded = ctypes.CDLL(str(library))
-            self._functions = {torch.float32: loaded.tandem_paged_decode_attention,
-                               torch.bfloat16: loaded.tandem_paged_decode_attention_bf16}
-            self._write = loaded.tandem_write_kv
-        except (OSError, AttributeError) as error:
-            raise KernelBuildError(f"cannot load {library}: {error}") from error
-        for function in self._functions.values():
-            function.restype = ctypes.c_int
-            function.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float, ctypes.c_int]
-        self._write.restype = None
-        self._write.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, ctypes.c_int]
+        functions = bind(library, {
+            "tandem_decode_attention": (ctypes.c_int, [_PTR, _INT, _I64, _PTR, _INT, _PTR, _PTR, _PTR,
+                                                       *[_I64] * 8, ctypes.c_float, _INT]),
+            "tandem_write_kv": (None, [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _INT]),
+        })
+        self._attend = functions["tandem_decode_attention"]
+        self._write = functions["tandem_write_kv"]
 
     @staticmethod
     def reads(kv_cache: torch.Tensor) -> bool:
@@ -66,12 +62,19 @@ class PagedDecodeKernel:
             kv_cache.element_size(), torch.get_num_threads(),
         )
 
+    @staticmethod
+    def takes_query(q: torch.Tensor) -> bool:
+        """q [seqs, heads, dim] in fp32 or bf16 with each sequence's heads dense (any stride
+        between sequences: a view into the fused projection)."""
+        return (q.dtype in (torch.float32, torch.bfloat16) and q.dim() == 3 and q.stride(2) == 1
+                and q.stride(1) == q.shape[2])
+
     def __call__(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
         context_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
-        """q [seqs, heads, dim] fp32 -> out [seqs, heads, dim] fp32, from an fp32 or bf16 cache;
-        all inputs contiguous."""
+        """q [seqs, heads, dim] (`takes_query`) -> out [seqs, heads, dim] in q's dtype,
+        contiguous, from an fp32 or bf16 cache; tables and lengths contiguous."""
         num_seqs, num_heads, head_dim = q.shape
         _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
         group = num_heads // num_kv_heads
@@ -79,9 +82,10 @@ class PagedDecodeKernel:
         # Few sequences: one work item per query head, so every thread has some; many: one
         # per kv head, so a head's keys are read once for all the query heads that share it.
         heads_per_item = 1 if num_seqs * num_kv_heads < 2 * threads else group
-        out = torch.empty_like(q)
-        status = self._functions[kv_cache.dtype](
-            q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype)
+        status = self._attend(
+            q.data_ptr(), q.dtype == torch.bfloat16, q.stride(0), kv_cache.data_ptr(),
+            kv_cache.dtype == torch.bfloat16, block_tables.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
             block_tables.shape[1], heads_per_item, scale, threads,
         )
@@ -109,11 +113,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             super().write_kv(key, value, kv_cache, meta)
 
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        # A step of decodes only: the kernel's output is the whole result, no copy into a
+        # preallocated one.
+        if not meta.prefills and meta.num_decode_tokens == query.shape[0] and self._kernel_decodes(query, kv_cache):
+            return self.kernel(query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return super().attend(query, key, value, kv_cache, meta, scale)
+
+    def _kernel_decodes(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return self.kernel.reads(kv_cache) and self.kernel.takes_query(q)
+
     def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if q.dtype not in (torch.float32, torch.bfloat16) or not self.kernel.reads(kv_cache):
+        if not self._kernel_decodes(q, kv_cache):
             return super()._decode(q, kv_cache, meta, scale)
-        out = self.kernel(q.float().contiguous(), kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
-        return out.to(q.dtype)
+        return self.kernel(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
     def _prefill(self, q, k, v, kv_cache, span, scale) -> torch.Tensor:
         # The chunk's own keys and values are in the cache already (write_kv runs first).

@@ -46,7 +46,7 @@ class Q4Kernel:
             raise KernelBuildError(f"cannot load {library}: {error}") from error
         for gemm in (self._gemm, self._gemm_bf16):
             gemm.restype = ctypes.c_int
-            gemm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+            gemm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()
 
@@ -54,14 +54,15 @@ class Q4Kernel:
     def build(cls, cache_dir: Path) -> Q4Kernel:
         return cls(build_kernel_library(cache_dir, SOURCE))
 
-    def gemm(self, matrix: Q4Matrix, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] fp32 or bf16, contiguous -> [M, N] in x's dtype (fp32 arithmetic)."""
+    def gemm(self, matrix: Q4Matrix, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] fp32 or bf16, contiguous -> [M, N] in x's dtype (fp32 arithmetic), plus
+        `residual` [M, N] (x's dtype, contiguous) where given."""
         rows = x.shape[0]
         out = torch.empty(rows, matrix.out_features, dtype=x.dtype)
         gemm = self._gemm_bf16 if x.dtype == torch.bfloat16 else self._gemm
         status = gemm(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
-                            x.data_ptr(), out.data_ptr(), rows, matrix.out_features, matrix.in_features,
-                            torch.get_num_threads())
+                      x.data_ptr(), None if residual is None else residual.data_ptr(), out.data_ptr(), rows,
+                      matrix.out_features, matrix.in_features, torch.get_num_threads())
         if status != 0:
             raise MemoryError("the 4-bit GEMM could not allocate its scratch memory")
         return out
@@ -124,6 +125,13 @@ class Q4Matrix:
         rows = x.reshape(-1, x.shape[-1])
         rows = rows.contiguous() if rows.dtype == torch.bfloat16 else rows.float().contiguous()
         return self.kernel.gemm(self, rows).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def matmul_plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """`residual + x @ W.T` in one call for 2-D fp32 or bf16 rows sharing residual's dtype
+        (the sum rounded as torch's add would round it); None where the kernel cannot."""
+        if x.dim() != 2 or x.dtype != residual.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        return self.kernel.gemm(self, x.contiguous(), residual.contiguous())
 
     def dequantize(self) -> torch.Tensor:
         """The dense [N, K] fp32 matrix the nibbles stand for (for tests and checks)."""

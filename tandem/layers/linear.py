@@ -16,6 +16,7 @@ from torch import nn
 from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.int8_rows import Int8RowsKernel
+from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, q4_fits
 from tandem.layers.int4 import Int4Weight, int4_available, int4_fits
 from tandem.layers.int8 import Int8Weight, int8_fits
@@ -204,8 +205,14 @@ class LinearWeights:
         return F.linear(x, self.weight, bias)
 
     def linear_plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual + linear(x)`, the residual add fused into the GEMM where weights are packed."""
-        if not self.uses_small_step(x):
+        """`residual + linear(x)`, the residual add fused into the GEMM where weights are packed
+        and into tandem's 4-bit GEMM."""
+        if self.uses_small_step(x):
+            if isinstance(self.small_int4, Q4Matrix) and getattr(self, "bias", None) is None:
+                fused = self.small_int4.matmul_plus(x, residual)
+                if fused is not None:
+                    return fused
+        else:
             if self.int8 is not None:
                 return self.int8.matmul(x, getattr(self, "bias", None), residual)
             if self.packed_weight is not None:
@@ -347,6 +354,7 @@ class GateUpLinear(MergedLinear):
     """
 
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+    ops: LayerOpsKernel | None = None  # silu-and-mul in one C pass for small steps (attach_layer_ops)
 
     def quantize_int8(self, kernel: Int8RowsKernel | None = None) -> bool:
         """Stays in the run dtype under --quantization int8: on the 272-token passage of
@@ -375,5 +383,10 @@ class GateUpLinear(MergedLinear):
             gate_bias, up_bias = (None, None) if self.bias is None else self.bias.split(self.intermediate)
             gate = _onednn_linear(x, self.packed_halves[0], gate_bias, "swish")
             return _onednn_linear_binary(x, gate, self.packed_halves[1], up_bias, "mul")
-        gate, up = self.linear(x).split(self.intermediate, dim=-1)
+        gate_up = self.linear(x)
+        # Small-step copies are not the exact path, so the C pass's exp may differ in the
+        # last bit from torch's; large steps keep torch's ops (the exact fp32 mode unpacked).
+        if self.ops is not None and self.uses_small_step(x) and self.ops.takes_silu_mul(gate_up):
+            return self.ops.silu_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.silu(gate) * up

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tandem.config import RopeConfig, yarn_mscale
+from tandem.kernels.layer_ops import LayerOpsKernel
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -65,6 +66,8 @@ def rotary_magnitude(rope: RopeConfig) -> float:
 
 
 class RotaryEmbedding(nn.Module):
+    ops: LayerOpsKernel | None = None  # the C pass (attach_layer_ops), else torch ops
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim)
@@ -84,3 +87,11 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def rotate_(self, angles: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`forward`, in place where the C pass takes x (a fresh projection's output the
+        caller owns): one call instead of six ops. Returns the rotated tensor."""
+        cos, sin = angles
+        if self.ops is not None and self.ops.takes_rotary(x, cos):
+            return self.ops.rotary_(x, cos, sin)
+        return self(angles, x)

@@ -75,7 +75,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         # q and k heads sit side by side in the fused projection: rotate them in one pass.
-        qk = self.rotary(angles, qk)
+        qk = self.rotary.rotate_(angles, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size), residual)

@@ -154,7 +154,7 @@ class Eagle3Attention(nn.Module):
         """`residual` + attention output (the add fused into o_proj)."""
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = self.rotary(angles, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = self.rotary.rotate_(angles, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size), residual)

@@ -31,9 +31,11 @@ from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend
 from tandem.kernels.cpu_attention import make_attention_backend
 from tandem.kernels.int8_rows import load_int8_rows_kernel
+from tandem.kernels.layer_ops import load_layer_ops
 from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorWorker
 from tandem.kvcache.connector.factory import make_connector_worker
+from tandem.layers.fused_ops import attach_layer_ops
 from tandem.layers.int8 import int8_available
 from tandem.layers.linear import (
     SmallStepWeights,
@@ -216,6 +218,9 @@ class Worker:
                             quantized, small_step.max_tokens if small_step is not None else 0)
         if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
             logger.info("linear weights packed for oneDNN")
+        ops = load_layer_ops(self._kernel_cache_dir())
+        if ops is not None:
+            attach_layer_ops(model, ops)
         return model
 
     def _check_weights_fit(self, hf_dir: Path) -> None:

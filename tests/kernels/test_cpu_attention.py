@@ -117,6 +117,40 @@ def test_backend_uses_the_kernel_for_fp32_and_bf16_and_torch_otherwise(kernel) -
     torch.testing.assert_close(half, torch_backend._decode(queries.half(), cache.half(), meta, 0.3))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_queries_as_bf16_views_into_the_projection_give_the_rounded_fp32_result(kernel, cache_dtype) -> None:
+    """The model hands q straight from the fused qkv projection (a strided view, bf16 in a
+    bf16 model): the kernel widens it itself and returns bf16 rounded from the same fp32
+    result a dense fp32 query gets."""
+    generator = torch.Generator().manual_seed(5)
+    cache = torch.randn(kv_cache_shape(12, 16, 3, 64), generator=generator).to(cache_dtype)
+    tables = torch.randperm(12, generator=generator)[:9].view(3, 3)
+    lengths = torch.tensor([40, 3, 33])
+    fused = torch.randn(3, (9 + 2 * 3) * 64, generator=generator).bfloat16()
+    q = fused[:, : 9 * 64].view(3, 9, 64)
+    assert kernel.takes_query(q) and not q.is_contiguous()
+    got = kernel(q, cache, tables, lengths, 0.125)
+    assert got.dtype == torch.bfloat16 and got.is_contiguous()
+    dense = kernel(q.float().contiguous(), cache, tables, lengths, 0.125)
+    assert torch.equal(got, dense.bfloat16())
+    strided_fp32 = kernel(fused.float()[:, : 9 * 64].view(3, 9, 64), cache, tables, lengths, 0.125)
+    assert torch.equal(strided_fp32, dense)
+
+
+def test_a_step_of_decodes_only_returns_the_kernel_output(kernel) -> None:
+    generator = torch.Generator().manual_seed(6)
+    cache = torch.randn(kv_cache_shape(8, 4, 2, 16), generator=generator)
+    tables = torch.arange(8).view(2, 4)
+    lengths = torch.tensor([9, 16])
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 2, tables, lengths, 16, [], 4)
+    fused = torch.randn(2, 8 * 16, generator=generator)
+    q, k, v = fused.split([4 * 16, 2 * 16, 2 * 16], dim=-1)
+    q, k, v = q.view(2, 4, 16), k.view(2, 2, 16), v.view(2, 2, 16)
+    got = CpuAttentionBackend(kernel).attend(q, k, v, cache, meta, 0.25)
+    expected = TorchAttentionBackend().attend(q, k, v, cache, meta, 0.25)
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_the_torch_path_for_views_into_a_fused_projection(kernel, dtype) -> None:
     generator = torch.Generator().manual_seed(2)

@@ -98,3 +98,18 @@ def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path
     ours, theirs = Q4Matrix.quantize(weight, kernel), Q4Matrix.quantize(weight, other)
     assert torch.equal(ours.nibbles, theirs.nibbles)
     torch.testing.assert_close(theirs.matmul(x), ours.matmul(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_residual_is_added_as_torch_would_add_it(kernel: Q4Kernel, dtype: torch.dtype, rows: int) -> None:
+    """`matmul_plus` is o_proj / down_proj with the residual stream: the same bits as
+    `residual + matmul(x)` (in bf16, the product rounded first, then the sum)."""
+    generator = torch.Generator().manual_seed(rows)
+    matrix = Q4Matrix.quantize(torch.randn(96, 128, generator=generator) / 8, kernel)
+    x = torch.randn(rows, 128, generator=generator).to(dtype)
+    residual = (torch.randn(rows, 96, generator=generator) * 4).to(dtype)
+    got = matrix.matmul_plus(x, residual)
+    assert got is not None and got.dtype == dtype
+    assert torch.equal(got, residual + matrix.matmul(x))
+    assert matrix.matmul_plus(x, residual.half()) is None  # mixed dtypes: the caller adds

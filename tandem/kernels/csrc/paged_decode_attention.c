@@ -345,3 +345,56 @@ void tandem_write_kv(
         }
     }
 }
+
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
+    return bits.f;
+}
+
+static inline uint16_t float_to_bf16(float x) { /* round to nearest even, as torch's cast */
+    union { float f; uint32_t u; } bits = {.f = x};
+    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits.u >> 16) | 0x40u);
+    bits.u += 0x7fffu + ((bits.u >> 16) & 1u);
+    return (uint16_t)(bits.u >> 16);
+}
+
+/* The decode attention as the model calls it: q [seqs, heads, head_dim] fp32 or bf16
+ * (`q_bf16`), its sequences `q_stride` elements apart (a view into the fused qkv projection),
+ * out [seqs, heads, head_dim] contiguous in q's dtype, from an fp32 or bf16 cache
+ * (`kv_bf16`). q is widened and out narrowed here, in one pass each, instead of a torch cast
+ * and copy on either side of the call. Returns 0, or -1 when an allocation failed. */
+int tandem_decode_attention(
+    const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_bf16, const int64_t *block_tables,
+    const int64_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_stride, int64_t heads_per_item,
+    float scale, int num_threads) {
+    const int64_t width = num_heads * head_dim;
+    const int dense_fp32 = !q_bf16 && q_stride == width;
+    float *q32 = dense_fp32 ? (float *)q : malloc(sizeof(float) * (size_t)(num_seqs * width));
+    float *out32 = q_bf16 ? malloc(sizeof(float) * (size_t)(num_seqs * width)) : (float *)out;
+    int status = -1;
+    if (q32 != NULL && out32 != NULL) {
+        if (!dense_fp32) {
+            for (int64_t s = 0; s < num_seqs; s++) {
+                if (q_bf16) {
+                    const uint16_t *row = (const uint16_t *)q + s * q_stride;
+                    for (int64_t i = 0; i < width; i++) q32[s * width + i] = bf16_to_float(row[i]);
+                } else {
+                    memcpy(q32 + s * width, (const float *)q + s * q_stride, sizeof(float) * (size_t)width);
+                }
+            }
+        }
+        status = kv_bf16
+            ? tandem_paged_decode_attention_bf16(q32, kv_cache, block_tables, context_lens, out32, num_seqs, num_heads,
+                                                 num_kv_heads, head_dim, block_size, num_blocks, table_stride,
+                                                 heads_per_item, scale, num_threads)
+            : tandem_paged_decode_attention(q32, kv_cache, block_tables, context_lens, out32, num_seqs, num_heads,
+                                            num_kv_heads, head_dim, block_size, num_blocks, table_stride,
+                                            heads_per_item, scale, num_threads);
+        if (q_bf16)
+            for (int64_t i = 0; i < num_seqs * width; i++) ((uint16_t *)out)[i] = float_to_bf16(out32[i]);
+    }
+    if (!dense_fp32) free(q32);
+    if (q_bf16) free(out32);
+    return status;
+}

@@ -214,9 +214,11 @@ static void row_dot(const uint8_t *nibbles, const uint16_t *scales, const uint16
     }
 }
 
-/* out [m_rows, n] = x [m_rows, k] @ W.T. Returns 0, or -1 when scratch memory ran out. */
+/* out [m_rows, n] = x [m_rows, k] @ W.T (+ residual [m_rows, n] where not NULL: a layer's
+ * o_proj and down_proj add the residual stream, one torch op less a call). Returns 0, or -1
+ * when scratch memory ran out. */
 int tandem_q4_gemm(const uint8_t *nibbles, const uint16_t *scales, const uint16_t *mins, const float *x,
-                   float *out, int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+                   const float *residual, float *out, int64_t m_rows, int64_t n, int64_t k, int num_threads) {
     const int64_t groups = k / GROUP;
     int8_t *xq = malloc((size_t)(m_rows * k));
     float *d = malloc(sizeof(float) * (size_t)(m_rows * groups));
@@ -247,14 +249,30 @@ int tandem_q4_gemm(const uint8_t *nibbles, const uint16_t *scales, const uint16_
     free(xq);
     free(d);
     free(xsum);
+    if (residual != NULL)
+        for (int64_t i = 0; i < m_rows * n; i++) out[i] = residual[i] + out[i];
     return failed ? -1 : 0;
 }
 
 /* The same for bf16 rows in and out (a bf16 model's activations): widened into fp32 here and
  * the results rounded to nearest even on the way out, instead of two torch casts around every
  * call, which at one token cost about as much as the GEMM's own overhead. */
+static inline uint16_t to_bf16(float x) {
+    union { float f; uint32_t u; } bits = {.f = x};
+    bits.u += 0x7FFFu + ((bits.u >> 16) & 1u);
+    return (uint16_t)(bits.u >> 16);
+}
+
+static inline float from_bf16(uint16_t x) {
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
+    return bits.f;
+}
+
+/* The residual, where given, is added as torch's bf16 add would: to the product rounded to
+ * bf16, the sum rounded again. */
 int tandem_q4_gemm_bf16(const uint8_t *nibbles, const uint16_t *scales, const uint16_t *mins, const uint16_t *x,
-                        uint16_t *out, int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+                        const uint16_t *residual, uint16_t *out, int64_t m_rows, int64_t n, int64_t k,
+                        int num_threads) {
     float *x32 = malloc(sizeof(float) * (size_t)(m_rows * k));
     float *out32 = malloc(sizeof(float) * (size_t)(m_rows * n));
     if (x32 == NULL || out32 == NULL) {
@@ -262,16 +280,12 @@ int tandem_q4_gemm_bf16(const uint8_t *nibbles, const uint16_t *scales, const ui
         free(out32);
         return -1;
     }
-    for (int64_t i = 0; i < m_rows * k; i++) {
-        union { uint32_t u; float f; } bits = {.u = (uint32_t)x[i] << 16};
-        x32[i] = bits.f;
-    }
-    const int status = tandem_q4_gemm(nibbles, scales, mins, x32, out32, m_rows, n, k, num_threads);
-    for (int64_t i = 0; i < m_rows * n; i++) {
-        union { float f; uint32_t u; } bits = {.f = out32[i]};
-        bits.u += 0x7FFFu + ((bits.u >> 16) & 1u);
-        out[i] = (uint16_t)(bits.u >> 16);
-    }
+    for (int64_t i = 0; i < m_rows * k; i++) x32[i] = from_bf16(x[i]);
+    const int status = tandem_q4_gemm(nibbles, scales, mins, x32, NULL, out32, m_rows, n, k, num_threads);
+    if (residual != NULL)
+        for (int64_t i = 0; i < m_rows * n; i++) out[i] = to_bf16(from_bf16(residual[i]) + from_bf16(to_bf16(out32[i])));
+    else
+        for (int64_t i = 0; i < m_rows * n; i++) out[i] = to_bf16(out32[i]);
     free(x32);
     free(out32);
     return status;

@@ -1,0 +1,20 @@
+"""Hand the C passes for the small per-layer ops (tandem/kernels/layer_ops.py) to the modules
+that use them: RMSNorm, the rotary embedding and the gated MLP's silu-and-mul."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tandem.kernels.layer_ops import LayerOpsKernel
+from tandem.layers.linear import GateUpLinear
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+
+
+def attach_layer_ops(model: nn.Module, ops: LayerOpsKernel) -> int:
+    """Give every norm, rotary embedding and gate/up projection of `model` the C passes;
+    returns how many modules took them."""
+    users = [m for m in model.modules() if isinstance(m, RMSNorm | RotaryEmbedding | GateUpLinear)]
+    for module in users:
+        module.ops = ops
+    return len(users)

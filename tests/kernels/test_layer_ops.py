@@ -1,0 +1,96 @@
+"""The C passes for norms, rotary and silu-and-mul against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.config import RopeConfig
+from tandem.kernels.layer_ops import LayerOpsKernel
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory: pytest.TempPathFactory) -> LayerOpsKernel:
+    return LayerOpsKernel.build(tmp_path_factory.mktemp("cache"))
+
+
+# 1 and 5 tokens run on the calling thread, 40 over the OpenMP threads.
+TOKENS = [1, 5, 40]
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128)])
+def test_rotary_in_place_is_bit_identical_to_the_torch_ops(ops, tokens, dtype, heads, kv_heads, dim) -> None:
+    """On q and k as views into the fused projection (token stride covers v too), so the
+    exact fp32 mode keeps its parity with transformers and bf16 gives the same tokens."""
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), dim, 4096, dtype)
+    generator = torch.Generator().manual_seed(tokens * dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    angles = rotary.angles(positions)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator) * 4).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    expected = rotary(angles, qk)
+    assert ops.takes_rotary(qk, angles[0])
+    rotary.ops = ops
+    got = rotary.rotate_(angles, qk)
+    assert got.data_ptr() == qk.data_ptr()  # in place
+    assert torch.equal(got, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+
+
+def test_rotary_falls_back_where_heads_are_not_dense(ops) -> None:
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), 32, 64, torch.float32)
+    rotary.ops = ops
+    angles = rotary.angles(torch.arange(3))
+    x = torch.randn(3, 4, 64)[..., :32]  # each head a slice of a wider row
+    assert not ops.takes_rotary(x, angles[0])
+    before = x.clone()
+    assert torch.equal(rotary.rotate_(angles, x), rotary(angles, before))
+    assert torch.equal(x, before)  # not rotated in place
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_bf16_rms_norm_matches_transformers_formula(ops, tokens) -> None:
+    """Within one bf16 unit in the last place (the mean is summed in another order), and
+    equal on almost every element; rows read through a stride."""
+    generator = torch.Generator().manual_seed(tokens)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(576, generator=generator) + 0.5).bfloat16()
+    wide = (torch.randn(tokens, 1152, generator=generator) * 3).bfloat16()
+    x = wide[:, :576]
+    expected = norm(x)  # no ops attached: the torch formula
+    norm.ops = ops
+    got = norm(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 576)
+    ulp = expected.float().abs() * 2**-7
+    assert ((got.float() - expected.float()).abs() <= ulp).all()
+    assert (got == expected).float().mean() > 0.99
+
+
+def test_fp32_rms_norm_keeps_torch_fused_op(ops) -> None:
+    norm = RMSNorm(64, 1e-6)
+    norm.ops = ops
+    x = torch.randn(3, 64)
+    assert not ops.takes_norm(x, norm.weight)
+    assert torch.equal(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-6))
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_mul(ops, tokens) -> None:
+    generator = torch.Generator().manual_seed(tokens + 7)
+    gate_up = torch.randn(tokens, 2 * 1536, generator=generator) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    bf16 = gate_up.bfloat16()
+    gate, up = bf16.split(1536, dim=-1)
+    got, expected = ops.silu_mul(bf16), F.silu(gate) * up
+    assert got.dtype == torch.bfloat16
+    ulp = expected.float().abs() * 2**-7
+    assert ((got.float() - expected.float()).abs() <= ulp).all()
+    assert (got == expected).float().mean() > 0.999

@@ -1,0 +1,35 @@
+"""The C layer passes inside the engine: attached to every norm, rotary and gate/up
+projection, and giving the tokens the torch ops give."""
+
+from __future__ import annotations
+
+from tandem import LLM
+from tandem.layers.linear import GateUpLinear
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.types import SamplingParams
+
+
+def test_bf16_small_steps_give_the_same_tokens_with_and_without_the_c_passes() -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "The three primary colors are"
+    with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        model = llm.engine.runner.model
+        users = [m for m in model.modules() if isinstance(m, RMSNorm | RotaryEmbedding | GateUpLinear)]
+        ops = model.model.norm.ops
+        assert ops is not None and all(m.ops is ops for m in users)
+        calls = {"norm": 0, "rotary": 0, "silu": 0}
+        for name, method in (("norm", "rms_norm"), ("rotary", "rotary_"), ("silu", "silu_mul")):
+            original = getattr(ops, method)
+
+            def counted(*args, _name=name, _original=original):
+                calls[_name] += 1
+                return _original(*args)
+
+            setattr(ops, method, counted)
+        fused = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert all(count > 0 for count in calls.values()), calls
+        for module in users:
+            module.ops = None
+        plain = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert fused == plain
