@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.kernels.q4_gemm import Q8Matrix
 from tandem.loader.resolve import _smollm2_gguf
 
 PROMPTS = [
@@ -257,8 +258,8 @@ def test_abort_frees_blocks(llm: LLM) -> None:
 
 def test_int4_decode_weights_copy_only_what_4_bits_hold() -> None:
     """--decode-weights int4 on the default model (a Q4_1 GGUF): every layer's matrices get a
-    4-bit copy, the 8-bit LM head a bf16 one (4 bits would spoil it), and greedy output stays
-    close to exact."""
+    4-bit copy, the 8-bit LM head an 8-bit one (4 bits would spoil it), and greedy output
+    stays close to exact."""
     params = SamplingParams(temperature=0, max_tokens=12)
     with LLM(kv_cache_memory="64MiB") as llm:
         exact = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
@@ -266,7 +267,8 @@ def test_int4_decode_weights_copy_only_what_4_bits_hold() -> None:
         model = llm.engine.core.executor.worker.runner.model
         fast = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     layers = model.model.layers
-    assert all(layer.mlp.gate_up_proj.small_int4 is not None for layer in layers)
-    assert all(layer.self_attn.qkv_proj.small_int4 is not None for layer in layers)
-    assert model.lm_head.small_int4 is None and model.lm_head.small_packed is not None
+    assert all(layer.mlp.gate_up_proj.small_quantized is not None for layer in layers)
+    assert all(layer.self_attn.qkv_proj.small_quantized is not None for layer in layers)
+    assert isinstance(model.lm_head.small_quantized, Q8Matrix) and model.lm_head.small_packed is None
+    assert not isinstance(layers[0].mlp.down_proj.small_quantized, Q8Matrix)
     assert fast[:4] == exact[:4]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels.c_library import KernelBuildError, build_kernel_library
+from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +37,15 @@ class Q4Kernel:
     """The loaded C function."""
 
     def __init__(self, library: Path) -> None:
-        try:
-            loaded = ctypes.CDLL(str(library))
-            self._gemm = loaded.tandem_q4_gemm
-            self._gemm_bf16 = loaded.tandem_q4_gemm_bf16
-            isa = loaded.tandem_q4_gemm_isa
-        except (OSError, AttributeError) as error:
-            raise KernelBuildError(f"cannot load {library}: {error}") from error
-        for gemm in (self._gemm, self._gemm_bf16):
-            gemm.restype = ctypes.c_int
-            gemm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
-        isa.restype = ctypes.c_char_p
-        self.isa: str = isa().decode()
+        gemm = (ctypes.c_int, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int])
+        functions = bind(library, {
+            "tandem_q4_gemm": gemm, "tandem_q4_gemm_bf16": gemm, "tandem_q8_gemm": gemm,
+            "tandem_q8_gemm_bf16": gemm, "tandem_q4_gemm_isa": (ctypes.c_char_p, []),
+        })
+        # (bits, activation dtype) -> entry
+        self._gemms = {(bits, dtype): functions[f"tandem_q{bits}_gemm{suffix}"]
+                       for bits in (4, 8) for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16"))}
+        self.isa: str = functions["tandem_q4_gemm_isa"]().decode()
 
     @classmethod
     def build(cls, cache_dir: Path) -> Q4Kernel:
@@ -59,7 +56,7 @@ class Q4Kernel:
         `residual` [M, N] (x's dtype, contiguous) where given."""
         rows = x.shape[0]
         out = torch.empty(rows, matrix.out_features, dtype=x.dtype)
-        gemm = self._gemm_bf16 if x.dtype == torch.bfloat16 else self._gemm
+        gemm = self._gemms[matrix.bits, x.dtype]
         status = gemm(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
                       x.data_ptr(), None if residual is None else residual.data_ptr(), out.data_ptr(), rows,
                       matrix.out_features, matrix.in_features, torch.get_num_threads())
@@ -93,6 +90,7 @@ class Q4Matrix:
     scales: torch.Tensor  # fp16 [N, K / 32]
     mins: torch.Tensor  # fp16 [N, K / 32]
     kernel: Q4Kernel
+    bits = 4
 
     @property
     def out_features(self) -> int:
@@ -100,7 +98,7 @@ class Q4Matrix:
 
     @property
     def in_features(self) -> int:
-        return self.nibbles.shape[1] * 2
+        return self.nibbles.shape[1] * 8 // self.bits
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kernel: Q4Kernel) -> Q4Matrix:
@@ -143,3 +141,34 @@ class Q4Matrix:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.nibbles, self.scales, self.mins))
+
+
+class Q8Matrix(Q4Matrix):
+    """The same scheme with 8 bits: one level byte per input (`nibbles` holds [N, K] levels),
+    weight = level * scale + min, 256 levels per group of 32. For a matrix 4 bits would
+    spoil: an LM head read whole at every token (SmolLM2's, 8 bits in its GGUF, lost 6.9%
+    perplexity in 4 bits) reads half of bf16's bytes this way."""
+
+    bits = 8
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kernel: Q4Kernel) -> Q8Matrix:
+        """Symmetric per group: scale = max|w| / 127, levels 1..255 around 128 (min =
+        -128 scale), so a Q8_0 tensor (whose groups all reach +-127 steps) comes back exactly."""
+        if not q4_fits(weight):
+            raise ValueError(f"the 8-bit kernel needs a CPU [out, in] matrix with in % {BLOCK} == 0, "
+                             f"got {tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+        # fp16 subnormal scales too (the kernel widens them exactly): a group of tiny weights
+        # keeps its 255 levels.
+        scale = (groups.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(2.0**-24)
+        scale = scale.half().float()
+        levels = (groups / scale).round_().clamp_(-127, 127).add_(128).to(torch.uint8)
+        return cls(levels.reshape(out_features, in_features).contiguous(), scale.squeeze(-1).half().contiguous(),
+                   (scale.squeeze(-1) * -128).half().contiguous(), kernel)
+
+    def dequantize(self) -> torch.Tensor:
+        levels = self.nibbles.reshape(self.out_features, -1, GROUP).float()
+        dense = levels * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
+        return dense.reshape(self.out_features, self.in_features)

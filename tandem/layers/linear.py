@@ -17,7 +17,7 @@ from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.int8_rows import Int8RowsKernel
 from tandem.kernels.layer_ops import LayerOpsKernel
-from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, q4_fits
+from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
 from tandem.layers.int4 import Int4Weight, int4_available, int4_fits
 from tandem.layers.int8 import Int8Weight, int8_fits
 
@@ -34,6 +34,8 @@ class SmallStepWeights:
     inputs) reads a quarter of bf16's bytes and is the fastest at one and two tokens: tandem's
     integer GEMM (tandem/kernels/q4_gemm.py) where it builds and the matrix has whole blocks
     of 64 inputs, else PyTorch's int4 kernel (tandem/layers/int4.py), else the dense weights.
+    With `int4_max_error` set, a matrix whose 4-bit copy is further than that from it gets an
+    8-bit copy for the same kernel (an LM head kept in 8 bits by its GGUF), else bf16.
     Activations and the KV cache stay in the run dtype, so a step can switch copies without
     touching the cache.
     """
@@ -56,6 +58,12 @@ class SmallStepWeights:
     def dtype(self) -> torch.dtype | None:
         """The half-precision dtype of the copy (None for int4)."""
         return None if self.format == "int4" else getattr(torch, self.format)
+
+
+def _relative_error(compact: Q4Matrix | Int4Weight, weight: torch.Tensor) -> float:
+    """How far a compact copy is from the weights (Frobenius norm, relative)."""
+    dense = weight.float()
+    return float((compact.dequantize().float() - dense).norm() / dense.norm().clamp_min(1e-30))
 
 
 def onednn_available() -> bool:
@@ -114,7 +122,7 @@ class LinearWeights:
     weight: torch.Tensor
     bias: torch.Tensor | None
     small_step: SmallStepWeights | None = None
-    small_int4: Q4Matrix | Int4Weight | None = None
+    small_quantized: Q4Matrix | Int4Weight | None = None  # int4 plan: 4 bits (8 where 4 would spoil it)
     small_packed: torch.Tensor | None = None  # int4 plan, a matrix 4 bits would spoil: packed bf16
     packed_weight: torch.Tensor | None = None
     int8: Int8Weight | None = None  # --quantization int8: what steps beyond the small copy read
@@ -140,12 +148,15 @@ class LinearWeights:
                 int4 = Int4Weight.quantize(weight, plan.group_size)
             else:
                 return self._attach_bf16_fallback(plan)
-            if plan.int4_max_error is not None:
-                dense = weight.float()
-                error = (int4.dequantize().float() - dense).norm() / dense.norm().clamp_min(1e-30)
-                if error > plan.int4_max_error:
+            if plan.int4_max_error is not None and _relative_error(int4, weight) > plan.int4_max_error:
+                # 8 bits where the 4-bit kernel runs and they hold the matrix as closely
+                # (a Q8_0 tensor comes back exactly), else bf16.
+                if q4_kernel is None or not q4_fits(weight):
                     return self._attach_bf16_fallback(plan)
-            self.small_int4 = int4
+                int4 = Q8Matrix.quantize(weight, q4_kernel)
+                if _relative_error(int4, weight) > plan.int4_max_error:
+                    return self._attach_bf16_fallback(plan)
+            self.small_quantized = int4
             self.small_step = plan
             return int4.nbytes
         self.small_weight = weight.to(plan.dtype).contiguous()
@@ -190,8 +201,8 @@ class LinearWeights:
     def linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = getattr(self, "bias", None) if with_bias else None
         if self.uses_small_step(x):
-            if self.small_int4 is not None:
-                out = self.small_int4.matmul(x)
+            if self.small_quantized is not None:
+                out = self.small_quantized.matmul(x)
                 return out if bias is None else out + bias
             if self.small_packed is not None:
                 small_bias = self.small_bias if with_bias else None
@@ -208,8 +219,8 @@ class LinearWeights:
         """`residual + linear(x)`, the residual add fused into the GEMM where weights are packed
         and into tandem's 4-bit GEMM."""
         if self.uses_small_step(x):
-            if isinstance(self.small_int4, Q4Matrix) and getattr(self, "bias", None) is None:
-                fused = self.small_int4.matmul_plus(x, residual)
+            if isinstance(self.small_quantized, Q4Matrix) and getattr(self, "bias", None) is None:
+                fused = self.small_quantized.matmul_plus(x, residual)
                 if fused is not None:
                     return fused
         else:

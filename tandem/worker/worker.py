@@ -353,9 +353,10 @@ class Worker:
             self.kv_shm_path = None
 
 
-# --decode-weights int4: the largest relative error of a matrix's 4-bit copy (else it keeps its
-# dense weights). A Q4 GGUF's 4-bit tensors come back within fp16 rounding (< 1e-3); its
-# 8-bit embedding / LM head would lose ~9% (SmolLM2-135M: +6.9% perplexity with it in 4 bits).
+# --decode-weights int4: the largest relative error of a matrix's 4-bit copy (else it gets an
+# 8-bit one, or keeps its dense weights where that too is further). A Q4 GGUF's 4-bit tensors
+# come back within fp16 rounding (< 1e-3); its 8-bit embedding / LM head would lose ~9% in 4
+# bits (SmolLM2-135M: +6.9% perplexity), and an 8-bit copy holds it.
 TARGET_INT4_MAX_ERROR = 0.01
 
 
@@ -370,7 +371,7 @@ def model_bytes(model: torch.nn.Module) -> int:
             extra = getattr(module, name, None)
             if isinstance(extra, torch.Tensor):
                 tensors.append(extra)
-        for compact in (getattr(module, "small_int4", None), getattr(module, "int8", None)):
+        for compact in (getattr(module, "small_quantized", None), getattr(module, "int8", None)):
             if compact is not None:
                 total += compact.nbytes
         tensors += list(getattr(module, "packed_halves", None) or ())

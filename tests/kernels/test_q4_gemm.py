@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.kernels.q4_gemm import GROUP, SOURCE, Q4Kernel, Q4Matrix, q4_fits
+from tandem.kernels.q4_gemm import GROUP, SOURCE, Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +95,10 @@ def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path
     torch.manual_seed(2)
     weight = torch.randn(64, 256) / 8
     x = torch.randn(3, 256)
-    ours, theirs = Q4Matrix.quantize(weight, kernel), Q4Matrix.quantize(weight, other)
-    assert torch.equal(ours.nibbles, theirs.nibbles)
-    torch.testing.assert_close(theirs.matmul(x), ours.matmul(x), rtol=1e-5, atol=1e-5)
+    for scheme in (Q4Matrix, Q8Matrix):  # 8-bit levels reach 255: AVX2 must not saturate
+        ours, theirs = scheme.quantize(weight, kernel), scheme.quantize(weight, other)
+        assert torch.equal(ours.nibbles, theirs.nibbles)
+        torch.testing.assert_close(theirs.matmul(x), ours.matmul(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,3 +114,34 @@ def test_residual_is_added_as_torch_would_add_it(kernel: Q4Kernel, dtype: torch.
     assert got is not None and got.dtype == dtype
     assert torch.equal(got, residual + matrix.matmul(x))
     assert matrix.matmul_plus(x, residual.half()) is None  # mixed dtypes: the caller adds
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_8_bit_gemm_is_int8_activations_times_the_dequantized_matrix(kernel: Q4Kernel, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows + 50)
+    weight = torch.randn(80, 192, generator=generator) / 8
+    matrix = Q8Matrix.quantize(weight, kernel)
+    assert matrix.nibbles.shape == (80, 192) and matrix.in_features == 192 and matrix.bits == 8
+    assert int(matrix.nibbles.max()) == 255 and int(matrix.nibbles.min()) == 1  # each group reaches +-127 steps
+    dense = matrix.dequantize()
+    step = matrix.scales.float().repeat_interleave(GROUP, dim=1)
+    assert ((dense - weight).abs() <= step / 2 + 1e-6).all()
+    x = torch.randn(rows, 192, generator=generator)
+    mins = matrix.mins.float()
+    level_part = (dense.reshape(80, -1, GROUP) - mins.unsqueeze(-1)).reshape(80, 192)
+    expected = _int8_groups(x) @ level_part.T + x.reshape(rows, -1, GROUP).sum(-1) @ mins.T
+    torch.testing.assert_close(matrix.matmul(x), expected, rtol=1e-4, atol=1e-4)
+    bf16 = x.bfloat16()
+    assert torch.equal(matrix.matmul(bf16), matrix.matmul(bf16.float()).bfloat16())
+    residual = torch.randn(rows, 80, generator=generator)
+    assert torch.equal(matrix.matmul_plus(x, residual), residual + matrix.matmul(x))
+
+
+def test_a_q8_0_tensor_comes_back_exactly(kernel: Q4Kernel) -> None:
+    """GGUF Q8_0: int8 levels times an fp16 scale per 32, every group reaching +-127."""
+    generator = torch.Generator().manual_seed(9)
+    levels = torch.randint(-127, 128, (16, 128), generator=generator).float()
+    levels[:, 0::32] = 127
+    scale = (torch.rand(16, 4, generator=generator) / 100).half().float().repeat_interleave(32, dim=1)
+    weight = levels * scale
+    assert torch.equal(Q8Matrix.quantize(weight, kernel).dequantize(), weight)

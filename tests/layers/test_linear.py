@@ -132,16 +132,16 @@ def test_small_steps_of_a_packed_gate_up_read_the_half_precision_copy() -> None:
 def test_int4_small_steps_read_the_4_bit_copy_and_larger_steps_the_dense_weights() -> None:
     layer, exact = _random_pair(bias=True)
     added = attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4"))
-    assert layer.small_int4 is not None
+    assert layer.small_quantized is not None
     assert added == 32 * 64 // 2 + (64 // 32) * 32 * 2 * 4  # nibbles + an fp32 (scale, zero) per row and group
     small, large = torch.randn(2, 64), torch.randn(3, 64)
     assert torch.equal(layer(large), exact(large))
     out = layer(small)
     assert out.dtype == torch.float32
     assert not torch.equal(out, exact(small))
-    dense = layer.small_int4.dequantize()
+    dense = layer.small_quantized.dequantize()
     torch.testing.assert_close(out, small @ dense.T + layer.bias, rtol=1e-4, atol=1e-4)
-    layer.small_int4.scales_and_zeros.zero_()  # proves which copy a small step reads: bias only
+    layer.small_quantized.scales_and_zeros.zero_()  # proves which copy a small step reads: bias only
     torch.testing.assert_close(layer(small), layer.bias.expand(2, 32))
 
 
@@ -154,7 +154,7 @@ def test_int4_gives_a_matrix_the_kernel_cannot_take_a_bf16_copy() -> None:
     layer = Linear(64, 24)  # 24 output rows: not a multiple of 16
     torch.nn.init.normal_(layer.weight)
     assert attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4")) == 24 * 64 * 2
-    assert layer.small_int4 is None and layer.small_packed is not None
+    assert layer.small_quantized is None and layer.small_packed is not None
     x = torch.randn(1, 64)
     want = torch.nn.functional.linear(x.bfloat16(), layer.weight.bfloat16()).float()
     torch.testing.assert_close(layer(x), want, rtol=0.02, atol=0.05)
@@ -173,10 +173,10 @@ def test_int4_small_steps_use_tandems_4_bit_kernel_where_given(tmp_path) -> None
     kernel = Q4Kernel.build(tmp_path)
     layer, exact = _random_pair(bias=True)
     attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4"), kernel)
-    assert isinstance(layer.small_int4, Q4Matrix)
+    assert isinstance(layer.small_quantized, Q4Matrix)
     small = torch.randn(2, 64)
-    torch.testing.assert_close(layer(small), layer.small_int4.matmul(small) + layer.bias)
-    dense = layer.small_int4.dequantize()  # the 4-bit weights, times int8-rounded activations
+    torch.testing.assert_close(layer(small), layer.small_quantized.matmul(small) + layer.bias)
+    dense = layer.small_quantized.dequantize()  # the 4-bit weights, times int8-rounded activations
     torch.testing.assert_close(layer(small), small @ dense.T + layer.bias, rtol=0.01, atol=0.3)
     large = torch.randn(3, 64)
     assert torch.equal(layer(large), exact(large))
@@ -189,12 +189,12 @@ def test_int4_max_error_keeps_matrices_that_4_bits_would_change() -> None:
     smooth = Linear(64, 32)
     smooth.weight.data.normal_()
     added = attach_small_step_weights(smooth, plan)  # a bf16 copy instead, where oneDNN is
-    assert smooth.small_int4 is None and added == (64 * 32 * 2 if onednn_available() else 0)
+    assert smooth.small_quantized is None and added == (64 * 32 * 2 if onednn_available() else 0)
     on_grid = Linear(64, 32)
     levels = torch.randint(0, 16, (32, 64)).float()
     levels[:, 0::32], levels[:, 1::32] = 0, 15  # every group spans its range
     on_grid.weight.data.copy_(levels / 16 - 0.5)
-    assert attach_small_step_weights(on_grid, plan) > 0 and on_grid.small_int4 is not None
+    assert attach_small_step_weights(on_grid, plan) > 0 and on_grid.small_quantized is not None
 
 
 def test_one_and_two_row_gemms_are_padded_to_four_rows_for_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
