@@ -64,23 +64,56 @@ static inline void store_row(void *out, int kind, int64_t m, int64_t cols, const
 
 #define MAX_OUTLIERS 64
 
+/* Insert magnitude `a` at column k into the descending top list (held <= count entries). */
+static inline void offer(float *top, int32_t *where, int64_t *held, int64_t count, float a, int64_t k) {
+    if (*held == count && !(a > top[*held - 1])) return;
+    int64_t slot = *held < count ? (*held)++ : count - 1;
+    while (slot > 0 && a > top[slot - 1]) {
+        top[slot] = top[slot - 1];
+        where[slot] = where[slot - 1];
+        slot--;
+    }
+    top[slot] = a;
+    where[slot] = (int32_t)k;
+}
+
+#define CHUNK 16
+
 /* The row's `count` largest magnitudes, largest first (ties: the lower column), moved into
- * index/value and zeroed in the row. */
+ * index/value and zeroed in the row. The `count` largest lie in the `count` chunks of 16 with
+ * the largest maxima (any other chunk's maximum is beaten by `count` elements), so one
+ * vectorized pass takes each chunk's maximum and only those chunks are searched. */
 static void take_outliers(float *row, int64_t cols, int64_t count, int32_t *index, float *value) {
-    float top[MAX_OUTLIERS];
-    int32_t where[MAX_OUTLIERS];
-    int64_t held = 0;
-    for (int64_t k = 0; k < cols; k++) {
-        const float a = fabsf(row[k]);
-        if (held == count && !(a > top[held - 1])) continue;
-        int64_t slot = held < count ? held++ : count - 1;
-        while (slot > 0 && a > top[slot - 1]) {
-            top[slot] = top[slot - 1];
-            where[slot] = where[slot - 1];
-            slot--;
+    float top[MAX_OUTLIERS], chunk_top[MAX_OUTLIERS];
+    int32_t where[MAX_OUTLIERS], chunk_where[MAX_OUTLIERS];
+    int64_t held = 0, chunks_held = 0;
+    const int64_t whole = cols / CHUNK;
+    for (int64_t c = 0; c <= whole; c++) {
+        float high = 0.0f;
+        if (c < whole) { /* a whole chunk: a fixed trip count the compiler vectorizes */
+            const float *chunk = row + c * CHUNK;
+            for (int k = 0; k < CHUNK; k++) high = fabsf(chunk[k]) > high ? fabsf(chunk[k]) : high;
+        } else if (whole * CHUNK < cols) {
+            for (int64_t k = whole * CHUNK; k < cols; k++) high = fabsf(row[k]) > high ? fabsf(row[k]) : high;
+        } else {
+            break;
         }
-        top[slot] = a;
-        where[slot] = (int32_t)k;
+        offer(chunk_top, chunk_where, &chunks_held, count, high, c);
+    }
+    /* chunks in column order, so ties among elements go to the lower column */
+    for (int64_t a = 1; a < chunks_held; a++)
+        for (int64_t b = a; b > 0 && chunk_where[b] < chunk_where[b - 1]; b--) {
+            const int32_t swap = chunk_where[b];
+            chunk_where[b] = chunk_where[b - 1];
+            chunk_where[b - 1] = swap;
+        }
+    /* the smallest of those maxima bounds the count-th largest magnitude from below: only
+     * elements reaching it are offered, a handful a row */
+    const float floor = chunks_held == count ? chunk_top[count - 1] : 0.0f;
+    for (int64_t c = 0; c < chunks_held; c++) {
+        const int64_t start = (int64_t)chunk_where[c] * CHUNK, end = start + CHUNK < cols ? start + CHUNK : cols;
+        for (int64_t k = start; k < end; k++)
+            if (fabsf(row[k]) >= floor) offer(top, where, &held, count, fabsf(row[k]), k);
     }
     for (int64_t j = 0; j < held; j++) {
         index[j] = where[j];
@@ -119,6 +152,27 @@ int tandem_int8_max_cols(void) { return MAX_COLS; }
 
 int tandem_int8_max_outliers(void) { return MAX_OUTLIERS; }
 
+/* row[n] += sum_j value[j] * weight_t[index[j], n], four columns a pass over the row (int8
+ * pointers may alias anything, so `restrict` is what lets the loop vectorize). */
+static void add_outlier_columns(float *restrict row, int64_t cols, int64_t outliers, const int32_t *index,
+                                const float *value, const int8_t *weight_t) {
+    int64_t j = 0;
+    for (; j + 4 <= outliers; j += 4) {
+        const int8_t *restrict c0 = weight_t + (int64_t)index[j] * cols, *restrict c1 = weight_t + (int64_t)index[j + 1] * cols;
+        const int8_t *restrict c2 = weight_t + (int64_t)index[j + 2] * cols, *restrict c3 = weight_t + (int64_t)index[j + 3] * cols;
+        const float v0 = value[j], v1 = value[j + 1], v2 = value[j + 2], v3 = value[j + 3];
+#pragma omp simd
+        for (int64_t n = 0; n < cols; n++)
+            row[n] += v0 * (float)c0[n] + v1 * (float)c1[n] + v2 * (float)c2[n] + v3 * (float)c3[n];
+    }
+    for (; j < outliers; j++) {
+        const int8_t *restrict column = weight_t + (int64_t)index[j] * cols;
+        const float v = value[j];
+#pragma omp simd
+        for (int64_t n = 0; n < cols; n++) row[n] += v * (float)column[n];
+    }
+}
+
 /* out [rows, cols] = (products * row_scales[m] + sum_j value[m, j] * weight_t[index[m, j], n])
  * * col_scales[n] (+ bias[n]) (+ residual[m, n]); weight_t is the int8 matrix transposed,
  * [in, cols], read only where outliers > 0. bias and residual are in the output's kind, or
@@ -133,11 +187,7 @@ void tandem_dequantize(const int32_t *products, int64_t rows, int64_t cols, cons
         const int32_t *source = products + m * cols;
         const float row_scale = row_scales[m];
         for (int64_t n = 0; n < cols; n++) row[n] = (float)source[n] * row_scale;
-        for (int64_t j = 0; j < outliers; j++) {
-            const float value = outlier_value[m * outliers + j];
-            const int8_t *column = weight_t + (int64_t)outlier_index[m * outliers + j] * cols;
-            for (int64_t n = 0; n < cols; n++) row[n] += value * (float)column[n];
-        }
+        add_outlier_columns(row, cols, outliers, outlier_index + m * outliers, outlier_value + m * outliers, weight_t);
         for (int64_t n = 0; n < cols; n++) row[n] *= col_scales[n];
         if (bias != NULL)
             for (int64_t n = 0; n < cols; n++) row[n] += read_value(bias, kind, n);
