@@ -15,7 +15,7 @@ mode at +2.5% over 3,700 tokens on the default model. So each row's few largest 
 (`OUTLIER_CHANNELS`, chosen per row on the fly, as LLM.int8() splits off outlier features but
 with no calibration) are taken out before its scale is set and added back exactly, times the
 int8 weight columns they meet (a transposed copy of the matrix, read for those columns only).
-Four per row bring the mode within 0.2% of fp32 (README, Performance).
+Four per row bring the mode within 0.6% of fp32 (README, Performance).
 
 The passes around the GEMM (quantizing the input, dequantizing with the bias and the
 residual add folded in) run in C (kernels/int8_rows.py) where it

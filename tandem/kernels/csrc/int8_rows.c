@@ -15,7 +15,7 @@
  * them exactly, times the matrix's transposed int8 columns. A per-token scale is otherwise set
  * by a few channels far above the rest (SmolLM2's down projection input reaches 100x its
  * median), which costs every other channel its resolution: on the default model four per row
- * take W8A8 from +2.5% perplexity to within 0.2% of fp32.
+ * take W8A8 from +2.5% perplexity to within 0.6% of fp32.
  *
  * kind: 0 fp32, 1 bf16 (stored as uint16_t, rounded to nearest even on the way out).
  */
