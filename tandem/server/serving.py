@@ -68,10 +68,10 @@ class ServingState:
                             f"{', '.join(self.model_names)}.", "model", "model_not_found")
 
     def check_admission(self) -> None:
+        if not self.client.healthy:  # before draining: a dead engine also stops its server
+            raise APIError(503, "the engine is not running", None, "engine_dead")
         if self.drain.draining:
             raise self.drain.refusal("this worker")
-        if not self.client.healthy:
-            raise APIError(503, "the engine is not running", None, "engine_dead")
         limit = self.config.max_waiting
         waiting = self.client.num_queued
         if limit and waiting >= limit:
