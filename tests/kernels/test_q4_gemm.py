@@ -18,31 +18,33 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> Q4Kernel:
     return Q4Kernel.build(tmp_path_factory.mktemp("cache"))
 
 
-def _int8_groups(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: rounded to int8 per group of 32 with scale max|x| / 127."""
+def _int16_groups(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: rounded to int16 per group of 32 with scale max|x| / 32767."""
     groups = x.reshape(*x.shape[:-1], -1, GROUP)
-    scale = groups.abs().amax(-1, keepdim=True) / 127
+    scale = groups.abs().amax(-1, keepdim=True) / 32767
     return (torch.round(groups / scale.clamp_min(1e-30)) * scale).reshape(x.shape)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("shape", [(48, 64), (96, 896), (160, 1536)])
-def test_gemm_is_int8_activations_times_the_dequantized_matrix(kernel: Q4Kernel, rows: int, shape) -> None:
+@pytest.mark.parametrize("shape", [(48, 64), (50, 128), (96, 896), (160, 1536)])  # 50: a partial tile
+def test_gemm_is_int16_activations_times_the_dequantized_matrix(kernel: Q4Kernel, rows: int, shape) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + shape[1])
     weight = torch.randn(shape, generator=generator) / 8
     matrix = Q4Matrix.quantize(weight, kernel)
     x = torch.randn(rows, shape[1], generator=generator)
     dense = matrix.dequantize()
-    # The integer dot products use int8 activations; the minimum's term uses the exact ones.
+    # The integer dot products use int16 activations; the minimum's term uses the exact ones.
     groups = dense.reshape(shape[0], -1, GROUP)
     mins = matrix.mins.float()
     level_part = (groups - mins.unsqueeze(-1)).reshape(shape)
-    expected = _int8_groups(x) @ level_part.T + x.reshape(rows, -1, GROUP).sum(-1) @ mins.T
+    expected = _int16_groups(x) @ level_part.T + x.reshape(rows, -1, GROUP).sum(-1) @ mins.T
     got = matrix.matmul(x)
     assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    # ...and close to the exact product: within int8 rounding of the activations.
-    torch.testing.assert_close(got, x @ dense.T, rtol=0.02, atol=0.05 * (shape[1] / 64) ** 0.5)
+    # ...and within 0.1% of the exact product's largest entry (int8 activations, llama.cpp's
+    # scheme, land 6-9x outside this bound on these shapes).
+    exact = x @ dense.T
+    assert (got - exact).abs().max() <= 1e-3 * exact.abs().max()
 
 
 def test_quantized_grid_and_layout(kernel: Q4Kernel) -> None:
@@ -93,7 +95,7 @@ def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path
     other = Q4Kernel(library)
     assert other.isa == isa
     torch.manual_seed(2)
-    weight = torch.randn(64, 256) / 8
+    weight = torch.randn(66, 256) / 8  # 66: whole tiles and a partial one on every path
     x = torch.randn(3, 256)
     for scheme in (Q4Matrix, Q8Matrix):  # 8-bit levels reach 255: AVX2 must not saturate
         ours, theirs = scheme.quantize(weight, kernel), scheme.quantize(weight, other)
@@ -117,7 +119,7 @@ def test_residual_is_added_as_torch_would_add_it(kernel: Q4Kernel, dtype: torch.
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
-def test_8_bit_gemm_is_int8_activations_times_the_dequantized_matrix(kernel: Q4Kernel, rows: int) -> None:
+def test_8_bit_gemm_is_int16_activations_times_the_dequantized_matrix(kernel: Q4Kernel, rows: int) -> None:
     generator = torch.Generator().manual_seed(rows + 50)
     weight = torch.randn(80, 192, generator=generator) / 8
     matrix = Q8Matrix.quantize(weight, kernel)
@@ -129,7 +131,7 @@ def test_8_bit_gemm_is_int8_activations_times_the_dequantized_matrix(kernel: Q4K
     x = torch.randn(rows, 192, generator=generator)
     mins = matrix.mins.float()
     level_part = (dense.reshape(80, -1, GROUP) - mins.unsqueeze(-1)).reshape(80, 192)
-    expected = _int8_groups(x) @ level_part.T + x.reshape(rows, -1, GROUP).sum(-1) @ mins.T
+    expected = _int16_groups(x) @ level_part.T + x.reshape(rows, -1, GROUP).sum(-1) @ mins.T
     torch.testing.assert_close(matrix.matmul(x), expected, rtol=1e-4, atol=1e-4)
     bf16 = x.bfloat16()
     assert torch.equal(matrix.matmul(bf16), matrix.matmul(bf16.float()).bfloat16())

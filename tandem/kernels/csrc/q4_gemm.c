@@ -5,10 +5,14 @@
  * time is the bytes read; a 4-bit matrix is a quarter of bf16's. Unpacking nibbles into
  * floats costs more instructions than the bytes save, though (PyTorch's CPU int4 kernel
  * runs at ~9 GB/s of weights here, against ~19 for bf16), so this kernel follows llama.cpp
- * instead: the activations are quantized to int8 per group of 32 inputs, and the nibbles
- * are multiplied with them by integer dot products (AVX-512 VNNI `vpdpbusd`: 64 products a
- * instruction; AVX2 `vpmaddubsw` + `vpmaddwd`; plain C elsewhere), one float FMA per group
- * applying both scales.
+ * instead: the activations are quantized per group of 32 inputs, and the levels are
+ * multiplied with them by integer dot products, one float FMA per group applying both
+ * scales. The activations take 16 bits (scale max|x| / 32767), not llama.cpp's 8: the 8-bit
+ * rounding of activations was all of the scheme's loss beyond the GGUF's own 4-bit weights
+ * (+1.45% perplexity on the default model in bf16, outside the project's 1% bar), while
+ * 16 bits are below bf16's own rounding. The products are int16 x int16 pairs summed into
+ * int32 (AVX-512 VNNI `vpdpwssd`: 32 products an instruction; AVX2 `vpmaddwd`; plain C
+ * elsewhere); levels are widened to 16 bits as they are unpacked.
  *
  * Layout of a [N, K] matrix (K a multiple of 64), per output row:
  *   nibbles [N, K/2] bytes: each 64 inputs are 32 bytes, byte j holding input j in its low
@@ -19,13 +23,13 @@
  *
  * The 8-bit variant (`tandem_q8_gemm`, for a matrix 4 bits would spoil, such as an LM head
  * read at every token) has the same scales, minimums and arithmetic with one level byte per
- * input: levels [N, K] bytes, weight = level * scale + min. Levels reach 255, so the AVX2
- * path widens to 16 bits before multiplying (vpmaddubsw would saturate).
+ * input: levels [N, K] bytes, weight = level * scale + min.
  *
- * Per group g of row m: x ~= d_g * xq (xq int8, d_g = max|x| / 127), so
+ * Per group g of row m: x ~= d_g * xq (xq int16, d_g = max|x| / 32767), so
  *   sum_i w_i x_i = scale * d_g * sum_i nibble_i xq_i + min * sum_i x_i,
- * with the min term over the exact x. The int8 rounding of x is the only approximation
- * beyond the 4-bit weights themselves (llama.cpp's Q4 x Q8 scheme).
+ * with the min term over the exact x. Every product and sum is exact in int32 (at most
+ * 32 * 255 * 32767 < 2^31): the 16-bit rounding of x is the only approximation beyond the
+ * weights themselves.
  */
 #include <math.h>
 #include <stdint.h>
@@ -66,8 +70,10 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* One activation row quantized per group: xq int8, d (its scale), xsum (sum of exact x). */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *xsum) {
+#define LEVELS 32767.0f /* activation steps each side of zero */
+
+/* One activation row quantized per group: xq int16, d (its scale), xsum (sum of exact x). */
+static void quantize_row(const float *x, int64_t k, int16_t *xq, float *d, float *xsum) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *v = x + g * GROUP;
         float top = 0.0f, total = 0.0f;
@@ -76,16 +82,16 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
             top = a > top ? a : top;
             total += v[i];
         }
-        const float scale = top / 127.0f;
-        const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-        for (int i = 0; i < GROUP; i++) xq[g * GROUP + i] = (int8_t)lrintf(v[i] * inverse);
+        const float scale = top / LEVELS;
+        const float inverse = top > 0.0f ? LEVELS / top : 0.0f;
+        for (int i = 0; i < GROUP; i++) xq[g * GROUP + i] = (int16_t)lrintf(v[i] * inverse);
         d[g] = scale;
         xsum[g] = total;
     }
 }
 
 /* sum over one block's two groups of nibble * xq, as two int32 sums. */
-static inline void block_dots(const uint8_t *levels, int bits, const int8_t *xq, int32_t *first, int32_t *second) {
+static inline void block_dots(const uint8_t *levels, int bits, const int16_t *xq, int32_t *first, int32_t *second) {
     int32_t a = 0, b = 0;
     for (int j = 0; j < GROUP; j++) {
         if (bits == 4) {
@@ -105,169 +111,213 @@ static inline void block_dots(const uint8_t *levels, int bits, const int8_t *xq,
 
 #define MAX_ROWS 4 /* activation rows sharing one pass over the weights */
 
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))
-/* 32 u8 x s8 products summed into 8 int32s, through 16-bit lanes: 8-bit levels reach
- * 255, whose pair sums (2 * 255 * 127) would saturate vpmaddubsw's 16 bits. */
-static inline __m256i dots_u8_s8_wide(__m256i u, __m256i s) {
-    const __m256i u_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
-    const __m256i u_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
-    const __m256i s_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(s));
-    const __m256i s_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(s, 1));
-    /* products summed in pairs to int32 (inputs 0-15, then 16-31), the two added lane-wise:
-     * the group's sum is the sum of the lanes, all the caller needs */
-    return _mm256_add_epi32(_mm256_madd_epi16(u_lo, s_lo), _mm256_madd_epi16(u_hi, s_hi));
-}
-#endif
-
-/* factor[m][g] = scale_g * d[m][g]: both scales of group g's integer dot product. */
-static inline __attribute__((always_inline)) void group_factors(const uint16_t *scales, const float *d,
-                                                                int64_t groups, int64_t m_rows, float *factor) {
-    int64_t g = 0;
-#if defined(__AVX512F__)
-    for (; g < groups; g += 16) {
-        const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
-        const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, scales + g));
-        for (int64_t m = 0; m < m_rows; m++)
-            _mm512_mask_storeu_ps(factor + m * groups + g, mask,
-                                  _mm512_mul_ps(scale, _mm512_maskz_loadu_ps(mask, d + m * groups + g)));
-    }
-#endif
-    for (; g < groups; g++) {
-        const float scale = half_to_float(scales[g]);
-        for (int64_t m = 0; m < m_rows; m++) factor[m * groups + g] = scale * d[m * groups + g];
-    }
-}
-
-/* sum_g min_g * xsum[m][g] per row m, added to totals (the AVX-512 path folds this into its
- * accumulators instead). */
-static inline __attribute__((always_inline)) void add_min_terms(const uint16_t *mins, const float *xsum,
-                                                                int64_t groups, int64_t m_rows, float *totals) {
-    for (int64_t g = 0; g < groups; g++) {
-        const float low = half_to_float(mins[g]);
-        for (int64_t m = 0; m < m_rows; m++) totals[m] += low * xsum[m * groups + g];
-    }
-}
-
-/* out[m, n] for rows m < m_rows (<= MAX_ROWS) of one output row n; `factor` is scratch of
- * m_rows * k / GROUP floats. Inlined with m_rows a literal (see row_dot), so the
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void row_dot_rows(const uint8_t *nibbles, int bits, const uint16_t *scales,
-                    const uint16_t *mins, int64_t k, const int8_t *xq, const float *d, const float *xsum,
-                    int64_t m_rows, float *out, int64_t out_stride, float *factor) {
-    const int64_t groups = k / GROUP, blocks = k / BLOCK;
-    float totals[MAX_ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-    group_factors(scales, d, groups, m_rows, factor);
+/* Output rows computed together: each (output row, activation row) pair has an accumulator
+ * of its own, so a one-token step runs TILE independent FMA chains rather than waiting on
+ * one (a lone chain left a 576-input row latency-bound, about half its time). The rows are
+ * walked one after the other, each front to back: the tile is contiguous, and the
+ * out-of-order core overlaps the independent row loops. Walking the tile's rows side by side
+ * instead halved the speed of the 8-bit LM head streamed from memory (28 MB, one thread). */
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-    __m512 acc[MAX_ROWS];
-    for (int64_t m = 0; m < MAX_ROWS; m++) acc[m] = _mm512_setzero_ps();
-    const __m256i low_mask = _mm256_set1_epi8(0x0f);
-    /* lanes 0-7 hold the first group's partial sums, lanes 8-15 the second's */
-    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t b = 0; b < blocks; b++) {
-        __m512i w;
-        if (bits == 4) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(nibbles + b * (BLOCK / 2)));
-            const __m256i lo = _mm256_and_si256(packed, low_mask);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
-            w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        } else {
-            w = _mm512_loadu_si512((const void *)(nibbles + b * BLOCK));
-        }
-        for (int64_t m = 0; m < m_rows; m++) {
-            const __m512i x = _mm512_loadu_si512((const void *)(xq + m * k + b * BLOCK));
-            const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-            const __m128d pair = _mm_load_sd((const double *)(factor + m * groups + 2 * b));
-            const __m512 factors = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(pair)));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), factors, acc[m]);
-        }
-    }
-    /* the min terms, sum_g min_g * xsum[m][g], into the same accumulators: one reduction */
-    for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
-        const __m512 low = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + g));
-        for (int64_t m = 0; m < m_rows; m++)
-            acc[m] = _mm512_fmadd_ps(low, _mm512_maskz_loadu_ps(mask, xsum + m * groups + g), acc[m]);
-    }
-    for (int64_t m = 0; m < m_rows; m++) out[m * out_stride] = _mm512_reduce_add_ps(acc[m]);
-    return;
+#define TILE 4
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[MAX_ROWS];
-    for (int64_t m = 0; m < MAX_ROWS; m++) acc[m] = _mm256_setzero_ps();
-    const __m256i low_mask = _mm256_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < blocks; b++) {
-        __m256i lo, hi;
-        if (bits == 4) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(nibbles + b * (BLOCK / 2)));
-            lo = _mm256_and_si256(packed, low_mask);
-            hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
-        } else {
-            lo = _mm256_loadu_si256((const __m256i *)(nibbles + b * BLOCK));
-            hi = _mm256_loadu_si256((const __m256i *)(nibbles + b * BLOCK + GROUP));
-        }
-        for (int64_t m = 0; m < m_rows; m++) {
-            const int8_t *q = xq + m * k + b * BLOCK;
-            const float *f = factor + m * groups + 2 * b;
-            __m256i dot_lo, dot_hi;
-            if (bits == 4) {
-                /* u8 x s8 -> pairs summed to s16 (at most 2 * 15 * 127: no saturation) -> s32 */
-                dot_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q)), ones);
-                dot_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + GROUP))),
-                                           ones);
-            } else {
-                dot_lo = dots_u8_s8_wide(lo, _mm256_loadu_si256((const __m256i *)q));
-                dot_hi = dots_u8_s8_wide(hi, _mm256_loadu_si256((const __m256i *)(q + GROUP)));
-            }
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lo), _mm256_broadcast_ss(f), acc[m]);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_hi), _mm256_broadcast_ss(f + 1), acc[m]);
-        }
-    }
-    for (int64_t m = 0; m < m_rows; m++) {
-        const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-        const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-        totals[m] = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
-    }
+#define TILE 2
 #else
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t m = 0; m < m_rows; m++) {
-            int32_t first, second;
-            block_dots(nibbles + b * BLOCK_BYTES(bits), bits, xq + m * k + b * BLOCK, &first, &second);
-            totals[m] += (float)first * factor[m * groups + 2 * b] + (float)second * factor[m * groups + 2 * b + 1];
+#define TILE 1
+#endif
+
+/* factor[(r * m_rows + m) * groups + g] = scale[r][g] * d[m][g]: both scales of group g's
+ * integer dot product, for output row r of the tile (its scales `groups` apart). */
+static inline __attribute__((always_inline)) void group_factors(const uint16_t *scales, const float *d,
+                                                                int64_t groups, int64_t tile, int64_t m_rows,
+                                                                float *factor) {
+    for (int64_t r = 0; r < tile; r++) {
+        const uint16_t *row_scales = scales + r * groups;
+        float *row_factor = factor + r * m_rows * groups;
+        int64_t g = 0;
+#if defined(__AVX512F__)
+        for (; g < groups; g += 16) {
+            const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+            const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row_scales + g));
+            for (int64_t m = 0; m < m_rows; m++)
+                _mm512_mask_storeu_ps(row_factor + m * groups + g, mask,
+                                      _mm512_mul_ps(scale, _mm512_maskz_loadu_ps(mask, d + m * groups + g)));
+        }
+#endif
+        for (; g < groups; g++) {
+            const float scale = half_to_float(row_scales[g]);
+            for (int64_t m = 0; m < m_rows; m++) row_factor[m * groups + g] = scale * d[m * groups + g];
         }
     }
-#endif
-    add_min_terms(mins, xsum, groups, m_rows, totals);
-    for (int64_t m = 0; m < m_rows; m++) out[m * out_stride] = totals[m];
 }
 
-#define DEFINE_ROW_DOT(BITS)                                                                     \
-static void row_dot_##BITS(const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, int64_t k, \
-                           const int8_t *xq, const float *d, const float *xsum, int64_t m_rows,  \
-                           float *out, int64_t out_stride, float *factor) {                      \
-    switch (m_rows) {                                                                            \
-    case 1:                                                                                      \
-        row_dot_rows(levels, BITS, scales, mins, k, xq, d, xsum, 1, out, out_stride, factor);    \
-        break;                                                                                   \
-    case 2:                                                                                      \
-        row_dot_rows(levels, BITS, scales, mins, k, xq, d, xsum, 2, out, out_stride, factor);    \
-        break;                                                                                   \
-    case 3:                                                                                      \
-        row_dot_rows(levels, BITS, scales, mins, k, xq, d, xsum, 3, out, out_stride, factor);    \
-        break;                                                                                   \
-    default:                                                                                     \
-        row_dot_rows(levels, BITS, scales, mins, k, xq, d, xsum, 4, out, out_stride, factor);    \
-    }                                                                                            \
+/* sum_g min_g * xsum[m][g] for one output row, per activation row m (the AVX-512 path folds
+ * this into its accumulators instead). */
+static inline __attribute__((always_inline)) float min_term(const uint16_t *mins, const float *xsum, int64_t groups) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; g++) total += half_to_float(mins[g]) * xsum[g];
+    return total;
 }
-DEFINE_ROW_DOT(4)
-DEFINE_ROW_DOT(8)
+
+/* out[m * out_stride + r] for activation rows m < m_rows (<= MAX_ROWS) and the tile's output
+ * rows r < tile (<= TILE), whose levels are `row_bytes` apart and scales and minimums
+ * k / GROUP apart; `factor` is scratch of TILE * MAX_ROWS * k / GROUP floats. Inlined with
+ * tile and m_rows literals (see DEFINE_TILE_DOT), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels, int64_t row_bytes, int bits,
+                                                           const uint16_t *scales, const uint16_t *mins, int64_t k,
+                                                           const int16_t *xq, const float *d, const float *xsum,
+                                                           int64_t tile, int64_t m_rows, float *out,
+                                                           int64_t out_stride, float *factor) {
+    const int64_t groups = k / GROUP, blocks = k / BLOCK;
+    group_factors(scales, d, groups, tile, m_rows, factor);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    __m512 acc[TILE][MAX_ROWS];
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < TILE; r++)
+        #pragma GCC unroll 4
+        for (int64_t m = 0; m < MAX_ROWS; m++) acc[r][m] = _mm512_setzero_ps();
+    const __m512i low_mask = _mm512_set1_epi16(0x0f);
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < tile; r++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = levels + r * row_bytes + b * BLOCK_BYTES(bits);
+            __m512i first, second; /* the block's two groups' levels, 16 bits each */
+            if (bits == 4) {
+                /* byte j -> 16-bit lane j: its low nibble is input j, its high nibble input j + 32 */
+                const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)block));
+                first = _mm512_and_si512(wide, low_mask);
+                second = _mm512_srli_epi16(wide, 4);
+            } else {
+                first = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)block));
+                second = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + GROUP)));
+            }
+            #pragma GCC unroll 4
+            for (int64_t m = 0; m < m_rows; m++) {
+                const int16_t *q = xq + m * k + b * BLOCK;
+                const float *f = factor + (r * m_rows + m) * groups + 2 * b;
+                const __m512i dot_first =
+                    _mm512_dpwssd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512((const void *)q));
+                const __m512i dot_second =
+                    _mm512_dpwssd_epi32(_mm512_setzero_si512(), second, _mm512_loadu_si512((const void *)(q + GROUP)));
+                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_first), _mm512_set1_ps(f[0]), acc[r][m]);
+                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_second), _mm512_set1_ps(f[1]), acc[r][m]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < tile; r++) {
+        /* the min terms, sum_g min_g * xsum[m][g], into the same accumulators: one reduction */
+        for (int64_t g = 0; g < groups; g += 16) {
+            const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+            const __m512 low = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + r * groups + g));
+            #pragma GCC unroll 4
+            for (int64_t m = 0; m < m_rows; m++)
+                acc[r][m] = _mm512_fmadd_ps(low, _mm512_maskz_loadu_ps(mask, xsum + m * groups + g), acc[r][m]);
+        }
+        #pragma GCC unroll 4
+        for (int64_t m = 0; m < m_rows; m++) out[m * out_stride + r] = _mm512_reduce_add_ps(acc[r][m]);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[TILE][MAX_ROWS];
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < TILE; r++)
+        #pragma GCC unroll 4
+        for (int64_t m = 0; m < MAX_ROWS; m++) acc[r][m] = _mm256_setzero_ps();
+    const __m256i low_mask = _mm256_set1_epi16(0x0f);
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < tile; r++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = levels + r * row_bytes + b * BLOCK_BYTES(bits);
+            /* the block's 64 levels as four runs of 16, 16 bits each: inputs 0-15, 16-31 (the
+             * first group), 32-47, 48-63 (the second) */
+            __m256i w[4];
+            if (bits == 4) {
+                const __m256i bytes_lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)block));
+                const __m256i bytes_hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)block + 1));
+                w[0] = _mm256_and_si256(bytes_lo, low_mask);
+                w[1] = _mm256_and_si256(bytes_hi, low_mask);
+                w[2] = _mm256_srli_epi16(bytes_lo, 4);
+                w[3] = _mm256_srli_epi16(bytes_hi, 4);
+            } else {
+                for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)block + i));
+            }
+            #pragma GCC unroll 4
+            for (int64_t m = 0; m < m_rows; m++) {
+                const __m256i *q = (const __m256i *)(xq + m * k + b * BLOCK);
+                const float *f = factor + (r * m_rows + m) * groups + 2 * b;
+                const __m256i dot_first = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(q)),
+                                                           _mm256_madd_epi16(w[1], _mm256_loadu_si256(q + 1)));
+                const __m256i dot_second = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(q + 2)),
+                                                            _mm256_madd_epi16(w[3], _mm256_loadu_si256(q + 3)));
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_first), _mm256_broadcast_ss(f), acc[r][m]);
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_second), _mm256_broadcast_ss(f + 1), acc[r][m]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < tile; r++)
+        #pragma GCC unroll 4
+        for (int64_t m = 0; m < m_rows; m++) {
+            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
+            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+            out[m * out_stride + r] = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1))) +
+                                      min_term(mins + r * groups, xsum + m * groups, groups);
+        }
+#else
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < tile; r++)
+        #pragma GCC unroll 4
+        for (int64_t m = 0; m < m_rows; m++) {
+            const float *f = factor + (r * m_rows + m) * groups;
+            float total = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int32_t first, second;
+                block_dots(levels + r * row_bytes + b * BLOCK_BYTES(bits), bits, xq + m * k + b * BLOCK, &first,
+                           &second);
+                total += (float)first * f[2 * b] + (float)second * f[2 * b + 1];
+            }
+            out[m * out_stride + r] = total + min_term(mins + r * groups, xsum + m * groups, groups);
+        }
+#endif
+}
+
+#define TILE_CASE(BITS, T, M)                                                                          \
+    tile_dot(levels, row_bytes, BITS, scales, mins, k, xq, d, xsum, T, M, out, out_stride, factor); \
+    break;
+
+/* tile_dot with the tile's size and the activation rows as literals: whole tiles, then the
+ * last, partial one (n % TILE output rows) one row at a time. */
+#define DEFINE_TILE_DOT(BITS)                                                                          \
+static void tile_dot_##BITS(const uint8_t *levels, int64_t row_bytes, const uint16_t *scales,          \
+                            const uint16_t *mins, int64_t k, const int16_t *xq, const float *d,        \
+                            const float *xsum, int64_t tile, int64_t m_rows, float *out,               \
+                            int64_t out_stride, float *factor) {                                       \
+    if (tile == TILE) {                                                                                \
+        switch (m_rows) {                                                                              \
+        case 1: TILE_CASE(BITS, TILE, 1)                                                               \
+        case 2: TILE_CASE(BITS, TILE, 2)                                                               \
+        case 3: TILE_CASE(BITS, TILE, 3)                                                               \
+        default: TILE_CASE(BITS, TILE, 4)                                                              \
+        }                                                                                              \
+        return;                                                                                        \
+    }                                                                                                  \
+    for (int64_t r = 0; r < tile; r++, levels += row_bytes, scales += k / GROUP, mins += k / GROUP, out++) \
+        switch (m_rows) {                                                                              \
+        case 1: TILE_CASE(BITS, 1, 1)                                                                  \
+        case 2: TILE_CASE(BITS, 1, 2)                                                                  \
+        case 3: TILE_CASE(BITS, 1, 3)                                                                  \
+        default: TILE_CASE(BITS, 1, 4)                                                                 \
+        }                                                                                              \
+}
+DEFINE_TILE_DOT(4)
+DEFINE_TILE_DOT(8)
 
 /* out [m_rows, n] = x [m_rows, k] @ W.T (+ residual [m_rows, n] where not NULL: a layer's
  * o_proj and down_proj add the residual stream, one torch op less a call). Returns 0, or -1
  * when scratch memory ran out. */
-static int lowbit_gemm(int bits, const uint8_t *nibbles, const uint16_t *scales, const uint16_t *mins, const float *x,
+static int lowbit_gemm(int bits, const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, const float *x,
                        const float *residual, float *out, int64_t m_rows, int64_t n, int64_t k, int num_threads) {
-    const int64_t groups = k / GROUP;
-    int8_t *xq = malloc((size_t)(m_rows * k));
+    const int64_t groups = k / GROUP, row_bytes = bits == 4 ? k / 2 : k, tiles = (n + TILE - 1) / TILE;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m_rows * k));
     float *d = malloc(sizeof(float) * (size_t)(m_rows * groups));
     float *xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
     if (xq == NULL || d == NULL || xsum == NULL) {
@@ -280,19 +330,17 @@ static int lowbit_gemm(int bits, const uint8_t *nibbles, const uint16_t *scales,
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *factor = malloc(sizeof(float) * (size_t)(MAX_ROWS * groups));
+        float *factor = malloc(sizeof(float) * (size_t)(TILE * MAX_ROWS * groups));
         if (factor == NULL) failed = 1;
 #pragma omp for schedule(static)
-        for (int64_t row = 0; row < n; row++) {
+        for (int64_t t = 0; t < tiles; t++) {
             if (factor == NULL) continue;
+            const int64_t row = t * TILE, tile = n - row < TILE ? n - row : TILE;
             for (int64_t m = 0; m < m_rows; m += MAX_ROWS) {
                 const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
-                if (bits == 4)
-                    row_dot_4(nibbles + row * (k / 2), scales + row * groups, mins + row * groups, k, xq + m * k,
-                              d + m * groups, xsum + m * groups, rows, out + m * n + row, n, factor);
-                else
-                    row_dot_8(nibbles + row * k, scales + row * groups, mins + row * groups, k, xq + m * k,
-                              d + m * groups, xsum + m * groups, rows, out + m * n + row, n, factor);
+                (bits == 4 ? tile_dot_4 : tile_dot_8)(levels + row * row_bytes, row_bytes, scales + row * groups,
+                                                     mins + row * groups, k, xq + m * k, d + m * groups,
+                                                     xsum + m * groups, tile, rows, out + m * n + row, n, factor);
             }
         }
         free(factor);
