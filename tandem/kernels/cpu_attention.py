@@ -47,6 +47,13 @@ class PagedDecodeKernel:
         self._attend = functions["tandem_decode_attention"]
         self._write = functions["tandem_write_kv"]
 
+    # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
+    def write_kv_entry(self) -> object:
+        return self._write
+
+    def attend_entry(self) -> object:
+        return self._attend
+
     @staticmethod
     def reads(kv_cache: torch.Tensor) -> bool:
         """Whether the kernel takes this cache (fp32 or bf16, contiguous)."""

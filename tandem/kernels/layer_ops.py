@@ -47,6 +47,16 @@ class LayerOpsKernel:
         self._rotary = {dtype: functions[f"tandem_rotary_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._silu_mul = {dtype: functions[f"tandem_silu_mul_{suffix}"] for dtype, suffix in _SUFFIX.items()}
 
+    # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
+    def rms_norm_entry(self) -> object:
+        return self._rms_norm_bf16
+
+    def rotary_entry(self, dtype: torch.dtype) -> object:
+        return self._rotary[dtype]
+
+    def silu_mul_entry(self, dtype: torch.dtype) -> object:
+        return self._silu_mul[dtype]
+
     @classmethod
     def build(cls, cache_dir: Path) -> LayerOpsKernel:
         return cls(build_kernel_library(cache_dir, SOURCE))

@@ -47,6 +47,10 @@ class Q4Kernel:
                        for bits in (4, 8) for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16"))}
         self.isa: str = functions["tandem_q4_gemm_isa"]().decode()
 
+    def gemm_entry(self, bits: int, dtype: torch.dtype) -> object:
+        """The C function for `bits`-bit levels and `dtype` activations (for callers in C)."""
+        return self._gemms[bits, dtype]
+
     @classmethod
     def build(cls, cache_dir: Path) -> Q4Kernel:
         return cls(build_kernel_library(cache_dir, SOURCE))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -36,6 +37,15 @@ STACKED_PROJECTIONS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+
+class LayerStack(Protocol):
+    """Runs every decoder layer at once for the steps it takes (tandem/models/decode_stack.py)."""
+
+    def takes(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool: ...
+
+    def __call__(self, hidden: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor],
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 class DecoderAttention(nn.Module):
@@ -178,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
         # each forward then leaves them, concatenated, in `aux_hidden` [T, len * hidden].
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
+        # Small decode steps through every layer in one C call, where the worker attached it
+        # (tandem/models/decode_stack.py).
+        self.decode_stack: LayerStack | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -192,6 +205,9 @@ class LlamaForCausalLM(nn.Module):
         angles = self.rotary.angles(positions)
         if self.aux_hidden_layers:
             return self._forward_keeping_aux(angles, hidden, kv_caches, meta)
+        if self.decode_stack is not None and self.decode_stack.takes(hidden, kv_caches, meta):
+            hidden = self.decode_stack(hidden, angles, kv_caches, meta)
+            return hidden if self.model.norm is None else self.model.norm(hidden)
         for layer, kv_cache in zip(self._own_layers, kv_caches, strict=True):
             hidden = layer(angles, hidden, kv_cache, meta)
         return hidden if self.model.norm is None else self.model.norm(hidden)

@@ -51,6 +51,7 @@ from tandem.loader.model_loader import (
     read_model_config,
 )
 from tandem.loader.resolve import default_cache_dir, resolve_model
+from tandem.models.decode_stack import attach_decode_stack
 from tandem.profiling import step_breakdown
 from tandem.spec.model_proposers import ModelProposerLoader, model_proposer_loader
 from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block, rank_kv_spec
@@ -205,6 +206,7 @@ class Worker:
         else:
             load_weights(model, hf_dir)
         small_step = self._small_step_weights()
+        q4_kernel = None
         if small_step is not None:
             q4_kernel = load_q4_kernel(self._kernel_cache_dir()) if small_step.format == "int4" else None
             added = attach_small_step_weights(model, small_step, q4_kernel)
@@ -221,6 +223,11 @@ class Worker:
         ops = load_layer_ops(self._kernel_cache_dir())
         if ops is not None:
             attach_layer_ops(model, ops)
+        stacked = small_step is not None and attach_decode_stack(model, backend, self._kernel_cache_dir(),
+                                                                  q4_kernel, ops)
+        if stacked and self.rank == 0:
+            logger.info("decode stack: steps of <= %d decode tokens run every layer in one C call",
+                        small_step.max_tokens)
         return model
 
     def _check_weights_fit(self, hf_dir: Path) -> None:

@@ -1,0 +1,81 @@
+"""Every decoder layer of a small bf16 decode step in one C call (csrc/decode_stack.c).
+
+The C side only sequences kernels tandem already has (the 4-bit GEMMs, the layer passes and
+decode attention), called through their function pointers, so this module's job is to lay
+out what they read: a `Layer` record per decoder layer, made once, and a `Step` record per
+call. Which models and steps qualify is the model's business (tandem/models/decode_stack.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tandem.kernels.c_library import bind, build_kernel_library
+from tandem.kernels.cpu_attention import PagedDecodeKernel
+from tandem.kernels.layer_ops import LayerOpsKernel
+from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_stack.c"
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _address(function: object) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
+class Kernels(ctypes.Structure):
+    _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "rms_norm", "rotary", "silu_mul", "write_kv", "attend")]
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("levels", _PTR), ("scales", _PTR), ("mins", _PTR), ("n", _I64), ("k", _I64), ("bits", _I64)]
+
+    @classmethod
+    def of(cls, matrix: Q4Matrix) -> Matrix:
+        return cls(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
+                   matrix.out_features, matrix.in_features, matrix.bits)
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix),
+                ("down", Matrix), ("kv_cache", _PTR)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [*[(name, _I64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                            "block_size", "num_blocks", "table_stride")],
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                *[(name, _PTR) for name in ("cos", "sin", "slots", "block_tables", "context_lens")],
+                ("num_threads", ctypes.c_int)]
+
+
+class DecodeStackKernel:
+    """The loaded sequencer and the kernels it calls (their libraries stay loaded: the
+    objects holding them are kept here)."""
+
+    def __init__(self, library: Path, q4: Q4Kernel, ops: LayerOpsKernel, attention: PagedDecodeKernel) -> None:
+        self._run = bind(library, {
+            "tandem_decode_stack": (ctypes.c_int, [_PTR, _PTR, _I64, _PTR, _PTR]),
+        })["tandem_decode_stack"]
+        self._holds = (q4, ops, attention)
+        self.kernels = Kernels(
+            _address(q4.gemm_entry(4, torch.bfloat16)), _address(q4.gemm_entry(8, torch.bfloat16)),
+            _address(ops.rms_norm_entry()), _address(ops.rotary_entry(torch.bfloat16)),
+            _address(ops.silu_mul_entry(torch.bfloat16)), _address(attention.write_kv_entry()),
+            _address(attention.attend_entry()),
+        )
+
+    @classmethod
+    def build(cls, cache_dir: Path, q4: Q4Kernel, ops: LayerOpsKernel, attention: PagedDecodeKernel
+              ) -> DecodeStackKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE), q4, ops, attention)
+
+    def __call__(self, layers: ctypes.Array, step: Step, hidden: torch.Tensor) -> None:
+        """Run `hidden` [tokens, hidden] (bf16, contiguous; updated in place) through `layers`."""
+        status = self._run(ctypes.byref(self.kernels), layers, len(layers), ctypes.byref(step), hidden.data_ptr())
+        if status != 0:
+            raise MemoryError("the decode stack could not allocate its scratch memory")

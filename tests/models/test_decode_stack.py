@@ -1,0 +1,68 @@
+"""Small bf16 decode steps through every layer in one C call: the same tokens and the same
+log-probabilities, bit for bit, as the layer-by-layer module path, and only where every piece
+has its C kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import LLM
+from tandem.models.decode_stack import DecodeStack
+from tandem.types import SamplingParams
+
+PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
+
+
+def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], float | None]]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in llm.generate(prompts, params)]
+
+
+def _count_calls(stack: DecodeStack) -> list[int]:
+    """Wrap the stack's C call: the list fills with each call's token count."""
+    calls: list[int] = []
+    run = stack.kernel
+
+    def counted(layers, step, hidden):
+        calls.append(hidden.shape[0])
+        return run(layers, step, hidden)
+
+    stack.kernel = type("Counted", (), {"__call__": staticmethod(counted)})()
+    return calls
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-token steps", "two-token steps"])
+def test_the_stack_gives_the_module_paths_bits(prompts: list[str]) -> None:
+    with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        model = llm.engine.runner.model
+        stack = model.decode_stack
+        assert isinstance(stack, DecodeStack) and stack.max_tokens == 2
+        calls = _count_calls(stack)
+        stacked = _generate(llm, prompts)
+        # every decode step went through it (the prompt's step did not: it is a prefill)
+        assert calls == [len(prompts)] * 23
+        model.decode_stack = None
+        layered = _generate(llm, prompts)
+    assert stacked == layered
+    assert all(logprob is not None for _, logprob in stacked)
+
+
+def test_steps_larger_than_the_small_step_copies_take_the_module_path() -> None:
+    with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        stack = llm.engine.runner.model.decode_stack
+        assert stack is not None
+        calls = _count_calls(stack)
+        outputs = _generate(llm, PROMPTS + ["Once upon a time"])
+    assert calls == [] and all(len(tokens) == 24 for tokens, _ in outputs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"dtype": "float32", "decode_weights": "int4"},  # the C norm is bf16 only
+    {"dtype": "bfloat16", "decode_weights": "none"},  # no 4-bit copies to read
+    {"dtype": "bfloat16", "decode_weights": "bfloat16"},
+], ids=["fp32", "no copies", "bf16 copies"])
+def test_models_without_a_c_kernel_for_every_piece_keep_the_module_path(kwargs: dict) -> None:
+    with LLM(kv_cache_memory="64MiB", **kwargs) as llm:
+        assert llm.engine.runner.model.decode_stack is None
+        tokens, _ = _generate(llm, PROMPTS[:1])[0]
+    assert len(tokens) == 24
