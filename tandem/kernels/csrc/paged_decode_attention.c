@@ -166,6 +166,23 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The next group of 16 keys (within one block) and its values, whole, asked for while this
+ * group is scored: the blocks lie anywhere in the pool, where hardware prefetchers stop. On
+ * the 2-core AVX-512 EPYC, 64 sequences of 90-200 tokens over 30 cold layer caches, two
+ * threads: 571 -> 428 us a layer with the blocks scattered, 530 -> 410 with them interleaved
+ * as sequences that grow together get them; 373 -> 395 with each sequence's blocks in order
+ * (the old code asked for the first row only). Nearer caches (locality 2, 3) or twice as far
+ * ahead were no better; the non-temporal hint was worse. */
+#define PREFETCH_GROUP(K_HEAD, V_HEAD, TABLE, T, LEN, BLOCK_SIZE, BLOCK_VALUES, HEAD_DIM, KV_T) do {     \
+    const int64_t next = (TABLE)[(T) / (BLOCK_SIZE)] * (BLOCK_VALUES) + ((T) % (BLOCK_SIZE)) * (HEAD_DIM); \
+    const int64_t rows = (LEN) - (T) < 16 ? (LEN) - (T) : 16;                                  \
+    const int64_t bytes = rows * (HEAD_DIM) * (int64_t)sizeof(KV_T);                            \
+    for (int64_t byte = 0; byte < bytes; byte += 64) {                                         \
+        __builtin_prefetch((const char *)((K_HEAD) + next) + byte, 0, 1);                      \
+        __builtin_prefetch((const char *)((V_HEAD) + next) + byte, 0, 1);                      \
+    }                                                                                          \
+} while (0)
+
 #define DEFINE_ATTEND_VEC(SUFFIX, KV_T, LOAD)                                                    \
 static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(                       \
     const float *q_rows, float *out_rows, const KV_T *k_head, const KV_T *v_head,                \
@@ -184,17 +201,27 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
     for (int64_t t0 = 0; t0 < len; t0 += 16) {                                                   \
         const int64_t count = len - t0 < 16 ? len - t0 : 16;                                     \
         const KV_T *keys[16], *values[16];                                                       \
-        for (int64_t j = 0; j < 16; j++) {                                                       \
-            const int64_t t = t0 + (j < count ? j : count - 1);                                  \
-            const int64_t offset = table[t / block_size] * block_values + (t % block_size) * head_dim; \
-            keys[j] = k_head + offset;                                                           \
-            values[j] = v_head + offset;                                                         \
-        }                                                                                        \
-        if (t0 + 16 < len) { /* the next group's first key and value rows */                     \
-            const int64_t t = t0 + 16;                                                           \
-            const int64_t offset = table[t / block_size] * block_values + (t % block_size) * head_dim; \
-            __builtin_prefetch(k_head + offset, 0, 1);                                           \
-            __builtin_prefetch(v_head + offset, 0, 1);                                           \
+        if (block_size % 16 == 0) { /* the group lies in one block: one lookup, rows in a run */ \
+            const int64_t base = table[t0 / block_size] * block_values + (t0 % block_size) * head_dim; \
+            for (int64_t j = 0; j < 16; j++) {                                                   \
+                const int64_t row = (j < count ? j : count - 1) * head_dim;                      \
+                keys[j] = k_head + base + row;                                                   \
+                values[j] = v_head + base + row;                                                 \
+            }                                                                                    \
+            if (t0 + 16 < len) PREFETCH_GROUP(k_head, v_head, table, t0 + 16, len, block_size, block_values, head_dim, KV_T); \
+        } else {                                                                                 \
+            for (int64_t j = 0; j < 16; j++) {                                                   \
+                const int64_t t = t0 + (j < count ? j : count - 1);                              \
+                const int64_t offset = table[t / block_size] * block_values + (t % block_size) * head_dim; \
+                keys[j] = k_head + offset;                                                       \
+                values[j] = v_head + offset;                                                     \
+            }                                                                                    \
+            if (t0 + 16 < len) { /* the next group's first key and value rows */                 \
+                const int64_t t = t0 + 16;                                                       \
+                const int64_t offset = table[t / block_size] * block_values + (t % block_size) * head_dim; \
+                __builtin_prefetch(k_head + offset, 0, 1);                                       \
+                __builtin_prefetch(v_head + offset, 0, 1);                                       \
+            }                                                                                    \
         }                                                                                        \
         const __mmask16 valid = (__mmask16)((1u << count) - 1u);                                 \
         __m512 partial[MAX_GROUP][16];                                                           \
