@@ -299,7 +299,7 @@ class SchedulerConfig:
 
 
 # Compact weight copies a small step may read instead of the run dtype's (layers/linear.py).
-DECODE_WEIGHT_FORMATS = ("float16", "bfloat16", "int4")
+DECODE_WEIGHT_FORMATS = ("float16", "bfloat16", "int4", "float32")
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,7 @@ class LoadConfig:
     num_threads: int | None = None
     # Fast mode: steps of at most `decode_weights_max_tokens` tokens read a compact copy of
     # the weights (see layers/linear.py SmallStepWeights). "none": exact.
-    decode_weights: str = "none"  # none | float16 | bfloat16 | int4
+    decode_weights: str = "none"  # none | float16 | bfloat16 | int4 | float32
     decode_weights_max_tokens: int = 2
     # Steps larger than the small-step copy's reach: "int8" multiplies 8-bit weights by 8-bit
     # activations (W8A8, layers/int8.py), twice bf16's multiply-adds per instruction; "none":

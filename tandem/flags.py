@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.config import (
+    DECODE_WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
     KVTiersConfig,
@@ -85,8 +86,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--decode-weights",
          "fast mode: small (decode) steps, bound by weight bandwidth, read a compact copy of the "
          "weights: half precision, or int4 (4-bit, a scale and zero per 32 columns; 8-bit where "
-         "4 bits would spoil a matrix; perplexity +1.5-1.9%% on the default model) (default: "
-         "none, exact)", "none", choices=("none", "float16", "bfloat16", "int4")),
+         "4 bits would spoil a matrix; perplexity +0.02%% on the default model); float32 "
+         "(an fp32 model) keeps the plain fp32 rows beside the packed ones for tandem's GEMV "
+         "kernel: exact fp32, the layers' weights held twice (default: none, exact)", "none",
+         choices=("none", *DECODE_WEIGHT_FORMATS)),
     Flag("--decode-weights-max-tokens",
          "largest step, in tokens, that reads the --decode-weights copy (default: 2)", 2, type=int,
          metavar="N"),

@@ -272,3 +272,37 @@ def test_int4_decode_weights_copy_only_what_4_bits_hold() -> None:
     assert isinstance(model.lm_head.small_quantized, Q8Matrix) and model.lm_head.small_packed is None
     assert not isinstance(layers[0].mlp.down_proj.small_quantized, Q8Matrix)
     assert fast[:4] == exact[:4]
+
+
+def test_float32_decode_weights_match_transformers(reference: torch.nn.Module) -> None:
+    """--decode-weights float32: one-token steps go through tandem's fp32 GEMV on the plain
+    rows (kept beside the packed ones), the layers in the fp32 decode stack, exact fp32 like
+    the packed path."""
+    with LLM(kv_cache_memory="64MiB", decode_weights="float32") as llm:
+        model = llm.engine.core.executor.worker.runner.model
+        layers = model.model.layers
+        assert all(layer.mlp.down_proj.small_dense is not None and layer.mlp.down_proj.packed_weight is not None
+                   for layer in layers)
+        # the tied head reads the embedding's own tensor: nothing held twice
+        assert model.lm_head.small_dense.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        assert model.decode_stack is not None
+        calls = 0
+        gemv = model.lm_head.small_dense.kernel.gemv
+
+        def counted(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return gemv(*args, **kwargs)
+
+        model.lm_head.small_dense.kernel.gemv = counted
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        outputs = [llm.generate([prompt], params)[0] for prompt in PROMPTS[3:6]]
+    # the head, at each step: the prompt's last row and 31 decode steps (the layers' GEMVs are
+    # called from C)
+    assert calls == 3 * 32
+    assert _assert_matches_reference(outputs, reference) <= 1
+
+
+def test_float32_decode_weights_need_an_fp32_model() -> None:
+    with pytest.raises(ValueError, match="decode-weights float32"):
+        LLM(kv_cache_memory="64MiB", dtype="bfloat16", decode_weights="float32")

@@ -1,7 +1,7 @@
-"""Every decoder layer of a small bf16 decode step in one C call (csrc/decode_stack.c).
+"""Every decoder layer of a small bf16 or fp32 decode step in one C call (csrc/decode_stack.c).
 
-The C side only sequences kernels tandem already has (the 4-bit GEMMs, the layer passes and
-decode attention), called through their function pointers, so this module's job is to lay
+The C side only sequences kernels tandem already has (the 4-bit GEMMs or the fp32 GEMV, the
+layer passes and decode attention), called through their function pointers, so this module's job is to lay
 out what they read: a `Layer` record per decoder layer, made once, and a `Step` record per
 call. Which models and steps qualify is the model's business (tandem/models/decode_stack.py).
 """
@@ -15,6 +15,7 @@ import torch
 
 from tandem.kernels.c_library import bind, build_kernel_library
 from tandem.kernels.cpu_attention import PagedDecodeKernel
+from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix
 
@@ -28,14 +29,17 @@ def _address(function: object) -> int:
 
 
 class Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "rms_norm", "rotary", "silu_mul", "write_kv", "attend")]
+    _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "gemv32", "rms_norm", "rotary", "silu_mul", "write_kv",
+                                          "attend")]
 
 
 class Matrix(ctypes.Structure):
     _fields_ = [("levels", _PTR), ("scales", _PTR), ("mins", _PTR), ("n", _I64), ("k", _I64), ("bits", _I64)]
 
     @classmethod
-    def of(cls, matrix: Q4Matrix) -> Matrix:
+    def of(cls, matrix: Q4Matrix | DenseRows) -> Matrix:
+        if isinstance(matrix, DenseRows):  # bits 32: plain fp32 rows, `levels` pointing at them
+            return cls(matrix.weight.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1], 32)
         return cls(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
                    matrix.out_features, matrix.in_features, matrix.bits)
 
@@ -47,35 +51,42 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     _fields_ = [*[(name, _I64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                            "block_size", "num_blocks", "table_stride")],
+                                            "block_size", "num_blocks", "table_stride", "element_bytes")],
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 *[(name, _PTR) for name in ("cos", "sin", "slots", "block_tables", "context_lens")],
                 ("num_threads", ctypes.c_int)]
 
 
 class DecodeStackKernel:
-    """The loaded sequencer and the kernels it calls (their libraries stay loaded: the
-    objects holding them are kept here)."""
+    """The loaded sequencer and the kernels it calls for one row dtype: bf16 rows with the
+    4/8-bit GEMMs (`q4`), or fp32 rows with the fp32 GEMV (`gemv`). Their libraries stay
+    loaded: the objects holding them are kept here."""
 
-    def __init__(self, library: Path, q4: Q4Kernel, ops: LayerOpsKernel, attention: PagedDecodeKernel) -> None:
+    def __init__(self, library: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
+                 q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None) -> None:
+        if (dtype, q4 is None, gemv is None) not in ((torch.bfloat16, False, True), (torch.float32, True, False)):
+            raise ValueError("a decode stack runs bf16 rows with the 4-bit GEMMs or fp32 rows with the fp32 GEMV")
         self._run = bind(library, {
             "tandem_decode_stack": (ctypes.c_int, [_PTR, _PTR, _I64, _PTR, _PTR]),
         })["tandem_decode_stack"]
-        self._holds = (q4, ops, attention)
+        self.dtype = dtype
+        self._holds = (q4, gemv, ops, attention)
         self.kernels = Kernels(
-            _address(q4.gemm_entry(4, torch.bfloat16)), _address(q4.gemm_entry(8, torch.bfloat16)),
-            _address(ops.rms_norm_entry()), _address(ops.rotary_entry(torch.bfloat16)),
-            _address(ops.silu_mul_entry(torch.bfloat16)), _address(attention.write_kv_entry()),
+            _address(q4.gemm_entry(4, dtype)) if q4 else None, _address(q4.gemm_entry(8, dtype)) if q4 else None,
+            _address(gemv.gemv_entry()) if gemv else None,
+            _address(ops.rms_norm_entry(dtype)), _address(ops.rotary_entry(dtype)),
+            _address(ops.silu_mul_entry(dtype)), _address(attention.write_kv_entry()),
             _address(attention.attend_entry()),
         )
 
     @classmethod
-    def build(cls, cache_dir: Path, q4: Q4Kernel, ops: LayerOpsKernel, attention: PagedDecodeKernel
-              ) -> DecodeStackKernel:
-        return cls(build_kernel_library(cache_dir, SOURCE), q4, ops, attention)
+    def build(cls, cache_dir: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
+              q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None) -> DecodeStackKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE), dtype, ops, attention, q4, gemv)
 
     def __call__(self, layers: ctypes.Array, step: Step, hidden: torch.Tensor) -> None:
-        """Run `hidden` [tokens, hidden] (bf16, contiguous; updated in place) through `layers`."""
+        """Run `hidden` [tokens, hidden] (the stack's dtype, contiguous; updated in place)
+        through `layers`."""
         status = self._run(ctypes.byref(self.kernels), layers, len(layers), ctypes.byref(step), hidden.data_ptr())
         if status != 0:
             raise MemoryError("the decode stack could not allocate its scratch memory")

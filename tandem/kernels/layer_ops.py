@@ -29,6 +29,7 @@ _PTR = ctypes.c_void_p
 _INT = ctypes.c_int
 _SIGNATURES = {
     "tandem_rms_norm_bf16": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, _INT]),
+    "tandem_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, _INT]),
     "tandem_rotary_f32": (None, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]),
     "tandem_rotary_bf16": (None, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]),
     "tandem_silu_mul_f32": (None, [_PTR, _PTR, _I64, _I64, _INT]),
@@ -44,12 +45,14 @@ class LayerOpsKernel:
     def __init__(self, library: Path) -> None:
         functions = bind(library, _SIGNATURES)
         self._rms_norm_bf16 = functions["tandem_rms_norm_bf16"]
+        # fp32 rows: only the fp32 decode stack calls it (the layer path keeps torch's norm)
+        self._rms_norm = {dtype: functions[f"tandem_rms_norm_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._rotary = {dtype: functions[f"tandem_rotary_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._silu_mul = {dtype: functions[f"tandem_silu_mul_{suffix}"] for dtype, suffix in _SUFFIX.items()}
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
-    def rms_norm_entry(self) -> object:
-        return self._rms_norm_bf16
+    def rms_norm_entry(self, dtype: torch.dtype = torch.bfloat16) -> object:
+        return self._rms_norm[dtype]
 
     def rotary_entry(self, dtype: torch.dtype) -> object:
         return self._rotary[dtype]

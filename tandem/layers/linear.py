@@ -15,6 +15,7 @@ from torch import nn
 
 from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
+from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.int8_rows import Int8RowsKernel
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
@@ -37,11 +38,14 @@ class SmallStepWeights:
     With `int4_max_error` set, a matrix whose 4-bit copy is further than that from it gets an
     8-bit copy for the same kernel (an LM head kept in 8 bits by its GGUF), else bf16.
     Activations and the KV cache stay in the run dtype, so a step can switch copies without
-    touching the cache.
+    touching the cache. `float32` (an fp32 model only) is no copy at all: the checkpoint's
+    plain row-major matrices stay beside oneDNN's packed ones, and tandem's GEMV kernel
+    (tandem/kernels/dense_gemv.py) streams them at 1.3-1.9x oneDNN's one-row rate. Exact fp32
+    arithmetic like the packed path, at the cost of holding the layers' weights twice.
     """
 
     max_tokens: int
-    format: str  # float16 | bfloat16 | int4
+    format: str  # float16 | bfloat16 | int4 | float32
     group_size: int = 32  # int4: input columns sharing a scale and zero point
     # int4: a matrix whose 4-bit copy is further than this from it (relative Frobenius norm)
     # keeps its dense weights; None: every matrix goes to 4 bits. A GGUF's own 4-bit tensors
@@ -124,6 +128,7 @@ class LinearWeights:
     small_step: SmallStepWeights | None = None
     small_quantized: Q4Matrix | Int4Weight | None = None  # int4 plan: 4 bits (8 where 4 would spoil it)
     small_packed: torch.Tensor | None = None  # int4 plan, a matrix 4 bits would spoil: packed bf16
+    small_dense: DenseRows | None = None  # float32 plan: the plain fp32 rows for the GEMV kernel
     packed_weight: torch.Tensor | None = None
     int8: Int8Weight | None = None  # --quantization int8: what steps beyond the small copy read
 
@@ -136,10 +141,14 @@ class LinearWeights:
         self.int8 = Int8Weight.quantize(weight, kernel)
         return True
 
-    def attach_small_step_weights(self, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None) -> int:
+    def attach_small_step_weights(self, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None,
+                                  dense_kernel: DenseGemvKernel | None = None) -> int:
         """Make the copy; returns the bytes it adds (0: this matrix keeps its dense weights).
-        int4 uses tandem's 4-bit GEMM (`q4_kernel`) where given, else PyTorch's."""
+        int4 uses tandem's 4-bit GEMM (`q4_kernel`) where given, else PyTorch's; float32
+        needs the GEMV kernel (`dense_kernel`) and fp32 weights, else adds nothing."""
         weight = self.weight.detach()
+        if plan.format == "float32":
+            return self._attach_dense_rows(plan, dense_kernel)
         if plan.format == "int4":
             int4: Q4Matrix | Int4Weight
             if q4_kernel is not None and q4_fits(weight):
@@ -164,6 +173,17 @@ class LinearWeights:
         self.small_bias = None if bias is None else bias.detach().to(plan.dtype)
         self.small_step = plan
         return self.small_weight.numel() * self.small_weight.element_size()
+
+    def _attach_dense_rows(self, plan: SmallStepWeights, kernel: DenseGemvKernel | None) -> int:
+        """Keep the plain fp32 rows for the GEMV kernel. The bytes added are those packing
+        would otherwise release; a tied head keeps them anyway (the embedding reads them)."""
+        weight = self.weight.detach()
+        if kernel is None or weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+            return 0
+        bias = getattr(self, "bias", None)
+        self.small_dense = DenseRows(weight.contiguous(), None if bias is None else bias.detach().float(), kernel)
+        self.small_step = plan
+        return 0 if getattr(self, "tied", False) else self.small_dense.nbytes
 
     def _attach_bf16_fallback(self, plan: SmallStepWeights) -> int:
         """A matrix that 4 bits would spoil (an 8-bit LM head) or that the 4-bit kernels
@@ -201,6 +221,8 @@ class LinearWeights:
     def linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = getattr(self, "bias", None) if with_bias else None
         if self.uses_small_step(x):
+            if self.small_dense is not None:
+                return self.small_dense.matmul(x, with_bias)
             if self.small_quantized is not None:
                 out = self.small_quantized.matmul(x)
                 return out if bias is None else out + bias
@@ -219,6 +241,8 @@ class LinearWeights:
         """`residual + linear(x)`, the residual add fused into the GEMM where weights are packed
         and into tandem's 4-bit GEMM."""
         if self.uses_small_step(x):
+            if self.small_dense is not None:
+                return self.small_dense.matmul(x, residual=residual)
             if isinstance(self.small_quantized, Q4Matrix) and getattr(self, "bias", None) is None:
                 fused = self.small_quantized.matmul_plus(x, residual)
                 if fused is not None:
@@ -231,9 +255,11 @@ class LinearWeights:
         return residual + self.linear(x)
 
 
-def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None) -> int:
+def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None,
+                              dense_kernel: DenseGemvKernel | None = None) -> int:
     """Give every linear layer and the LM head a small-step copy; returns the bytes added."""
-    return sum(m.attach_small_step_weights(plan, q4_kernel) for m in model.modules() if isinstance(m, LinearWeights))
+    return sum(m.attach_small_step_weights(plan, q4_kernel, dense_kernel)
+               for m in model.modules() if isinstance(m, LinearWeights))
 
 
 def quantize_int8(model: nn.Module, kernel: Int8RowsKernel | None = None) -> int:

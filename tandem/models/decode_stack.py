@@ -1,4 +1,4 @@
-"""Small bf16 decode steps of a Llama-shaped model through all its layers in one C call.
+"""Small bf16 or fp32 decode steps of a Llama-shaped model through all its layers in one C call.
 
 A one-token step of SmolLM2 in bf16 with 4-bit decode weights took 9.3 ms on the 2-core
 AVX-512 EPYC, of which the C kernels were about half: the rest was Python between them,
@@ -6,9 +6,13 @@ some 15 module calls, views and ctypes calls a layer. `DecodeStack` hands the wh
 loop to csrc/decode_stack.c, which calls the same kernels in the same order, so the hidden
 states come out bit-identical to the layer-by-layer path (tested). It applies where every
 piece of a layer has a C kernel: 4- or 8-bit copies of all four projections without bias
-(`--decode-weights int4`), the C norm and rotary (bf16), the C decode attention, no tensor or
-pipeline split, no q/k norms; and to steps of decode tokens only, no larger than the
-small-step copies serve. Anything else keeps the module path.
+(`--decode-weights int4`) in bf16, or their plain fp32 rows (`--decode-weights float32`) in
+fp32; the C norm and rotary, the C decode attention, no tensor or pipeline split, no q/k
+norms; and to steps of decode tokens only, no larger than the small-step copies serve.
+Anything else keeps the module path. In fp32 the stack's norm is the C one, where the module
+path runs torch's: the two sum the mean of squares in different orders, so fp32 hidden
+states agree to rounding rather than bit for bit (greedy tokens are tested against
+transformers, as the exact mode's are).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.kernels.c_library import KernelBuildError
 from tandem.kernels.cpu_attention import CpuAttentionBackend
 from tandem.kernels.decode_stack import DecodeStackKernel, Layer, Matrix, Step
+from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix
 from tandem.layers.linear import Linear
@@ -45,20 +50,21 @@ class DecodeStack:
             record.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             for name, projection in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                      ("down", mlp.down_proj)):
-                setattr(record, name, Matrix.of(projection.small_quantized))
+                setattr(record, name, Matrix.of(_small_matrix(projection, kernel.dtype)))
         first = layers[0]
         cfg = model.config
         self._step = Step(hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
                           kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
                           intermediate=cfg.intermediate_size, eps=first.input_layernorm.eps,
-                          scale=first.self_attn.attn.scale)
+                          scale=first.self_attn.attn.scale,
+                          element_bytes=torch.empty(0, dtype=kernel.dtype).element_size())
 
     def takes(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """A step of decode tokens only, bf16, within the small-step copies' size; not while
-        the profiler runs (its per-phase ranges live in the module path)."""
-        tokens = hidden.shape[0]
-        return (hidden.dtype == torch.bfloat16 and 0 < tokens <= self.max_tokens and not meta.prefills
-                and meta.num_decode_tokens == tokens and kv_caches[0].dtype == torch.bfloat16
+        """A step of decode tokens only, in the stack's dtype, within the small-step copies'
+        size; not while the profiler runs (its per-phase ranges live in the module path)."""
+        tokens, dtype = hidden.shape[0], self.kernel.dtype
+        return (hidden.dtype == dtype and 0 < tokens <= self.max_tokens and not meta.prefills
+                and meta.num_decode_tokens == tokens and kv_caches[0].dtype == dtype
                 and kv_caches[0].is_contiguous() and not torch.autograd._profiler_enabled())
 
     def __call__(self, hidden: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor],
@@ -81,16 +87,23 @@ class DecodeStack:
         return hidden
 
 
-def _projections_fit(projections: list[Linear]) -> bool:
-    return all(isinstance(p.small_quantized, Q4Matrix) and getattr(p, "bias", None) is None
+def _small_matrix(projection: Linear, dtype: torch.dtype) -> Q4Matrix | DenseRows | None:
+    """What a small step of `dtype` rows reads for `projection` in the stack: its 4/8-bit copy
+    (bf16) or its plain fp32 rows (fp32)."""
+    return projection.small_quantized if dtype == torch.bfloat16 else projection.small_dense
+
+
+def _projections_fit(projections: list[Linear], dtype: torch.dtype) -> bool:
+    kind = Q4Matrix if dtype == torch.bfloat16 else DenseRows
+    return all(isinstance(_small_matrix(p, dtype), kind) and getattr(p, "bias", None) is None
                and p.small_step is not None for p in projections)
 
 
-def _stack_layers(model: nn.Module, backend: AttentionBackend) -> list[DecoderLayer] | None:
-    """The model's decoder layers where every piece has its C kernel, else None."""
+def _stack_layers(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> list[DecoderLayer] | None:
+    """The model's decoder layers where every piece has its C kernel for `dtype` rows, else None."""
     if not isinstance(model, LlamaForCausalLM) or model.tp.split or not (model.stage.is_first and model.stage.is_last):
         return None
-    if not isinstance(backend, CpuAttentionBackend) or model.rotary.ops is None or model.rotary.cos.dtype != torch.bfloat16:
+    if not isinstance(backend, CpuAttentionBackend) or model.rotary.ops is None or model.rotary.cos.dtype != dtype:
         return None
     layers = list(model._own_layers)
     for layer in layers:
@@ -100,25 +113,27 @@ def _stack_layers(model: nn.Module, backend: AttentionBackend) -> list[DecoderLa
         if type(mlp) is not DecoderMLP or attn.q_norm is not None:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(n.ops is None or n.weight.dtype != torch.bfloat16 or n.eps != layers[0].input_layernorm.eps
-               for n in norms):
+        if any(n.ops is None or n.weight.dtype != dtype or n.eps != layers[0].input_layernorm.eps for n in norms):
             return None
-        if not _projections_fit([attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]):
+        if not _projections_fit([attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj], dtype):
             return None
     return layers or None
 
 
 def attach_decode_stack(model: nn.Module, backend: AttentionBackend, cache_dir: Path, q4: Q4Kernel | None,
-                        ops: LayerOpsKernel | None) -> bool:
-    """Give `model` a `DecodeStack` where it qualifies; returns whether it did."""
-    if q4 is None or ops is None:
+                        ops: LayerOpsKernel | None, gemv: DenseGemvKernel | None = None) -> bool:
+    """Give `model` a `DecodeStack` where it qualifies: bf16 with the 4-bit GEMMs (`q4`), or
+    fp32 with the fp32 GEMV (`gemv`). Returns whether it did."""
+    dtype = torch.bfloat16 if q4 is not None else torch.float32 if gemv is not None else None
+    if dtype is None or ops is None:
         return False
-    layers = _stack_layers(model, backend)
+    layers = _stack_layers(model, backend, dtype)
     if layers is None:
         return False
     assert isinstance(model, LlamaForCausalLM) and isinstance(backend, CpuAttentionBackend)
     try:
-        kernel = DecodeStackKernel.build(cache_dir, q4, ops, backend.kernel)
+        kernel = DecodeStackKernel.build(cache_dir, dtype, ops, backend.kernel, q4=q4 if dtype == torch.bfloat16
+                                         else None, gemv=gemv if dtype == torch.float32 else None)
     except KernelBuildError as error:
         logger.warning("decode stack unavailable (%s); small steps run layer by layer", error)
         return False

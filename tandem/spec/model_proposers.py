@@ -16,6 +16,7 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.kernels.base import AttentionBackend
+from tandem.kernels.dense_gemv import load_dense_gemv_kernel
 from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.layers.linear import SmallStepWeights, attach_small_step_weights
 from tandem.loader.model_loader import (
@@ -96,8 +97,9 @@ class ModelProposerLoader:
             # The proposer's own forwards are one or two tokens per request (a decode's
             # catch-up, each guess); a prompt's catch-up still reads the dense weights.
             q4_kernel = load_q4_kernel(kernel_dir) if small_step == "int4" else None
+            dense_kernel = load_dense_gemv_kernel(kernel_dir) if small_step == "float32" else None
             added = attach_small_step_weights(self.module, SmallStepWeights(DRAFT_SMALL_STEP_TOKENS, small_step),
-                                              q4_kernel)
+                                              q4_kernel, dense_kernel)
             logger.info("%s proposer: %s copy of its weights for forwards of <= %d tokens (+%.0f MiB)",
                         self.spec.method, small_step, DRAFT_SMALL_STEP_TOKENS, added / (1 << 20))
         # Counted before packing, which releases the dense copies it reorders.

@@ -30,6 +30,7 @@ from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend
 from tandem.kernels.cpu_attention import make_attention_backend
+from tandem.kernels.dense_gemv import load_dense_gemv_kernel
 from tandem.kernels.int8_rows import load_int8_rows_kernel
 from tandem.kernels.layer_ops import load_layer_ops
 from tandem.kernels.q4_gemm import load_q4_kernel
@@ -206,10 +207,11 @@ class Worker:
         else:
             load_weights(model, hf_dir)
         small_step = self._small_step_weights()
-        q4_kernel = None
+        q4_kernel = dense_kernel = None
         if small_step is not None:
             q4_kernel = load_q4_kernel(self._kernel_cache_dir()) if small_step.format == "int4" else None
-            added = attach_small_step_weights(model, small_step, q4_kernel)
+            dense_kernel = load_dense_gemv_kernel(self._kernel_cache_dir()) if small_step.format == "float32" else None
+            added = attach_small_step_weights(model, small_step, q4_kernel, dense_kernel)
             if self.rank == 0:
                 logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
                             small_step.format, small_step.max_tokens, added / (1 << 20))
@@ -224,7 +226,7 @@ class Worker:
         if ops is not None:
             attach_layer_ops(model, ops)
         stacked = small_step is not None and attach_decode_stack(model, backend, self._kernel_cache_dir(),
-                                                                  q4_kernel, ops)
+                                                                  q4_kernel, ops, dense_kernel)
         if stacked and self.rank == 0:
             logger.info("decode stack: steps of <= %d decode tokens run every layer in one C call",
                         small_step.max_tokens)
@@ -271,6 +273,9 @@ class Worker:
             return None
         if choice not in DECODE_WEIGHT_FORMATS:
             raise ValueError(f"decode weights must be none or one of {', '.join(DECODE_WEIGHT_FORMATS)}, not {choice!r}")
+        if choice == "float32" and load.dtype != "float32":
+            raise ValueError(f"--decode-weights float32 keeps an fp32 model's own rows; this model runs in {load.dtype} "
+                             "(its compact copies are float16, bfloat16 or int4)")
         # The target's int4 copies only where they lose nothing (the checkpoint's own 4-bit
         # matrices); a draft model's guesses take any (tandem/spec/model_proposers.py).
         return SmallStepWeights(load.decode_weights_max_tokens, choice,

@@ -94,3 +94,16 @@ def test_silu_mul(ops, tokens) -> None:
     ulp = expected.float().abs() * 2**-7
     assert ((got.float() - expected.float()).abs() <= ulp).all()
     assert (got == expected).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_fp32_norm_for_the_decode_stack_is_torchs_to_rounding(ops: LayerOpsKernel, tokens: int) -> None:
+    """The fp32 stack's norm (called from C through its entry) against torch's fused fp32
+    norm: the mean of squares is summed in another order, so a few fp32 ulps apart."""
+    generator = torch.Generator().manual_seed(tokens)
+    rows = torch.randn(tokens, 600, generator=generator) * 3
+    x = rows[:, :576]  # rows 600 apart, as a strided view
+    weight = torch.randn(576, generator=generator)
+    out = torch.empty(tokens, 576)
+    ops.rms_norm_entry(torch.float32)(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), tokens, 576, 1e-5, torch.get_num_threads())
+    torch.testing.assert_close(out, F.rms_norm(x, (576,), weight, 1e-5), rtol=2e-6, atol=2e-6)

@@ -1,10 +1,12 @@
-"""Small bf16 decode steps through every layer in one C call: the same tokens and the same
-log-probabilities, bit for bit, as the layer-by-layer module path, and only where every piece
-has its C kernel."""
+"""Small decode steps through every layer in one C call: in bf16 the same tokens and the same
+log-probabilities, bit for bit, as the layer-by-layer module path; in fp32 the same tokens and
+log-probabilities equal to rounding (the stack's norm sums in another order than torch's);
+and only where every piece has its C kernel."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem import LLM
 from tandem.models.decode_stack import DecodeStack
@@ -27,7 +29,7 @@ def _count_calls(stack: DecodeStack) -> list[int]:
         calls.append(hidden.shape[0])
         return run(layers, step, hidden)
 
-    stack.kernel = type("Counted", (), {"__call__": staticmethod(counted)})()
+    stack.kernel = type("Counted", (), {"__call__": staticmethod(counted), "dtype": run.dtype})()
     return calls
 
 
@@ -56,8 +58,24 @@ def test_steps_larger_than_the_small_step_copies_take_the_module_path() -> None:
     assert calls == [] and all(len(tokens) == 24 for tokens, _ in outputs)
 
 
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-token steps", "two-token steps"])
+def test_the_fp32_stack_gives_the_module_paths_tokens(prompts: list[str]) -> None:
+    with LLM(decode_weights="float32", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        model = llm.engine.runner.model
+        stack = model.decode_stack
+        assert isinstance(stack, DecodeStack) and stack.kernel.dtype == torch.float32
+        calls = _count_calls(stack)
+        stacked = _generate(llm, prompts)
+        assert calls == [len(prompts)] * 23
+        model.decode_stack = None
+        layered = _generate(llm, prompts)
+    assert [tokens for tokens, _ in stacked] == [tokens for tokens, _ in layered]
+    for (_, ours), (_, theirs) in zip(stacked, layered, strict=True):
+        assert ours is not None and abs(ours - theirs) <= 1e-3
+
+
 @pytest.mark.parametrize("kwargs", [
-    {"dtype": "float32", "decode_weights": "int4"},  # the C norm is bf16 only
+    {"dtype": "float32", "decode_weights": "int4"},  # the 4-bit stack runs bf16 rows
     {"dtype": "bfloat16", "decode_weights": "none"},  # no 4-bit copies to read
     {"dtype": "bfloat16", "decode_weights": "bfloat16"},
 ], ids=["fp32", "no copies", "bf16 copies"])

@@ -1,16 +1,19 @@
 /*
- * A small step (one to a few decode tokens, bf16) through every decoder layer in one call.
+ * A small step (one to a few decode tokens, bf16 or fp32) through every decoder layer in one
+ * call.
  *
  * At one token a layer's C kernels (the 4-bit GEMMs, norm, rotary, KV write, decode attention,
  * silu-and-mul) take about 150 us together, and the Python around them (module calls, views,
  * ctypes, output tensors) as much again: measured on the 2-core AVX-512 EPYC, SmolLM2 in
  * bf16 with 4-bit decode weights, 9.3 ms a token of which the kernels are about half. This
  * file only sequences those same kernels, passed in as function pointers from the libraries
- * that already hold them (q4_gemm.c, layer_ops.c, paged_decode_attention.c), in the order the
- * Python layer calls them and with the same arguments: the result is bit-identical to the
- * layer-by-layer path, and no kernel is written twice.
+ * that already hold them (q4_gemm.c or dense_gemv.c, layer_ops.c, paged_decode_attention.c),
+ * in the order the Python layer calls them and with the same arguments: in bf16 the result
+ * is bit-identical to the layer-by-layer path, and no kernel is written twice. fp32 runs the
+ * same sequence on fp32 rows with the fp32 GEMV and the C fp32 norm (the layer path's norm
+ * is torch's, summed in another order).
  *
- * Per layer, for T tokens with hidden size H (all bf16, stored as uint16_t):
+ * Per layer, for T tokens with hidden size H (elements of `element_bytes` each):
  *   normed = rms_norm(hidden)                     input_layernorm
  *   qkv    = normed @ Wqkv.T                      [T, (heads + 2 kv_heads) * head_dim]
  *   rotary(q and k heads of qkv, in place)
@@ -24,14 +27,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef int (*gemm_fn)(const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, const uint16_t *x,
-                       const uint16_t *residual, uint16_t *out, int64_t m_rows, int64_t n, int64_t k,
-                       int num_threads);
-typedef void (*norm_fn)(const uint16_t *x, int64_t x_stride, const uint16_t *weight, uint16_t *out, int64_t rows,
+/* Rows are bf16 (uint16_t) or fp32, as the step's element size says: `void *` here. */
+typedef int (*gemm_fn)(const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, const void *x,
+                       const void *residual, void *out, int64_t m_rows, int64_t n, int64_t k, int num_threads);
+typedef void (*gemv_fn)(const float *w, const float *bias, const float *x, const float *residual, float *out,
+                        int64_t m_rows, int64_t n, int64_t k, int num_threads);
+typedef void (*norm_fn)(const void *x, int64_t x_stride, const void *weight, void *out, int64_t rows,
                         int64_t hidden, float eps, int num_threads);
-typedef void (*rotary_fn)(uint16_t *x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_dim,
-                          const uint16_t *cos, const uint16_t *sin, int num_threads);
-typedef void (*silu_mul_fn)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads);
+typedef void (*rotary_fn)(void *x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_dim,
+                          const void *cos, const void *sin, int num_threads);
+typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t inter, int num_threads);
 typedef void (*write_kv_fn)(const char *key, const char *value, char *kv_cache, const int64_t *slots,
                             int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
                             int64_t head_dim, int64_t num_slots, int64_t element_bytes, int num_threads);
@@ -41,9 +46,10 @@ typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void
                          int64_t num_blocks, int64_t table_stride, int64_t heads_per_item, float scale,
                          int num_threads);
 
-/* The kernels, from the libraries that hold them. */
+/* The kernels, from the libraries that hold them, for the step's element type. */
 struct Kernels {
-    gemm_fn gemm4, gemm8; /* tandem_q4_gemm_bf16, tandem_q8_gemm_bf16 */
+    gemm_fn gemm4, gemm8; /* tandem_q4_gemm_bf16, tandem_q8_gemm_bf16 (bf16 rows) */
+    gemv_fn gemv32;       /* tandem_f32_gemv (fp32 rows) */
     norm_fn rms_norm;
     rotary_fn rotary;
     silu_mul_fn silu_mul;
@@ -51,15 +57,16 @@ struct Kernels {
     attend_fn attend;
 };
 
-/* A matrix in q4_gemm.c's layout: [n, k], 4 or 8 bits a level. */
+/* A matrix in q4_gemm.c's layout, [n, k] at 4 or 8 bits a level, or (bits 32) plain fp32
+ * rows for dense_gemv.c. */
 struct Matrix {
-    const uint8_t *levels;
+    const uint8_t *levels; /* bits 32: the fp32 [n, k] rows */
     const uint16_t *scales, *mins;
     int64_t n, k, bits;
 };
 
 struct Layer {
-    const uint16_t *input_norm, *post_norm; /* [hidden] */
+    const void *input_norm, *post_norm; /* [hidden], in the rows' dtype */
     struct Matrix qkv, o, gate_up, down;
     char *kv_cache; /* [2, kv_heads, num_blocks, block_size, head_dim] */
 };
@@ -68,44 +75,52 @@ struct Layer {
 struct Step {
     int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate;
     int64_t block_size, num_blocks, table_stride;
+    int64_t element_bytes; /* 2: bf16 rows, weights of norms, tables and cache; 4: fp32 */
     float eps, scale;
-    const uint16_t *cos, *sin;                               /* [tokens, head_dim / 2] */
+    const void *cos, *sin;                                   /* [tokens, head_dim / 2] */
     const int64_t *slots, *block_tables, *context_lens;      /* one decode token a sequence */
     int num_threads;
 };
 
-static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, const uint16_t *x,
-                const uint16_t *residual, uint16_t *out, int64_t rows, int num_threads) {
+static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, const void *x, const void *residual,
+                void *out, int64_t rows, int num_threads) {
+    if (matrix->bits == 32) {
+        kernels->gemv32((const float *)matrix->levels, NULL, x, residual, out, rows, matrix->n, matrix->k,
+                        num_threads);
+        return 0;
+    }
     const gemm_fn entry = matrix->bits == 4 ? kernels->gemm4 : kernels->gemm8;
     return entry(matrix->levels, matrix->scales, matrix->mins, x, residual, out, rows, matrix->n, matrix->k,
                  num_threads);
 }
 
-/* hidden [tokens, hidden] bf16, updated in place through every layer. Returns 0, or the
- * first kernel's nonzero status (scratch memory ran out), or -1 for its own. */
+/* hidden [tokens, hidden] (bf16 or fp32), updated in place through every layer. Returns 0, or
+ * the first kernel's nonzero status (scratch memory ran out), or -1 for its own. */
 int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layers, int64_t num_layers,
-                        const struct Step *step, uint16_t *hidden) {
+                        const struct Step *step, void *hidden) {
     const int64_t t = step->tokens, width = (step->heads + 2 * step->kv_heads) * step->head_dim;
     const int64_t q_width = step->heads * step->head_dim, kv_width = step->kv_heads * step->head_dim;
     const int threads = step->num_threads;
     /* as the Python backend picks it: few sequences, one work item per query head */
     const int64_t group = step->heads / step->kv_heads;
     const int64_t heads_per_item = t * step->kv_heads < 2 * threads ? 1 : group;
-    uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(t * step->hidden));
-    uint16_t *qkv = malloc(sizeof(uint16_t) * (size_t)(t * width));
-    uint16_t *attn = malloc(sizeof(uint16_t) * (size_t)(t * q_width));
-    uint16_t *gate_up = malloc(sizeof(uint16_t) * (size_t)(t * 2 * step->intermediate));
-    uint16_t *act = malloc(sizeof(uint16_t) * (size_t)(t * step->intermediate));
+    const size_t bytes = (size_t)step->element_bytes;
+    const int bf16 = step->element_bytes == 2;
+    char *normed = malloc(bytes * (size_t)(t * step->hidden));
+    char *qkv = malloc(bytes * (size_t)(t * width));
+    char *attn = malloc(bytes * (size_t)(t * q_width));
+    char *gate_up = malloc(bytes * (size_t)(t * 2 * step->intermediate));
+    char *act = malloc(bytes * (size_t)(t * step->intermediate));
     int status = normed && qkv && attn && gate_up && act ? 0 : -1;
     for (int64_t i = 0; i < num_layers && status == 0; i++) {
         const struct Layer *layer = layers + i;
         kernels->rms_norm(hidden, step->hidden, layer->input_norm, normed, t, step->hidden, step->eps, threads);
         if ((status = gemm(kernels, &layer->qkv, normed, NULL, qkv, t, threads)) != 0) break;
         kernels->rotary(qkv, t, step->heads + step->kv_heads, width, step->head_dim, step->cos, step->sin, threads);
-        const uint16_t *key = qkv + q_width, *value = qkv + q_width + kv_width;
-        kernels->write_kv((const char *)key, (const char *)value, layer->kv_cache, step->slots, t, width, width,
-                          step->kv_heads, step->head_dim, step->num_blocks * step->block_size, 2, threads);
-        if ((status = kernels->attend(qkv, 1, width, layer->kv_cache, 1, step->block_tables, step->context_lens,
+        const char *key = qkv + bytes * (size_t)q_width, *value = key + bytes * (size_t)kv_width;
+        kernels->write_kv(key, value, layer->kv_cache, step->slots, t, width, width, step->kv_heads, step->head_dim,
+                          step->num_blocks * step->block_size, step->element_bytes, threads);
+        if ((status = kernels->attend(qkv, bf16, width, layer->kv_cache, bf16, step->block_tables, step->context_lens,
                                       attn, t, step->heads, step->kv_heads, step->head_dim, step->block_size,
                                       step->num_blocks, step->table_stride, heads_per_item, step->scale,
                                       threads)) != 0)

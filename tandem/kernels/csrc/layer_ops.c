@@ -63,6 +63,27 @@ void tandem_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w
     }
 }
 
+static inline void norm_row_f32(const float *row, const float *weight, float *dst, int64_t hidden, float eps) {
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < hidden; i++) total += row[i] * row[i];
+    const float inverse = 1.0f / sqrtf(total / (float)hidden + eps);
+    for (int64_t i = 0; i < hidden; i++) dst[i] = weight[i] * (row[i] * inverse);
+}
+
+/* The same formula on fp32 rows, for the fp32 decode stack (csrc/decode_stack.c). The layer
+ * path's fp32 norm is torch's fused kernel, whose mean is summed in another order: the two
+ * can differ in the last place. */
+void tandem_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t rows,
+                         int64_t hidden, float eps, int num_threads) {
+    if (PARALLEL_ROWS(rows, num_threads)) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t r = 0; r < rows; r++) norm_row_f32(x + r * x_stride, weight, out + r * hidden, hidden, eps);
+    } else {
+        for (int64_t r = 0; r < rows; r++) norm_row_f32(x + r * x_stride, weight, out + r * hidden, hidden, eps);
+    }
+}
+
 /* One token's heads; fp32: x1*c - x2*s, x2*c + x1*s with every product and sum rounded as
  * torch rounds it. */
 static inline void rotary_token_f32(float *x, int64_t heads, int64_t head_dim, const float *c, const float *s) {

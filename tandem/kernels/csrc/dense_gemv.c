@@ -1,0 +1,136 @@
+/*
+ * fp32 weights times a few activation rows (decode steps), for CPUs.
+ *
+ * A step of one or two tokens reads every weight once and does two FLOPs with it: its time
+ * is the bytes read. oneDNN's packed fp32 GEMM, which tandem uses for every other step,
+ * streams the default model's small per-layer matrices at about 19 GB/s with one row on
+ * the 2-core AVX-512 EPYC, where the box reads memory at about 44 GB/s: its one-row path
+ * is not built for a GEMV, and every call pays its setup. This kernel reads the plain
+ * row-major [N, K] matrix once, in order, and keeps each (output row, activation row) dot
+ * product in registers: fp32 products summed in fp32, like any GEMM, in its own order.
+ *
+ * Each output row is walked alone, start to end (the memory stream stays sequential), with
+ * UNROLL independent accumulators per activation row so the FMAs do not wait on each other;
+ * the threads split the output rows.
+ *
+ *   out [M, N] = x [M, K] @ W.T (+ bias [N]) (+ residual [M, N])
+ *
+ * bias and residual may be NULL (fp32 sums, in whichever order -ffast-math picks).
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_ROWS 4 /* activation rows sharing one pass over the weights */
+
+#if defined(__AVX512F__)
+#define WIDTH 16
+#define UNROLL 4
+typedef __m512 vec;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VSUM(a) _mm512_reduce_add_ps(a)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define WIDTH 8
+#define UNROLL 4
+typedef __m256 vec;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+static inline float VSUM(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* dots[m] = W[row] . x[m] for `rows` activation rows (a compile-time literal where called). */
+static inline __attribute__((always_inline)) void row_dots(const float *w, const float *x, int64_t k, int rows,
+                                                           float *dots) {
+    int64_t i = 0;
+#if defined(WIDTH)
+    vec acc[MAX_ROWS][UNROLL];
+    for (int m = 0; m < rows; m++)
+        for (int u = 0; u < UNROLL; u++) acc[m][u] = VZERO();
+    for (; i + WIDTH * UNROLL <= k; i += WIDTH * UNROLL) {
+#pragma GCC unroll 4
+        for (int u = 0; u < UNROLL; u++) {
+            const vec wv = VLOAD(w + i + u * WIDTH);
+            for (int m = 0; m < rows; m++) acc[m][u] = VFMA(wv, VLOAD(x + m * k + i + u * WIDTH), acc[m][u]);
+        }
+    }
+    for (; i + WIDTH <= k; i += WIDTH) {
+        const vec wv = VLOAD(w + i);
+        for (int m = 0; m < rows; m++) acc[m][0] = VFMA(wv, VLOAD(x + m * k + i), acc[m][0]);
+    }
+    for (int m = 0; m < rows; m++) dots[m] = VSUM(VADD(VADD(acc[m][0], acc[m][1]), VADD(acc[m][2], acc[m][3])));
+#else
+    for (int m = 0; m < rows; m++) dots[m] = 0.0f;
+#endif
+    for (; i < k; i++)
+        for (int m = 0; m < rows; m++) dots[m] += w[i] * x[m * k + i];
+}
+
+/* Rows [first, last) of W against `rows` activation rows starting at x. */
+static void rows_block(const float *w, const float *bias, const float *x, const float *residual, float *out,
+                       int64_t rows, int64_t n, int64_t k, int64_t first, int64_t last) {
+    float dots[MAX_ROWS];
+    for (int64_t row = first; row < last; row++) {
+        const float *wr = w + row * k;
+        switch (rows) { /* literal row counts: the accumulators stay in registers */
+        case 1: row_dots(wr, x, k, 1, dots); break;
+        case 2: row_dots(wr, x, k, 2, dots); break;
+        case 3: row_dots(wr, x, k, 3, dots); break;
+        default: row_dots(wr, x, k, 4, dots); break;
+        }
+        for (int64_t m = 0; m < rows; m++) {
+            float value = dots[m];
+            if (bias != NULL) value += bias[row];
+            if (residual != NULL) value = residual[m * n + row] + value;
+            out[m * n + row] = value;
+        }
+    }
+}
+
+/* out [m_rows, n] = x [m_rows, k] @ W.T (+ bias) (+ residual), W [n, k] row-major fp32.
+ * out must not alias x; it may alias residual (each element is read before it is written). */
+void tandem_f32_gemv(const float *w, const float *bias, const float *x, const float *residual, float *out,
+                     int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+#if defined(_OPENMP)
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+        const int64_t threads = 1, me = 0;
+#endif
+        const int64_t share = (n + threads - 1) / threads;
+        const int64_t first = me * share, last = first + share < n ? first + share : n;
+        for (int64_t m = 0; m < m_rows && first < last; m += MAX_ROWS) {
+            const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
+            rows_block(w, bias, x + m * k, residual == NULL ? NULL : residual + m * n, out + m * n, rows, n, k,
+                       first, last);
+        }
+    }
+}
+
+/* which vector width this build uses, for the log */
+const char *tandem_f32_gemv_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "portable C";
+#endif
+}

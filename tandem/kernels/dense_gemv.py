@@ -1,0 +1,92 @@
+"""fp32 weights times a few activation rows, streamed in their plain layout (csrc/dense_gemv.c).
+
+A one-token fp32 step is bound by the weight bytes it reads. oneDNN's packed GEMM, which
+every other fp32 step uses, reads the default model's per-layer matrices at 16-25 GB/s with
+one row on the 2-core AVX-512 EPYC; this kernel walks each row of the plain [N, K] matrix
+start to end with independent accumulators and reaches 27-38 GB/s on the same matrices
+(ad-hoc, 2 threads, the box drifting between runs). Same fp32 products and sums, in another
+order: `--decode-weights float32` is exact fp32 arithmetic, like oneDNN's.
+
+Compiled on first use like the other C kernels (c_library.py); without a compiler the
+caller keeps oneDNN's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "dense_gemv.c"
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class DenseGemvKernel:
+    """The loaded C function."""
+
+    def __init__(self, library: Path) -> None:
+        functions = bind(library, {
+            "tandem_f32_gemv": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]),
+            "tandem_f32_gemv_isa": (ctypes.c_char_p, []),
+        })
+        self._gemv = functions["tandem_f32_gemv"]
+        self.isa: str = functions["tandem_f32_gemv_isa"]().decode()
+
+    @classmethod
+    def build(cls, cache_dir: Path) -> DenseGemvKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE))
+
+    def gemv_entry(self) -> object:
+        """The C function (for callers in C)."""
+        return self._gemv
+
+    def gemv(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] fp32 @ weight [N, K].T (+ bias [N]) (+ residual [M, N]) -> [M, N] fp32;
+        every tensor fp32 and contiguous."""
+        rows = x.shape[0]
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        self._gemv(weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+                   None if residual is None else residual.data_ptr(), out.data_ptr(), rows, weight.shape[0],
+                   weight.shape[1], torch.get_num_threads())
+        return out
+
+
+def load_dense_gemv_kernel(cache_dir: Path) -> DenseGemvKernel | None:
+    """The kernel, or None (and a warning saying why) where it cannot be built here."""
+    try:
+        kernel = DenseGemvKernel.build(cache_dir)
+    except KernelBuildError as error:
+        logger.warning("fp32 GEMV kernel unavailable (%s); small steps keep oneDNN's packed weights", error)
+        return None
+    logger.info("fp32 GEMV kernel: %s", kernel.isa)
+    return kernel
+
+
+@dataclass
+class DenseRows:
+    """An fp32 [N, K] matrix kept in its plain row-major layout for the GEMV kernel: the same
+    tensor the checkpoint filled, not a copy, held beside oneDNN's packed one."""
+
+    weight: torch.Tensor  # fp32 [N, K], contiguous
+    bias: torch.Tensor | None  # fp32 [N]
+    kernel: DenseGemvKernel
+
+    def matmul(self, x: torch.Tensor, with_bias: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] fp32 @ W.T (+ bias) (+ residual, x's leading shape by N)."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        extra = None if residual is None else residual.reshape(rows.shape[0], -1).contiguous()
+        out = self.kernel.gemv(self.weight, rows, self.bias if with_bias else None, extra)
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
