@@ -140,7 +140,8 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
     """The best this machine could do on each workload, from the model's shape and two rates
     measured now: a `dtype` matmul on every core, and a memory copy.
 
-    prefill-heavy (prompt tok/s): every prompt token costs 2 x active parameters of FLOPs.
+    prefill-heavy (prompt tok/s): every prompt token costs 2 x active parameters of FLOPs,
+    less the LM head's share (a prompt's logits are taken at its last token only).
     decode-heavy (output tok/s): a step of B sequences reads the weights once (at these batch
     sizes every expert is chosen by some token) and does B x 2 x active FLOPs; whichever takes
     longer bounds the step. Attention's FLOPs and KV reads are left out (short contexts here),
@@ -157,7 +158,8 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
     from tandem.plan.sharding import DTYPE_BYTES
     from tandem.plan.tensors import count_params
 
-    params = count_params(read_shape(json.loads((Path(hf_dir) / "config.json").read_text())))
+    shape = read_shape(json.loads((Path(hf_dir) / "config.json").read_text()))
+    params = count_params(shape)
     flops = matmul_flops_per_s(dtype, 2048, 2048, 2048)
     # single-stream: read bandwidth / the dtype's weight bytes (a 4-bit mode reads fewer, so
     # it can pass this ceiling)
@@ -165,6 +167,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
     read = memory_read_bytes_per_s(256 << 20)
     weight_bytes = params.total * DTYPE_BYTES[dtype]
     per_token = 2 * params.active
+    per_prompt_token = per_token - 2 * shape.vocab_size * shape.hidden_size
     ceilings: dict[str, Any] = {"matmul_flops_per_s": flops, "memory_bytes_per_s": bandwidth,
                                 "memory_read_bytes_per_s": read,
                                 "weight_bytes": weight_bytes, "flops_per_token": per_token}
@@ -172,7 +175,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
         if name == "single-stream":  # one token a step: the weights read once a token
             ceilings[name] = ("decode_tok_s", read / weight_bytes)
         elif name == "prefill-heavy":
-            ceilings[name] = ("prompt_tok_s", flops / per_token)
+            ceilings[name] = ("prompt_tok_s", flops / per_prompt_token)
         elif name == "decode-heavy":
             batch = len(workload.prompts)
             step = max(weight_bytes / bandwidth, batch * per_token / flops)

@@ -41,3 +41,29 @@ def test_the_breakdown_is_a_partition_of_the_mean_step() -> None:
     assert mean["all-to-all"] == pytest.approx(100 * 10 / 110)
     results = {"decode-heavy": {"tandem@ep2": {"ok": True, "profile": [rank0, rank1]}}}
     assert "decode-heavy" in format_breakdown_table(results, ["tandem@ep2"])
+
+
+def test_prefill_ceiling_leaves_out_the_lm_head(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's logits are taken at its last token only: its other tokens cost the decoder
+    layers' FLOPs, while a decode step also pays for the LM head."""
+    import json
+
+    from tandem.bench import machine
+    from tandem.bench.offline_layouts import machine_ceilings
+    from tandem.bench.offline_workloads import Workload
+
+    # Llama-3.1-8B's shape: 8.03B parameters, of which the LM head is 128256 x 4096 = 0.525B
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(machine, "matmul_flops_per_s", lambda *args: 1e12)
+    monkeypatch.setattr(machine, "memory_copy_bytes_per_s", lambda *args: 1e11)
+    monkeypatch.setattr(machine, "memory_read_bytes_per_s", lambda *args: 2e11)
+    workloads = {name: Workload(name, "batch", [[1] * 8] * 4, [1] * 4)
+                 for name in ("prefill-heavy", "decode-heavy")}
+    ceilings = machine_ceilings(tmp_path, "bfloat16", workloads)
+    head = 128256 * 4096
+    assert ceilings["flops_per_token"] == pytest.approx(2 * 8.03e9, rel=0.01)
+    assert ceilings["prefill-heavy"] == ("prompt_tok_s", pytest.approx(1e12 / (ceilings["flops_per_token"] - 2 * head)))
+    assert ceilings["prefill-heavy"][1] == pytest.approx(1e12 / (2 * 7.50e9), rel=0.01)

@@ -138,28 +138,30 @@ typedef struct {
 
 /* S[j] += Q^T . K[j] for 16 keys, fp32 arithmetic on widened or fp32 keys; eight keys at a
  * time, so eight independent accumulations hide the FMA latency. */
-static inline void scores_fma(const Problem *p, const v16 *qt, const char *k_group, v16 *s) {
+static inline __attribute__((always_inline)) void scores_fma(const Problem *p, const v16 *qt, const char *k_group,
+                                                             v16 *s, const int kind) {
     for (int j0 = 0; j0 < LANES; j0 += 8) {
         v16 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = splat(0.0f);
         for (int64_t d = 0; d < p->dim; d++) {
             const v16 q = qt[d];
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) acc[j] += q * load_kv(k_group, (int64_t)(j0 + j) * p->dim + d, p->kind);
+            for (int j = 0; j < 8; j++) acc[j] += q * load_kv(k_group, (int64_t)(j0 + j) * p->dim + d, kind);
         }
         for (int j = 0; j < 8; j++) s[j0 + j] = acc[j];
     }
 }
 
 /* O^T[d] += sum_j P[j] * V[j][d] for 16 keys, V in rows. */
-static inline void values_fma(const Problem *p, const v16 *probs, const char *v_group, v16 *ot) {
+static inline __attribute__((always_inline)) void values_fma(const Problem *p, const v16 *probs, const char *v_group,
+                                                             v16 *ot, const int kind) {
     for (int64_t d0 = 0; d0 < p->dim; d0 += LANES) {
         v16 acc[LANES];
         for (int i = 0; i < LANES; i++) acc[i] = ot[d0 + i];
         for (int j = 0; j < LANES; j++) {
             const int64_t base = (int64_t)j * p->dim + d0;
 #pragma GCC unroll 16
-            for (int i = 0; i < LANES; i++) acc[i] += probs[j] * load_kv(v_group, base + i, p->kind);
+            for (int i = 0; i < LANES; i++) acc[i] += probs[j] * load_kv(v_group, base + i, kind);
         }
         for (int i = 0; i < LANES; i++) ot[d0 + i] = acc[i];
     }
@@ -249,7 +251,10 @@ static void attend_tile(const Problem *p, int64_t head, int64_t t0, int64_t rows
             scores_bf16(p, qt_pairs, k_group, s);
         else
 #endif
-            scores_fma(p, qt, k_group, s);
+            if (p->kind == 0) /* a literal kind: the element loads are compiled without a branch */
+                scores_fma(p, qt, k_group, s, 0);
+            else
+                scores_fma(p, qt, k_group, s, 1);
         const int64_t key0 = g * LANES;
         const int masked = key0 + LANES - 1 > first;
         v16 block_top = splat(-1e30f);
@@ -282,7 +287,10 @@ static void attend_tile(const Problem *p, int64_t head, int64_t t0, int64_t rows
             values_bf16(p, s, v_group, ot);
         else
 #endif
-            values_fma(p, s, v_group, ot);
+            if (p->kind == 0)
+                values_fma(p, s, v_group, ot, 0);
+            else
+                values_fma(p, s, v_group, ot, 1);
     }
     const v16 inverse = 1.0f / total;
     for (int r = 0; r < rows; r++) {
