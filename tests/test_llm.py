@@ -11,6 +11,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.kernels.q4_gemm import Q8Matrix
 from tandem.loader.resolve import _smollm2_gguf
+from tandem.worker.worker import model_bytes
 
 PROMPTS = [
     "The capital of France is",
@@ -286,6 +287,15 @@ def test_float32_decode_weights_match_transformers(reference: torch.nn.Module) -
         # the tied head reads the embedding's own tensor: nothing held twice
         assert model.lm_head.small_dense.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         assert model.decode_stack is not None
+        # the memory report counts the rows held beside the packed weights, the tied head's once
+        held = [m for m in model.modules() if getattr(m, "small_dense", None) is not None]
+        with_rows = model_bytes(model)
+        kept = {m: m.small_dense for m in held}
+        for m in held:
+            m.small_dense = None
+        assert with_rows - model_bytes(model) == sum(d.nbytes for m, d in kept.items() if not getattr(m, "tied", False))
+        for m, rows in kept.items():
+            m.small_dense = rows
         calls = 0
         gemv = model.lm_head.small_dense.kernel.gemv
 

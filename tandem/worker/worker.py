@@ -213,8 +213,10 @@ class Worker:
             dense_kernel = load_dense_gemv_kernel(self._kernel_cache_dir()) if small_step.format == "float32" else None
             added = attach_small_step_weights(model, small_step, q4_kernel, dense_kernel)
             if self.rank == 0:
-                logger.info("%s small-step weight copy for steps of <= %d tokens (+%.0f MiB)",
-                            small_step.format, small_step.max_tokens, added / (1 << 20))
+                what = ("plain fp32 rows kept beside the packed weights, read by the fp32 GEMV"
+                        if small_step.format == "float32" else "small-step weight copy")
+                logger.info("%s %s for steps of <= %d tokens (+%.0f MiB)", small_step.format, what,
+                            small_step.max_tokens, added / (1 << 20))
         if load.quantization == "int8":
             quantized = quantize_int8(model, load_int8_rows_kernel(self._kernel_cache_dir()))
             if self.rank == 0:
@@ -379,10 +381,13 @@ def model_bytes(model: torch.nn.Module) -> int:
     total = 0
     tensors: list[torch.Tensor] = list(model.parameters())
     for module in model.modules():
-        for name in ("packed_weight", "small_weight", "small_bias"):
+        for name in ("packed_weight", "small_weight", "small_bias", "small_packed"):
             extra = getattr(module, name, None)
             if isinstance(extra, torch.Tensor):
                 tensors.append(extra)
+        dense = getattr(module, "small_dense", None)  # --decode-weights float32: the plain rows kept
+        if dense is not None:
+            tensors.append(dense.weight)
         for compact in (getattr(module, "small_quantized", None), getattr(module, "int8", None)):
             if compact is not None:
                 total += compact.nbytes

@@ -64,3 +64,14 @@ def test_an_unknown_quantization_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     with pytest.raises(ValueError, match="--quantization must be none or int8"):
         LLM(str(tmp_path), load_format="dummy", kv_cache_memory="8MiB", quantization="int4")
+
+
+def test_mode_subsets_always_start_from_exact_fp32() -> None:
+    from tandem.bench.perplexity_cli import MODES, _chosen_modes
+
+    assert _chosen_modes(None) == list(MODES.values())
+    assert [label for label, _ in _chosen_modes("fp32+fp32, bf16")] == [
+        "fp32 (exact)", "fp32 + fp32 decode weights", "bf16"]
+    assert _chosen_modes("fp32") == [MODES["fp32"]]
+    with pytest.raises(SystemExit, match="unknown mode fp8"):
+        _chosen_modes("fp8")
