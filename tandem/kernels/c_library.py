@@ -17,8 +17,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -29,6 +30,9 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-o
 
 class KernelBuildError(RuntimeError):
     """The C kernel could not be compiled or loaded; the message says what was tried."""
+
+
+Kernel = TypeVar("Kernel")
 
 
 def _compiler() -> str | None:
@@ -100,3 +104,13 @@ def bind(library: Path, signatures: dict[str, tuple[Any, list[Any]]]) -> dict[st
         functions[name].restype = restype
         functions[name].argtypes = argtypes
     return functions
+
+
+def build_or_none(build: Callable[[Path], Kernel], cache_dir: Path, what: str, fallback: str) -> Kernel | None:
+    """`build(cache_dir)`, or None where the kernel cannot be built here, with a warning naming
+    `what` is unavailable, why, and the `fallback` the caller takes instead."""
+    try:
+        return build(cache_dir)
+    except KernelBuildError as error:
+        logger.warning("%s unavailable (%s); %s", what, error, fallback)
+        return None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
+from tandem.kernels.c_library import bind, build_kernel_library, build_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,10 @@ class DenseGemvKernel:
 
 def load_dense_gemv_kernel(cache_dir: Path) -> DenseGemvKernel | None:
     """The kernel, or None (and a warning saying why) where it cannot be built here."""
-    try:
-        kernel = DenseGemvKernel.build(cache_dir)
-    except KernelBuildError as error:
-        logger.warning("fp32 GEMV kernel unavailable (%s); small steps keep oneDNN's packed weights", error)
-        return None
-    logger.info("fp32 GEMV kernel: %s", kernel.isa)
+    kernel = build_or_none(DenseGemvKernel.build, cache_dir, "fp32 GEMV kernel",
+                           "small steps keep oneDNN's packed weights")
+    if kernel is not None:
+        logger.info("fp32 GEMV kernel: %s", kernel.isa)
     return kernel
 
 

@@ -10,15 +10,12 @@ torch ops.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
-
-logger = logging.getLogger(__name__)
+from tandem.kernels.c_library import bind, build_kernel_library, build_or_none
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_rows.c"
 _I64 = ctypes.c_int64
@@ -101,8 +98,5 @@ class QuantizedRows(NamedTuple):
 
 def load_int8_rows_kernel(cache_dir: Path) -> Int8RowsKernel | None:
     """The kernel, or None (and a warning saying why) where it cannot be built here."""
-    try:
-        return Int8RowsKernel.build(cache_dir)
-    except KernelBuildError as error:
-        logger.warning("int8 row kernels unavailable (%s); --quantization int8 uses torch ops around the GEMM", error)
-        return None
+    return build_or_none(Int8RowsKernel.build, cache_dir, "int8 row kernels",
+                         "--quantization int8 uses torch ops around the GEMM")

@@ -14,14 +14,11 @@ layers run their torch ops.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
-from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
-
-logger = logging.getLogger(__name__)
+from tandem.kernels.c_library import bind, build_kernel_library, build_or_none
 
 SOURCE = Path(__file__).parent / "csrc" / "layer_ops.c"
 _I64 = ctypes.c_int64
@@ -105,8 +102,4 @@ class LayerOpsKernel:
 
 def load_layer_ops(cache_dir: Path) -> LayerOpsKernel | None:
     """The kernel, or None (and a warning saying why) where it cannot be built here."""
-    try:
-        return LayerOpsKernel.build(cache_dir)
-    except KernelBuildError as error:
-        logger.warning("layer op kernels unavailable (%s); norms and rotary run as torch ops", error)
-        return None
+    return build_or_none(LayerOpsKernel.build, cache_dir, "layer op kernels", "norms and rotary run as torch ops")

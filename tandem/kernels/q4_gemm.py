@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
+from tandem.kernels.c_library import bind, build_kernel_library, build_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,9 @@ class Q4Kernel:
 
 def load_q4_kernel(cache_dir: Path) -> Q4Kernel | None:
     """The kernel, or None (and a warning saying why) where it cannot be built here."""
-    try:
-        kernel = Q4Kernel.build(cache_dir)
-    except KernelBuildError as error:
-        logger.warning("4-bit GEMM kernel unavailable (%s); int4 weights use PyTorch's kernel", error)
-        return None
-    logger.info("4-bit GEMM kernel: %s", kernel.isa)
+    kernel = build_or_none(Q4Kernel.build, cache_dir, "4-bit GEMM kernel", "int4 weights use PyTorch's kernel")
+    if kernel is not None:
+        logger.info("4-bit GEMM kernel: %s", kernel.isa)
     return kernel
 
 

@@ -33,3 +33,16 @@ def test_a_failed_compile_says_what_ran_and_leaves_nothing(tmp_path: Path) -> No
     with pytest.raises(KernelBuildError, match="broken.c"):
         build_kernel_library(tmp_path / "cache", broken)
     assert list((tmp_path / "cache" / "kernels").iterdir()) == []
+
+
+def test_a_kernel_that_cannot_build_is_none_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from tandem.kernels.c_library import build_or_none
+
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C;\n")
+    with caplog.at_level("WARNING"):
+        got = build_or_none(lambda cache: build_kernel_library(cache, broken), tmp_path, "the test kernel",
+                            "the caller keeps torch")
+    assert got is None
+    assert "the test kernel unavailable" in caplog.text and "broken.c" in caplog.text
+    assert "the caller keeps torch" in caplog.text
