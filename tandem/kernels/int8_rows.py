@@ -38,11 +38,13 @@ class Int8RowsKernel:
                                          _INT, _INT]),
             "tandem_int8_max_cols": (_INT, []),
             "tandem_int8_max_outliers": (_INT, []),
+            "tandem_int8_rows_isa": (ctypes.c_char_p, []),
         })
         self._quantize = functions["tandem_quantize_rows"]
         self._dequantize = functions["tandem_dequantize"]
         self.max_cols: int = functions["tandem_int8_max_cols"]()
         self.max_outliers: int = functions["tandem_int8_max_outliers"]()
+        self.isa: str = functions["tandem_int8_rows_isa"]().decode()  # "avx512" or "portable C"
 
     @classmethod
     def build(cls, cache_dir: Path) -> Int8RowsKernel:

@@ -82,8 +82,12 @@ class LMHead(LinearWeights, nn.Module):
         self.weight.data.copy_(mine)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in fp32 whatever the run dtype, so sampling and logprobs are stable."""
-        logits = self.linear(hidden).float()
+        """Logits in fp32 whatever the run dtype, so sampling and logprobs are stable (an 8-bit
+        head writes them in fp32 straight from its integer products)."""
+        if self.int8 is not None and hidden.dim() == 2 and not self.uses_small_step(hidden):
+            logits = self.int8.matmul(hidden, dtype=torch.float32)
+        else:
+            logits = self.linear(hidden).float()
         if not self.shard.tp.split:
             return logits
         return self.shard.tp.all_gather_last(logits)[..., : self.shard.vocab_size]

@@ -93,18 +93,20 @@ class Int8Weight:
         return self.values.float() * self.scales.unsqueeze(1)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, in] (any float dtype) -> x @ W.T (+ bias) (+ residual), [M, out] in x's dtype."""
+               residual: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, in] (any float dtype) -> x @ W.T (+ bias) (+ residual), [M, out] in `dtype`
+        (default x's: the LM head asks for fp32 logits straight from the integer products)."""
+        dtype = dtype or x.dtype
         kernel = self.kernel
-        if kernel is not None and kernel.takes(x, self.values.shape[0]):
+        if kernel is not None and kernel.takes(x, self.values.shape[0]) and dtype in (torch.float32, x.dtype):
             rows = kernel.quantize_rows(x, self.outliers)
             products = torch._int_mm(rows.values, self.values.t())
-            return kernel.dequantize(products, rows, self.scales, self.values_t, x.dtype, bias, residual)
+            return kernel.dequantize(products, rows, self.scales, self.values_t, dtype, bias, residual)
         rows = quantize_rows_with_outliers(x, self.outliers)
         out = torch._int_mm(rows.values, self.values.t()).float() * rows.scales
         if self.outliers:
             columns = self.values_t[rows.outlier_index.long()].float()  # [M, outliers, out]
             out = out + torch.einsum("mj,mjn->mn", rows.outlier_value, columns)
-        out = (out * self.scales).to(x.dtype)
+        out = (out * self.scales).to(dtype)
         out = out if bias is None else out + bias
         return out if residual is None else residual + out

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
-from tandem.kernels.int8_rows import Int8RowsKernel, QuantizedRows
+from tandem.kernels.int8_rows import SOURCE, Int8RowsKernel, QuantizedRows
 from tandem.layers.int8 import quantize_rows, quantize_rows_with_outliers
 
 
@@ -112,3 +117,41 @@ def test_dequantize_adds_the_outliers_through_the_transposed_weight(kernel) -> N
     torch.testing.assert_close(got, (products.float() * row_scales + extra) * col_scales, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="transposed weight"):
         kernel.dequantize(products, rows, col_scales, None, torch.float32, None, None)
+
+
+def test_the_isa_is_named(kernel) -> None:
+    assert kernel.isa in ("avx512", "portable C")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_the_plain_c_path_computes_what_this_cpus_path_does(kernel, tmp_path: Path) -> None:
+    """Machines differ (AVX2-only EPYCs, AVX-512 Xeons): the plain loops, built for an older
+    target, against this build, on rows with tails, outliers, a zero row and a tie."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / "int8-rows-x86-64.so"
+    subprocess.run([compiler, "-O3", "-march=x86-64", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared",
+                    "-fPIC", "-std=c11", str(SOURCE), "-o", str(library), "-lm"], check=True, capture_output=True)
+    plain = Int8RowsKernel(library)
+    assert plain.isa == "portable C"
+    generator = torch.Generator().manual_seed(21)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(9, 200, generator=generator) * 3).to(dtype)  # 200: a 8-wide tail past 12 chunks
+        x[1] = 0.0
+        x[2, 5] = x[2, 150] = 40.0  # a tie between outliers: the lower column first
+        x[3, 199] = -90.0  # an outlier in the tail
+        got, want = kernel.quantize_rows(x, 4), plain.quantize_rows(x, 4)
+        assert torch.equal(got.values, want.values) and torch.equal(got.scales, want.scales)
+        assert torch.equal(got.outlier_value, want.outlier_value)
+        assert torch.equal(got.outlier_index[[0, 2, 3]], want.outlier_index[[0, 2, 3]])  # row 1: any zero
+        assert got.outlier_index[2, :2].tolist() == [5, 150] and int(got.outlier_index[3, 0]) == 199
+        weight_t = torch.randint(-127, 128, (200, 72), generator=generator, dtype=torch.int8)
+        products = torch.randint(-9000, 9000, (9, 72), generator=generator, dtype=torch.int32)
+        col_scales = torch.rand(72, generator=generator) / 50
+        bias, residual = torch.randn(72, generator=generator).to(dtype), torch.randn(9, 72, generator=generator).to(dtype)
+        for out_dtype in {dtype, torch.float32}:
+            torch.testing.assert_close(
+                kernel.dequantize(products, got, col_scales, weight_t, out_dtype, bias, residual),
+                plain.dequantize(products, got, col_scales, weight_t, out_dtype, bias, residual),
+                rtol=1e-5, atol=1e-5)

@@ -104,3 +104,27 @@ def test_large_steps_read_int8_small_steps_their_copy(kernel) -> None:
                                rtol=1e-3, atol=1e-3)
     residual = torch.randn(8, 32)
     torch.testing.assert_close(proj(x, residual), proj.int8.matmul(x, proj.bias, residual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_8_bit_lm_head_writes_fp32_logits_from_its_products(kernel, dtype) -> None:
+    """The head is quantized with the projections; its logits come out in fp32 straight from
+    the dequantize pass (no narrowing to the run dtype on the way), while a step small enough
+    for the decode copy still reads that copy."""
+    from tandem.layers.embedding import LMHead
+
+    torch.manual_seed(5)
+    head = LMHead(96, 64)
+    head.weight.data.normal_(0, 0.1)
+    dense = head.weight.detach().clone()
+    head.attach_small_step_weights(SmallStepWeights(2, "float16"))
+    assert quantize_int8(torch.nn.ModuleDict({"head": head}), kernel) == 1
+    x = torch.randn(6, 64).to(dtype)
+    logits = head(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, head.int8.matmul(x, dtype=torch.float32))
+    want = _exact(x.float(), head.int8).float()
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert (logits - x.float() @ dense.t()).norm() / logits.norm() < 0.02
+    small = x[:1]  # the fp16 copy's product, in the run dtype
+    torch.testing.assert_close(head(small), (small.half() @ dense.half().t()).to(dtype).float())

@@ -18,6 +18,11 @@
  * take W8A8 from +2.5% perplexity to within 0.6% of fp32.
  *
  * kind: 0 fp32, 1 bf16 (stored as uint16_t, rounded to nearest even on the way out).
+ *
+ * Where the CPU has AVX-512 (F, BW, VL) both passes are written with its intrinsics, 16
+ * values a vector, masked at a row's tail; elsewhere as plain loops. The plain loops ran at
+ * ~2 cycles a value: on the 2-core AVX-512 EPYC, 64 bf16 rows of 576 took 22 us to quantize
+ * with their outliers on two threads, more than a third of the int8 GEMM they feed.
  */
 #include <math.h>
 #include <stddef.h>
@@ -58,6 +63,37 @@ static inline void store_row(void *out, int kind, int64_t m, int64_t cols, const
         for (int64_t n = 0; n < cols; n++) target[n] = narrow(row[n]);
     }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define VECTOR_ROWS 1
+
+/* The lanes of a 16-wide chunk that lie inside a row with `remaining` values left. */
+static inline __mmask16 tail_mask(int64_t remaining) {
+    return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1u);
+}
+
+/* 16 values of x from `offset` as fp32 (masked lanes 0). */
+static inline __m512 load16(const void *x, int kind, int64_t offset, __mmask16 mask) {
+    if (kind == 0) return _mm512_maskz_loadu_ps(mask, (const float *)x + offset);
+    const __m256i half = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + offset);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* 16 fp32 values stored in the output's kind, bf16 rounded to nearest even as narrow(). */
+static inline void store16(void *out, int kind, int64_t offset, __m512 v, __mmask16 mask) {
+    if (kind == 0) {
+        _mm512_mask_storeu_ps((float *)out + offset, mask, v);
+        return;
+    }
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    _mm256_mask_storeu_epi16((uint16_t *)out + offset, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+#else
+#define VECTOR_ROWS 0
+#endif
 
 /* Rows are staged in a stack buffer of this many floats at most (256 KiB). */
 #define MAX_COLS 65536
@@ -126,6 +162,90 @@ static void take_outliers(float *row, int64_t cols, int64_t count, int32_t *inde
     }
 }
 
+/* One row, plain C: x row m -> target (int8) and its scale, outliers first. */
+static void quantize_row_plain(const void *x, int kind, int64_t m, int64_t cols, int64_t stride, int8_t *target,
+                               float *scale_out, int64_t outliers, int32_t *outlier_index, float *outlier_value) {
+    float row[cols];
+    load_row(x, kind, m, cols, stride, row);
+    if (outliers > 0) take_outliers(row, cols, outliers, outlier_index, outlier_value);
+    float top = 0.0f;
+    for (int64_t k = 0; k < cols; k++) top = fabsf(row[k]) > top ? fabsf(row[k]) : top;
+    const float scale = (top > 1e-12f ? top : 1e-12f) / 127.0f, inverse = 1.0f / scale;
+#pragma omp simd
+    for (int64_t k = 0; k < cols; k++) target[k] = (int8_t)(int32_t)nearbyintf(row[k] * inverse);
+    *scale_out = scale;
+}
+
+#if VECTOR_ROWS
+/* One row, AVX-512: the same result as quantize_row_plain. Each chunk of 16 keeps the
+ * largest magnitude among its lanes not yet taken (-1 once all are), so an outlier is found
+ * by a scan of those maxima and one compare in its chunk, and the row's scale is their
+ * maximum afterwards: two vector passes over the row in all. Ties go to the lower column. */
+static void quantize_row_vector(const void *x, int kind, int64_t m, int64_t cols, int64_t stride, int8_t *target,
+                                float *scale_out, int64_t outliers, int32_t *outlier_index, float *outlier_value) {
+    const int64_t chunks = (cols + 15) / 16;
+    float row[chunks * 16];
+    const int64_t padded = (chunks + 15) / 16 * 16;
+    float chunk_top[padded]; /* past the last chunk: -1, never taken */
+    __mmask16 taken[chunks];
+    for (int64_t c = chunks; c < padded; c++) chunk_top[c] = -1.0f;
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    __m512 high = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        const __mmask16 mask = tail_mask(cols - 16 * c);
+        const __m512 v = load16(x, kind, m * stride + 16 * c, mask);
+        _mm512_storeu_ps(row + 16 * c, v);
+        const __m512 a = _mm512_and_ps(v, sign);
+        high = _mm512_max_ps(high, a);
+        if (outliers > 0) chunk_top[c] = _mm512_reduce_max_ps(a);
+        taken[c] = (__mmask16)~mask; /* lanes past the row's end count as taken */
+    }
+    float top = _mm512_reduce_max_ps(high);
+    for (int64_t j = 0; j < outliers; j++) {
+        __m512 most = _mm512_set1_ps(-1.0f);
+        for (int64_t c = 0; c < chunks; c += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(chunk_top + c));
+        const float largest = _mm512_reduce_max_ps(most);
+        int64_t best = -1;
+        for (int64_t c = 0; largest >= 0.0f && best < 0; c += 16) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(chunk_top + c), _mm512_set1_ps(largest), _CMP_EQ_OQ);
+            if (hit) best = c + __builtin_ctz((unsigned)hit);
+        }
+        if (best < 0) { /* fewer columns than outliers: no-op pairs */
+            outlier_index[j] = 0;
+            outlier_value[j] = 0.0f;
+            continue;
+        }
+        const __m512 a = _mm512_and_ps(_mm512_loadu_ps(row + 16 * best), sign);
+        const __mmask16 hit = _mm512_mask_cmp_ps_mask((__mmask16)~taken[best], a, _mm512_set1_ps(chunk_top[best]),
+                                                      _CMP_EQ_OQ);
+        const int lane = __builtin_ctz((unsigned)hit);
+        const int64_t k = 16 * best + lane;
+        outlier_index[j] = (int32_t)k;
+        outlier_value[j] = row[k];
+        row[k] = 0.0f;
+        taken[best] |= (__mmask16)(1u << lane);
+        chunk_top[best] = taken[best] == (__mmask16)0xFFFF
+            ? -1.0f : _mm512_reduce_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), (__mmask16)~taken[best], a));
+    }
+    if (outliers > 0) { /* the largest magnitude left, 0 where every lane was taken */
+        __m512 most = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; c += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(chunk_top + c));
+        top = _mm512_reduce_max_ps(most);
+    }
+    const float scale = (top > 1e-12f ? top : 1e-12f) / 127.0f, inverse = 1.0f / scale;
+    const __m512 times = _mm512_set1_ps(inverse);
+    for (int64_t c = 0; c < chunks; c++) {
+        /* cvtps rounds to nearest even, as nearbyintf does in the default rounding mode */
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), times));
+        _mm_mask_storeu_epi8(target + 16 * c, tail_mask(cols - 16 * c), _mm512_cvtsepi32_epi8(q));
+    }
+    *scale_out = scale;
+}
+#define QUANTIZE_ROW quantize_row_vector
+#else
+#define QUANTIZE_ROW quantize_row_plain
+#endif
+
 /* x [rows, cols] -> q [rows, cols] int8 and scales [rows]: q = round(x / scale), scale =
  * max |x| / 127 (at least 1e-12), after each row's `outliers` (<= MAX_OUTLIERS) largest
  * magnitudes went to outlier_index / outlier_value [rows, outliers]. */
@@ -133,18 +253,9 @@ void tandem_quantize_rows(const void *x, int kind, int64_t rows, int64_t cols, i
                           float *scales, int64_t outliers, int32_t *outlier_index, float *outlier_value,
                           int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t m = 0; m < rows; m++) {
-        float row[cols];
-        load_row(x, kind, m, cols, stride, row);
-        if (outliers > 0) take_outliers(row, cols, outliers, outlier_index + m * outliers, outlier_value + m * outliers);
-        float top = 0.0f;
-        for (int64_t k = 0; k < cols; k++) top = fabsf(row[k]) > top ? fabsf(row[k]) : top;
-        const float scale = (top > 1e-12f ? top : 1e-12f) / 127.0f, inverse = 1.0f / scale;
-        int8_t *target = q + m * cols;
-#pragma omp simd
-        for (int64_t k = 0; k < cols; k++) target[k] = (int8_t)(int32_t)nearbyintf(row[k] * inverse);
-        scales[m] = scale;
-    }
+    for (int64_t m = 0; m < rows; m++)
+        QUANTIZE_ROW(x, kind, m, cols, stride, q + m * cols, scales + m, outliers, outlier_index + m * outliers,
+                     outlier_value + m * outliers);
 }
 
 /* Every entry point takes rows of at most MAX_COLS values (the caller checks). */
@@ -173,6 +284,50 @@ static void add_outlier_columns(float *restrict row, int64_t cols, int64_t outli
     }
 }
 
+/* One output row, plain C. */
+static void dequantize_row_plain(const int32_t *source, int64_t cols, float row_scale, const float *col_scales,
+                                 int64_t outliers, const int32_t *index, const float *value, const int8_t *weight_t,
+                                 const void *bias, const void *residual, void *out, int kind, int64_t m) {
+    float row[cols];
+    for (int64_t n = 0; n < cols; n++) row[n] = (float)source[n] * row_scale;
+    add_outlier_columns(row, cols, outliers, index, value, weight_t);
+    for (int64_t n = 0; n < cols; n++) row[n] *= col_scales[n];
+    if (bias != NULL)
+        for (int64_t n = 0; n < cols; n++) row[n] += read_value(bias, kind, n);
+    if (residual != NULL)
+        for (int64_t n = 0; n < cols; n++) row[n] += read_value(residual, kind, m * cols + n);
+    store_row(out, kind, m, cols, row);
+}
+
+#if VECTOR_ROWS
+/* One output row, AVX-512, in one pass: 16 products at a time scaled, their outlier
+ * columns added, scaled again, bias and residual added, stored. */
+static void dequantize_row_vector(const int32_t *source, int64_t cols, float row_scale, const float *col_scales,
+                                  int64_t outliers, const int32_t *index, const float *value, const int8_t *weight_t,
+                                  const void *bias, const void *residual, void *out, int kind, int64_t m) {
+    const __m512 scale = _mm512_set1_ps(row_scale);
+    for (int64_t n = 0; n < cols; n += 16) {
+        const __mmask16 mask = tail_mask(cols - n);
+        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, source + n)), scale);
+        if (outliers > 0) {
+            __m512 extra = _mm512_setzero_ps();
+            for (int64_t j = 0; j < outliers; j++) {
+                const __m128i column = _mm_maskz_loadu_epi8(mask, weight_t + (int64_t)index[j] * cols + n);
+                extra = _mm512_fmadd_ps(_mm512_set1_ps(value[j]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(column)), extra);
+            }
+            p = _mm512_add_ps(p, extra);
+        }
+        p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, col_scales + n));
+        if (bias != NULL) p = _mm512_add_ps(p, load16(bias, kind, n, mask));
+        if (residual != NULL) p = _mm512_add_ps(p, load16(residual, kind, m * cols + n, mask));
+        store16(out, kind, m * cols + n, p, mask);
+    }
+}
+#define DEQUANTIZE_ROW dequantize_row_vector
+#else
+#define DEQUANTIZE_ROW dequantize_row_plain
+#endif
+
 /* out [rows, cols] = (products * row_scales[m] + sum_j value[m, j] * weight_t[index[m, j], n])
  * * col_scales[n] (+ bias[n]) (+ residual[m, n]); weight_t is the int8 matrix transposed,
  * [in, cols], read only where outliers > 0. bias and residual are in the output's kind, or
@@ -182,17 +337,10 @@ void tandem_dequantize(const int32_t *products, int64_t rows, int64_t cols, cons
                        const float *outlier_value, const int8_t *weight_t, const void *bias, const void *residual,
                        void *out, int kind, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t m = 0; m < rows; m++) {
-        float row[cols];
-        const int32_t *source = products + m * cols;
-        const float row_scale = row_scales[m];
-        for (int64_t n = 0; n < cols; n++) row[n] = (float)source[n] * row_scale;
-        add_outlier_columns(row, cols, outliers, outlier_index + m * outliers, outlier_value + m * outliers, weight_t);
-        for (int64_t n = 0; n < cols; n++) row[n] *= col_scales[n];
-        if (bias != NULL)
-            for (int64_t n = 0; n < cols; n++) row[n] += read_value(bias, kind, n);
-        if (residual != NULL)
-            for (int64_t n = 0; n < cols; n++) row[n] += read_value(residual, kind, m * cols + n);
-        store_row(out, kind, m, cols, row);
-    }
+    for (int64_t m = 0; m < rows; m++)
+        DEQUANTIZE_ROW(products + m * cols, cols, row_scales[m], col_scales, outliers, outlier_index + m * outliers,
+                       outlier_value + m * outliers, weight_t, bias, residual, out, kind, m);
 }
+
+/* Which path this build takes, for logs and tests. */
+const char *tandem_int8_rows_isa(void) { return VECTOR_ROWS ? "avx512" : "portable C"; }
