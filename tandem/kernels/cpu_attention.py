@@ -43,9 +43,11 @@ class PagedDecodeKernel:
             "tandem_decode_attention": (ctypes.c_int, [_PTR, _INT, _I64, _PTR, _INT, _PTR, _PTR, _PTR,
                                                        *[_I64] * 8, ctypes.c_float, _INT]),
             "tandem_write_kv": (None, [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _INT]),
+            "tandem_decode_attention_isa": (ctypes.c_char_p, []),
         })
         self._attend = functions["tandem_decode_attention"]
         self._write = functions["tandem_write_kv"]
+        self.isa: str = functions["tandem_decode_attention_isa"]().decode()  # for bf16 steps
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
     def write_kv_entry(self) -> object:
@@ -176,5 +178,6 @@ def make_attention_backend(choice: str, cache_dir: Path, device_type: str = "cpu
             raise
         logger.warning("CPU attention kernels unavailable (%s); using the torch backend", error)
         return TorchAttentionBackend()
-    logger.info("CPU attention kernels: paged decode; prefill with %s", backend.prefill.isa)
+    logger.info("CPU attention kernels: paged decode with %s; prefill with %s", backend.kernel.isa,
+                backend.prefill.isa)
     return backend

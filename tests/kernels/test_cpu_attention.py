@@ -6,6 +6,7 @@ import logging
 import platform
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,11 +65,53 @@ def test_the_path_without_avx512_computes_the_same(tmp_path, cache_dtype) -> Non
                     "-fPIC", "-std=c11", str(cpu_attention.SOURCE), "-o", str(library), "-lm"],
                    check=True, capture_output=True)
     other = PagedDecodeKernel(library)
+    assert other.isa == "portable C"
     _check_against_reference(other, [5, 200, 17, 64, 3, 90], 9, 3, 64, 16, cache_dtype)
     _check_against_reference(other, [300, 129], 16, 2, 128, 32, cache_dtype)
 
 
-def _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, cache_dtype) -> None:
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_avx512_without_bf16_dot_products_widens_the_cache(tmp_path) -> None:
+    """An AVX-512 Xeon without AVX-512-BF16 (Skylake, Cascade Lake) takes the widening vector
+    path for bf16 queries too; built for that target, checked against the same reference."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / "decode-skylake.so"
+    subprocess.run([compiler, "-O3", "-march=skylake-avx512", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
+                    "-shared", "-fPIC", "-std=c11", str(cpu_attention.SOURCE), "-o", str(library), "-lm"],
+                   check=True, capture_output=True)
+    other = PagedDecodeKernel(library)
+    assert other.isa == "AVX-512 fp32 FMA (bf16 widened)"
+    if "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU cannot run AVX-512 code")
+    _check_against_reference(other, [5, 200, 17, 64, 3, 90], 9, 3, 64, 16, torch.bfloat16, torch.bfloat16)
+    _check_against_reference(other, [300, 129], 16, 2, 128, 32, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "dim", "block"),
+    [
+        ([37], 9, 3, 64, 16),  # one query head a work item
+        ([5, 200, 17, 64, 3, 90], 9, 3, 64, 16),  # partial groups and blocks, odd lengths
+        ([40] * 70, 9, 3, 64, 16),  # three query heads an item
+        ([7, 33, 12], 8, 8, 32, 4),  # blocks smaller than a group of 16 keys
+        ([300, 129], 16, 2, 128, 32),  # wide heads, 8 query heads per kv head
+    ],
+)
+def test_bf16_queries_over_a_bf16_cache(kernel, lengths, heads, kv_heads, dim, block) -> None:
+    """What a bf16 model runs (on a CPU with AVX-512-BF16, the dot-product path: q and out
+    stay bf16, keys are never widened): the fp32 reference over the same bf16 values, rounded
+    once to bf16."""
+    _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, torch.bfloat16, torch.bfloat16)
+
+
+def test_the_decode_path_is_named(kernel) -> None:
+    assert kernel.isa in ("AVX-512-BF16 dot products", "AVX-512 fp32 FMA (bf16 widened)", "portable C")
+
+
+def _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, cache_dtype,
+                             query_dtype=torch.float32) -> None:
     generator = torch.Generator().manual_seed(len(lengths) * 1000 + heads)
     per_seq = [-(-n // block) for n in lengths]
     num_blocks = sum(per_seq) + 3  # spare blocks nobody reads
@@ -79,15 +122,19 @@ def _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, cache
     for row, count in enumerate(per_seq):
         tables[row, :count] = order[used : used + count]
         used += count
-    queries = torch.randn(len(lengths), heads, dim, generator=generator)
+    queries = torch.randn(len(lengths), heads, dim, generator=generator).to(query_dtype)
     scale = dim**-0.5
     got = kernel(queries, cache, tables, torch.tensor(lengths), scale)
-    assert got.dtype == torch.float32
+    assert got.dtype == query_dtype
     cache = cache.float()  # bf16 widens to fp32 exactly: the same reference holds
     for row, length in enumerate(lengths):
         keys = cache[0][:, tables[row]].reshape(kv_heads, -1, dim)[:, :length].transpose(0, 1)
         values = cache[1][:, tables[row]].reshape(kv_heads, -1, dim)[:, :length].transpose(0, 1)
-        torch.testing.assert_close(got[row], _reference(queries[row], keys, values, scale), rtol=1e-5, atol=1e-5)
+        want = _reference(queries[row].float(), keys, values, scale)
+        if query_dtype == torch.float32:
+            torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
+        else:  # one rounding to bf16 at the end: at most one unit in its last place apart
+            torch.testing.assert_close(got[row].float(), want.bfloat16().float(), rtol=2**-7, atol=1e-5)
 
 
 def test_backend_uses_the_kernel_for_fp32_and_bf16_and_torch_otherwise(kernel) -> None:

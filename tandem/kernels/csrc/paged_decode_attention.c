@@ -166,22 +166,78 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* The next group of 16 keys (within one block) and its values, whole, asked for while this
- * group is scored: the blocks lie anywhere in the pool, where hardware prefetchers stop. On
- * the 2-core AVX-512 EPYC, 64 sequences of 90-200 tokens over 30 cold layer caches, two
- * threads: 571 -> 428 us a layer with the blocks scattered, 530 -> 410 with them interleaved
- * as sequences that grow together get them; 373 -> 395 with each sequence's blocks in order
- * (the old code asked for the first row only). Nearer caches (locality 2, 3) or twice as far
- * ahead were no better; the non-temporal hint was worse. */
-#define PREFETCH_GROUP(K_HEAD, V_HEAD, TABLE, T, LEN, BLOCK_SIZE, BLOCK_VALUES, HEAD_DIM, KV_T) do {     \
-    const int64_t next = (TABLE)[(T) / (BLOCK_SIZE)] * (BLOCK_VALUES) + ((T) % (BLOCK_SIZE)) * (HEAD_DIM); \
-    const int64_t rows = (LEN) - (T) < 16 ? (LEN) - (T) : 16;                                  \
-    const int64_t bytes = rows * (HEAD_DIM) * (int64_t)sizeof(KV_T);                            \
-    for (int64_t byte = 0; byte < bytes; byte += 64) {                                         \
-        __builtin_prefetch((const char *)((K_HEAD) + next) + byte, 0, 1);                      \
-        __builtin_prefetch((const char *)((V_HEAD) + next) + byte, 0, 1);                      \
-    }                                                                                          \
-} while (0)
+/* The rows of keys t0 .. t0 + 15 and of their values (the last real row repeated past the
+ * context's end), as byte pointers into one kv head's blocks. Returns the byte offset of the
+ * next group's first row where that group lies in one block, else -1: the caller asks for
+ * that group's rows one at a time while it scores this group's (prefetch_row). The blocks lie
+ * anywhere in the pool, where hardware prefetchers stop. Spread over the group, one row a key,
+ * the requests overlap the arithmetic; asked for all at once at the group's start, they
+ * queued behind each other: on the 2-core AVX-512 EPYC, 64 sequences of 90-200 tokens over
+ * 30 cold bf16 layer caches, two threads, alternating in one process: 392 -> 356 us a layer
+ * (and 423 -> 392 for the dot-product path below). One group ahead at locality 1 beat two
+ * groups ahead (397) and locality 0 or 3 (442, 429). */
+static inline __attribute__((always_inline)) int64_t locate_group(
+    const char *k_head, const char *v_head, int64_t element_bytes, const int64_t *table, int64_t t0, int64_t len,
+    int64_t block_size, int64_t head_dim, const char *keys[16], const char *values[16]) {
+    const int64_t count = len - t0 < 16 ? len - t0 : 16;
+    const int64_t row_bytes = head_dim * element_bytes, block_bytes = block_size * row_bytes;
+    const int64_t t = t0 + 16; /* the next group */
+    if (block_size % 16 == 0) { /* the group lies in one block: one lookup, rows in a run */
+        const int64_t base = table[t0 / block_size] * block_bytes + (t0 % block_size) * row_bytes;
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t row = (j < count ? j : count - 1) * row_bytes;
+            keys[j] = k_head + base + row;
+            values[j] = v_head + base + row;
+        }
+        return t < len ? table[t / block_size] * block_bytes + (t % block_size) * row_bytes : -1;
+    }
+    for (int64_t j = 0; j < 16; j++) {
+        const int64_t row = t0 + (j < count ? j : count - 1);
+        const int64_t offset = table[row / block_size] * block_bytes + (row % block_size) * row_bytes;
+        keys[j] = k_head + offset;
+        values[j] = v_head + offset;
+    }
+    if (t < len) { /* the next group's first key and value rows */
+        const int64_t offset = table[t / block_size] * block_bytes + (t % block_size) * row_bytes;
+        __builtin_prefetch(k_head + offset, 0, 1);
+        __builtin_prefetch(v_head + offset, 0, 1);
+    }
+    return -1;
+}
+
+/* Row j of the next group (its keys and values), where locate_group gave its offset. Rows
+ * past the context's end are still inside the block: harmless to ask for. */
+static inline __attribute__((always_inline)) void prefetch_row(
+    const char *k_head, const char *v_head, int64_t next, int64_t j, int64_t row_bytes) {
+    if (next < 0) return;
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+        __builtin_prefetch(k_head + next + j * row_bytes + byte, 0, 1);
+        __builtin_prefetch(v_head + next + j * row_bytes + byte, 0, 1);
+    }
+}
+
+/* The online softmax over one group of 16 keys: `partial[g][j]` holds head g's products with
+ * key j still to be summed across lanes. Leaves the group's probabilities (relative to the
+ * running maximum) in probs[g], updates top and total, and returns in rescale[g] the factor
+ * head g's running output must be multiplied by (1 where the maximum did not grow). */
+static inline __attribute__((always_inline)) void softmax_group(
+    __m512 partial[][16], int64_t heads, __mmask16 valid, float scale, float *top, float *total,
+    float probs[][16], float *rescale) {
+    for (int64_t g = 0; g < heads; g++) {
+        __m512 scores = _mm512_mul_ps(transpose_sum16(partial[g]), _mm512_set1_ps(scale));
+        scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores);
+        const float group_top = _mm512_reduce_max_ps(scores);
+        rescale[g] = 1.0f;
+        if (group_top > top[g]) {
+            rescale[g] = expf(top[g] - group_top);
+            total[g] *= rescale[g];
+            top[g] = group_top;
+        }
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(top[g]))));
+        total[g] += _mm512_reduce_add_ps(p);
+        _mm512_store_ps(probs[g], p);
+    }
+}
 
 #define DEFINE_ATTEND_VEC(SUFFIX, KV_T, LOAD)                                                    \
 static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(                       \
@@ -190,44 +246,24 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
     float scale) {                                                                               \
     const int64_t chunks = head_dim / 16;                                                        \
     __m512 acc[MAX_GROUP][16];                                                                   \
-    float top[MAX_GROUP], total[MAX_GROUP];                                                      \
+    float top[MAX_GROUP], total[MAX_GROUP], rescale[MAX_GROUP];                                  \
     float probs[MAX_GROUP][16] __attribute__((aligned(64)));                                     \
     for (int64_t g = 0; g < heads; g++) {                                                        \
         top[g] = -INFINITY;                                                                      \
         total[g] = 0.0f;                                                                         \
         for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();                    \
     }                                                                                            \
-    const int64_t block_values = block_size * head_dim;                                          \
     for (int64_t t0 = 0; t0 < len; t0 += 16) {                                                   \
         const int64_t count = len - t0 < 16 ? len - t0 : 16;                                     \
-        const KV_T *keys[16], *values[16];                                                       \
-        if (block_size % 16 == 0) { /* the group lies in one block: one lookup, rows in a run */ \
-            const int64_t base = table[t0 / block_size] * block_values + (t0 % block_size) * head_dim; \
-            for (int64_t j = 0; j < 16; j++) {                                                   \
-                const int64_t row = (j < count ? j : count - 1) * head_dim;                      \
-                keys[j] = k_head + base + row;                                                   \
-                values[j] = v_head + base + row;                                                 \
-            }                                                                                    \
-            if (t0 + 16 < len) PREFETCH_GROUP(k_head, v_head, table, t0 + 16, len, block_size, block_values, head_dim, KV_T); \
-        } else {                                                                                 \
-            for (int64_t j = 0; j < 16; j++) {                                                   \
-                const int64_t t = t0 + (j < count ? j : count - 1);                              \
-                const int64_t offset = table[t / block_size] * block_values + (t % block_size) * head_dim; \
-                keys[j] = k_head + offset;                                                       \
-                values[j] = v_head + offset;                                                     \
-            }                                                                                    \
-            if (t0 + 16 < len) { /* the next group's first key and value rows */                 \
-                const int64_t t = t0 + 16;                                                       \
-                const int64_t offset = table[t / block_size] * block_values + (t % block_size) * head_dim; \
-                __builtin_prefetch(k_head + offset, 0, 1);                                       \
-                __builtin_prefetch(v_head + offset, 0, 1);                                       \
-            }                                                                                    \
-        }                                                                                        \
-        const __mmask16 valid = (__mmask16)((1u << count) - 1u);                                 \
+        const char *key_rows[16], *value_rows[16];                                               \
+        const int64_t next = locate_group((const char *)k_head, (const char *)v_head, sizeof(KV_T), \
+                                          table, t0, len, block_size, head_dim, key_rows, value_rows); \
         __m512 partial[MAX_GROUP][16];                                                           \
         for (int j = 0; j < 16; j++) { /* each key row widened once, for every head */           \
+            prefetch_row((const char *)k_head, (const char *)v_head, next, j, head_dim * (int64_t)sizeof(KV_T)); \
+            const KV_T *key = (const KV_T *)key_rows[j];                                         \
             __m512 k[16];                                                                        \
-            for (int64_t c = 0; c < chunks; c++) k[c] = LOAD(keys[j] + 16 * c);                  \
+            for (int64_t c = 0; c < chunks; c++) k[c] = LOAD(key + 16 * c);                      \
             for (int64_t g = 0; g < heads; g++) {                                                \
                 const float *q = q_rows + g * head_dim;                                          \
                 __m512 sum = _mm512_mul_ps(load16(q), k[0]);                                     \
@@ -235,23 +271,14 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
                 partial[g][j] = sum;                                                             \
             }                                                                                    \
         }                                                                                        \
-        for (int64_t g = 0; g < heads; g++) {                                                    \
-            __m512 scores = _mm512_mul_ps(transpose_sum16(partial[g]), _mm512_set1_ps(scale));   \
-            scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores);             \
-            const float group_top = _mm512_reduce_max_ps(scores);                                \
-            if (group_top > top[g]) {                                                            \
-                const __m512 correction = _mm512_set1_ps(expf(top[g] - group_top));              \
-                total[g] *= correction[0];                                                       \
-                for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], correction); \
-                top[g] = group_top;                                                              \
-            }                                                                                    \
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(top[g])))); \
-            total[g] += _mm512_reduce_add_ps(p);                                                 \
-            _mm512_store_ps(probs[g], p);                                                        \
-        }                                                                                        \
+        softmax_group(partial, heads, (__mmask16)((1u << count) - 1u), scale, top, total, probs, rescale); \
+        for (int64_t g = 0; g < heads; g++)                                                      \
+            if (rescale[g] != 1.0f)                                                              \
+                for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale[g])); \
         for (int64_t j = 0; j < count; j++) {                                                    \
+            const KV_T *value = (const KV_T *)value_rows[j];                                     \
             for (int64_t c = 0; c < chunks; c++) {                                               \
-                const __m512 v = LOAD(values[j] + 16 * c);                                       \
+                const __m512 v = LOAD(value + 16 * c);                                           \
                 for (int64_t g = 0; g < heads; g++)                                              \
                     acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][j]), v, acc[g][c]);      \
             }                                                                                    \
@@ -284,6 +311,126 @@ static void attend_vector##SUFFIX(const float *q_rows, float *out_rows, const KV
 }
 DEFINE_DISPATCH_VEC(, float)
 DEFINE_DISPATCH_VEC(_bf16, uint16_t)
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/*
+ * bf16 queries over a bf16 cache with AVX-512-BF16 (head sizes a multiple of 32): a query
+ * head's products with a key come from VDPBF16PS, 32 bf16 pairs an instruction multiplied
+ * exactly and summed in fp32, so keys are never widened; values are widened two lanes at a
+ * time (the even elements of a 32-value load by a shift, the odd ones by a mask), the output
+ * accumulated as even and odd halves and interleaved once at the end. q is read and out
+ * written in bf16 directly (no fp32 copies around the call). Per key and three query heads
+ * that is ~30 vector instructions against ~55 on the widening path, which on the 2-core
+ * AVX-512 EPYC was compute-bound: a hot 6.5 MB layer cache took as long as a cold one's reads.
+ */
+#define HAS_DP_PATH 1
+
+/* 16 fp32 values to bf16, rounded to nearest even as float_to_bf16 below. */
+static inline __m256i narrow16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+
+static inline __attribute__((always_inline)) void attend_item_dp(
+    const uint16_t *q_rows, uint16_t *out_rows, const uint16_t *k_head, const uint16_t *v_head,
+    const int64_t *table, int64_t len, int64_t heads, int64_t head_dim, int64_t block_size, float scale) {
+    const int64_t pairs = head_dim / 32; /* 32-value vectors a row */
+    __m512bh query[MAX_GROUP][8];
+    __m512 even[MAX_GROUP][8], odd[MAX_GROUP][8]; /* output dims 32c + 2i and 32c + 2i + 1 in lane i */
+    float top[MAX_GROUP], total[MAX_GROUP], rescale[MAX_GROUP];
+    float probs[MAX_GROUP][16] __attribute__((aligned(64)));
+    const __m512i high_halves = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t g = 0; g < heads; g++) {
+        top[g] = -INFINITY;
+        total[g] = 0.0f;
+        for (int64_t c = 0; c < pairs; c++) {
+            query[g][c] = (__m512bh)_mm512_loadu_si512(q_rows + g * head_dim + 32 * c);
+            even[g][c] = odd[g][c] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t count = len - t0 < 16 ? len - t0 : 16;
+        const char *key_rows[16], *value_rows[16];
+        const int64_t next = locate_group((const char *)k_head, (const char *)v_head, 2, table, t0, len, block_size,
+                                          head_dim, key_rows, value_rows);
+        __m512 partial[MAX_GROUP][16];
+        for (int j = 0; j < 16; j++) {
+            prefetch_row((const char *)k_head, (const char *)v_head, next, j, head_dim * 2);
+            __m512i k[8];
+            for (int64_t c = 0; c < pairs; c++) k[c] = _mm512_loadu_si512((const uint16_t *)key_rows[j] + 32 * c);
+            for (int64_t g = 0; g < heads; g++) {
+                __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[g][0], (__m512bh)k[0]);
+                for (int64_t c = 1; c < pairs; c++) sum = _mm512_dpbf16_ps(sum, query[g][c], (__m512bh)k[c]);
+                partial[g][j] = sum;
+            }
+        }
+        softmax_group(partial, heads, (__mmask16)((1u << count) - 1u), scale, top, total, probs, rescale);
+        for (int64_t g = 0; g < heads; g++)
+            if (rescale[g] != 1.0f)
+                for (int64_t c = 0; c < pairs; c++) {
+                    even[g][c] = _mm512_mul_ps(even[g][c], _mm512_set1_ps(rescale[g]));
+                    odd[g][c] = _mm512_mul_ps(odd[g][c], _mm512_set1_ps(rescale[g]));
+                }
+        for (int64_t j = 0; j < count; j++) {
+            for (int64_t c = 0; c < pairs; c++) {
+                const __m512i raw = _mm512_loadu_si512((const uint16_t *)value_rows[j] + 32 * c);
+                const __m512 v_even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+                const __m512 v_odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high_halves));
+                for (int64_t g = 0; g < heads; g++) {
+                    const __m512 p = _mm512_set1_ps(probs[g][j]);
+                    even[g][c] = _mm512_fmadd_ps(p, v_even, even[g][c]);
+                    odd[g][c] = _mm512_fmadd_ps(p, v_odd, odd[g][c]);
+                }
+            }
+        }
+    }
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int64_t g = 0; g < heads; g++) {
+        const __m512 inverse = _mm512_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);
+        for (int64_t c = 0; c < pairs; c++) {
+            const __m512 e = _mm512_mul_ps(even[g][c], inverse), o = _mm512_mul_ps(odd[g][c], inverse);
+            uint16_t *target = out_rows + g * head_dim + 32 * c;
+            _mm256_storeu_si256((__m256i *)target, narrow16(_mm512_permutex2var_ps(e, first, o)));
+            _mm256_storeu_si256((__m256i *)(target + 16), narrow16(_mm512_permutex2var_ps(e, second, o)));
+        }
+    }
+}
+
+/* q [seqs, heads, head_dim] bf16, sequences q_stride apart; out [seqs, heads, head_dim] bf16. */
+static void paged_decode_attention_dp(
+    const uint16_t *q, int64_t q_stride, const uint16_t *kv_cache, const int64_t *block_tables,
+    const int64_t *context_lens, uint16_t *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_stride, int64_t heads_per_item,
+    float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t slices = group / heads_per_item;
+    const int64_t items = num_seqs * num_kv_heads * slices;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const uint16_t *v_base = kv_cache + num_kv_heads * head_stride;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t seq = item / (num_kv_heads * slices);
+        const int64_t kv_head = (item / slices) % num_kv_heads;
+        const int64_t first_head = kv_head * group + (item % slices) * heads_per_item;
+        const uint16_t *q_rows = q + seq * q_stride + first_head * head_dim;
+        uint16_t *out_rows = out + (seq * num_heads + first_head) * head_dim;
+        const uint16_t *k_head = kv_cache + kv_head * head_stride, *v_head = v_base + kv_head * head_stride;
+        const int64_t *table = block_tables + seq * table_stride;
+        const int64_t len = context_lens[seq];
+        if (head_dim == 64 && heads_per_item == 3)
+            attend_item_dp(q_rows, out_rows, k_head, v_head, table, len, 3, 64, block_size, scale);
+        else if (head_dim == 64)
+            attend_item_dp(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, 64, block_size, scale);
+        else if (head_dim == 128)
+            attend_item_dp(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, 128, block_size, scale);
+        else
+            attend_item_dp(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, head_dim, block_size, scale);
+    }
+}
+#endif
 #define HAS_VECTOR_PATH 1
 #else
 #define HAS_VECTOR_PATH 0
@@ -347,6 +494,15 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reductio
 DEFINE_ENTRY(, float)
 DEFINE_ENTRY(_bf16, uint16_t)
 
+/* Which path a decode step of bf16 queries over a bf16 cache takes here (logged at start). */
+const char *tandem_decode_attention_isa(void) {
+#ifdef HAS_DP_PATH
+    return "AVX-512-BF16 dot products";
+#else
+    return HAS_VECTOR_PATH ? "AVX-512 fp32 FMA (bf16 widened)" : "portable C";
+#endif
+}
+
 /* Store this step's keys and values ([tokens, kv_heads, head_dim] rows, `key_stride` /
  * `value_stride` elements apart: views into the fused qkv projection) into their cache slots,
  * elements of `element_bytes` (4: fp32, 2: bf16) in both. One small copy per (token, kv head,
@@ -395,6 +551,14 @@ int tandem_decode_attention(
     const int64_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_stride, int64_t heads_per_item,
     float scale, int num_threads) {
+#ifdef HAS_DP_PATH
+    if (q_bf16 && kv_bf16 && head_dim % 32 == 0 && head_dim <= 256 && heads_per_item <= MAX_GROUP) {
+        paged_decode_attention_dp(q, q_stride, kv_cache, block_tables, context_lens, out, num_seqs, num_heads,
+                                  num_kv_heads, head_dim, block_size, num_blocks, table_stride, heads_per_item,
+                                  scale, num_threads);
+        return 0;
+    }
+#endif
     const int64_t width = num_heads * head_dim;
     const int dense_fp32 = !q_bf16 && q_stride == width;
     float *q32 = dense_fp32 ? (float *)q : malloc(sizeof(float) * (size_t)(num_seqs * width));
