@@ -31,6 +31,7 @@ _SIGNATURES = {
     "tandem_rotary_bf16": (None, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]),
     "tandem_silu_mul_f32": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "tandem_silu_mul_bf16": (None, [_PTR, _PTR, _I64, _I64, _INT]),
+    "tandem_argmax_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -46,6 +47,7 @@ class LayerOpsKernel:
         self._rms_norm = {dtype: functions[f"tandem_rms_norm_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._rotary = {dtype: functions[f"tandem_rotary_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._silu_mul = {dtype: functions[f"tandem_silu_mul_{suffix}"] for dtype, suffix in _SUFFIX.items()}
+        self._argmax = functions["tandem_argmax_f32"]
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
     def rms_norm_entry(self, dtype: torch.dtype = torch.bfloat16) -> object:
@@ -97,6 +99,18 @@ class LayerOpsKernel:
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    @staticmethod
+    def takes_argmax(x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [R, V] -> int64 [R]: torch.argmax(x, -1), the first of equal maxima (or
+        the first NaN) in each row."""
+        rows, cols = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads())
         return out
 
 

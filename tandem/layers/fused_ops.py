@@ -12,9 +12,11 @@ from tandem.layers.rotary import RotaryEmbedding
 
 
 def attach_layer_ops(model: nn.Module, ops: LayerOpsKernel) -> int:
-    """Give every norm, rotary embedding and gate/up projection of `model` the C passes;
+    """Give every norm, rotary embedding and gate/up projection of `model` the C passes, and
+    the model itself as `layer_ops` (its runner's sampler takes the C argmax from there);
     returns how many modules took them."""
     users = [m for m in model.modules() if isinstance(m, RMSNorm | RotaryEmbedding | GateUpLinear)]
     for module in users:
         module.ops = ops
+    model.layer_ops = ops
     return len(users)

@@ -263,7 +263,7 @@ class ModelRunner:
         else:
             self.kv_cache = lazily_zeroed(full_shape, dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, getattr(model, "layer_ops", None))  # the C argmax, where attached
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.requests: dict[str, RequestState] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -365,7 +365,7 @@ class ModelRunner:
         states = [chunk.state for chunk in chunks]
         if all(Sampler.plain_greedy(s.sampling_params, len(s.output_token_ids) < s.sampling_params.min_tokens)
                for s in states):
-            sampled = Sampler.argmax(logits)
+            sampled = self.sampler.argmax(logits)
         else:
             sampled = self.sampler(logits, [self._sampling_row(state) for state in states])
         return {c.request_id: [s] for c, s in zip(chunks, sampled, strict=True)}

@@ -107,3 +107,20 @@ def test_fp32_norm_for_the_decode_stack_is_torchs_to_rounding(ops: LayerOpsKerne
     out = torch.empty(tokens, 576)
     ops.rms_norm_entry(torch.float32)(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), tokens, 576, 1e-5, torch.get_num_threads())
     torch.testing.assert_close(out, F.rms_norm(x, (576,), weight, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+def test_argmax_is_torchs_first_maximum_nan_and_all(ops) -> None:
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 1000, generator=generator)  # 1000: a tail of 8 past the last 16
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first
+    x[2, 999] = 60.0  # the maximum in the tail
+    x[3, 400] = float("nan")  # a NaN wins, as in torch
+    x[3, 401] = float("inf")
+    x[4] = float("-inf")  # nothing above -inf: index 0
+    x[5, 3] = float("inf")
+    assert ops.takes_argmax(x) and not ops.takes_argmax(x.bfloat16()) and not ops.takes_argmax(x.t())
+    torch.testing.assert_close(ops.argmax(x), x.argmax(dim=-1), rtol=0, atol=0)
+    assert ops.argmax(x).tolist()[:6] == [int(x[0].argmax()), 10, 999, 400, 0, 3]
+    wide = torch.randn(64, 49152, generator=generator)[:, :49000]  # strided rows, many threads' worth
+    assert torch.equal(ops.argmax(wide), wide.argmax(dim=-1))
+    assert torch.equal(ops.argmax(x[:1]), x[:1].argmax(dim=-1))  # one row: no thread region

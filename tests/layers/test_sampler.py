@@ -103,3 +103,23 @@ def test_logprobs_are_raw_model_logprobs() -> None:
     expected = torch.log_softmax(logits[0], dim=-1)
     assert out.logprob == torch.max(expected).item()
     assert [e.token_id for e in out.top_logprobs[1:]] == expected.topk(2).indices.tolist()
+
+
+def test_greedy_rows_take_the_c_argmax_where_attached(tmp_path) -> None:
+    """The runner hands the sampler the layer-op kernel; greedy rows, plain or among sampled
+    ones, then read their token from its argmax, the same token torch's gives."""
+    from tandem.kernels.layer_ops import LayerOpsKernel
+
+    ops = LayerOpsKernel.build(tmp_path)
+    calls = []
+    argmax = ops.argmax
+    ops.argmax = lambda x: calls.append(tuple(x.shape)) or argmax(x)
+    sampler = Sampler(ops=ops)
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(3))
+    assert [t.token_id for t in sampler.argmax(logits)] == logits.argmax(-1).tolist()
+    rows = [SamplingRow(SamplingParams(temperature=0), [], []),
+            SamplingRow(SamplingParams(temperature=1.0, seed=1), [], []),
+            SamplingRow(SamplingParams(temperature=0, logprobs=1), [], [])]
+    out = sampler(logits, rows)
+    assert out[0].token_id == int(logits[0].argmax()) and out[2].token_id == int(logits[2].argmax())
+    assert calls == [(3, 300), (2, 300)]

@@ -175,3 +175,49 @@ void tandem_silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t in
 }
 DEFINE_SILU_MUL(f32, float)
 DEFINE_SILU_MUL(bf16, uint16_t)
+
+/* Each row's argmax, as torch.argmax gives it: the first index of the largest value, or of
+ * the first NaN where a row has one. The greedy sampler's pass over a step's logits: torch's
+ * took 1.3 ms for 64 rows of SmolLM2's 49,152 (two threads, the rows hot), ~2 cycles a value. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static int64_t argmax_row(const float *row, int64_t cols) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t k = 0; k < cols; k += 16) {
+        const __mmask16 lanes = cols - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - k)) - 1u);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, row + k);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, v);
+    }
+    if (nan) {
+        for (int64_t k = 0; k < cols; k++)
+            if (row[k] != row[k]) return k;
+    }
+    const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int64_t k = 0; k < cols; k += 16) {
+        const __mmask16 lanes = cols - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - k)) - 1u);
+        const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, _mm512_maskz_loadu_ps(lanes, row + k), best, _CMP_EQ_OQ);
+        if (hit) return k + __builtin_ctz((unsigned)hit);
+    }
+    return 0;
+}
+#else
+static int64_t argmax_row(const float *row, int64_t cols) {
+    int64_t best = 0;
+    for (int64_t k = 0; k < cols; k++) {
+        if (row[k] != row[k]) return k;
+        if (row[k] > row[best]) best = k;
+    }
+    return best;
+}
+#endif
+
+void tandem_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int num_threads) {
+    if (rows >= 2 && num_threads > 1) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols);
+    } else {
+        for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols);
+    }
+}
