@@ -39,9 +39,12 @@ class Int8RowsKernel:
             "tandem_int8_max_cols": (_INT, []),
             "tandem_int8_max_outliers": (_INT, []),
             "tandem_int8_rows_isa": (ctypes.c_char_p, []),
+            "tandem_gated_quantize": (None, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _PTR,
+                                             _I64, _PTR, _PTR, _INT]),
         })
         self._quantize = functions["tandem_quantize_rows"]
         self._dequantize = functions["tandem_dequantize"]
+        self._gated_quantize = functions["tandem_gated_quantize"]
         self.max_cols: int = functions["tandem_int8_max_cols"]()
         self.max_outliers: int = functions["tandem_int8_max_outliers"]()
         self.isa: str = functions["tandem_int8_rows_isa"]().decode()  # "avx512" or "portable C"
@@ -87,6 +90,29 @@ class Int8RowsKernel:
                          _pointer(weight_t), _pointer(bias), _pointer(residual), out.data_ptr(), _KINDS[dtype],
                          torch.get_num_threads())
         return out
+
+
+    def gated_quantize(self, products: torch.Tensor, rows_in: QuantizedRows, col_scales: torch.Tensor,
+                       weight_t: torch.Tensor | None, dtype: torch.dtype, outliers: int) -> QuantizedRows:
+        """A gate/up projection's products int32 [M, 2 * I] -> silu(gate) * up, with `dtype`'s
+        roundings, quantized for the down projection: `dequantize`, silu-and-mul and
+        `quantize_rows` in one pass (int8 [M, I], each row's `outliers` set aside)."""
+        if outliers > self.max_outliers:
+            raise ValueError(f"at most {self.max_outliers} outlier channels a row, not {outliers}")
+        rows, width = products.shape
+        inter = width // 2
+        outliers_in = rows_in.outlier_index.shape[1]
+        if outliers_in and weight_t is None:
+            raise ValueError("rows with outliers need the transposed weight")
+        values = torch.empty(rows, inter, dtype=torch.int8)
+        scales = torch.empty(rows, 1, dtype=torch.float32)
+        index = torch.empty(rows, outliers, dtype=torch.int32)
+        value = torch.empty(rows, outliers, dtype=torch.float32)
+        self._gated_quantize(products.data_ptr(), rows, inter, rows_in.scales.data_ptr(), col_scales.data_ptr(),
+                             outliers_in, rows_in.outlier_index.data_ptr(), rows_in.outlier_value.data_ptr(),
+                             _pointer(weight_t), _KINDS[dtype], values.data_ptr(), scales.data_ptr(), outliers,
+                             index.data_ptr(), value.data_ptr(), torch.get_num_threads())
+        return QuantizedRows(values, scales, index, value)
 
 
 class QuantizedRows(NamedTuple):

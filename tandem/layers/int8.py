@@ -99,9 +99,7 @@ class Int8Weight:
         dtype = dtype or x.dtype
         kernel = self.kernel
         if kernel is not None and kernel.takes(x, self.values.shape[0]) and dtype in (torch.float32, x.dtype):
-            rows = kernel.quantize_rows(x, self.outliers)
-            products = torch._int_mm(rows.values, self.values.t())
-            return kernel.dequantize(products, rows, self.scales, self.values_t, dtype, bias, residual)
+            return self.matmul_rows(kernel.quantize_rows(x, self.outliers), dtype, bias, residual)
         rows = quantize_rows_with_outliers(x, self.outliers)
         out = torch._int_mm(rows.values, self.values.t()).float() * rows.scales
         if self.outliers:
@@ -110,3 +108,29 @@ class Int8Weight:
         out = (out * self.scales).to(dtype)
         out = out if bias is None else out + bias
         return out if residual is None else residual + out
+
+    def matmul_rows(self, rows: QuantizedRows, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`matmul` of rows already quantized (with this matrix's outlier count), through the
+        kernel: [M, out] in dtype."""
+        assert self.kernel is not None, "quantized rows come from the C kernel"
+        products = torch._int_mm(rows.values, self.values.t())
+        return self.kernel.dequantize(products, rows, self.scales, self.values_t, dtype, bias, residual)
+
+
+def gated_mlp(gate_up: Int8Weight, down: Int8Weight, x: torch.Tensor, residual: torch.Tensor | None,
+              down_bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """residual + down(silu(gate) * up) for x [M, hidden], both projections in 8 bits and the
+    middle (dequantize the gate/up products, silu-and-mul, quantize for the down projection)
+    one C pass; None where the kernel does not take these rows (the caller runs the
+    projections one by one). The same arithmetic as the unfused path, silu's exp aside (expf
+    here, a polynomial within 2 ulp of it in kernels/layer_ops.py)."""
+    kernel = gate_up.kernel
+    # the plain-C build calls expf a value at a time: slower there than the separate passes
+    if (kernel is None or down.kernel is None or kernel.isa != "avx512"
+            or not kernel.takes(x, gate_up.values.shape[0])):
+        return None
+    rows = kernel.quantize_rows(x, gate_up.outliers)
+    products = torch._int_mm(rows.values, gate_up.values.t())
+    middle = kernel.gated_quantize(products, rows, gate_up.scales, gate_up.values_t, x.dtype, down.outliers)
+    return down.matmul_rows(middle, x.dtype, down_bias, residual)

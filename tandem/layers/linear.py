@@ -20,7 +20,7 @@ from tandem.kernels.int8_rows import Int8RowsKernel
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
 from tandem.layers.int4 import Int4Weight, int4_available, int4_fits
-from tandem.layers.int8 import Int8Weight, int8_fits
+from tandem.layers.int8 import Int8Weight, gated_mlp, int8_fits
 
 
 @dataclass(frozen=True)
@@ -407,6 +407,16 @@ class GateUpLinear(MergedLinear):
         gate, up = weight.split(self.intermediate)
         self.packed_halves = (_pack(gate), _pack(up))
         return self._release_dense() if drop_dense else 0
+
+    def gated_down(self, down: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """residual + down(silu(gate) * up) with the middle in one C pass, where both
+        projections hold 8-bit weights for a step this size (tandem/layers/int8.py
+        `gated_mlp`); None otherwise, and the caller runs them one by one. On the 2-core
+        AVX-512 EPYC, 64 bf16 rows of SmolLM2's MLP: the three passes took ~150 us a layer."""
+        if (self.int8 is None or down.int8 is None or self.bias is not None or down.tp.split
+                or self.uses_small_step(x) or down.uses_small_step(x)):
+            return None
+        return gated_mlp(self.int8, down.int8, x, residual, down.bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if residual is not None:

@@ -98,8 +98,10 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual` + MLP output (the add fused into down_proj)."""
-        return self.down_proj(self.gate_up_proj(x), residual)
+        """`residual` + MLP output (the add fused into down_proj; with 8-bit weights, the
+        passes between the two projections fused into one)."""
+        fused = self.gate_up_proj.gated_down(self.down_proj, x, residual)
+        return fused if fused is not None else self.down_proj(self.gate_up_proj(x), residual)
 
 
 def make_attention(

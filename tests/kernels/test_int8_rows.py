@@ -155,3 +155,31 @@ def test_the_plain_c_path_computes_what_this_cpus_path_does(kernel, tmp_path: Pa
                 kernel.dequantize(products, got, col_scales, weight_t, out_dtype, bias, residual),
                 plain.dequantize(products, got, col_scales, weight_t, out_dtype, bias, residual),
                 rtol=1e-5, atol=1e-5)
+        gated = [k.gated_quantize(products.repeat(1, 2)[:, :144], got, col_scales.repeat(2)[:144],
+                                  weight_t.repeat(1, 2)[:, :144].contiguous(), dtype, 4) for k in (kernel, plain)]
+        assert (gated[0].values.int() - gated[1].values.int()).abs().max() <= 1  # exp16 against expf
+        torch.testing.assert_close(gated[0].scales, gated[1].scales, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_pass_is_dequantize_silu_and_mul_then_quantize(kernel, dtype) -> None:
+    """One pass for the middle of an 8-bit MLP: the same rows as the three passes one after
+    another (in bf16 with their roundings), up to silu's exp in the last bit: a value at a
+    rounding tie may land one step apart."""
+    generator = torch.Generator().manual_seed(31)
+    inter = 200  # a tail past the last 16
+    weight_t = torch.randint(-127, 128, (96, 2 * inter), generator=generator, dtype=torch.int8)
+    products = torch.randint(-20000, 20000, (9, 2 * inter), generator=generator, dtype=torch.int32)
+    x = torch.randn(9, 96, generator=generator)
+    x[:, 7] = 30.0  # an outlier channel in the gate/up input
+    rows_in = kernel.quantize_rows(x.to(dtype), 4)
+    col_scales = torch.rand(2 * inter, generator=generator) / 2000
+    got = kernel.gated_quantize(products, rows_in, col_scales, weight_t, dtype, 4)
+    gate_up = kernel.dequantize(products, rows_in, col_scales, weight_t, dtype, None, None)
+    gate, up = gate_up.split(inter, dim=-1)
+    want = kernel.quantize_rows(torch.nn.functional.silu(gate) * up, 4)
+    torch.testing.assert_close(got.scales, want.scales, rtol=1e-5, atol=0)
+    assert (got.values.int() - want.values.int()).abs().max() <= 1
+    assert (got.values != want.values).float().mean() < 0.01
+    assert torch.equal(got.outlier_index, want.outlier_index)
+    torch.testing.assert_close(got.outlier_value, want.outlier_value, rtol=1e-5, atol=0)

@@ -128,3 +128,31 @@ def test_an_8_bit_lm_head_writes_fp32_logits_from_its_products(kernel, dtype) ->
     assert (logits - x.float() @ dense.t()).norm() / logits.norm() < 0.02
     small = x[:1]  # the fp16 copy's product, in the run dtype
     torch.testing.assert_close(head(small), (small.half() @ dense.half().t()).to(dtype).float())
+
+
+def test_an_8_bit_mlp_fuses_the_passes_between_its_projections(kernel) -> None:
+    """With both projections in 8 bits, a large step's MLP runs dequantize, silu-and-mul and
+    quantize as one pass (gated_down), with what the projections one by one give; a step small
+    enough for the decode copies takes the unfused path."""
+    from tandem.layers.linear import RowParallelLinear
+    from tandem.models.llama import DecoderMLP
+
+    torch.manual_seed(6)
+    mlp = DecoderMLP.__new__(DecoderMLP)
+    torch.nn.Module.__init__(mlp)
+    mlp.gate_up_proj, mlp.down_proj = GateUpLinear(64, 80), RowParallelLinear(80, 64)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.data.normal_(0, 0.1)
+        layer.attach_small_step_weights(SmallStepWeights(2, "float16"))
+    mlp = mlp.bfloat16()
+    assert quantize_int8(mlp, kernel) == 2
+    x, residual = torch.randn(8, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    fused = mlp.gate_up_proj.gated_down(mlp.down_proj, x, residual)
+    if kernel.isa != "avx512":
+        assert fused is None
+        return
+    assert fused is not None
+    one_by_one = mlp.down_proj(mlp.gate_up_proj(x), residual)
+    torch.testing.assert_close(fused, one_by_one, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(mlp(x, residual), fused)
+    assert mlp.gate_up_proj.gated_down(mlp.down_proj, x[:2], residual[:2]) is None  # the decode copies' step

@@ -344,3 +344,89 @@ void tandem_dequantize(const int32_t *products, int64_t rows, int64_t cols, cons
 
 /* Which path this build takes, for logs and tests. */
 const char *tandem_int8_rows_isa(void) { return VECTOR_ROWS ? "avx512" : "portable C"; }
+
+/* silu(gate) * up for one row, from the gate/up projection's dequantized fp32 row [2 * inter],
+ * with the roundings the separate passes make in `kind` (bf16: gate and up as the dequantize
+ * pass stores them, silu's result as torch's bf16 silu, and the product; fp32: none). */
+static void gated_row_plain(const float *restrict gate_up, float *restrict h, int64_t inter, int kind) {
+    const float *restrict up = gate_up + inter;
+    if (kind == 1) {
+        for (int64_t n = 0; n < inter; n++) {
+            const float g = widen(narrow(gate_up[n])), u = widen(narrow(up[n]));
+            const float s = widen(narrow(g / (1.0f + expf(-g))));
+            h[n] = widen(narrow(s * u));
+        }
+    } else {
+        for (int64_t n = 0; n < inter; n++) h[n] = gate_up[n] / (1.0f + expf(-gate_up[n])) * up[n];
+    }
+}
+
+#if VECTOR_ROWS
+/* e^x, 16 lanes, to ~1e-7 relative: x = n ln2 + f, e^f by its degree-7 Taylor polynomial on
+ * |f| <= ln2 / 2, times 2^n by scalef (so e^x for x far below 0 is 0, far above is inf). */
+static inline __m512 exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* A value rounded to bf16 and widened back, 16 lanes (narrow() then widen()). */
+static inline __m512 round_bf16x16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static void gated_row_vector(const float *restrict gate_up, float *restrict h, int64_t inter, int kind) {
+    const float *restrict up = gate_up + inter;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t n = 0; n < inter; n += 16) {
+        const __mmask16 mask = tail_mask(inter - n);
+        __m512 g = _mm512_maskz_loadu_ps(mask, gate_up + n), u = _mm512_maskz_loadu_ps(mask, up + n);
+        if (kind == 1) {
+            g = round_bf16x16(g);
+            u = round_bf16x16(u);
+        }
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        if (kind == 1) s = round_bf16x16(s);
+        __m512 product = _mm512_mul_ps(s, u);
+        if (kind == 1) product = round_bf16x16(product);
+        _mm512_mask_storeu_ps(h + n, mask, product);
+    }
+}
+#define GATED_ROW gated_row_vector
+#else
+#define GATED_ROW gated_row_plain
+#endif
+
+/* The gated MLP's middle in one pass, for steps that run both its projections in 8 bits: the
+ * gate/up projection's int32 products [rows, 2 * inter] (row_scales, col_scales, outliers_in
+ * and weight_t as tandem_dequantize takes them, no bias) -> silu(gate) * up -> int8 rows for
+ * the down projection [rows, inter] with their scales and `outliers` set aside, as
+ * tandem_quantize_rows gives them. The same arithmetic as dequantize, silu-and-mul and
+ * quantize one after another, without writing the [rows, 2 * inter] and [rows, inter]
+ * intermediates or waking the threads three times. */
+void tandem_gated_quantize(const int32_t *products, int64_t rows, int64_t inter, const float *row_scales,
+                           const float *col_scales, int64_t outliers_in, const int32_t *index_in,
+                           const float *value_in, const int8_t *weight_t, int kind, int8_t *q, float *scales,
+                           int64_t outliers, int32_t *outlier_index, float *outlier_value, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t m = 0; m < rows; m++) {
+        float gate_up[2 * inter], h[inter];
+        DEQUANTIZE_ROW(products + m * 2 * inter, 2 * inter, row_scales[m], col_scales, outliers_in,
+                       index_in + m * outliers_in, value_in + m * outliers_in, weight_t, NULL, NULL, gate_up, 0, 0);
+        GATED_ROW(gate_up, h, inter, kind);
+        QUANTIZE_ROW(h, 0, 0, inter, inter, q + m * inter, scales + m, outliers, outlier_index + m * outliers,
+                     outlier_value + m * outliers);
+    }
+}
