@@ -178,6 +178,6 @@ def make_attention_backend(choice: str, cache_dir: Path, device_type: str = "cpu
             raise
         logger.warning("CPU attention kernels unavailable (%s); using the torch backend", error)
         return TorchAttentionBackend()
-    logger.info("CPU attention kernels: paged decode with %s; prefill with %s", backend.kernel.isa,
+    logger.info("CPU attention kernels: paged decode (bf16 with %s); prefill with %s", backend.kernel.isa,
                 backend.prefill.isa)
     return backend

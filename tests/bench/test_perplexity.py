@@ -38,7 +38,7 @@ def test_int8_on_the_default_model_stays_within_1_percent_of_fp32() -> None:
     """--quantization int8 on real weights, fp32 and bf16: every decoder projection holds an
     8-bit copy (the gate/up and the LM head too), and perplexity over ~3,700 tokens of
     docstrings in 64-token chunks stays within 1% of exact fp32's (`tandem bench perplexity`
-    on the 2-core EPYC: +0.45% and +0.14%; +2.5% before each row's outliers were kept exact). One-token steps,
+    on the 2-core EPYC: +0.16% and +0.14%; +2.5% before each row's outliers were kept exact). One-token steps,
     the decode path, are checked near it on the short passage."""
     from tandem.bench.perplexity import REFERENCE_TEXT, long_text
 
