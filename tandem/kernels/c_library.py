@@ -1,9 +1,9 @@
 """Compiling tandem's C kernels (csrc/*.c) on first use, for the machine they run on.
 
 Each source is compiled with the system C compiler (`cc -O3 -march=native -fopenmp`, about a
-second) into the tandem cache directory, keyed by a hash of the source, flags, compiler and
-machine, and loaded with ctypes: no torch headers, no build step at install. `-march=native`
-is what lets one source use AVX-512, AVX-512-BF16 or VNNI where the CPU has them and AVX2 or
+second) into the tandem cache directory, keyed by a hash of the source (and the headers it
+includes from csrc/), flags, compiler and machine, and loaded with ctypes: no torch headers,
+no build step at install. `-march=native` is what lets one source use AVX-512, AVX-512-BF16 or VNNI where the CPU has them and AVX2 or
 plain C where it does not. The libraries link libgomp.so.1, the soname torch's own OpenMP
 runtime already loaded carries, so they share torch's thread pool.
 """
@@ -14,6 +14,7 @@ import ctypes
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -58,6 +59,29 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
+
+
+def _included_headers(source_path: Path, source: bytes) -> list[bytes]:
+    """Name and bytes of every header a source includes with quotes (from its own folder,
+    and what those include in turn), so editing a shared header rebuilds each library that
+    reads it rather than loading one compiled from the old text."""
+    found: list[bytes] = []
+    seen: set[Path] = set()
+    pending = [(source_path.parent, source)]
+    while pending:
+        folder, text = pending.pop()
+        for name in _LOCAL_INCLUDE.findall(text):
+            header = (folder / name.decode()).resolve()
+            if header in seen or not header.is_file():
+                continue
+            seen.add(header)
+            content = header.read_bytes()
+            found += [name, content]
+            pending.append((header.parent, content))
+    return found
+
+
 def build_kernel_library(cache_dir: Path, source_path: Path) -> Path:
     """Compile a C kernel once per (source, flags, compiler, machine) and return the .so path.
 
@@ -69,8 +93,8 @@ def build_kernel_library(cache_dir: Path, source_path: Path) -> Path:
         raise KernelBuildError("no C compiler found (looked for $CC, cc, gcc, clang)")
     source = source_path.read_bytes()
     key = xxhash.xxh64(
-        b"\0".join([source, " ".join(_FLAGS).encode(), _compiler_version(compiler).encode(),
-                    platform.machine().encode(), _cpu_flags().encode()])
+        b"\0".join([source, *_included_headers(source_path, source), " ".join(_FLAGS).encode(),
+                    _compiler_version(compiler).encode(), platform.machine().encode(), _cpu_flags().encode()])
     ).hexdigest()
     target = cache_dir / "kernels" / f"{source_path.stem}-{key}.so"
     if target.exists():

@@ -27,6 +27,23 @@ def test_a_library_is_keyed_by_the_cpu_it_was_built_for(monkeypatch, tmp_path: P
     assert build_kernel_library(tmp_path, cpu_attention.SOURCE) != here
 
 
+def test_editing_an_included_header_rebuilds_the_library(tmp_path: Path) -> None:
+    """A library is keyed on the headers its source includes too: one built from a header's
+    old text must not be loaded after the header changed (csrc/avx512_math.h is shared)."""
+    source, header = tmp_path / "src" / "uses.c", tmp_path / "src" / "part.h"
+    source.parent.mkdir()
+    source.write_text('#include "part.h"\nint tandem_value(void) { return VALUE; }\n')
+    header.write_text("#define VALUE 1\n")
+    first = build_kernel_library(tmp_path / "cache", source)
+    assert build_kernel_library(tmp_path / "cache", source) == first
+    header.write_text("#define VALUE 2\n")
+    second = build_kernel_library(tmp_path / "cache", source)
+    assert second != first
+    import ctypes
+
+    assert ctypes.CDLL(str(second)).tandem_value() == 2
+
+
 def test_a_failed_compile_says_what_ran_and_leaves_nothing(tmp_path: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C;\n")

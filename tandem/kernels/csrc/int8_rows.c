@@ -65,7 +65,7 @@ static inline void store_row(void *out, int kind, int64_t m, int64_t cols, const
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#include "avx512_math.h"
 #define VECTOR_ROWS 1
 
 /* The lanes of a 16-wide chunk that lie inside a row with `remaining` values left. */
@@ -86,10 +86,8 @@ static inline void store16(void *out, int kind, int64_t offset, __m512 v, __mmas
         _mm512_mask_storeu_ps((float *)out + offset, mask, v);
         return;
     }
-    __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    _mm256_mask_storeu_epi16((uint16_t *)out + offset, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    const __m512i bits = _mm512_srli_epi32(bf16_rounded_bits(v), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)out + offset, mask, _mm512_cvtepi32_epi16(bits));
 }
 #else
 #define VECTOR_ROWS 0
@@ -362,29 +360,9 @@ static void gated_row_plain(const float *restrict gate_up, float *restrict h, in
 }
 
 #if VECTOR_ROWS
-/* e^x, 16 lanes, to ~1e-7 relative: x = n ln2 + f, e^f by its degree-7 Taylor polynomial on
- * |f| <= ln2 / 2, times 2^n by scalef (so e^x for x far below 0 is 0, far above is inf). */
-static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* A value rounded to bf16 and widened back, 16 lanes (narrow() then widen()). */
 static inline __m512 round_bf16x16(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xFFFF0000u)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
 static void gated_row_vector(const float *restrict gate_up, float *restrict h, int64_t inter, int kind) {

@@ -108,7 +108,7 @@ DEFINE_ATTEND(_bf16, uint16_t, dot_bf16, axpy_bf16)
 
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "avx512_math.h"
 /*
  * The AVX-512 path (head sizes a multiple of 16, up to 256): keys go by in groups of 16 and
  * their scores come out as one vector, 16 keys in 16 lanes. Each key's products with a query
@@ -148,22 +148,6 @@ static inline __m512 transpose_sum16(__m512 v[16]) {
     __m512 lo = _mm512_shuffle_f32x4(c[0], c[1], 0x88);
     __m512 hi = _mm512_shuffle_f32x4(c[0], c[1], 0xDD);
     return _mm512_add_ps(lo, hi);
-}
-
-/* e^x for a vector, to ~1e-7 relative; lanes at -inf or far below give 0. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* The rows of keys t0 .. t0 + 15 and of their values (the last real row repeated past the
@@ -327,10 +311,7 @@ DEFINE_DISPATCH_VEC(_bf16, uint16_t)
 
 /* 16 fp32 values to bf16, rounded to nearest even as float_to_bf16 below. */
 static inline __m256i narrow16(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16));
 }
 
 static inline __attribute__((always_inline)) void attend_item_dp(
