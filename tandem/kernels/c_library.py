@@ -3,8 +3,8 @@
 Each source is compiled with the system C compiler (`cc -O3 -march=native -fopenmp`, about a
 second) into the tandem cache directory, keyed by a hash of the source (and the headers it
 includes from csrc/), flags, compiler and machine, and loaded with ctypes: no torch headers,
-no build step at install. `-march=native` is what lets one source use AVX-512, AVX-512-BF16 or VNNI where the CPU has them and AVX2 or
-plain C where it does not. The libraries link libgomp.so.1, the soname torch's own OpenMP
+no build step at install. `-march=native` is what lets one source use AVX-512, AVX-512-BF16
+or VNNI where the CPU has them and AVX2 or plain C where it does not. The libraries link libgomp.so.1, the soname torch's own OpenMP
 runtime already loaded carries, so they share torch's thread pool.
 """
 

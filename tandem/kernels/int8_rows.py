@@ -91,7 +91,6 @@ class Int8RowsKernel:
                          torch.get_num_threads())
         return out
 
-
     def gated_quantize(self, products: torch.Tensor, rows_in: QuantizedRows, col_scales: torch.Tensor,
                        weight_t: torch.Tensor | None, dtype: torch.dtype, outliers: int) -> QuantizedRows:
         """A gate/up projection's products int32 [M, 2 * I] -> silu(gate) * up, with `dtype`'s

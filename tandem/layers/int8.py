@@ -123,8 +123,9 @@ def gated_mlp(gate_up: Int8Weight, down: Int8Weight, x: torch.Tensor, residual: 
     """residual + down(silu(gate) * up) for x [M, hidden], both projections in 8 bits and the
     middle (dequantize the gate/up products, silu-and-mul, quantize for the down projection)
     one C pass; None where the kernel does not take these rows (the caller runs the
-    projections one by one). The same arithmetic as the unfused path, silu's exp aside (expf
-    here, a polynomial within 2 ulp of it in kernels/layer_ops.py)."""
+    projections one by one). The same arithmetic as the unfused path, silu's exp aside (two
+    polynomials, csrc/avx512_math.h here and csrc/layer_ops.c there, may differ in the last
+    bit)."""
     kernel = gate_up.kernel
     # the plain-C build calls expf a value at a time: slower there than the separate passes
     if (kernel is None or down.kernel is None or kernel.isa != "avx512"
