@@ -15,6 +15,7 @@ from typing import Any
 
 from tandem.bench.chaos import add_chaos_parser
 from tandem.bench.cold_start import add_load_parser
+from tandem.bench.gpu import add_gpu_parser
 from tandem.bench.kv_tiers import add_kv_tiers_parser
 from tandem.bench.offline import add_offline_parser
 from tandem.bench.overhead import add_overhead_parser
@@ -27,6 +28,7 @@ from tandem.flags import (
     llm_kwargs,
     serve_engine_config,
     server_config,
+    settle_device,
 )
 from tandem.plan.cli import add_plan_parser
 from tandem.router.accounting.keys_cli import add_keys_parser
@@ -174,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_parser(bench_commands)
     add_offline_parser(bench_commands)
     add_overhead_parser(bench_commands)
+    add_gpu_parser(bench_commands)
     add_perplexity_parser(bench_commands)
     add_serve_parser(bench_commands)
     add_spec_bench_parser(bench_commands)
@@ -185,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    settle_device(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.device import resolve_device, resolve_dtype
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -304,7 +306,8 @@ DECODE_WEIGHT_FORMATS = ("float16", "bfloat16", "int4", "float32")
 
 @dataclass(frozen=True)
 class LoadConfig:
-    dtype: str = "float32"
+    # "auto": bfloat16 on a GPU, float32 on the CPU (tandem/device.py); settled at construction.
+    dtype: str = "auto"
     load_format: str = "auto"  # auto | dummy
     seed: int = 0
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
@@ -322,6 +325,17 @@ class LoadConfig:
     # Decode attention: "cpu" = the C kernel over the paged cache (kernels/cpu_attention.py),
     # "torch" = gather + batched matmuls, "auto" = the kernel when it compiles here.
     attention_backend: str = "auto"  # auto | cpu | torch | triton
+    # Where the model runs: "auto" = a GPU when this torch can drive one, else the CPU.
+    device: str = "auto"  # auto | cpu | cuda
+    # GPU: run every step eagerly instead of replaying CUDA graphs for decode-only steps.
+    enforce_eager: bool = False
+    # GPU: the largest decode batch a CUDA graph is captured for (bigger ones run eagerly).
+    max_cudagraph_batch: int = 128
+
+    def __post_init__(self) -> None:
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
 
 
 ROLES = ("both", "prefill", "decode")

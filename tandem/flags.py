@@ -32,6 +32,7 @@ from tandem.config import (
     SpeculativeConfig,
     parse_memory_size,
 )
+from tandem.device import DEVICES, resolve_device, resolve_dtype
 from tandem.http_limits import add_request_limit_args, request_limits
 from tandem.loader.resolve import DEFAULT_MODEL
 
@@ -68,8 +69,15 @@ class Flag:
 
 # Names follow `vllm serve`. Order is the --help order and the order of `engine_argv`.
 ENGINE_FLAGS: tuple[Flag, ...] = (
-    Flag("--dtype", "weight and activation dtype (default: float32)", "float32",
-         choices=("float32", "bfloat16", "float16")),
+    Flag("--dtype", "weight and activation dtype; auto = bfloat16 on a GPU, float32 on the CPU (exact "
+         "greedy parity with transformers) (default: auto)", "auto",
+         choices=("auto", "float32", "bfloat16", "float16")),
+    Flag("--device", "where the model runs: cuda (one GPU per rank), cpu, or auto = cuda when this "
+         "torch sees a GPU, else cpu (default: auto)", "auto", choices=DEVICES),
+    Flag("--enforce-eager", "GPU: run every step eagerly; by default decode-only steps of up to "
+         "--max-cudagraph-batch sequences replay CUDA graphs captured at start", False, switch=True),
+    Flag("--max-cudagraph-batch", "GPU: the largest decode batch captured as a CUDA graph; bigger "
+         "ones run eagerly (default: 128)", 128, type=int, metavar="N"),
     Flag("--block-size", "tokens per KV block (default: 16)", 16, type=int),
     Flag("--kv-cache-memory", "KV cache budget, e.g. 2GiB (default: 25%% of free RAM, at most 4GiB)",
          metavar="SIZE"),
@@ -178,6 +186,15 @@ def engine_values(args: argparse.Namespace) -> dict[str, Any]:
     return {dest: getattr(args, dest, default) for dest, default in engine_defaults().items()}
 
 
+def settle_device(args: argparse.Namespace) -> None:
+    """Replace `--device auto` and `--dtype auto` in `args` by what they mean on this host, so
+    every reader (the GGUF conversion, the bench's peers, the child processes' argv) sees the
+    dtype the engine will run in. A command without the engine flags is left alone."""
+    if hasattr(args, "device") and hasattr(args, "dtype") and args.device in DEVICES:
+        args.device = resolve_device(args.device)
+        args.dtype = resolve_dtype(args.dtype, args.device)
+
+
 def engine_argv(args: argparse.Namespace, exclude: Collection[str] = ()) -> list[str]:
     """The engine flags set to something other than their default, as argv again (MODEL is not
     included). `exclude` names options (e.g. "--threads") the caller sets itself."""
@@ -196,7 +213,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_threads=args.threads, decode_weights=args.decode_weights,
                         decode_weights_max_tokens=args.decode_weights_max_tokens,
                         quantization=args.quantization, pack_weights=not args.no_weight_packing,
-                        attention_backend=args.attention_backend),
+                        attention_backend=args.attention_backend, device=args.device,
+                        enforce_eager=args.enforce_eager, max_cudagraph_batch=args.max_cudagraph_batch),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_memory_size(args.kv_cache_memory),
@@ -257,6 +275,9 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization,
         "pack_weights": not args.no_weight_packing,
         "attention_backend": args.attention_backend,
+        "device": args.device,
+        "enforce_eager": args.enforce_eager,
+        "max_cudagraph_batch": args.max_cudagraph_batch,
         "world_size": args.world_size,
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,

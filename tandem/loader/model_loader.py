@@ -27,6 +27,7 @@ from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend
 from tandem.loader.copy_pipeline import ReadAhead, SplitCopies
+from tandem.loader.device_copy import StagedDeviceCopies
 from tandem.loader.safetensors_mmap import PrefetchReads, SafetensorsFile
 from tandem.models.registry import model_class
 
@@ -84,6 +85,8 @@ class ReadSpan:
 
 
 _MIN_SPAN = 1 << 30
+# Each loading thread pins two staging buffers of this size for a GPU load.
+_STAGING_CHUNK = 32 << 20
 
 
 def read_spans(files: list[SafetensorsFile], workers: int, min_span: int | None = None) -> list[ReadSpan]:
@@ -116,16 +119,57 @@ def default_load_workers() -> int:
 def build_model(
     config: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
     tp: TensorParallel = SINGLE_RANK, stage: PipelineStage | None = None, ep: ExpertParallel | None = None,
+    device: torch.device | None = None,
 ) -> torch.nn.Module:
     """The model for this rank: the whole of it, or its tensor-parallel share of each layer
     under `tp`, only its pipeline stage's layers under `stage`, and only its share of the
-    experts (whole) under `ep`."""
+    experts (whole) under `ep`; on `device` (default: the CPU)."""
     cls = model_class(config.architecture)
     model = cls(config, backend, max_positions, dtype, tp=tp, stage=stage, ep=ep)
+    if device is not None and device.type != "cpu":
+        return place_on_device(model, device, dtype).eval()
     return model.to(dtype).eval()
 
 
-def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = None) -> None:
+_KEEP_VALUES_BYTES = 1 << 20
+
+
+def place_on_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Move a freshly built model to `device` in `dtype` without reading its big parameters.
+
+    They were made with `torch.empty`, whose pages the host never commits until written; the
+    loader overwrites them anyway, so each gets an empty tensor on the device instead of a
+    copy (a Llama-3.1-8B built in fp32 would otherwise be 32 GB touched on the host and a
+    conversion). Buffers (the rotary tables) and small parameters (norm weights, biases: the
+    values their constructors set) are copied. A tied parameter stays one tensor.
+    """
+    placed: dict[int, torch.Tensor] = {}
+
+    def place(tensor: torch.Tensor, keep_values: bool) -> torch.Tensor:
+        if id(tensor) not in placed:
+            target = dtype if tensor.is_floating_point() else tensor.dtype
+            if keep_values or tensor.numel() * tensor.element_size() < _KEEP_VALUES_BYTES:
+                moved = tensor.detach().to(device=device, dtype=target)
+            else:
+                moved = torch.empty(tensor.shape, dtype=target, device=device)
+            placed[id(tensor)] = moved
+        return placed[id(tensor)]
+
+    params: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in params:
+                    params[id(param)] = torch.nn.Parameter(place(param, False), requires_grad=False)
+                module._parameters[name] = params[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = place(buffer, True)
+    return model
+
+
+def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = None,
+                 device: torch.device | None = None) -> int:
     """Fill `model` (this rank's share of it) from the safetensors in `hf_dir`.
 
     Each file (`read_spans`: a big one may be cut into spans) is one stream of tensors in file
@@ -144,6 +188,10 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     in half of each large destination while the copy fills the other (copy_pipeline). Torch's
     intra-op threads are held at one meanwhile: a copy split over cores only splits its page
     faults into competing streams.
+
+    A model on a GPU (`device`) gets its tensors through `StagedDeviceCopies` instead of
+    `SplitCopies`: each thread stages chunks in two pinned buffers and sends one to the
+    device while it fills the other from the file. Returns the bytes staged (0 on the CPU).
     """
     files = open_checkpoint(hf_dir)
     workers = workers or default_load_workers()
@@ -162,9 +210,15 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
             modes.callback(stream.close)
             if exact:
                 modes.enter_context(PrefetchReads(stream.file))
-            modes.enter_context(SplitCopies(helpers))
+            if on_device:
+                staged = modes.enter_context(StagedDeviceCopies(device, chunk_bytes=_STAGING_CHUNK))
+                modes.callback(lambda: staged_bytes.append(staged.bytes_staged))
+            else:
+                modes.enter_context(SplitCopies(helpers))
             return model.load_weights(stream)
 
+    on_device = device is not None and device.type != "cpu"
+    staged_bytes: list[int] = []
     jobs = [stream for stream in streams for _ in range(per_span)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -180,6 +234,7 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"checkpoint in {hf_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+    return sum(staged_bytes)
 
 
 class _Stream:
@@ -218,9 +273,14 @@ class _Stream:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights of the right scale, for performance work on configs we have no weights for."""
-    generator = torch.Generator().manual_seed(seed)
+    """Random weights of the right scale, for performance work on configs we have no weights for.
+    On a GPU the draws come from the device's generator: the same seed gives the same weights
+    on the same kind of device."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        generator = generators[param.device]
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith(".bias"):

@@ -29,6 +29,7 @@ from tandem.layers.rejection_sampler import DraftedRequest, RejectionSampler
 from tandem.layers.sampler import Sampler, SamplingRow
 from tandem.profiling import STEP, profiled
 from tandem.types import SampledToken, SamplingParams
+from tandem.worker.cuda_graphs import StaticDecodeStep, capture_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +137,9 @@ def _decodes_a_row_each(chunk: ScheduledChunk) -> bool:
     return chunk.start > 0 and (chunk.num_tokens == 1 or bool(chunk.draft_token_ids) or chunk.rows_as_decodes)
 
 
-def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatch:
-    """Flatten chunks (decode rows first) into the model inputs and attention metadata."""
+def prepare_batch(chunks: list[ScheduledChunk], block_size: int, device: torch.device | None = None) -> PreparedBatch:
+    """Flatten chunks (decode rows first) into the model inputs and attention metadata, on
+    `device` (default: the CPU) in one copy; prefill spans' block lists stay on the host."""
     decodes = [c for c in chunks if _decodes_a_row_each(c)]
     prefills = [c for c in chunks if not _decodes_a_row_each(c)]
     # Decode rows ordered by context length: the attention backend pads similar lengths together.
@@ -183,6 +185,8 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int) -> PreparedBatc
     table_rows = [b for _, c, _ in rows for b in (*c.block_ids, *(0,) * (max_blocks - len(c.block_ids)))]
     sizes = [len(input_ids), len(positions), len(slots), len(sample_rows), len(context_lens), len(table_rows)]
     flat = torch.tensor(input_ids + positions + slots + sample_rows + context_lens + table_rows, dtype=torch.long)
+    if device is not None and device.type != "cpu":
+        flat = flat.to(device)
     ids_t, positions_t, slots_t, rows_t, lens_t, table_t = flat.split(sizes)
     meta = AttentionMetadata(
         slot_mapping=slots_t,
@@ -247,8 +251,10 @@ class ModelRunner:
         kv_shm_path: str | None = None,
         tp: TensorParallel = SINGLE_RANK,
         stage: PipelineStage | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
+        self.device = device = device or torch.device("cpu")
         self.config = config
         self.backend = backend
         self.block_size = block_size
@@ -258,7 +264,11 @@ class ModelRunner:
         shape = kv_cache_shape(num_blocks, block_size, spec.num_heads, spec.head_dim, spec.num_planes)
         full_shape = (stage.num_layers, *shape)  # this stage's layers only
         self.kv_shm_path = kv_shm_path
-        if kv_shm_path:
+        if device.type != "cpu":
+            if kv_shm_path:
+                raise ValueError("a KV cache in shared host memory needs --device cpu")
+            self.kv_cache = torch.zeros(full_shape, dtype=dtype, device=device)
+        elif kv_shm_path:
             self.kv_cache = shared_zeroed(kv_shm_path, full_shape, dtype)
         else:
             self.kv_cache = lazily_zeroed(full_shape, dtype)
@@ -269,14 +279,45 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # A draft model proposing after each step (tandem/spec/draft_model.py), set by the worker.
         self.drafter: Any = None
+        # Decode-only steps replayed as CUDA graphs (capture_decode_graphs), on a GPU.
+        self.decode_graphs: StaticDecodeStep | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_context_len: int, graphs: bool = True) -> bool:
+        """Capture the forward of decode-only steps of up to `max_batch` rows (worker/cuda_graphs.py).
+        `graphs=False` keeps the static buffers and padding but runs each step eagerly (how the
+        CPU tests check them). False, with the reason logged, when this model or backend cannot."""
+        why = None
+        if not getattr(self.backend, "pads_decode_rows", False):
+            why = f"the {self.backend.name} attention backend cannot take padded rows"
+        elif self.stage.split or getattr(self.model, "aux_hidden_layers", ()) or self.drafter is not None:
+            why = "pipeline stages and speculative decoding run eagerly"
+        elif graphs and self.device.type != "cuda":
+            why = "CUDA graphs need a GPU"
+        if why:
+            logger.info("decode steps run eagerly: %s", why)
+            return False
+        step = StaticDecodeStep(self._forward, capture_sizes(max_batch), max_context_len, self.block_size,
+                                self.device, graphs)
+        with torch.inference_mode():
+            seconds = step.capture()
+        self.decode_graphs = step
+        if graphs:
+            logger.info("CUDA graphs: decode batches of %s rows captured in %.1f s", _ranges(step.sizes), seconds)
+        return True
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta, None)
 
     # --- KV blocks as data, for handoffs between workers ------------------------------
     # Dimension 3 of the cache is the block: [layers, planes (k/v), kv_heads, blocks, block_size, head_dim].
+    # On a GPU the blocks travel through host memory: the connectors move host tensors.
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return self.kv_cache.index_select(3, torch.tensor(block_ids, dtype=torch.long))
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(3, ids).cpu()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        self.kv_cache.index_copy_(3, torch.tensor(block_ids, dtype=torch.long), data)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(3, ids, data.to(self.device))
         if self.drafter is not None:  # the target's KV came from elsewhere; the draft's did not
             self.drafter.invalidate(block_ids)
 
@@ -338,12 +379,16 @@ class ModelRunner:
         if out.empty:
             return result
         chunks = self.chunks(out)
-        batch = prepare_batch(chunks, self.block_size)
+        batch = prepare_batch(chunks, self.block_size, self.device)
         stage = self.stage
         incoming = None
         if not stage.is_first:  # this micro-batch's hidden states, from the stage before
             incoming = stage.recv(batch.input_ids.shape[0], self.config.hidden_size, self.dtype)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, incoming)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.takes(batch.meta, batch.input_ids.shape[0]):
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, incoming)
         if not stage.is_last:
             stage.send(hidden)  # asynchronous: this stage moves on to the next micro-batch
             return result
@@ -359,6 +404,12 @@ class ModelRunner:
         return result
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]]:
+        if logits.device.type != "cpu" and not all(
+                Sampler.plain_greedy(c.state.sampling_params, len(c.state.output_token_ids) < c.state.sampling_params.min_tokens)
+                and not c.draft_token_ids for c in chunks):
+            # Seeded draws, penalties and log-probs use the host's generators: the logits go there.
+            # Plain greedy, the agent case, takes its argmax on the device.
+            logits = logits.cpu()
         if any(chunk.draft_token_ids for chunk in chunks):
             kept = self.rejection_sampler(logits, [self._drafted_request(chunk) for chunk in chunks])
             return {chunk.request_id: tokens for chunk, tokens in zip(chunks, kept, strict=True)}
@@ -399,3 +450,14 @@ class ModelRunner:
             generator=self._generator_for(state.request_id, params.seed),
             banned_token_ids=banned,
         )
+
+
+def _ranges(sizes: list[int]) -> str:
+    """1, 2, 4, 8, 16, ..., 128 as '1, 2, 4, 8-128 (step 8)'."""
+    small = [str(s) for s in sizes if s < 8]
+    large = [s for s in sizes if s >= 8]
+    if len(large) > 2:
+        small.append(f"{large[0]}-{large[-1]} (every 8)")
+    else:
+        small += [str(s) for s in large]
+    return ", ".join(small)

@@ -62,8 +62,25 @@ logger = logging.getLogger(__name__)
 # What an executor's collective_rpc may call on every rank.
 RPC_METHODS = ("start_profile", "stop_profile")
 
+# The share of a GPU the engine may use (vLLM's --gpu-memory-utilization default).
+GPU_MEMORY_UTILIZATION = 0.9
 _DEFAULT_KV_FRACTION = 0.25
 _DEFAULT_KV_CAP = 4 << 30
+
+
+def rank_device(choice: str, local_rank: int) -> torch.device:
+    """The device a rank runs on: the CPU, or the GPU of its place on this host."""
+    if choice != "cuda":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no GPU (a CPU build of torch, or no driver); "
+                         "use --device cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"rank {local_rank} of this host needs GPU {local_rank}, but only "
+                         f"{torch.cuda.device_count()} are visible")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def default_kv_cache_bytes(num_local_ranks: int = 1) -> int:
@@ -122,6 +139,7 @@ class Worker:
         if load.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
         self.dtype = getattr(torch, load.dtype)
+        self.device = rank_device(load.device, rank % max(1, parallel.ranks_per_node))
         self.runner: ModelRunner | None = None
         self.connector: KVConnectorWorker | None = None
         self.kv_shm_path: str | None = None
@@ -142,7 +160,12 @@ class Worker:
         cache = config.cache
         block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.dtype, self.tp.size,
                                          self.stage.num_layers)
-        budget = cache.kv_cache_memory_bytes or default_kv_cache_bytes(min(self.world_size, config.parallel.ranks_per_node))
+        if cache.kv_cache_memory_bytes:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._gpu_kv_budget(resolved.hf_dir)
+        else:
+            budget = default_kv_cache_bytes(min(self.world_size, config.parallel.ranks_per_node))
         self._proposer = model_proposer_loader(config, model_config, resolved.hf_dir, self.dtype)
         if self._proposer is not None:
             # The proposer's KV shares the block ids: one block costs both models' bytes.
@@ -153,7 +176,7 @@ class Worker:
                 f"--kv-cache-memory {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; need at least 2"
             )
         max_model_len = self._max_model_len(model_config, num_blocks * cache.block_size)
-        backend = make_attention_backend(load.attention_backend, self._kernel_cache_dir())
+        backend = make_attention_backend(load.attention_backend, self._kernel_cache_dir(), self.device.type)
         self._backend = backend
         self._model = self._build_model(model_config, resolved.hf_dir, backend, max_model_len)
         self._model_config = model_config
@@ -198,6 +221,8 @@ class Worker:
             raise ValueError(f"--quantization must be none or int8, not {load.quantization!r}")
         if load.quantization == "int8" and not int8_available():
             raise ValueError("--quantization int8 needs PyTorch's integer GEMM (torch._int_mm)")
+        if self.device.type == "cuda":
+            return self._build_gpu_model(model_config, hf_dir, backend, max_model_len)
         self._check_weights_fit(hf_dir)
         if self.ep is not None and model_config.moe is None and self.rank == 0:
             logger.info("--enable-expert-parallel: %s has no experts; nothing to shard", model_config.architecture)
@@ -233,6 +258,60 @@ class Worker:
             logger.info("decode stack: steps of <= %d decode tokens run every layer in one C call",
                         small_step.max_tokens)
         return model
+
+    def _build_gpu_model(self, model_config: ModelConfig, hf_dir: Path, backend: AttentionBackend,
+                         max_model_len: int) -> torch.nn.Module:
+        """The model on this rank's GPU: built there in the run dtype (no fp32 copy on the host
+        or the device), its weights copied in through pinned staging buffers. The CPU-only
+        layouts (oneDNN packing, 8-bit and small-step copies, the C passes) are not made."""
+        load = self.config.load
+        if load.quantization != "none" or load.decode_weights != "none":
+            raise ValueError("--quantization and --decode-weights are CPU kernels; on a GPU the model runs in "
+                             f"--dtype ({load.dtype}); drop them or pass --device cpu")
+        started = time.perf_counter()
+        model = build_model(model_config, backend, max_model_len, self.dtype, self.tp, self.stage, self.ep,
+                            device=self.device)
+        if load.load_format == "dummy":
+            init_dummy_weights(model, load.seed)
+            staged = None
+        else:
+            staged = load_weights(model, hf_dir, device=self.device)
+        torch.cuda.synchronize(self.device)
+        if self.rank == 0:
+            seconds = time.perf_counter() - started
+            moved = f", {staged / 1e9:.2f} GB through pinned staging at {staged / 1e9 / seconds:.2f} GB/s" if staged else ""
+            logger.info("model on %s in %s: %.2f s%s", self.device, load.dtype, seconds, moved)
+        return model
+
+    def _gpu_kv_budget(self, hf_dir: Path) -> int:
+        """KV bytes on a GPU, as vLLM sizes them: --gpu-memory-utilization's 90% of the device,
+        less what is in use now, the weights and one step's activation peak (both from the
+        memory plan, since the model is not built yet)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        weights, activation = self._planned_bytes(hf_dir)
+        budget = int(free - (1 - GPU_MEMORY_UTILIZATION) * total) - weights - activation
+        if budget <= 0:
+            raise ValueError(f"{self.device} has {free / (1 << 30):.1f} GiB free; the weights ({weights / (1 << 30):.1f} "
+                             f"GiB) and one step's activations ({activation / (1 << 30):.1f} GiB) leave no room for KV")
+        return budget
+
+    def _planned_bytes(self, hf_dir: Path) -> tuple[int, int]:
+        """(weight bytes, activation peak bytes) of this rank, from `tandem.plan`."""
+        import json
+
+        from tandem.plan.activation import activation_peak_bytes
+        from tandem.plan.model_config import read_shape
+        from tandem.plan.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
+
+        parallel, scheduler = self.config.parallel, self.config.scheduler
+        split = Parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.enable_expert_parallel)
+        shape = read_shape(json.loads((hf_dir / "config.json").read_text()))
+        assert self.stage is not None
+        stage = stages(shape, split)[self.stage.index]
+        weights = stage_weight_bytes(stage, split, WeightFormat(self.config.load.dtype))
+        activation = activation_peak_bytes(shape, split, stage.layers, self.stage.is_last, self.config.load.dtype,
+                                           scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        return weights, activation
 
     def _check_weights_fit(self, hf_dir: Path) -> None:
         """Refuse, before allocating anything, a share of the model this host cannot hold:
@@ -301,11 +380,13 @@ class Worker:
         returns what the connectors' scheduler sides need to know (addresses, layout)."""
         assert self._model is not None and self._info is not None, "load_model first"
         config = self.config
-        if config.kv_transfer.shared_memory and self.rank == 0:
+        if config.kv_transfer.shared_memory and self.rank == 0 and self.device.type == "cpu":
             self.kv_shm_path = f"/dev/shm/tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
                                   config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
-                                  tp=self.tp, stage=self.stage)
+                                  tp=self.tp, stage=self.stage, device=self.device)
+        if self.device.type == "cuda" and not config.load.enforce_eager:
+            self.runner.capture_decode_graphs(config.load.max_cudagraph_batch, self._info.max_model_len)
         if self._proposer is not None:
             self.runner.drafter = self._proposer.proposer(num_blocks, config.cache.block_size)
         self.connector = make_connector_worker(config, self.rank)

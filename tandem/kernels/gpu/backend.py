@@ -32,6 +32,9 @@ class _Chunks:
 
 class TritonAttentionBackend:
     name = "triton"
+    # Padded decode rows are harmless (a negative slot is not written, a context of 0 reads
+    # nothing) and the launch is sized from the metadata alone: decode steps can be CUDA graphs.
+    pads_decode_rows = True
 
     def __init__(self, target_programs: int = 264) -> None:
         # Decode splits aim at this many programs: a couple per SM of an H100 (132 SMs).

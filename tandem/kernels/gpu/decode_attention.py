@@ -80,8 +80,10 @@ def _combine_kernel(
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(lse_ptr + row * stride_lt + head * stride_lh + s, mask=s < num_splits, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a padded row (context 0): no split saw a key
+    weights = tl.exp(lse - top)
+    weights = weights / tl.maximum(tl.sum(weights, 0), 1e-30)  # ... and its output is zeros
     mask = (s[:, None] < num_splits) & (d[None, :] < HEAD_DIM)
     parts = tl.load(part_ptr + row * stride_pt + head * stride_ph + s[:, None] * stride_ps + d[None, :],
                     mask=mask, other=0.0)

@@ -1,0 +1,240 @@
+"""`tandem bench gpu`: the GPU runner against the device's own limits and transformers.
+
+On one GPU, with random ("dummy") weights of a config (default: Llama-3.1-8B's, shipped in
+tandem/bench/configs), in bf16, all in one run:
+
+1. the device's limits, measured: copy bandwidth (a 2 GiB device-to-device copy; bytes read
+   plus written per second) and the bf16 matmul rate ([8192, 4096] x [4096, 14336]);
+2. tandem, batch-1 decode: milliseconds per decode step after the prompt, with CUDA graphs
+   and with --enforce-eager. The bound is the copy bandwidth over the bytes a step must read
+   (every weight and the context's KV once); the goal is >= 85% of it;
+3. tandem, prefill: prompts of --prefill-len tokens, one token out, as tokens/s and as
+   achieved TFLOP/s (2 x the weights' multiply-adds per token plus attention's) against the
+   matmul rate; the goal is >= 60%;
+4. tandem and transformers (`generate`, greedy, static lengths), --batch sequences of
+   --prompt-len tokens, --output-len tokens each: output tokens/s.
+
+The engine's own memory split (weights, activation plan, KV) is logged as it starts.
+Writes the figures as JSON to --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CONFIGS = Path(__file__).parent / "configs"
+DECODE_GOAL = 0.85
+PREFILL_GOAL = 0.60
+
+
+def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "gpu", help="the GPU runner: batch-1 decode against copy bandwidth, prefill against the matmul "
+                    "rate, batch throughput against transformers (needs a GPU)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="llama-3.1-8b", metavar="NAME_OR_FILE",
+                        help=f"a config.json, or one of: {', '.join(sorted(p.stem for p in CONFIGS.glob('*.json')))} "
+                             "(default: llama-3.1-8b)")
+    parser.add_argument("--decode-steps", type=int, default=128, metavar="N",
+                        help="timed batch-1 decode steps (default: 128)")
+    parser.add_argument("--prefill-len", type=int, default=2048, metavar="N", help="prefill prompt length (default: 2048)")
+    parser.add_argument("--prefill-prompts", type=int, default=8, metavar="N", help="prefill prompts (default: 8)")
+    parser.add_argument("--batch", type=int, default=64, metavar="N", help="sequences of the throughput run (default: 64)")
+    parser.add_argument("--prompt-len", type=int, default=128, metavar="N", help="throughput prompt length (default: 128)")
+    parser.add_argument("--output-len", type=int, default=128, metavar="N", help="throughput output length (default: 128)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' run")
+    parser.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager decode run")
+    parser.add_argument("--output-dir", default="bench-results", help="where the JSON goes (default: bench-results)")
+    parser.set_defaults(handler=run_gpu_bench)
+
+
+def config_path(name: str) -> Path:
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = CONFIGS / f"{name}.json"
+    if not shipped.is_file():
+        raise ValueError(f"--config {name}: no such file, and not one of "
+                         f"{', '.join(sorted(p.stem for p in CONFIGS.glob('*.json')))}")
+    return shipped
+
+
+def _cuda_timer(torch: Any, fn: Any, repeats: int) -> float:
+    """Median seconds of `fn()` over `repeats`, timed with CUDA events after a warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def device_limits(torch: Any) -> dict[str, float]:
+    """Copy bandwidth (GB/s, read + written) and the bf16 matmul rate (TFLOP/s), measured."""
+    nbytes = 2 << 30
+    buffers = torch.empty(2, nbytes, dtype=torch.uint8, device="cuda")
+    copy_s = _cuda_timer(torch, lambda: buffers[1].copy_(buffers[0]), 20)
+    buffers.resize_(0)  # its memory back before the matmul's
+    m, k, n = 8192, 4096, 14336
+    a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(k, n, dtype=torch.bfloat16, device="cuda")
+    mm_s = _cuda_timer(torch, lambda: a @ b, 20)
+    return {"copy_gb_s": 2 * nbytes / copy_s / 1e9, "matmul_tflop_s": 2 * m * k * n / mm_s / 1e12}
+
+
+def weight_shape(config: dict[str, Any]) -> dict[str, int]:
+    """Parameter counts of a Llama-shaped config: every weight, and those a token multiplies."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or h // heads
+    vocab = config["vocab_size"]
+    per_layer = h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h + 3 * h * i
+    matmul = layers * per_layer + vocab * h  # the embedding is a lookup; the head a matmul
+    total = matmul + (0 if config.get("tie_word_embeddings") else vocab * h)
+    return {"params": total, "matmul_params": matmul, "layers": layers, "heads": heads, "kv_heads": kv_heads,
+            "head_dim": head_dim}
+
+
+def _engine(hf_dir: Path, eager: bool, max_model_len: int, max_num_seqs: int) -> Any:
+    from tandem.llm import LLM
+
+    return LLM(str(hf_dir), load_format="dummy", dtype="bfloat16", device="cuda", enforce_eager=eager,
+               max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+               enable_prefix_caching=False, max_cudagraph_batch=max(64, max_num_seqs))
+
+
+def decode_step_seconds(llm: Any, prompt_len: int, steps: int) -> float:
+    """Median seconds of a batch-1 decode step after a prompt of `prompt_len` tokens."""
+    from tandem.types import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
+    engine.add_request(None, None, params, prompt_token_ids=[(7 * j) % 1000 + 100 for j in range(prompt_len)])
+    engine.step()  # prefill
+    engine.step()
+    times = []
+    while engine.has_unfinished() and len(times) < steps:
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times)
+
+
+def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    from tandem.types import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    llm.generate(prompts, params)
+    return time.perf_counter() - started
+
+
+def _prompts(count: int, length: int, salt: int) -> list[list[int]]:
+    return [[(salt + 31 * i + 7 * j) % 30000 + 100 for j in range(length)] for i in range(count)]
+
+
+def transformers_throughput(torch: Any, config_file: Path, batch: int, prompt_len: int, output_len: int) -> float:
+    """Output tokens/s of transformers' greedy `generate` on the same config, random bf16 weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(config_file.parent))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
+    ids = torch.tensor(_prompts(batch, prompt_len, 3), device="cuda")
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:, :16], **(kwargs | {"max_new_tokens": 4, "min_new_tokens": 4,
+                                                 "attention_mask": torch.ones_like(ids[:, :16])}))
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    del model
+    torch.cuda.empty_cache()
+    return batch * output_len / seconds
+
+
+def run_gpu_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("tandem bench gpu needs a GPU this torch can drive (torch.cuda.is_available() is False)")
+    source = config_path(args.config)
+    config = json.loads(source.read_text())
+    shape = weight_shape(config)
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-gpu-"))
+    shutil.copy(source, workdir / "config.json")
+    device = torch.cuda.get_device_name()
+    results: dict[str, Any] = {"device": device, "config": args.config, "shape": shape}
+    print(f"tandem bench gpu: {device}, {args.config} (dummy bf16 weights, {shape['params'] / 1e9:.2f} B parameters)")
+    try:
+        limits = results["limits"] = device_limits(torch)
+        print(f"device: copy {limits['copy_gb_s']:.0f} GB/s (read + written), bf16 matmul "
+              f"{limits['matmul_tflop_s']:.0f} TFLOP/s")
+        max_len = max(args.prefill_len, args.prompt_len + args.output_len, 512) + 64
+        weight_bytes = 2 * shape["params"]
+        kv_per_token = 2 * 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"]
+        decode_prompt = 128
+        modes = [("graphs", False)] + ([] if args.no_eager else [("eager", True)])
+        for name, eager in modes:
+            llm = _engine(workdir, eager, max_len, max(args.batch, args.prefill_prompts))
+            try:
+                step = decode_step_seconds(llm, decode_prompt, args.decode_steps)
+                read = weight_bytes + kv_per_token * (decode_prompt + args.decode_steps // 2)
+                bound = read / (limits["copy_gb_s"] * 1e9)
+                results[f"decode_{name}"] = {"step_ms": step * 1e3, "tok_s": 1 / step, "bound_tok_s": 1 / bound,
+                                             "of_bound": bound / step, "gb_s": read / step / 1e9}
+                print(f"batch-1 decode ({name}): {1 / step:.1f} tok/s ({step * 1e3:.2f} ms/step), "
+                      f"{read / step / 1e9:.0f} GB/s = {bound / step:.0%} of the copy bound "
+                      f"{1 / bound:.1f} tok/s (goal {DECODE_GOAL:.0%})")
+                if eager:
+                    continue
+                prompts = _prompts(args.prefill_prompts, args.prefill_len, 1)
+                _timed_generate(llm, prompts[:1], 1)  # warm-up at this length
+                seconds = _timed_generate(llm, prompts, 1)
+                tokens = args.prefill_prompts * args.prefill_len
+                attention = 4 * shape["layers"] * shape["heads"] * shape["head_dim"] * (args.prefill_len / 2) * tokens
+                flops = 2 * shape["matmul_params"] * tokens + attention
+                tflops = flops / seconds / 1e12
+                results["prefill"] = {"tok_s": tokens / seconds, "tflop_s": tflops,
+                                      "of_matmul": tflops / limits["matmul_tflop_s"]}
+                print(f"prefill: {tokens / seconds:,.0f} tok/s, {tflops:.0f} TFLOP/s = "
+                      f"{tflops / limits['matmul_tflop_s']:.0%} of the matmul rate (goal {PREFILL_GOAL:.0%})")
+                batch_prompts = _prompts(args.batch, args.prompt_len, 2)
+                _timed_generate(llm, batch_prompts[:4], 4)
+                seconds = _timed_generate(llm, batch_prompts, args.output_len)
+                results["batch_tandem_tok_s"] = args.batch * args.output_len / seconds
+                print(f"batch {args.batch}: tandem {results['batch_tandem_tok_s']:,.0f} output tok/s")
+            finally:
+                llm.shutdown()
+                torch.cuda.empty_cache()
+        if not args.no_transformers:
+            hf = transformers_throughput(torch, workdir / "config.json", args.batch, args.prompt_len, args.output_len)
+            results["batch_transformers_tok_s"] = hf
+            print(f"batch {args.batch}: transformers {hf:,.0f} output tok/s; tandem / transformers = "
+                  f"{results['batch_tandem_tok_s'] / hf:.2f}x")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    out = Path(args.output_dir) / f"gpu-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results | {"args": {k: v for k, v in vars(args).items()
+                                                                       if k != "handler"}}, indent=2))
+    print(f"figures: {out / 'results.json'}")
+    return 0

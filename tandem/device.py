@@ -1,0 +1,54 @@
+"""Which device an engine runs on, decided without importing torch.
+
+`--device auto` means a GPU when there is one this torch can drive, else the CPU; `--dtype
+auto` means bfloat16 on a GPU (what vLLM and SGLang serve in) and float32 on the CPU (exact
+greedy parity with transformers). Both are settled when the config is made, in whichever
+process parses the flags, and that may be the API process, which never imports torch
+(DESIGN.md). So the probe reads what torch was built for from its `version.py` (a CPU wheel
+says `cuda = None`) and whether the NVIDIA driver's device nodes exist. The worker checks
+`torch.cuda.is_available()` again and refuses with a clear message if the probe was wrong.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+DEVICES = ("auto", "cpu", "cuda")
+_NVIDIA_CONTROL = Path("/dev/nvidiactl")
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA version the installed torch was built against, or None (a CPU wheel, or no torch)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        version_file = Path(location) / "version.py"
+        if version_file.is_file():
+            found = re.search(r"^cuda\s*(?::\s*[^=]+)?=\s*['\"]([^'\"]+)['\"]", version_file.read_text(), re.MULTILINE)
+            return found.group(1) if found else None
+    return None
+
+
+def cuda_visible() -> bool:
+    """A CUDA build of torch and an NVIDIA driver with at least one device node."""
+    if torch_cuda_version() is None or not _NVIDIA_CONTROL.exists():
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def resolve_device(choice: str) -> str:
+    if choice not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {choice!r}")
+    if choice == "auto":
+        return "cuda" if cuda_visible() else "cpu"
+    return choice
+
+
+def resolve_dtype(choice: str, device: str) -> str:
+    """`auto`: bfloat16 on a GPU, float32 on the CPU; anything else as given."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if device == "cuda" else "float32"
