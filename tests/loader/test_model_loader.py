@@ -90,3 +90,32 @@ def test_a_deepseek_v3_config_runs_with_dummy_weights_on_a_latent_cache(tmp_path
     assert again.num_cached_tokens >= 32  # whole blocks of the latent cache were reused
     pool = llm.engine.block_pool
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_place_on_device_keeps_buffers_small_params_and_ties() -> None:
+    """The GPU build's move (here to the CPU in bf16, the same code): the rotary tables and
+    the norms' ones keep their values, big weights get fresh storage of the right dtype and
+    shape without reading the old, and a tied head stays the embedding's tensor."""
+    import torch
+
+    from tandem.config import ModelConfig
+    from tandem.kernels.torch_attention import TorchAttentionBackend
+    from tandem.loader.model_loader import _KEEP_VALUES_BYTES, place_on_device
+    from tandem.models.registry import model_class
+
+    config = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 1024,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    model = model_class(config.architecture)(config, TorchAttentionBackend(), 128, torch.bfloat16)
+    cos = model.rotary.cos.clone()
+    big = model.model.layers[0].mlp.gate_up_proj.weight
+    assert big.numel() * 4 >= _KEEP_VALUES_BYTES
+    placed = place_on_device(model, torch.device("cpu"), torch.bfloat16)
+    assert placed.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    assert placed.model.layers[0].input_layernorm.weight.eq(1).all()
+    assert torch.equal(placed.rotary.cos, cos)
+    moved = placed.model.layers[0].mlp.gate_up_proj.weight
+    assert moved.dtype == torch.bfloat16 and moved.shape == big.shape
+    assert moved.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    assert placed.lm_head.weight is placed.model.embed_tokens.weight

@@ -73,6 +73,22 @@ def test_decode_matches_the_torch_backend(dtype: torch.dtype, heads: int, kv_hea
     torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_padded_rows_read_nothing_and_give_zeros(splits: int) -> None:
+    """A CUDA graph's padding rows: context 0 (and a max context far past every real row's,
+    as a graph captures it); the real rows' outputs are unchanged, the padding's are zeros."""
+    torch.manual_seed(splits)
+    block_size, contexts = 16, [20, 0, 35, 0]
+    cache = _cache(8, block_size, 2, 64, torch.float32)
+    tables = _tables([c or 1 for c in contexts], block_size, 8, torch.Generator().manual_seed(1))
+    query = torch.randn(len(contexts), 4, 64)
+    got = paged_decode_attention(query, cache, tables, torch.tensor(contexts), 128, 0.125, splits)
+    real = [0, 2]
+    want = paged_decode_attention(query[real], cache, tables[real], torch.tensor([20, 35]), 35, 0.125, 1)
+    torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
+    assert got[[1, 3]].eq(0).all()
+
+
 def test_decode_splits_fill_the_device_but_keep_a_few_blocks_each() -> None:
     assert decode_splits(rows=1, kv_heads=8, max_blocks=4, target_programs=264) == 1
     assert decode_splits(rows=1, kv_heads=8, max_blocks=512, target_programs=264) == 33

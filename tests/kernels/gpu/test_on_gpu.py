@@ -1,0 +1,87 @@
+"""What only a GPU can show: the Triton kernels compiled (not interpreted) in bf16, CUDA graphs
+against eager steps, and pinned staging into device memory. Skipped without a GPU; on one,
+run with TRITON_INTERPRET=0 (the conftests default it to 1): `bash scripts/gpu_check.sh`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tandem.kernels.gpu import interpreted
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or interpreted(),
+                                reason="needs a GPU and TRITON_INTERPRET=0 (scripts/gpu_check.sh)")
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 512, "intermediate_size": 1536,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "vocab_size": 4096, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "eos_token_id": 2,
+}
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_bf16_decode_attention_matches_the_torch_backend(splits: int) -> None:
+    from tandem.kernels.base import AttentionMetadata, kv_cache_shape
+    from tandem.kernels.gpu.decode_attention import paged_decode_attention
+    from tandem.kernels.torch_attention import TorchAttentionBackend
+
+    torch.manual_seed(0)
+    block_size, contexts = 16, [1, 17, 200, 513]
+    blocks = sum(-(-c // block_size) for c in contexts)
+    cache = torch.randn(kv_cache_shape(blocks, block_size, 8, 128), dtype=torch.bfloat16, device="cuda")
+    tables = torch.randperm(blocks, device="cuda")
+    rows, start = [], 0
+    width = max(-(-c // block_size) for c in contexts)
+    table = torch.zeros(len(contexts), width, dtype=torch.long, device="cuda")
+    for i, c in enumerate(contexts):
+        n = -(-c // block_size)
+        table[i, :n] = tables[start:start + n]
+        start += n
+        rows.append(i)
+    lens = torch.tensor(contexts, device="cuda")
+    query = torch.randn(len(contexts), 32, 128, dtype=torch.bfloat16, device="cuda")
+    got = paged_decode_attention(query, cache, table, lens, max(contexts), 128 ** -0.5, splits)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(contexts), table.cpu(), lens.cpu(),
+                             max(contexts), [], block_size)
+    want = TorchAttentionBackend()._decode(query.float().cpu(), cache.float().cpu(), meta, 128 ** -0.5)
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+def _tokens(model_dir: str, eager: bool, dtype: str) -> list[list[int]]:
+    from tandem.llm import LLM
+    from tandem.types import SamplingParams
+
+    llm = LLM(model_dir, load_format="dummy", dtype=dtype, device="cuda", enforce_eager=eager,
+              max_model_len=512, kv_cache_memory="1GiB", max_cudagraph_batch=16)
+    try:
+        prompts = [[(13 * i + 7 * j) % 4000 + 10 for j in range(5 + 9 * i)] for i in range(11)]
+        outs = llm.generate(prompts[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        outs += llm.generate(prompts, [SamplingParams(max_tokens=4 + i, temperature=0, ignore_eos=True)
+                                       for i in range(11)])
+        runner = llm.engine.core.executor.worker.runner
+        assert (runner.decode_graphs is None) == eager
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def test_cuda_graphs_give_the_eager_tokens(tmp_path) -> None:
+    """fp32 (no tf32), so a padded batch's GEMMs give each row the eager values: 3 rows run as
+    the size-4 graph, 11 as 16, shrinking as requests finish."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert _tokens(str(tmp_path), False, "float32") == _tokens(str(tmp_path), True, "float32")
+
+
+def test_staged_copies_equal_a_plain_copy() -> None:
+    from tandem.loader.device_copy import StagedDeviceCopies
+
+    source = torch.randn(300 << 18)  # 300 MiB of fp32
+    plain = torch.empty(source.shape, dtype=torch.bfloat16, device="cuda")
+    plain.copy_(source)
+    staged = torch.empty_like(plain)
+    with StagedDeviceCopies(torch.device("cuda"), chunk_bytes=16 << 20) as mode:
+        staged.copy_(source)
+    assert mode.chunks > 4 and torch.equal(staged, plain)

@@ -1,0 +1,60 @@
+"""`--device` and `--dtype auto`: settled without torch, from what torch was built for and the
+driver's device nodes; a GPU asked for where there is none is a clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tandem import device
+from tandem.config import LoadConfig
+from tandem.device import cuda_visible, resolve_device, resolve_dtype, torch_cuda_version
+
+
+def test_this_cpu_build_sees_no_gpu() -> None:
+    assert torch_cuda_version() is None  # CI and the dev box install torch's CPU wheel
+    assert not cuda_visible()
+    assert resolve_device("auto") == "cpu"
+    assert LoadConfig() == LoadConfig(dtype="float32", device="cpu")
+
+
+def test_a_cuda_build_is_read_from_version_py(tmp_path, monkeypatch) -> None:
+    package = tmp_path / "torch"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "version.py").write_text("__version__ = '2.11.0'\ncuda: Optional[str] = '12.8'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    try:
+        assert torch_cuda_version() == "12.8"
+    finally:
+        monkeypatch.undo()
+    nodes = tmp_path / "dev"
+    monkeypatch.setattr(device, "torch_cuda_version", lambda: "12.8")
+    monkeypatch.setattr(device, "_NVIDIA_CONTROL", nodes / "nvidiactl")
+    assert not cuda_visible()  # a CUDA wheel, but no driver
+
+
+def test_dtype_auto_follows_the_device() -> None:
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("float16", "cuda") == "float16"
+    assert LoadConfig(dtype="auto", device="cpu").dtype == "float32"
+    with pytest.raises(ValueError, match="--device must be one of auto, cpu, cuda"):
+        LoadConfig(device="tpu")
+
+
+def test_the_api_process_settles_the_device_without_torch() -> None:
+    code = ("import sys; from tandem.config import LoadConfig; c = LoadConfig(); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(c.device, c.dtype)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["cpu", "float32"]
+
+
+def test_cuda_where_there_is_none_is_a_clear_error(capsys) -> None:
+    from tandem.cli import main
+
+    assert main(["generate", "--device", "cuda", "--prompt", "hi", "--max-tokens", "1"]) == 2
+    assert "--device cuda: this torch sees no GPU" in capsys.readouterr().err
