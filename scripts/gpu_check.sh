@@ -17,3 +17,14 @@ print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_d
 PY
 python -m pytest -q -x -p no:cacheprovider tests/kernels/gpu/test_on_gpu.py "$@"
 python -m tandem bench gpu --output-dir "${OUT:-bench-results}"
+# Cold start: a random Llama-3.1-8B checkpoint (16 GB of bf16 safetensors) written to local
+# disk, then loaded onto the GPU through pinned staging, against dd of the same files.
+CKPT="${TMPDIR:-/tmp}/tandem-llama-3.1-8b-random"
+[ -f "$CKPT/config.json" ] || python - "$CKPT" <<'PY'
+import sys
+from pathlib import Path
+from tandem.bench.cold_start import write_random_checkpoint
+write_random_checkpoint(Path("tandem/bench/configs/llama-3.1-8b.json"), Path(sys.argv[1]))
+PY
+python -m tandem bench load "$CKPT" --device cuda --dtype bfloat16 --repeats 2 --warmup 1 --no-warm \
+  --output-dir "${OUT:-bench-results}"

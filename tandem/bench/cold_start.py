@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import shutil
 import statistics
@@ -61,6 +62,9 @@ def add_load_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--workers", type=int, default=None, metavar="N",
                         help="loader threads per process (default: the loader's, two per core, 4 to 16)")
     parser.add_argument("--no-warm", action="store_true", help="skip the loads with the page cache warm")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model is built and filled: cuda copies through pinned staging buffers, "
+                             "rank r to GPU r (default: cpu)")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     parser.set_defaults(handler=cmd_load)
 
@@ -79,7 +83,8 @@ def _io_read_bytes() -> int | None:
     return None
 
 
-def measure(hf_dir: Path, dtype: str, rank: int, size: int, workers: int | None) -> dict[str, Any]:
+def measure(hf_dir: Path, dtype: str, rank: int, size: int, workers: int | None,
+            device_type: str = "cpu") -> dict[str, Any]:
     """Build this rank's model and load its weights, once the parent says go (stdin)."""
     import resource
 
@@ -92,13 +97,19 @@ def measure(hf_dir: Path, dtype: str, rank: int, size: int, workers: int | None)
     config = read_model_config(hf_dir)
     tp = TensorParallel(rank, size)
     positions = min(config.max_position_embeddings, 8192)
+    device = torch.device("cuda", rank) if device_type == "cuda" else None
+    if device is not None:
+        torch.cuda.set_device(device)
+        torch.empty(1, device=device)  # the CUDA context, before the clock starts
     print("ready", flush=True)
     sys.stdin.readline()
     read0, usage0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF)
     start = time.monotonic()  # system-wide: the ranks' clocks agree
-    model = build_model(config, TorchAttentionBackend(), positions, getattr(torch, dtype), tp)
+    model = build_model(config, TorchAttentionBackend(), positions, getattr(torch, dtype), tp, device=device)
     built = time.monotonic()
-    load_weights(model, hf_dir, workers)
+    load_weights(model, hf_dir, workers, device=device)
+    if device is not None:
+        torch.cuda.synchronize(device)
     end = time.monotonic()
     read1, usage = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -108,6 +119,49 @@ def measure(hf_dir: Path, dtype: str, rank: int, size: int, workers: int | None)
         "held_bytes": held, "user_s": usage.ru_utime - usage0.ru_utime, "sys_s": usage.ru_stime - usage0.ru_stime,
         "minor_faults": usage.ru_minflt - usage0.ru_minflt, "major_faults": usage.ru_majflt - usage0.ru_majflt,
     }
+
+
+def write_random_checkpoint(config_file: Path, out_dir: Path, shard_bytes: int = 5 << 30,
+                            dtype: str = "bfloat16", seed: int = 0) -> list[Path]:
+    """A checkpoint of random weights for `config_file` (a Llama-shaped config.json), in
+    safetensors shards of about `shard_bytes` named as transformers names them, so a cold
+    start can be measured on a model whose weights are not on the machine. The tensors' names
+    and shapes come from transformers' model built on the meta device (nothing allocated)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(config_file, out_dir / "config.json")
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(str(out_dir))).state_dict().items() if "rotary_emb" not in name}
+    generator = torch.Generator().manual_seed(seed)
+    run_dtype = getattr(torch, dtype)
+    element = torch.empty((), dtype=run_dtype).element_size()
+    written: list[Path] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:  # each shard is written as it fills: one in memory at a time
+        path = out_dir / f"shard-{len(written) + 1:05d}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append(path)
+        shard.clear()
+
+    for name, shape in shapes.items():
+        nbytes = element * math.prod(shape)
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = (torch.randn(shape, generator=generator) * 0.02).to(run_dtype)
+        size += nbytes
+    if shard:
+        flush()
+    paths = [out_dir / f"model-{i:05d}-of-{len(written):05d}.safetensors" for i in range(1, len(written) + 1)]
+    for old, new in zip(written, paths, strict=True):
+        old.rename(new)
+    return paths
 
 
 # --- the parent --------------------------------------------------------------------------
@@ -177,6 +231,8 @@ def _timed(kind: str, hf_dir: Path, args: argparse.Namespace, files: list[Path])
                "--tensor-parallel-size", str(size)]
     if args.workers:
         command += ["--workers", str(args.workers)]
+    if args.device != "cpu":
+        command += ["--device", args.device]
     if kind == "dd":
         command.append("--dd")
     ranks = [subprocess.Popen([*command, "--rank", str(rank)], env=env, stdin=subprocess.PIPE,
@@ -283,7 +339,8 @@ def _median(values: list[Any]) -> Any:
 
 def report(summary: dict[str, Any], name: str, files: list[Path], total: int, args: argparse.Namespace) -> str:
     size = args.tensor_parallel_size
-    lines = [f"cold start of {name}: {len(files)} file(s), {total / 1e9:.3f} GB, built in {args.dtype}, "
+    where = "" if args.device == "cpu" else f" on {args.device} (pinned staging)"
+    lines = [f"cold start of {name}: {len(files)} file(s), {total / 1e9:.3f} GB, built in {args.dtype}{where}, "
              f"{size} rank(s), median of {args.repeats}"]
     lines.append(f"{'':<22} {'seconds':>8} {'GB/s':>7} {'vs dd':>7} {'best s':>8}")
     dd = summary["dd"]
@@ -382,11 +439,13 @@ def _main() -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     if args.dd:
         print(json.dumps(measure_dd(args.measure)))
     else:
-        print(json.dumps(measure(args.measure, args.dtype, args.rank, args.tensor_parallel_size, args.workers)))
+        print(json.dumps(measure(args.measure, args.dtype, args.rank, args.tensor_parallel_size, args.workers,
+                                 args.device)))
     return 0
 
 

@@ -59,3 +59,27 @@ def test_two_ranks_each_read_their_share(model_dir: Path, tmp_path: Path) -> Non
     if data["summary"]["cache_drop"] == "ok":
         assert data["summary"]["cold"]["cached_after"] >= 0.9 * data["bytes"]  # together: all of it
         assert "the ranks together read" in stdout
+
+
+def test_a_random_checkpoint_loads_into_the_engine(tmp_path) -> None:
+    """`write_random_checkpoint` (the GPU cold start's model): transformers' names and shapes
+    in shards, which tandem's loader fills its model from completely."""
+    import json
+
+    import torch
+
+    from tandem.bench.cold_start import write_random_checkpoint
+    from tandem.kernels.torch_attention import TorchAttentionBackend
+    from tandem.loader.model_loader import build_model, load_weights, read_model_config
+
+    config = tmp_path / "source.json"
+    config.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 512, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}))
+    paths = write_random_checkpoint(config, tmp_path / "model", shard_bytes=200_000)
+    assert len(paths) > 1 and all(p.name.endswith(f"-of-{len(paths):05d}.safetensors") for p in paths)
+    hf_dir = tmp_path / "model"
+    model = build_model(read_model_config(hf_dir), TorchAttentionBackend(), 64, torch.bfloat16)
+    load_weights(model, hf_dir)  # raises if any weight is missing
+    assert model.model.layers[1].mlp.down_proj.weight.float().std().item() == pytest.approx(0.02, rel=0.1)
