@@ -187,12 +187,12 @@ def engine_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def settle_device(args: argparse.Namespace) -> None:
-    """Replace `--device auto` and `--dtype auto` in `args` by what they mean on this host, so
-    every reader (the GGUF conversion, the bench's peers, the child processes' argv) sees the
-    dtype the engine will run in. A command without the engine flags is left alone."""
+    """Replace `--dtype auto` in `args` by what it means on the device this host gives, so every
+    reader (the GGUF conversion, the bench's peers, the child processes' argv) sees the dtype
+    the engine will run in. `--device` stays as given: each engine settles it the same way. A
+    command without the engine flags is left alone."""
     if hasattr(args, "device") and hasattr(args, "dtype") and args.device in DEVICES:
-        args.device = resolve_device(args.device)
-        args.dtype = resolve_dtype(args.dtype, args.device)
+        args.dtype = resolve_dtype(args.dtype, resolve_device(args.device))
 
 
 def engine_argv(args: argparse.Namespace, exclude: Collection[str] = ()) -> list[str]:
