@@ -7,7 +7,7 @@ from torch import nn
 
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.layers.linear import GateUpLinear
-from tandem.layers.norm import RMSNorm
+from tandem.layers.norm import NormPass, RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
 
@@ -20,3 +20,11 @@ def attach_layer_ops(model: nn.Module, ops: LayerOpsKernel) -> int:
         module.ops = ops
     model.layer_ops = ops
     return len(users)
+
+
+def attach_norm_pass(model: nn.Module, norm: NormPass) -> int:
+    """Give every RMSNorm of `model` `norm` (the Triton kernel, on a GPU); returns how many."""
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for module in norms:
+        module.ops = norm
+    return len(norms)

@@ -1,19 +1,28 @@
 """RMSNorm computed in fp32 and cast back, exactly as transformers does it.
 
-In bf16 that formula is eight torch ops; with the C pass attached (attach_layer_ops) it is one
-call with the same roundings (tandem/kernels/layer_ops.py)."""
+In bf16 that formula is eight torch ops; with a pass attached it is one call with the same
+roundings: the C pass on the CPU (attach_layer_ops, tandem/kernels/layer_ops.py), the Triton
+kernel on a GPU (attach_norm_pass, tandem/kernels/gpu/rms_norm.py)."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.layer_ops import LayerOpsKernel
+
+class NormPass(Protocol):
+    """One call for the whole formula, where it takes the rows."""
+
+    def takes_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
-    ops: LayerOpsKernel | None = None
+    ops: NormPass | None = None
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

@@ -36,7 +36,7 @@ from tandem.kernels.layer_ops import load_layer_ops
 from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorWorker
 from tandem.kvcache.connector.factory import make_connector_worker
-from tandem.layers.fused_ops import attach_layer_ops
+from tandem.layers.fused_ops import attach_layer_ops, attach_norm_pass
 from tandem.layers.int8 import int8_available
 from tandem.layers.linear import (
     SmallStepWeights,
@@ -276,6 +276,10 @@ class Worker:
             staged = None
         else:
             staged = load_weights(model, hf_dir, device=self.device)
+        if getattr(self._backend, "name", "") == "triton":
+            from tandem.kernels.gpu.rms_norm import TritonNorm
+
+            attach_norm_pass(model, TritonNorm())  # one kernel per norm instead of eight ops
         torch.cuda.synchronize(self.device)
         if self.rank == 0:
             seconds = time.perf_counter() - started

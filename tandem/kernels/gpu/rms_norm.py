@@ -45,3 +45,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
         )
     return out
+
+
+class TritonNorm:
+    """`RMSNorm`'s pass on a GPU (tandem/layers/norm.py `NormPass`): rows whose last dimension
+    is dense, in half precision (fp32 keeps torch's fused op); q/k norms' [T, heads, dim]
+    go as T * heads rows."""
+
+    @staticmethod
+    def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        from tandem.kernels.gpu import available
+
+        return (x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 2 and x.is_contiguous()
+                and weight.is_contiguous() and available(x.device.type) is None)
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x.view(-1, x.shape[-1]), weight, eps).view(x.shape)

@@ -163,3 +163,20 @@ def test_the_backend_refuses_what_its_kernels_cannot_read() -> None:
         TritonAttentionBackend.check(torch.zeros(kv_cache_shape(4, 8, 2, 64)))
     with pytest.raises(ValueError, match="key and a value plane"):
         TritonAttentionBackend.check(torch.zeros(kv_cache_shape(4, 16, 1, 64, num_planes=1)))
+
+
+@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 64)])
+def test_rms_norm_module_through_the_triton_pass(shape: tuple[int, ...]) -> None:
+    """RMSNorm with the GPU's pass attached (here interpreted, in fp16: the interpreter mangles
+    bf16): transformers' formula, also for q/k norms' [T, heads, dim]; fp32 keeps torch's op."""
+    from tandem.kernels.gpu.rms_norm import TritonNorm
+    from tandem.layers.fused_ops import attach_norm_pass
+
+    torch.manual_seed(3)
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data = torch.randn(shape[-1]).half()
+    x = torch.randn(shape).half()
+    want = norm(x)
+    assert attach_norm_pass(norm, TritonNorm()) == 1 and TritonNorm.takes_norm(x, norm.weight)
+    torch.testing.assert_close(norm(x), want, atol=2e-3, rtol=2e-3)
+    assert not TritonNorm.takes_norm(x.float(), norm.weight.float())
