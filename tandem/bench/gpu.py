@@ -12,7 +12,12 @@ tandem/bench/configs), in bf16, all in one run:
    achieved TFLOP/s (2 x the weights' multiply-adds per token plus attention's) against the
    matmul rate; the goal is >= 60%;
 4. tandem and transformers (`generate`, greedy, static lengths), --batch sequences of
-   --prompt-len tokens, --output-len tokens each: output tokens/s.
+   --prompt-len tokens, --output-len tokens each: output tokens/s;
+5. KV room: the tokens tandem's paged cache holds at its budget (90% of the device, less the
+   weights and one step's activations), what vLLM's defaults would hold on this GPU (tandem's
+   memory plan of vLLM's policy), and how many of the throughput run's sequences fit in the
+   same bytes as a contiguous cache reserved at the engine's context length, as transformers'
+   static cache reserves it, against tandem's pages, which hold what the sequences use.
 
 The engine's own memory split (weights, activation plan, KV) is logged as it starts.
 Writes the figures as JSON to --output-dir.
@@ -135,6 +140,29 @@ def decode_step_seconds(llm: Any, prompt_len: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def kv_room(llm: Any, config: dict[str, Any], max_len: int, kv_per_token: int, sequence_len: int,
+            device_bytes: int) -> dict[str, Any]:
+    """tandem's KV tokens beside vLLM's defaults (planned) and a contiguous per-sequence cache."""
+    from tandem.plan.devices import parse_devices
+    from tandem.plan.memory import PlanRequest, plan_memory
+
+    core = llm.engine.core
+    tokens = core.num_blocks * core.block_size
+    kv_bytes = tokens * kv_per_token
+    request = PlanRequest(parse_devices(f"1xgpu:{device_bytes}B"), dtype="bfloat16")
+    planned = plan_memory(config, request)
+    vllm_tokens = planned.vllm.kv_tokens if planned.vllm is not None else None
+    room = {"tandem_tokens": tokens, "tandem_gib": kv_bytes / (1 << 30), "vllm_default_tokens": vllm_tokens,
+            "contiguous_sequences": kv_bytes // (max_len * kv_per_token),
+            "paged_sequences": tokens // sequence_len}
+    vllm = "?" if vllm_tokens is None else f"{vllm_tokens:,}"
+    print(f"KV: tandem {tokens:,} tokens in {room['tandem_gib']:.1f} GiB; vLLM's defaults here (planned): "
+          f"{vllm} tokens; sequences of {sequence_len} tokens in the same bytes: "
+          f"{room['paged_sequences']:,} paged, {room['contiguous_sequences']:,} in a contiguous cache "
+          f"reserved at {max_len} positions each")
+    return room
+
+
 def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
     from tandem.types import SamplingParams
 
@@ -196,6 +224,9 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
         for name, eager in modes:
             llm = _engine(workdir, eager, max_len, max(args.batch, args.prefill_prompts))
             try:
+                if not eager:
+                    results["kv"] = kv_room(llm, config, max_len, kv_per_token, args.prompt_len + args.output_len,
+                                            torch.cuda.mem_get_info()[1])
                 step = decode_step_seconds(llm, decode_prompt, args.decode_steps)
                 read = weight_bytes + kv_per_token * (decode_prompt + args.decode_steps // 2)
                 bound = read / (limits["copy_gb_s"] * 1e9)

@@ -30,3 +30,25 @@ def test_config_names_and_files(tmp_path) -> None:
 def test_refuses_without_a_gpu(capsys) -> None:
     assert main(["bench", "gpu", "--no-transformers"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_kv_room_beside_vllm_and_a_contiguous_cache(tmp_path, capsys) -> None:
+    """The bench's KV line on a small dummy model here (the GPU's total passed in)."""
+    from tandem.bench.gpu import kv_room
+    from tandem.llm import LLM
+
+    config = json.loads(config_path("llama-3.1-8b").read_text())
+    config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=1024)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory="8MiB", max_model_len=512)
+    try:
+        kv_per_token = 2 * 4 * 2 * 2 * 64  # K and V, fp32, 2 layers, 2 heads, 64 dims
+        room = kv_room(llm, config, 512, kv_per_token, 256, 80 << 30)
+    finally:
+        llm.shutdown()
+    assert room["tandem_tokens"] == 8 * 2**20 // (kv_per_token * 16) * 16
+    assert room["paged_sequences"] == room["tandem_tokens"] // 256
+    assert room["contiguous_sequences"] == room["tandem_tokens"] // 512
+    assert room["vllm_default_tokens"] > 0
+    assert "vLLM's defaults here (planned)" in capsys.readouterr().out
