@@ -291,6 +291,9 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None: derived from free memory at start
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8": float8 e4m3 with a scale of 1.0, as vLLM's default fp8
+    # cache (the Triton backend only: it widens as it reads). Half the bytes: twice the tokens.
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory: str | int | None = None,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
@@ -74,6 +75,7 @@ class LLM:
                 block_size=block_size,
                 kv_cache_memory_bytes=None if kv_cache_memory is None else parse_memory_size(kv_cache_memory),
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -155,8 +155,10 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 
 def make_attention_backend(choice: str, cache_dir: Path, device_type: str = "cpu") -> AttentionBackend:
     """`--attention-backend`: "torch", "cpu" (the kernel, or an error), "triton" (the Triton
-    kernels: on a GPU, or on this CPU under TRITON_INTERPRET=1), or "auto" (the C kernel
-    when it builds, else torch with a warning)."""
+    kernels: on a GPU, or on this CPU under TRITON_INTERPRET=1), or "auto" (on a GPU Triton,
+    else the C kernel when it builds, else torch with a warning)."""
+    if choice == "auto" and device_type == "cuda":
+        choice = "triton"  # a GPU's backend; the C kernels read host memory
     if choice == "torch":
         return TorchAttentionBackend()
     if choice == "triton":

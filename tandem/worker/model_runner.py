@@ -252,6 +252,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE_RANK,
         stage: PipelineStage | None = None,
         device: torch.device | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = device = device or torch.device("cpu")
@@ -264,14 +265,15 @@ class ModelRunner:
         shape = kv_cache_shape(num_blocks, block_size, spec.num_heads, spec.head_dim, spec.num_planes)
         full_shape = (stage.num_layers, *shape)  # this stage's layers only
         self.kv_shm_path = kv_shm_path
+        cache_dtype = kv_dtype or dtype  # float8 under --kv-cache-dtype fp8; the model keeps its own
         if device.type != "cpu":
             if kv_shm_path:
                 raise ValueError("a KV cache in shared host memory needs --device cpu")
-            self.kv_cache = torch.zeros(full_shape, dtype=dtype, device=device)
+            self.kv_cache = torch.zeros(full_shape, dtype=cache_dtype, device=device)
         elif kv_shm_path:
-            self.kv_cache = shared_zeroed(kv_shm_path, full_shape, dtype)
+            self.kv_cache = shared_zeroed(kv_shm_path, full_shape, cache_dtype)
         else:
-            self.kv_cache = lazily_zeroed(full_shape, dtype)
+            self.kv_cache = lazily_zeroed(full_shape, cache_dtype)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed, getattr(model, "layer_ops", None))  # the C argmax, where attached
         self.rejection_sampler = RejectionSampler(self.sampler)

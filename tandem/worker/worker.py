@@ -158,7 +158,8 @@ class Worker:
         model_config = read_model_config(resolved.hf_dir)
         self.stage = self._pipeline_stage(model_config.num_hidden_layers)
         cache = config.cache
-        block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.dtype, self.tp.size,
+        self.kv_dtype = self._kv_dtype()
+        block_bytes = kv_bytes_per_block(model_config, cache.block_size, self.kv_dtype, self.tp.size,
                                          self.stage.num_layers)
         if cache.kv_cache_memory_bytes:
             budget = cache.kv_cache_memory_bytes
@@ -201,6 +202,26 @@ class Worker:
             tp_rank=self.tp.rank,
         )
         return self._info
+
+    def _kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the model's, or float8 e4m3 under --kv-cache-dtype fp8, which
+        only the Triton kernels read (they widen each block as they load it) and which no
+        connector moves yet (their layouts and stores assume the model's dtype)."""
+        config = self.config
+        choice = config.cache.kv_cache_dtype
+        if choice == "auto":
+            return self.dtype
+        if choice != "fp8":
+            raise ValueError(f"--kv-cache-dtype must be auto or fp8, not {choice!r}")
+        backend = config.load.attention_backend
+        if not (backend == "triton" or (backend == "auto" and self.device.type == "cuda")):
+            raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "
+                             "--attention-backend triton under TRITON_INTERPRET=1)")
+        if (config.kv_transfer.role != "both" or config.kv_tiers.enabled or config.kv_transfer.shared_memory
+                or config.speculative.method):
+            raise ValueError("--kv-cache-dtype fp8 does not yet work with --role prefill/decode, the KV tiers, "
+                             "a shared-memory KV cache or speculative decoding")
+        return torch.float8_e4m3fn
 
     def _pipeline_stage(self, num_layers: int) -> PipelineStage:
         """This rank's stage: its layers, and the peers it receives from and sends to."""
@@ -388,7 +409,7 @@ class Worker:
             self.kv_shm_path = f"/dev/shm/tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
                                   config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
-                                  tp=self.tp, stage=self.stage, device=self.device)
+                                  tp=self.tp, stage=self.stage, device=self.device, kv_dtype=self.kv_dtype)
         if self.device.type == "cuda" and not config.load.enforce_eager:
             self.runner.capture_decode_graphs(config.load.max_cudagraph_batch, self._info.max_model_len)
         if self._proposer is not None:
@@ -402,7 +423,7 @@ class Worker:
         spec = rank_kv_spec(model, self.tp)  # what this rank's cache holds, and moves
         assert self.stage is not None
         layout = KVLayout(self.stage.num_layers, spec.num_heads, config.cache.block_size,
-                          spec.head_dim, config.load.dtype, spec.num_planes)
+                          spec.head_dim, str(self.kv_dtype).removeprefix("torch."), spec.num_planes)
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
                                self.rank, self.world_size, self.kv_shm_path, self._info.fingerprint)
         return self.connector.register_kv_cache(access)

@@ -85,3 +85,23 @@ def test_staged_copies_equal_a_plain_copy() -> None:
     with StagedDeviceCopies(torch.device("cuda"), chunk_bytes=16 << 20) as mode:
         staged.copy_(source)
     assert mode.chunks > 4 and torch.equal(staged, plain)
+
+
+def test_fp8_kv_cache_on_the_gpu(tmp_path) -> None:
+    """--kv-cache-dtype fp8 in bf16 on a GPU: twice the blocks of a bf16 cache, CUDA graphs
+    over it, and the same first tokens as the bf16 cache on random weights."""
+    from tandem.llm import LLM
+    from tandem.types import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    runs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", device="cuda", kv_cache_dtype=kv,
+                  max_model_len=512, kv_cache_memory="256MiB", max_cudagraph_batch=8)
+        try:
+            out = llm.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            runs[kv] = (llm.engine.core.num_blocks, out[0].outputs[0].token_ids)
+        finally:
+            llm.shutdown()
+    assert 2 * runs["auto"][0] <= runs["fp8"][0] < 2 * (runs["auto"][0] + 1)
+    assert runs["fp8"][1][:1] == runs["auto"][1][:1]
