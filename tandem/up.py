@@ -472,6 +472,7 @@ def banner(plan: ClusterPlan) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    flags.settle_device(args)  # --dtype auto -> this host's dtype (the CLI did it; direct callers may not)
     from tandem.loader.resolve import resolve_model
 
     worker_roles(args)  # bad counts fail before anything starts

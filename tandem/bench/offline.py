@@ -61,7 +61,7 @@ from tandem.bench.offline_workloads import (
     compute_metrics,
     warmup_prompt,
 )
-from tandem.flags import ENGINE_FLAGS, add_engine_args, engine_values
+from tandem.flags import ENGINE_FLAGS, add_engine_args, engine_values, settle_device
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +274,7 @@ def _log_tail(path: Path, lines: int = 3) -> str:
 # --- the command ---------------------------------------------------------------------------
 
 def cmd_offline(args: argparse.Namespace) -> int:
+    settle_device(args)  # --dtype auto -> this host's dtype (the CLI did it; direct callers may not)
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 

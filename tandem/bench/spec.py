@@ -72,7 +72,7 @@ from tandem.bench.spec_workloads import (
     conversations,
 )
 from tandem.config import DECODE_WEIGHT_FORMATS
-from tandem.flags import add_engine_args, engine_values
+from tandem.flags import add_engine_args, engine_values, settle_device
 
 logger = logging.getLogger(__name__)
 
@@ -511,6 +511,7 @@ def write_report(out_dir: Path, text: str, report: dict[str, Any], rows: list[di
 # --- the command --------------------------------------------------------------------------------
 
 def cmd_spec(args: argparse.Namespace) -> int:
+    settle_device(args)  # --dtype auto -> this host's dtype (the CLI did it; direct callers may not)
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 

@@ -163,7 +163,7 @@ def test_ratio_rows_schema() -> None:
 
 def test_parser_and_engine_selection() -> None:
     args = _parser().parse_args(["offline", "--scale", "0.1"])
-    assert callable(args.handler) and args.scale == 0.1 and args.dtype == "float32"
+    assert callable(args.handler) and args.scale == 0.1 and args.dtype == "auto"  # settled by the command
     assert select_engines(args) == ["tandem", "transformers"]
     args = _parser().parse_args(["offline", "--vllm-python", "/x/python"])
     assert select_engines(args) == ["tandem", "transformers", "vllm"]
