@@ -297,19 +297,21 @@ def test_float32_decode_weights_match_transformers(reference: torch.nn.Module) -
         for m, rows in kept.items():
             m.small_dense = rows
         calls = 0
-        gemv = model.lm_head.small_dense.kernel.gemv
+        bounded = model.lm_head.bounded_greedy
+        tokens = bounded.tokens
 
         def counted(*args, **kwargs):
             nonlocal calls
             calls += 1
-            return gemv(*args, **kwargs)
+            return tokens(*args, **kwargs)
 
-        model.lm_head.small_dense.kernel.gemv = counted
+        bounded.tokens = counted
         params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         outputs = [llm.generate([prompt], params)[0] for prompt in PROMPTS[3:6]]
-    # the head, at each step: the prompt's last row and 31 decode steps (the layers' GEMVs are
-    # called from C)
-    assert calls == 3 * 32
+    # greedy rows skip the fp32 logits: the head's bf16 copy, then its candidates' fp32 logits,
+    # at each step (the prompt's last row and 31 decode steps)
+    assert calls == 3 * 32 and bounded.rows_seen == 3 * 32
+    assert bounded.candidates_seen < 200 * bounded.rows_seen  # 7-8 a row on random hidden states
     assert _assert_matches_reference(outputs, reference) <= 1
 
 

@@ -32,6 +32,8 @@ _SIGNATURES = {
     "tandem_silu_mul_f32": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "tandem_silu_mul_bf16": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "tandem_argmax_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
+    "tandem_bounded_candidates_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _PTR, _I64,
+                                               _INT]),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -48,6 +50,7 @@ class LayerOpsKernel:
         self._rotary = {dtype: functions[f"tandem_rotary_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._silu_mul = {dtype: functions[f"tandem_silu_mul_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._argmax = functions["tandem_argmax_f32"]
+        self._bounded = functions["tandem_bounded_candidates_bf16"]
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
     def rms_norm_entry(self, dtype: torch.dtype = torch.bfloat16) -> object:
@@ -112,6 +115,24 @@ class LayerOpsKernel:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads())
         return out
+
+
+    @staticmethod
+    def takes_candidates(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
+
+    def bounded_candidates(self, x: torch.Tensor, norm_terms: torch.Tensor, output_factor: float,
+                           capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 rows [R, V] -> (counts [R], ids [R, capacity]): per row, the ids at or above
+        top - 2 * (norm_terms[r] + output_factor * max|row|), ascending; a count above
+        `capacity` means more than were kept, 0 a row with a NaN (bounded_greedy.py)."""
+        rows, cols = x.shape
+        norm_terms = norm_terms.to(torch.float64).contiguous()
+        counts = torch.empty(rows, dtype=torch.int64)
+        ids = torch.empty(rows, capacity, dtype=torch.int64)
+        self._bounded(x.data_ptr(), rows, cols, x.stride(0), norm_terms.data_ptr(), output_factor,
+                      counts.data_ptr(), ids.data_ptr(), capacity, torch.get_num_threads())
+        return counts, ids
 
 
 def load_layer_ops(cache_dir: Path) -> LayerOpsKernel | None:

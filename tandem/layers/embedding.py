@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
+from tandem.layers.bounded_greedy import BoundedGreedyHead
 from tandem.layers.linear import LinearWeights
 
 
@@ -70,6 +71,9 @@ class LMHead(LinearWeights, nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard.rows, hidden_size), requires_grad=False)
         self.bias = None
         self.tied = False  # the weight is the embedding's: never drop it
+        # --decode-weights float32: greedy tokens from a bf16 copy, proven equal to the fp32
+        # argmax (layers/bounded_greedy.py); set by the worker.
+        self.bounded_greedy: BoundedGreedyHead | None = None
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight

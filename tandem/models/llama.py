@@ -229,6 +229,14 @@ class LlamaForCausalLM(nn.Module):
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's greedy token without the fp32 logits, where the head has a bounded bf16
+        copy (layers/bounded_greedy.py); None: compute the logits."""
+        head = self.lm_head
+        if head is None or head.bounded_greedy is None or head.shard.tp.split:
+            return None
+        return head.bounded_greedy.tokens(hidden)
+
     def holds_weight(self, name: str) -> bool:
         """Whether this rank keeps checkpoint tensor `name` (pipeline stages keep their own
         layers; the embedding lives on the first stage, the norm and head on the last, and a

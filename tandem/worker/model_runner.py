@@ -395,8 +395,12 @@ class ModelRunner:
             stage.send(hidden)  # asynchronous: this stage moves on to the next micro-batch
             return result
         if batch.sample_chunks:
-            logits = self.model.compute_logits(hidden if batch.sample_rows_in_order else hidden[batch.sample_rows])
-            result.sampled = self._sample(logits, batch.sample_chunks)
+            rows = hidden if batch.sample_rows_in_order else hidden[batch.sample_rows]
+            greedy = self._greedy_without_logits(rows, batch.sample_chunks)
+            if greedy is not None:
+                result.sampled = greedy
+            else:
+                result.sampled = self._sample(self.model.compute_logits(rows), batch.sample_chunks)
         if self.drafter is not None:
             kept = {request_id: [t.token_id for t in tokens] for request_id, tokens in result.sampled.items()}
             result.draft_token_ids = self.drafter.propose(TargetStep(
@@ -404,6 +408,21 @@ class ModelRunner:
             result.draft_seconds = self.drafter.report.seconds
             result.draft_forward_seconds = self.drafter.report.guess_forward_seconds
         return result
+
+    def _greedy_without_logits(self, rows: torch.Tensor,
+                               chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]] | None:
+        """Plain greedy rows (every agent decode) through the model's bounded head, where it
+        has one: the tokens without the fp32 logits. None: take the logits path."""
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        if greedy_tokens is None or not all(
+                not c.draft_token_ids and Sampler.plain_greedy(
+                    c.state.sampling_params, len(c.state.output_token_ids) < c.state.sampling_params.min_tokens)
+                for c in chunks):
+            return None
+        tokens = greedy_tokens(rows)
+        if tokens is None:
+            return None
+        return {c.request_id: [SampledToken(t)] for c, t in zip(chunks, tokens, strict=True)}
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]]:
         if logits.device.type != "cpu" and not all(

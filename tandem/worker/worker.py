@@ -32,15 +32,17 @@ from tandem.kernels.base import AttentionBackend
 from tandem.kernels.cpu_attention import make_attention_backend
 from tandem.kernels.dense_gemv import load_dense_gemv_kernel
 from tandem.kernels.int8_rows import load_int8_rows_kernel
-from tandem.kernels.layer_ops import load_layer_ops
+from tandem.kernels.layer_ops import LayerOpsKernel, load_layer_ops
 from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorWorker
 from tandem.kvcache.connector.factory import make_connector_worker
+from tandem.layers.bounded_greedy import BoundedGreedyHead
 from tandem.layers.fused_ops import attach_layer_ops, attach_norm_pass
 from tandem.layers.int8 import int8_available
 from tandem.layers.linear import (
     SmallStepWeights,
     attach_small_step_weights,
+    onednn_available,
     pack_weights_for_cpu,
     quantize_int8,
 )
@@ -271,6 +273,8 @@ class Worker:
         if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
             logger.info("linear weights packed for oneDNN")
         ops = load_layer_ops(self._kernel_cache_dir())
+        if small_step is not None and small_step.format == "float32":
+            self._attach_bounded_greedy(model, ops)
         if ops is not None:
             attach_layer_ops(model, ops)
         stacked = small_step is not None and attach_decode_stack(model, backend, self._kernel_cache_dir(),
@@ -337,6 +341,21 @@ class Worker:
         activation = activation_peak_bytes(shape, split, stage.layers, self.stage.is_last, self.config.load.dtype,
                                            scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         return weights, activation
+
+    def _attach_bounded_greedy(self, model: torch.nn.Module, ops: LayerOpsKernel | None) -> None:
+        """--decode-weights float32 (exact fp32, faster kernels): greedy rows read a bf16 copy
+        of the LM head and compute only the candidates' fp32 logits (layers/bounded_greedy.py)."""
+        head = getattr(model, "lm_head", None)
+        if head is None or head.shard.tp.split or not onednn_available():
+            return
+        dense = getattr(head, "small_dense", None)
+        rows = dense.weight if dense is not None else head.weight
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.numel() == 0:
+            return
+        head.bounded_greedy = BoundedGreedyHead(rows, ops)
+        if self.rank == 0:
+            logger.info("greedy rows read the LM head's bf16 copy and compute only their candidates' fp32 "
+                        "logits (+%.0f MiB)", head.bounded_greedy.nbytes / (1 << 20))
 
     def _check_weights_fit(self, hf_dir: Path) -> None:
         """Refuse, before allocating anything, a share of the model this host cannot hold:
@@ -494,7 +513,8 @@ def model_bytes(model: torch.nn.Module) -> int:
         dense = getattr(module, "small_dense", None)  # --decode-weights float32: the plain rows kept
         if dense is not None:
             tensors.append(dense.weight)
-        for compact in (getattr(module, "small_quantized", None), getattr(module, "int8", None)):
+        for compact in (getattr(module, "small_quantized", None), getattr(module, "int8", None),
+                        getattr(module, "bounded_greedy", None)):
             if compact is not None:
                 total += compact.nbytes
         tensors += list(getattr(module, "packed_halves", None) or ())

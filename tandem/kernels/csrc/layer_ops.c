@@ -221,3 +221,66 @@ void tandem_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t strid
         for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols);
     }
 }
+
+/* The bounded greedy head's candidates (tandem/layers/bounded_greedy.py): for each row of bf16
+ * approximate logits, its top and the bound B = norm_terms[r] + output_factor * max|x| (the
+ * inputs' rounding and both accumulations, and the bf16 output's rounding); every id whose
+ * value is at least top - 2B could still be the fp32 maximum. Up to `capacity` ids per row
+ * go to ids[r * capacity ...], in ascending order; counts[r] is how many there were (more
+ * than `capacity`: the caller computes the logits instead), 0 where the row has a NaN. Two
+ * passes over the row, the second skipping 16 values at a time where none passes. */
+static inline float widen_bf16(uint16_t x) {
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
+    return bits.f;
+}
+
+static void bounded_row(const uint16_t *row, int64_t cols, double norm_term, double output_factor,
+                        int64_t *count, int64_t *ids, int64_t capacity) {
+    float top = -INFINITY, low = INFINITY;
+    int nan = 0;
+    for (int64_t k = 0; k < cols; k++) {
+        const float v = widen_bf16(row[k]);
+        nan |= v != v;
+        top = v > top ? v : top;
+        low = v < low ? v : low;
+    }
+    if (nan) {
+        *count = 0;
+        return;
+    }
+    const double largest = fabs((double)top) > fabs((double)low) ? fabs((double)top) : fabs((double)low);
+    const double threshold = (double)top - 2.0 * (norm_term + output_factor * largest + 1e-30);
+    float limit = (float)threshold;
+    if ((double)limit > threshold) limit = nextafterf(limit, -INFINITY); /* never above the bound */
+    int64_t n = 0;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    const __m512 bar = _mm512_set1_ps(limit);
+    for (; k + 16 <= cols; k += 16) {
+        const __m256i halves = _mm256_loadu_si256((const __m256i *)(row + k));
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+        unsigned hit = _mm512_cmp_ps_mask(v, bar, _CMP_GE_OQ);
+        while (hit) {
+            const int64_t id = k + __builtin_ctz(hit);
+            if (n < capacity) ids[n] = id;
+            n++;
+            hit &= hit - 1;
+        }
+    }
+#endif
+    for (; k < cols; k++) {
+        if (widen_bf16(row[k]) >= limit) {
+            if (n < capacity) ids[n] = k;
+            n++;
+        }
+    }
+    *count = n;
+}
+
+void tandem_bounded_candidates_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64_t stride,
+                                    const double *norm_terms, double output_factor, int64_t *counts, int64_t *ids,
+                                    int64_t capacity, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 2 && num_threads > 1)
+    for (int64_t r = 0; r < rows; r++)
+        bounded_row(x + r * stride, cols, norm_terms[r], output_factor, counts + r, ids + r * capacity, capacity);
+}
