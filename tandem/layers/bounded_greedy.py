@@ -36,8 +36,9 @@ class BoundedGreedyHead:
     """The argmax of `hidden @ weight.T` (fp32) per row, via a bf16 copy of `weight` [V, K]."""
 
     # Candidates kept per row by the C pass; more (a flat distribution) and the step computes
-    # its logits instead. SmolLM2-135M's greedy rows had 7-8 on average (ad-hoc script).
-    capacity = 512
+    # its logits instead. SmolLM2-135M's greedy rows had 7-8 on average, a few hundreds and
+    # more on prompts of nonsense (ad-hoc scripts).
+    capacity = 4096
 
     def __init__(self, weight: torch.Tensor, ops: LayerOpsKernel | None = None) -> None:
         if weight.dtype != torch.float32 or weight.dim() != 2:

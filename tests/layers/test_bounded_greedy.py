@@ -69,7 +69,7 @@ def test_too_many_candidates_fall_back_to_the_logits(ops: LayerOpsKernel | None)
     """A flat row (every logit within the bound) has more candidates than the C pass keeps;
     the torch ops keep them all and still answer fp32's argmax."""
     torch.manual_seed(2)
-    weight = torch.ones(2000, 32) + torch.randn(2000, 32) * 1e-6
+    weight = torch.ones(5000, 32) + torch.randn(5000, 32) * 1e-6  # above the 4,096 kept
     hidden = torch.randn(1, 32)
     tokens = BoundedGreedyHead(weight, ops).tokens(hidden)
     assert tokens is None if ops is not None else tokens == _fp32_argmax(hidden, weight)
