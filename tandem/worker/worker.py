@@ -429,10 +429,10 @@ class Worker:
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
                                   config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
                                   tp=self.tp, stage=self.stage, device=self.device, kv_dtype=self.kv_dtype)
-        if self.device.type == "cuda" and not config.load.enforce_eager:
-            self.runner.capture_decode_graphs(config.load.max_cudagraph_batch, self._info.max_model_len)
         if self._proposer is not None:
             self.runner.drafter = self._proposer.proposer(num_blocks, config.cache.block_size)
+        if self.device.type == "cuda" and not config.load.enforce_eager:  # after the drafter: it keeps steps eager
+            self.runner.capture_decode_graphs(config.load.max_cudagraph_batch, self._info.max_model_len)
         self.connector = make_connector_worker(config, self.rank)
         if self.connector is None:
             return {}
