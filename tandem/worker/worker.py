@@ -316,8 +316,14 @@ class Worker:
         """KV bytes on a GPU, as vLLM sizes them: --gpu-memory-utilization's 90% of the device,
         less what is in use now, the weights and one step's activation peak (both from the
         memory plan, since the model is not built yet)."""
+        from tandem.plan.errors import PlanError
+
         free, total = torch.cuda.mem_get_info(self.device)
-        weights, activation = self._planned_bytes(hf_dir)
+        try:
+            weights, activation = self._planned_bytes(hf_dir)
+        except (PlanError, OSError, ValueError, KeyError, IndexError) as error:
+            raise ValueError(f"cannot plan this model's memory on {self.device} ({error}); give the KV cache's "
+                             "size with --kv-cache-memory") from error
         budget = int(free - (1 - GPU_MEMORY_UTILIZATION) * total) - weights - activation
         if budget <= 0:
             raise ValueError(f"{self.device} has {free / (1 << 30):.1f} GiB free; the weights ({weights / (1 << 30):.1f} "
