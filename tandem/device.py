@@ -12,6 +12,7 @@ says `cuda = None`) and whether the NVIDIA driver's device nodes exist. The work
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -37,6 +38,17 @@ def cuda_visible() -> bool:
     if torch_cuda_version() is None or not _NVIDIA_CONTROL.exists():
         return False
     return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def gpu_ids() -> list[str]:
+    """The GPUs this host shows a process: CUDA_VISIBLE_DEVICES's list where it is set, else
+    one id per driver device node (/dev/nvidia0, /dev/nvidia1, ...)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [part.strip() for part in visible.split(",") if part.strip()]
+    nodes = sorted(int(path.name[len("nvidia"):]) for path in Path("/dev").glob("nvidia[0-9]*")
+                   if path.name[len("nvidia"):].isdigit())
+    return [str(node) for node in nodes]
 
 
 def resolve_device(choice: str) -> str:

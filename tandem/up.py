@@ -197,6 +197,21 @@ def default_threads(num_workers: int) -> int:
     return max(1, cores // num_workers)
 
 
+def _worker_gpus(args: argparse.Namespace, workers: int) -> list[str]:
+    """On a GPU host, one GPU per worker (each sees only its own, as CUDA_VISIBLE_DEVICES):
+    each sizes its KV cache from 90% of its device, so two on one GPU would not fit. Empty on
+    the CPU. Torch-free: the router's process plans the cluster."""
+    from tandem.device import gpu_ids, resolve_device
+
+    if resolve_device(getattr(args, "device", "auto")) != "cuda":
+        return []
+    ids = gpu_ids()
+    if len(ids) < workers:
+        raise ValueError(f"--device cuda: {workers} workers need a GPU each, this host shows {len(ids)}; "
+                         "use fewer workers or more GPUs")
+    return ids[:workers]
+
+
 def plan_cluster(
     args: argparse.Namespace,
     tokenizer_dir: Path | None,
@@ -224,6 +239,7 @@ def plan_cluster(
                 taken.add(port)
                 return port
 
+    gpus = _worker_gpus(args, len(roles))
     for role in roles:
         index = counts.get(role, 0)
         counts[role] = index + 1
@@ -267,7 +283,8 @@ def plan_cluster(
                 tuple(argv),
                 log_dir / f"{name}.log",
                 url=f"http://{host}:{port}",
-                env={**os.environ, flags.CLUSTER_SECRET_ENV: secret},
+                env={**os.environ, flags.CLUSTER_SECRET_ENV: secret,
+                     **({"CUDA_VISIBLE_DEVICES": gpus[len(workers)]} if gpus else {})},
             )
         )
     router_argv = [

@@ -596,3 +596,16 @@ def test_a_cut_link_to_a_decode_worker_under_16_streams_loses_nothing(tmp_path: 
     assert process.returncode == 0, up.stderr.read_text()[-3000:]
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert network.namespace("decode-0") not in namespaces
+
+
+def test_each_worker_gets_its_own_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda: worker i sees only the i-th visible GPU; too few GPUs is a clear error."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5,7")
+    args = _args("--device", "cuda", "--log-dir", str(tmp_path))
+    plan = plan_cluster(args, None, free_port=_ports())
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in plan.workers] == ["2", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValueError, match="2 workers need a GPU each, this host shows 1"):
+        plan_cluster(args, None, free_port=_ports())
+    cpu = plan_cluster(_args("--log-dir", str(tmp_path)), None, free_port=_ports())
+    assert all("CUDA_VISIBLE_DEVICES" not in w.env or w.env["CUDA_VISIBLE_DEVICES"] == "3" for w in cpu.workers)
