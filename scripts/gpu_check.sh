@@ -1,30 +1,58 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: the GPU-only tests (compiled Triton kernels in bf16, CUDA
 # graphs against eager steps, pinned staging), then `tandem bench gpu` (Llama-3.1-8B's config,
-# dummy weights). Uses the python on PATH (torch with CUDA, triton, transformers) and this
-# checkout on PYTHONPATH; prints everything, writes the bench's JSON under $OUT or ./bench-results.
+# dummy weights, with profiler tables), then the 8B cold start against dd. Uses python3 from
+# PATH (torch with CUDA, triton, transformers; set PYTHON to choose another) and this checkout
+# on PYTHONPATH. Each stage has its own time limit and a failed stage does not stop the next;
+# the output goes to the terminal and to gpu-check.log, figures and tables beside it, under
+# $OUT (the lent machines' output folder) or ./bench-results.
+#   STAGES="tests bench load" (default: all three) picks stages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0
-if [ -d .wheelhouse ] && ! python -c "import tandem.cli, tandem.llm" 2>/dev/null; then
-  echo "==> installing tandem's imports from .wheelhouse (scripts/gpu_wheelhouse.sh)"
+PY=${PYTHON:-python3}
+DEST=${OUT:-bench-results}
+mkdir -p "$DEST"
+LOG="$DEST/gpu-check.log"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+if [ -d .wheelhouse ] && ! "$PY" -c "import tandem.cli, tandem.llm" 2>/dev/null; then
+  echo "==> installing tandem's imports from .wheelhouse (scripts/gpu_wheelhouse.sh) into /tmp/tandem-site" | tee -a "$LOG"
   mapfile -t wanted < <(sed -n '/^PACKAGES=(/,/)/p' scripts/gpu_wheelhouse.sh | tr -d '()' | sed 's/PACKAGES=//' | tr ' ' '\n' | grep .)
-  python -m pip install -q --no-index --no-deps --find-links .wheelhouse "${wanted[@]}"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site --find-links .wheelhouse \
+    "${wanted[@]}" 2>&1 | tee -a "$LOG"
+  export PYTHONPATH="$PWD:/tmp/tandem-site${PYTHONPATH#"$PWD"}"
 fi
-python - <<'PY'
-import torch, triton
-print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
-PY
-python -m pytest -q -x -p no:cacheprovider tests/kernels/gpu/test_on_gpu.py "$@"
-python -m tandem bench gpu --output-dir "${OUT:-bench-results}"
-# Cold start: a random Llama-3.1-8B checkpoint (16 GB of bf16 safetensors) written to local
-# disk, then loaded onto the GPU through pinned staging, against dd of the same files.
+
+stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, log it, report its status
+  local name=$1 limit=$2
+  shift 2
+  echo "==> $name (at most ${limit}s): $*" | tee -a "$LOG"
+  local started=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  echo "==> $name: exit ${PIPESTATUS[0]} after $((SECONDS - started))s" | tee -a "$LOG"
+}
+wants() { [[ " ${STAGES:-tests bench load} " == *" $1 "* ]]; }
+
+stage environment 60 "$PY" -c "
+import torch, triton, transformers
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)
+print(torch.cuda.get_device_name(), torch.cuda.mem_get_info())
+import tandem.cli, tandem.llm
+print('tandem imports: ok')"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$LOG"
+
+wants tests && stage tests "${TESTS_LIMIT:-180}" "$PY" -m pytest -q -p no:cacheprovider tests/kernels/gpu/test_on_gpu.py
+wants bench && stage bench "${BENCH_LIMIT:-300}" "$PY" -m tandem bench gpu --profile --output-dir "$DEST"
+
+# Cold start: a random Llama-3.1-8B checkpoint (16 GB of bf16 safetensors, drawn on the GPU)
+# written to local disk, then loaded onto the GPU through pinned staging, against dd.
 CKPT="${TMPDIR:-/tmp}/tandem-llama-3.1-8b-random"
-[ -f "$CKPT/config.json" ] || python - "$CKPT" <<'PY'
+if wants load; then
+  [ -f "$CKPT/config.json" ] || stage checkpoint 180 "$PY" -c "
 import sys
 from pathlib import Path
 from tandem.bench.cold_start import write_random_checkpoint
-write_random_checkpoint(Path("tandem/bench/configs/llama-3.1-8b.json"), Path(sys.argv[1]))
-PY
-python -m tandem bench load "$CKPT" --device cuda --dtype bfloat16 --repeats 2 --warmup 1 --no-warm \
-  --output-dir "${OUT:-bench-results}"
+write_random_checkpoint(Path('tandem/bench/configs/llama-3.1-8b.json'), Path('$CKPT'), device='cuda')"
+  stage load "${LOAD_LIMIT:-240}" "$PY" -m tandem bench load "$CKPT" --device cuda --dtype bfloat16 \
+    --repeats "${LOAD_REPEATS:-2}" --warmup 0 --no-warm --output-dir "$DEST"
+fi
+grep -E "^==> |tok/s|TFLOP/s|GB/s|KV:|passed|failed|Error" "$LOG" | tail -40

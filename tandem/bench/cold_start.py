@@ -122,11 +122,12 @@ def measure(hf_dir: Path, dtype: str, rank: int, size: int, workers: int | None,
 
 
 def write_random_checkpoint(config_file: Path, out_dir: Path, shard_bytes: int = 5 << 30,
-                            dtype: str = "bfloat16", seed: int = 0) -> list[Path]:
+                            dtype: str = "bfloat16", seed: int = 0, device: str = "cpu") -> list[Path]:
     """A checkpoint of random weights for `config_file` (a Llama-shaped config.json), in
     safetensors shards of about `shard_bytes` named as transformers names them, so a cold
     start can be measured on a model whose weights are not on the machine. The tensors' names
-    and shapes come from transformers' model built on the meta device (nothing allocated)."""
+    and shapes come from transformers' model built on the meta device (nothing allocated).
+    `device="cuda"` draws the numbers on the GPU, seconds instead of minutes for an 8B model."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -136,7 +137,7 @@ def write_random_checkpoint(config_file: Path, out_dir: Path, shard_bytes: int =
     with torch.device("meta"):
         shapes = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(str(out_dir))).state_dict().items() if "rotary_emb" not in name}
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)
     run_dtype = getattr(torch, dtype)
     element = torch.empty((), dtype=run_dtype).element_size()
     written: list[Path] = []
@@ -154,7 +155,7 @@ def write_random_checkpoint(config_file: Path, out_dir: Path, shard_bytes: int =
         if shard and size + nbytes > shard_bytes:
             flush()
             size = 0
-        shard[name] = (torch.randn(shape, generator=generator) * 0.02).to(run_dtype)
+        shard[name] = (torch.randn(shape, generator=generator, device=device) * 0.02).to(run_dtype).cpu()
         size += nbytes
     if shard:
         flush()

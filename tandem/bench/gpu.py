@@ -57,6 +57,9 @@ def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-len", type=int, default=128, metavar="N", help="throughput output length (default: 128)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' run")
     parser.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager decode run")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write torch.profiler tables (kernels by GPU time) of eager decode steps and "
+                             "of the prefill to --output-dir")
     parser.add_argument("--output-dir", default="bench-results", help="where the JSON goes (default: bench-results)")
     parser.set_defaults(handler=run_gpu_bench)
 
@@ -140,6 +143,27 @@ def decode_step_seconds(llm: Any, prompt_len: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def graph_replay_seconds(torch: Any, llm: Any) -> float | None:
+    """GPU seconds of the batch-1 decode graph alone: the forward without the step's host work
+    (scheduling, input copies, the head and sampling, output processing)."""
+    graphs = llm.engine.core.executor.worker.runner.decode_graphs
+    if graphs is None or not graphs.use_graphs:
+        return None
+    return _cuda_timer(torch, lambda: graphs.replay(1), 50)
+
+
+def profile_table(torch: Any, fn: Any, path: Path) -> None:
+    """torch.profiler over `fn()`: the kernels by GPU time, as a table in `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    print(f"profile: {path}")
+
+
 def kv_room(llm: Any, config: dict[str, Any], max_len: int, kv_per_token: int, sequence_len: int,
             device_bytes: int) -> dict[str, Any]:
     """tandem's KV tokens beside vLLM's defaults (planned) and a contiguous per-sequence cache."""
@@ -208,6 +232,7 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
     config = json.loads(source.read_text())
     shape = weight_shape(config)
     workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-gpu-"))
+    out = Path(args.output_dir) / f"gpu-{dt.datetime.now():%Y%m%d-%H%M%S}"
     shutil.copy(source, workdir / "config.json")
     device = torch.cuda.get_device_name()
     results: dict[str, Any] = {"device": device, "config": args.config, "shape": shape}
@@ -235,7 +260,16 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
                 print(f"batch-1 decode ({name}): {1 / step:.1f} tok/s ({step * 1e3:.2f} ms/step), "
                       f"{read / step / 1e9:.0f} GB/s = {bound / step:.0%} of the copy bound "
                       f"{1 / bound:.1f} tok/s (goal {DECODE_GOAL:.0%})")
+                replay = graph_replay_seconds(torch, llm)
+                if replay is not None:
+                    results[f"decode_{name}"] |= {"graph_ms": replay * 1e3, "host_ms": (step - replay) * 1e3}
+                    print(f"  of which the batch-1 graph (the forward, on the GPU): {replay * 1e3:.2f} ms = "
+                          f"{read / replay / 1e9:.0f} GB/s; the rest of the step (head, sampling, host work): "
+                          f"{(step - replay) * 1e3:.2f} ms")
                 if eager:
+                    if args.profile:
+                        profile_table(torch, lambda llm=llm: decode_step_seconds(llm, decode_prompt, 8),
+                                      out / "profile-decode-eager.txt")
                     continue
                 prompts = _prompts(args.prefill_prompts, args.prefill_len, 1)
                 _timed_generate(llm, prompts[:1], 1)  # warm-up at this length
@@ -248,6 +282,9 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
                                       "of_matmul": tflops / limits["matmul_tflop_s"]}
                 print(f"prefill: {tokens / seconds:,.0f} tok/s, {tflops:.0f} TFLOP/s = "
                       f"{tflops / limits['matmul_tflop_s']:.0%} of the matmul rate (goal {PREFILL_GOAL:.0%})")
+                if args.profile:
+                    profile_table(torch, lambda llm=llm, p=prompts: _timed_generate(llm, p, 1),
+                                  out / "profile-prefill.txt")
                 batch_prompts = _prompts(args.batch, args.prompt_len, 2)
                 _timed_generate(llm, batch_prompts[:4], 4)
                 seconds = _timed_generate(llm, batch_prompts, args.output_len)
@@ -263,7 +300,6 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
                   f"{results['batch_tandem_tok_s'] / hf:.2f}x")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    out = Path(args.output_dir) / f"gpu-{dt.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results | {"args": {k: v for k, v in vars(args).items()
                                                                        if k != "handler"}}, indent=2))

@@ -128,6 +128,14 @@ class StaticDecodeStep:
         assert entry.output is not None
         return entry.output[:rows]
 
+    def replay(self, size: int) -> None:
+        """Replay the graph of `size` on whatever the buffers hold: for timing the forward alone
+        (`tandem bench gpu`), apart from the step's host work."""
+        graph = self._graphs[size].graph
+        if graph is None:
+            raise ValueError(f"no graph of {size} rows captured")
+        graph.replay()
+
     def _reset(self, start: int, end: int) -> None:
         """Rows [start, end) become padding: token 0 at position 0, no KV write, no context."""
         if end > start:
