@@ -7,7 +7,10 @@ tandem/bench/configs), in bf16, all in one run:
    plus written per second) and the bf16 matmul rate ([8192, 4096] x [4096, 14336]);
 2. tandem, batch-1 decode: milliseconds per decode step after the prompt, with CUDA graphs
    and with --enforce-eager. The bound is the copy bandwidth over the bytes a step must read
-   (every weight and the context's KV once); the goal is >= 85% of it;
+   (every weight it multiplies by and the context's KV, once; the embedding is a lookup of
+   one row); the goal is >= 85% of it. The share of the looser bound that counts the
+   embedding too, as SGLang's published "76%" does, is printed beside it. With graphs, the
+   batch-1 graph's replay is timed alone too: the forward on the GPU, apart from the host;
 3. tandem, prefill: prompts of --prefill-len tokens, one token out, as tokens/s and as
    achieved TFLOP/s (2 x the weights' multiply-adds per token plus attention's) against the
    matmul rate; the goal is >= 60%;
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import shutil
 import statistics
@@ -253,13 +257,18 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
                     results["kv"] = kv_room(llm, config, max_len, kv_per_token, args.prompt_len + args.output_len,
                                             torch.cuda.mem_get_info()[1])
                 step = decode_step_seconds(llm, decode_prompt, args.decode_steps)
-                read = weight_bytes + kv_per_token * (decode_prompt + args.decode_steps // 2)
+                kv_read = kv_per_token * (decode_prompt + args.decode_steps // 2)
+                read = 2 * shape["matmul_params"] + kv_read  # the embedding is one row's lookup
                 bound = read / (limits["copy_gb_s"] * 1e9)
+                # As SGLang's "76% of the bound" counts it: every weight, the embedding too.
+                loose = (weight_bytes + kv_read) / (limits["copy_gb_s"] * 1e9)
                 results[f"decode_{name}"] = {"step_ms": step * 1e3, "tok_s": 1 / step, "bound_tok_s": 1 / bound,
-                                             "of_bound": bound / step, "gb_s": read / step / 1e9}
+                                             "of_bound": bound / step, "gb_s": read / step / 1e9,
+                                             "of_bound_every_weight": loose / step}
                 print(f"batch-1 decode ({name}): {1 / step:.1f} tok/s ({step * 1e3:.2f} ms/step), "
                       f"{read / step / 1e9:.0f} GB/s = {bound / step:.0%} of the copy bound "
-                      f"{1 / bound:.1f} tok/s (goal {DECODE_GOAL:.0%})")
+                      f"{1 / bound:.1f} tok/s (goal {DECODE_GOAL:.0%}); counting every weight as SGLang's "
+                      f"figure does, {loose / step:.0%} of {1 / loose:.1f} tok/s")
                 replay = graph_replay_seconds(torch, llm)
                 if replay is not None:
                     results[f"decode_{name}"] |= {"graph_ms": replay * 1e3, "host_ms": (step - replay) * 1e3}
@@ -292,6 +301,8 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
                 print(f"batch {args.batch}: tandem {results['batch_tandem_tok_s']:,.0f} output tok/s")
             finally:
                 llm.shutdown()
+                del llm
+                gc.collect()  # the engine's cycles hold the KV cache: free it for the next engine
                 torch.cuda.empty_cache()
         if not args.no_transformers:
             hf = transformers_throughput(torch, workdir / "config.json", args.batch, args.prompt_len, args.output_len)

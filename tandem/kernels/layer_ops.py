@@ -42,6 +42,10 @@ class LayerOpsKernel:
     """The loaded C functions, called on tensors' data pointers; each `takes_*` says whether a
     tensor is one the function reads (else the caller runs its torch ops)."""
 
+    # silu-and-mul only off the exact path (small-step copies, 8-bit weights): its exp may
+    # differ from torch's in the last bit.
+    every_step = False
+
     def __init__(self, library: Path) -> None:
         functions = bind(library, _SIGNATURES)
         self._rms_norm_bf16 = functions["tandem_rms_norm_bf16"]

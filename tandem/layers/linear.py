@@ -8,6 +8,7 @@ Tensor-parallel variants will shard these along the same row ranges.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,6 @@ from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.int8_rows import Int8RowsKernel
-from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
 from tandem.layers.int4 import Int4Weight, int4_available, int4_fits
 from tandem.layers.int8 import Int8Weight, gated_mlp, int8_fits
@@ -252,6 +252,11 @@ class LinearWeights:
                 return self.int8.matmul(x, getattr(self, "bias", None), residual)
             if self.packed_weight is not None:
                 return _onednn_linear_binary(x, residual, self.packed_weight, getattr(self, "bias", None), "add")
+        if x.device.type == "cuda" and x.dim() == 2 and getattr(self, "bias", None) is None:
+            # One cuBLAS call with the add in its epilogue (beta = 1) instead of a GEMM and an
+            # add kernel: on a GPU, decode's small kernels cost launches, not bytes. The sum
+            # is rounded once, not twice; the CPU keeps transformers' two roundings.
+            return torch.addmm(residual, x, self.weight.t())
         return residual + self.linear(x)
 
 
@@ -383,6 +388,18 @@ class MergedLinear(Linear):
         rows.copy_(tensor)
 
 
+class SiluMulPass(Protocol):
+    """`silu(gate) * up` of [T, 2 * I] in one call: the C pass on the CPU (attach_layer_ops),
+    the Triton kernel on a GPU (attach_gpu_passes). `every_step`: taken for every step, not
+    only off the exact path (small-step copies, 8-bit weights): a GPU's bf16 is not exact."""
+
+    every_step: bool
+
+    def takes_silu_mul(self, gate_up: torch.Tensor) -> bool: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
 class GateUpLinear(MergedLinear):
     """The gate and up projections of a gated MLP, producing `silu(gate) * up` directly.
 
@@ -394,7 +411,7 @@ class GateUpLinear(MergedLinear):
     """
 
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
-    ops: LayerOpsKernel | None = None  # silu-and-mul in one C pass for small steps (attach_layer_ops)
+    ops: SiluMulPass | None = None  # silu-and-mul in one pass: C for small steps, Triton on a GPU
 
     def __init__(self, in_features: int, intermediate: int, bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__(in_features, [intermediate, intermediate], bias, tp)
@@ -427,10 +444,10 @@ class GateUpLinear(MergedLinear):
             gate = _onednn_linear(x, self.packed_halves[0], gate_bias, "swish")
             return _onednn_linear_binary(x, gate, self.packed_halves[1], up_bias, "mul")
         gate_up = self.linear(x)
-        # Small-step copies and 8-bit weights are not the exact path, so the C pass's exp may
-        # differ in the last bit from torch's; other steps keep torch's ops (the exact fp32
-        # mode unpacked).
-        if (self.ops is not None and (self.uses_small_step(x) or self.int8 is not None)
+        # Small-step copies, 8-bit weights and GPUs are not the exact path, so the pass's exp
+        # may differ in the last bit from torch's; other CPU steps keep torch's ops (the
+        # exact fp32 mode unpacked).
+        if (self.ops is not None and (self.ops.every_step or self.uses_small_step(x) or self.int8 is not None)
                 and self.ops.takes_silu_mul(gate_up)):
             return self.ops.silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)

@@ -7,12 +7,12 @@ same inverse-frequency formulas as transformers so positions encode bit-identica
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from tandem.config import RopeConfig, yarn_mscale
-from tandem.kernels.layer_ops import LayerOpsKernel
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -65,8 +65,17 @@ def rotary_magnitude(rope: RopeConfig) -> float:
     return yarn_mscale(rope.factor)
 
 
+class RotaryPass(Protocol):
+    """The rotation in one call, in place: the C pass on the CPU (attach_layer_ops), the
+    Triton kernel on a GPU (attach_gpu_passes)."""
+
+    def takes_rotary(self, x: torch.Tensor, cos: torch.Tensor) -> bool: ...
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+
 class RotaryEmbedding(nn.Module):
-    ops: LayerOpsKernel | None = None  # the C pass (attach_layer_ops), else torch ops
+    ops: RotaryPass | None = None  # one pass (C or Triton), else torch ops
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -89,8 +98,8 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def rotate_(self, angles: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """`forward`, in place where the C pass takes x (a fresh projection's output the
-        caller owns): one call instead of six ops. Returns the rotated tensor."""
+        """`forward`, in place where the pass takes x (a fresh projection's output the caller
+        owns): one call instead of seven ops. Returns the rotated tensor."""
         cos, sin = angles
         if self.ops is not None and self.ops.takes_rotary(x, cos):
             return self.ops.rotary_(x, cos, sin)

@@ -67,15 +67,20 @@ class TritonAttentionBackend:
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        out = torch.empty_like(query)
         decodes = meta.num_decode_tokens
+        decoded = None
         if decodes:
             max_blocks = -(-meta.decode_max_context_len // meta.block_size)
             splits = decode_splits(decodes, kv_cache.shape[1], max_blocks, self.target_programs)
-            out[:decodes] = paged_decode_attention(
+            decoded = paged_decode_attention(
                 query[:decodes], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
                 meta.decode_max_context_len, scale, splits,
             )
+            if not meta.prefills:
+                return decoded  # a decode-only step: no copy into a step-wide output
+        out = torch.empty_like(query)
+        if decoded is not None:
+            out[:decodes] = decoded
         if meta.prefills:
             chunks = self._chunks(meta, query.device)
             prefill_attention(query, kv_cache, chunks.starts, chunks.lens, chunks.contexts,

@@ -177,13 +177,91 @@ def test_rms_norm_module_through_the_triton_pass(shape: tuple[int, ...]) -> None
     """RMSNorm with the GPU's pass attached (here interpreted, in fp16: the interpreter mangles
     bf16): transformers' formula, also for q/k norms' [T, heads, dim]; fp32 keeps torch's op."""
     from tandem.kernels.gpu.rms_norm import TritonNorm
-    from tandem.layers.fused_ops import attach_norm_pass
+    from tandem.kernels.gpu.rotary import TritonRotary
+    from tandem.kernels.gpu.silu_mul import TritonSiluMul
+    from tandem.layers.fused_ops import attach_gpu_passes
 
     torch.manual_seed(3)
     norm = RMSNorm(shape[-1], 1e-6)
     norm.weight.data = torch.randn(shape[-1]).half()
     x = torch.randn(shape).half()
     want = norm(x)
-    assert attach_norm_pass(norm, TritonNorm()) == 1 and TritonNorm.takes_norm(x, norm.weight)
+    assert attach_gpu_passes(norm, TritonNorm(), TritonRotary(), TritonSiluMul()) == 1 and TritonNorm.takes_norm(x, norm.weight)
     torch.testing.assert_close(norm(x), want, atol=2e-3, rtol=2e-3)
     assert not TritonNorm.takes_norm(x.float(), norm.weight.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "dim"), [(12, 64), (40, 128), (100, 64)])
+def test_rotary_kernel_equals_the_torch_formula(dtype: torch.dtype, heads: int, dim: int) -> None:
+    """In place on q and k side by side in a projection's output (token stride wider than the
+    heads), with torch's roundings: equal to RotaryEmbedding's ops, bit for bit."""
+    from tandem.config import RopeConfig
+    from tandem.kernels.gpu.rotary import TritonRotary
+    from tandem.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(heads)
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), dim, 256, dtype)
+    tokens = 5
+    projection = torch.randn(tokens, (heads + 3) * dim).to(dtype)
+    qk = projection[:, : heads * dim].view(tokens, heads, dim)
+    angles = rotary.angles(torch.tensor([0, 1, 17, 200, 255]))
+    want = rotary(angles, qk.clone())
+    untouched = projection[:, heads * dim:].clone()
+    assert TritonRotary.takes_rotary(qk, angles[0])
+    assert TritonRotary.rotary_(qk, *angles).data_ptr() == qk.data_ptr()
+    assert torch.equal(qk, want)
+    assert torch.equal(projection[:, heads * dim:], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("width", [96, 1536, 2500])
+def test_silu_mul_kernel_against_torch(dtype: torch.dtype, width: int) -> None:
+    """[T, 2I] gate then up -> silu(gate) * up, rounded as torch rounds; the exp may differ from
+    torch's in its last bit, so within one unit of the dtype's last place."""
+    from tandem.kernels.gpu.silu_mul import TritonSiluMul
+
+    torch.manual_seed(width)
+    gate_up = (torch.randn(3, 2 * width) * 4).to(dtype)
+    gate, up = gate_up.split(width, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert TritonSiluMul.takes_silu_mul(gate_up)
+    got = TritonSiluMul.silu_mul(gate_up)
+    tolerance = {torch.float32: 1e-6, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+def test_gate_up_and_rotary_modules_take_the_gpu_passes_where_attached() -> None:
+    """Attached to a model's modules, the passes run in place of torch's ops (fp16 here)."""
+    from tandem.config import RopeConfig
+    from tandem.kernels.gpu.rms_norm import TritonNorm
+    from tandem.kernels.gpu.rotary import TritonRotary
+    from tandem.kernels.gpu.silu_mul import TritonSiluMul
+    from tandem.layers.fused_ops import attach_gpu_passes
+    from tandem.layers.linear import GateUpLinear
+    from tandem.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(5)
+    model = torch.nn.ModuleDict({"mlp": GateUpLinear(32, 48), "rotary": RotaryEmbedding(RopeConfig(theta=1e4), 16, 64, torch.float16),
+                                 "norm": RMSNorm(32, 1e-6)}).half()
+    model["mlp"].weight.data.normal_()
+    x = torch.randn(4, 32).half()
+    qk = torch.randn(4, 3, 16).half()
+    angles = model["rotary"].angles(torch.arange(4))
+    want_mlp, want_rotated = model["mlp"](x), model["rotary"](angles, qk.clone())
+    calls = []
+
+    class CountedRotary(TritonRotary):
+        def rotary_(self, *args: torch.Tensor) -> torch.Tensor:
+            calls.append("rotary")
+            return super().rotary_(*args)
+
+    class CountedSiluMul(TritonSiluMul):
+        def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+            calls.append("silu_mul")
+            return super().silu_mul(gate_up)
+
+    assert attach_gpu_passes(model, TritonNorm(), CountedRotary(), CountedSiluMul()) == 3
+    torch.testing.assert_close(model["mlp"](x), want_mlp, atol=2e-3, rtol=2e-3)
+    assert torch.equal(model["rotary"].rotate_(angles, qk), want_rotated)
+    assert calls == ["silu_mul", "rotary"]

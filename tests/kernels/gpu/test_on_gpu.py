@@ -105,3 +105,25 @@ def test_fp8_kv_cache_on_the_gpu(tmp_path) -> None:
             llm.shutdown()
     assert 2 * runs["auto"][0] <= runs["fp8"][0] < 2 * (runs["auto"][0] + 1)
     assert runs["fp8"][1][:1] == runs["auto"][1][:1]
+
+
+def test_bf16_rotary_and_silu_mul_compiled() -> None:
+    """The small-op kernels compiled, in bf16 (which the interpreter cannot check): the rotary
+    embedding bit for bit torch's formula, silu-and-mul within one bf16 unit in the last place."""
+    from tandem.config import RopeConfig
+    from tandem.kernels.gpu.rotary import TritonRotary
+    from tandem.kernels.gpu.silu_mul import TritonSiluMul
+    from tandem.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(RopeConfig(theta=500000.0), 128, 4096, torch.bfloat16).cuda()
+    projection = torch.randn(37, 48 * 128, dtype=torch.bfloat16, device="cuda")
+    qk = projection[:, : 40 * 128].view(37, 40, 128)
+    angles = rotary.angles(torch.randint(0, 4096, (37,), device="cuda"))
+    want = rotary(angles, qk.clone())
+    TritonRotary.rotary_(qk, *angles)
+    assert torch.equal(qk, want)
+    gate_up = torch.randn(37, 2 * 14336, dtype=torch.bfloat16, device="cuda") * 4
+    gate, up = gate_up.split(14336, dim=-1)
+    torch.testing.assert_close(TritonSiluMul.silu_mul(gate_up), torch.nn.functional.silu(gate) * up,
+                               atol=1e-2, rtol=8e-3)
