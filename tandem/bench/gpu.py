@@ -62,8 +62,8 @@ def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' run")
     parser.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager decode run")
     parser.add_argument("--profile", action="store_true",
-                        help="also write torch.profiler tables (kernels by GPU time) of eager decode steps and "
-                             "of the prefill to --output-dir")
+                        help="also write torch.profiler tables (kernels by GPU time) of batch-1 decode steps "
+                             "(graphs and eager) and of the prefill to --output-dir")
     parser.add_argument("--output-dir", default="bench-results", help="where the JSON goes (default: bench-results)")
     parser.set_defaults(handler=run_gpu_bench)
 
@@ -275,10 +275,10 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
                     print(f"  of which the batch-1 graph (the forward, on the GPU): {replay * 1e3:.2f} ms = "
                           f"{read / replay / 1e9:.0f} GB/s; the rest of the step (head, sampling, host work): "
                           f"{(step - replay) * 1e3:.2f} ms")
+                if args.profile:
+                    profile_table(torch, lambda llm=llm: decode_step_seconds(llm, decode_prompt, 8),
+                                  out / f"profile-decode-{name}.txt")
                 if eager:
-                    if args.profile:
-                        profile_table(torch, lambda llm=llm: decode_step_seconds(llm, decode_prompt, 8),
-                                      out / "profile-decode-eager.txt")
                     continue
                 prompts = _prompts(args.prefill_prompts, args.prefill_len, 1)
                 _timed_generate(llm, prompts[:1], 1)  # warm-up at this length

@@ -109,7 +109,8 @@ def test_fp8_kv_cache_on_the_gpu(tmp_path) -> None:
 
 def test_bf16_rotary_and_silu_mul_compiled() -> None:
     """The small-op kernels compiled, in bf16 (which the interpreter cannot check): the rotary
-    embedding bit for bit torch's formula, silu-and-mul within one bf16 unit in the last place."""
+    embedding bit for bit torch's formula (FP fusion off: with it, an FMA skipped a rounding
+    here), silu-and-mul within one bf16 unit in the last place (its exp may differ)."""
     from tandem.config import RopeConfig
     from tandem.kernels.gpu.rotary import TritonRotary
     from tandem.kernels.gpu.silu_mul import TritonSiluMul
