@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.gpu.online_softmax import attend_block
+from tandem.kernels.gpu.online_softmax import TILE, attend_block, tile_offsets
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _decode_kernel(
     stride_pt, stride_ph, stride_ps,
     stride_lt, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -39,7 +39,7 @@ def _decode_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    t = tl.arange(0, BLOCK_SIZE)
+    n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
@@ -49,11 +49,12 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     keys = cache_ptr + kv_head * stride_ch
     values = keys + stride_cp
-    for j in range(first, last):
-        block = tl.load(tables_ptr + row * stride_tt + j)
-        valid = j * BLOCK_SIZE + t < context
+    end = tl.minimum(last * BLOCK_SIZE, context)  # this split's positions: [first, last) blocks
+    for start in range(first * BLOCK_SIZE, end, BLOCK_N):
+        key_pos = start + n
+        valid = key_pos < end
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        where = block * stride_cb + t[:, None] * stride_ct + d[None, :]
+        where = tile_offsets(tables_ptr + row * stride_tt, key_pos, valid, d, stride_cb, stride_ct, BLOCK_SIZE)
         m, total, acc = attend_block(q, keys, values, where, kv_mask, valid[None, :], scale, m, total, acc,
                                      PRECISION)
 
@@ -134,7 +135,7 @@ def paged_decode_attention(
         part.stride(0), part.stride(1), part.stride(2) if split else 0,
         lse.stride(0), lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=block_size, SPLIT=split,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=TILE, SPLIT=split,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     if split:

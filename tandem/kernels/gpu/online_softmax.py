@@ -1,10 +1,27 @@
 """One step of attention with an online softmax, shared by the decode and prefill kernels:
-a block of keys and values from the paged cache folded into running (max, sum, output)."""
+a tile of keys and values from the paged cache folded into running (max, sum, output).
+
+A tile is BLOCK_N consecutive positions of one sequence, which may span several cache
+blocks: each position's block is looked up in the sequence's block table, so a step issues
+the loads of several blocks at once instead of one block's chain of dependent loads (table
+entry, then keys, then values) after another. On an H200 one block per step left the decode
+kernel waiting on memory latency, 7 us a layer at batch 1 for a 200-token context, and the
+prefill kernel at a sixth of the matmul rate."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+TILE = 64  # key positions folded in per step, BLOCK_N of the kernels
+
+
+@triton.jit
+def tile_offsets(table_row, key_pos, valid, d, stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr):
+    """Offsets [BLOCK_N, BLOCK_D] of positions `key_pos` in the paged cache (within a KV head's
+    plane), through the sequence's block table row; positions outside `valid` read block 0."""
+    blocks = tl.load(table_row + key_pos // BLOCK_SIZE, mask=valid, other=0)
+    return blocks[:, None] * stride_cb + (key_pos % BLOCK_SIZE)[:, None] * stride_ct + d[None, :]
 
 
 @triton.jit

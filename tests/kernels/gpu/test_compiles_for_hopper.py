@@ -79,9 +79,9 @@ def _launch_everything(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv
         paged_decode_attention(query, cache, table, lens, 64, dim ** -0.5, splits)
     key = torch.randn(3, kv_heads, dim).to(kv_dtype)
     write_kv(key, key, cache, torch.tensor([0, 17, -1]))
-    chunk = torch.randn(30, heads, dim).to(dtype)
-    prefill_attention(chunk, cache, torch.tensor([0, 20]), torch.tensor([20, 10]), lens, table, 20, dim ** -0.5,
-                      torch.empty_like(chunk))
+    chunk = torch.randn(84, heads, dim).to(dtype)
+    prefill_attention(chunk, cache, torch.tensor([0, 20]), torch.tensor([20, 64]), lens, table, 64, dim ** -0.5,
+                      torch.empty_like(chunk))  # a 64-query tile, as long prompts run
     hidden = torch.randn(3, heads * dim).to(dtype)
     rms_norm(hidden, torch.ones(heads * dim).to(dtype), 1e-5)
     rms_norm(hidden, torch.ones(heads * dim).to(dtype), 1e-5, residual=hidden.clone())
