@@ -5,15 +5,15 @@ A tile is BLOCK_N consecutive positions of one sequence, which may span several 
 blocks: each position's block is looked up in the sequence's block table, so a step issues
 the loads of several blocks at once instead of one block's chain of dependent loads (table
 entry, then keys, then values) after another. On an H200 one block per step left the decode
-kernel waiting on memory latency, 7 us a layer at batch 1 for a 200-token context, and the
-prefill kernel at a sixth of the matmul rate."""
+kernel waiting on memory latency: 6.8 us a layer at batch 1 for a 200-token context, 4.7 with
+64-position tiles. The prefill kernel keeps one block a step (see prefill_attention.py)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-TILE = 64  # key positions folded in per step, BLOCK_N of the kernels
+TILE = 64  # key positions the decode kernel folds in per step (its BLOCK_N)
 
 
 @triton.jit

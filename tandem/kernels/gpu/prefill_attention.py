@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.gpu.online_softmax import TILE, attend_block, tile_offsets
+from tandem.kernels.gpu.online_softmax import attend_block, tile_offsets
 
 
 @triton.jit
@@ -85,6 +85,8 @@ def prefill_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_N=TILE,
+        # One cache block a step: 64-position tiles, which help decode, measured 9% slower here
+        # on an H200 (916 vs 841 us a layer for 8 prompts of 2048 tokens).
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_N=block_size,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
