@@ -617,6 +617,9 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ()  # empty: the model argument as given
     api_key: str | None = None
     max_waiting: int = 512  # accepted, not yet generating; beyond: 503 + Retry-After; 0 = no limit
+    # max_tokens past what the context leaves: "cap" serves it capped (agent harnesses send
+    # 32000 whatever the model), "reject" answers 400 as vLLM does.
+    max_tokens_policy: str = "cap"
     tool_call_parser: str | None = None  # None: chosen from the chat template
     engine_start_timeout: float = 900.0  # a first start converts the GGUF; allow for it
     log_level: str = "info"

@@ -309,6 +309,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-waiting", type=int, default=512, metavar="N",
                        help="with N requests accepted but not yet generating, more get 503 with Retry-After; "
                             "0 = no limit (default: 512)")
+    group.add_argument("--max-tokens-policy", default="cap", choices=["cap", "reject"],
+                       help="a request whose max_tokens exceeds what the context leaves after its prompt: cap "
+                            "serves it with max_tokens capped there (finish_reason 'length' when it gets that "
+                            "far; the applied and requested values in the x-tandem-max-tokens-applied and "
+                            "-requested response headers); reject answers 400, as vLLM does (default: cap)")
     group.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
                        help="tool-call format (default: chosen from the chat template; hermes when it has none)")
     group.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
@@ -341,7 +346,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     config = ServerConfig(
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, max_waiting=args.max_waiting,
-        tool_call_parser=args.tool_call_parser, log_level=args.log_level.lower(),
+        max_tokens_policy=args.max_tokens_policy, tool_call_parser=args.tool_call_parser, log_level=args.log_level.lower(),
         limits=request_limits(args), shutdown_timeout_s=args.shutdown_timeout,
     )
     if config.max_waiting < 0:

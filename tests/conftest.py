@@ -20,7 +20,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 def tandem_server_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """`tandem serve` on the default model with a small KV budget, shared by the session."""
     log_path = tmp_path_factory.mktemp("server") / "tandem-serve.log"
-    server = start_server(log_path, "--kv-cache-memory", "256MiB", "--max-num-seqs", "16")
+    # --max-tokens-policy reject: the error cases check vLLM's 400 for a max_tokens past the
+    # context (the default, cap, has its own server in tests/server/test_max_tokens_policy.py).
+    server = start_server(log_path, "--kv-cache-memory", "256MiB", "--max-num-seqs", "16",
+                          "--max-tokens-policy", "reject")
     yield server
     left = stop_server(server)
     assert not left, f"processes left after SIGINT: {left}"

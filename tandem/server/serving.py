@@ -79,7 +79,8 @@ class ServingState:
                                 "retry shortly", None, "overloaded", headers={"Retry-After": "1"})
 
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None, param: str) -> int:
-        """The max_tokens to run with: the request's, or what is left of the context."""
+        """The max_tokens to run with: the request's, or what is left of the context (also
+        when the request asked for more, under --max-tokens-policy cap)."""
         if not prompt_token_ids:
             raise bad_request("the prompt is empty", param, "empty_prompt")
         vocab = self.client.info.vocab_size
@@ -89,6 +90,12 @@ class ServingState:
         prompt_len = len(prompt_token_ids)
         if max_tokens is not None and max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, and the prompt has {prompt_len}: "
+                "no room is left for a completion. Please shorten the prompt.", param, "context_length_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > limit and self.config.max_tokens_policy == "cap":
+            return limit - prompt_len
         if prompt_len + (max_tokens or 1) > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -96,6 +103,13 @@ class ServingState:
                 "in the completion). Please reduce the length of the prompt or the completion.",
                 param, "context_length_exceeded")
         return max_tokens if max_tokens is not None else limit - prompt_len
+
+    @staticmethod
+    def max_tokens_headers(requested: int | None, applied: int) -> dict[str, str]:
+        """What a capped request is told: the max_tokens it ran with and the one it asked for."""
+        if requested is None or applied >= requested:
+            return {}
+        return {"x-tandem-max-tokens-applied": str(applied), "x-tandem-max-tokens-requested": str(requested)}
 
     @staticmethod
     def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:

@@ -66,6 +66,7 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
                                 state.tool_parser, body.add_generation_prompt, body.continue_final_message)
     token_ids = state.encode(prompt.text, add_special_tokens=False)
     max_tokens = state.check_prompt(token_ids, body.requested_max_tokens(), "messages")
+    headers = state.max_tokens_headers(body.requested_max_tokens(), max_tokens)
     params = state.sampling_params(body, max_tokens, logprobs)
     single_call = body.parallel_tool_calls is False or tool_choice_name(body.tool_choice) is not None
     if prompt.tools_enabled and single_call:
@@ -86,9 +87,9 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
     )
     if body.stream:
         return StreamingResponse(sse_events(_stream(state, run), lambda: _observe(state, run)),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=headers)
     try:
-        return JSONResponse(await unless_disconnected(raw, _complete(state, run)))
+        return JSONResponse(await unless_disconnected(raw, _complete(state, run)), headers=headers)
     finally:
         _observe(state, run)
 

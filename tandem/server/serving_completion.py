@@ -80,6 +80,7 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
         max_tokens = allowed if max_tokens is None else min(max_tokens, allowed)
         runs.append(_Prompt(f"{request_id}-{index}", text, token_ids))
     assert max_tokens is not None
+    headers = state.max_tokens_headers(body.max_tokens, max_tokens)
     params = state.sampling_params(body, max_tokens, logprobs)
     handoff = state.handoff(body.kv_transfer_params, params, body.stream)
     if handoff is not None and len(runs) != 1:
@@ -92,9 +93,9 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
         runs[0].completion_tokens = len(handoff.prior_output_ids)
     if body.stream:
         return StreamingResponse(sse_events(_stream(state, run), lambda: _observe(state, run)),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=headers)
     try:
-        return JSONResponse(await unless_disconnected(raw, _complete(state, run)))
+        return JSONResponse(await unless_disconnected(raw, _complete(state, run)), headers=headers)
     finally:
         _observe(state, run)
 

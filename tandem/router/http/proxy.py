@@ -249,11 +249,11 @@ class Proxy:
         call.decode_worker = hop.worker
         await self._raise_client_error(call, hop)
         if call.stream:
-            return _SSE(self._stream_whole(call, hop), self._cleanup(call, hop))
+            return _SSE(self._stream_whole(call, hop), self._cleanup(call, hop), _worker_notes(hop))
         reply = await self._read_reply(hop, request)
         out = self._priced(call, rewrite_reply(reply, call.identity))
         call.usage = out.get("usage")
-        return JSONResponse(out)
+        return JSONResponse(out, headers=_worker_notes(hop))
 
     async def _stream_whole(self, call: Call, hop: Hop) -> AsyncIterator[str]:
         try:
@@ -342,7 +342,7 @@ class Proxy:
             raise
         out = self._priced(call, rewrite_reply(reply, call.identity, _prefill_usage(outcome)))
         call.usage = out.get("usage")
-        return JSONResponse(out)
+        return JSONResponse(out, headers=_worker_notes(hop))
 
     async def _stream_pd(
         self, call: Call, outcome: PrefillOutcome, decode: Worker, body: dict[str, Any], emit: bool
@@ -746,6 +746,15 @@ class Proxy:
 
 
 # --- helpers ---------------------------------------------------------------------------
+_WORKER_NOTES = "x-tandem-max-tokens-"  # a capped max_tokens (tandem serve --max-tokens-policy)
+
+
+def _worker_notes(hop: Hop) -> dict[str, str]:
+    """The worker's notes to the client that the router passes on: what max_tokens it ran
+    with. A prefill/decode stream starts before its decode hop answers, so it has none."""
+    return {k: v for k, v in hop.response.headers.items() if k.lower().startswith(_WORKER_NOTES)}
+
+
 class _SSE(StreamingResponse):
     """An event stream that releases its upstream hop however the response ends.
 
@@ -755,8 +764,9 @@ class _SSE(StreamingResponse):
     worker see its connection close (and abort) at once.
     """
 
-    def __init__(self, body: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(body, media_type="text/event-stream")
+    def __init__(self, body: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
         self._cleanup = cleanup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
