@@ -1,7 +1,7 @@
 """--max-tokens-policy cap (the default): a max_tokens past what the context leaves is served,
 capped there, and the response says so; a prompt that alone fills the context is a 400 naming
 both numbers. Agent harnesses send max_tokens 32000 whatever the model (OpenCode does), and
-vLLM's 400 stops them at the first turn. A real server with a 192-token context, directly and
+vLLM's 400 stops them at the first turn. A real server with a 128-token context, directly and
 through a real `tandem route`, which passes the notes on."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from live_server import LiveServer, free_port, start_server, stop_server
 
 MODEL = "smollm2-135m"
-CONTEXT = 192
+CONTEXT = 128
 ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 32000,
        "temperature": 0, "ignore_eos": True}
 
