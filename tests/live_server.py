@@ -98,3 +98,24 @@ def stop_server(server: LiveServer, sig: signal.Signals = signal.SIGINT) -> list
     for process in alive:
         process.kill()
     return [p.pid for p in alive]
+
+
+def start_router(log_path: Path, *args: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """A `tandem route` process on a free port with `args` (its workers), once healthy; the
+    caller terminates it."""
+    port = free_port()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tandem", "route", "--port", str(port), *args],
+                                   stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url, process
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"tandem route not healthy:\n{log_path.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.2)

@@ -7,15 +7,11 @@ through a real `tandem route`, which passes the notes on."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from live_server import LiveServer, free_port, start_server, stop_server
+from live_server import LiveServer, start_router, start_server, stop_server
 
 MODEL = "smollm2-135m"
 CONTEXT = 128
@@ -33,28 +29,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def router(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log_path = tmp_path_factory.mktemp("max-tokens-router") / "route.log"
-    port = free_port()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "tandem", "route", "--port", str(port), "--worker", server.url],
-                                   stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while not _healthy(url):
-            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    url, process = start_router(tmp_path_factory.mktemp("max-tokens-router") / "route.log", "--worker", server.url)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
 
 
 def _prompt_tokens(url: str) -> int:
