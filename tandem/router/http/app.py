@@ -5,7 +5,8 @@ healthy worker), GET /health (200 while some worker can serve a whole request, "
 pool is gone; each pool's total / up / available workers), GET /workers,
 POST /workers/reload (re-reads --config; SIGHUP does the same), POST /workers/{id}/drain and
 /resume (rolling restarts; the id is the worker's host:port), GET /metrics, GET /v1/usage
-(totals from the usage ledger, accounting/usage_api.py). With --api-keys, /v1/* needs a key
+(totals from the usage ledger, accounting/usage_api.py), GET /dashboard (a live page over
+those, dashboard.html). With --api-keys, /v1/* needs a key
 (accounting/auth.py).
 
 Everything stateful (the httpx client, the worker registry, the health monitor, metrics) is
@@ -23,13 +24,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -287,6 +289,14 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    dashboard = (Path(__file__).parent / "dashboard.html").read_text()
+
+    @app.get("/dashboard")
+    async def live_dashboard() -> HTMLResponse:
+        """A live page of this router's traffic and workers, read from its own /metrics,
+        /workers and /v1/usage by the browser every two seconds."""
+        return HTMLResponse(dashboard)
 
     document_request_bodies(app)
     return app

@@ -34,6 +34,7 @@ _LATENCY_BUCKETS = (
     120.0,
     300.0,
 )
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
@@ -161,6 +162,13 @@ class RouterMetrics:
             "request received to done",
             ["route"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tandem_router_time_per_output_token_seconds",
+            "a request's first output to done, over its output tokens after the first (vLLM's TPOT)",
+            ["route"],
+            buckets=_TPOT_BUCKETS,
             registry=r,
         )
         self.prefill_hop = Histogram(

@@ -713,6 +713,9 @@ class Proxy:
         self.metrics.e2e.labels(route).observe(end - call.received)
         if call.ttft is not None and call.first_output_worker is not None:
             self.metrics.ttft.labels(route, call.first_output_worker.url).observe(call.ttft)
+        completion = (call.usage or {}).get("completion_tokens")
+        if call.stream and call.ttft is not None and isinstance(completion, int) and completion > 1:
+            self.metrics.tpot.labels(route).observe((end - call.received - call.ttft) / (completion - 1))
         self.metrics.observe_usage(
             call.prefill_worker or call.decode_worker,
             call.decode_worker or call.prefill_worker,

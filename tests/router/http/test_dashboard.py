@@ -1,0 +1,125 @@
+"""GET /dashboard in a real headless Chromium (Playwright), over a real router and two real
+workers: the page loads and keeps polling, its numbers match what /metrics says at the same
+moment, and a worker killed shows as down."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from live_server import LiveServer, start_router, start_server, stop_server
+from prometheus_client.parser import text_string_to_metric_families
+
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+SYSTEM = "You are a careful assistant for a software team. " * 12
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        raise RuntimeError("chromium is not installed: scripts/setup.sh installs it with apt (as root)")
+    return path
+
+
+@pytest.fixture
+def cluster(tandem_server_process: LiveServer, tmp_path: Path) -> Iterator[tuple[str, LiveServer, LiveServer]]:
+    second = start_server(tmp_path / "second.log", "--kv-cache-memory", "64MiB")
+    url, router = start_router(tmp_path / "route.log", "--worker", tandem_server_process.url, "--worker", second.url,
+                               "--health-interval", "0.5", "--down-after", "2")
+    try:
+        yield url, tandem_server_process, second
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        if second.process.poll() is None:
+            stop_server(second)
+
+
+def _metrics(url: str) -> dict[str, list]:
+    return {f.name: f.samples for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)}
+
+
+def _sum(samples: list, name: str) -> float:
+    return sum(s.value for s in samples if s.name == name)
+
+
+def _quantile(q: float, samples: list) -> float | None:
+    """Prometheus's histogram_quantile over every label set's buckets summed by `le`."""
+    counts: dict[float, float] = {}
+    for s in samples:
+        if s.name.endswith("_bucket"):
+            le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
+            counts[le] = counts.get(le, 0.0) + s.value
+    total = counts.get(math.inf, 0.0)
+    if not total:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in sorted(counts):
+        if counts[le] >= rank:
+            if le == math.inf:
+                return lower
+            inside = counts[le] - below
+            return lower + (le - lower) * (rank - below) / inside if inside > 0 else le
+        lower, below = le, counts[le]
+    return lower
+
+
+def _seconds(value: float | None) -> str:  # as the page writes them
+    if value is None:
+        return "–"
+    return f"{round(value * 1000):.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str, LiveServer, LiveServer],
+                                                              tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    url, _, second = cluster
+    for turn in range(3):  # one session: the later turns read the shared prefix from cache
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, headers={"x-session-affinity": "s1"}, json={
+            "model": "smollm2-135m", "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {turn}?"}]})
+        assert reply.status_code == 200
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=_chromium(), headless=True, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            page.goto(f"{url}/dashboard")
+            page.wait_for_function("Number(document.body.dataset.polls || 0) >= 2", timeout=30_000)
+            metrics = _metrics(url)  # no traffic since: the page's last poll read the same numbers
+            requests = metrics["tandem_router_requests"]
+            prompt = _sum(metrics["tandem_router_prompt_tokens"], "tandem_router_prompt_tokens_total")
+            cached = _sum(metrics["tandem_router_cached_prompt_tokens"], "tandem_router_cached_prompt_tokens_total")
+            output = _sum(metrics["tandem_router_generation_tokens"], "tandem_router_generation_tokens_total")
+            ttft = metrics["tandem_router_time_to_first_token_seconds"]
+            tpot = metrics["tandem_router_time_per_output_token_seconds"]
+            assert cached > 0, "the session's later turns should hit the prefix cache"
+            assert page.text_content("#requests-total") == f"{_sum(requests, 'tandem_router_requests_total'):,.0f}"
+            assert page.text_content("#cached-ratio") == f"{100 * cached / prompt:.1f}%"
+            assert page.text_content("#tokens") == f"{prompt:,.0f} / {cached:,.0f} / {output:,.0f}"
+            assert page.text_content("#ttft") == f"{_seconds(_quantile(0.5, ttft))} / {_seconds(_quantile(0.9, ttft))}"
+            assert page.text_content("#tpot") == f"{_seconds(_quantile(0.5, tpot))} / {_seconds(_quantile(0.9, tpot))}"
+            assert page.text_content("#cost-per-million") != "–"
+            rows = page.locator("#workers tr")
+            assert rows.count() == 2
+            assert page.locator(f'tr[data-worker="{second.url}"] td.health').text_content() == "up"
+
+            for process in [*psutil.Process(second.process.pid).children(recursive=True), second.process]:
+                process.send_signal(signal.SIGKILL)
+            second.process.wait(timeout=30)
+            page.wait_for_selector(f'tr[data-worker="{second.url}"][data-healthy="false"]', timeout=30_000)
+            assert page.locator(f'tr[data-worker="{second.url}"] td.health').text_content() == "down"
+            assert re.fullmatch(r"up", page.locator("#workers tr").first.locator("td.health").text_content() or "")
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        finally:
+            browser.close()
