@@ -62,4 +62,12 @@ if [ "${TANDEM_SKIP_GUIDELLM:-0}" != "1" ]; then
   [ -x "$GUIDELLM_VENV/bin/python" ] || "$PYTHON" -m venv "$GUIDELLM_VENV"
   "$GUIDELLM_VENV/bin/python" -m pip install --disable-pip-version-check --quiet torch==2.13.0 guidellm==0.8.1
 fi
+if [ "${TANDEM_SKIP_SGLANG_ROUTER:-0}" != "1" ]; then
+  # sglang-router (SGLang's Rust router, a peer the tests put in front of tandem workers), in
+  # a venv of its own so its pins never meet tandem's.
+  SGLANG_ROUTER_VENV="${TANDEM_SGLANG_ROUTER_VENV:-.venv-sglang-router}"
+  echo "==> installing sglang-router into $SGLANG_ROUTER_VENV"
+  [ -x "$SGLANG_ROUTER_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_ROUTER_VENV"
+  "$SGLANG_ROUTER_VENV/bin/python" -m pip install --disable-pip-version-check --quiet sglang-router==0.3.2
+fi
 echo "==> ready: $VENV/bin/tandem"
