@@ -626,6 +626,10 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long at most (tandem/drain.py)
 
+    def __post_init__(self) -> None:
+        if self.max_tokens_policy not in ("cap", "reject"):
+            raise ValueError(f"--max-tokens-policy must be cap or reject, got {self.max_tokens_policy!r}")
+
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 

@@ -102,3 +102,10 @@ def test_a_prompt_that_fills_the_context_is_a_400_naming_both_numbers(server: Li
     assert f"{CONTEXT} tokens" in error["message"] and f"the prompt has {length}" in error["message"]
     assert httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
                       timeout=60).status_code == 200
+
+
+def test_an_unknown_policy_is_refused_at_start() -> None:
+    from tandem.config import ServerConfig
+
+    with pytest.raises(ValueError, match="cap or reject"):
+        ServerConfig(max_tokens_policy="truncate")

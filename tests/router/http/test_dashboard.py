@@ -104,6 +104,7 @@ def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str
             ttft = metrics["tandem_router_time_to_first_token_seconds"]
             tpot = metrics["tandem_router_time_per_output_token_seconds"]
             assert cached > 0, "the session's later turns should hit the prefix cache"
+            assert _sum(tpot, "tandem_router_time_per_output_token_seconds_count") == 3  # each stream
             assert page.text_content("#requests-total") == f"{_sum(requests, 'tandem_router_requests_total'):,.0f}"
             assert page.text_content("#cached-ratio") == f"{100 * cached / prompt:.1f}%"
             assert page.text_content("#tokens") == f"{prompt:,.0f} / {cached:,.0f} / {output:,.0f}"
