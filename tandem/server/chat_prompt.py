@@ -30,6 +30,7 @@ class ChatPrompt:
     text: str
     forced_prefix: str  # already part of `text`; the parser must see it before the output
     tools_enabled: bool
+    tool_names: frozenset[str] = frozenset()  # the declared functions, when tools are enabled
 
 
 def tool_choice_name(tool_choice: Any) -> str | None:
@@ -86,7 +87,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[
     if tools_enabled and tool_choice not in (None, "auto"):
         forced = parser.forced_prefix(tool_choice_name(tool_choice))
         text += forced
-    return ChatPrompt(text, forced, tools_enabled)
+    names = frozenset(t.function.name for t in tools or ()) if tools_enabled else frozenset()
+    return ChatPrompt(text, forced, tools_enabled, names)
 
 
 def _native_message(message: ChatMessage) -> dict[str, Any]:

@@ -125,7 +125,7 @@ async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": texts[index]}
         reason, stop_reason = finish[index]
         if run.parser is not None:
-            parsed = run.parser.parse(run.prompt.forced_prefix + texts[index])
+            parsed = run.parser.parse(run.prompt.forced_prefix + texts[index], run.prompt.tool_names)
             calls = parsed.tool_calls[:1] if run.single_call else parsed.tool_calls
             message["content"] = parsed.content if calls else (parsed.content or "")
             if calls:
@@ -162,7 +162,8 @@ async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
             payload["usage"] = None
         return sse(payload)
 
-    parsers = [run.parser.stream(run.prompt.forced_prefix) for _ in range(n)] if run.parser else None
+    parsers = ([run.parser.stream(run.prompt.forced_prefix, run.prompt.tool_names) for _ in range(n)]
+               if run.parser else None)
     if parsers is not None and run.handoff is not None and not run.handoff.emit_prior:
         # A stream moved here: the client has this much of the output already. Its parser
         # reads it (and what it says was said) so that it goes on where the other one stopped.

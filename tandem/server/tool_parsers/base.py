@@ -46,7 +46,7 @@ import contextlib
 import json
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -166,13 +166,15 @@ class ToolParser(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def stream(self, prefix: str = "") -> ToolStreamParser:
+    def stream(self, prefix: str = "", tool_names: Collection[str] = ()) -> ToolStreamParser:
         """A fresh streaming parser for one response, already fed `prefix` (which, for a
-        prefix from `forced_prefix`, emits nothing)."""
+        prefix from `forced_prefix`, emits nothing). `tool_names` are the request's declared
+        functions: a parser may use them to accept calls that only a declared name makes
+        unambiguous."""
 
-    def parse(self, text: str) -> ParsedMessage:
+    def parse(self, text: str, tool_names: Collection[str] = ()) -> ParsedMessage:
         """Parse a whole response. Defined through `stream` so the two can never disagree."""
-        parser = self.stream()
+        parser = self.stream(tool_names=tool_names)
         return ParsedMessage.from_deltas([parser.feed(text), parser.finish()])
 
     @abstractmethod

@@ -11,13 +11,21 @@ text precedes it; text on both sides of a call stays separated by what followed 
 The streaming parser is the only implementation: `parse` runs it over the whole text, so both
 modes agree by construction, and every rule only looks at text already seen, so the way the
 text is split into deltas cannot change the result.
+
+Bare calls. Small Qwen models (Qwen2.5-Coder-0.5B under OpenCode's prompt, for one) often
+answer with the call's JSON object and no tags, sometimes in a ```json fence. llama.cpp's
+Hermes parser accepts that; so does this one, but only where it cannot be mistaken for an
+answer: the whole response must be such objects, each naming a function the request
+declared. A response that starts like one (`{`, or a ```json fence) is therefore held
+until it ends, and streamed as text if it turns out not to be calls.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tandem.server.tool_parsers.base import (
@@ -35,7 +43,9 @@ logger = logging.getLogger(__name__)
 
 START = "<tool_call>"
 END = "</tool_call>"
+FENCE = "```"
 _ARGS_KEYS = ("arguments", "parameters")
+_DECODER = json.JSONDecoder()
 
 
 class HermesToolParser(ToolParser):
@@ -45,8 +55,8 @@ class HermesToolParser(ToolParser):
     start_marker = START
     end_marker = END
 
-    def stream(self, prefix: str = "") -> HermesStreamParser:
-        parser = HermesStreamParser()
+    def stream(self, prefix: str = "", tool_names: Collection[str] = ()) -> HermesStreamParser:
+        parser = HermesStreamParser(tool_names)
         if prefix:
             parser.feed(prefix)
         return parser
@@ -97,11 +107,67 @@ def _decode_call(body: str) -> ToolCall | None:
     return call_from_json(obj, _ARGS_KEYS)
 
 
+class _Bare(enum.Enum):
+    UNDECIDED = "undecided"  # blank, or a fence whose language is not yet known
+    CANDIDATE = "candidate"  # starts like a bare call: held to the end
+    OFF = "off"  # plain Hermes parsing from here on
+
+
+def _classify_bare(text: str) -> _Bare:
+    """Whether a response starting with `text` may be bare calls; once CANDIDATE or OFF, any
+    longer text is classified the same."""
+    head = text.lstrip()
+    if not head:
+        return _Bare.UNDECIDED
+    if head.startswith("{"):
+        return _Bare.CANDIDATE
+    if head.startswith(FENCE):
+        tag, newline, rest = head[len(FENCE) :].partition("\n")
+        if not newline:
+            return _Bare.UNDECIDED if "json".startswith(tag.strip()) else _Bare.OFF
+        if tag.strip() not in ("", "json"):
+            return _Bare.OFF
+        rest = rest.lstrip()
+        if not rest:
+            return _Bare.UNDECIDED
+        return _Bare.CANDIDATE if rest.startswith("{") else _Bare.OFF
+    return _Bare.UNDECIDED if FENCE.startswith(head) else _Bare.OFF
+
+
+def _bare_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
+    """The calls a whole response is made of, or [] unless every object names a declared
+    function and nothing but whitespace (and one code fence) surrounds them."""
+    body = text.strip()
+    if body.startswith(FENCE):
+        body = body[len(FENCE) :].partition("\n")[2].rstrip()
+        if body.endswith(FENCE):  # a model may stop before closing its fence
+            body = body[: -len(FENCE)]
+    calls: list[ToolCall] = []
+    pos = 0
+    while True:
+        while pos < len(body) and body[pos].isspace():
+            pos += 1
+        if pos == len(body):
+            return calls
+        try:
+            obj, pos = _DECODER.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return []
+        call = call_from_json(obj, _ARGS_KEYS)
+        if call is None or call.name not in tool_names:
+            return []
+        calls.append(call)
+
+
 class HermesStreamParser(ToolStreamParser):
     """Text streams at once except for a possible marker start and trailing whitespace;
-    a call is emitted whole when its `</tool_call>` arrives (or at `finish`)."""
+    a call is emitted whole when its `</tool_call>` arrives (or at `finish`). With declared
+    `tool_names`, a response that starts like a bare call is held to the end first."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Collection[str] = ()) -> None:
+        self._tool_names = frozenset(tool_names)
+        self._bare = _Bare.UNDECIDED if self._tool_names else _Bare.OFF
+        self._held = ""  # the response so far, while it may still be bare calls
         self._buf = ""  # text not yet decided: a partial START, or a call's body so far
         self._in_call = False
         self._scan_from = 0  # where to resume looking for END inside the body
@@ -115,6 +181,32 @@ class HermesStreamParser(ToolStreamParser):
         return self._num_calls > 0
 
     def feed(self, text_delta: str) -> StreamDelta:
+        if self._bare is _Bare.OFF:
+            return self._feed_tagged(text_delta)
+        self._held += text_delta
+        self._bare = _classify_bare(self._held)
+        if self._bare is not _Bare.OFF:
+            return StreamDelta()
+        held, self._held = self._held, ""
+        return self._feed_tagged(held)
+
+    def finish(self) -> StreamDelta:
+        out = StreamDelta()
+        if self._bare is not _Bare.OFF:
+            held, self._held = self._held, ""
+            self._bare = _Bare.OFF
+            calls = _bare_calls(held, self._tool_names)
+            if calls:
+                for call in calls:
+                    out.tool_calls.append(ToolCallDelta(
+                        index=self._num_calls, id=call.id, name=call.name, arguments=call.arguments))
+                    self._num_calls += 1
+                return out
+            out.extend(self._feed_tagged(held))
+        out.extend(self._finish_tagged())
+        return out
+
+    def _feed_tagged(self, text_delta: str) -> StreamDelta:
         out = StreamDelta()
         self._buf += text_delta
         while True:
@@ -140,7 +232,7 @@ class HermesStreamParser(ToolStreamParser):
                 self._scan_from = 0
         return out
 
-    def finish(self) -> StreamDelta:
+    def _finish_tagged(self) -> StreamDelta:
         out = StreamDelta()
         if self._in_call:
             # Models often stop before "</tool_call>" (or the server stopped on it): the

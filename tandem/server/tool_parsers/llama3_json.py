@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tandem.server.tool_parsers.base import (
@@ -60,19 +60,21 @@ class Llama3JsonToolParser(ToolParser):
 
     name = "llama3_json"
 
-    def stream(self, prefix: str = "") -> Llama3JsonStreamParser:
+    def stream(self, prefix: str = "", tool_names: Collection[str] = ()) -> Llama3JsonStreamParser:
+        del tool_names  # bare JSON is this format already
         parser = Llama3JsonStreamParser(self)
         if prefix:
             parser.feed(prefix)
         return parser
 
-    def parse(self, text: str) -> ParsedMessage:
+    def parse(self, text: str, tool_names: Collection[str] = ()) -> ParsedMessage:
         """Calls, then whatever follows the last valid one as content.
 
         A response that is not call-shaped is all content; so is one whose first object is
         not a valid call. After valid calls, anything that does not parse as a further call
         (prose, a broken object) is returned as content rather than lost.
         """
+        del tool_names
         if _classify(text) is not _Kind.CALLS:
             return ParsedMessage(content=text if text.strip() else None, tool_calls=[])
         body = text.lstrip()

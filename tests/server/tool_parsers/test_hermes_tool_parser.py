@@ -238,3 +238,39 @@ def test_render_tool_result() -> None:
     assert P.render_tool_result('{"temp": 21}', "get_weather") == (
         '<tool_response>\n{"temp": 21}\n</tool_response>'
     )
+
+
+BARE = '{"name": "read", "arguments": {"filePath": "calc.py"}}'
+
+
+def test_bare_call_naming_a_declared_function_is_a_call() -> None:
+    # Qwen2.5-Coder-0.5B's answer to OpenCode's first turn, greedy: no <tool_call> tags.
+    for text in (BARE, f"```json\n{BARE}\n```", f"\n```\n{BARE}\n", f"{BARE}\n{BARE}"):
+        parsed = HermesToolParser().parse(text, {"read", "bash"})
+        assert parsed.content is None, text
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+            ("read", {"filePath": "calc.py"})] * text.count('"name"'), text
+
+
+def test_bare_json_is_content_unless_every_object_is_a_declared_call() -> None:
+    parser = HermesToolParser()
+    for text, names in ((BARE, set()), (BARE, {"bash"}), (f"{BARE} then prose", {"read"}),
+                        ('{"answer": 42}', {"read"}), (f"Sure:\n```json\n{BARE}\n```", {"read"}),
+                        (f"```python\n{BARE}\n```", {"read"})):
+        parsed = parser.parse(text, names)
+        assert parsed.tool_calls == [], (text, names)
+        assert parsed.content == text, (text, names)
+
+
+def test_stream_holds_a_possible_bare_call_and_releases_text_once_decided() -> None:
+    stream = HermesToolParser().stream(tool_names={"read"})
+    assert not stream.feed("```")
+    assert not stream.feed("json\n{")
+    assert not stream.feed('"name": "read", "arguments": {}}\n```')
+    done = stream.finish()
+    assert done.content == "" and [c.name for c in done.tool_calls] == ["read"]
+    assert stream.called_tools
+    stream = HermesToolParser().stream(tool_names={"read"})
+    assert not stream.feed("``")
+    assert stream.feed("`py").content == "```py"
+    assert stream.feed("thon").content == "thon"

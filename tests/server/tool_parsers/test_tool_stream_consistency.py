@@ -44,6 +44,29 @@ HERMES_CASES = [
     "x<tool_call>",
 ]
 
+# Bare calls (no tags), parsed when the request declared get_weather and get_time; with no
+# declared names every case must stream as the plain Hermes parser streams it.
+DECLARED = frozenset({"get_weather", "get_time"})
+BARE_CASES = [
+    CALL,
+    f"  \n{CALL}\n",
+    f"```json\n{CALL}\n```",
+    f"```\n{CALL}\n```\n",
+    f"```json\n{CALL}\n",
+    f"{CALL}\n{CALL2}",
+    '{"name": "undeclared", "arguments": {}}',
+    f"{CALL} and then some words",
+    '{"answer": 42}',
+    '{"name": "get_weather", "arguments": {"city": ',
+    f"```python\nprint(1)\n```\n<tool_call>\n{CALL}\n</tool_call>",
+    f"``` json\n{CALL}```",
+    "```js",
+    "``",
+    f"`{CALL}`",
+    f"Sure.\n```json\n{CALL}\n```",
+    f"<tool_call>\n{CALL}\n</tool_call>",
+]
+
 LLAMA_CASES = [
     "",
     "  \n ",
@@ -75,6 +98,15 @@ def test_every_split_matches_parse(parser: ToolParser, text: str) -> None:
     expected = summary(parser.parse(text))
     for chunks in splits(text, seed=len(text)):
         assert summary(run_stream(parser, chunks)) == expected, chunks
+
+
+@pytest.mark.parametrize("names", [DECLARED, frozenset()], ids=["declared", "undeclared"])
+@pytest.mark.parametrize("text", BARE_CASES + HERMES_CASES, ids=lambda t: repr(t)[:40])
+def test_hermes_bare_calls_every_split_match_parse(text: str, names: frozenset[str]) -> None:
+    parser = HermesToolParser()
+    expected = summary(parser.parse(text, names))
+    for chunks in splits(text, seed=len(text), random_rounds=5):
+        assert summary(run_stream(parser, chunks, tool_names=names)) == expected, chunks
 
 
 @pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()], ids=str)

@@ -5,7 +5,7 @@ patterns the property tests feed it."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from tandem.server.tool_parsers import ParsedMessage, StreamDelta, ToolParser
 
@@ -23,9 +23,10 @@ def check_pieces(deltas: list[StreamDelta]) -> None:
             seen.add(piece.index)
 
 
-def run_stream(parser: ToolParser, chunks: Iterable[str], prefix: str = "") -> ParsedMessage:
+def run_stream(parser: ToolParser, chunks: Iterable[str], prefix: str = "",
+               tool_names: Collection[str] = ()) -> ParsedMessage:
     """Feed `prefix` then `chunks`, then finish; the prefix alone must emit nothing."""
-    stream = parser.stream()
+    stream = parser.stream(tool_names=tool_names)
     deltas = []
     if prefix:
         first = stream.feed(prefix)

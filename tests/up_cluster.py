@@ -1,0 +1,68 @@
+"""A live `tandem up` for tests (imported as `up_cluster`): started as a user starts it, until
+its router is healthy and its banner printed; the caller stops it with SIGINT.
+
+A module of its own, like live_server.py, so several test files can start clusters.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+_START_TIMEOUT = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Up:
+    """A running `tandem up`: its router URL, its printed banner and its output files."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    stdout: Path
+    stderr: Path
+    banner: str
+    log_dir: Path
+
+    def endpoints(self) -> dict[str, str]:
+        """name -> URL of every process the banner lists ("  decode-0  http://...  log: ...")."""
+        rows = re.findall(r"^  (\S+)\s+(http://\S+)\s+log: ", self.banner, re.MULTILINE)
+        return dict(rows)
+
+
+def start_up(tmp_path: Path, *argv: str, timeout: float = _START_TIMEOUT) -> Up:
+    """`tandem up *argv` on a free port, logs and ledger under `tmp_path`."""
+    port = free_port()
+    stdout, stderr = tmp_path / "up.stdout", tmp_path / "up.stderr"
+    log_dir = tmp_path / "logs"
+    command = [sys.executable, "-m", "tandem", "up", "--port", str(port), "--log-dir", str(log_dir),
+               "--ledger", str(tmp_path / "usage.sqlite3"), *argv]
+    with stdout.open("wb") as out, stderr.open("wb") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"tandem up exited with {process.returncode}:\n{stderr.read_text()}")
+        printed = stdout.read_text()
+        if "Ctrl-C stops the cluster." in printed:
+            assert httpx.get(f"{url}/health", timeout=2).status_code == 200  # printed once healthy
+            return Up(process, url, stdout, stderr, printed, log_dir)
+        time.sleep(0.25)
+    process.kill()
+    pytest.fail(f"no banner from tandem up:\n{stderr.read_text()}")
