@@ -5,7 +5,9 @@ sends. guidellm is a demanding one: before the load it probes `GET /health` and
 `GET /v1/models`, and it sends chat messages whose content is a list of parts
 (`[{"type": "text", "text": ...}]`), streams with `stream_options.include_usage`, and uses
 `max_completion_tokens` and `ignore_eos`. A short synthetic load must end with every request
-successful: none errored, none left incomplete.
+successful: none errored, none left incomplete. It runs twice: against the server, and
+through `tandem route` in front of it (the router's streaming proxy, admission and usage
+accounting in the path), where the router's own metrics must count the same requests.
 
 guidellm depends on torch, datasets, sanic and a pinned click, so it lives in its own venv,
 `.venv-guidellm` at the repo root, made by `scripts/setup.sh` (the CPU torch wheel first, so
@@ -21,7 +23,9 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
+from live_server import start_router
 
 from tandem.loader.resolve import resolve_model
 
@@ -96,14 +100,39 @@ def guidellm_env() -> dict[str, str]:
     return env
 
 
+def _router_requests(metrics: str) -> float:
+    """Chat requests the router answered 200, from its Prometheus text."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("tandem_router_requests_total{") and 'status="200"' in line \
+                and "chat" in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize("through", ["serve", "route"])
 def test_guidellm_completes_every_request(
-    tandem_server: str, tandem_server_process: LiveServer, tmp_path: Path
+    tandem_server: str, tandem_server_process: LiveServer, tmp_path: Path, through: str
 ) -> None:
+    if through == "route":
+        router_url, router = start_router(tmp_path / "route.log", "--worker", tandem_server, "--no-ledger")
+        try:
+            _run_guidellm(router_url, tandem_server_process, tmp_path)
+            metrics = httpx.get(f"{router_url}/metrics", timeout=10).text
+            assert _router_requests(metrics) == NUM_REQUESTS, metrics
+        finally:
+            router.terminate()
+            router.wait(timeout=30)
+    else:
+        _run_guidellm(tandem_server, tandem_server_process, tmp_path)
+
+
+def _run_guidellm(target: str, tandem_server_process: LiveServer, tmp_path: Path) -> None:
     executable = guidellm_executable()
     report = tmp_path / "guidellm.json"
     scenario_path = tmp_path / "scenario.json"
     tokenizer_dir = resolve_model(MODEL).hf_dir
-    scenario_path.write_text(json.dumps(scenario(tandem_server, tokenizer_dir, report)))
+    scenario_path.write_text(json.dumps(scenario(target, tokenizer_dir, report)))
 
     # cwd is tmp_path: guidellm reads a `.env` file from its working directory.
     result = subprocess.run(
