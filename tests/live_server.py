@@ -56,10 +56,12 @@ class LiveServer:
 
 
 def start_server(log_path: Path, *args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1",
-                 wrapper: tuple[str, ...] = ()) -> LiveServer:
+                 wrapper: tuple[str, ...] = (), port: int | None = None) -> LiveServer:
     """`wrapper` runs the server through another command, e.g. ("ip", "netns", "exec", NAME)
-    to put it on another (virtual) host; `host` is then that host's address."""
-    port = free_port() if host == "127.0.0.1" else 8000
+    to put it on another (virtual) host; `host` is then that host's address (port 8000
+    there unless `port` is given)."""
+    if port is None:
+        port = free_port() if host == "127.0.0.1" else 8000
     level = os.environ.get("TANDEM_TEST_SERVER_LOG_LEVEL", "INFO")
     command = [*wrapper, sys.executable, "-m", "tandem", "--log-level", level, "serve", "--host", host,
                "--port", str(port), "--no-access-log", *args]

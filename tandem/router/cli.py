@@ -13,12 +13,14 @@ from tandem.router.accounting.flags import (
     check_accounting,
 )
 from tandem.router.config import (
+    DiscoveryTarget,
     HealthPolicy,
     RetryPolicy,
     RouterConfig,
     ScoringConfig,
     Timeouts,
     all_worker_specs,
+    parse_discovery_target,
     specs_from_lists,
 )
 from tandem.router.placement.flags import add_policy_args, policy_config
@@ -42,6 +44,9 @@ that continues on another worker (--migration-limit).
 
 Worker file (--config, JSON or YAML; POST /workers/reload or SIGHUP re-reads it):
   {"prefill": ["http://10.0.0.1:8001"], "decode": ["http://10.0.0.2:8001"], "worker": []}
+
+On Kubernetes, discover workers from headless Services instead (deploy/k8s/):
+  --discover prefill=tandem-prefill:8000 --discover decode=tandem-decode:8000
 """
 
 
@@ -76,6 +81,23 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="JSON/YAML file {prefill: [...], decode: [...], worker: [...]}, added to the flags",
+    )
+    workers.add_argument(
+        "--discover",
+        action="append",
+        default=[],
+        type=_discovery_target,
+        metavar="ROLE=HOST:PORT",
+        help="workers of ROLE (prefill, decode or worker) at every address HOST resolves to, "
+        "re-resolved every --discover-interval: a Kubernetes headless Service lists its ready "
+        "pods (repeatable)",
+    )
+    workers.add_argument(
+        "--discover-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between --discover lookups (default: 5)",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -175,12 +197,21 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=cmd_route)
 
 
+def _discovery_target(text: str) -> DiscoveryTarget:
+    try:
+        return parse_discovery_target(text)
+    except ValueError as exc:  # argparse then prints the reason, not "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host,
         port=args.port,
         workers=specs_from_lists(args.prefill, args.decode, args.worker),
         config_file=args.config,
+        discover=tuple(args.discover),
+        discover_interval_s=args.discover_interval,
         tokenizer=args.tokenizer,
         pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         health=HealthPolicy(
@@ -210,8 +241,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 def cmd_route(args: argparse.Namespace) -> int:
     config = router_config(args)
-    if not config.workers and config.config_file is None:
-        raise ValueError("give workers with --prefill/--decode/--worker URL or --config FILE")
+    if not config.workers and config.config_file is None and not config.discover:
+        raise ValueError("give workers with --prefill/--decode/--worker URL, --config FILE or "
+                         "--discover ROLE=HOST:PORT")
     if config.config_file is not None and not config.config_file.is_file():
         raise FileNotFoundError(f"worker file not found: {config.config_file}")
     all_worker_specs(config)  # a broken file is a clear error now, not a failed start-up

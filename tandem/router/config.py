@@ -33,6 +33,42 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
+class DiscoveryTarget:
+    """A DNS name whose addresses are workers of one role: a Kubernetes headless Service
+    (one A record per ready pod), or any name with several records."""
+
+    role: Role
+    host: str
+    port: int
+    scheme: str = "http"
+
+    def url(self, address: str) -> str:
+        host = f"[{address}]" if ":" in address else address  # an IPv6 address
+        return f"{self.scheme}://{host}:{self.port}"
+
+    def describe(self) -> str:
+        """As the flag reads: `worker=` for colocated workers."""
+        role = "worker" if self.role == "both" else self.role
+        return f"{role}={self.scheme}://{self.host}:{self.port}"
+
+
+def parse_discovery_target(text: str) -> DiscoveryTarget:
+    """`ROLE=HOST:PORT` or `ROLE=http://HOST:PORT`, ROLE one of prefill, decode, worker/both."""
+    role_text, sep, rest = text.partition("=")
+    role = _FILE_KEYS.get(role_text.strip())
+    if not sep or role is None:
+        raise ValueError(f"--discover {text!r}: expected ROLE=HOST:PORT with ROLE prefill, decode or worker")
+    scheme, _, hostport = rest.strip().rpartition("://")
+    host, colon, port = hostport.rstrip("/").rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--discover {text!r}: expected HOST:PORT after {role_text}=, e.g. "
+                         f"{role_text}=tandem-{role_text}.default.svc.cluster.local:8000")
+    if scheme not in ("", "http", "https"):
+        raise ValueError(f"--discover {text!r}: scheme must be http or https")
+    return DiscoveryTarget(role, host.strip("[]"), int(port), scheme or "http")
+
+
+@dataclass(frozen=True)
 class HealthPolicy:
     """Polling and the up/down state machine (SGLang's gateway uses 3 down / 2 up too)."""
 
@@ -200,6 +236,9 @@ class RouterConfig:
     port: int = 8000
     workers: tuple[WorkerSpec, ...] = ()  # from flags; the file's workers are added to these
     config_file: Path | None = None
+    # DNS names re-resolved every discover_interval_s; their addresses are added to the above.
+    discover: tuple[DiscoveryTarget, ...] = ()
+    discover_interval_s: float = 5.0
     tokenizer: Path | None = None
     # Below this many prompt tokens the prefill hop costs more than it saves: a second HTTP
     # round trip and a KV transfer to spare the decode worker a prefill of a few ms.
@@ -231,6 +270,8 @@ class RouterConfig:
             )
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.discover_interval_s <= 0:
+            raise ValueError(f"--discover-interval must be > 0, got {self.discover_interval_s}")
         if self.retry.max_attempts < 1:
             raise ValueError(f"--max-attempts must be >= 1, got {self.retry.max_attempts}")
         if self.health.failures_to_down < 1 or self.health.successes_to_up < 1:

@@ -47,7 +47,7 @@ from tandem.http_limits import RequestLimitMiddleware
 from tandem.router.accounting.accounting import load_keys, open_accounting
 from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, caller_of
 from tandem.router.accounting.usage_api import usage_report
-from tandem.router.config import RouterConfig, all_worker_specs
+from tandem.router.config import RouterConfig, all_worker_specs, dedupe
 from tandem.router.http.metrics import RouterMetrics
 from tandem.router.http.openapi import document_request_bodies
 from tandem.router.http.proxy import WHOLE_ROLES, Proxy
@@ -57,6 +57,7 @@ from tandem.router.placement.kv_index import KvIndex
 from tandem.router.placement.placement import Placement, PlacementMetrics
 from tandem.router.placement.prompt_tokens import PromptCounter
 from tandem.router.placement.tokenize import RemoteTokenizer
+from tandem.router.workers.discovery import DnsDiscovery
 from tandem.router.workers.health import HealthMonitor
 from tandem.router.workers.registry import WorkerRegistry
 
@@ -74,11 +75,13 @@ class RouterState:
     reload_lock: asyncio.Lock
     kv_index: KvIndex
     kv_events: KvEventPoller
+    discovery: DnsDiscovery
 
     async def reload(self) -> dict[str, Any]:
-        """Re-read the worker file; workers that stay keep their health and load."""
+        """Re-read the worker file and take the last discovered workers; workers that stay
+        keep their health and load."""
         async with self.reload_lock:
-            specs = all_worker_specs(self.config)
+            specs = dedupe([*all_worker_specs(self.config), *self.discovery.specs])
             added, removed = self.registry.replace(specs)
             self.monitor.sync()
             self.kv_events.sync()
@@ -152,7 +155,8 @@ def build_state(config: RouterConfig, keys: ApiKeys | KeyFile | None = None) -> 
         accounting=accounting,
     )
     return RouterState(
-        config, client, registry, monitor, metrics, proxy, asyncio.Lock(), kv_index, kv_events
+        config, client, registry, monitor, metrics, proxy, asyncio.Lock(), kv_index, kv_events,
+        DnsDiscovery(config.discover),
     )
 
 
@@ -167,6 +171,10 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
         state.proxy.drain.busy = lambda: state.proxy.admission.in_flight + state.proxy.admission.waiting
         app.state.router = state
         background: set[asyncio.Task[Any]] = set()
+        if config.discover:
+            await state.discovery.refresh()
+            await state.reload()
+            background.add(asyncio.ensure_future(_discover_forever(state)))
         await state.monitor.probe_all()
         state.monitor.sync()
         state.kv_events.sync()
@@ -187,6 +195,8 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            for task in list(background):
+                task.cancel()
             await state.monitor.stop()
             await state.kv_events.stop()
             await state.client.aclose()
@@ -351,6 +361,17 @@ def _install_sighup(state: RouterState, background: set[asyncio.Task[Any]]) -> N
         ValueError,
     ) as exc:  # not the main thread, or Windows
         logger.debug("SIGHUP reload not available: %s", exc)
+
+
+async def _discover_forever(state: RouterState) -> None:
+    """Re-resolve the --discover names every interval; adopt the workers when they change."""
+    while True:
+        await asyncio.sleep(state.config.discover_interval_s)
+        try:
+            if await state.discovery.refresh():
+                await state.reload()
+        except (ValueError, OSError) as exc:
+            logger.error("discovery: cannot update the worker list: %s", exc)
 
 
 async def _reload_logged(state: RouterState) -> None:
