@@ -20,6 +20,7 @@ from tandem.bench.kv_tiers import add_kv_tiers_parser
 from tandem.bench.offline import add_offline_parser
 from tandem.bench.overhead import add_overhead_parser
 from tandem.bench.perplexity_cli import add_perplexity_parser
+from tandem.bench.plan import add_plan_bench_parser
 from tandem.bench.serve import add_serve_parser
 from tandem.bench.spec import add_spec_bench_parser
 from tandem.flags import (
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_offline_parser(bench_commands)
     add_overhead_parser(bench_commands)
     add_perplexity_parser(bench_commands)
+    add_plan_bench_parser(bench_commands)
     add_serve_parser(bench_commands)
     add_spec_bench_parser(bench_commands)
     add_plan_parser(commands)

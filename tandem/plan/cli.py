@@ -1,4 +1,5 @@
-"""`tandem plan`: capacity planning commands; `tandem plan memory` is the first.
+"""`tandem plan`: capacity planning commands: `memory` (how a model splits over devices),
+`profile` and `pools` (how many prefill and decode workers a traffic mix needs).
 
 Torch-free like the rest of tandem.plan: planning a 1T-parameter model takes a config.json
 and a few milliseconds, not the weights or a GPU.
@@ -19,12 +20,14 @@ from tandem.plan.memory import (
     plan_memory,
 )
 from tandem.plan.model_config import EXAMPLE_NAMES, SUPPORTED, load_config
+from tandem.plan.pools.cli import add_pools_parsers
 from tandem.plan.report import format_memory_plan, plan_to_dict
 from tandem.plan.sharding import Parallel
 
 _PLAN_DESCRIPTION = """\
-Plan a deployment before you have the hardware or the weights. Each subcommand reads a
-model's config.json and answers one capacity question.
+Plan a deployment. `memory` reads a model's config.json and needs neither the hardware nor
+the weights; `profile` measures step costs on this machine and `pools` sizes the prefill and
+decode pools for a traffic mix from them.
 """
 
 def _fill(text: str) -> str:
@@ -89,6 +92,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="longest sequence (default: the config's max_position_embeddings)")
     memory.add_argument("--json", action="store_true", help="print the plan as JSON")
     memory.set_defaults(handler=cmd_plan_memory)
+    add_pools_parsers(commands)
 
 
 def cmd_plan_memory(args: argparse.Namespace) -> int:
