@@ -1,14 +1,15 @@
 """What one engine step costs, as a function of what is in it; fitted to measured steps.
 
-    step_s = a + b * tokens + c * attention + d * sequences
+    step_s = a + b_p * prompt tokens + b_d * decode tokens
+               + c_p * prompt attention pairs + c_d * decode attention pairs + d * sequences
 
-`tokens` are all tokens computed in the step (prompt chunks and one per decoding sequence):
-the weights are read once a step (`a`) and every token costs its share of the matmuls (`b`).
-`attention` counts query-key pairs, sum over sequences of n * (context + (n + 1) / 2) for n
-new tokens after `context` cached ones: what makes a long context's prefill and decode
-dearer. `sequences` is per-sequence work (sampling, bookkeeping). On a CPU, a decode step is
-`a` plus small terms and a prefill is dominated by `b`: one linear model covers both, which
-a least-squares fit over a grid of measured prefill and decode steps pins down.
+The weights are read once a step (`a`); every token computed costs its share of the matmuls,
+a prompt token (`b_p`, in a large GEMM) and a decoding sequence's token (`b_d`, in a thin
+one) apart. Attention pairs count query-key products, n * (context + (n + 1) / 2) for n new
+tokens after `context` cached ones: prompt attention is compute-bound (`c_p`) while decode
+attention reads the whole cached context for one query (`c_d`, memory-bound, dearer per
+pair). `sequences` is per-sequence work (sampling, bookkeeping). A non-negative
+least-squares fit over a grid of measured prefill and decode steps pins the six down.
 
 The KV handoff between a prefill and a decode worker costs `transfer_s_per_token` a token
 plus a fixed `transfer_fixed_s` (the hop's round trips), and every request pays
@@ -34,12 +35,13 @@ class StepShape:
     prefill: tuple[tuple[int, int], ...] = ()
     decode_contexts: tuple[int, ...] = ()
 
-    def features(self) -> tuple[float, float, float, float]:
-        tokens = sum(n for n, _ in self.prefill) + len(self.decode_contexts)
-        attention = sum(n * (ctx + (n + 1) / 2) for n, ctx in self.prefill)
-        attention += sum(ctx + 1 for ctx in self.decode_contexts)
+    def features(self) -> tuple[float, ...]:
+        prompt_tokens = sum(n for n, _ in self.prefill)
+        prompt_pairs = sum(n * (ctx + (n + 1) / 2) for n, ctx in self.prefill)
+        decode_pairs = sum(ctx + 1 for ctx in self.decode_contexts)
         sequences = len(self.prefill) + len(self.decode_contexts)
-        return 1.0, float(tokens), float(attention), float(sequences)
+        return (1.0, float(prompt_tokens), float(len(self.decode_contexts)), float(prompt_pairs),
+                float(decode_pairs), float(sequences))
 
 
 @dataclass(frozen=True)
@@ -55,18 +57,23 @@ class CostModel:
     """Fitted step costs plus the handoff and HTTP costs, as `tandem plan profile` writes them."""
 
     fixed_s: float  # a
-    per_token_s: float  # b
-    per_pair_s: float  # c
+    per_prompt_token_s: float  # b_p
+    per_decode_token_s: float  # b_d
+    per_prompt_pair_s: float  # c_p
+    per_decode_pair_s: float  # c_d
     per_sequence_s: float  # d
     transfer_s_per_token: float = 0.0
     transfer_fixed_s: float = 0.0
     http_overhead_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        return (self.fixed_s, self.per_prompt_token_s, self.per_decode_token_s, self.per_prompt_pair_s,
+                self.per_decode_pair_s, self.per_sequence_s)
+
     def step_s(self, shape: StepShape) -> float:
-        one, tokens, attention, sequences = shape.features()
-        return (self.fixed_s * one + self.per_token_s * tokens + self.per_pair_s * attention
-                + self.per_sequence_s * sequences)
+        return sum(c * f for c, f in zip(self.coefficients, shape.features(), strict=True))
 
     def transfer_s(self, tokens: int) -> float:
         return self.transfer_fixed_s + self.transfer_s_per_token * tokens
@@ -75,8 +82,8 @@ class CostModel:
     def fit(cls, measurements: Sequence[Measurement], **extra: Any) -> CostModel:
         """Non-negative least squares on relative error, so short decode steps weigh as much
         as long prefills."""
-        if len(measurements) < 4:
-            raise ValueError(f"need at least 4 measured steps to fit 4 costs, got {len(measurements)}")
+        if len(measurements) < 6:
+            raise ValueError(f"need at least 6 measured steps to fit 6 costs, got {len(measurements)}")
         x = np.array([m.shape.features() for m in measurements], dtype=np.float64)
         y = np.array([m.seconds for m in measurements], dtype=np.float64)
         weights = 1.0 / np.maximum(y, 1e-9)
@@ -103,7 +110,8 @@ class CostModel:
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0 (a cost cannot be negative): drop the most
-    negative coefficient and refit until none is (exact for our 4 columns, by enumeration)."""
+    negative coefficient and refit until none is (exact for our 6 columns, by enumeration of
+    the column subsets)."""
     n = a.shape[1]
     best: tuple[float, np.ndarray] | None = None
     for mask in range(1, 1 << n):

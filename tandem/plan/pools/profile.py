@@ -19,6 +19,7 @@ Loads torch and the model (only this module of tandem.plan does).
 from __future__ import annotations
 
 import json
+import logging
 import random
 import statistics
 import threading
@@ -30,9 +31,10 @@ from typing import Any
 
 from tandem.plan.pools.costs import CostModel, Measurement, StepShape
 
-DEFAULT_PREFILL_GRID = ((32, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 1024), (512, 1024),
-                        (128, 4096), (512, 4096))
-DEFAULT_DECODE_GRID = ((1, 128), (4, 128), (16, 128), (1, 2048), (4, 2048), (16, 1024), (32, 256))
+# (new tokens, cached context) and (batch, context): enough spread to separate the six costs,
+# small enough to measure in a few minutes on one CPU core
+DEFAULT_PREFILL_GRID = ((32, 0), (128, 0), (512, 0), (1024, 0), (128, 1024), (512, 1024), (128, 2048))
+DEFAULT_DECODE_GRID = ((1, 128), (4, 128), (16, 128), (1, 2048), (4, 2048), (16, 512), (32, 256))
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ def http_round_trip_s(requests: int = 200) -> float:
         return body
 
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", access_log=False)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -208,8 +211,10 @@ def _machine() -> dict[str, Any]:
 
 
 def format_profile(model: CostModel, measurements: Sequence[Measurement]) -> str:
-    lines = [f"step = {model.fixed_s * 1e3:.2f} ms + {model.per_token_s * 1e6:.2f} us/token + "
-             f"{model.per_pair_s * 1e9:.3f} ns/attention pair + {model.per_sequence_s * 1e6:.1f} us/sequence",
+    lines = [f"step = {model.fixed_s * 1e3:.2f} ms + {model.per_prompt_token_s * 1e6:.1f} us/prompt token + "
+             f"{model.per_decode_token_s * 1e6:.1f} us/decode token + {model.per_sequence_s * 1e6:.1f} us/sequence",
+             f"       + {model.per_prompt_pair_s * 1e9:.1f} ns/prompt attention pair + "
+             f"{model.per_decode_pair_s * 1e9:.1f} ns/decode attention pair",
              f"KV handoff = {model.transfer_fixed_s * 1e3:.2f} ms + {model.transfer_s_per_token * 1e6:.2f} us/token; "
              f"HTTP hop {model.http_overhead_s * 1e3:.2f} ms",
              "", f"{'step':<34} {'measured':>10} {'fitted':>10} {'error':>7}"]

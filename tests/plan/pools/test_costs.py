@@ -12,17 +12,18 @@ from tandem.plan.pools.costs import CostModel, Measurement, StepShape
 
 def test_features_count_tokens_attention_pairs_and_sequences() -> None:
     shape = StepShape(prefill=((100, 0), (10, 50)), decode_contexts=(7, 9))
-    one, tokens, pairs, sequences = shape.features()
-    assert (one, tokens, sequences) == (1.0, 112.0, 4.0)
-    assert pairs == 100 * 50.5 + 10 * (50 + 5.5) + 8 + 10
+    one, prompt, decode, prompt_pairs, decode_pairs, sequences = shape.features()
+    assert (one, prompt, decode, sequences) == (1.0, 110.0, 2.0, 4.0)
+    assert prompt_pairs == 100 * 50.5 + 10 * (50 + 5.5) and decode_pairs == 8 + 10
 
 
 def test_fit_recovers_the_costs_that_made_the_steps() -> None:
-    truth = CostModel(0.03, 0.0005, 2e-8, 0.001)
+    truth = CostModel(0.03, 0.0005, 0.0002, 2e-8, 9e-8, 0.001)
     shapes = [StepShape(((n, c),)) for n in (16, 128, 512, 2048) for c in (0, 1024)]
     shapes += [StepShape((), (c,) * b) for b in (1, 4, 16) for c in (128, 2048)]
     fitted = CostModel.fit([Measurement(s, truth.step_s(s)) for s in shapes])
-    for name in ("fixed_s", "per_token_s", "per_pair_s", "per_sequence_s"):
+    for name in ("fixed_s", "per_prompt_token_s", "per_decode_token_s", "per_prompt_pair_s", "per_decode_pair_s",
+                 "per_sequence_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
 
 
@@ -31,17 +32,17 @@ def test_fit_never_returns_a_negative_cost() -> None:
     shapes = [StepShape((), (100,) * b) for b in (1, 2, 4, 8)] + [StepShape(((n, 0),)) for n in (64, 256)]
     seconds = [0.05, 0.049, 0.048, 0.047, 0.08, 0.2]
     fitted = CostModel.fit([Measurement(s, t) for s, t in zip(shapes, seconds, strict=True)])
-    assert min(fitted.fixed_s, fitted.per_token_s, fitted.per_pair_s, fitted.per_sequence_s) >= 0
+    assert min(fitted.coefficients) >= 0
     assert fitted.fixed_s > 0.04
 
 
 def test_too_few_measurements_are_refused() -> None:
-    with pytest.raises(ValueError, match="at least 4"):
-        CostModel.fit([Measurement(StepShape(((1, 0),)), 0.1)] * 3)
+    with pytest.raises(ValueError, match="at least 6"):
+        CostModel.fit([Measurement(StepShape(((1, 0),)), 0.1)] * 5)
 
 
 def test_a_profile_round_trips_and_a_bad_file_is_named(tmp_path: Path) -> None:
-    model = CostModel(0.03, 0.0005, 2e-8, 0.001, transfer_s_per_token=4e-6, transfer_fixed_s=0.001,
+    model = CostModel(0.03, 0.0005, 0.0002, 2e-8, 9e-8, 0.001, transfer_s_per_token=4e-6, transfer_fixed_s=0.001,
                       http_overhead_s=0.0007, meta={"model": "m"})
     model.save(tmp_path / "p.json")
     assert CostModel.load(tmp_path / "p.json") == model

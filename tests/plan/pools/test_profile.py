@@ -20,16 +20,16 @@ from tandem.plan.pools.profile import (
 @pytest.fixture(scope="module")
 def profiled() -> tuple[CostModel, list]:
     settings = ProfileSettings(threads=1, kv_cache_memory="256MiB", prefill_grid=((16, 0), (192, 0), (64, 256)),
-                               decode_grid=((1, 64), (6, 64)), repeats=1)
+                               decode_grid=((1, 64), (6, 64), (3, 256)), repeats=1)
     return measure_profile(settings)
 
 
 def test_profile_measures_real_steps_and_fits_them(profiled: tuple[CostModel, list]) -> None:
     model, measurements = profiled
     seconds = {(m.shape.prefill, len(m.shape.decode_contexts)): m.seconds for m in measurements}
-    assert len(measurements) == 5 and all(s > 0 for s in seconds.values())
+    assert len(measurements) == 6 and all(s > 0 for s in seconds.values())
     assert seconds[(((192, 0),), 0)] > seconds[(((16, 0),), 0)]  # more tokens, longer step
-    assert model.fixed_s > 0 and model.per_token_s > 0
+    assert model.fixed_s > 0 and model.per_prompt_token_s > 0
     assert model.meta["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32
     assert 0 < model.transfer_s_per_token < 1e-3 and model.http_overhead_s > 0
     table = format_profile(model, measurements)

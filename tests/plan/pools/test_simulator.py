@@ -10,7 +10,7 @@ from tandem.plan.pools.search import Slo, layouts, recommendation, search
 from tandem.plan.pools.simulator import EngineLimits, Layout, simulate
 from tandem.plan.pools.traffic import SimSession, SimTurn, SimWorkload, TrafficMix
 
-COSTS = CostModel(0.03, 0.0005, 1e-8, 0.001, transfer_s_per_token=1e-5, transfer_fixed_s=0.002,
+COSTS = CostModel(0.03, 0.0005, 0.0003, 1e-8, 4e-8, 0.001, transfer_s_per_token=1e-5, transfer_fixed_s=0.002,
                   http_overhead_s=0.001)
 HOP = COSTS.http_overhead_s
 
@@ -113,7 +113,7 @@ def test_layouts_and_bad_layouts() -> None:
 def test_long_prompts_beside_long_outputs_favour_a_prefill_pool() -> None:
     # prompts of 2000 tokens arriving while others decode: colocated, every decoding sequence
     # waits out a 1 s prefill step; a prefill pool keeps decode steps short
-    costs = CostModel(0.02, 0.0005, 0.0, 0.0, http_overhead_s=0.001, transfer_s_per_token=1e-6)
+    costs = CostModel(0.02, 0.0005, 0.0005, 0.0, 0.0, 0.0, http_overhead_s=0.001, transfer_s_per_token=1e-6)
     workload = TrafficMix(rate=0.5, num_sessions=40, input_min=2000, input_max=2000,
                           output_min=100, output_max=100, seed=1).sample()
     ranked = search(workload, costs, Slo(ttft_p90_s=8.0, tpot_p90_s=0.03), max_workers=2)
