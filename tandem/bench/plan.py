@@ -14,6 +14,7 @@ system prompt, short answers) and `output-heavy` (one-turn prompts, long answers
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -76,11 +77,18 @@ def add_plan_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads per worker (default: 1, as profiled)")
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="multiply each mix's session rate (default: 1)")
+    parser.add_argument("--size-scale", type=float, default=1.0,
+                        help="multiply each mix's session (or request) count, at least 2 (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="per worker (default: 1GiB)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/plan"),
                         help="report directory (default: bench-results/plan)")
     parser.set_defaults(handler=run_plan_bench)
+
+
+def scaled(config: WorkloadConfig, factor: float) -> WorkloadConfig:
+    return dataclasses.replace(config, num_sessions=max(2, round(config.num_sessions * factor)),
+                               num_requests=max(2, round(config.num_requests * factor)))
 
 
 def sim_workload(workload: ServeWorkload, rate: float, seed: int) -> SimWorkload:
@@ -132,7 +140,7 @@ def run_plan_bench(args: argparse.Namespace) -> int:
         for name in names:
             mix = MIXES[name]
             rate = mix.rate * args.rate_scale
-            workload = build_serve_workload(mix.workload, sizer)
+            workload = build_serve_workload(scaled(mix.workload, args.size_scale), sizer)
             load = LoadConfig(request_rate=rate, seed=args.seed)
             logger.info("%s: %s at %.3g sessions/s", name, workload.description, rate)
             started = time.perf_counter()

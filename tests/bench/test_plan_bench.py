@@ -3,11 +3,17 @@ arrival times, and measured figures come from the records as `tandem bench serve
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tandem.bench.load_client import LoadConfig, RequestRecord, RunResult, poisson_arrivals
 from tandem.bench.plan import MIXES, errors, format_report, measured_figures, sim_workload
 from tandem.bench.serve_workloads import build_serve_workload, make_sizer
+from tandem.plan.pools.costs import CostModel
 
 
 def test_simulated_sessions_are_the_ones_sent() -> None:
@@ -45,3 +51,21 @@ def test_report_says_which_figures_are_within_the_goal() -> None:
                           "threads": 1, "mixes": {"agentic": mix}})
     rows = [line for line in text.splitlines() if line.startswith("agentic")]
     assert [row.split()[-1] for row in rows] == ["yes", "NO", "yes", "yes"]
+
+
+def test_a_tiny_real_run(tmp_path: Path) -> None:
+    """A real 1P+1D cluster serves a few output-heavy requests; the report holds both sides."""
+    CostModel(0.04, 0.002, 0.002, 8e-7, 2e-6, 0.0, transfer_s_per_token=4e-6, transfer_fixed_s=0.001,
+              http_overhead_s=0.001, meta={"machine": {"cpu": "test"}, "max_num_batched_tokens": 2048}
+              ).save(tmp_path / "profile.json")
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem", "bench", "plan", "--profile", str(tmp_path / "profile.json"),
+         "--mixes", "output-heavy", "--size-scale", "0.15", "--rate-scale", "3", "--kv-cache-memory", "256MiB",
+         "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    mix = report["mixes"]["output-heavy"]
+    assert mix["measured"]["requests"] == 4 and mix["measured"]["failed"] == 0
+    for side in ("measured", "predicted"):
+        assert all(0 < mix[side][key] < 60 for key in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s"))
+    assert "output-heavy   TTFT p50" in result.stdout and (tmp_path / "out" / "plan.png").is_file()
