@@ -30,6 +30,7 @@ from tandem.flags import (
     serve_engine_config,
     server_config,
     settle_device,
+    settle_model,
 )
 from tandem.plan.cli import add_plan_parser
 from tandem.router.accounting.keys_cli import add_keys_parser
@@ -190,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        settle_model(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     settle_device(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")

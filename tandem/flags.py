@@ -173,9 +173,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The positional MODEL and the engine group, shared by every command that runs an engine."""
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help=f"HF directory, .gguf file or alias (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="the same as the positional MODEL, as vLLM also takes it")
     group = parser.add_argument_group("engine")
     for flag in ENGINE_FLAGS:
         flag.add_to(group)
+
+
+def settle_model(args: argparse.Namespace) -> None:
+    """`--model X` stands for the positional MODEL; giving two different ones is an error."""
+    flag = getattr(args, "model_flag", None)
+    if flag is None:
+        return
+    if args.model not in (DEFAULT_MODEL, flag):
+        raise ValueError(f"two models given: {args.model!r} and --model {flag!r}")
+    args.model = flag
 
 
 def engine_defaults() -> dict[str, Any]:

@@ -68,3 +68,18 @@ def test_bad_value_is_a_clear_error() -> None:
     assert "top_p must be in (0, 1]" in result.stderr
     missing = _run(["generate", "/no/such/model", "-p", "hi"])
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_model_may_be_given_as_a_flag_too() -> None:
+    """`tandem up --model qwen2.5-coder-0.5b`, as vLLM users type it, is the positional MODEL."""
+    from tandem.cli import build_parser
+    from tandem.flags import settle_model
+
+    parser = build_parser()
+    for argv in (["up", "--model", "qwen2.5-coder-0.5b"], ["up", "qwen2.5-coder-0.5b"],
+                 ["serve", "qwen2.5-coder-0.5b", "--model", "qwen2.5-coder-0.5b"]):
+        args = parser.parse_args(argv)
+        settle_model(args)
+        assert args.model == "qwen2.5-coder-0.5b", argv
+    result = _run(["up", "smollm2-135m-x", "--model", "qwen2.5-coder-0.5b"])
+    assert result.returncode == 2 and "two models given" in result.stderr
