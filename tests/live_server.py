@@ -102,12 +102,12 @@ def stop_server(server: LiveServer, sig: signal.Signals = signal.SIGINT) -> list
     return [p.pid for p in alive]
 
 
-def start_router(log_path: Path, *args: str) -> tuple[str, subprocess.Popen[bytes]]:
+def start_router(log_path: Path, *args: str, wrapper: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen[bytes]]:
     """A `tandem route` process on a free port with `args` (its workers), once healthy; the
-    caller terminates it."""
+    caller terminates it. `wrapper` runs it through another command (as for start_server)."""
     port = free_port()
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "tandem", "route", "--port", str(port), *args],
+        process = subprocess.Popen([*wrapper, sys.executable, "-m", "tandem", "route", "--port", str(port), *args],
                                    stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -132,15 +132,6 @@ def _token_ids(worker: str, body: dict, with_tools: bool = True) -> list[int]:
     return reply.json()["tokens"]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def test_opencode_runs_a_multi_step_task_unmodified(cluster: Up, tmp_path: Path) -> None:
     repo = _scratch_repo(tmp_path)
     with RecordingProxy(cluster.url) as proxy:
@@ -206,7 +197,7 @@ def test_opencode_runs_a_multi_step_task_unmodified(cluster: Up, tmp_path: Path)
         tokens = _token_ids(prefill[0], turn.json())
         usage = _usage(turn)
         assert usage["prompt_tokens"] == len(tokens)
-        shared = _common_prefix(previous, tokens) // BLOCK * BLOCK
+        shared = len(os.path.commonprefix([previous, tokens])) // BLOCK * BLOCK
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         assert cached >= shared - BLOCK, (cached, shared, usage)
         previous = tokens

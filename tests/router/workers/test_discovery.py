@@ -13,15 +13,13 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, free_port, start_server, stop_server
+from live_server import LiveServer, free_port, start_router, start_server, stop_server
 
 from tandem.router.config import DiscoveryTarget, WorkerSpec, parse_discovery_target
 from tandem.router.workers.discovery import DnsDiscovery
@@ -136,26 +134,11 @@ def test_router_follows_a_headless_service(pods: list[LiveServer], tmp_path: Pat
     first, second = pods[0].url, pods[1].url
     port = first.rsplit(":", 1)[1]
     _write_hosts(hosts, ["127.0.0.2"])
-    router_port = free_port()
     script = f'mount --bind "{hosts}" /etc/hosts && exec "$@"'
     log = tmp_path / "route.log"
-    with log.open("wb") as out:
-        router = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
-             sys.executable, "-m", "tandem", "route", "--port", str(router_port),
-             "--discover", f"worker={NAME}:{port}", "--discover-interval", "0.2"],
-            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{router_port}"
+    url, router = start_router(log, "--discover", f"worker={NAME}:{port}", "--discover-interval", "0.2",
+                               wrapper=("unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
         _wait_for(url, {first: True})  # found at start, before any request
         assert _chat(url).status_code == 200
 
