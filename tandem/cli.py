@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tandem.bench.chaos import add_chaos_parser
@@ -57,8 +58,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_headless(serve_engine_config(args))
     from tandem.server.app import run_server
 
+    engine = serve_engine_config(args)
+    if engine.kv_tiers.disk_path:  # refuse a directory the tier may not own before loading a model
+        from tandem.kvcache.tiers.disk import check_claimable
+        from tandem.kvcache.tiers.store import ChunkStoreError
+
+        try:
+            check_claimable(Path(engine.kv_tiers.disk_path))
+        except ChunkStoreError as exc:
+            raise ValueError(str(exc)) from None
     config = server_config(args)
-    run_server(serve_engine_config(args), config, access_log=not args.no_access_log)
+    run_server(engine, config, access_log=not args.no_access_log)
     return 0
 
 

@@ -32,6 +32,7 @@ from tandem.kvcache.tiers.chunk import (
     chunk_key,
     decode_chunk,
     encode_chunk,
+    parse_chunk_key,
 )
 from tandem.kvcache.tiers.metadata import ChunkLoad, LoadSpec, TiersMetadata
 from tandem.kvcache.tiers.open import open_stores
@@ -205,7 +206,12 @@ class TiersConnectorWorker(KVConnectorWorker):
             counters.setdefault(medium, {}).update(store.stats())
             drain = getattr(store, "drain_evicted", None)
             if drain is not None:  # the disk tier's own budget evicted these
-                gone += [(int(name.split("-", 1)[0], 16), medium) for name in drain()]
+                for key in drain():
+                    parsed = parse_chunk_key(key)
+                    if parsed is None:  # not a key this side wrote: nothing to announce
+                        logger.debug("KV %s tier evicted %r, not a chunk key; ignored", medium, key)
+                        continue
+                    gone.append((parsed[0], medium))
         report: dict[str, Any] = {"counters": counters}
         if stored:
             report["stored"] = stored

@@ -21,6 +21,7 @@ Torch-free: the payload is bytes; the worker turns it into a tensor without copy
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -61,6 +62,27 @@ def chunk_key(last_block_hash: int, num_blocks: int, rank: int = 0, world_size: 
     """The store key of the chunk whose last block has this chain hash (the chain covers every
     token before it, so the key names the whole prefix, the model and the cache salt)."""
     return f"{last_block_hash:016x}-{num_blocks}b-r{rank}of{world_size}"
+
+
+# What chunk_key produces for a 64-bit chain hash (block_hash.py's are xxh3_64), a positive
+# block count and a rank below the world size; no leading zeros, so one spelling per key.
+_CHUNK_KEY = re.compile(r"([0-9a-f]{16})-([1-9][0-9]{0,8})b-r(0|[1-9][0-9]{0,5})of([1-9][0-9]{0,5})")
+
+
+def parse_chunk_key(key: str) -> tuple[int, int, int, int] | None:
+    """(last block hash, blocks, rank, world size) of a key `chunk_key` made, or None for any
+    other string (a foreign file name, a key of another format)."""
+    match = _CHUNK_KEY.fullmatch(key)
+    if match is None:
+        return None
+    chunk_hash, num_blocks, rank, world_size = (int(match[1], 16), int(match[2]), int(match[3]),
+                                                int(match[4]))
+    return (chunk_hash, num_blocks, rank, world_size) if rank < world_size else None
+
+
+def is_chunk_key(key: str) -> bool:
+    """Whether `key` is one `chunk_key` could have made."""
+    return parse_chunk_key(key) is not None
 
 
 def encode_chunk(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
