@@ -7,6 +7,11 @@ after the request began gets a 408, so a client trickling bytes cannot hold a co
 a request slot for ever. Both answers are OpenAI-shaped. The body is read here, once, and
 handed to the app as it came (FastAPI reads whole JSON bodies anyway).
 
+A JSON body holding a lone UTF-16 surrogate (`"\\ud800"` not followed by its low half)
+gets a 400 here too: Python's json decodes it into a str that cannot be encoded as UTF-8,
+and the tokenizer, the router's forwarding and the response encoders all failed on it with
+a 500. Bodies that are not JSON are left to the app.
+
 Message and tool counts are checked where the JSON is parsed (`check_shape`): each message
 and tool is rendered into the prompt and tokenized, so their number bounds work done before
 the context-length check can refuse the request.
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import re
 import time
 from typing import Any
 
@@ -45,10 +52,48 @@ def check_shape(body: dict[str, Any], limits: RequestLimits) -> None:
             )
 
 
+# A \\uXXXX escape of a surrogate (D800-DFFF): the cheap test every body gets; only a body
+# that has one (or raw bytes that are not UTF-8) is parsed to look closer.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def holds_lone_surrogate(body: bytes) -> bool:
+    """Whether `body`, parsed as JSON the way the app parses it (json.loads), holds a string
+    (a key or a value) that is not valid Unicode: a lone surrogate. A valid pair decodes to
+    one character and passes; a body that is not JSON is not this function's business."""
+    if not _SURROGATE_ESCAPE.search(body):
+        if body.isascii():
+            return False
+        try:
+            body.decode("utf-8")
+            return False
+        except UnicodeDecodeError:
+            pass  # json.loads decodes with surrogatepass: raw surrogate bytes get through
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    stack = [parsed]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
+
+
 class _Refused(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, close: bool = True) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.close = close  # the body was not read to its end: the connection cannot be reused
 
 
 class RequestLimitMiddleware:
@@ -64,11 +109,15 @@ class RequestLimitMiddleware:
             return
         try:
             body = await self._read(scope, receive)
+            if holds_lone_surrogate(body):
+                raise _Refused(400, "the request body is not valid Unicode: it holds a lone UTF-16 surrogate "
+                                    "(a \\ud800-\\udfff escape that is not half of a pair)", "invalid_unicode",
+                               close=False)
         except _Refused as refused:
             response = JSONResponse(
                 error_body(refused.status, refused.message, None, refused.code),
                 status_code=refused.status,
-                headers={"Connection": "close"},
+                headers={"Connection": "close"} if refused.close else None,
             )
             await response(scope, receive, send)
             return

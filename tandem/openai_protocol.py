@@ -11,18 +11,27 @@ models (tandem/router/http/openapi.py), and the router imports nothing of the se
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tandem.types import SamplingParams
+from tandem.types import SEED_MAX, SEED_MIN, SamplingParams
 
 _MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+# Token counts: anything past int32 is far beyond any context and would only overflow a
+# tensor or a C int somewhere downstream; the context-length check refuses what is left.
+MAX_TOKENS_BOUND = 2**31 - 1
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan=False: Python's json accepts the literals NaN / Infinity / -Infinity and
+    # pydantic's lax mode the strings "NaN", "inf", ...; a NaN or infinite temperature or
+    # repetition_penalty got past `< 0` checks (any comparison with NaN is False) and
+    # answered 200 with empty output (tests/security/test_hostile_params.py). Refused on
+    # every float field, nested models included.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class FunctionDefinition(OpenAIModel):
@@ -100,26 +109,35 @@ class SamplingFields(OpenAIModel):
     # OpenAI's bound; each sequence costs memory before the engine sees the request, so an
     # unbounded n was a way to run the server out of memory (found by fuzzing).
     n: int = Field(default=1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
+    # Every number a client sends is range-checked here, at the edge: an out-of-range one
+    # (top_k 2**63, seed 2**70) used to overflow in torch inside the engine and kill it.
+    # SamplingParams.validate repeats the checks for the offline LLM and the engine core.
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # int64, what torch.Generator takes (vLLM's bound too).
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # refused as unsupported (ServingState.sampling_params)
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    # -1 and 0 disable it; the bound above (the vocabulary) is checked where it is known,
+    # ServingState.sampling_params.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_BOUND)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    # Each id is looked for after every generated token: bounded in number, and below the
+    # vocabulary (checked where it is known).
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Prefill/decode handoff, set by the router (vLLM's field name; see tandem/kvcache/connector/pd.py).
+    # Internal (tandem/trust/fields.py): a worker takes it only on a peer-signed request.
     kv_transfer_params: dict[str, Any] | None = None
     # Salts the prompt's KV block hashes so only requests with the same salt share cached
     # blocks (vLLM's field): tenants' prompts never hit each other's cache.
@@ -142,7 +160,10 @@ class SamplingFields(OpenAIModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        vocab_size: int | None = None) -> SamplingParams:
+        """The engine's parameters; `vocab_size`, where given, also bounds top_k and
+        stop_token_ids (ValueError, its message starting with the field's name)."""
         params = SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -163,14 +184,14 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             speculate=self.speculate,
         )
-        params.validate()
+        params.validate(vocab_size=vocab_size)
         return params
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_BOUND)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_BOUND)
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
@@ -196,7 +217,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_BOUND)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

@@ -7,11 +7,22 @@ without paying for (or depending on) the model stack.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+# A seed is an int64, as in vLLM: torch.Generator.manual_seed overflows (and, inside the
+# engine, killed it) past 64 bits.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def wrap_seed(seed: int) -> int:
+    """`seed` wrapped into [SEED_MIN, SEED_MAX], modulo 2**64."""
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN
 
 
 @dataclass
@@ -48,10 +59,19 @@ class SamplingParams:
             self.top_k = 0
         self.validate()
 
-    def validate(self) -> None:
-        """Reject values that would make sampling undefined, with messages a user can act on."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Reject values that would make sampling undefined, with messages a user can act on
+        (each starts with the field's name). With `vocab_size`, top_k and stop_token_ids
+        must also fit the vocabulary."""
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        # NaN fails every comparison below, so it would pass them all: finite first.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -76,6 +96,13 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if vocab_size is not None:
+            if self.top_k > vocab_size:
+                raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), or -1/0 to disable; "
+                                 f"got {self.top_k}")
+            bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad}")
 
     @property
     def greedy(self) -> bool:
@@ -91,7 +118,11 @@ class SamplingParams:
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n parallel samples: n=1 and a distinct seed."""
-        seed = None if self.seed is None else self.seed + index
+        # seed + index wraps into the int64 range rather than being refused: a seed near
+        # SEED_MAX is valid and so is its n > 1. torch reads a seed modulo 2**64 (negative
+        # ones as two's complement), so the wrapped seed gives the very generator that
+        # seed + index would have, and the n children's seeds stay distinct.
+        seed = None if self.seed is None else wrap_seed(self.seed + index)
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(n=1, seed=seed)
         return SamplingParams(**values)

@@ -31,7 +31,7 @@ from tandem.errors import (
     [
         (400, "invalid_request_error"),
         (401, "authentication_error"),  # the router once said invalid_request_error here
-        (403, "invalid_request_error"),
+        (403, "permission_error"),  # an internal field or the control plane without its key
         (404, "not_found_error"),
         (413, "invalid_request_error"),
         (422, "invalid_request_error"),

@@ -95,8 +95,9 @@ class EngineCoreProc:
                 core.add_request(EngineCoreRequest(message.request_id, message.prompt_token_ids, message.params,
                                                    message.prior_output_ids, message.kv_transfer_params,
                                                    message.cache_salt))
-            except ValueError as exc:
-                out.deltas.append(RequestDelta(message.request_id, [], True, 0, error=str(exc)))
+            except Exception as exc:  # refused (ValueError) or not understood: that request alone fails
+                message_text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                out.deltas.append(RequestDelta(message.request_id, [], True, 0, error=message_text))
                 return
             logger.debug("added %s (%d prompt tokens)", message.request_id, len(message.prompt_token_ids))
         elif isinstance(message, AbortRequests):

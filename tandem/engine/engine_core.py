@@ -22,7 +22,7 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.executor.base import Executor
+from tandem.engine.executor.base import Executor, WorkerDiedError
 from tandem.engine.executor.factory import make_executor
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.memory_report import log_memory_split
@@ -123,6 +123,7 @@ class EngineCore:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = request.params
+        self._check_request(request)
         if (request.prior_output_ids or request.kv_transfer_params) and params.n != 1:
             raise ValueError("a KV handoff (prior output or kv_transfer_params) needs n == 1")
         sequences = []
@@ -145,6 +146,23 @@ class EngineCore:
             self.scheduler.add_request(sequence)
             self._parent[sequence.request_id] = (group, index)
         self._groups[request_id] = group
+
+    def _check_request(self, request: EngineCoreRequest) -> None:
+        """The engine's own range checks (ValueError), behind the edge's: whatever reaches the
+        core (a peer's handoff tokens, a caller of `LLM`) is held to what the model can take."""
+        request.params.validate(vocab_size=self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        for name, tokens in (("prompt", request.prompt_token_ids), ("prior output", request.prior_output_ids or [])):
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+                raise ValueError(f"{name} token ids must be integers in [0, {vocab})")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(request.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"a prompt of {len(request.prompt_token_ids)} tokens leaves no room in the "
+                             f"context of {self.max_model_len}")
+        total = len(request.prompt_token_ids) + len(request.prior_output_ids or [])
+        if total > self.max_model_len:
+            raise ValueError(f"{total} tokens are more than the context of {self.max_model_len}")
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -194,10 +212,44 @@ class EngineCore:
 
     # --- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """One scheduler + model step; a delta for every request that changed."""
+        """One scheduler + model step; a delta for every request that changed.
+
+        A step whose forward raises (a request the edge let through that the model or the
+        sampler cannot take) does not stop the engine when the executor can go on after it
+        (`Executor.recovers_from_step_errors`): the step is undone, a request that ran alone is
+        aborted with an error delta naming the failure, and the requests of a batch that failed
+        run alone, one per step, until the one that fails again is found (scheduler.py
+        `step_failed`). The others keep their place and their output."""
         if self.executor.max_concurrent_batches > 1:
             return self._pipelined_step()
-        return self._run_now(self.scheduler.schedule())
+        out = self.scheduler.schedule()
+        try:
+            return self._run_now(out)
+        except WorkerDiedError:
+            raise
+        except Exception as exc:
+            if not self.executor.recovers_from_step_errors or out.empty:
+                raise
+            return self._step_failed(out, exc)
+
+    def _step_failed(self, out: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
+        failed = self.scheduler.step_failed(out)
+        if len(failed) > 1:
+            logger.warning("a step of %d requests failed (%s: %s); running them one at a time to find the "
+                           "one that fails", len(failed), type(exc).__name__, exc)
+            return []
+        sequence_id = failed[0]
+        entry = self._parent.get(sequence_id)
+        logger.error("request %s failed inside the engine and is stopped; the engine serves the others",
+                     sequence_id, exc_info=exc)
+        if entry is None:
+            self.scheduler.abort([sequence_id])
+            return []
+        group, _ = entry
+        self.abort([group.request_id])
+        return [RequestDelta(group.request_id, [], True, 0,
+                             error=f"this request failed inside the engine and was stopped "
+                                   f"({type(exc).__name__}: {exc}); the server keeps serving others")]
 
     def _pipelined_step(self) -> list[RequestDelta]:
         """Keep a micro-batch in flight per pipeline stage: submit while there is room and
@@ -218,7 +270,8 @@ class EngineCore:
         return self._deltas(self.scheduler.update_from_output(out, result))
 
     def _run_now(self, out: SchedulerOutput) -> list[RequestDelta]:
-        if out.empty and out.kv_connector_metadata is None and not out.finished_request_ids:
+        if (out.empty and out.kv_connector_metadata is None and not out.finished_request_ids
+                and not out.reset_request_ids):
             pending = self.pending_kv_work()
             if pending is None:
                 return []

@@ -9,7 +9,7 @@ logprobs the same way. Prompts are validated here, at the edge; the core trusts 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +199,13 @@ class LLMEngine:
             request.num_cached_tokens = delta.num_cached_tokens
             if delta.queue_seconds is not None:
                 request.queue_seconds = delta.queue_seconds
+            if delta.error is not None:  # the engine stopped this request; the others go on
+                logger.error("request %s failed: %s", request.request_id, delta.error)
+                for sequence in request.sequences:
+                    sequence.finish_reason = sequence.finish_reason or "abort"
+                del self._requests[request.request_id]
+                finished.append(replace(request.output(), finished=True))
+                continue
             step, stopped = request.text.process(delta)
             for index in stopped:
                 self.core.finish_sequence(request.request_id, index)

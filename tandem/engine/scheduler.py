@@ -108,6 +108,10 @@ class Scheduler:
         self._runner: dict[str, _RunnerView] = {}
         self._external: dict[str, _ExternalKV] = {}
         self._held: dict[str, list] = {}  # hold id -> blocks a connector keeps after their request ended
+        # After a failed step (engine_core.py): its requests, each to run alone once so that the
+        # one that fails again is known; and the ids the runner must forget before they rerun.
+        self._suspects: list[str] = []
+        self._reset_since_step: list[str] = []
 
     @property
     def num_preemptions(self) -> int:
@@ -174,9 +178,15 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._finished_since_step)
+        out = SchedulerOutput(finished_request_ids=self._finished_since_step,
+                              reset_request_ids=self._reset_since_step)
         self._finished_since_step = []
+        self._reset_since_step = []
         self._give_up_late_loads()
+        if self._suspects and self._schedule_suspect(out):
+            if self.connector is not None:
+                out.kv_connector_metadata = self.connector.build_connector_meta(out)
+            return out
         budget = self._micro_batch_budget()
 
         # With micro-batches in flight, each takes at most its share of the running requests.
@@ -219,6 +229,46 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    # --- a step that raised ---------------------------------------------------------
+    def step_failed(self, out: SchedulerOutput) -> list[str]:
+        """Undo a step whose forward raised: its requests keep their tokens and blocks (nothing
+        was published from them), their progress stays where it was, and the runner is told to
+        forget them so that it gets each whole again. Returns the ids of the step's requests.
+        Requests of a step that failed alone are the caller's to abort; several become suspects
+        that run alone, one per step, until each has stepped once (`_schedule_suspect`)."""
+        failed = list(out.num_scheduled_tokens)
+        for request_id in failed:
+            self._in_flight.pop(request_id, None)
+            self._runner.pop(request_id, None)
+            self._reset_since_step.append(request_id)
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.spec_token_ids = []
+            external = self._external.get(request_id)
+            if external is not None and external.loaded_this_step and request.status == RequestStatus.RUNNING:
+                external.loaded_this_step = False
+                self._roll_back_failed_sync_load(request, external)
+        if len(failed) > 1:
+            self._suspects = [r for r in failed if r in self.requests] + [
+                r for r in self._suspects if r not in failed]
+        return failed
+
+    def _schedule_suspect(self, out: SchedulerOutput) -> bool:
+        """Schedule the first live suspect alone; False when none can run now."""
+        while self._suspects:
+            request = self.requests.get(self._suspects[0])
+            if request is None or request.status != RequestStatus.RUNNING:
+                self._suspects.pop(0)  # finished, aborted or sent back to wait: no longer in question
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens)
+            if num_new <= 0 or not self.kv.allocate_slots(request, num_new):
+                self._suspects.pop(0)  # cannot run alone now: it rejoins the others
+                continue
+            self._schedule_chunk(out, request, num_new)
+            return True
+        return False
 
     def _add_drafts(self, out: SchedulerOutput, requests: list[Request], budget: int) -> int:
         """Extend the chunks of requests that will sample with draft tokens to verify, as many
@@ -470,6 +520,8 @@ class Scheduler:
         connector_output = result.kv_connector_output
         failed = connector_output.failed_loads if connector_output is not None else ()
         for request_id, num_tokens in out.num_scheduled_tokens.items():
+            if self._suspects and request_id in self._suspects:
+                self._suspects.remove(request_id)  # it stepped: not the one that raises
             pending = self._in_flight.get(request_id, 0) - num_tokens
             if pending > 0:
                 self._in_flight[request_id] = pending

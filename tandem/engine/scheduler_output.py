@@ -49,6 +49,9 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # ...and preempted this step (they come back as new requests, recomputed).
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests whose last step failed (engine_core.py): the runner drops what it holds for them
+    # and is sent them whole again when they next run; their KV blocks stay theirs.
+    reset_request_ids: list[str] = field(default_factory=list)
     kv_connector_metadata: Any = None  # the KV connectors' per-step instructions to their worker sides
     # Draft tokens to verify, per request: the last len(drafts) of its scheduled tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.kernels.layer_ops import LayerOpsKernel
-from tandem.types import SampledToken, SamplingParams, TokenLogprob
+from tandem.types import _GREEDY_EPS, SampledToken, SamplingParams, TokenLogprob
+
+# Where penalised logits are clamped (a second line of defence behind the request checks):
+# far beyond any model's logits, yet divided by the smallest temperature that samples
+# (_GREEDY_EPS) still finite in float32, so a repetition_penalty of 1e-300 cannot make an
+# inf, and then a NaN, of a probability.
+_LOGIT_LIMIT = torch.finfo(torch.float32).max * _GREEDY_EPS / 4
 
 
 @dataclass
@@ -97,8 +103,7 @@ class Sampler:
     def target_probs(self, adjusted: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distribution each (random) row's token is drawn from, in vocabulary order:
         temperature, then top-k, top-p and min-p, as `__call__` draws."""
-        temperatures = torch.tensor([r.params.temperature for r in rows], dtype=adjusted.dtype).unsqueeze(1)
-        logits = adjusted / temperatures
+        logits = adjusted / self._temperatures(rows, adjusted.dtype)
         if any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0 for r in rows):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             self._filter_sorted(sorted_logits, rows)
@@ -109,6 +114,13 @@ class Sampler:
         """One draw from a distribution (one row), by the exponential race."""
         noise = torch.empty_like(probs).exponential_(generator=generator or self.generator)
         return int((probs / noise).argmax())
+
+    @staticmethod
+    def _temperatures(rows: list[SamplingRow], dtype: torch.dtype) -> torch.Tensor:
+        """Each row's temperature as a column; one past float32's range (1e300) is capped
+        there, so that a banned token's -inf divided by it stays -inf, not NaN."""
+        temperatures = torch.tensor([r.params.temperature for r in rows], dtype=dtype).unsqueeze(1)
+        return temperatures.clamp_(max=torch.finfo(dtype).max)
 
     @staticmethod
     def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
@@ -125,13 +137,17 @@ class Sampler:
         if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
             counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
             row_logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if params.has_penalties:
+            # Finite whatever the penalty: a tiny repetition_penalty overflows to inf, a huge
+            # one sends every seen token to -inf (all of them: a row of NaN after softmax).
+            row_logits.nan_to_num_(nan=-_LOGIT_LIMIT, posinf=_LOGIT_LIMIT, neginf=-_LOGIT_LIMIT)
+            row_logits.clamp_(-_LOGIT_LIMIT, _LOGIT_LIMIT)
         if row.banned_token_ids:
-            banned = torch.tensor([t for t in row.banned_token_ids if t < vocab], dtype=torch.long)
+            banned = torch.tensor([t for t in row.banned_token_ids if 0 <= t < vocab], dtype=torch.long)
             row_logits[banned] = float("-inf")
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        temperatures = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
-        logits = logits / temperatures
+        logits = logits / self._temperatures(rows, logits.dtype)
         needs_filter = any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0 for r in rows)
         if needs_filter:
             logits, order = logits.sort(dim=-1, descending=True)
@@ -150,7 +166,9 @@ class Sampler:
         """Mask (in place) what top-k, top-p and min-p exclude, on logits sorted descending."""
         vocab = sorted_logits.shape[1]
         ranks = torch.arange(vocab).unsqueeze(0)
-        top_k = torch.tensor([r.params.top_k or vocab for r in rows]).unsqueeze(1)
+        # Clamped to the vocabulary before it becomes a tensor: a top_k of 2**63 overflowed
+        # int64 here and killed the engine. Past the vocabulary, or 0 (or < 0), it is off.
+        top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]).unsqueeze(1)
         sorted_logits.masked_fill_(ranks >= top_k, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=probs.dtype).unsqueeze(1)

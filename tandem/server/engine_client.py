@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -77,6 +78,21 @@ class Handoff:
 class _Stream:
     queue: asyncio.Queue[RequestDelta | BaseException]
     started: bool = False  # the engine has reported on it (its first step ran)
+    sequences: int = 1  # what it counts for admission until it starts
+    tokens: int = 0
+
+
+@dataclass
+class _Reserved:
+    """Admitted, not yet sent: counted as waiting from admission on, so that a burst of
+    requests cannot all pass admission before the first of them is queued."""
+
+    sequences: int
+    tokens: int
+    deadline: float  # a request that never reached the engine (its client left) stops counting
+
+
+_RESERVATION_S = 30.0
 
 
 class AsyncEngineClient:
@@ -91,6 +107,7 @@ class AsyncEngineClient:
         self._outputs = outputs
         self._socket_dir = socket_dir
         self._streams: dict[str, _Stream] = {}
+        self._reserved: dict[str, _Reserved] = {}
         self._dead: str | None = None
         self._died = asyncio.Event()
         self._reset_waiters: list[asyncio.Future[bool]] = []
@@ -106,6 +123,9 @@ class AsyncEngineClient:
         # (an abort in a `finally` of a cancelled request must not need another await).
         sync_context = zmq.Context()
         inputs = sync_context.socket(zmq.PUSH)
+        # No high-water mark: an abort or a lease release must never be dropped because the
+        # queue is full (admission bounds what can be queued: serving.py check_admission).
+        inputs.setsockopt(zmq.SNDHWM, 0)
         inputs.bind(input_addr)
         context = zmq.asyncio.Context()
         outputs = context.socket(zmq.PULL)
@@ -173,14 +193,28 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    @property
-    def num_queued(self) -> int:
-        """Requests sent to the engine that have not produced anything yet.
+    def queued(self) -> tuple[int, int]:
+        """Sequences and prompt tokens admitted or sent to the engine that have not produced
+        anything yet.
 
         Counted here rather than read from the engine's load report, which arrives a step
         late: admission control must see a burst of requests as it comes in.
         """
-        return sum(1 for stream in self._streams.values() if not stream.started)
+        now = time.monotonic()
+        for request_id in [r for r, held in self._reserved.items() if held.deadline < now]:
+            del self._reserved[request_id]
+        waiting = [s for s in self._streams.values() if not s.started]
+        return (sum(s.sequences for s in waiting) + sum(r.sequences for r in self._reserved.values()),
+                sum(s.tokens for s in waiting) + sum(r.tokens for r in self._reserved.values()))
+
+    def reserve(self, request_id: str, sequences: int, tokens: int) -> None:
+        """Count a request as waiting from now on, until `generate` sends it (or 30 s pass)."""
+        self._reserved[request_id] = _Reserved(sequences, tokens, time.monotonic() + _RESERVATION_S)
+
+    def unreserve(self, request_ids: list[str]) -> None:
+        """The requests ended without reaching the engine (or did reach it): stop counting them."""
+        for request_id in request_ids:
+            self._reserved.pop(request_id, None)
 
     # --- requests -------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -190,7 +224,8 @@ class AsyncEngineClient:
             raise EngineDeadError(self._dead)
         if request_id in self._streams:
             raise EngineRequestError(f"request id {request_id!r} is already in use")
-        stream = _Stream(asyncio.Queue())
+        self._reserved.pop(request_id, None)
+        stream = _Stream(asyncio.Queue(), sequences=params.n, tokens=len(prompt_token_ids))
         self._streams[request_id] = stream
         finished = False
         try:

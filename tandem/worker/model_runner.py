@@ -338,10 +338,10 @@ class ModelRunner:
         for request_id in out.finished_request_ids:
             self.requests.pop(request_id, None)
             self._generators.pop(request_id, None)  # a seeded stream ends with its request
-        for request_id in out.preempted_request_ids:
+        for request_id in (*out.preempted_request_ids, *out.reset_request_ids):
             self.requests.pop(request_id, None)  # it comes back as a new request
         if drafter is not None:
-            for request_id in (*out.finished_request_ids, *out.preempted_request_ids,
+            for request_id in (*out.finished_request_ids, *out.preempted_request_ids, *out.reset_request_ids,
                                *(new.request_id for new in out.new_requests)):
                 drafter.forget(request_id)
         for new in out.new_requests:

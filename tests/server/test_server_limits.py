@@ -23,7 +23,7 @@ def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServ
     log = tmp_path_factory.mktemp("strict") / "serve.log"
     server = start_server(log, "--kv-cache-memory", "128MiB", "--max-num-seqs", "1", "--max-waiting", "1",
                           "--api-key", KEY, "--max-request-bytes", "64KiB", "--max-messages", "8",
-                          "--max-tools", "2", "--body-timeout", "1")
+                          "--max-tools", "2", "--body-timeout", "1", token=KEY)
     yield server
     left = stop_server(server, signal.SIGTERM)
     assert not left, f"processes left after SIGTERM: {left}"
@@ -46,10 +46,13 @@ def test_api_key_is_required_on_v1(strict_server: LiveServer) -> None:
     good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     assert good.chat.completions.create(**body).usage.completion_tokens >= 1
     assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
-    assert httpx.get(f"{url}/load").status_code == 200
+    # With a key on, the views and the control plane need it too (the only key, so it is the admin's).
+    for method, path in (("GET", "/load"), ("GET", "/metrics"), ("GET", "/kv/events"), ("POST", "/reset_prefix_cache")):
+        assert httpx.request(method, f"{url}{path}").status_code == 401, path
+        assert httpx.request(method, f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
-def test_queue_beyond_max_waiting_gets_503(strict_server: LiveServer) -> None:
+def test_queue_beyond_max_waiting_gets_429(strict_server: LiveServer) -> None:
     url = strict_server.url
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(timeout=60, headers=headers) as client, \
@@ -62,10 +65,15 @@ def test_queue_beyond_max_waiting_gets_503(strict_server: LiveServer) -> None:
             while strict_server.load()["num_waiting_requests"] < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
             refused = client.post(f"{url}/v1/chat/completions", json={**LONG, "stream": False})
-            assert refused.status_code == 503
+            assert refused.status_code == 429
             assert refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["code"] == "overloaded"
     strict_server.wait_idle()
+    # Admission counts sequences, not requests: n=2 can never fit a queue of one.
+    too_many = httpx.post(f"{url}/v1/completions", headers=headers, timeout=60,
+                          json={"model": "smollm2-135m", "prompt": "Hi", "n": 2, "max_tokens": 2})
+    assert too_many.status_code == 400 and too_many.json()["error"]["code"] == "request_too_large"
+    assert "2 sequences" in too_many.json()["error"]["message"]
     reply = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=60,
                        json={**LONG, "stream": False, "max_tokens": 3})
     assert reply.status_code == 200

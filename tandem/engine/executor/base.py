@@ -40,6 +40,13 @@ class Executor(ABC):
         return self.config.parallel.world_size
 
     @property
+    def recovers_from_step_errors(self) -> bool:
+        """Whether a step that raised leaves every rank able to run the next one. Only an
+        executor whose one rank runs in this process can tell: with several ranks, one that
+        raised mid-forward may leave the others waiting in a collective."""
+        return False
+
+    @property
     def max_concurrent_batches(self) -> int:
         """Micro-batches worth keeping in flight: one per pipeline stage."""
         return 1

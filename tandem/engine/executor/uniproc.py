@@ -17,6 +17,10 @@ class InProcessExecutor(Executor):
         super().__init__(config)
         self.worker: Worker | None = None
 
+    @property
+    def recovers_from_step_errors(self) -> bool:
+        return True  # one rank, here: a step that raised left nothing waiting elsewhere
+
     def start(self) -> list[WorkerInfo]:
         from tandem.worker.worker import Worker
 
