@@ -357,7 +357,8 @@ class KVTransferConfig:
     hold_timeout: float = 60.0  # kept blocks are freed after this if nobody released them
     fetch_timeout: float = 10.0  # a decode worker computes the prompt itself after this
     shared_memory: bool = False  # KV cache in /dev/shm so same-host peers copy it directly
-    # Peers sign requests to the KV source with it (kvcache/transfer/auth.py); None: no check.
+    # The cluster secret (tandem/trust): peers sign HTTP requests and KV-port frames with it. A
+    # worker without one takes no handoff fields and opens no KV port.
     secret: str | None = field(default=None, repr=False)
 
     @property
@@ -615,8 +616,13 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_names: tuple[str, ...] = ()  # empty: the model argument as given
-    api_key: str | None = None
-    max_waiting: int = 512  # accepted, not yet generating; beyond: 503 + Retry-After; 0 = no limit
+    api_key: str | None = field(default=None, repr=False)
+    # The control plane's bearer token (tandem/trust/access.py); None: the cluster secret's.
+    admin_key: str | None = field(default=None, repr=False)
+    public_metrics: bool = False  # /metrics, /load, /version open even with keys configured
+    # Sequences (prompts x n) accepted but not yet generating; beyond: 429 + Retry-After; 0 = no limit
+    max_waiting: int = 512
+    max_waiting_tokens: int | None = None  # prompt tokens waiting at once; None: 64 contexts; 0 = no limit
     # max_tokens past what the context leaves: "cap" serves it capped (agent harnesses send
     # 32000 whatever the model), "reject" answers 400 as vLLM does.
     max_tokens_policy: str = "cap"

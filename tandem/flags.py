@@ -35,6 +35,7 @@ from tandem.config import (
 from tandem.device import DEVICES, resolve_device, resolve_dtype
 from tandem.http_limits import add_request_limit_args, request_limits
 from tandem.loader.resolve import DEFAULT_MODEL
+from tandem.trust.keys import CLUSTER_SECRET_ENV, admin_key_from_env, secret_from_env
 
 
 @dataclass(frozen=True)
@@ -318,9 +319,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="model name(s) clients send; the first is reported (default: the MODEL argument)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: env TANDEM_API_KEY)")
+    group.add_argument("--admin-key", default=None, metavar="KEY",
+                       help="bearer token for the control endpoints (/reset_prefix_cache, /kv/*) and, once any "
+                            "key or secret is set, /metrics and /load (default: env TANDEM_ADMIN_KEY, else the "
+                            "cluster secret)")
+    group.add_argument("--public-metrics", action="store_true",
+                       help="keep /metrics, /load and /version open to anyone even with keys or a cluster "
+                            "secret set (e.g. for a Prometheus without credentials)")
     group.add_argument("--max-waiting", type=int, default=512, metavar="N",
-                       help="with N requests accepted but not yet generating, more get 503 with Retry-After; "
-                            "0 = no limit (default: 512)")
+                       help="sequences (prompts x n) accepted but not yet generating; a request that would "
+                            "take more gets 429 with Retry-After before anything is queued, one that alone "
+                            "asks for more gets 400; 0 = no limit (default: 512)")
+    group.add_argument("--max-waiting-tokens", type=int, default=None, metavar="N",
+                       help="the same for prompt tokens waiting at once; 0 = no limit (default: 64 times "
+                            "the context length)")
     group.add_argument("--max-tokens-policy", default="cap", choices=["cap", "reject"],
                        help="a request whose max_tokens exceeds what the context leaves after its prompt: cap "
                             "serves it with max_tokens capped there (finish_reason 'length' when it gets that "
@@ -346,9 +358,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--kv-transfer-fetch-timeout", type=float, default=10.0, metavar="S",
                     help="a decode worker computes the prompt itself after S seconds (default: 10)")
     pd.add_argument("--cluster-secret", default=None, metavar="SECRET",
-                    help="the KV transfer port serves only peers that sign their requests with this "
-                         "secret (an HMAC), and this worker signs its own; every worker of a cluster needs "
-                         "the same (default: env TANDEM_CLUSTER_SECRET; tandem up makes one per cluster)")
+                    help="the secret this worker's cluster shares: with it, the worker answers only requests "
+                         "its router signs (any other gets 401, /health aside), takes the handoff fields "
+                         "only from them, and its KV port serves only peers that sign with it; needed by "
+                         "--role prefill|decode (default: env TANDEM_CLUSTER_SECRET; tandem up makes one "
+                         "per cluster)")
     pd.add_argument("--kv-transfer-shm", action="store_true",
                     help="keep the KV cache in /dev/shm so decode workers on this host copy it directly")
 
@@ -357,27 +371,32 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The HTTP side of `tandem serve`; the API key falls back to env TANDEM_API_KEY."""
     config = ServerConfig(
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
-        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, max_waiting=args.max_waiting,
+        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        admin_key=admin_key_from_env(getattr(args, "admin_key", None)),
+        public_metrics=getattr(args, "public_metrics", False), max_waiting=args.max_waiting,
+        max_waiting_tokens=getattr(args, "max_waiting_tokens", None),
         max_tokens_policy=args.max_tokens_policy, tool_call_parser=args.tool_call_parser, log_level=args.log_level.lower(),
         limits=request_limits(args), shutdown_timeout_s=args.shutdown_timeout,
     )
-    if config.max_waiting < 0:
-        raise ValueError(f"--max-waiting must be >= 0, got {config.max_waiting}")
+    if config.max_waiting < 0 or (config.max_waiting_tokens or 0) < 0:
+        raise ValueError("--max-waiting and --max-waiting-tokens must be >= 0")
     return config
 
 
-CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
-
-
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
-    """The worker's prefill/decode role and how its prompt KV moves between workers."""
+    """The worker's prefill/decode role and how its prompt KV moves between workers. A prefill
+    or decode worker needs the cluster secret: the handoff's fields reach it only on requests
+    its router signed, and its KV port talks only to peers that sign (tandem/trust)."""
+    secret = secret_from_env(getattr(args, "cluster_secret", None))
+    if args.role != "both" and secret is None:
+        raise ValueError(f"--role {args.role} needs the cluster secret (--cluster-secret or env "
+                         f"{CLUSTER_SECRET_ENV}), the same on every worker and the router: the prefill/decode "
+                         "handoff moves other requests' KV and is taken only from peers that sign with it")
     return KVTransferConfig(connectors=("pd",), role=args.role, host=args.kv_transfer_host,
                             port=args.kv_transfer_port,
                             hold_timeout=args.kv_transfer_hold_timeout,
                             fetch_timeout=args.kv_transfer_fetch_timeout,
-                            shared_memory=args.kv_transfer_shm,
-                            secret=getattr(args, "cluster_secret", None)
-                            or os.environ.get(CLUSTER_SECRET_ENV) or None)
+                            shared_memory=args.kv_transfer_shm, secret=secret)
 
 
 def serve_engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -44,6 +44,7 @@ from tandem.router.accounting.flags import (
 )
 from tandem.router.placement.flags import add_policy_args, policy_argv
 from tandem.router.resilience.flags import add_resilience_args, resilience_argv
+from tandem.trust.keys import ADMIN_KEY_ENV, admin_key_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,20 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"per start-up phase (default: {_START_TIMEOUT_S:.0f})",
     )
+    cluster.add_argument(
+        "--admin-key",
+        default=None,
+        metavar="KEY",
+        help="bearer token for the control endpoints of the router (drain, resume, reload) and "
+        "the workers, handed to them in their environment (default: env TANDEM_ADMIN_KEY, else "
+        "the cluster secret, which is written to LOG_DIR/cluster-secret, mode 0600)",
+    )
+    cluster.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="keep /metrics and /workers (router) and /metrics, /load (workers) open "
+        "to anyone even when keys are on",
+    )
     add_policy_args(parser, full=False)  # passed on to the router
     add_resilience_args(parser, full=False)  # passed on to the router
     add_request_limit_args(parser)  # passed on to the router and the workers
@@ -158,6 +173,7 @@ class ClusterPlan:
     workers: tuple[supervisor.ProcessSpec, ...]
     log_dir: Path
     api_keys: bool = False  # the router wants a key: the banner's examples say so
+    admin_key_source: str = ""  # what an operator presents to the control plane (the banner says)
     network: WorkerNetwork | None = None  # --netns: the workers' namespaces and bridge
 
 
@@ -226,9 +242,15 @@ def plan_cluster(
     counts: dict[str, int] = {}
     workers = []
     taken: set[int] = {args.port}
-    # The workers' KV ports serve only each other: one secret per cluster, passed in their
-    # environment so that it appears on no command line (kvcache/transfer/auth.py).
+    # Workers answer only requests their router signs, and their KV ports serve only each
+    # other: one secret per cluster, passed in the environment so that it appears on no
+    # command line (tandem/trust); the admin key likewise.
     secret = secret or cluster_secret()
+    secrets_env = {flags.CLUSTER_SECRET_ENV: secret}
+    admin_key = admin_key_from_env(getattr(args, "admin_key", None))
+    if admin_key:
+        secrets_env[ADMIN_KEY_ENV] = admin_key
+    public = ["--public-metrics"] if getattr(args, "public_metrics", False) else []
     network = WorkerNetwork(args.port) if getattr(args, "netns", False) else None
 
     def distinct_port() -> int:
@@ -261,6 +283,7 @@ def plan_cluster(
             *common,
             *_role_argv(args, role),
             *request_limit_argv(args),
+            *public,
             "--role",
             role,
         ]
@@ -283,7 +306,7 @@ def plan_cluster(
                 tuple(argv),
                 log_dir / f"{name}.log",
                 url=f"http://{host}:{port}",
-                env={**os.environ, flags.CLUSTER_SECRET_ENV: secret,
+                env={**os.environ, **secrets_env,
                      **({"CUDA_VISIBLE_DEVICES": gpus[len(workers)]} if gpus else {})},
             )
         )
@@ -299,6 +322,7 @@ def plan_cluster(
         *policy_argv(args),
         *resilience_argv(args),
         *request_limit_argv(args),
+        *public,
     ]
     role_flags = {"prefill": "--prefill", "decode": "--decode", "both": "--worker"}
     for role, worker in zip(roles, workers, strict=True):
@@ -308,16 +332,31 @@ def plan_cluster(
     router_argv += accounting_argv(args)
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     router = supervisor.ProcessSpec(
-        "router", tuple(router_argv), log_dir / "router.log", url=f"http://{shown_host}:{args.port}"
+        "router", tuple(router_argv), log_dir / "router.log", url=f"http://{shown_host}:{args.port}",
+        env={**os.environ, **secrets_env},
     )
+    if admin_key:
+        admin_source = "the --admin-key"
+    elif os.environ.get(flags.CLUSTER_SECRET_ENV):
+        admin_source = f"${flags.CLUSTER_SECRET_ENV}"
+    else:
+        admin_source = f"the cluster secret in {log_dir / 'cluster-secret'}"
     return ClusterPlan(
-        args.model, router, tuple(workers), log_dir, args.api_keys is not None, network
+        args.model, router, tuple(workers), log_dir, api_keys=args.api_keys is not None,
+        admin_key_source=admin_source, network=network,
     )
 
 
 def cluster_secret() -> str:
     """The one the user gave (env), else a fresh one for this cluster."""
     return os.environ.get(flags.CLUSTER_SECRET_ENV) or secrets.token_hex(32)
+
+
+def write_secret(path: Path, secret: str) -> None:
+    """The secret in a file only this user may read (created 0600, never world-readable)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secret + "\n")
 
 
 def pick_free_port() -> int:
@@ -483,6 +522,8 @@ def banner(plan: ClusterPlan) -> str:
         f'      model="{plan.model}", messages=[{{"role": "user", "content": "Hello!"}}])',
         "  print(reply.choices[0].message.content)",
         "",
+        f"Control plane (POST {url}/workers/HOST:PORT/drain, /resume, /workers/reload): "
+        f"'Authorization: Bearer <{plan.admin_key_source}>'.",
         "Ctrl-C stops the cluster.",
     ]
     return "\n".join(lines)
@@ -513,6 +554,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     args.log_dir = log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     secret = cluster_secret()
+    if not os.environ.get(flags.CLUSTER_SECRET_ENV):
+        write_secret(log_dir / "cluster-secret", secret)  # for an operator's control-plane calls
     store = start_local_store(args, log_dir, secret)
     plan = plan_cluster(args, tokenizer_dir, pick_free_port, secret)
     stop = threading.Event()

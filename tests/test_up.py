@@ -6,6 +6,7 @@ import ipaddress
 import itertools
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,6 +127,25 @@ def test_plan_passes_pricing_ledger_and_keys_to_the_router(tmp_path: Path) -> No
     assert "-H 'Authorization: Bearer $KEY'" in text and 'api_key="<KEY>"' in text
 
 
+def test_plan_hands_the_secret_and_the_admin_key_to_every_process_in_its_environment(tmp_path: Path,
+                                                                                   monkeypatch) -> None:  # noqa: ANN001
+    """The router signs every hop and its workers answer nothing else: all share one secret,
+    which, like the admin key, appears on no command line."""
+    monkeypatch.delenv("TANDEM_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("TANDEM_ADMIN_KEY", raising=False)
+    plan = plan_cluster(_args("--admin-key", "op-key", "--public-metrics", "--log-dir", str(tmp_path)), None,
+                        free_port=_ports(), secret="the-secret")
+    for process in (plan.router, *plan.workers):
+        assert process.env is not None and process.env["TANDEM_CLUSTER_SECRET"] == "the-secret", process.name
+        assert process.env["TANDEM_ADMIN_KEY"] == "op-key"
+        assert not any("the-secret" in a or "op-key" in a for a in process.argv)
+        assert "--public-metrics" in process.argv
+    assert "the --admin-key" in banner(plan)
+    plain = plan_cluster(_args("--log-dir", str(tmp_path)), None, free_port=_ports(), secret="s")
+    assert "TANDEM_ADMIN_KEY" not in (plain.router.env or {}) and "--public-metrics" not in plain.router.argv
+    assert f"the cluster secret in {tmp_path / 'cluster-secret'}" in banner(plain)
+
+
 def test_plan_passes_tier_credits_to_the_router_and_checks_them_first() -> None:
     default = list(plan_cluster(_args(), None, free_port=_ports()).router.argv)
     assert not any(flag.startswith("--kv-credit-") for flag in default)  # measured per worker
@@ -183,8 +203,8 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
     return reply.json()
 
 
-def _transfers(worker_url: str) -> dict:
-    return httpx.get(f"{worker_url}/load", timeout=10).json()["kv_transfer"]
+def _transfers(up: Up, worker_url: str) -> dict:
+    return up.load(worker_url)["kv_transfer"]
 
 
 # Well above --pd-min-prompt-tokens (256): the router splits it into a prefill and a decode hop.
@@ -208,17 +228,19 @@ def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
             w["healthy"] for w in workers
         )
         assert {w["load"]["role"] for w in workers} == {"prefill", "decode"}  # started with --role
-        # The prefill worker's KV port serves only the cluster's own workers (signed requests).
-        import zmq
+        # The prefill worker's KV port serves only the cluster's own workers (signed frames), and
+        # the worker itself only its router: unsigned, its API answers 401.
+        from tandem.kvcache.transfer.wire import CHECK, ERR, FrameKey, send_frame
 
         source = next(w["load"]["kv_source"] for w in workers if w["role"] == "prefill")
-        with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(source)
-            sock.send_multipart([b"CHECK", json.dumps({"transfer_id": "x"}).encode()])
-            assert sock.poll(5000)
-            status, body = sock.recv_multipart()
-        assert status == b"ERR" and "cluster secret" in json.loads(body)["message"]
+        host, port = source.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            send_frame(sock, FrameKey("a guess"), CHECK, {"transfer_id": "x", "ts": time.time(), "nonce": "n" * 32})
+            reply = sock.recv(64)
+        assert reply[4] == ERR  # refused (and signed with the real key, which the guesser cannot check)
+        for name in ("prefill-0", "decode-0"):
+            assert httpx.get(f"{endpoints[name]}/v1/models", timeout=10).status_code == 401
+            assert httpx.get(f"{endpoints[name]}/health", timeout=10).status_code == 200
 
         # A short prompt goes whole to the decode worker: greedy, the README's answer.
         short = _chat(url, [{"role": "user", "content": "What is the capital of France?"}], 20)
@@ -230,9 +252,9 @@ def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
             {"role": "system", "content": f"Ticket {uuid.uuid4().hex[:12]}. {LONG_SYSTEM}"},
             {"role": "user", "content": "What should I eat in Lisbon?"},
         ]
-        before = _transfers(endpoints["decode-0"])
+        before = _transfers(up, endpoints["decode-0"])
         first = _chat(url, messages, 8)
-        after = _transfers(endpoints["decode-0"])
+        after = _transfers(up, endpoints["decode-0"])
         usage = first["usage"]
         assert usage["prompt_tokens"] > 256 and usage["completion_tokens"] == 8
         assert after["pulls"] == before["pulls"] + 1
@@ -244,7 +266,7 @@ def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
         # Again: split again, and the prefill worker finds the prompt in its prefix cache:
         # every whole 16-token block short of the last token (always computed).
         again = _chat(url, messages, 8)
-        assert _transfers(endpoints["decode-0"])["pulls"] == after["pulls"] + 1
+        assert _transfers(up, endpoints["decode-0"])["pulls"] == after["pulls"] + 1
         assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == (again["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
@@ -364,12 +386,12 @@ def test_decode_workers_speculate_with_a_draft_rebuilt_from_the_handed_over_prom
     up = _start_up(tmp_path, "--speculative-config", spec)
     try:
         endpoints = up.endpoints()
-        before = _transfers(endpoints["decode-0"])
+        before = _transfers(up, endpoints["decode-0"])
         reply = _chat(up.url, messages, 24)
-        assert _transfers(endpoints["decode-0"])["pulls"] == before["pulls"] + 1  # the KV was handed over
+        assert _transfers(up, endpoints["decode-0"])["pulls"] == before["pulls"] + 1  # the KV was handed over
         assert reply["choices"][0]["message"]["content"] == plain.outputs[0].text
-        decode = httpx.get(f"{endpoints['decode-0']}/load", timeout=10).json()["spec_decode"]
-        prefill = httpx.get(f"{endpoints['prefill-0']}/load", timeout=10).json()["spec_decode"]
+        decode = up.load(endpoints['decode-0'])["spec_decode"]
+        prefill = up.load(endpoints['prefill-0'])["spec_decode"]
         assert decode["num_drafts"] > 0 and decode["num_accepted_tokens"] > 0
         assert prefill == {}
     finally:
@@ -466,7 +488,7 @@ def test_sigkill_of_a_decode_worker_under_32_streams_loses_nothing(tmp_path: Pat
         # Nothing held or running anywhere: the prefill worker's leases for the dead worker's
         # pulls were released by the router, not left to expire.
         for name in ("prefill-0", "decode-1"):
-            load = httpx.get(f"{endpoints[name]}/load", timeout=10).json()
+            load = up.load(endpoints[name])
             assert load["num_running_requests"] == load["num_waiting_requests"] == 0, name
             if name == "prefill-0":
                 assert load["kv_transfer"]["held"] == 0
@@ -494,7 +516,7 @@ def test_a_cut_link_to_a_decode_worker_under_16_streams_loses_nothing(tmp_path: 
         bodies = _city_streams(16)
         clean = _clean_run(url, bodies)
         # The PD handoff crossed the bridge: decode workers pulled prompt KV from prefill-0.
-        assert _transfers(endpoints["decode-0"])["pulls"] + _transfers(endpoints["decode-1"])["pulls"] >= 1
+        assert _transfers(up, endpoints["decode-0"])["pulls"] + _transfers(up, endpoints["decode-1"])["pulls"] >= 1
 
         progress = [0] * 16
         with ThreadPoolExecutor(16) as pool:
@@ -521,7 +543,7 @@ def test_a_cut_link_to_a_decode_worker_under_16_streams_loses_nothing(tmp_path: 
             workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
             if not (len(workers) == 3 and all(w["healthy"] for w in workers)):
                 return False
-            loads = {n: httpx.get(f"{endpoints[n]}/load", timeout=10).json()
+            loads = {n: up.load(endpoints[n])
                      for n in ("prefill-0", "decode-0", "decode-1")}
             return all(load["num_running_requests"] == load["num_waiting_requests"] == 0
                        and load["kv_blocks_used"] == 0 and not load["kv_transfer"].get("held")

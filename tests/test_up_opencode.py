@@ -26,7 +26,6 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from recording_proxy import Exchange, RecordingProxy
 from up_cluster import Up, start_up
@@ -122,12 +121,13 @@ def _finish_reason(exchange: Exchange) -> str | None:
     return reasons[-1] if reasons else None
 
 
-def _token_ids(worker: str, body: dict, with_tools: bool = True) -> list[int]:
+def _token_ids(cluster: Up, worker: str, body: dict, with_tools: bool = True) -> list[int]:
     """The prompt a worker renders for a request: its messages, and its tools unless told not to."""
     payload = {"model": MODEL, "messages": body["messages"]}
     if with_tools and body.get("tools"):
         payload |= {"tools": body["tools"], "tool_choice": body.get("tool_choice", "auto")}
-    reply = httpx.post(f"{worker}/tokenize", json=payload, timeout=60)
+    with cluster.worker(worker, timeout=60) as client:  # a worker answers its cluster's peers only
+        reply = client.post("/tokenize", json=payload)
     assert reply.status_code == 200, reply.text
     return reply.json()["tokens"]
 
@@ -166,12 +166,13 @@ def test_opencode_runs_a_multi_step_task_unmodified(cluster: Up, tmp_path: Path)
     assert len(prefill) == 2
 
     # The tool definitions reached the template: the prompt the model saw counts them.
-    with_tools = _token_ids(prefill[0], first)
-    without = _token_ids(prefill[0], first, with_tools=False)
+    with_tools = _token_ids(cluster, prefill[0], first)
+    without = _token_ids(cluster, prefill[0], first, with_tools=False)
     assert _usage(agent_turns[0])["prompt_tokens"] == len(with_tools)
     assert len(with_tools) - len(without) > 2000, "the ~20k characters of tool definitions"
-    assert all(f'"name": "{name}"' in httpx.post(f"{prefill[0]}/detokenize", timeout=60, json={
-        "model": MODEL, "tokens": with_tools}).json()["prompt"] for name in declared)
+    with cluster.worker(prefill[0], timeout=60) as client:
+        rendered = client.post("/detokenize", json={"model": MODEL, "tokens": with_tools}).json()["prompt"]
+    assert all(f'"name": "{name}"' in rendered for name in declared)
 
     # Streamed tool calls parse, and OpenCode ran them: the next turn carries each result.
     called = [(i, call) for i, turn in enumerate(agent_turns) for call in _tool_calls(turn)]
@@ -194,7 +195,7 @@ def test_opencode_runs_a_multi_step_task_unmodified(cluster: Up, tmp_path: Path)
     # From the second turn on, the prefix shared with the turn before came from the cache.
     previous = with_tools
     for turn in agent_turns[1:]:
-        tokens = _token_ids(prefill[0], turn.json())
+        tokens = _token_ids(cluster, prefill[0], turn.json())
         usage = _usage(turn)
         assert usage["prompt_tokens"] == len(tokens)
         shared = len(os.path.commonprefix([previous, tokens])) // BLOCK * BLOCK

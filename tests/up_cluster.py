@@ -11,12 +11,16 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from live_server import free_port
+
+from tandem.trust.keys import CLUSTER_SECRET_ENV
+from tandem.trust.peer import peer_client
 
 _START_TIMEOUT = 240.0
 
@@ -31,6 +35,16 @@ class Up:
     stderr: Path
     banner: str
     log_dir: Path
+    secret: str  # the cluster secret the test gave it: workers answer only requests signed with it
+
+    def worker(self, url: str, timeout: float = 10) -> httpx.Client:
+        """A client for one of its workers, signing as the router does."""
+        return peer_client(self.secret, base_url=url, timeout=timeout)
+
+    def load(self, url: str) -> dict:
+        """A worker's GET /load (signed)."""
+        with self.worker(url) as client:
+            return client.get("/load").json()
 
     def endpoints(self) -> dict[str, str]:
         """name -> URL of every process the banner lists ("  decode-0  http://...  log: ...")."""
@@ -45,9 +59,10 @@ def start_up(tmp_path: Path, *argv: str, timeout: float = _START_TIMEOUT) -> Up:
     log_dir = tmp_path / "logs"
     command = [sys.executable, "-m", "tandem", "up", "--port", str(port), "--log-dir", str(log_dir),
                "--ledger", str(tmp_path / "usage.sqlite3"), *argv]
+    secret = f"up-test-{uuid.uuid4().hex}"
     with stdout.open("wb") as out, stderr.open("wb") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **{CLUSTER_SECRET_ENV: secret}))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -56,7 +71,7 @@ def start_up(tmp_path: Path, *argv: str, timeout: float = _START_TIMEOUT) -> Up:
         printed = stdout.read_text()
         if "Ctrl-C stops the cluster." in printed:
             assert httpx.get(f"{url}/health", timeout=2).status_code == 200  # printed once healthy
-            return Up(process, url, stdout, stderr, printed, log_dir)
+            return Up(process, url, stdout, stderr, printed, log_dir, secret)
         time.sleep(0.25)
     process.kill()
     pytest.fail(f"no banner from tandem up:\n{stderr.read_text()}")

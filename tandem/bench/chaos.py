@@ -24,8 +24,15 @@ than break. The router sees it go down through its health checks and moves its s
 The peer phase is the same cluster with `--migration-limit 0`: a router that retries only
 before the first byte, which is what the peers do by default (NVIDIA Dynamo ships migration
 off; vLLM's router and SGLang's have none), so every stream on a killed worker fails there.
-Goals (issue 15): 0 failed requests while each pool keeps a healthy worker; 0 leaked blocks;
-0 wrong texts.
+Goals: 0 failed requests while each pool keeps a healthy worker; 0 leaked blocks; 0 wrong texts.
+
+`--phases calm,hostile` measures the trust boundary under load instead: the same cluster and
+load with no faults, once alone (calm) and once with hostile clients sending the attacks that
+once got through (tandem/bench/hostile.py: forged handoff fields, 16,000 sequences in one
+request, overflowing sampling values, NaN, lone surrogates, control endpoints without a key,
+another tenant's salt, a 400 MiB frame on the KV port) at `--attack-rate` a second. Goals:
+every ordinary request completes with its clean-run text, every attack is refused, and the
+ordinary clients' p99 stays within 10% of the calm phase's.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -49,7 +57,10 @@ import httpx
 import psutil
 
 from tandem import netns
+from tandem.bench.hostile import Attack, Target, attack_loop
 from tandem.netns import WorkerNetwork
+from tandem.trust.keys import CLUSTER_SECRET_ENV, secret_from_env
+from tandem.trust.peer import peer_client
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +112,17 @@ class PhaseResult:
     held_handoffs: int = 0
     faults: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    # The hostile phase's attacks: kind -> [sent, refused], and what got through.
+    attacks: dict[str, list[int]] = field(default_factory=dict)
+    attacks_through: list[str] = field(default_factory=list)
+
+    @property
+    def attacks_sent(self) -> int:
+        return sum(sent for sent, _ in self.attacks.values())
+
+    @property
+    def attacks_refused(self) -> int:
+        return sum(refused for _, refused in self.attacks.values())
 
 
 def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -120,7 +142,10 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
                         help="the router's --idle-timeout (default: its own)")
     parser.add_argument("--phases", default="peer,tandem",
-                        help="peer (--migration-limit 0) and/or tandem (default: peer,tandem)")
+                        help="peer (--migration-limit 0) and/or tandem, under --faults; calm and/or hostile, "
+                             "without faults, hostile with attacks mixed into the load (default: peer,tandem)")
+    parser.add_argument("--attack-rate", type=float, default=2.0, metavar="R",
+                        help="hostile phase: attacks a second (default: 2)")
     parser.add_argument("--kv-cache-memory", default="512MiB", help="per worker (default: 512MiB)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/chaos"), help="report directory")
     parser.add_argument("--port", type=int, default=8450, help="router port (default: 8450)")
@@ -231,9 +256,13 @@ class Cluster:
                    *(["--idle-timeout", str(args.idle_timeout)] if args.idle_timeout else [])]
         self.stdout = log_dir / "up.stdout"
         self.stderr = log_dir / "up.stderr"
+        # Its workers answer only signed requests: the bench gives the cluster its secret so that
+        # it can read their /load (held blocks, handoffs) as the router does.
+        self.secret = secret_from_env() or secrets.token_hex(32)
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
             self.process = subprocess.Popen(command, stdout=out, stderr=err,
-                                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                             env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                      **{CLUSTER_SECRET_ENV: self.secret}))
         deadline = time.monotonic() + 600
         while "Ctrl-C stops the cluster." not in self.stdout.read_text():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -241,6 +270,11 @@ class Cluster:
             time.sleep(0.5)
         rows = re.findall(r"^  (\S+)\s+(http://\S+)\s+log: ", self.stdout.read_text(), re.MULTILINE)
         self.endpoints = dict(rows)
+
+    def load(self, worker_url: str) -> dict[str, Any]:
+        """A worker's GET /load, signed with the cluster secret."""
+        with peer_client(self.secret, timeout=5) as client:
+            return client.get(f"{worker_url}/load").json()
 
     def worker_process(self, name: str) -> psutil.Process:
         port = self.endpoints[name].rsplit(":", 1)[1]
@@ -294,7 +328,8 @@ def _p99(values: list[float]) -> float | None:
 def run_phase(name: str, migration_limit: int, args: argparse.Namespace,
               expected: dict[int, str] | None) -> tuple[PhaseResult, dict[int, str], list[Request]]:
     conversations = prompts(2 * args.concurrency)
-    faults = parse_faults(args.faults)
+    faults = [] if name in ("calm", "hostile") else parse_faults(args.faults)
+    attacks: list[Attack] = []
     cluster = Cluster(args, migration_limit, args.out / name, netns=any(f.cut_s for f in faults))
     result = PhaseResult(name, migration_limit)
     try:
@@ -328,9 +363,16 @@ def run_phase(name: str, migration_limit: int, args: argparse.Namespace,
                 await asyncio.sleep(0.2)
             fault.back_at = time.monotonic()
 
+        target = _target(cluster, args.model) if name == "hostile" else None
+
         async def faulted() -> list[Request]:
             load = asyncio.create_task(_load(cluster.url, conversations, args, deadline))
+            hostile = asyncio.create_task(attack_loop(target, args.attack_rate, deadline)) if target else None
             await asyncio.gather(*(inject(fault) for fault in faults))
+            if hostile is not None:
+                done, listener = await hostile
+                attacks.extend(done)
+                listener.close()
             return await load
 
         records = asyncio.run(faulted())
@@ -340,16 +382,36 @@ def run_phase(name: str, migration_limit: int, args: argparse.Namespace,
                 time.sleep(0.5)
         _settle(cluster)
         result = _summarize(name, migration_limit, records, expected, faults, cluster)
+        for attack in attacks:
+            counts = result.attacks.setdefault(attack.kind, [0, 0])
+            counts[0] += 1
+            counts[1] += attack.refused
+            if not attack.refused:
+                result.attacks_through.append(f"{attack.kind}: {attack.detail}")
     finally:
         cluster.stop()
     return result, expected, records
+
+
+def _target(cluster: Cluster, model: str) -> Target:
+    """What the hostile clients aim at: the router, the workers, a prefill worker's KV port
+    (read as the bench, which knows the secret; an attacker would scan for it)."""
+    workers = {n: u for n, u in cluster.endpoints.items() if n != "router"}
+    kv_port = None
+    for name, url in workers.items():
+        source = cluster.load(url).get("kv_source") if name.startswith("prefill") else None
+        if source:
+            host, port = source.removeprefix("tcp://").rsplit(":", 1)
+            kv_port = (host, int(port))
+            break
+    return Target(cluster.url, model, workers, kv_port)
 
 
 def _settle(cluster: Cluster) -> None:
     """Until no worker runs or holds anything (or 60 s)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        loads = [httpx.get(f"{u}/load", timeout=5).json() for n, u in cluster.endpoints.items() if n != "router"]
+        loads = [cluster.load(u) for n, u in cluster.endpoints.items() if n != "router"]
         if all(load["num_requests_in_flight"] == 0 and load["kv_blocks_used"] == 0
                and not (load.get("kv_transfer") or {}).get("held") for load in loads):
             return
@@ -388,7 +450,7 @@ def _summarize(name: str, migration_limit: int, records: list[Request], expected
     for worker, url in cluster.endpoints.items():
         if worker == "router":
             continue
-        load = httpx.get(f"{url}/load", timeout=5).json()
+        load = cluster.load(url)
         result.leaked_blocks += int(load["kv_blocks_used"])
         result.held_handoffs += int((load.get("kv_transfer") or {}).get("held") or 0)
     return result
@@ -398,7 +460,29 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def hostile_report(results: list[PhaseResult]) -> str:
+    """The calm and hostile phases side by side: ordinary clients, and the attacks."""
+    calm = next((r for r in results if r.name == "calm"), None)
+    lines = ["| phase | ordinary sent | completed | wrong text | p99 e2e (s) | p99 vs calm | attacks sent "
+             "| refused | leaked KV blocks |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.name not in ("calm", "hostile"):
+            continue
+        ratio = (f"{r.p99_steady_s / calm.p99_steady_s:.2f}x" if calm is not None and calm.p99_steady_s
+                 and r.p99_steady_s is not None else "-")
+        lines.append(f"| {r.name} | {r.sent} | {r.completed} | {r.wrong_text} | {_fmt(r.p99_steady_s)} | {ratio} "
+                     f"| {r.attacks_sent} | {r.attacks_refused} | {r.leaked_blocks} |")
+    hostile = next((r for r in results if r.name == "hostile"), None)
+    if hostile is not None and hostile.attacks:
+        lines += ["", "| attack | sent | refused |", "|---|---|---|"]
+        lines += [f"| {kind} | {sent} | {refused} |" for kind, (sent, refused) in sorted(hostile.attacks.items())]
+    return "\n".join(lines)
+
+
 def report(results: list[PhaseResult]) -> str:
+    results = [r for r in results if r.name not in ("calm", "hostile")]
+    if not results:
+        return ""
     lines = ["| phase | migration | sent | completed | failed | migrated | wrong text | p99 e2e during faults (s) "
              "| p99 e2e otherwise (s) | leaked KV blocks | held handoffs |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -441,9 +525,9 @@ def _plot(results: list[tuple[PhaseResult, list[Request]]], path: Path) -> None:
 def cmd_chaos(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    unknown = set(phases) - {"peer", "tandem"}
+    unknown = set(phases) - {"peer", "tandem", "calm", "hostile"}
     if unknown:
-        raise ValueError(f"--phases: unknown {', '.join(sorted(unknown))} (peer, tandem)")
+        raise ValueError(f"--phases: unknown {', '.join(sorted(unknown))} (peer, tandem, calm, hostile)")
     faults = parse_faults(args.faults)
     reason = netns.available()
     if reason and any(f.cut_s for f in faults):
@@ -455,13 +539,15 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     done: list[tuple[PhaseResult, list[Request]]] = []
     for phase in phases:
         limit = 0 if phase == "peer" else 3
+        what = {"calm": "no faults", "hostile": f"no faults, {args.attack_rate:g} attacks/s"}.get(
+            phase, f"faults {args.faults}")
         print(f"== {phase}: tandem up, migration {'off' if limit == 0 else 'on'}, {args.duration:g} s of load, "
-              f"faults {args.faults}", flush=True)
+              f"{what}", flush=True)
         result, expected, records = run_phase(phase, limit, args, expected)
         done.append((result, records))
-        print(report([result]), flush=True)
+        print(report([result]) or hostile_report([result]), flush=True)
     results = [r for r, _ in done]
-    text = report(results)
+    text = "\n\n".join(t for t in (report(results), hostile_report(results)) if t.count("\n") > 1)
     print("\n" + text)
     for r in results:
         if r.errors:
@@ -474,4 +560,15 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     if ours is not None:
         met = ours.failed == 0 and ours.leaked_blocks == 0 and ours.held_handoffs == 0 and ours.wrong_text == 0
         print(f"goals (0 failed, 0 leaked, 0 wrong text): {'met' if met else 'missed'}")
+    hostile = next((r for r in results if r.name == "hostile"), None)
+    if hostile is not None:
+        for line in hostile.attacks_through:
+            print(f"attack not refused: {line}")
+        calm = next((r for r in results if r.name == "calm"), None)
+        within = (calm is not None and calm.p99_steady_s and hostile.p99_steady_s is not None
+                  and hostile.p99_steady_s <= 1.10 * calm.p99_steady_s)
+        print(f"hostile goals: ordinary requests all completed with clean text: "
+              f"{'met' if hostile.failed == 0 and hostile.wrong_text == 0 else 'missed'}; attacks all refused: "
+              f"{'met' if hostile.attacks_refused == hostile.attacks_sent else 'missed'}; p99 within 10% of calm: "
+              f"{'met' if within else ('missed' if calm is not None else 'no calm phase')}")
     return 0

@@ -15,18 +15,21 @@ from typing import Any
 
 import httpx
 
+from tandem.trust.peer import peer_client
+
 _TIER_MEDIA = ("cpu", "disk", "cluster")
 
 
-def snapshot_workers(router_url: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """Each worker behind the router: its URL and a fresh ``/load`` (or the error getting it)."""
-    with httpx.Client(timeout=timeout_s) as client:
+def snapshot_workers(router_url: str, timeout_s: float = 10.0, secret: str | None = None) -> list[dict[str, Any]]:
+    """Each worker behind the router: its URL and a fresh ``/load`` (or the error getting it);
+    `secret`: the cluster's, whose workers answer only signed requests."""
+    with httpx.Client(timeout=timeout_s) as client, peer_client(secret, timeout=timeout_s) as workers_client:
         workers = client.get(f"{router_url.rstrip('/')}/workers").json().get("workers", [])
         snapshot = []
         for worker in workers:
             url = worker.get("url", "")
             try:
-                response = client.get(f"{url.rstrip('/')}/load")
+                response = workers_client.get(f"{url.rstrip('/')}/load")
                 response.raise_for_status()
                 snapshot.append({"url": url, "load": response.json()})
             except (httpx.HTTPError, ValueError) as exc:

@@ -39,6 +39,8 @@ import httpx
 
 from tandem.bench.machine import matmul_flops_per_s, memory_copy_bytes_per_s
 from tandem.bench.serve import LaunchedServer, free_port
+from tandem.trust.keys import secret_from_env
+from tandem.trust.peer import peer_client
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +150,8 @@ def run_tier(tier: str, args: argparse.Namespace, prompts: list[tuple[list[int],
     server.start()
     try:
         server.wait_ready(600)
-        with httpx.Client(base_url=server.base_url, timeout=600) as client:
+        # Signed when a cluster secret is in the environment: the worker then serves peers only.
+        with peer_client(secret_from_env(), base_url=server.base_url, timeout=600) as client:
             _ttft(client, args.model, "warm up the model " * 8)
             for n, (prefix, first, second) in enumerate(prompts):
                 _ttft(client, args.model, prefix + first)

@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import logging
 import os
+import secrets
 import shlex
 import socket
 import subprocess
@@ -61,6 +62,7 @@ from tandem.bench.serve_workloads import (
     make_sizer,
     warmup_turn,
 )
+from tandem.trust.keys import CLUSTER_SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -641,6 +643,9 @@ def build_server(
             cmd += ["--ledger", str(log_dir / f"{safe}-usage.sqlite3"), "--log-dir", str(log_dir / safe)]
         env = dict(os.environ)
         env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
+        # A cluster's workers answer only signed requests: the bench knows the secret, so that
+        # it can read their /load after the run.
+        env.setdefault(CLUSTER_SECRET_ENV, secrets.token_hex(32))
     else:
         if not args.vllm_python:
             raise ValueError(
@@ -760,10 +765,10 @@ def tier_goal_line(outcomes: list[TargetOutcome]) -> str | None:
             f"{'met' if ok else 'NOT met'}")
 
 
-def _worker_snapshot(name: str, router_url: str) -> list[dict[str, Any]] | None:
+def _worker_snapshot(name: str, router_url: str, secret: str | None) -> list[dict[str, Any]] | None:
     """The cluster's workers' /load after its run, logged as where its cached tokens came from."""
     try:
-        workers = snapshot_workers(router_url)
+        workers = snapshot_workers(router_url, secret=secret)
     except (httpx.HTTPError, ValueError) as exc:
         logger.warning("%s: could not read the workers' load: %s", name, exc)
         return None
@@ -856,7 +861,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 logger.info("%s ready on %s after %.1f s", target.name, server.base_url, ready)
                 outcome = measure(target, server.base_url, workload, _for_target(config, target), warmup)
                 if target.launch != "tandem":
-                    outcome.workers = _worker_snapshot(target.name, server.base_url)
+                    outcome.workers = _worker_snapshot(target.name, server.base_url,
+                                                       server.env.get(CLUSTER_SECRET_ENV))
             except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
                 outcome = TargetOutcome(
                     target.name, server.base_url if server else "", error=str(exc)

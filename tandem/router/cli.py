@@ -29,6 +29,7 @@ from tandem.router.resilience.flags import (
     admission_policy,
     breaker_policy,
 )
+from tandem.trust.keys import CLUSTER_SECRET_ENV, admin_key_from_env, secret_from_env
 
 _DESCRIPTION = """\
 One OpenAI endpoint in front of tandem workers. Long prompts are split into a prefill hop
@@ -194,6 +195,29 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
     add_request_limit_args(parser)
     add_policy_args(parser)
     add_accounting_args(parser)
+    security = parser.add_argument_group("cluster secret and control plane")
+    security.add_argument(
+        "--cluster-secret",
+        default=None,
+        metavar="SECRET",
+        help="the secret the workers share (the same --cluster-secret or env TANDEM_CLUSTER_SECRET): "
+        "every request to a worker is signed with it, and prefill/decode splits and stream migration "
+        "need it (default: env TANDEM_CLUSTER_SECRET)",
+    )
+    security.add_argument(
+        "--admin-key",
+        default=None,
+        metavar="KEY",
+        help="bearer token for POST /workers/reload, /workers/ID/drain and /resume, and, once keys "
+        "are on, for /metrics and /workers (default: env TANDEM_ADMIN_KEY, else the "
+        "cluster secret)",
+    )
+    security.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="keep /metrics, /workers and /openapi.json open to anyone even with "
+        "--api-keys or --admin-key (they show traffic and workers, never prompts)",
+    )
     parser.set_defaults(handler=cmd_route)
 
 
@@ -233,6 +257,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         accounting=accounting_config(args),
         migration_limit=args.migration_limit,
         shared_prefix_cache=args.shared_prefix_cache,
+        cluster_secret=secret_from_env(args.cluster_secret),
+        admin_key=admin_key_from_env(args.admin_key),
+        public_metrics=args.public_metrics,
         install_sighup=True,
         log_level=args.log_level.lower(),
         access_log=args.access_log,
@@ -246,7 +273,13 @@ def cmd_route(args: argparse.Namespace) -> int:
                          "--discover ROLE=HOST:PORT")
     if config.config_file is not None and not config.config_file.is_file():
         raise FileNotFoundError(f"worker file not found: {config.config_file}")
-    all_worker_specs(config)  # a broken file is a clear error now, not a failed start-up
+    specs = all_worker_specs(config)  # a broken file is a clear error now, not a failed start-up
+    if config.cluster_secret is None and any(spec.role == "prefill" for spec in specs):
+        raise ValueError(
+            "prefill workers need the cluster secret (--cluster-secret or env "
+            f"{CLUSTER_SECRET_ENV}, the same as the workers'): the router hands the KV handoff to "
+            "decode workers in signed requests only"
+        )
     check_accounting(config.accounting)  # so are a bad price or key file, or ledger path
     from tandem.router.http.app import run_router
 

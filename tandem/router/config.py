@@ -256,9 +256,15 @@ class RouterConfig:
     # Times a stream may move to another worker when its worker fails mid-response
     # (http/migration.py); 0 turns migration off.
     migration_limit: int = 3
-    # With API keys, each identity's requests get their own cache_salt (proxy.tenant_salted);
+    # With API keys, each identity's requests get their own cache_salt (trust/fields.py);
     # True lets tenants share cached prompt KV (faster, but a timing side channel).
     shared_prefix_cache: bool = False
+    # The cluster's shared secret (tandem/trust): the router signs every request to its workers
+    # with it, makes tenants' cache salts from it, and it opens the control plane when no
+    # admin key is given. Prefill/decode splits and stream migration need it.
+    cluster_secret: str | None = field(default=None, repr=False)
+    admin_key: str | None = field(default=None, repr=False)  # bearer token for the control plane
+    public_metrics: bool = False  # /metrics, /workers, /dashboard open even with keys on
     install_sighup: bool = False  # only the main thread of a `tandem route` process may
     log_level: str = "info"
     access_log: bool = False

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -49,6 +48,8 @@ from tandem.server.serving import ClientDisconnected, ServingState
 from tandem.server.serving_chat import create_chat_completion
 from tandem.server.serving_completion import create_completion
 from tandem.server.tool_parsers import detect_tool_parser, get_tool_parser
+from tandem.trust.access import AccessMiddleware, AccessPolicy, Level
+from tandem.trust.peer import PeerVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             await client.shutdown()
 
     app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # Outermost last: the body is bounded (limits), then the caller is known (access).
+    app.add_middleware(AccessMiddleware, policy=worker_access_policy(config, engine_config.kv_transfer.secret))
     app.add_middleware(RequestLimitMiddleware, limits=config.limits)
     app.add_exception_handler(APIError, _counted_api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -90,17 +93,6 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
 
     def state(request: Request) -> ServingState:
         return request.app.state.serving
-
-    def authorized(request: Request) -> None:
-        if not config.api_key:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
-            raise APIError(401, "Incorrect API key provided; pass it as 'Authorization: Bearer <key>'",
-                           None, "invalid_api_key")
-
-    guarded = [Depends(authorized)]
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -156,7 +148,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
 
         return {"version": package_version("tandem-serve")}
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         serving = state(request)
         return {"object": "list", "data": [
@@ -165,15 +157,15 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             for name in serving.model_names
         ]}
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(state(request), body, request)
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(state(request), body, request)
 
-    @app.post("/tokenize", dependencies=guarded)
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         serving = state(request)
         serving.check_model(body.model)
@@ -188,7 +180,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             tokens = serving.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", dependencies=guarded)
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
         serving = state(request)
         serving.check_model(body.model)
@@ -197,7 +189,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens", "invalid_token_id")
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
-    @app.post("/kv/release", dependencies=guarded)
+    @app.post("/kv/release")
     async def kv_release(request: Request) -> dict[str, bool]:
         """Free a prefill handoff's held KV now, not at its lease's end: a router calls this
         when the decode half failed and nobody will read it (an unknown id is a no-op)."""
@@ -211,11 +203,41 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
         state(request).client.release_transfer(transfer_id)
         return {"released": True}
 
-    @app.post("/reset_prefix_cache", dependencies=guarded)
+    @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> dict[str, bool]:
         return {"reset": await state(request).client.reset_prefix_cache()}
 
     return app
+
+
+_OBSERVE_PATHS = frozenset({"/metrics", "/load", "/version", "/openapi.json"})
+_ADMIN_PATHS = frozenset({"/kv/events", "/kv/snapshot", "/kv/release", "/reset_prefix_cache"})
+
+
+def worker_level(method: str, path: str) -> Level:
+    """Each endpoint's access level (tandem/trust/access.py); the OpenAI ones are CLIENT."""
+    if path == "/health":
+        return Level.PUBLIC
+    if path in _OBSERVE_PATHS:
+        return Level.OBSERVE
+    if path in _ADMIN_PATHS:
+        return Level.ADMIN
+    return Level.CLIENT
+
+
+def worker_access_policy(config: ServerConfig, secret: str | None) -> AccessPolicy:
+    """With a cluster secret, the router's signature opens everything; the admin key (else the
+    secret, else the API key) opens the control plane; with nothing configured, all is open."""
+    configured = bool(secret or config.api_key or config.admin_key)
+    admin = config.admin_key or secret or config.api_key
+    return AccessPolicy(
+        level_of=worker_level,
+        peers=PeerVerifier(secret) if secret else None,
+        client_key=config.api_key,
+        admin_tokens=(admin,) if admin else (),
+        observe_open=config.public_metrics or not configured,
+        admin_open=not configured,
+    )
 
 
 _ENGINE_DEATH_GRACE_S = 2.0

@@ -67,16 +67,37 @@ class ServingState:
         raise APIError(404, f"The model `{requested}` does not exist; this server serves "
                             f"{', '.join(self.model_names)}.", "model", "model_not_found")
 
-    def check_admission(self) -> None:
+    @property
+    def max_waiting_tokens(self) -> int:
+        """Prompt tokens that may wait at once (0: no limit); by default 64 contexts' worth."""
+        limit = self.config.max_waiting_tokens
+        return 64 * self.max_model_len if limit is None else limit
+
+    def check_admission(self, request_ids: list[str], sequences_each: int, prompt_tokens: list[int]) -> None:
+        """Admit a request of len(request_ids) prompts x `sequences_each` sequences, counted
+        against --max-waiting sequences and --max-waiting-tokens prompt tokens together with
+        what already waits, before anything is queued: 429 (Retry-After) when it does not fit
+        now, 400 when it never could. Admitted, it counts as waiting at once (engine_client
+        `reserve`), so a burst cannot slip past between admission and queueing."""
         if not self.client.healthy:  # before draining: a dead engine also stops its server
             raise APIError(503, "the engine is not running", None, "engine_dead")
         if self.drain.draining:
             raise self.drain.refusal("this worker")
-        limit = self.config.max_waiting
-        waiting = self.client.num_queued
-        if limit and waiting >= limit:
-            raise APIError(503, f"the server is at capacity ({waiting} requests waiting, limit {limit}); "
-                                "retry shortly", None, "overloaded", headers={"Retry-After": "1"})
+        sequences, tokens = len(request_ids) * sequences_each, sum(prompt_tokens)
+        waiting_sequences, waiting_tokens = self.client.queued()
+        for asked, waiting, limit, what, flag in (
+                (sequences, waiting_sequences, self.config.max_waiting, "sequences (prompts x n)", "--max-waiting"),
+                (tokens, waiting_tokens, self.max_waiting_tokens, "prompt tokens", "--max-waiting-tokens")):
+            if not limit:
+                continue
+            if asked > limit:
+                raise APIError(400, f"this request asks for {asked} {what}; this server queues at most {limit} "
+                                    f"({flag}): send it in smaller parts", None, "request_too_large")
+            if waiting + asked > limit:
+                raise APIError(429, f"the server is at capacity ({waiting} {what} waiting, limit {limit}); "
+                                    "retry shortly", None, "overloaded", headers={"Retry-After": "1"})
+        for request_id, count in zip(request_ids, prompt_tokens, strict=True):
+            self.client.reserve(request_id, sequences_each, count)
 
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None, param: str) -> int:
         """The max_tokens to run with: the request's, or what is left of the context (also
@@ -111,22 +132,31 @@ class ServingState:
             return {}
         return {"x-tandem-max-tokens-applied": str(applied), "x-tandem-max-tokens-requested": str(requested)}
 
-    @staticmethod
-    def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams, checked against this model's vocabulary too (top_k,
+        stop_token_ids): a 400 naming the field for anything out of range."""
         if request.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            return request.sampling_params(max_tokens, logprobs, vocab_size=self.client.info.vocab_size)
         except ValueError as exc:
             param = str(exc).split(" ", 1)[0]
             raise bad_request(str(exc), param if param.isidentifier() else None, "invalid_value") from exc
 
-    @staticmethod
-    def handoff(kv_transfer_params: dict[str, Any] | None, params: SamplingParams, stream: bool) -> Handoff | None:
-        """The request's part in a prefill/decode handoff, checked before it reaches the engine."""
-        if not kv_transfer_params:
+    def handoff(self, kv_transfer_params: dict[str, Any] | None, params: SamplingParams, stream: bool,
+                from_peer: bool) -> Handoff | None:
+        """The request's part in a prefill/decode handoff, checked before it reaches the engine.
+
+        The field is internal (tandem/trust/fields.py): only a peer-signed request may carry it."""
+        if kv_transfer_params is None:
             return None
         param = "kv_transfer_params"
+        if not from_peer:
+            raise APIError(403, "kv_transfer_params is set by tandem's router between its own workers; a client "
+                                "may not send it (requests carrying it must be signed with the cluster secret)",
+                           param, "internal_field")
+        if not kv_transfer_params:
+            return None
         if params.n != 1:
             raise bad_request("a prefill/decode handoff needs n == 1", param, "invalid_value")
         if kv_transfer_params.get("do_remote_decode"):
@@ -135,9 +165,11 @@ class ServingState:
             return Handoff(kv_transfer_params={"do_remote_decode": True})
         if kv_transfer_params.get("do_remote_prefill"):
             first = kv_transfer_params.get("first_token_ids")
-            if not isinstance(first, list) or not first or not all(isinstance(t, int) for t in first):
-                raise bad_request("kv_transfer_params.first_token_ids must be a non-empty list of token ids",
-                                  param, "invalid_value")
+            vocab = self.client.info.vocab_size
+            if (not isinstance(first, list) or not first
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in first)):
+                raise bad_request(f"kv_transfer_params.first_token_ids must be a non-empty list of token ids in "
+                                  f"[0, {vocab})", param, "invalid_value")
             if params.max_tokens is not None and params.max_tokens <= len(first):
                 raise bad_request("max_tokens must exceed the tokens already generated by the prefill worker",
                                   "max_tokens", "invalid_value")

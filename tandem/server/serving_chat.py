@@ -25,6 +25,7 @@ from tandem.server.serving import (
     usage,
 )
 from tandem.server.tool_parsers import ToolParser
+from tandem.trust.access import is_peer
 from tandem.types import SamplingParams, TokenLogprob
 
 
@@ -72,10 +73,11 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
     if prompt.tools_enabled and single_call:
         # One call is all that is wanted: stop decoding when it closes.
         params.stop = [*params.stop, *state.tool_parser.stop_strings(parallel_tool_calls=False)]
-    handoff = state.handoff(body.kv_transfer_params, params, body.stream)
-    state.check_admission()
+    handoff = state.handoff(body.kv_transfer_params, params, body.stream, is_peer(raw))
+    request_id = state.new_id("chatcmpl")
+    state.check_admission([request_id], params.n, [len(token_ids)])
     run = _ChatRun(
-        request_id=state.new_id("chatcmpl"), model=model, prompt=prompt, prompt_token_ids=token_ids,
+        request_id=request_id, model=model, prompt=prompt, prompt_token_ids=token_ids,
         params=params, parser=state.tool_parser if prompt.tools_enabled else None,
         want_logprobs=logprobs is not None,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -215,5 +217,6 @@ async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
 
 
 def _observe(state: ServingState, run: _ChatRun) -> None:
+    state.client.unreserve([run.request_id])  # if it never reached the engine
     state.metrics.observe_finished(run.timings, time.monotonic(), len(run.prompt_token_ids), run.cached_tokens,
                                    run.completion_tokens, run.finish_reasons or ["abort"])

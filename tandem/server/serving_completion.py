@@ -28,6 +28,7 @@ from tandem.server.serving import (
     unless_disconnected,
     usage,
 )
+from tandem.trust.access import is_peer
 from tandem.types import SamplingParams, TokenLogprob
 
 
@@ -82,10 +83,10 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
     assert max_tokens is not None
     headers = state.max_tokens_headers(body.max_tokens, max_tokens)
     params = state.sampling_params(body, max_tokens, logprobs)
-    handoff = state.handoff(body.kv_transfer_params, params, body.stream)
+    handoff = state.handoff(body.kv_transfer_params, params, body.stream, is_peer(raw))
     if handoff is not None and len(runs) != 1:
         raise bad_request("a prefill/decode handoff takes one prompt", "kv_transfer_params", "invalid_value")
-    state.check_admission()
+    state.check_admission([p.request_id for p in runs], params.n, [len(p.token_ids) for p in runs])
     run = _CompletionRun(request_id, model, runs, params, body.echo, logprobs is not None,
                          bool(body.stream_options and body.stream_options.include_usage), handoff,
                          cache_salt=body.cache_salt, return_token_ids=body.return_token_ids)
@@ -229,6 +230,7 @@ async def _stream(state: ServingState, run: _CompletionRun) -> AsyncIterator[str
 
 
 def _observe(state: ServingState, run: _CompletionRun) -> None:
+    state.client.unreserve([p.request_id for p in run.prompts])  # those that never reached the engine
     reasons = iter(run.finish_reasons)
     end = time.monotonic()
     for prompt in run.prompts:

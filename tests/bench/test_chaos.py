@@ -38,3 +38,18 @@ def test_report_has_a_row_per_phase_and_p99_takes_the_tail() -> None:
     rows = text.splitlines()
     assert rows[2].startswith("| peer | off | 10 | 8 | 2 | 0 |")
     assert rows[3].startswith("| tandem | limit 3 | 10 | 10 | 0 | 2 | 0 | 1.50 |")
+
+
+def test_the_hostile_report_puts_the_phases_side_by_side() -> None:
+    from tandem.bench.chaos import hostile_report
+
+    calm = PhaseResult("calm", 3, sent=40, completed=40, p99_steady_s=2.0)
+    hostile = PhaseResult("hostile", 3, sent=39, completed=39, p99_steady_s=2.1,
+                          attacks={"nan_temperature": [3, 3], "forged_handle_via_router": [4, 3]},
+                          attacks_through=["forged_handle_via_router: listener contacted"])
+    text = hostile_report([calm, hostile])
+    rows = text.splitlines()
+    assert rows[2].startswith("| calm | 40 | 40 | 0 | 2.00 | 1.00x | 0 | 0 |")
+    assert rows[3].startswith("| hostile | 39 | 39 | 0 | 2.10 | 1.05x | 7 | 6 |")
+    assert "| forged_handle_via_router | 4 | 3 |" in text and "| nan_temperature | 3 | 3 |" in text
+    assert report([calm, hostile]) == ""  # the fault table leaves them out

@@ -100,3 +100,59 @@ def test_a_host_that_cannot_reach_node_0_gives_up_naming_the_address(hosts: Host
     assert done.returncode == 1
     assert f"heard nothing from the engine at tcp://{nowhere}:29742 in 5 s" in done.stderr
     assert not _children_left(before)
+
+
+def _revision(target: Path, extra: dict) -> Path:
+    """The default model's files, linked, with config.json changed: to the fingerprint another
+    checkpoint (tests/security/test_fingerprint_integrity.py)."""
+    import json
+
+    from tandem.loader.resolve import resolve_model
+
+    source = resolve_model("smollm2-135m", "float32").hf_dir
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.name not in ("config.json", "tandem_source.json"):
+            (target / path.name).symlink_to(path)
+    (target / "config.json").write_text(json.dumps({**json.loads((source / "config.json").read_text()), **extra}))
+    return target
+
+
+def test_ranks_that_loaded_different_checkpoints_refuse_to_start(hosts: Hosts, tmp_path: Path) -> None:
+    """Every host loads node 0's MODEL path from its own disk: a host holding another revision
+    there (the same layout, so every tensor fits) would compute garbage in every collective.
+    The ranks compare their fingerprints before serving, and the engine refuses to start.
+
+    Two hosts with different files at one path, on one machine: `ip netns exec` bind-mounts
+    /etc/netns/NS/X over /etc/X for processes in namespace NS, so node 1 sees another directory
+    at the path node 0 names."""
+    import shutil
+    import uuid
+
+    name = f"tandem-test-revision-{uuid.uuid4().hex[:8]}"
+    shown = Path("/etc") / name
+    node1_view = Path("/etc/netns") / f"{hosts.prefix}node1" / name
+    try:
+        _revision(shown, {"tandem_test_revision": "a"})
+        _revision(node1_view, {"tandem_test_revision": "b"})
+        master = hosts.addresses["node0"]
+        meet = ("--nnodes", "2", "--master-addr", master, "--master-port", "29750", "--tensor-parallel-size", "2",
+                "--join-timeout", "60", *ENGINE)
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        with (tmp_path / "node1.log").open("wb") as log:
+            node1 = subprocess.Popen([*hosts.exec("node1"), *_tandem("serve", "--headless", "--node-rank", "1", *meet)],
+                                     stdout=log, stderr=subprocess.STDOUT)
+        try:
+            node0 = subprocess.run([*hosts.exec("node0"), *_tandem("generate", str(shown), "-p", PROMPT,
+                                                                   "--max-tokens", "2", *meet)],
+                                   capture_output=True, text=True, timeout=240, check=False)
+            assert node0.returncode != 0, node0.stdout
+            assert "ranks loaded different models" in node0.stderr, node0.stderr[-3000:]
+            node1.wait(timeout=60)
+        finally:
+            if node1.poll() is None:
+                node1.kill()
+        assert not _children_left(before)
+    finally:
+        shutil.rmtree(shown, ignore_errors=True)
+        shutil.rmtree(node1_view.parent, ignore_errors=True)

@@ -1,7 +1,8 @@
 """The prefill/decode handoff between two live `tandem serve` workers, without a router.
 
 The test plays the router: it asks the prefill worker for the first token with
-`do_remote_decode`, then gives the decode worker the handle. The decode worker must really
+`do_remote_decode`, then gives the decode worker the handle, signing its requests with the
+cluster secret as the router does (a worker takes the handoff fields from peers only). The decode worker must really
 fetch the KV (its received-block counter moves) and must produce exactly what one worker
 produces alone; every failure of the fetch must end in the same output, computed locally.
 """
@@ -14,9 +15,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
-from live_server import LiveServer, start_server, stop_server
+from live_server import TEST_SECRET, LiveServer, start_server, stop_server
 
 MODEL = "smollm2-135m"
 BLOCK = 16  # tokens per KV block (the default --block-size)
@@ -28,10 +28,10 @@ SYSTEM = "You are a helpful assistant who answers questions about cities briefly
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
     logs = tmp_path_factory.mktemp("handoff")
     prefill = start_server(logs / "prefill.log", "--role", "prefill", "--kv-transfer-shm",
-                           "--kv-transfer-hold-timeout", "3", *WORKER_ARGS)
+                           "--kv-transfer-hold-timeout", "3", *WORKER_ARGS, secret=TEST_SECRET)
     try:
         decode = start_server(logs / "decode.log", "--role", "decode", "--kv-transfer-fetch-timeout", "3",
-                              *WORKER_ARGS)
+                              *WORKER_ARGS, secret=TEST_SECRET)
     except Exception:
         stop_server(prefill)
         raise
@@ -46,8 +46,8 @@ def _messages(question: str) -> list[dict[str, str]]:
 
 
 def _post(server: LiveServer, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
-    """POST and expect 200."""
-    response = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+    """POST, signed as the router would, and expect 200."""
+    response = server.post(path, body)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -94,12 +94,11 @@ def test_streamed_continuation_starts_after_the_first_token(workers: tuple[LiveS
     alone = _post(prefill, body)["choices"][0]["message"]["content"]
     first = _prefill(prefill, body)
     handle = dict(first["kv_transfer_params"])
-    handle["shm_path"] = None  # over TCP this time
     before = _counters(decode)
     stream_body = {**body, "stream": True, "stream_options": {"include_usage": True},
                    "kv_transfer_params": {**handle, "do_remote_prefill": True, "emit_first_token": False}}
     text, usage = "", None
-    with httpx.stream("POST", f"{decode.url}/v1/chat/completions", json=stream_body, timeout=120) as response:
+    with decode.client() as client, client.stream("POST", "/v1/chat/completions", json=stream_body) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
@@ -108,7 +107,7 @@ def test_streamed_continuation_starts_after_the_first_token(workers: tuple[LiveS
                     text += choice["delta"].get("content") or ""
     assert first["choices"][0]["message"]["content"] + text == alone
     assert usage["completion_tokens"] == 20
-    # The TCP path moved the blocks and the decode worker used them, as over shared memory.
+    # The blocks moved and the decode worker used them, as for a whole reply.
     after = _counters(decode)
     assert after["blocks_received"] - before["blocks_received"] == len(handle["block_hashes"])
     assert after["pull_failures"] == before["pull_failures"]
@@ -171,7 +170,7 @@ def test_unreachable_source_means_local_prefill(workers: tuple[LiveServer, LiveS
     body = {"model": MODEL, "messages": _messages("Tell me about Bern."), "temperature": 0, "max_tokens": 16}
     alone = _post(prefill, body)["choices"][0]["message"]["content"]
     first = _prefill(prefill, body)
-    handle = {**first["kv_transfer_params"], "shm_path": None, "port": 9}  # nobody listens there
+    handle = {**first["kv_transfer_params"], "port": 9}  # nobody listens there
     failures = _counters(decode)["pull_failures"]
     reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
                                                           "emit_first_token": True}})
@@ -187,7 +186,7 @@ def test_corrupted_transfer_and_dead_prefill_worker(workers: tuple[LiveServer, L
     """A payload that fails its checksum, then a source that died: both end in local prefill."""
     _, decode = workers
     faulty = start_server(tmp_path_factory.mktemp("faulty") / "prefill.log", "--role", "prefill",
-                          *WORKER_ARGS, env={"TANDEM_KV_FAULT": "corrupt"})
+                          *WORKER_ARGS, env={"TANDEM_KV_FAULT": "corrupt"}, secret=TEST_SECRET)
     try:
         body = {"model": MODEL, "messages": _messages("Tell me about Vienna."), "temperature": 0, "max_tokens": 16}
         alone = _post(faulty, body)["choices"][0]["message"]["content"]

@@ -11,15 +11,12 @@ the session serves its next turn from the cluster store. Needs root (CI runs as 
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, start_server, stop_server
+from live_server import TEST_SECRET, LiveServer, start_router, start_server, stop_server
 from netns_hosts import Hosts, make_hosts, needs_netns
 
 pytestmark = needs_netns
@@ -39,25 +36,6 @@ class Cluster:
     redis_url: str
 
 
-def start_router(log_path: Path, *args: str) -> tuple[str, subprocess.Popen[bytes]]:
-    from live_server import free_port
-
-    port = free_port()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "tandem", "route", "--port", str(port), *args],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url, process
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(log_path.read_text()[-2000:])
-
-
 @pytest.fixture(scope="module")
 def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("netns")
@@ -65,7 +43,9 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     redis_url = f"redis://{redis_host}:6379"
     redis_process = subprocess.Popen([*hosts.exec("redis"), "redis-server", "--port", "6379", "--bind", redis_host,
                                       "--save", "", "--appendonly", "no", "--protected-mode", "no",
-                                      "--maxmemory", str(512 << 20), "--maxmemory-policy", "allkeys-lru"],
+                                      "--maxmemory", str(512 << 20), "--maxmemory-policy", "allkeys-lru",
+                                      # as `tandem up` runs it: the workers present the cluster secret
+                                      "--requirepass", TEST_SECRET],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     servers: list[LiveServer] = []
     router = None
@@ -75,14 +55,16 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         for name in ("prefill0", "prefill1"):
             address = hosts.addresses[name]
             servers.append(start_server(logs / f"{name}.log", *engine, "--role", "prefill",
-                                        "--kv-transfer-host", address, host=address, wrapper=hosts.exec(name)))
+                                        "--kv-transfer-host", address, host=address, wrapper=hosts.exec(name),
+                                        secret=TEST_SECRET))
         decode_address = hosts.addresses["decode"]
         decode = start_server(logs / "decode.log", "--kv-cache-memory", "128MiB", "--threads", "1",
-                              "--role", "decode", host=decode_address, wrapper=hosts.exec("decode"))
+                              "--role", "decode", host=decode_address, wrapper=hosts.exec("decode"),
+                              secret=TEST_SECRET)
         servers.append(decode)
         router_url, router = start_router(logs / "router.log", "--policy", "round_robin", "--pd-min-prompt-tokens",
                                           "16", "--prefill", servers[0].url, "--prefill", servers[1].url,
-                                          "--decode", decode.url)
+                                          "--decode", decode.url, secret=TEST_SECRET)
         yield Cluster(servers[:2], decode, router_url, redis_url)
     finally:
         if router is not None:

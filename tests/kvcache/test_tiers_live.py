@@ -210,17 +210,62 @@ def test_corrupt_and_foreign_values_in_redis_are_a_recompute(redis_server: Redis
     with tier_llm(store_url=redis_server.url) as llm:
         llm.generate([PROMPT], GREEDY)
         drain_writes(llm)
-        keys = client.keys("tandem:kv:*")
-        assert keys
-        for n, key in enumerate(keys):  # truncate half of them, corrupt the others
+        keys = sorted(client.keys("tandem:kv:*"))
+        assert len(keys) >= 4
+        for n, key in enumerate(keys):
             value = client.get(key)
-            client.set(key, value[: len(value) // 2] if n % 2 else value[:-1] + bytes([value[-1] ^ 1]))
+            kind = n % 4
+            if kind == 0:  # truncated
+                value = value[: len(value) // 2]
+            elif kind == 1:  # the digest's last byte
+                value = value[:-1] + bytes([value[-1] ^ 1])
+            elif kind == 2:  # a byte of the KV payload itself, in the middle of the value
+                middle = len(value) // 2
+                value = value[:middle] + bytes([value[middle] ^ 0xFF]) + value[middle + 1:]
+            else:  # a well-formed chunk with a valid digest, written by another model's revision
+                value = _refingerprinted(value, "LlamaForCausalLM/float32/another-revision")
+            client.set(key, value)
         evict_from_device(llm)
         again = llm.generate([PROMPT], GREEDY)[0]
         assert again.outputs[0].text == cold_outputs[0]
-        assert llm.engine.core.load().kv_tiers["media"]["cluster"]["corrupt"] >= 1
+        media = llm.engine.core.load().kv_tiers["media"]["cluster"]
+        assert media["corrupt"] >= 1
+        # The first chunk decides: it was truncated; make each kind the first in turn below.
         assert_idle(llm)
+        for kind, reason in ((2, "checksum"), (3, "foreign")):
+            llm.generate([PROMPT], GREEDY)
+            drain_writes(llm)
+            for key in sorted(client.keys("tandem:kv:*")):
+                value = client.get(key)
+                if kind == 2:
+                    middle = len(value) // 2
+                    value = value[:middle] + bytes([value[middle] ^ 0xFF]) + value[middle + 1:]
+                else:
+                    value = _refingerprinted(value, "LlamaForCausalLM/float32/another-revision")
+                client.set(key, value)
+            before = llm.engine.core.load().kv_tiers["media"]["cluster"].get(f"corrupt_{reason}", 0)
+            evict_from_device(llm)
+            again = llm.generate([PROMPT], GREEDY)[0]
+            assert again.outputs[0].text == cold_outputs[0]
+            assert again.num_cached_tokens == 0  # nothing was taken from a bad value
+            after = llm.engine.core.load().kv_tiers["media"]["cluster"].get(f"corrupt_{reason}", 0)
+            assert after >= before + 1, (reason, llm.engine.core.load().kv_tiers["media"]["cluster"])
+            assert_idle(llm)
     client.close()
+
+
+def _refingerprinted(value: bytes, fingerprint: str) -> bytes:
+    """The same chunk, re-encoded (valid digest) as if another model had written it."""
+    import json
+    import struct
+
+    from tandem.kvcache.tiers.chunk import ChunkHeader, encode_chunk
+
+    _, _, head_len = struct.unpack_from("<4sHI", value)
+    head = json.loads(value[10:10 + head_len])
+    header = ChunkHeader(fingerprint, head["layout"], tuple(head["shape"]), head["num_blocks"],
+                         tuple(head["token_ids"]), head.get("rank", 0), head.get("world_size", 1))
+    return encode_chunk(header, value[10 + head_len:-16])
 
 
 def test_redis_stopping_mid_run_is_a_recompute(cold_outputs: list[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+from live_server import TEST_SECRET
 from router_helpers import FakeWorker, ThreadServer
 
 from tandem.router.config import HealthPolicy, RetryPolicy, RouterConfig, Timeouts, WorkerSpec
@@ -43,6 +44,9 @@ def start_router() -> Iterator[Callable[..., str]]:
             "timeouts": FAST_TIMEOUTS,
             "retry": FAST_RETRY,
             "pd_min_prompt_tokens": 0,
+            # Splits and migration need the cluster secret (tandem/trust); fake workers ignore
+            # the signatures, real ones started with the same secret check them.
+            "cluster_secret": TEST_SECRET,
         }
         options.update(fields)
         config = RouterConfig(workers=tuple(workers), **options)  # type: ignore[arg-type]

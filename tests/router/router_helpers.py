@@ -21,11 +21,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from live_server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.router.config import HealthPolicy, WorkerSpec
+from tandem.router.config import HealthPolicy, Timeouts, WorkerSpec
 from tandem.router.pd.merge import sse
 from tandem.router.workers.registry import LoadSnapshot, Worker
 
 PROMPT_TOKENS = 50
+
+# In front of a real model on a loaded CI box a first byte can take many seconds: a router over
+# real workers must not time a hop out at the fixture's one second (FAST_TIMEOUTS in conftest).
+MODEL_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=180.0, idle_s=180.0)
 
 
 def healthy_worker(url: str, role: str = "decode", **load: int) -> Worker:

@@ -29,6 +29,7 @@ from tandem.router.config import (
 from tandem.router.http.app import build_app
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
+SECRET = "test-cluster-secret"  # the router's: it signs hops and opens the control plane
 CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}
 COMPLETION = {"model": "smol", "prompt": "Say hello.", "max_tokens": 5}
 SMOL = Price(input=0.10, cached_input=0.025, output=0.40)
@@ -77,6 +78,7 @@ class Routers:
             retry=RetryPolicy(max_attempts=3, backoff_s=0.01),
             pd_min_prompt_tokens=0,
             accounting=AccountingConfig(**options),
+            cluster_secret=SECRET,
         )
         server = ThreadServer(build_app(config)).start()
         self.servers.append(server)
@@ -226,8 +228,12 @@ def test_v1_needs_a_valid_key(routers: Routers, headers: dict[str, str]) -> None
         assert set(error) == {"message", "type", "param", "code"}
         assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
         assert reply.headers["www-authenticate"] == "Bearer"
-    for path in ("/health", "/metrics", "/workers"):  # the operator's views stay open
-        assert httpx.get(f"{server.url}{path}").status_code == 200, path
+    assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+    for path in ("/metrics", "/workers"):  # the operator's views close once keys are on...
+        assert httpx.get(f"{server.url}{path}", headers=headers).status_code == 401, path
+        assert httpx.get(f"{server.url}{path}", headers=_auth("sk-alice")).status_code == 401, path
+        # ... and open to the admin key (here the cluster secret: no --admin-key was given)
+        assert httpx.get(f"{server.url}{path}", headers=_auth(SECRET)).status_code == 200, path
     assert decode.requests == [] and prefill is not None and prefill.requests == []
 
 
@@ -242,7 +248,7 @@ def test_keys_map_to_identities_and_stay_at_the_router(routers: Routers) -> None
     assert prefill.authorization == [None] and decode.authorization == [None]
     report = httpx.get(f"{server.url}/v1/usage", headers=_auth("sk-bob")).json()
     assert [d["identity"] for d in report["data"]] == ["bob"] and report["identity"] == "bob"
-    metrics = httpx.get(f"{server.url}/metrics").text
+    metrics = httpx.get(f"{server.url}/metrics", headers=_auth(SECRET)).text
     assert 'tandem_router_ledger_rows_total{outcome="written"} 1.0' in metrics
 
 

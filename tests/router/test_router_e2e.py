@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from live_server import LiveServer, free_port, start_server, stop_server
-from router_helpers import read_stream, stream_text, wait_for
+from live_server import TEST_SECRET, LiveServer, free_port, start_server, stop_server
+from router_helpers import MODEL_TIMEOUTS, read_stream, stream_text, wait_for
 
 from tandem.loader.resolve import resolve_model
 from tandem.router.config import HealthPolicy, WorkerSpec
@@ -90,7 +90,7 @@ def _start_router(log_path: Path, *args: str) -> tuple[str, subprocess.Popen[byt
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_CLUSTER_SECRET=TEST_SECRET),
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -109,11 +109,11 @@ def _start_router(log_path: Path, *args: str) -> tuple[str, subprocess.Popen[byt
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("router-e2e")
-    prefill = start_server(logs / "prefill.log", "--role", "prefill", *WORKER_ARGS)
+    prefill = start_server(logs / "prefill.log", "--role", "prefill", *WORKER_ARGS, secret=TEST_SECRET)
     decode: LiveServer | None = None
     process: subprocess.Popen[bytes] | None = None
     try:
-        decode = start_server(logs / "decode.log", "--role", "decode", *WORKER_ARGS)
+        decode = start_server(logs / "decode.log", "--role", "decode", *WORKER_ARGS, secret=TEST_SECRET)
         tokenizer = resolve_model(MODEL, "float32").hf_dir
         url, process = _start_router(
             logs / "router.log",
@@ -252,7 +252,9 @@ def test_cached_tokens_are_the_prefill_workers_counted_once(cluster: Cluster) ->
     assert first["prompt_tokens_details"]["cached_tokens"] == 0  # a new prompt: nothing cached
     # The second time the prefill worker finds the prompt in its cache: exactly what it
     # reports when asked alone. The decode worker's hits (the blocks it pulled) are not added.
-    direct = _post(cluster.prefill.url, "/v1/chat/completions", body)["usage"]
+    reply = cluster.prefill.post("/v1/chat/completions", body)  # signed: the worker serves peers only
+    assert reply.status_code == 200, reply.text
+    direct = reply.json()["usage"]
     cached = again["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached == direct["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
     # Exactly the prompt's whole 16-token blocks, short of the last token (always computed).
@@ -409,8 +411,9 @@ def test_killed_worker_is_marked_down_and_the_other_serves(
             [WorkerSpec(cluster.decode.url, "decode"), WorkerSpec(spare.url, "both")],
             health=health,
             pd_min_prompt_tokens=10**6,
+            timeouts=MODEL_TIMEOUTS,
         )
-        alone = start_router([WorkerSpec(spare.url, "both")], health=health)
+        alone = start_router([WorkerSpec(spare.url, "both")], health=health, timeouts=MODEL_TIMEOUTS)
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": "Hi!"}],

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from live_server import TEST_SECRET
 from router_helpers import PROMPT_TOKENS, FakeWorker, metric, read_stream, stream_text, wait_for
 
 from tandem.router.config import BreakerPolicy, HealthPolicy, WorkerSpec
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
+ADMIN = {"Authorization": f"Bearer {TEST_SECRET}"}  # the router fixture's cluster secret opens its control plane
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}
 COMPLETION = {"model": "fake", "prompt": "Say hello.", "max_tokens": 5}
 FULL = "Hello there, friend."
@@ -384,7 +386,8 @@ def test_reload_from_the_config_file(
     url = start_router(config_file=config)
     assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
     config.write_text(f"decode: [{second_url}]\n")
-    change = httpx.post(f"{url}/workers/reload", timeout=30).json()
+    assert httpx.post(f"{url}/workers/reload", timeout=30).status_code == 401  # operators only
+    change = httpx.post(f"{url}/workers/reload", timeout=30, headers=ADMIN).json()
     assert change["added"] == [second_url] and change["removed"] == [first_url]
     assert [(w["url"], w["role"], w["healthy"]) for w in change["workers"]] == [
         (second_url, "decode", True)
@@ -392,7 +395,7 @@ def test_reload_from_the_config_file(
     assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
     assert len(first.requests) == 1 and len(second.requests) == 1
     config.write_text("decoder: []\n")
-    reply = httpx.post(f"{url}/workers/reload", timeout=30)
+    reply = httpx.post(f"{url}/workers/reload", timeout=30, headers=ADMIN)
     assert reply.status_code == 400 and "decoder" in reply.json()["error"]["message"]
     # A bad file changes nothing: never a partial view.
     workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import psutil
 import pytest
-from live_server import LiveServer, free_port, start_server, stop_server
+from live_server import TEST_SECRET, LiveServer, free_port, start_server, stop_server
 from router_helpers import metric
 
 from tandem.router.config import Timeouts, WorkerSpec
@@ -30,12 +30,13 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Live
     logs = tmp_path_factory.mktemp("pd-faults")
     started: dict[str, LiveServer] = {}
     try:
-        started["prefill"] = start_server(logs / "prefill.log", "--role", "prefill", *WORKER_ARGS)
+        started["prefill"] = start_server(logs / "prefill.log", "--role", "prefill", *WORKER_ARGS,
+                                          secret=TEST_SECRET)
         # Its leases end almost at once: a decode worker's pull comes too late and is refused.
         started["short_lease"] = start_server(logs / "short.log", "--role", "prefill", *WORKER_ARGS,
-                                              "--kv-transfer-hold-timeout", "0.001")
+                                              "--kv-transfer-hold-timeout", "0.001", secret=TEST_SECRET)
         started["decode"] = start_server(logs / "decode.log", "--role", "decode", *WORKER_ARGS,
-                                         "--kv-transfer-fetch-timeout", "3")
+                                         "--kv-transfer-fetch-timeout", "3", secret=TEST_SECRET)
         yield started
     finally:
         for server in started.values():

@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI, Request
 from router_helpers import FakeWorker, ThreadServer, metric, wait_for
 
-from tandem.kvcache.block_hash import block_hashes
+from tandem.kvcache.block_hash import block_hashes, salted_root
 from tandem.router.config import PolicyConfig, WorkerSpec
 
 ROOT = 987654321
@@ -75,7 +75,8 @@ class KvWorker:
         async def chat(request: Request) -> dict[str, Any]:
             body = await request.json()
             self.served.append(body)
-            chain = block_hashes(self.tokens(body), BLOCK, ROOT)
+            salt = body.get("cache_salt")  # as a real worker: the salt roots the request's chain
+            chain = block_hashes(self.tokens(body), BLOCK, ROOT, parent_hash=salted_root(ROOT, salt))
             hits = next((i for i, h in enumerate(chain) if h not in self.blocks), len(chain))
             new = [h for h in chain if h not in self.blocks]
             if new:
@@ -174,6 +175,34 @@ def test_kv_aware_sends_the_next_turn_where_its_prefix_is_cached(
     # ...each predicted to hit the >= 200 cached tokens its worker then reported.
     assert metric(metrics, "tandem_router_kv_predicted_hit_blocks_total") >= 4 * 200 // BLOCK
     assert sum(w.tokenized for w, _ in workers) >= 4
+
+
+def test_kv_aware_predicts_a_hit_only_under_the_requests_own_salt(
+    kv_workers: Callable[[int], list[tuple[KvWorker, str]]], start_router: Callable[..., str]
+) -> None:
+    """The router's KV index must salt a request's chain as the workers do: a prompt cached
+    under one tenant's salt is no predicted hit for another's (it would send their requests to
+    the first tenant's worker, and its metrics would claim hits that never happen)."""
+    workers = kv_workers(2)
+    router = start_router([WorkerSpec(url, "both") for _, url in workers])
+    system = {"role": "system", "content": "Salted conversation. " + "Be brief. " * 20}
+    turn = [system, {"role": "user", "content": "First question?"}]
+
+    def predicted() -> float:
+        return metric(httpx.get(f"{router}/metrics", timeout=10).text, "tandem_router_kv_predicted_hit_blocks_total")
+
+    first = _chat(router, turn, cache_salt="tenant-a")
+    served_by = first["choices"][0]["message"]["content"].split()[-1]
+    url = next(u for w, u in workers if w.name == served_by)
+    assert wait_for(lambda: _cached_blocks(router, url) >= 50, timeout=5)
+    before = predicted()
+    other = _chat(router, turn, cache_salt="tenant-b")
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert predicted() == before  # no hit predicted under another salt
+    again = _chat(router, turn, cache_salt="tenant-a")
+    assert again["choices"][0]["message"]["content"] == f"from {served_by}"
+    assert predicted() >= before + 50  # the owner's salt: the hit is predicted, and real
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 200
 
 
 @pytest.mark.parametrize(

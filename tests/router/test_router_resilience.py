@@ -6,11 +6,13 @@ import time
 from collections.abc import Callable
 
 import httpx
+from live_server import TEST_SECRET
 from router_helpers import FakeWorker, metric
 
 from tandem.router.config import BreakerPolicy, PolicyConfig, RetryPolicy, WorkerSpec
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
+ADMIN = {"Authorization": f"Bearer {TEST_SECRET}"}  # the router fixture's cluster secret opens its control plane
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}
 FULL = "Hello there, friend."
 ROUND_ROBIN = PolicyConfig(name="round_robin")
@@ -128,17 +130,19 @@ def test_draining_a_worker_sends_it_nothing_new_until_it_resumes(
     b, b_url = fake_workers("b")
     url = start_router([WorkerSpec(a_url, "both"), WorkerSpec(b_url, "both")], policy=ROUND_ROBIN)
     worker_id = a_url.split("://")[1]
-    drained = httpx.post(f"{url}/workers/{worker_id}/drain", timeout=10).json()
+    # The control plane needs the admin key (here the cluster secret: no --admin-key given).
+    assert httpx.post(f"{url}/workers/{worker_id}/drain", timeout=10).status_code == 401
+    drained = httpx.post(f"{url}/workers/{worker_id}/drain", timeout=10, headers=ADMIN).json()
     assert drained["draining"] is True and drained["id"] == worker_id
     before = len(a.requests)
     for _ in range(4):
         assert _chat(url).status_code == 200
     assert len(a.requests) == before and len(b.requests) >= 4
-    assert httpx.post(f"{url}/workers/{worker_id}/resume", timeout=10).json()["draining"] is False
+    assert httpx.post(f"{url}/workers/{worker_id}/resume", timeout=10, headers=ADMIN).json()["draining"] is False
     for _ in range(4):
         assert _chat(url).status_code == 200
     assert len(a.requests) > before
-    missing = httpx.post(f"{url}/workers/nowhere:1/drain", timeout=10)
+    missing = httpx.post(f"{url}/workers/nowhere:1/drain", timeout=10, headers=ADMIN)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "worker_not_found"
 
 

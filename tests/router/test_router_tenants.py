@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from router_helpers import MODEL_TIMEOUTS
 
 from tandem.router.accounting.keys_store import KeyLimits, new_key, write_store
 from tandem.router.config import AccountingConfig, WorkerSpec
@@ -33,8 +34,8 @@ def test_one_tenants_prompt_is_no_cache_hit_for_another(
     keys = tmp_path / "keys.json"
     write_store(keys, [a, b])
     worker = [WorkerSpec(tandem_server, "both")]
-    isolated = start_router(worker, accounting=AccountingConfig(api_keys_file=keys))
-    shared = start_router(worker, accounting=AccountingConfig(api_keys_file=keys),
+    isolated = start_router(worker, accounting=AccountingConfig(api_keys_file=keys), timeouts=MODEL_TIMEOUTS)
+    shared = start_router(worker, accounting=AccountingConfig(api_keys_file=keys), timeouts=MODEL_TIMEOUTS,
                           shared_prefix_cache=True)
     prompt = f"Secret {uuid.uuid4().hex}: " + "the quarterly numbers look very good. " * 6
     assert _cached(isolated, alice, prompt) == 0

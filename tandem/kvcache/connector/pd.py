@@ -36,7 +36,7 @@ from tandem.kvcache.connector.base import (
     KVConnectorScheduler,
     KVConnectorWorker,
 )
-from tandem.kvcache.transfer.base import KVLayout, KVTransferError, KVTransferHandle
+from tandem.kvcache.transfer.base import KVTransferError, KVTransferHandle
 from tandem.types import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
     # --- decode side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool] | None:
         params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or not params.get("transfer_id") or not self.config.fetches_kv:
+        if (not params.get("do_remote_prefill") or not params.get("transfer_id") or not self.config.fetches_kv
+                or not self.config.secret):
             return 0, False
         decision = self._decided.get(request.request_id)
         if decision is None:
@@ -239,10 +240,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._holds.add(lease_id)
         self._meta.holds.append(HoldSpec(lease_id, block_ids[:num_full], hashes, timeout))
         source = self._source
-        handle = KVTransferHandle(lease_id, source["host"], source["port"], list(hashes),
-                                  KVLayout(**source["layout"]), source.get("shm_path"),
-                                  source.get("shm_num_blocks", 0), timeout,
-                                  extra={"block_ids": block_ids[:num_full]} if source.get("shm_path") else {})
+        handle = KVTransferHandle(lease_id, source["host"], source["port"], list(hashes), timeout)
         return HoldDecision(num_full, lease_id, handle.to_json())
 
     def release(self, hold_id: str) -> None:
@@ -288,13 +286,15 @@ class PDConnectorWorker(KVConnectorWorker):
 
         self.rank = kv.rank
         info: dict[str, Any] = {}
+        secret = self.config.secret
+        if secret is None:
+            return info  # no cluster secret, no handoff: nothing listens, nothing is fetched
         if self.config.serves_kv and kv.rank == 0:
-            self.source = KVSource(kv.read_blocks, kv.layout, self.config.host, self.config.port,
-                                   kv.shm_path, kv.num_blocks, secret=self.config.secret)
-            info = {"host": self.source.host, "port": self.source.port, "shm_path": kv.shm_path,
-                    "shm_num_blocks": kv.num_blocks, "layout": asdict(kv.layout)}
+            self.source = KVSource(kv.read_blocks, kv.layout, secret, self.config.host, self.config.port,
+                                   kv.shm_path, kv.num_blocks)
+            info = {"host": self.source.host, "port": self.source.port}
         if self.config.fetches_kv:
-            self.sink = KVSink(kv.write_blocks, self.config.fetch_timeout, secret=self.config.secret)
+            self.sink = KVSink(kv.write_blocks, kv.layout, secret, self.config.fetch_timeout)
         return info
 
     def start_load_kv(self, metadata: Any) -> None:

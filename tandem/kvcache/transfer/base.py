@@ -2,7 +2,7 @@
 
 Design: **the decode worker pulls.** The prefill worker computes the prompt, keeps the
 prompt's full KV blocks referenced under a lease (an id and an expiry), and returns a handle
-(where to fetch, which blocks, their hashes, the lease id as `transfer_id`). The decode
+(the source's KV port, the blocks' hashes, the lease id as `transfer_id`). The decode
 worker fetches only the blocks it does not already hold (it checks each block hash against
 its own prefix cache first), writes them into blocks of its own, then tells the prefill
 worker to release. A fetch after the lease ended (released or expired) is refused, and a
@@ -17,15 +17,17 @@ blocks), and a decode worker whose fetch fails, times out or fails its checksum 
 the prompt itself. Only full blocks travel; the partial last block (< block_size tokens)
 and the first generated token are recomputed by the decode worker, a few tokens at most.
 
-Transports (`KVTransport`): `tcp` (any two hosts: framed ZMQ messages with a header —
-transfer id, block hashes, layout, dtype, shape — and an xxh64 checksum per message) and
-`shm` (same host: the decode worker maps the prefill worker's KV cache file in /dev/shm and
-copies the blocks directly). GPU transports (CUDA IPC, NCCL) would slot in as more.
+Transports (`KVTransport`), both over the source's KV port (wire.py: frames whose header is
+signed with the cluster secret, both ways, and whose body size the header declares): `tcp`
+(any two hosts: the blocks travel in the reply, with their hashes, layout, shape and an
+xxh3-128 digest) and `shm` (same host: the source answers with where the lease's blocks lie
+in its KV cache file under /dev/shm, and the decode worker copies them out directly, then
+confirms the lease still lived). GPU transports (CUDA IPC, NCCL) would slot in as more.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # the scheduler side builds handles and layouts without torch
@@ -58,36 +60,58 @@ class KVLayout:
         return getattr(torch, self.dtype)
 
 
+_MAX_TRANSFER_ID = 128
+_MAX_HANDLE_BLOCKS = 1 << 20
+
+
 @dataclass
 class KVTransferHandle:
-    """What a prefill worker returns and a decode worker needs to fetch the prompt's KV."""
+    """What a prefill worker returns and a decode worker needs to fetch the prompt's KV.
 
-    transfer_id: str
-    host: str
+    It names a lease and the source that holds it, never where the blocks live: the source
+    maps the lease to its own block ids and shared-memory file when asked (source.py), so a
+    handle, which travels through the router, cannot point a reader at anything else.
+    """
+
+    transfer_id: str  # the lease id
+    host: str  # the source's KV port
     port: int
     block_hashes: list[int]  # of the prompt's full blocks, in order
-    layout: KVLayout
-    shm_path: str | None = None  # set when the source's cache is a shared-memory file
-    shm_num_blocks: int = 0  # blocks in that file (its shape)
     expires_in: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_hashes)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> KVTransferHandle:
-        try:
-            values = dict(data)
-            values["layout"] = KVLayout(**values["layout"])
-            known = set(cls.__dataclass_fields__)
-            return cls(**{k: v for k, v in values.items() if k in known})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise KVTransferError(f"malformed KV transfer handle: {exc}") from exc
+        """A handle from JSON, every field type- and range-checked (KVTransferError if not)."""
+        def bad(why: str) -> KVTransferError:
+            return KVTransferError(f"malformed KV transfer handle: {why}")
+
+        if not isinstance(data, dict):
+            raise bad("not an object")
+        transfer_id, host, port = data.get("transfer_id"), data.get("host"), data.get("port")
+        hashes, expires = data.get("block_hashes"), data.get("expires_in", 0.0)
+        if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= _MAX_TRANSFER_ID:
+            raise bad("transfer_id must be a string of 1 to 128 characters")
+        if not isinstance(host, str) or not 0 < len(host) <= 255:
+            raise bad("host must be a host name or address")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise bad("port must be in [1, 65535]")
+        if (not isinstance(hashes, list) or len(hashes) > _MAX_HANDLE_BLOCKS
+                or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in hashes)):
+            raise bad("block_hashes must be a list of 64-bit block hashes")
+        if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not 0 <= expires < 1e9:
+            raise bad("expires_in must be a number of seconds")
+        return cls(transfer_id, host, port, list(hashes), float(expires))
 
 
 class KVTransport(Protocol):

@@ -1,7 +1,7 @@
 """The decode side: fetch a prompt's missing blocks in a background thread.
 
 The scheduler allocated destination blocks and the request waits in WAITING_FOR_REMOTE_KV.
-This thread fetches the data (shared memory when the source's file is reachable, else TCP)
+This thread fetches the data (shared memory when the source's file is on this host, else TCP)
 and writes it into those blocks, which nothing else reads or writes until the load is
 reported. A load cancelled meanwhile (the request was aborted, or the scheduler gave up on
 it) never writes after `cancel` returned: the write and the cancel take the same lock, so
@@ -17,14 +17,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from tandem.kvcache.transfer import tcp
-from tandem.kvcache.transfer.base import KVTransferError, KVTransferHandle
+from tandem.kvcache.transfer.base import KVLayout, KVTransferError, KVTransferHandle
 from tandem.kvcache.transfer.shm import ShmTransport
 from tandem.kvcache.transfer.tcp import TcpTransport
+from tandem.kvcache.transfer.wire import FrameKey
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,15 @@ class PullResult:
 
 
 class KVSink:
-    def __init__(self, write_blocks: Callable[[list[int], torch.Tensor], None], fetch_timeout: float = 10.0,
-                 use_shm: bool = True, secret: str | None = None) -> None:
+    def __init__(self, write_blocks: Callable[[list[int], torch.Tensor], None], layout: KVLayout, secret: str,
+                 fetch_timeout: float = 10.0, use_shm: bool = True) -> None:
+        if not secret:
+            raise ValueError("a KV sink needs the cluster secret: it adopts only blocks its peers sign")
         self.write_blocks = write_blocks
         self.fetch_timeout = fetch_timeout
-        self.secret = secret
-        self.shm = ShmTransport(secret) if use_shm else None
-        self.tcp = TcpTransport(secret)
+        self.key = FrameKey(secret)
+        self.shm = ShmTransport(self.key, layout) if use_shm else None
+        self.tcp = TcpTransport(self.key, layout)
         self._jobs: queue.Queue[PullJob | None] = queue.Queue()
         self._releases: queue.Queue[KVTransferHandle | None] = queue.Queue()
         self._results: queue.Queue[PullResult] = queue.Queue()
@@ -122,11 +124,13 @@ class KVSink:
     def _fetch(self, job: PullJob, result: PullResult) -> torch.Tensor | None:
         if not job.indices:
             return None
-        use_shm = self.shm is not None and self.shm.available(job.handle)
-        transport: Any = self.shm if use_shm else self.tcp
-        result.transport = transport.name
-        data = transport.fetch(job.handle, job.indices, self.fetch_timeout)
-        expected = job.handle.layout.block_shape(len(job.indices))
+        if self.shm is not None:
+            data = self.shm.fetch(job.handle, job.indices, self.fetch_timeout)
+            result.transport = self.shm.last_transport
+        else:
+            data = self.tcp.fetch(job.handle, job.indices, self.fetch_timeout)
+            result.transport = self.tcp.name
+        expected = self.tcp.layout.block_shape(len(job.indices))
         if tuple(data.shape) != expected:
             raise KVTransferError(f"fetched shape {tuple(data.shape)}, expected {expected}")
         return data
@@ -137,6 +141,6 @@ class KVSink:
             if handle is None:
                 return
             try:
-                tcp.release(handle, timeout=min(5.0, self.fetch_timeout), secret=self.secret)
+                tcp.release(handle, self.key, timeout=min(5.0, self.fetch_timeout))
             except Exception as exc:
                 logger.debug("release of %s failed (it will expire): %s", handle.transfer_id, exc)

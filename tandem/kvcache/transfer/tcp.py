@@ -1,70 +1,117 @@
-"""Fetching blocks over TCP (ZMQ DEALER → the source's ROUTER): works between any two hosts."""
+"""Requests to a source's KV port (wire.py frames over TCP): works between any two hosts.
+
+Every request is signed and stamped; every reply must be signed by the same secret and name
+the request's nonce, so a decode worker only ever adopts blocks from a peer that proved it
+is one of its cluster's workers. A reply's body is read straight into the tensor it becomes,
+after its size was checked against the blocks asked for.
+"""
 
 from __future__ import annotations
 
-import json
+import math
+import secrets
+import socket
+import time
+from typing import Any
 
-import numpy as np
 import torch
-import xxhash
-import zmq
 
-from tandem.kvcache.transfer.auth import sign
-from tandem.kvcache.transfer.base import KVTransferError, KVTransferHandle
+from tandem.kvcache.transfer.base import KVLayout, KVTransferError, KVTransferHandle
+from tandem.kvcache.transfer.wire import (
+    CHECK,
+    ERR,
+    FETCH,
+    OK,
+    RELEASE,
+    BodyPlace,
+    Frame,
+    FrameError,
+    FrameKey,
+    digest,
+    no_body,
+    recv_frame,
+    send_frame,
+)
 
 
-def _request(handle: KVTransferHandle, frames: list[bytes], timeout: float,
-             secret: str | None = None) -> list[bytes]:
-    frames = sign(secret, frames)
-    context = zmq.Context.instance()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
+def request(handle: KVTransferHandle, key: FrameKey, kind: int, fields: dict[str, Any], timeout: float,
+            place: BodyPlace = no_body) -> Frame:
+    """One request to the handle's source and its OK reply (KVTransferError otherwise)."""
+    nonce = secrets.token_hex(16)
+    where = f"tcp://{handle.host}:{handle.port}"
     try:
-        socket.connect(f"tcp://{handle.host}:{handle.port}")
-        socket.send_multipart(frames)
-        if not socket.poll(int(timeout * 1000)):
-            raise KVTransferError(f"no answer from tcp://{handle.host}:{handle.port} in {timeout:.0f} s")
-        reply = socket.recv_multipart()
-    finally:
-        socket.close(0)
-    if not reply or reply[0] != b"OK":
-        message = json.loads(reply[1]).get("message", "?") if len(reply) > 1 else "empty reply"
-        raise KVTransferError(f"KV source refused: {message}")
+        with socket.create_connection(handle.address, timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_frame(sock, key, kind, {**fields, "ts": time.time(), "nonce": nonce})
+            reply = recv_frame(sock, key, place)
+    except TimeoutError:
+        raise KVTransferError(f"no answer from {where} in {timeout:.0f} s") from None
+    except FrameError as exc:
+        raise KVTransferError(f"bad reply from {where}: {exc}") from None
+    except (OSError, EOFError) as exc:
+        raise KVTransferError(f"cannot reach the KV source at {where}: {exc}") from None
+    if reply.header.get("re") != nonce:
+        raise KVTransferError(f"{where} answered another request")
+    if reply.kind == ERR:
+        raise KVTransferError(f"KV source refused: {reply.header.get('message', '?')}")
+    if reply.kind != OK:
+        raise KVTransferError(f"{where} sent a reply of unknown kind {reply.kind}")
     return reply
 
 
-def release(handle: KVTransferHandle, timeout: float = 5.0, secret: str | None = None) -> None:
+def release(handle: KVTransferHandle, key: FrameKey, timeout: float = 5.0) -> None:
     """Tell the source it may free the blocks (every transport releases this way)."""
-    _request(handle, [b"RELEASE", json.dumps({"transfer_id": handle.transfer_id}).encode()], timeout,
-             secret)
+    request(handle, key, RELEASE, {"transfer_id": handle.transfer_id}, timeout)
 
 
-def check(handle: KVTransferHandle, timeout: float = 5.0, secret: str | None = None) -> None:
+def check(handle: KVTransferHandle, key: FrameKey, timeout: float = 5.0) -> None:
     """Raise KVTransferError unless the handle's lease still lives at the source."""
-    _request(handle, [b"CHECK", json.dumps({"transfer_id": handle.transfer_id}).encode()], timeout,
-             secret)
+    request(handle, key, CHECK, {"transfer_id": handle.transfer_id}, timeout)
+
+
+def expect_blocks(handle: KVTransferHandle, reply: dict[str, Any], indices: list[int], layout: KVLayout) -> None:
+    """The reply describes the blocks asked for, with this reader's layout (KVTransferError if not)."""
+    if reply.get("layout") != layout.__dict__:
+        raise KVTransferError(f"layout mismatch: the source has {reply.get('layout')}, this worker {layout.__dict__}")
+    if reply.get("block_hashes") != [handle.block_hashes[i] for i in indices]:
+        raise KVTransferError("the source sent blocks for other hashes")
+
+
+class BlockReceiver:
+    """Where a FETCH reply's body goes: a buffer exactly the size of the blocks asked for."""
+
+    def __init__(self, layout: KVLayout, count: int) -> None:
+        self.layout = layout
+        self.shape = layout.block_shape(count)
+        self.nbytes = math.prod(self.shape) * torch.empty((), dtype=layout.torch_dtype).element_size()
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+
+    def __call__(self, kind: int, header: dict[str, Any], length: int) -> memoryview:
+        if kind != OK or length != self.nbytes or header.get("shape") != list(self.shape):
+            raise FrameError(f"a {length}-byte body of shape {header.get('shape')}, expected {self.nbytes} "
+                             f"bytes of shape {list(self.shape)}")
+        return memoryview(self.buffer.numpy())
+
+    def blocks(self, handle: KVTransferHandle, reply: Frame, indices: list[int]) -> torch.Tensor:
+        """The received blocks, once the reply's hashes, layout and digest check out."""
+        expect_blocks(handle, reply.header, indices, self.layout)
+        if reply.body is None and self.nbytes:
+            raise KVTransferError("the source sent no blocks")
+        if reply.body is not None and digest(reply.body) != reply.header.get("digest"):
+            raise KVTransferError(f"checksum mismatch on transfer {handle.transfer_id}")
+        return self.buffer.view(self.layout.torch_dtype).reshape(self.shape)
 
 
 class TcpTransport:
     name = "tcp"
 
-    def __init__(self, secret: str | None = None) -> None:
-        self.secret = secret  # the cluster secret the sources want (auth.py)
+    def __init__(self, key: FrameKey, layout: KVLayout) -> None:
+        self.key = key  # the cluster secret's KV key (wire.py)
+        self.layout = layout  # this worker's cache geometry: what fetched blocks must have
 
     def fetch(self, handle: KVTransferHandle, indices: list[int], timeout: float) -> torch.Tensor:
-        body = json.dumps({"transfer_id": handle.transfer_id, "indices": indices}).encode()
-        reply = _request(handle, [b"FETCH", body], timeout, self.secret)
-        if len(reply) != 3:
-            raise KVTransferError("malformed FETCH reply")
-        header, payload = json.loads(reply[1]), reply[2]
-        if xxhash.xxh64_hexdigest(payload) != header.get("checksum"):
-            raise KVTransferError(f"checksum mismatch on transfer {handle.transfer_id}")
-        layout = handle.layout
-        expected = list(layout.block_shape(len(indices)))
-        if header.get("shape") != expected or header.get("layout") != layout.__dict__:
-            raise KVTransferError(f"layout mismatch: got {header.get('shape')}, expected {expected}")
-        if header.get("block_hashes") != [handle.block_hashes[i] for i in indices]:
-            raise KVTransferError("the source sent blocks for other hashes")
-        dtype = torch.empty((), dtype=layout.torch_dtype).numpy().dtype
-        array = np.frombuffer(payload, dtype=dtype).reshape(expected)
-        return torch.from_numpy(array.copy())
+        receiver = BlockReceiver(self.layout, len(indices))
+        fields = {"transfer_id": handle.transfer_id, "indices": indices}
+        reply = request(handle, self.key, FETCH, fields, timeout, receiver)
+        return receiver.blocks(handle, reply, indices)

@@ -6,8 +6,9 @@ pool is gone; each pool's total / up / available workers), GET /workers,
 POST /workers/reload (re-reads --config; SIGHUP does the same), POST /workers/{id}/drain and
 /resume (rolling restarts; the id is the worker's host:port), GET /metrics, GET /v1/usage
 (totals from the usage ledger, accounting/usage_api.py), GET /dashboard (a live page over
-those, dashboard.html). With --api-keys, /v1/* needs a key
-(accounting/auth.py).
+those, dashboard.html). With --api-keys, /v1/* needs a key (accounting/auth.py); the control
+endpoints need the admin key, and the views do once keys are on (`router_access_policy`,
+tandem/trust/access.py).
 
 Everything stateful (the httpx client, the worker registry, the health monitor, metrics) is
 built in the lifespan and hung on `app.state`: no module-level state, so tests can run
@@ -60,6 +61,7 @@ from tandem.router.placement.tokenize import RemoteTokenizer
 from tandem.router.workers.discovery import DnsDiscovery
 from tandem.router.workers.health import HealthMonitor
 from tandem.router.workers.registry import WorkerRegistry
+from tandem.trust.access import AccessMiddleware, AccessPolicy, Level
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ class RouterState:
 
 
 def build_state(config: RouterConfig, keys: ApiKeys | KeyFile | None = None) -> RouterState:
-    client = make_client(config.timeouts)
+    client = make_client(config.timeouts, config.cluster_secret)
     registry = WorkerRegistry(all_worker_specs(config), config.health, config.breaker)
     monitor = HealthMonitor(registry, client, config.health, config.scoring)
     metrics = RouterMetrics(lambda: registry.workers)
@@ -204,6 +206,7 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
             await asyncio.to_thread(state.proxy.accounting.close)
 
     app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(AccessMiddleware, policy=router_access_policy(config))
     app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(RequestLimitMiddleware, limits=config.limits)  # outermost: before keys
     app.add_exception_handler(APIError, api_error_handler)
@@ -310,6 +313,35 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
 
     document_request_bodies(app)
     return app
+
+
+_OBSERVE_PATHS = frozenset({"/metrics", "/workers", "/openapi.json"})
+
+
+def router_level(method: str, path: str) -> Level:
+    """Each endpoint's access level (tandem/trust/access.py). /v1/* is PUBLIC here because the
+    API-key middleware (accounting/auth.py) guards it; so is /dashboard, a page that holds no
+    data: a browser cannot send a key to open it, and what it shows comes from /metrics and
+    /workers, for which the page asks the admin key when they are closed."""
+    if method == "POST" and path.startswith("/workers/"):
+        return Level.ADMIN  # reload, drain, resume
+    if path in _OBSERVE_PATHS:
+        return Level.OBSERVE
+    return Level.PUBLIC
+
+
+def router_access_policy(config: RouterConfig) -> AccessPolicy:
+    """The control plane opens to the admin key (else the cluster secret); views close once
+    API keys or an admin key are on, unless --public-metrics; with nothing configured (a dev
+    router on a laptop), everything is open."""
+    keys_on = config.accounting.api_keys_file is not None or config.admin_key is not None
+    admin = config.admin_key or config.cluster_secret
+    return AccessPolicy(
+        level_of=router_level,
+        admin_tokens=(admin,) if admin else (),
+        observe_open=config.public_metrics or not keys_on,
+        admin_open=not keys_on and config.cluster_secret is None,
+    )
 
 
 def _pools(state: RouterState) -> dict[str, dict[str, int]]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -64,6 +64,7 @@ from tandem.router.placement.policies import PromptRoute
 from tandem.router.placement.prompt_tokens import PromptCounter
 from tandem.router.resilience.admission import AdmissionQueue
 from tandem.router.workers.registry import DispatchKind, Worker, WorkerRegistry
+from tandem.trust.fields import TenantSalts, strip_internal
 
 logger = logging.getLogger(__name__)
 
@@ -163,16 +164,26 @@ class Proxy:
         self._background: set[asyncio.Task[None]] = set()
         self.admission = AdmissionQueue(config.admission)
         self.drain = Drain(config.shutdown_timeout_s)
+        # Without the cluster secret the salts are this process's own: unguessable still, but
+        # a restart or a second router starts every tenant's cache cold.
+        self.tenant_salts = TenantSalts(config.cluster_secret or secrets.token_hex(32))
+        if config.cluster_secret is None:
+            if config.migration_limit:
+                logger.info("mid-stream migration is off: it hands a stream's tokens to the next worker "
+                            "in a signed request, and this router has no --cluster-secret")
+            if config.accounting.api_keys_file is not None and not config.shared_prefix_cache:
+                logger.warning("tenant cache salts come from a key of this process (no --cluster-secret): "
+                               "after a restart, or on another router, tenants start with a cold cache")
 
     # --- entry -----------------------------------------------------------------------
     async def serve(self, kind: Kind, path: str, request: Request) -> Response:
         if self.drain.draining:
             return self.drain.refusal("this router").response()
         received = time.monotonic()
-        body = await _json_body(request)
+        body = strip_internal(await _json_body(request))  # internal fields are set here, never by a client
         check_shape(body, self.config.limits)
         if self.config.accounting.api_keys_file is not None and not self.config.shared_prefix_cache:
-            body = tenant_salted(body, caller_of(request))
+            body = self.tenant_salts.salted(body, caller_of(request))
         model = body.get("model")
         call = Call(
             kind,
@@ -195,7 +206,7 @@ class Proxy:
                 kind,
                 call.prompt_tokens,
                 self.config.pd_min_prompt_tokens,
-                have_prefill=bool(self.registry.pool(PREFILL_ROLES)),
+                have_prefill=self._can_split(),
             )
             call.reason = decision.reason
             if decision.pd:
@@ -217,6 +228,19 @@ class Proxy:
         if not isinstance(response, StreamingResponse):
             self._finish(call)
         return response
+
+    def _can_split(self) -> bool:
+        """A prefill/decode split needs a prefill worker, and the cluster secret to sign the
+        decode hop's handoff fields (tandem/trust): without it, requests are served whole."""
+        if not self.registry.pool(PREFILL_ROLES):
+            return False
+        if self.config.cluster_secret is None:
+            if "secret" not in self._warned_no_pd:
+                self._warned_no_pd.add("secret")
+                logger.warning("prefill workers are configured but this router has no --cluster-secret: "
+                               "requests are served whole on decode workers")
+            return False
+        return True
 
     async def _admit(self, call: Call, request: Request) -> None:
         """The caller's rate limits and quota, then a slot in the router's bounded queue."""
@@ -598,6 +622,7 @@ class Proxy:
         return (
             call.stream
             and self.config.migration_limit > 0
+            and self.config.cluster_secret is not None  # the resumed request carries internal fields
             and can_migrate(call.body, call.kind)
         )
 
@@ -783,23 +808,14 @@ class _SSE(StreamingResponse):
                 await self._cleanup()
 
 
-def tenant_salted(body: dict[str, Any], identity: str) -> dict[str, Any]:
-    """The body with the tenant's own `cache_salt` (the client's salt kept inside it).
-
-    Workers salt a request's KV block hashes with it, so one tenant's requests never hit
-    blocks another tenant's prompts left in any cache tier: a shared prefix cache answers a
-    prompt another tenant sent faster, and that time difference leaks the prompt (prefix
-    caching's published timing side channel). One tenant is one identity, so keys rotated
-    under an identity keep its cache."""
-    tenant = "tenant-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
-    own = body.get("cache_salt")
-    salt = f"{tenant}:{own}" if isinstance(own, str) and own else tenant
-    return {**body, "cache_salt": salt}
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body())
+        # NaN and Infinity are not JSON (Python's json reads them; a worker then would not).
+        body = json.loads(await request.body(), parse_constant=_no_constant)
     except ValueError as exc:
         raise APIError(
             400, f"the request body is not valid JSON: {exc}", code="invalid_json"

@@ -29,6 +29,7 @@ import httpx
 from tandem.router.config import RetryPolicy, Timeouts
 from tandem.router.resilience.retry_budget import RetryBudget
 from tandem.router.workers.registry import DispatchKind, Worker
+from tandem.trust.peer import PeerAuth
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +72,14 @@ class StreamBroken(Exception):
     """The worker's stream stopped without `[DONE]`: dropped, reset or idle too long."""
 
 
-def make_client(timeouts: Timeouts) -> httpx.AsyncClient:
+def make_client(timeouts: Timeouts, secret: str | None = None) -> httpx.AsyncClient:
     """One shared client. No connection cap (the default 100 would queue requests behind
     each other), keep-alive shorter than uvicorn's 5 s so a reused connection is never one
-    the worker is closing, and no proxies from the environment: workers are local."""
+    the worker is closing, and no proxies from the environment: workers are local. With the
+    cluster secret, every request it sends is signed (tandem/trust/peer.py): hops, health and
+    load polls, KV events, tokenize hops and lease releases alike."""
     return httpx.AsyncClient(
+        auth=PeerAuth(secret) if secret else None,
         timeout=httpx.Timeout(
             connect=timeouts.connect_s, read=None, write=timeouts.idle_s, pool=None
         ),

@@ -15,8 +15,7 @@ from tandem.types import Request, RequestStatus, SamplingParams
 
 B = 4
 ROOT = root_hash("LlamaForCausalLM/float32/abc", "float32", B)
-LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "block_size": B, "head_dim": 8, "dtype": "float32"}
-SOURCE = {"host": "127.0.0.1", "port": 5555, "shm_path": None, "shm_num_blocks": 0, "layout": LAYOUT}
+SOURCE = {"host": "127.0.0.1", "port": 5555}  # what the worker side reports of its KV source
 PROMPT = list(range(100, 122))  # 22 tokens: 5 full blocks
 
 
@@ -31,17 +30,17 @@ def request(request_id: str, params: dict[str, Any] | None = None, prompt: list[
 def handle(num_blocks: int = 5, hashes: list[int] | None = None, transfer_id: str = "lease-1") -> dict[str, Any]:
     return {"do_remote_prefill": True, "transfer_id": transfer_id, "host": "127.0.0.1", "port": 5555,
             "block_hashes": hashes if hashes is not None else block_hashes(PROMPT, B, ROOT)[:num_blocks],
-            "layout": LAYOUT, "expires_in": 60.0}
+            "expires_in": 60.0}
 
 
 @pytest.fixture
 def decode() -> PDConnectorScheduler:
-    return PDConnectorScheduler(KVTransferConfig(connectors=("pd",), role="decode", fetch_timeout=2.0), B)
+    return PDConnectorScheduler(KVTransferConfig(connectors=("pd",), role="decode", fetch_timeout=2.0, secret="s"), B)
 
 
 @pytest.fixture
 def prefill() -> PDConnectorScheduler:
-    connector = PDConnectorScheduler(KVTransferConfig(connectors=("pd",), role="prefill", hold_timeout=30.0), B)
+    connector = PDConnectorScheduler(KVTransferConfig(connectors=("pd",), role="prefill", hold_timeout=30.0, secret="s"), B)
     connector.set_worker_info([SOURCE])
     return connector
 
@@ -170,3 +169,18 @@ def test_no_hold_when_aborted_or_without_a_source(prefill: PDConnectorScheduler,
     assert prefill.request_finished(req, list(range(6))).num_blocks == 0
     req.status = RequestStatus.FINISHED_LENGTH
     assert decode.request_finished(req, list(range(6))).num_blocks == 0  # --role decode serves none
+
+
+def test_without_the_cluster_secret_a_decode_worker_offers_nothing() -> None:
+    """No secret, no peers: a handle could only have come from someone who is not one."""
+    connector = PDConnectorScheduler(KVTransferConfig(connectors=("pd",), role="decode"), B)
+    assert connector.get_num_new_matched_tokens(request("r", handle()), 0) == (0, False)
+
+
+def test_a_held_prompt_is_handed_over_by_lease_and_source_only(prefill: PDConnectorScheduler) -> None:
+    """Block ids and the shared-memory file stay with the source: a handle cannot name them."""
+    req = request("p", {"do_remote_decode": True}, first_token=None)
+    req.status = RequestStatus.FINISHED_LENGTH
+    decision = prefill.request_finished(req, list(range(10, 15)))
+    assert set(decision.kv_transfer_params) == {"transfer_id", "host", "port", "block_hashes", "expires_in"}
+    assert meta(prefill).holds[0].block_ids == list(range(10, 15))

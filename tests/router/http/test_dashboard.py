@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 from collections.abc import Iterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import httpx
@@ -72,10 +73,16 @@ def _quantile(q: float, samples: list) -> float | None:
     return lower
 
 
-def _seconds(value: float | None) -> str:  # as the page writes them
+def _seconds(value: float | None) -> str:
+    """As the page writes them: JavaScript's toFixed rounds the double's exact value half up,
+    where Python's format rounds half to even (92.5 ms is "93 ms" on the page)."""
     if value is None:
         return "–"
-    return f"{round(value * 1000):.0f} ms" if value < 1 else f"{value:.2f} s"
+
+    def fixed(x: float, places: str) -> str:
+        return str(Decimal(x).quantize(Decimal(places), ROUND_HALF_UP))
+
+    return f"{fixed(value * 1000, '1')} ms" if value < 1 else f"{fixed(value, '0.01')} s"
 
 
 def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str, LiveServer, LiveServer],
@@ -124,3 +131,35 @@ def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         finally:
             browser.close()
+
+
+def test_with_keys_on_the_page_asks_for_the_admin_key(tandem_server_process: LiveServer, tmp_path: Path) -> None:
+    """/metrics and /workers close once a key is on: the page (which holds no data) asks for the
+    admin key, and reads them with it."""
+    from playwright.sync_api import sync_playwright
+
+    url, router = start_router(tmp_path / "route.log", "--worker", tandem_server_process.url,
+                               "--admin-key", "dash-admin-key")
+    try:
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch_persistent_context(
+                str(tmp_path / "profile"), executable_path=_chromium(), headless=True, args=CHROMIUM_FLAGS)
+            try:
+                page = browser.new_page()
+                page.goto(f"{url}/dashboard")
+                page.wait_for_selector("#key-form:not([hidden])", timeout=30_000)
+                assert (page.get_attribute("body", "data-polls") or "0") == "0"
+                page.fill("#key-input", "wrong")
+                page.click("#key-form button")
+                page.wait_for_selector("#key-form:not([hidden])", timeout=30_000)
+                page.fill("#key-input", "dash-admin-key")
+                page.click("#key-form button")
+                page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=30_000)
+                assert page.locator("#workers tr").count() == 1
+                assert page.is_hidden("#key-form")
+            finally:
+                browser.close()
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
