@@ -255,11 +255,23 @@ def test_a_stale_or_replayed_request_is_refused(source: KVSource) -> None:
     frames = []
     for stamp, nonce in ((time.time() - 600, "a" * 32), (time.time(), "b" * 32), (time.time(), "b" * 32)):
         with socket.create_connection((source.host, source.port), timeout=5) as sock:
-            send_frame(sock, KEY, CHECK, {"transfer_id": "lease-2", "ts": stamp, "nonce": nonce})
+            send_frame(sock, KEY, CHECK, {"transfer_id": "lease-2", "to": source.address, "ts": stamp,
+                                          "nonce": nonce})
             frames.append(recv_frame(sock, KEY))
     assert "stale" in frames[0].header["message"]
     assert frames[1].header == {"re": "b" * 32}  # OK
     assert "replayed" in frames[2].header["message"]
+
+
+def test_a_request_addressed_to_another_source_is_refused(source: KVSource) -> None:
+    """A peer's signed request that went to an attacker's address (a forged handle) cannot be
+    relayed to the real source: it names the address it was sent to."""
+    _held(source, [0], lease_id="lease-3")
+    with socket.create_connection((source.host, source.port), timeout=5) as sock:
+        send_frame(sock, KEY, CHECK, {"transfer_id": "lease-3", "to": "127.0.0.1:9", "ts": time.time(),
+                                      "nonce": "d" * 32})
+        reply = recv_frame(sock, KEY)
+    assert "addressed to" in reply.header["message"]
 
 
 class _AttackerSource:

@@ -7,7 +7,8 @@ finished (released or expired). Reads and expiry share one lock, so a lease neve
 middle of a read, and nothing is read after a lease ended: the blocks may belong to another
 request by then.
 
-Requests (each frame signed with the cluster secret and stamped; one reply each):
+Requests (each frame signed with the cluster secret, stamped, and addressed to this source as
+`to: host:port`, so that one sent elsewhere cannot be relayed here; one reply each):
     FETCH   {transfer_id, indices}            → OK {indices, block_hashes, layout, shape,
                                                      nbytes, digest} + the blocks' bytes
     FETCH   {transfer_id, indices, shm: true} → where this worker's KV cache file holds them
@@ -87,6 +88,7 @@ class KVSource:
         self._listener = socket.create_server((host, port), reuse_port=False)
         self._listener.settimeout(0.1)
         self.port = self._listener.getsockname()[1]
+        self.address = f"{host}:{self.port}"  # what a request must be addressed to (tcp.request's "to")
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="kv-source", daemon=True)
@@ -162,6 +164,10 @@ class KVSource:
                     self._reply_error(connection, None, str(exc))
                     return
                 nonce = frame.header.get("nonce")
+                if frame.header.get("to") != self.address:
+                    self._reply_error(connection, nonce, f"addressed to {frame.header.get('to')!r}, not this "
+                                                         f"source ({self.address})")
+                    return
                 stale = self._guard.check(frame.header.get("ts"), nonce)
                 if stale is not None:
                     self._reply_error(connection, nonce, stale)

@@ -43,7 +43,10 @@ def request(handle: KVTransferHandle, key: FrameKey, kind: int, fields: dict[str
         with socket.create_connection(handle.address, timeout=timeout) as sock:
             sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_frame(sock, key, kind, {**fields, "ts": time.time(), "nonce": nonce})
+            # Addressed to this source: a request that reached another (an address a forged
+            # handle named) cannot be relayed to the real one, which refuses it.
+            send_frame(sock, key, kind, {**fields, "to": f"{handle.host}:{handle.port}", "ts": time.time(),
+                                         "nonce": nonce})
             reply = recv_frame(sock, key, place)
     except TimeoutError:
         raise KVTransferError(f"no answer from {where} in {timeout:.0f} s") from None
