@@ -2,8 +2,10 @@
 
 With keys on, every request under /v1/ needs `Authorization: Bearer KEY` with a key from the
 file, else 401 in OpenAI's shape (code `invalid_api_key`); the key's identity names the caller
-in the usage ledger. /health, /metrics, /workers and /workers/reload stay open: they are for
-the operator's probes and dashboards, on a network the operator controls, and carry no prompts.
+in the usage ledger. The other endpoints are not this module's: /health is open, and the
+control plane and the views (/workers/*, /metrics, /workers) follow the router's access policy
+(tandem/trust/access.py, `router_access_policy` in http/app.py): they need the admin key, the
+views only once keys are on and unless --public-metrics.
 
 File formats: a JSON or YAML mapping `{"KEY": "IDENTITY", ...}` (by suffix; a file whose
 text starts with `{` is read as JSON), or text lines `KEY IDENTITY` (`#` comments and blank
