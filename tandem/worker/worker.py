@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -435,6 +436,7 @@ class Worker:
         assert self._model is not None and self._info is not None, "load_model first"
         config = self.config
         if config.kv_transfer.shared_memory and self.rank == 0 and self.device.type == "cpu":
+            remove_orphaned_kv_files()
             self.kv_shm_path = f"/dev/shm/tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
                                   config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
@@ -549,3 +551,32 @@ def _eos_token_ids(model_config: ModelConfig, hf_dir: Path) -> tuple[int, ...]:
         if eos is not None:
             ids.add(int(eos))
     return tuple(sorted(ids))
+
+
+_SHM_KV_FILE = re.compile(r"tandem-kv-(\d+)-[0-9a-f]{8}")
+
+
+def remove_orphaned_kv_files(directory: str = "/dev/shm") -> list[str]:
+    """Delete the shared-memory KV caches (`tandem-kv-<pid>-<hex>`, this module's own names)
+    whose worker process is gone: a worker killed with SIGKILL cannot remove its own, and each
+    holds a whole KV budget of memory. A live pid's file is left alone, whoever owns it."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SHM_KV_FILE.fullmatch(name)
+        if match is None or psutil.pid_exists(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        logger.info("removed %d shared-memory KV cache file(s) left by workers that died: %s", len(removed),
+                    ", ".join(removed))
+    return removed
