@@ -96,6 +96,21 @@ class _Refused(Exception):
         self.close = close  # the body was not read to its end: the connection cannot be reused
 
 
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands an app the body already read, whole, then goes on to `receive`
+    (a middleware that read the body to check it passes it on this way)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class RequestLimitMiddleware:
     """Plain ASGI: reads a request's body under the size and time limits, then replays it."""
 
@@ -123,16 +138,7 @@ class RequestLimitMiddleware:
             return
         except _ClientLeft:
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     async def _read(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.limits.max_body_bytes

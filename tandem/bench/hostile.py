@@ -43,11 +43,13 @@ class Attack:
 
 
 class Listener:
-    """An attacker-run KV source: it knows no secret, answers anything, counts contacts."""
+    """An attacker-run KV source: it knows no secret, answers anything with `reply` (the old
+    protocol's OK by default; a tests' forged frame), counts contacts. The tests use it too."""
 
-    def __init__(self) -> None:
+    def __init__(self, reply: bytes = b"OK" + b"\0" * 1024) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
+        self.reply = reply
         self.contacts = 0
         threading.Thread(target=self._run, daemon=True, name="attacker-listener").start()
 
@@ -59,9 +61,9 @@ class Listener:
                 return
             self.contacts += 1
             with contextlib.suppress(OSError), connection:
-                connection.settimeout(1)
+                connection.settimeout(2)
                 connection.recv(1 << 16)
-                connection.sendall(b"OK" + b"\0" * 1024)
+                connection.sendall(self.reply)
 
     def close(self) -> None:
         self.server.close()

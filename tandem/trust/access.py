@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.errors import error_body
+from tandem.http_limits import replaying
 from tandem.trust.keys import same_token
 from tandem.trust.peer import HEADER, PeerVerifier
 
@@ -139,16 +140,7 @@ async def _buffered(receive: Receive) -> tuple[bytes, Receive]:
         if not message.get("more_body", False):
             break
     body = b"".join(chunks)
-    replayed = False
-
-    async def replay() -> Message:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return body, replay
+    return body, replaying(body, receive)
 
 
 async def _deny(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str) -> None:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 import torch
 
+from tandem.bench.hostile import Listener
 from tandem.kvcache.transfer import KVLayout, KVTransferError, KVTransferHandle, tcp
 from tandem.kvcache.transfer.shm import ShmTransport
 from tandem.kvcache.transfer.sink import KVSink, PullJob
@@ -274,32 +275,6 @@ def test_a_request_addressed_to_another_source_is_refused(source: KVSource) -> N
     assert "addressed to" in reply.header["message"]
 
 
-class _AttackerSource:
-    """A listener an attacker runs: it does not know the cluster secret, so whatever it
-    answers (OK to a lease check, random blocks with a matching checksum) is unsigned."""
-
-    def __init__(self, reply: bytes) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.reply = reply
-        self.contacted = 0
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                connection, _ = self.server.accept()
-            except OSError:
-                return
-            self.contacted += 1
-            with connection:
-                connection.recv(65536)
-                connection.sendall(self.reply)
-
-    def close(self) -> None:
-        self.server.close()
-
-
 def test_a_reader_adopts_nothing_from_a_listener_without_the_secret() -> None:
     """The attack: a handle pointing at an attacker's listener that answers the lease check with
     OK and FETCH with random blocks. Its frames carry no valid MAC, so nothing is accepted."""
@@ -314,14 +289,14 @@ def test_a_reader_adopts_nothing_from_a_listener_without_the_secret() -> None:
         a.close()
         reply = b.recv(1 << 20)
         b.close()
-        attacker = _AttackerSource(reply)
+        attacker = Listener(reply)
         try:
             handle = KVTransferHandle("victim-lease", "127.0.0.1", attacker.port, [100])
             with pytest.raises(KVTransferError, match="cluster secret|bad reply"):
                 TcpTransport(KEY, LAYOUT).fetch(handle, [0], timeout=5)
             with pytest.raises(KVTransferError):
                 tcp.check(handle, KEY, timeout=5)
-            assert attacker.contacted == 2
+            assert attacker.contacts == 2
         finally:
             attacker.close()
 

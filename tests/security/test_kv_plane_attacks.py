@@ -20,7 +20,6 @@ import json
 import signal
 import socket
 import struct
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ import psutil
 import pytest
 from live_server import TEST_SECRET, LiveServer, start_router, start_server, stop_server
 
+from tandem.bench.hostile import Listener
 from tandem.kvcache.transfer.wire import CHECK, MAGIC
 from tandem.router.accounting.keys_store import KeyLimits, new_key, write_store
 from tandem.trust.peer import peer_client
@@ -48,35 +48,6 @@ class Cluster:
     decode: LiveServer
     alice: str  # the victim's API key
     mallory: str  # the attacker's
-
-
-class Listener:
-    """An attacker's KV source: it does not know the cluster secret. It answers anything with a
-    canned reply (the old protocol's OK to a lease check, or random blocks) and counts contacts."""
-
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.contacts = 0
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                connection, _ = self.server.accept()
-            except OSError:
-                return
-            self.contacts += 1
-            with connection:
-                connection.settimeout(2)
-                try:
-                    connection.recv(1 << 16)
-                    connection.sendall(b"OK" + b"\0" * 4096)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.server.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 from collections.abc import Iterator
+from contextlib import contextmanager
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
@@ -28,6 +29,22 @@ def _chromium() -> str:
     if path is None:
         raise RuntimeError("chromium is not installed: scripts/setup.sh installs it with apt (as root)")
     return path
+
+
+@contextmanager
+def _dashboard(url: str, tmp_path: Path) -> Iterator:
+    """The router's /dashboard open in headless Chromium; the page."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=_chromium(), headless=True, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            page.goto(f"{url}/dashboard")
+            yield page
+        finally:
+            browser.close()
 
 
 @pytest.fixture
@@ -87,8 +104,6 @@ def _seconds(value: float | None) -> str:
 
 def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str, LiveServer, LiveServer],
                                                               tmp_path: Path) -> None:
-    from playwright.sync_api import sync_playwright
-
     url, _, second = cluster
     for turn in range(3):  # one session: the later turns read the shared prefix from cache
         reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, headers={"x-session-affinity": "s1"}, json={
@@ -96,70 +111,54 @@ def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {turn}?"}]})
         assert reply.status_code == 200
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=_chromium(), headless=True, args=CHROMIUM_FLAGS)
-        try:
-            page = browser.new_page()
-            page.goto(f"{url}/dashboard")
-            page.wait_for_function("Number(document.body.dataset.polls || 0) >= 2", timeout=30_000)
-            metrics = _metrics(url)  # no traffic since: the page's last poll read the same numbers
-            requests = metrics["tandem_router_requests"]
-            prompt = _sum(metrics["tandem_router_prompt_tokens"], "tandem_router_prompt_tokens_total")
-            cached = _sum(metrics["tandem_router_cached_prompt_tokens"], "tandem_router_cached_prompt_tokens_total")
-            output = _sum(metrics["tandem_router_generation_tokens"], "tandem_router_generation_tokens_total")
-            ttft = metrics["tandem_router_time_to_first_token_seconds"]
-            tpot = metrics["tandem_router_time_per_output_token_seconds"]
-            assert cached > 0, "the session's later turns should hit the prefix cache"
-            assert _sum(tpot, "tandem_router_time_per_output_token_seconds_count") == 3  # each stream
-            assert page.text_content("#requests-total") == f"{_sum(requests, 'tandem_router_requests_total'):,.0f}"
-            assert page.text_content("#cached-ratio") == f"{100 * cached / prompt:.1f}%"
-            assert page.text_content("#tokens") == f"{prompt:,.0f} / {cached:,.0f} / {output:,.0f}"
-            assert page.text_content("#ttft") == f"{_seconds(_quantile(0.5, ttft))} / {_seconds(_quantile(0.9, ttft))}"
-            assert page.text_content("#tpot") == f"{_seconds(_quantile(0.5, tpot))} / {_seconds(_quantile(0.9, tpot))}"
-            assert page.text_content("#cost-per-million") != "–"
-            rows = page.locator("#workers tr")
-            assert rows.count() == 2
-            assert page.locator(f'tr[data-worker="{second.url}"] td.health').text_content() == "up"
+    with _dashboard(url, tmp_path) as page:
+        page.wait_for_function("Number(document.body.dataset.polls || 0) >= 2", timeout=30_000)
+        metrics = _metrics(url)  # no traffic since: the page's last poll read the same numbers
+        requests = metrics["tandem_router_requests"]
+        prompt = _sum(metrics["tandem_router_prompt_tokens"], "tandem_router_prompt_tokens_total")
+        cached = _sum(metrics["tandem_router_cached_prompt_tokens"], "tandem_router_cached_prompt_tokens_total")
+        output = _sum(metrics["tandem_router_generation_tokens"], "tandem_router_generation_tokens_total")
+        ttft = metrics["tandem_router_time_to_first_token_seconds"]
+        tpot = metrics["tandem_router_time_per_output_token_seconds"]
+        assert cached > 0, "the session's later turns should hit the prefix cache"
+        assert _sum(tpot, "tandem_router_time_per_output_token_seconds_count") == 3  # each stream
+        assert page.text_content("#requests-total") == f"{_sum(requests, 'tandem_router_requests_total'):,.0f}"
+        assert page.text_content("#cached-ratio") == f"{100 * cached / prompt:.1f}%"
+        assert page.text_content("#tokens") == f"{prompt:,.0f} / {cached:,.0f} / {output:,.0f}"
+        assert page.text_content("#ttft") == f"{_seconds(_quantile(0.5, ttft))} / {_seconds(_quantile(0.9, ttft))}"
+        assert page.text_content("#tpot") == f"{_seconds(_quantile(0.5, tpot))} / {_seconds(_quantile(0.9, tpot))}"
+        assert page.text_content("#cost-per-million") != "–"
+        rows = page.locator("#workers tr")
+        assert rows.count() == 2
+        assert page.locator(f'tr[data-worker="{second.url}"] td.health').text_content() == "up"
 
-            for process in [*psutil.Process(second.process.pid).children(recursive=True), second.process]:
-                process.send_signal(signal.SIGKILL)
-            second.process.wait(timeout=30)
-            page.wait_for_selector(f'tr[data-worker="{second.url}"][data-healthy="false"]', timeout=30_000)
-            assert page.locator(f'tr[data-worker="{second.url}"] td.health').text_content() == "down"
-            assert re.fullmatch(r"up", page.locator("#workers tr").first.locator("td.health").text_content() or "")
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-        finally:
-            browser.close()
+        for process in [*psutil.Process(second.process.pid).children(recursive=True), second.process]:
+            process.send_signal(signal.SIGKILL)
+        second.process.wait(timeout=30)
+        page.wait_for_selector(f'tr[data-worker="{second.url}"][data-healthy="false"]', timeout=30_000)
+        assert page.locator(f'tr[data-worker="{second.url}"] td.health').text_content() == "down"
+        assert re.fullmatch(r"up", page.locator("#workers tr").first.locator("td.health").text_content() or "")
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
 
 
 def test_with_keys_on_the_page_asks_for_the_admin_key(tandem_server_process: LiveServer, tmp_path: Path) -> None:
     """/metrics and /workers close once a key is on: the page (which holds no data) asks for the
     admin key, and reads them with it."""
-    from playwright.sync_api import sync_playwright
-
     url, router = start_router(tmp_path / "route.log", "--worker", tandem_server_process.url,
                                "--admin-key", "dash-admin-key")
     try:
         assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch_persistent_context(
-                str(tmp_path / "profile"), executable_path=_chromium(), headless=True, args=CHROMIUM_FLAGS)
-            try:
-                page = browser.new_page()
-                page.goto(f"{url}/dashboard")
-                page.wait_for_selector("#key-form:not([hidden])", timeout=30_000)
-                assert (page.get_attribute("body", "data-polls") or "0") == "0"
-                page.fill("#key-input", "wrong")
-                page.click("#key-form button")
-                page.wait_for_selector("#key-form:not([hidden])", timeout=30_000)
-                page.fill("#key-input", "dash-admin-key")
-                page.click("#key-form button")
-                page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=30_000)
-                assert page.locator("#workers tr").count() == 1
-                assert page.is_hidden("#key-form")
-            finally:
-                browser.close()
+        with _dashboard(url, tmp_path) as page:
+            page.wait_for_selector("#key-form:not([hidden])", timeout=30_000)
+            assert (page.get_attribute("body", "data-polls") or "0") == "0"
+            page.fill("#key-input", "wrong")
+            page.click("#key-form button")
+            page.wait_for_selector("#key-form:not([hidden])", timeout=30_000)
+            page.fill("#key-input", "dash-admin-key")
+            page.click("#key-form button")
+            page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=30_000)
+            assert page.locator("#workers tr").count() == 1
+            assert page.is_hidden("#key-form")
     finally:
         router.terminate()
         router.wait(timeout=30)
