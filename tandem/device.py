@@ -4,7 +4,7 @@
 auto` means bfloat16 on a GPU (what vLLM and SGLang serve in) and float32 on the CPU (exact
 greedy parity with transformers). Both are settled when the config is made, in whichever
 process parses the flags, and that may be the API process, which never imports torch
-(DESIGN.md). So the probe reads what torch was built for from its `version.py` (a CPU wheel
+(docs/architecture.md). So the probe reads what torch was built for from its `version.py` (a CPU wheel
 says `cuda = None`) and whether the NVIDIA driver's device nodes exist. The worker checks
 `torch.cuda.is_available()` again and refuses with a clear message if the probe was wrong.
 """

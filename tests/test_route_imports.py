@@ -1,4 +1,4 @@
-"""`tandem route` imports no torch: the router deploys on a small CPU box (DESIGN.md).
+"""`tandem route` imports no torch: the router deploys on a small CPU box (docs/architecture.md).
 
 The real command line (`tandem.cli.main(["route", ...])`, which builds every command's parser)
 runs in a fresh interpreter, on a thread, while the main thread waits for GET /health and

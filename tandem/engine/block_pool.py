@@ -35,7 +35,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
-        # KV events for routers (DESIGN.md): ("stored" | "removed", hash) or ("cleared", 0), in
+        # KV events for routers (docs/prompt-caching.md): ("stored" | "removed", hash) or ("cleared", 0), in
         # order, until drained. Off unless someone drains them (an engine core behind a server).
         self.record_events = record_events
         self.events: list[tuple[str, int]] = []

@@ -68,7 +68,7 @@ class EngineInfo:
     num_blocks: int
     startup_seconds: float
     pid: int
-    root_hash: int = 0  # of the block-hash chain (DESIGN.md), for routers hashing prompts
+    root_hash: int = 0  # of the block-hash chain (kvcache/block_hash.py), for routers hashing prompts
     fingerprint: str = ""  # the model's, which the root hash is made of
     role: str = "both"
     kv_source: str | None = None  # tcp://host:port of this worker's KV source

@@ -1,4 +1,4 @@
-"""A worker's KV events, as routers read them (DESIGN.md: `GET /kv/events?since=ID`).
+"""A worker's KV events, as routers read them (docs/prompt-caching.md: `GET /kv/events?since=ID`).
 
 The engine reports, in order, each block hash that becomes resident in a medium ("stored"),
 each one that leaves it ("removed"), and a reset of a whole medium ("cleared"). The media are

@@ -1,4 +1,4 @@
-"""The FastAPI app of `tandem serve`: OpenAI endpoints plus the worker endpoints of DESIGN.md.
+"""The FastAPI app of `tandem serve`: OpenAI endpoints plus the worker endpoints (docs/serving.md).
 
 The engine core starts in the app's lifespan, before uvicorn binds the port: a server that
 accepts connections can serve them, which is what a health-gated launcher (`tandem up`,
@@ -131,7 +131,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
 
     @app.get("/kv/events")
     async def kv_events(request: Request, since: int = 0, limit: int = 1000) -> dict[str, Any]:
-        """Stored / removed block hashes after event `since` (DESIGN.md); `gap` means resync."""
+        """Stored / removed block hashes after event `since` (docs/prompt-caching.md); `gap` means resync."""
         return state(request).client.kv_events.since(since, max(1, min(limit, 10_000)))
 
     @app.get("/kv/snapshot")

@@ -31,7 +31,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def reference_root(model_id: str, kv_dtype: str, block_size: int, extra_keys=()) -> int:
-    """h0 as DESIGN.md and the module docstring define it, written out independently."""
+    """h0 as the module docstring defines it, written out independently."""
     payload = json.dumps([model_id, kv_dtype, block_size, list(extra_keys)]).encode("utf-8")
     return xxhash.xxh3_64(payload).intdigest()
 

@@ -2,7 +2,7 @@
 
 HTTP, chat templates, tokenization and detokenization run in the API process; the model runs
 in the engine core, a separate process. Keeping torch out of the API process keeps its start
-fast and its memory small, and is the layering rule of DESIGN.md. The probe serves real
+fast and its memory small, and is the layering rule of docs/architecture.md. The probe serves real
 requests (a chat completion with tools, /tokenize, /detokenize) in a fresh interpreter, so
 lazy imports on the request path count too.
 """
