@@ -14,7 +14,7 @@ DEST=${OUT:-bench-results}
 mkdir -p "$DEST"
 LOG="$DEST/gpu-check.log"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-if [ -d .wheelhouse ] && ! "$PY" -c "import tandem.cli, tandem.llm" 2>/dev/null; then
+if [ -d .wheelhouse ] && ! "$PY" -c "import tandem.cli.main, tandem.llm" 2>/dev/null; then
   echo "==> installing tandem's imports from .wheelhouse (scripts/gpu_wheelhouse.sh) into /tmp/tandem-site" | tee -a "$LOG"
   mapfile -t wanted < <(sed -n '/^PACKAGES=(/,/)/p' scripts/gpu_wheelhouse.sh | tr -d '()' | sed 's/PACKAGES=//' | tr ' ' '\n' | grep .)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site --find-links .wheelhouse \
@@ -36,7 +36,7 @@ stage environment 60 "$PY" -c "
 import torch, triton, transformers
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)
 print(torch.cuda.get_device_name(), torch.cuda.mem_get_info())
-import tandem.cli, tandem.llm
+import tandem.cli.main, tandem.llm
 print('tandem imports: ok')"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$LOG"
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.device import resolve_device, resolve_dtype
+from tandem.platform.device import resolve_device, resolve_dtype
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -309,7 +309,7 @@ DECODE_WEIGHT_FORMATS = ("float16", "bfloat16", "int4", "float32")
 
 @dataclass(frozen=True)
 class LoadConfig:
-    # "auto": bfloat16 on a GPU, float32 on the CPU (tandem/device.py); settled at construction.
+    # "auto": bfloat16 on a GPU, float32 on the CPU (tandem/platform/device.py); settled at construction.
     dtype: str = "auto"
     load_format: str = "auto"  # auto | dummy
     seed: int = 0
@@ -595,7 +595,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Per request, on the worker and the router (tandem/http_limits.py)."""
+    """Per request, on the worker and the router (tandem/edge/limits.py)."""
 
     max_body_bytes: int = 16 << 20
     body_timeout_s: float = 30.0
@@ -630,7 +630,7 @@ class ServerConfig:
     engine_start_timeout: float = 900.0  # a first start converts the GGUF; allow for it
     log_level: str = "info"
     limits: RequestLimits = field(default_factory=RequestLimits)
-    shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long at most (tandem/drain.py)
+    shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long at most (tandem/edge/drain.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens_policy not in ("cap", "reject"):

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import pytest
 from live_server import LiveServer, start_server, stop_server
 
+from tandem.launch.redis_server import find_redis_server
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -34,3 +36,16 @@ def tandem_server_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def tandem_server(tandem_server_process: LiveServer) -> str:
     """Base URL (http://127.0.0.1:PORT) of the session's live `tandem serve`."""
     return tandem_server_process.url
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    """A redis-server (or valkey-server) binary, for tests that start servers of their own.
+
+    Fails (does not skip) when none is installed: scripts/setup.sh installs it, and a silently
+    skipped store test hides a broken tier."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.fail("no redis-server or valkey-server found: run scripts/setup.sh "
+                    "(it installs redis-server) or `apt-get install redis-server`")
+    return binary

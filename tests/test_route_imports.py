@@ -23,7 +23,7 @@ HEAVY = ("torch", "transformers", "tandem.engine", "tandem.llm")
 SCRIPT = textwrap.dedent("""
     import http.server, json, sys, threading, time
     import httpx
-    from tandem.cli import main
+    from tandem.cli.main import main
 
     REPLY = {"id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": "fake",
              "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi from the fake."},

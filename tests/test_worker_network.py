@@ -1,4 +1,4 @@
-"""`tandem up --netns`'s network (tandem/netns.py): names, addresses, and a real namespace
+"""`tandem up --netns`'s network (tandem/launch/netns.py): names, addresses, and a real namespace
 whose link is cut and mended (needs root and iproute2, which CI has)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import httpx
 from netns_hosts import needs_netns
 
-from tandem.netns import WorkerNetwork
+from tandem.launch.netns import WorkerNetwork
 
 
 def test_names_and_addresses_follow_the_router_port() -> None:

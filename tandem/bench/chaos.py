@@ -56,9 +56,9 @@ from typing import Any
 import httpx
 import psutil
 
-from tandem import netns
 from tandem.bench.hostile import Attack, Target, attack_loop
-from tandem.netns import WorkerNetwork
+from tandem.launch import netns
+from tandem.launch.netns import WorkerNetwork
 from tandem.trust.keys import CLUSTER_SECRET_ENV, secret_from_env
 from tandem.trust.peer import peer_client
 
@@ -433,7 +433,7 @@ def _summarize(name: str, migration_limit: int, records: list[Request], expected
     windows = []
     for fault in faults:
         if fault.cut_s is None:
-            back = re.findall(rf"(\d\d:\d\d:\d\d) INFO tandem.up: {re.escape(fault.worker)} is healthy again "
+            back = re.findall(rf"(\d\d:\d\d:\d\d) INFO tandem.launch.up: {re.escape(fault.worker)} is healthy again "
                               r"after ([\d.]+) s", log)
             fault.back_at = fault.killed_at + 1.0 + float(back[-1][1]) if back else None
         windows.append((fault.killed_at, fault.back_at or fault.killed_at + 30.0))

@@ -231,7 +231,7 @@ def plot(results: list[TierResult], path: Path) -> None:
 
 
 def cmd_kv_tiers(args: argparse.Namespace) -> int:
-    from tandem.kvcache.tiers.redis_server import RedisServer
+    from tandem.launch.redis_server import RedisServer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     out_dir = args.output_dir / f"kv-tiers-{dt.datetime.now():%Y%m%d-%H%M%S}"
@@ -256,7 +256,7 @@ def cmd_kv_tiers(args: argparse.Namespace) -> int:
                 store = RedisServer(maxmemory_bytes=8 << 30, log_path=out_dir / "redis.log").start()
                 store_url = store.url
             elif tier == "mooncake":
-                from tandem.kvcache.tiers.mooncake_master import MooncakeMaster  # type: ignore[import-not-found]
+                from tandem.launch.mooncake_master import MooncakeMaster  # type: ignore[import-not-found]
 
                 store = MooncakeMaster(log_path=out_dir / "mooncake-master.log").start()
                 store_url = store.url + "?segment=4GiB"

@@ -6,7 +6,7 @@ attention tensor-parallel), joined by `+` (`tp2+pp2`); `tp1` is one rank. Each r
 workloads in its own process; the table gives each layout's figures and its ratio to the first.
 
 With `--profile` each run makes a second, untimed pass with the ranks' profilers on and
-reports where a step's time goes, per phase (tandem/profiling.py), averaged over the ranks:
+reports where a step's time goes, per phase (tandem/platform/profiling.py), averaged over the ranks:
 attention (projections and the attention itself), MoE routing, the experts' GEMMs, the
 all-to-all dispatch and combine (and the all-gather after it), the tensor-parallel
 all-reduces, the pipeline's sends and its wait for the previous stage, and the rest.

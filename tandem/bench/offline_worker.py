@@ -77,7 +77,7 @@ def start_tandem(args: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
     import torch
 
     import tandem
-    from tandem.flags import llm_kwargs
+    from tandem.cli.flags import llm_kwargs
     from tandem.llm import LLM
     from tandem.types import SamplingParams
 
@@ -94,7 +94,7 @@ def start_tandem(args: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
             "max_model_len": llm.engine.max_model_len, "kv_blocks": llm.engine.block_pool.num_blocks,
             "engine_startup_s": llm.engine.startup_seconds}
     core = llm.engine.core
-    # --profile: the ranks record the named phases of each step (tandem/profiling.py).
+    # --profile: the ranks record the named phases of each step (tandem/platform/profiling.py).
     # The pass starts from an empty prefix cache, so its prefills are computed as the timed ones were.
     generate.profile = (lambda: (core.reset_prefix_cache(), core.collective_rpc("start_profile")),  # type: ignore[attr-defined]
                         lambda: core.collective_rpc("stop_profile"))

@@ -41,7 +41,6 @@ from urllib.parse import urlparse
 
 import httpx
 
-from tandem import supervisor
 from tandem.bench.cluster_stats import describe as describe_cluster
 from tandem.bench.cluster_stats import snapshot_workers
 from tandem.bench.cluster_stats import summarize as summarize_cluster
@@ -62,6 +61,7 @@ from tandem.bench.serve_workloads import (
     make_sizer,
     warmup_turn,
 )
+from tandem.launch import supervisor
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 
 logger = logging.getLogger(__name__)
@@ -570,7 +570,7 @@ def vllm_env(vllm_python: str, preload_iomp: bool, threads: int | None) -> dict[
 
 @dataclass
 class LaunchedServer:
-    """A launched target: its command and log, run by `tandem.supervisor` (own session, health
+    """A launched target: its command and log, run by `tandem.launch.supervisor` (own session, health
     gate, the whole process tree stopped), and how its start and stop went, for the report."""
 
     name: str

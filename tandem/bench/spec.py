@@ -49,7 +49,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem import supervisor
 from tandem.bench.spec_report import (
     BASELINE,
     DRAFT_METHODS,
@@ -71,8 +70,9 @@ from tandem.bench.spec_workloads import (
     capacity,
     conversations,
 )
+from tandem.cli.flags import add_engine_args, engine_values, settle_device
 from tandem.config import DECODE_WEIGHT_FORMATS
-from tandem.flags import add_engine_args, engine_values, settle_device
+from tandem.launch import supervisor
 
 logger = logging.getLogger(__name__)
 

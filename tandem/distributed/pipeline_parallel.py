@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.profiling import profiled
+from tandem.platform.profiling import profiled
 
 
 @dataclass

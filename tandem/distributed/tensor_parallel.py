@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.distributed.group import GroupPlace
-from tandem.profiling import profiled
+from tandem.platform.profiling import profiled
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from tandem.config import MoeConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.layers.linear import GateUpLinear, RowParallelLinear
-from tandem.profiling import profiled
+from tandem.platform.profiling import profiled
 
 
 class SharedExperts(nn.Module):

@@ -25,7 +25,7 @@ from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.moe import FusedMoE
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.profiling import profiled
+from tandem.platform.profiling import profiled
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from tandem.http_limits import add_request_limit_args, request_limits
+from tandem.edge.limits import add_request_limit_args, request_limits
 from tandem.router.accounting.flags import (
     accounting_config,
     add_accounting_args,

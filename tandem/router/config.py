@@ -249,7 +249,7 @@ class RouterConfig:
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     limits: RequestLimits = field(default_factory=RequestLimits)
-    shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long at most (tandem/drain.py)
+    shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long at most (tandem/edge/drain.py)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)

@@ -24,8 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import EngineConfig, ServerConfig
-from tandem.drain import Drain, DrainingServer
-from tandem.errors import (
+from tandem.edge.drain import Drain, DrainingServer
+from tandem.edge.errors import (
     APIError,
     api_error_handler,
     bad_request,
@@ -33,14 +33,14 @@ from tandem.errors import (
     http_error_handler,
     validation_error_handler,
 )
-from tandem.http_limits import RequestLimitMiddleware
-from tandem.loader.tokenizer import load_tokenizer
-from tandem.openai_protocol import (
+from tandem.edge.limits import RequestLimitMiddleware
+from tandem.edge.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
 from tandem.server.metrics import ServerMetrics, tier_blocks

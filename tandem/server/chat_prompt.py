@@ -20,8 +20,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from tandem.errors import bad_request
-from tandem.openai_protocol import ChatMessage, NamedToolChoice, Tool
+from tandem.edge.errors import bad_request
+from tandem.edge.openai_protocol import ChatMessage, NamedToolChoice, Tool
 from tandem.server.tool_parsers import ToolParser, template_supports_tools
 
 

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from tandem.config import ServerConfig
-from tandem.drain import Drain
-from tandem.errors import APIError, bad_request, error_body
-from tandem.openai_protocol import SamplingFields
+from tandem.edge.drain import Drain
+from tandem.edge.errors import APIError, bad_request, error_body
+from tandem.edge.openai_protocol import SamplingFields
 from tandem.server.engine_client import (
     AsyncEngineClient,
     EngineDeadError,

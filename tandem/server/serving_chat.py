@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.errors import bad_request
-from tandem.http_limits import check_shape
-from tandem.openai_protocol import ChatCompletionRequest
+from tandem.edge.errors import bad_request
+from tandem.edge.limits import check_shape
+from tandem.edge.openai_protocol import ChatCompletionRequest
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
 from tandem.server.engine_client import Handoff
 from tandem.server.generate import RequestTimings, process_request, request_text

@@ -15,9 +15,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.edge.errors import bad_request
+from tandem.edge.openai_protocol import CompletionRequest
 from tandem.engine.output_processor import RequestStep
-from tandem.errors import bad_request
-from tandem.openai_protocol import CompletionRequest
 from tandem.server.engine_client import Handoff
 from tandem.server.generate import RequestTimings, process_request
 from tandem.server.serving import (

@@ -5,8 +5,8 @@ request body reaches any handler:
 
 - **Clients** call the router's `/v1/*` (with an API key when `--api-keys` is on) or a worker
   that runs without a cluster secret. Every field they send is untrusted: sampling parameters
-  are range-checked (tandem/openai_protocol.py), text must be valid Unicode
-  (tandem/http_limits.py), and the fields tandem uses between its own processes
+  are range-checked (tandem/edge/openai_protocol.py), text must be valid Unicode
+  (tandem/edge/limits.py), and the fields tandem uses between its own processes
   (`fields.INTERNAL_FIELDS`: the prefill/decode handoff's `kv_transfer_params`, which also
   carries first-token handoffs and migrated streams) never come from them: the router strips
   them from every client body and sets its own, and a worker refuses them (403) on any request

@@ -14,7 +14,7 @@ Every path has a level (`Level`), and a request passes when it carries what the 
 
 The middleware also records whether a request was peer-signed (`is_peer`), which is what a
 worker checks before it takes an internal field (fields.py). A signature covers the body, so
-the body is read here (it was already read and bounded by tandem/http_limits.py, which sits
+the body is read here (it was already read and bounded by tandem/edge/limits.py, which sits
 outside this middleware) and handed on unchanged.
 """
 
@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.errors import error_body
-from tandem.http_limits import replaying
+from tandem.edge.errors import error_body
+from tandem.edge.limits import replaying
 from tandem.trust.keys import same_token
 from tandem.trust.peer import HEADER, PeerVerifier
 

@@ -27,7 +27,7 @@ from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan, kv_cache_shape
 from tandem.layers.rejection_sampler import DraftedRequest, RejectionSampler
 from tandem.layers.sampler import Sampler, SamplingRow
-from tandem.profiling import STEP, profiled
+from tandem.platform.profiling import STEP, profiled
 from tandem.types import SampledToken, SamplingParams
 from tandem.worker.cuda_graphs import StaticDecodeStep, capture_sizes
 

@@ -56,7 +56,7 @@ from tandem.loader.model_loader import (
 )
 from tandem.loader.resolve import default_cache_dir, resolve_model
 from tandem.models.decode_stack import attach_decode_stack
-from tandem.profiling import step_breakdown
+from tandem.platform.profiling import step_breakdown
 from tandem.spec.model_proposers import ModelProposerLoader, model_proposer_loader
 from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block, rank_kv_spec
 
@@ -483,7 +483,7 @@ class Worker:
 
     # --- profiling (tandem bench offline --profile) -------------------------------------
     def start_profile(self) -> None:
-        """Record the named phases of every step from now on (tandem/profiling.py)."""
+        """Record the named phases of every step from now on (tandem/platform/profiling.py)."""
         self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         self._profiler.start()
 

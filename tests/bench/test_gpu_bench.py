@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tandem.bench.gpu import CONFIGS, config_path, weight_shape
-from tandem.cli import main
+from tandem.cli.main import main
 
 
 def test_llama_8b_config_has_8b_parameters() -> None:

@@ -303,7 +303,7 @@ def test_server_commands() -> None:
         "--no-access-log", "--dtype", "bfloat16",
     ]
     # every flag it passes is one `tandem serve` takes: the command parses
-    from tandem.cli import build_parser
+    from tandem.cli.main import build_parser
 
     serve = build_parser().parse_args(cmd[3:])
     assert (serve.port, serve.kv_cache_memory, serve.dtype, serve.no_access_log) == (1234, "1GiB", "bfloat16", True)

@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tandem.cli import build_parser
+from tandem.cli.main import build_parser
 from tandem.router.cli import router_config
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"

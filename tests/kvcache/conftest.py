@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tandem.kvcache.tiers.redis_server import RedisServer, find_redis_server
+from tandem.launch.redis_server import RedisServer, find_redis_server
 
 
 @pytest.fixture(scope="session")

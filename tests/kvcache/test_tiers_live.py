@@ -13,7 +13,7 @@ import pytest
 
 from tandem import LLM
 from tandem.config import KVTiersConfig
-from tandem.kvcache.tiers.redis_server import RedisServer
+from tandem.launch.redis_server import RedisServer
 from tandem.types import RequestOutput, SamplingParams
 
 BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4  # SmolLM2-135M, fp32, 16-token blocks
@@ -310,7 +310,7 @@ def _request(llm: LLM, prompt: str):
 
 def test_prefix_comes_back_from_mooncake_and_another_engine_reads_it(cold_outputs: list[str]) -> None:
     mooncake = pytest.importorskip("tandem.kvcache.tiers.mooncake_store")
-    from tandem.kvcache.tiers.mooncake_master import MooncakeMaster, find_mooncake_master
+    from tandem.launch.mooncake_master import MooncakeMaster, find_mooncake_master
 
     try:
         mooncake.import_client()

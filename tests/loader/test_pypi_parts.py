@@ -272,7 +272,7 @@ def test_aliases_are_pinned() -> None:
 
 def test_cli_reports_a_failed_download_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.cli import main
+    from tandem.cli.main import main
 
     def offline(requirements: list[str], dest: Path) -> None:
         raise RuntimeError("exit status 1: ERROR: No matching distribution found")

@@ -48,7 +48,7 @@ from tandem.plan.sharding import (
 from tandem.plan.tensors import Part, Split, Tensor, count_params
 
 REPO = Path(__file__).resolve().parents[2]
-TANDEM = [sys.executable, "-m", "tandem.cli"]
+TANDEM = [sys.executable, "-m", "tandem.cli.main"]
 
 # meta-llama/Llama-3.1-8B's dimensions (the published config.json's shape fields).
 LLAMA_8B = {
@@ -300,10 +300,10 @@ def test_cli_help() -> None:
 
 
 def test_plan_imports_no_torch() -> None:
-    """The whole command, through tandem.cli, runs without importing torch."""
+    """The whole command, through tandem.cli.main, runs without importing torch."""
     script = textwrap.dedent("""
         import contextlib, io, sys
-        from tandem.cli import main
+        from tandem.cli.main import main
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(["plan", "memory", "kimi-k2", "--devices", "8xH200"]) == 0
         print(sorted(m for m in ("torch", "transformers", "tandem.engine") if m in sys.modules))

@@ -1,7 +1,7 @@
 """A prefill/decode pair whose prefill leg fails, on real workers: before connecting, in the
 middle of the prefill, and when the decode worker pulls the KV. Each time the client gets the
 text a clean run gives, nothing hangs, and neither worker is left holding KV blocks. (A decode
-worker killed mid-stream is tests/test_up.py's SIGKILL test: the stream moves.)"""
+worker killed mid-stream is tests/launch/test_up.py's SIGKILL test: the stream moves.)"""
 
 from __future__ import annotations
 

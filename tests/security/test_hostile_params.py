@@ -6,9 +6,9 @@ seed of 2**70 (torch.Generator.manual_seed) killed the engine core, so the worke
 which Python's json accepts, or strings, which pydantic's lax floats accept) answered 200
 with empty output; a lone UTF-16 surrogate ("\\ud800") answered 500 on the worker (chat,
 completions, /tokenize) and on the router. The fixes: range checks at the edge
-(tandem/openai_protocol.py), the same inside SamplingParams.validate, a sampler that clamps
+(tandem/edge/openai_protocol.py), the same inside SamplingParams.validate, a sampler that clamps
 what gets past them (tandem/layers/sampler.py), and the surrogate check in
-tandem/http_limits.py's middleware, which the worker and the router both run.
+tandem/edge/limits.py's middleware, which the worker and the router both run.
 
 The live replays use the session's `tandem serve` (tests/conftest.py): after all of them the
 worker must answer an ordinary greedy request with the same text as before, be healthy, and
@@ -36,9 +36,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from tandem.config import RequestLimits
-from tandem.http_limits import RequestLimitMiddleware, holds_lone_surrogate
+from tandem.edge.limits import RequestLimitMiddleware, holds_lone_surrogate
+from tandem.edge.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.layers.sampler import Sampler, SamplingRow
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.types import SEED_MAX, SEED_MIN, SamplingParams
 
 MODEL = "smollm2-135m"

@@ -1,5 +1,5 @@
 """Every number a client sends is range-checked at the edge: out of range is a 400 in OpenAI's
-shape naming the field, never an overflow in the engine (tandem/openai_protocol.py, and the
+shape naming the field, never an overflow in the engine (tandem/edge/openai_protocol.py, and the
 vocabulary-bound checks in ServingState.sampling_params). The attack replays that motivated
 this are in tests/security/test_hostile_params.py.
 """

@@ -2,7 +2,7 @@
 
 Why Redis: one SET is an atomic commit (a reader gets the whole value or nothing), the server
 bounds its own memory (`maxmemory` with `allkeys-lru` evicts old chunks instead of failing
-writes; `tandem.kvcache.tiers.redis_server` starts one that way), and Valkey speaks the same
+writes; `tandem.launch.redis_server` starts one that way), and Valkey speaks the same
 protocol. Values live under `prefix + key`; keys already name the model and the whole prefix
 (chunk.py), so workers of different models can share a server.
 

@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.errors import error_body
+from tandem.edge.errors import error_body
 from tandem.router.accounting.datafile import parse_structured, read_text
 from tandem.router.accounting.keys_store import (
     KeyLimits,

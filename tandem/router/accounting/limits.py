@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.errors import APIError
+from tandem.edge.errors import APIError
 from tandem.router.accounting.auth import Caller
 from tandem.router.accounting.keys_store import KeyLimits
 

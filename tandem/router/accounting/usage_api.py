@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from tandem.errors import APIError
+from tandem.edge.errors import APIError
 from tandem.router.accounting.accounting import Accounting
 from tandem.router.accounting.ledger import Totals
 from tandem.router.accounting.pricing import CURRENCY

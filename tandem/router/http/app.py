@@ -36,15 +36,15 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.drain import Drain, DrainingServer
-from tandem.errors import (
+from tandem.edge.drain import Drain, DrainingServer
+from tandem.edge.errors import (
     APIError,
     api_error_handler,
     error_body,
     http_error_handler,
     validation_error_handler,
 )
-from tandem.http_limits import RequestLimitMiddleware
+from tandem.edge.limits import RequestLimitMiddleware
 from tandem.router.accounting.accounting import load_keys, open_accounting
 from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, caller_of
 from tandem.router.accounting.usage_api import usage_report
@@ -419,7 +419,7 @@ async def _internal_error_handler(_: Request, exc: Exception) -> Response:
 
 
 def run_router(config: RouterConfig) -> None:
-    """Serve until SIGINT, or a SIGTERM and its drain (tandem/drain.py)."""
+    """Serve until SIGINT, or a SIGTERM and its drain (tandem/edge/drain.py)."""
     drain = Drain(config.shutdown_timeout_s)
     server = DrainingServer(
         uvicorn.Config(

@@ -3,7 +3,7 @@
 The router forwards a request's body as it came (a worker validates it and answers any error
 in OpenAI's shape), so its routes take a raw `Request` and FastAPI would document them with
 no body at all. Clients, SDK generators and the fuzzer (tests/router/test_fuzz.py) need the
-contract, which is the worker's: the same pydantic models (tandem/openai_protocol.py, which
+contract, which is the worker's: the same pydantic models (tandem/edge/openai_protocol.py, which
 needs no torch) describe both.
 """
 
@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tandem.edge.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,

@@ -28,9 +28,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.drain import Drain
-from tandem.errors import APIError, error_body
-from tandem.http_limits import check_shape
+from tandem.edge.drain import Drain
+from tandem.edge.errors import APIError, error_body
+from tandem.edge.limits import check_shape
 from tandem.router.accounting.accounting import Accounting
 from tandem.router.accounting.auth import Caller, caller_key_of, caller_of
 from tandem.router.config import Role, RouterConfig

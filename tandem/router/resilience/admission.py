@@ -16,7 +16,7 @@ import asyncio
 import collections
 import math
 
-from tandem.errors import APIError
+from tandem.edge.errors import APIError
 from tandem.router.config import AdmissionPolicy
 
 

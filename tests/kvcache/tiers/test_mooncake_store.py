@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.kvcache.tiers.mooncake_master import MooncakeMaster, find_mooncake_master
 from tandem.kvcache.tiers.mooncake_store import MooncakeConfig, MooncakeStore, import_client
 from tandem.kvcache.tiers.store import ChunkStoreError
+from tandem.launch.mooncake_master import MooncakeMaster, find_mooncake_master
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -13,9 +13,9 @@ import uuid
 import pytest
 import redis
 
-from tandem.kvcache.tiers.redis_server import RedisServer
 from tandem.kvcache.tiers.redis_store import RedisStore, normalize_url
 from tandem.kvcache.tiers.store import ChunkStoreError
+from tandem.launch.redis_server import RedisServer
 
 pytestmark = pytest.mark.usefixtures("redis_binary")  # fails, not skips, without a server
 

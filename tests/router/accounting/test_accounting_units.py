@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.errors import APIError
+from tandem.edge.errors import APIError
 from tandem.router.accounting.accounting import Accounting, status_name
 from tandem.router.accounting.auth import ApiKeys, parse_api_keys, read_api_keys, worker_headers
 from tandem.router.accounting.ledger import Ledger, Totals, UsageRow

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tandem.errors import APIError
+from tandem.edge.errors import APIError
 from tandem.router.accounting.auth import Caller
 from tandem.router.accounting.keys_store import KeyLimits, key_id, new_key
 from tandem.router.accounting.limits import DailyQuota, RateLimiter, day_start

@@ -777,9 +777,9 @@ def test_a_finished_request_makes_the_router_reread_the_load_at_once() -> None:
 
 
 def test_policy_flags_on_route_and_up() -> None:
-    from tandem.cli import build_parser
+    from tandem.cli.main import build_parser
+    from tandem.launch.up import plan_cluster
     from tandem.router.cli import router_config
-    from tandem.up import plan_cluster
 
     args = build_parser().parse_args(["route", "--worker", "http://a:1"])
     assert router_config(args).policy == PolicyConfig()  # kv_aware, 1.25, no extra header

@@ -3,7 +3,7 @@
 One leaf module that every command starting or launching an engine shares: `tandem serve`,
 `generate` and `chat` parse these flags, `tandem up` and `tandem bench` take the engine flags
 too and pass them on to the processes they start. It imports only `tandem.config` and the
-default model's alias, so the command table (`tandem.cli`), `tandem.up` and `tandem.bench.*`
+default model's alias, so the command table (`tandem.cli.main`), `tandem.launch.up` and `tandem.bench.*`
 can all depend on it without depending on each other, and `tandem route` stays torch-free.
 
 The engine flags are data (`ENGINE_FLAGS`), not just `add_argument` calls: the same table
@@ -32,9 +32,9 @@ from tandem.config import (
     SpeculativeConfig,
     parse_memory_size,
 )
-from tandem.device import DEVICES, resolve_device, resolve_dtype
-from tandem.http_limits import add_request_limit_args, request_limits
+from tandem.edge.limits import add_request_limit_args, request_limits
 from tandem.loader.resolve import DEFAULT_MODEL
+from tandem.platform.device import DEVICES, resolve_device, resolve_dtype
 from tandem.trust.keys import CLUSTER_SECRET_ENV, admin_key_from_env, secret_from_env
 
 

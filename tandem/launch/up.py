@@ -6,7 +6,7 @@ workers (or K colocated `--role both` workers with --workers K) on free ports, t
 `tandem route` in front of them. Each start is gated on the process's GET /health, workers in
 parallel, so the printed endpoint works as soon as it is printed.
 
-Children are started and stopped by `tandem.supervisor`: in their own session, so a terminal's
+Children are started and stopped by `tandem.launch.supervisor`: in their own session, so a terminal's
 Ctrl-C reaches only this process, which stops them in order (router first, then workers:
 SIGINT, wait, kill, including their own children such as the engine core). On Linux they also
 get SIGTERM if this process dies without cleaning up, so a killed `tandem up` leaves no
@@ -33,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem import flags, supervisor
-from tandem.http_limits import add_request_limit_args, request_limit_argv
-from tandem.netns import WorkerNetwork
+from tandem.cli import flags
+from tandem.edge.limits import add_request_limit_args, request_limit_argv
+from tandem.launch import supervisor
+from tandem.launch.netns import WorkerNetwork
 from tandem.router.accounting.flags import (
     accounting_argv,
     accounting_config,
@@ -217,7 +218,7 @@ def _worker_gpus(args: argparse.Namespace, workers: int) -> list[str]:
     """On a GPU host, one GPU per worker (each sees only its own, as CUDA_VISIBLE_DEVICES):
     each sizes its KV cache from 90% of its device, so two on one GPU would not fit. Empty on
     the CPU. Torch-free: the router's process plans the cluster."""
-    from tandem.device import gpu_ids, resolve_device
+    from tandem.platform.device import gpu_ids, resolve_device
 
     if resolve_device(getattr(args, "device", "auto")) != "cuda":
         return []
@@ -538,7 +539,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     _check_port_free(args.host, args.port)
     if args.netns:
-        from tandem import netns
+        from tandem.launch import netns
 
         reason = netns.available()
         if reason:
@@ -584,7 +585,7 @@ def start_local_store(  # noqa: ANN201 - RedisServer | None
     if (args.kv_store or "").lower() not in _LOCAL_STORES:
         return None
     from tandem.config import parse_memory_size
-    from tandem.kvcache.tiers.redis_server import RedisServer
+    from tandem.launch.redis_server import RedisServer
 
     server = RedisServer(maxmemory_bytes=parse_memory_size(args.kv_store_memory),
                          log_path=log_dir / "redis.log", password=secret).start()

@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-from tandem.errors import APIError
+from tandem.edge.errors import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.profiling import PHASES
+from tandem.platform.profiling import PHASES
 
 
 def test_a_profiled_run_partitions_each_step_into_its_phases() -> None:

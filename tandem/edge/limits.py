@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.config import RequestLimits, parse_memory_size
-from tandem.errors import APIError, error_body
+from tandem.edge.errors import APIError, error_body
 
 
 def check_shape(body: dict[str, Any], limits: RequestLimits) -> None:

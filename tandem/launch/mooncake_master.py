@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.supervisor import die_with_parent_hook, stop_process
+from tandem.launch.supervisor import die_with_parent_hook, stop_process
 
 _PR_SET_PDEATHSIG = 1
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.testclient import TestClient
 
-from tandem.errors import (
+from tandem.edge.errors import (
     APIError,
     api_error_handler,
     bad_request,
@@ -121,7 +121,7 @@ def test_starlette_errors_in_openai_shape() -> None:
 def test_the_module_is_torch_free() -> None:
     """The router imports it, and the router must deploy without torch."""
     code = (
-        "import sys, tandem.errors; "
+        "import sys, tandem.edge.errors; "
         "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
         "or m.startswith(('tandem.engine', 'tandem.server'))])"
     )

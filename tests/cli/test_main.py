@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-TANDEM = [sys.executable, "-m", "tandem.cli"]
+TANDEM = [sys.executable, "-m", "tandem.cli.main"]
 # 64 MiB of float32 KV for SmolLM2-135M (30 layers x 3 KV heads x 64 dims, K and V):
 # 737,280 bytes a 16-token block, so 91 whole blocks.
 KV_LINE = re.compile(r"KV cache: 91 blocks = 1456 tokens \(0\.06 GiB, float32\); max model len 1456; "
@@ -72,8 +72,8 @@ def test_bad_value_is_a_clear_error() -> None:
 
 def test_model_may_be_given_as_a_flag_too() -> None:
     """`tandem up --model qwen2.5-coder-0.5b`, as vLLM users type it, is the positional MODEL."""
-    from tandem.cli import build_parser
-    from tandem.flags import settle_model
+    from tandem.cli.flags import settle_model
+    from tandem.cli.main import build_parser
 
     parser = build_parser()
     for argv in (["up", "--model", "qwen2.5-coder-0.5b"], ["up", "qwen2.5-coder-0.5b"],

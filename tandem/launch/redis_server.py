@@ -28,7 +28,7 @@ import time
 import weakref
 from pathlib import Path
 
-from tandem.supervisor import die_with_parent_hook, stop_process
+from tandem.launch.supervisor import die_with_parent_hook, stop_process
 
 _BINARIES = ("redis-server", "valkey-server")
 _SYSTEM_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin")

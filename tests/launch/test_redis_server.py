@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.kvcache.tiers import redis_server as redis_server_module
-from tandem.kvcache.tiers.redis_server import RedisServer, RedisServerError, find_redis_server
+from tandem.launch import redis_server as redis_server_module
+from tandem.launch.redis_server import RedisServer, RedisServerError, find_redis_server
 
 
 def alive(pid: int) -> bool:
@@ -71,7 +71,7 @@ def test_a_missing_binary_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None
 
 _CHILD = """
 import sys, time
-from tandem.kvcache.tiers.redis_server import RedisServer
+from tandem.launch.redis_server import RedisServer
 server = RedisServer(data_dir=sys.argv[1]).start()  # a killed parent cannot clean up a tmp dir
 print(server.pid, flush=True)
 time.sleep(60)

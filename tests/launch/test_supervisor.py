@@ -1,4 +1,4 @@
-"""`tandem.supervisor` with real child processes: a tiny HTTP server, a child that starts a
+"""`tandem.launch.supervisor` with real child processes: a tiny HTTP server, a child that starts a
 grandchild, one that never gets healthy, one that ignores SIGINT, and a supervisor killed
 outright. Stopping must leave no process behind."""
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tandem import supervisor
+from tandem.launch import supervisor
 
 # argv[1]: port; argv[2] (optional): "grandchild" starts a sleeper in a session of its own
 # (out of reach of the child's process group) and "stray" one in the child's own group.
@@ -222,7 +222,7 @@ def test_a_killed_supervisor_leaves_no_orphan(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from tandem import supervisor
+        from tandem.launch import supervisor
         child = supervisor.start(supervisor.ProcessSpec(
             "sleeper", (sys.executable, "-c", "import time; time.sleep(600)"),
             Path({str(tmp_path / "sleeper.log")!r})))

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from tandem import device
 from tandem.config import LoadConfig
-from tandem.device import cuda_visible, resolve_device, resolve_dtype, torch_cuda_version
+from tandem.platform import device
+from tandem.platform.device import cuda_visible, resolve_device, resolve_dtype, torch_cuda_version
 
 
 def test_this_cpu_build_sees_no_gpu() -> None:
@@ -54,7 +54,7 @@ def test_the_api_process_settles_the_device_without_torch() -> None:
 
 
 def test_cuda_where_there_is_none_is_a_clear_error(capsys) -> None:
-    from tandem.cli import main
+    from tandem.cli.main import main
 
     assert main(["generate", "--device", "cuda", "--prompt", "hi", "--max-tokens", "1"]) == 2
     assert "--device cuda: this torch sees no GPU" in capsys.readouterr().err

@@ -1,0 +1,2 @@
+"""The HTTP edge shared by the engine server and the router: OpenAI-shaped errors, request
+limits, graceful drain and the OpenAI protocol models."""

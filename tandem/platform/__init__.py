@@ -1,0 +1,1 @@
+"""What the process runs on: device and dtype resolution, and the profiler hooks."""
