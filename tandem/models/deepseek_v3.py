@@ -3,7 +3,7 @@ cache (layers/mla.py), the first `first_k_dense_replace` layers with a dense MLP
 with 256 (384 for K2) routed experts chosen by group-limited sigmoid routing plus a shared
 expert (layers/moe.py). The decoder around them is the Llama one.
 
-Checkpoint fix-ups on load: the rotary rows are de-interleaved (loader/mla_weights.py) in the
+Checkpoint fix-ups on load: the rotary rows are de-interleaved (models/mla_weights.py) in the
 loaded parameters, so a tensor-parallel rank reorders only the heads it holds, and the
 multi-token-prediction layer some checkpoints carry after the last layer (used only for
 speculative decoding) is skipped.
@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from tandem.loader.mla_weights import deinterleave_rope_rows_, has_interleaved_rope_rows
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.mla_weights import deinterleave_rope_rows_, has_interleaved_rope_rows
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -18,7 +18,7 @@ from tandem.config import MLAConfig, ModelConfig, RopeConfig
 from tandem.kernels.base import kv_cache_shape
 from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.rotary import RotaryEmbedding, inverse_frequencies, rotary_magnitude
-from tandem.loader.mla_weights import deinterleave_rope_rows
+from tandem.models.mla_weights import deinterleave_rope_rows
 from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 BLOCK = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.config import MLAConfig
-from tandem.loader.mla_weights import deinterleave_rope_rows, deinterleave_rope_rows_
+from tandem.models.mla_weights import deinterleave_rope_rows, deinterleave_rope_rows_
 
 MLA = MLAConfig(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=4, qk_rope_head_dim=6, v_head_dim=5)
 
