@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settle_device(args)
     try:
         check_args(args)  # invalid combinations: one line, exit 2, before any process starts
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a named file that is missing
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")

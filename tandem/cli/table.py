@@ -80,8 +80,8 @@ class Flag:
             return container.add_argument(*names, **kwargs)
         if self.action is not None:
             kwargs["action"] = self.action
-        kwargs.update(default=self.default, type=self.type, choices=self.choices,
-                      metavar=self.metavar)
+        default = list(self.default) if isinstance(self.default, list) else self.default
+        kwargs.update(default=default, type=self.type, choices=self.choices, metavar=self.metavar)
         if self.nargs is not None:
             kwargs["nargs"] = self.nargs
         return container.add_argument(*names, **kwargs)
@@ -175,7 +175,7 @@ class Command:
     `tandem.cli.main` reports it through `parser.error` (exit 2) before anything starts."""
 
     handler: Callable[[argparse.Namespace], int]
-    check: Callable[[argparse.Namespace], None] | None = None
+    check: Callable[[argparse.Namespace], object] | None = None
 
     def install(self, parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(handler=self.handler)
