@@ -234,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_args(args)  # invalid combinations: one line, exit 2, before any process starts
     except (ValueError, OSError) as exc:  # OSError: a named file that is missing
-        parser.error(str(exc))
+        # The line alone, as a handler's errors read: the usage would bury it.
+        parser.exit(2, f"tandem: error: {exc}\n")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
