@@ -44,7 +44,13 @@ import httpx
 from tandem.bench.cluster_stats import describe as describe_cluster
 from tandem.bench.cluster_stats import snapshot_workers
 from tandem.bench.cluster_stats import summarize as summarize_cluster
-from tandem.bench.load_client import ENDPOINTS, LoadConfig, RequestRecord, run_load
+from tandem.bench.load_client import LoadConfig, RequestRecord, run_load
+from tandem.bench.serve_flags import (
+    DEFAULT_MODEL,
+    KV_TIERS,
+    POLICY_TARGETS,
+    SERVE_BENCH_TABLES,
+)
 from tandem.bench.serve_report import (
     TargetOutcome,
     build_report,
@@ -54,7 +60,6 @@ from tandem.bench.serve_report import (
     plot,
 )
 from tandem.bench.serve_workloads import (
-    WORKLOAD_NAMES,
     ServeWorkload,
     WorkloadConfig,
     build_serve_workload,
@@ -74,10 +79,6 @@ CLUSTERS = {
     "colocated": ["--workers", "2"],
     "pd": ["--prefill-workers", "1", "--decode-workers", "1"],
 }
-DEFAULT_MODEL = (
-    "smollm2-135m"  # the alias tandem.loader.resolve knows (kept here: no loader import)
-)
-DEFAULT_KV = "2GiB"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -87,249 +88,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    targets = parser.add_argument_group("targets")
-    targets.add_argument(
-        "--url",
-        action="append",
-        default=[],
-        metavar="[NAME=]URL",
-        help="an OpenAI-compatible server already running, e.g. "
-        "vllm=http://127.0.0.1:8000 (repeatable)",
-    )
-    targets.add_argument(
-        "--launch",
-        action="append",
-        default=[],
-        metavar="ENGINE",
-        help="start and measure a server: tandem (one `tandem serve`), routed (router + 1 "
-        "worker), colocated (router + 2 workers), pd (router + 1 prefill + 1 decode worker), "
-        "vllm (repeatable or comma-separated); clusters split the cores among their workers",
-    )
-    targets.add_argument(
-        "--policies",
-        action="append",
-        default=[],
-        metavar="POLICY",
-        help="compare router policies, each on its own `tandem up --workers N` cluster: "
-        f"{', '.join(POLICY_TARGETS)} (session and kv_aware+header send x-session-affinity; "
-        "repeatable or comma-separated)",
-    )
-    targets.add_argument(
-        "--policy-workers", type=int, default=3, metavar="N",
-        help="colocated workers behind the router of each --policies target (default: 3)",
-    )
-    targets.add_argument(
-        "--kv-tier-sets", default="off", metavar="SETS",
-        help="run each --policies target once per KV tier set: off, cpu, cpu+disk, "
-        "cpu+disk+cluster (the cluster store is a redis-server `tandem up` starts), "
-        "comma-separated (default: off)",
-    )
-    targets.add_argument(
-        "--kv-tier-cpu-bytes", default="2GiB", metavar="SIZE",
-        help="CPU-memory tier per worker in tier sets with cpu (default: 2GiB)",
-    )
-    targets.add_argument(
-        "--kv-store-memory", default=None, metavar="SIZE",
-        help="the cluster tier's redis-server maxmemory in tier sets with cluster "
-        "(default: tandem up's, 2GiB)",
-    )
-    targets.add_argument(
-        "--kv-store-admit-after", type=int, default=None, metavar="N",
-        help="sightings before a chunk enters the disk and cluster tiers (default: the engine's, 2)",
-    )
-    targets.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"model the launched servers load (default: {DEFAULT_MODEL})",
-    )
-    targets.add_argument(
-        "--served-model-name",
-        default=None,
-        metavar="NAME",
-        help="model name sent in requests (default: the first of GET /v1/models)",
-    )
-    targets.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
-
-    workload = parser.add_argument_group("workload")
-    workload.add_argument(
-        "--workload",
-        default="agentic",
-        choices=WORKLOAD_NAMES,
-        help="request set (default: agentic)",
-    )
-    workload.add_argument(
-        "--num-requests",
-        type=int,
-        default=64,
-        help="fixed / random: number of requests (default: 64)",
-    )
-    workload.add_argument(
-        "--input-len", type=int, default=512, help="fixed / random: prompt tokens (default: 512)"
-    )
-    workload.add_argument(
-        "--output-len",
-        type=int,
-        default=None,
-        help="output tokens per request (default: 128; agentic: 32)",
-    )
-    workload.add_argument(
-        "--range-ratio",
-        type=float,
-        default=0.5,
-        help="random: lengths uniform in [(1-r)*len, (1+r)*len] (default: 0.5)",
-    )
-    workload.add_argument(
-        "--sessions", type=int, default=16, help="agentic: sessions (default: 16)"
-    )
-    workload.add_argument(
-        "--turns-min", type=int, default=5, help="agentic: fewest turns (default: 5)"
-    )
-    workload.add_argument(
-        "--turns-max", type=int, default=20, help="agentic: most turns (default: 20)"
-    )
-    workload.add_argument(
-        "--prefix-len",
-        type=int,
-        default=2000,
-        help="agentic: shared system + tools prefix tokens (default: 2000)",
-    )
-    workload.add_argument(
-        "--user-len-min",
-        type=int,
-        default=100,
-        help="agentic: fewest new tokens a turn (default: 100)",
-    )
-    workload.add_argument(
-        "--user-len-max",
-        type=int,
-        default=500,
-        help="agentic: most new tokens a turn (default: 500)",
-    )
-    workload.add_argument(
-        "--max-context",
-        type=int,
-        default=None,
-        help="agentic: a session stops before its context passes this many "
-        "tokens (default: --max-model-len, else the model's, else 8192)",
-    )
-    workload.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="PATH",
-        help="HF directory or tokenizer.json sizing prompts exactly (default: "
-        "the launched model's; else ~1 token per word)",
-    )
-    workload.add_argument(
-        "--workload-seed", type=int, default=0, help="seed of the request set (default: 0)"
-    )
-
-    load = parser.add_argument_group("load")
-    load.add_argument(
-        "--concurrency",
-        type=int,
-        default=None,
-        help="closed loop: sessions in flight (default: 4 unless --request-rate)",
-    )
-    load.add_argument(
-        "--request-rate",
-        type=float,
-        default=None,
-        help="open loop: Poisson session arrivals per second",
-    )
-    load.add_argument(
-        "--max-concurrency", type=int, default=None, help="open loop: cap on sessions in flight"
-    )
-    load.add_argument(
-        "--session-header",
-        action="store_true",
-        help="send x-session-affinity: <session id> with every request",
-    )
-    load.add_argument(
-        "--endpoint",
-        default="auto",
-        choices=ENDPOINTS,
-        help="auto: /v1/completions for fixed / random, /v1/chat/completions for agentic",
-    )
-    load.add_argument(
-        "--no-ignore-eos",
-        action="store_true",
-        help="do not send ignore_eos (for servers that refuse it; outputs may be shorter)",
-    )
-    load.add_argument(
-        "--warmup-requests",
-        type=int,
-        default=1,
-        help="untimed short requests before the run (default: 1)",
-    )
-    load.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        help="seconds before a request counts as an error (default: 600)",
-    )
-    load.add_argument(
-        "--seed", type=int, default=0, help="seed of the Poisson arrivals (default: 0)"
-    )
-
-    servers = parser.add_argument_group("launched servers")
-    servers.add_argument(
-        "--kv-cache-memory",
-        default=DEFAULT_KV,
-        metavar="SIZE",
-        help=f"KV cache budget of each launched server (default: {DEFAULT_KV})",
-    )
-    servers.add_argument(
-        "--max-num-seqs", type=int, default=128, help="most sequences per step (default: 128)"
-    )
-    servers.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="token budget per step (default: 2048)",
-    )
-    servers.add_argument(
-        "--max-model-len", type=int, default=None, help="context length of both servers"
-    )
-    servers.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads of both servers (vLLM through OMP_NUM_THREADS)",
-    )
-    servers.add_argument(
-        "--vllm-python",
-        default=None,
-        metavar="PATH",
-        help="Python of a venv with vllm (e.g. /opt/venvs/vllm/bin/python)",
-    )
-    servers.add_argument(
-        "--vllm-no-iomp-preload",
-        action="store_true",
-        help="do not LD_PRELOAD the venv's libiomp5.so into vLLM",
-    )
-    servers.add_argument(
-        "--tandem-args",
-        default="",
-        metavar="ARGS",
-        help="extra flags for `tandem serve`, one quoted string",
-    )
-    servers.add_argument(
-        "--vllm-args",
-        default="",
-        metavar="ARGS",
-        help="extra flags for vLLM's OpenAI server, one quoted string",
-    )
-    servers.add_argument(
-        "--server-timeout",
-        type=float,
-        default=600.0,
-        help="seconds a launched server may take to answer /health (default: 600)",
-    )
-    parser.add_argument(
-        "--output-dir",
-        default="bench-results",
-        help="results go into OUTPUT_DIR/serve-<timestamp>/ (default: bench-results)",
-    )
+    for table in SERVE_BENCH_TABLES:
+        table.add_to(parser)
     parser.set_defaults(handler=cmd_serve)
 
 
@@ -350,19 +110,6 @@ class Target:
     policy: str | None = None
     session_header: bool | None = None  # None: the --session-header flag
     kv_tiers: tuple[str, ...] = ()  # policy targets: the KV tiers below the device pool
-
-
-POLICY_TARGETS = {
-    # target name: (router policy, send x-session-affinity)
-    "round_robin": ("round_robin", False),
-    "least_tokens": ("least_tokens", False),
-    "session": ("session", True),
-    "kv_aware": ("kv_aware", False),
-    "kv_aware+header": ("kv_aware", True),
-}
-
-
-KV_TIERS = ("cpu", "disk", "cluster")
 
 
 def parse_tier_sets(text: str) -> list[tuple[str, ...]]:

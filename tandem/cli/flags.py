@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
+from tandem.cli.table import Flag, FlagTable
 from tandem.config import (
     DECODE_WEIGHT_FORMATS,
     CacheConfig,
@@ -32,44 +33,13 @@ from tandem.config import (
     SpeculativeConfig,
     parse_memory_size,
 )
-from tandem.edge.limits import add_request_limit_args, request_limits
+from tandem.edge.limits import REQUEST_LIMIT_FLAGS, request_limits
 from tandem.loader.resolve import DEFAULT_MODEL
 from tandem.platform.device import DEVICES, resolve_device, resolve_dtype
 from tandem.trust.keys import CLUSTER_SECRET_ENV, admin_key_from_env, secret_from_env
 
-
-@dataclass(frozen=True)
-class Flag:
-    """One `--option` of the engine group: how argparse registers it and how it is written back."""
-
-    option: str
-    help: str
-    default: Any = None
-    type: Callable[[str], Any] | None = None
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-    switch: bool = False  # store_true: present or absent, no value
-
-    @property
-    def dest(self) -> str:
-        return self.option.removeprefix("--").replace("-", "_")
-
-    def add_to(self, group: argparse._ArgumentGroup) -> None:
-        if self.switch:
-            group.add_argument(self.option, action="store_true", help=self.help)
-            return
-        group.add_argument(self.option, type=self.type, default=self.default,
-                           choices=self.choices, metavar=self.metavar, help=self.help)
-
-    def to_argv(self, value: Any) -> list[str]:
-        """The flag as a command line would give `value` (nothing for None or an unset switch)."""
-        if self.switch:
-            return [self.option] if value else []
-        return [] if value is None else [self.option, str(value)]
-
-
 # Names follow `vllm serve`. Order is the --help order and the order of `engine_argv`.
-ENGINE_FLAGS: tuple[Flag, ...] = (
+ENGINE_FLAGS = FlagTable("engine", (
     Flag("--dtype", "weight and activation dtype; auto = bfloat16 on a GPU, float32 on the CPU (exact "
          "greedy parity with transformers) (default: auto)", "auto",
          choices=("auto", "float32", "bfloat16", "float16")),
@@ -167,18 +137,21 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "a chunk enters the disk tier and the cluster store once N requests contained it, or at once "
          "when its request continues a prefix seen in N (a conversation's next turn); keeps one-shot "
          "prompts out (default: 2; 1 = every chunk)", 2, type=int, metavar="N"),
-)
+))
+
+# The positional MODEL and its vLLM spelling, outside any group.
+MODEL_FLAGS = FlagTable(None, (
+    Flag("model", f"HF directory, .gguf file or alias (default: {DEFAULT_MODEL})", DEFAULT_MODEL,
+         nargs="?"),
+    Flag("--model", "the same as the positional MODEL, as vLLM also takes it", dest_name="model_flag",
+         metavar="MODEL"),
+))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The positional MODEL and the engine group, shared by every command that runs an engine."""
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                        help=f"HF directory, .gguf file or alias (default: {DEFAULT_MODEL})")
-    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                        help="the same as the positional MODEL, as vLLM also takes it")
-    group = parser.add_argument_group("engine")
-    for flag in ENGINE_FLAGS:
-        flag.add_to(group)
+    MODEL_FLAGS.add_to(parser)
+    ENGINE_FLAGS.add_to(parser)
 
 
 def settle_model(args: argparse.Namespace) -> None:
@@ -193,7 +166,7 @@ def settle_model(args: argparse.Namespace) -> None:
 
 def engine_defaults() -> dict[str, Any]:
     """dest -> default of MODEL and every engine flag."""
-    return {"model": DEFAULT_MODEL, **{flag.dest: flag.default for flag in ENGINE_FLAGS}}
+    return {"model": DEFAULT_MODEL, **ENGINE_FLAGS.defaults()}
 
 
 def engine_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -213,12 +186,7 @@ def settle_device(args: argparse.Namespace) -> None:
 def engine_argv(args: argparse.Namespace, exclude: Collection[str] = ()) -> list[str]:
     """The engine flags set to something other than their default, as argv again (MODEL is not
     included). `exclude` names options (e.g. "--threads") the caller sets itself."""
-    argv: list[str] = []
-    for flag in ENGINE_FLAGS:
-        value = getattr(args, flag.dest, flag.default)
-        if flag.option not in exclude and value != flag.default:
-            argv += flag.to_argv(value)
-    return argv
+    return ENGINE_FLAGS.argv(args, exclude)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -310,61 +278,73 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+SERVER_FLAGS = FlagTable("server", (
+    Flag("--host", "address to bind (default: 127.0.0.1)", "127.0.0.1"),
+    Flag("--port", "port (default: 8000)", 8000, type=int),
+    Flag("--served-model-name",
+         "model name(s) clients send; the first is reported (default: the MODEL argument)",
+         nargs="+", metavar="NAME"),
+    Flag("--api-key", "require 'Authorization: Bearer KEY' on /v1 endpoints (default: env TANDEM_API_KEY)"),
+    Flag("--admin-key",
+         "bearer token for the control endpoints (/reset_prefix_cache, /kv/*) and, once any "
+         "key or secret is set, /metrics and /load (default: env TANDEM_ADMIN_KEY, else the "
+         "cluster secret)", metavar="KEY"),
+    Flag("--public-metrics",
+         "keep /metrics, /load and /version open to anyone even with keys or a cluster "
+         "secret set (e.g. for a Prometheus without credentials)", switch=True),
+    Flag("--max-waiting",
+         "sequences (prompts x n) accepted but not yet generating; a request that would "
+         "take more gets 429 with Retry-After before anything is queued, one that alone "
+         "asks for more gets 400; 0 = no limit (default: 512)", 512, type=int, metavar="N"),
+    Flag("--max-waiting-tokens",
+         "the same for prompt tokens waiting at once; 0 = no limit (default: 64 times "
+         "the context length)", type=int, metavar="N"),
+    Flag("--max-tokens-policy",
+         "a request whose max_tokens exceeds what the context leaves after its prompt: cap "
+         "serves it with max_tokens capped there (finish_reason 'length' when it gets that "
+         "far; the applied and requested values in the x-tandem-max-tokens-applied and "
+         "-requested response headers); reject answers 400, as vLLM does (default: cap)", "cap",
+         choices=["cap", "reject"]),
+    Flag("--tool-call-parser",
+         "tool-call format (default: chosen from the chat template; hermes when it has none)",
+         choices=["hermes", "qwen", "llama3_json"]),
+    Flag("--no-access-log", "do not log one line per HTTP request", switch=True),
+    Flag("--shutdown-timeout",
+         "SIGTERM drains: new requests get a retryable 503, /health fails, running ones "
+         "finish (and handed-over KV is read) for up to S seconds, then the server stops; "
+         "a second SIGTERM or Ctrl-C stops it at once (default: 30)", 30.0, type=float, metavar="S"),
+))
+
+PD_FLAGS = FlagTable("prefill/decode disaggregation", (
+    Flag("--role",
+         "prefill: computes prompts and hands their KV to decode workers; decode: fetches "
+         "that KV and generates; both: either, or whole requests (default: both)", "both",
+         choices=["both", "prefill", "decode"]),
+    Flag("--kv-transfer-host", "address this worker's KV source listens on (default: 127.0.0.1)",
+         "127.0.0.1"),
+    Flag("--kv-transfer-port", "its port (default: any free port)", 0, type=int),
+    Flag("--kv-transfer-hold-timeout",
+         "free kept prompt KV after S seconds if no decode worker released it (default: 60)", 60.0,
+         type=float, metavar="S"),
+    Flag("--kv-transfer-fetch-timeout",
+         "a decode worker computes the prompt itself after S seconds (default: 10)", 10.0,
+         type=float, metavar="S"),
+    Flag("--cluster-secret",
+         "the secret this worker's cluster shares: with it, the worker answers only requests "
+         "its router signs (any other gets 401, /health aside), takes the handoff fields "
+         "only from them, and its KV port serves only peers that sign with it; needed by "
+         "--role prefill|decode (default: env TANDEM_CLUSTER_SECRET; tandem up makes one "
+         "per cluster)", metavar="SECRET"),
+    Flag("--kv-transfer-shm",
+         "keep the KV cache in /dev/shm so decode workers on this host copy it directly", switch=True),
+))
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """`tandem serve`'s HTTP and prefill/decode flags."""
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="model name(s) clients send; the first is reported (default: the MODEL argument)")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: env TANDEM_API_KEY)")
-    group.add_argument("--admin-key", default=None, metavar="KEY",
-                       help="bearer token for the control endpoints (/reset_prefix_cache, /kv/*) and, once any "
-                            "key or secret is set, /metrics and /load (default: env TANDEM_ADMIN_KEY, else the "
-                            "cluster secret)")
-    group.add_argument("--public-metrics", action="store_true",
-                       help="keep /metrics, /load and /version open to anyone even with keys or a cluster "
-                            "secret set (e.g. for a Prometheus without credentials)")
-    group.add_argument("--max-waiting", type=int, default=512, metavar="N",
-                       help="sequences (prompts x n) accepted but not yet generating; a request that would "
-                            "take more gets 429 with Retry-After before anything is queued, one that alone "
-                            "asks for more gets 400; 0 = no limit (default: 512)")
-    group.add_argument("--max-waiting-tokens", type=int, default=None, metavar="N",
-                       help="the same for prompt tokens waiting at once; 0 = no limit (default: 64 times "
-                            "the context length)")
-    group.add_argument("--max-tokens-policy", default="cap", choices=["cap", "reject"],
-                       help="a request whose max_tokens exceeds what the context leaves after its prompt: cap "
-                            "serves it with max_tokens capped there (finish_reason 'length' when it gets that "
-                            "far; the applied and requested values in the x-tandem-max-tokens-applied and "
-                            "-requested response headers); reject answers 400, as vLLM does (default: cap)")
-    group.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
-                       help="tool-call format (default: chosen from the chat template; hermes when it has none)")
-    group.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                       help="SIGTERM drains: new requests get a retryable 503, /health fails, running ones "
-                            "finish (and handed-over KV is read) for up to S seconds, then the server stops; "
-                            "a second SIGTERM or Ctrl-C stops it at once (default: 30)")
-    add_request_limit_args(parser)
-    pd = parser.add_argument_group("prefill/decode disaggregation")
-    pd.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
-                    help="prefill: computes prompts and hands their KV to decode workers; decode: fetches "
-                         "that KV and generates; both: either, or whole requests (default: both)")
-    pd.add_argument("--kv-transfer-host", default="127.0.0.1",
-                    help="address this worker's KV source listens on (default: 127.0.0.1)")
-    pd.add_argument("--kv-transfer-port", type=int, default=0, help="its port (default: any free port)")
-    pd.add_argument("--kv-transfer-hold-timeout", type=float, default=60.0, metavar="S",
-                    help="free kept prompt KV after S seconds if no decode worker released it (default: 60)")
-    pd.add_argument("--kv-transfer-fetch-timeout", type=float, default=10.0, metavar="S",
-                    help="a decode worker computes the prompt itself after S seconds (default: 10)")
-    pd.add_argument("--cluster-secret", default=None, metavar="SECRET",
-                    help="the secret this worker's cluster shares: with it, the worker answers only requests "
-                         "its router signs (any other gets 401, /health aside), takes the handoff fields "
-                         "only from them, and its KV port serves only peers that sign with it; needed by "
-                         "--role prefill|decode (default: env TANDEM_CLUSTER_SECRET; tandem up makes one "
-                         "per cluster)")
-    pd.add_argument("--kv-transfer-shm", action="store_true",
-                    help="keep the KV cache in /dev/shm so decode workers on this host copy it directly")
+    SERVER_FLAGS.add_to(parser)
+    REQUEST_LIMIT_FLAGS.add_to(parser)
+    PD_FLAGS.add_to(parser)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

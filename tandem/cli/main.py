@@ -33,6 +33,7 @@ from tandem.cli.flags import (
     settle_device,
     settle_model,
 )
+from tandem.cli.table import Command, Flag, FlagTable, check_args
 from tandem.launch.up import add_up_parser
 from tandem.plan.cli import add_plan_parser
 from tandem.router.accounting.keys_cli import add_keys_parser
@@ -72,23 +73,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_serve(args: argparse.Namespace) -> None:
+    """Build the worker's configs once at parse time: a bad flag combination fails here."""
+    serve_engine_config(args)
+    server_config(args)
+
+
+def check_offline(args: argparse.Namespace) -> None:
+    """generate/chat: the engine settings `tandem.LLM` will take, built once at parse time."""
+    llm_kwargs(args)
+
+
 def build_llm(args: argparse.Namespace) -> Any:
     from tandem.llm import LLM
 
     return LLM(args.model, **llm_kwargs(args))
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, default_temperature: float) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: 128)")
-    group.add_argument("--temperature", type=float, default=default_temperature,
-                       help=f"0 is greedy (default: {default_temperature})")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--sample-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
-    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+def sampling_flags(default_temperature: float) -> FlagTable:
+    """The sampling group; generate is greedy by default, chat samples."""
+    return FlagTable("sampling", (
+        Flag("--max-tokens", "tokens to generate (default: 128)", 128, type=int),
+        Flag("--temperature", f"0 is greedy (default: {default_temperature})", default_temperature,
+             type=float),
+        Flag("--top-p", None, 1.0, type=float),
+        Flag("--top-k", "0 disables top-k", 0, type=int),
+        Flag("--min-p", None, 0.0, type=float),
+        Flag("--repetition-penalty", None, 1.0, type=float),
+        Flag("--sample-seed", "per-request seed (reproducible sampling)", type=int),
+        Flag("--stop", "stop string (repeatable)", [], action="append"),
+    ))
+
+
+ROOT_FLAGS = FlagTable(None, (
+    Flag("--log-level", None, "INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]),
+))
+SERVE_FLAGS = FlagTable(None, (
+    Flag("--headless", "run only this node's ranks of a multi-host engine (--nnodes, --node-rank >= 1, "
+         "--master-addr, --master-port); node 0 serves the API", switch=True),
+))
+GENERATE_FLAGS = FlagTable(None, (
+    Flag("--prompt", "prompt (repeatable; default: lines of stdin)", action="append", short="-p"),
+    Flag("--echo", "print the prompt before its completion", switch=True),
+))
+CHAT_FLAGS = FlagTable(None, (Flag("--system", "system prompt"),))
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -148,7 +176,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    ROOT_FLAGS.add_to(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     add_up_parser(commands)
@@ -159,27 +187,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "in its own process; Ctrl-C stops both.")
     add_engine_args(serve)
     add_server_args(serve)
-    serve.add_argument("--headless", action="store_true",
-                       help="run only this node's ranks of a multi-host engine (--nnodes, --node-rank >= 1, "
-                            "--master-addr, --master-port); node 0 serves the API")
-    serve.set_defaults(handler=cmd_serve)
+    SERVE_FLAGS.add_to(serve)
+    Command(cmd_serve, check_serve).install(serve)
     add_route_parser(commands)
     add_keys_parser(commands)
 
     generate = commands.add_parser("generate", help="complete prompts offline and print the text",
                                    description="Complete prompts (batched together) and print the completions.")
     add_engine_args(generate)
-    generate.add_argument("-p", "--prompt", action="append", help="prompt (repeatable; default: lines of stdin)")
-    generate.add_argument("--echo", action="store_true", help="print the prompt before its completion")
-    add_sampling_args(generate, default_temperature=0.0)
-    generate.set_defaults(handler=cmd_generate)
+    GENERATE_FLAGS.add_to(generate)
+    sampling_flags(default_temperature=0.0).add_to(generate)
+    Command(cmd_generate, check_offline).install(generate)
 
     chat = commands.add_parser("chat", help="talk to the model in the terminal",
                                description="Interactive chat through the model's chat template.")
     add_engine_args(chat)
-    chat.add_argument("--system", default=None, help="system prompt")
-    add_sampling_args(chat, default_temperature=0.7)
-    chat.set_defaults(handler=cmd_chat)
+    CHAT_FLAGS.add_to(chat)
+    sampling_flags(default_temperature=0.7).add_to(chat)
+    Command(cmd_chat, check_offline).install(chat)
 
     bench = commands.add_parser("bench", help="benchmarks that print tandem beside a peer")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
@@ -206,6 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     settle_device(args)
+    try:
+        check_args(args)  # invalid combinations: one line, exit 2, before any process starts
+    except (ValueError, OSError) as exc:  # OSError: a named file that is missing
+        # The line alone, as a handler's errors read: the usage would bury it.
+        parser.exit(2, f"tandem: error: {exc}\n")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:

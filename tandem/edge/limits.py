@@ -35,6 +35,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.cli.table import Flag, FlagTable
 from tandem.config import RequestLimits, parse_memory_size
 from tandem.edge.errors import APIError, error_body
 
@@ -185,17 +186,20 @@ def _too_large(size: int, limit: int) -> _Refused:
 _DEFAULTS = RequestLimits()
 
 
+REQUEST_LIMIT_FLAGS = FlagTable("request limits", (
+    Flag("--max-request-bytes", "larger request bodies get 413, e.g. 16MiB (default: 16MiB)",
+         str(_DEFAULTS.max_body_bytes), metavar="SIZE"),
+    Flag("--body-timeout", "a request body not fully sent after S seconds gets 408 "
+         f"(default: {_DEFAULTS.body_timeout_s:g})", _DEFAULTS.body_timeout_s, type=float, metavar="S"),
+    Flag("--max-messages", f"messages per chat request (default: {_DEFAULTS.max_messages})",
+         _DEFAULTS.max_messages, type=int, metavar="N"),
+    Flag("--max-tools", f"tool definitions per request (default: {_DEFAULTS.max_tools})",
+         _DEFAULTS.max_tools, type=int, metavar="N"),
+))
+
+
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("request limits")
-    group.add_argument("--max-request-bytes", default=str(_DEFAULTS.max_body_bytes), metavar="SIZE",
-                       help="larger request bodies get 413, e.g. 16MiB (default: 16MiB)")
-    group.add_argument("--body-timeout", type=float, default=_DEFAULTS.body_timeout_s, metavar="S",
-                       help="a request body not fully sent after S seconds gets 408 "
-                            f"(default: {_DEFAULTS.body_timeout_s:g})")
-    group.add_argument("--max-messages", type=int, default=_DEFAULTS.max_messages, metavar="N",
-                       help=f"messages per chat request (default: {_DEFAULTS.max_messages})")
-    group.add_argument("--max-tools", type=int, default=_DEFAULTS.max_tools, metavar="N",
-                       help=f"tool definitions per request (default: {_DEFAULTS.max_tools})")
+    REQUEST_LIMIT_FLAGS.add_to(parser)
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -205,5 +209,4 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 def request_limit_argv(args: argparse.Namespace) -> list[str]:
     request_limits(args)
-    return ["--max-request-bytes", str(args.max_request_bytes), "--body-timeout", str(args.body_timeout),
-            "--max-messages", str(args.max_messages), "--max-tools", str(args.max_tools)]
+    return REQUEST_LIMIT_FLAGS.argv(args, changed_only=False)

@@ -11,6 +11,7 @@ import argparse
 import json
 import textwrap
 
+from tandem.cli.table import Command, Flag, FlagTable
 from tandem.plan.devices import CUDA_CONTEXT_BYTES, NCCL_BYTES, MiB, parse_devices
 from tandem.plan.memory import (
     DEFAULT_MEMORY_UTILIZATION,
@@ -60,6 +61,54 @@ _MEMORY_DESCRIPTION = "\n\n".join([
 ])
 
 
+MEMORY_CONFIG_FLAGS = FlagTable(None, (
+    Flag(
+        "config", metavar="CONFIG",
+        help="config.json, a directory holding one, or an example name",
+    ),
+))
+MEMORY_DEVICE_FLAGS = FlagTable("where it runs", (
+    Flag("--devices", default="1xH100", help="e.g. 8xH100, 2xH200, cpu:24GiB (default: 1xH100)"),
+    Flag("--tp", type=int, help="tensor-parallel size (default: the devices not used by --pp)"),
+    Flag("--pp", default=1, type=int, help="pipeline-parallel stages (default: 1)"),
+    Flag(
+        "--ep", switch=True,
+        help="expert parallelism: deal the routed experts out whole over the tp ranks",
+    ),
+    Flag(
+        "--memory-utilization", default=DEFAULT_MEMORY_UTILIZATION, type=float,
+        help="fraction of each device for weights + KV cache "
+        f"(default: {DEFAULT_MEMORY_UTILIZATION})",
+    ),
+))
+MEMORY_MODEL_FLAGS = FlagTable("model and scheduler", (
+    Flag(
+        "--dtype", default="auto", choices=DTYPE_CHOICES,
+        help="weight dtype; auto: the config's (FP8 blocks if it ships them); "
+        "fp8: 128x128-block FP8 matmul weights",
+    ),
+    Flag(
+        "--kv-cache-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+        help="auto: the activation dtype",
+    ),
+    Flag(
+        "--max-num-batched-tokens", default=2048, type=int,
+        help="tokens per step, sizes the activation peak (default: 2048, the engine's)",
+    ),
+    Flag(
+        "--max-num-seqs", default=128, type=int,
+        help="sequences per step, sizes the sampler's logits (default: 128, the engine's)",
+    ),
+    Flag(
+        "--max-model-len", type=int,
+        help="longest sequence (default: the config's max_position_embeddings)",
+    ),
+))
+MEMORY_OUTPUT_FLAGS = FlagTable(None, (
+    Flag("--json", switch=True, help="print the plan as JSON"),
+))
+
+
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser("plan", help="capacity planning from a config.json (no weights needed)",
                                  description=_PLAN_DESCRIPTION)
@@ -67,32 +116,17 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     memory = commands.add_parser(
         "memory", help="weights, activations and KV cache per rank; tokens that fit",
         description=_MEMORY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    memory.add_argument("config", metavar="CONFIG", help="config.json, a directory holding one, or an example name")
-    where = memory.add_argument_group("where it runs")
-    where.add_argument("--devices", default="1xH100", help="e.g. 8xH100, 2xH200, cpu:24GiB (default: 1xH100)")
-    where.add_argument("--tp", type=int, default=None,
-                       help="tensor-parallel size (default: the devices not used by --pp)")
-    where.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default: 1)")
-    where.add_argument("--ep", action="store_true",
-                       help="expert parallelism: deal the routed experts out whole over the tp ranks")
-    where.add_argument("--memory-utilization", type=float, default=DEFAULT_MEMORY_UTILIZATION,
-                       help="fraction of each device for weights + KV cache "
-                            f"(default: {DEFAULT_MEMORY_UTILIZATION})")
-    model = memory.add_argument_group("model and scheduler")
-    model.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                       help="weight dtype; auto: the config's (FP8 blocks if it ships them); "
-                            "fp8: 128x128-block FP8 matmul weights")
-    model.add_argument("--kv-cache-dtype", choices=KV_DTYPE_CHOICES, default="auto",
-                       help="auto: the activation dtype")
-    model.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                       help="tokens per step, sizes the activation peak (default: 2048, the engine's)")
-    model.add_argument("--max-num-seqs", type=int, default=128,
-                       help="sequences per step, sizes the sampler's logits (default: 128, the engine's)")
-    model.add_argument("--max-model-len", type=int, default=None,
-                       help="longest sequence (default: the config's max_position_embeddings)")
-    memory.add_argument("--json", action="store_true", help="print the plan as JSON")
-    memory.set_defaults(handler=cmd_plan_memory)
+    MEMORY_CONFIG_FLAGS.add_to(memory)
+    MEMORY_DEVICE_FLAGS.add_to(memory)
+    MEMORY_MODEL_FLAGS.add_to(memory)
+    MEMORY_OUTPUT_FLAGS.add_to(memory)
+    Command(cmd_plan_memory, check_plan_memory).install(memory)
     add_pools_parsers(commands)
+
+
+def check_plan_memory(args: argparse.Namespace) -> None:
+    """A bad --devices spec is a parse error, before any config is read."""
+    parse_devices(args.devices)
 
 
 def cmd_plan_memory(args: argparse.Namespace) -> int:

@@ -6,10 +6,11 @@ import argparse
 import logging
 from pathlib import Path
 
-from tandem.edge.limits import add_request_limit_args, request_limits
+from tandem.cli.table import Command, Flag, FlagTable
+from tandem.edge.limits import REQUEST_LIMIT_FLAGS, request_limits
 from tandem.router.accounting.flags import (
+    ACCOUNTING_FLAGS,
     accounting_config,
-    add_accounting_args,
     check_accounting,
 )
 from tandem.router.config import (
@@ -23,9 +24,9 @@ from tandem.router.config import (
     parse_discovery_target,
     specs_from_lists,
 )
-from tandem.router.placement.flags import add_policy_args, policy_config
+from tandem.router.placement.flags import POLICY_FLAGS, policy_config
 from tandem.router.resilience.flags import (
-    add_resilience_args,
+    RESILIENCE_FLAGS,
     admission_policy,
     breaker_policy,
 )
@@ -51,6 +52,127 @@ On Kubernetes, discover workers from headless Services instead (deploy/k8s/):
 """
 
 
+def _discovery_target(text: str) -> DiscoveryTarget:
+    try:
+        return parse_discovery_target(text)
+    except ValueError as exc:  # argparse then prints the reason, not "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+ROUTE_WORKER_FLAGS = FlagTable("workers", (
+    Flag(
+        "--prefill", default=[], metavar="URL", action="append",
+        help="prefill worker (repeatable)",
+    ),
+    Flag(
+        "--decode", default=[], metavar="URL", action="append",
+        help="decode worker; also serves short requests whole (repeatable)",
+    ),
+    Flag(
+        "--worker", default=[], metavar="URL", action="append",
+        help="colocated worker (--role both): whole requests and decode hops (repeatable)",
+    ),
+    Flag(
+        "--config", type=Path, metavar="FILE",
+        help="JSON/YAML file {prefill: [...], decode: [...], worker: [...]}, added to the flags",
+    ),
+    Flag(
+        "--discover", default=[], type=_discovery_target, metavar="ROLE=HOST:PORT",
+        action="append",
+        help="workers of ROLE (prefill, decode or worker) at every address HOST resolves to, "
+        "re-resolved every --discover-interval: a Kubernetes headless Service lists its ready "
+        "pods (repeatable)",
+    ),
+    Flag(
+        "--discover-interval", default=5.0, type=float, metavar="S",
+        help="seconds between --discover lookups (default: 5)",
+    ),
+))
+
+ROUTE_SERVER_FLAGS = FlagTable("server", (
+    Flag("--host", help="address to bind (default: 127.0.0.1)", default="127.0.0.1"),
+    Flag("--port", help="port (default: 8000)", default=8000, type=int),
+    Flag("--access-log", help="log every HTTP request (uvicorn)", switch=True),
+))
+
+ROUTING_FLAGS = FlagTable("routing", (
+    Flag(
+        "--tokenizer", type=Path, metavar="PATH",
+        help="tokenizer.json or a model directory holding one, to count prompt "
+        "tokens (default: estimate 4 characters per token)",
+    ),
+    Flag(
+        "--pd-min-prompt-tokens", default=256, type=int, metavar="N",
+        help="shorter prompts skip the prefill hop (default: 256)",
+    ),
+    Flag(
+        "--decode-sequence-weight", default=ScoringConfig.decode_sequence_weight, type=float,
+        metavar="W",
+        help="decode score per running sequence, next to the KV fraction "
+        f"in use (default: {ScoringConfig.decode_sequence_weight})",
+    ),
+))
+
+HEALTH_FLAGS = FlagTable("health and retries", (
+    Flag(
+        "--health-interval", default=HealthPolicy.interval_s, type=float, metavar="S",
+        help=f"poll /health and /load every S seconds (default: {HealthPolicy.interval_s})",
+    ),
+    Flag(
+        "--health-timeout", default=HealthPolicy.timeout_s, type=float, metavar="S",
+        help=f"per poll (default: {HealthPolicy.timeout_s})",
+    ),
+    Flag(
+        "--down-after", default=HealthPolicy.failures_to_down, type=int, metavar="N",
+        help="consecutive failures that mark a worker down "
+        f"(default: {HealthPolicy.failures_to_down})",
+    ),
+    Flag(
+        "--up-after", default=HealthPolicy.successes_to_up, type=int, metavar="N",
+        help="consecutive successes that mark it up again "
+        f"(default: {HealthPolicy.successes_to_up})",
+    ),
+    Flag(
+        "--max-attempts", default=RetryPolicy.max_attempts, type=int, metavar="N",
+        help=f"tries per hop before the client saw a byte (default: {RetryPolicy.max_attempts})",
+    ),
+    Flag(
+        "--retry-backoff", default=RetryPolicy.backoff_s, type=float, metavar="S",
+        help=f"first retry delay, doubling after (default: {RetryPolicy.backoff_s})",
+    ),
+    Flag(
+        "--connect-timeout", default=Timeouts.connect_s, type=float, metavar="S",
+        help=f"per hop (default: {Timeouts.connect_s})",
+    ),
+    Flag(
+        "--first-byte-timeout", default=Timeouts.first_byte_s, type=float, metavar="S",
+        help="per hop, until the worker's response headers, and again until a stream's first "
+        "event (a request's wait in the worker's queue); a non-streamed reply sends its headers "
+        f"at its end (default: {Timeouts.first_byte_s})",
+    ),
+))
+
+ROUTE_SECURITY_FLAGS = FlagTable("cluster secret and control plane", (
+    Flag(
+        "--cluster-secret", metavar="SECRET",
+        help="the secret the workers share (the same --cluster-secret or env TANDEM_CLUSTER_SECRET): "
+        "every request to a worker is signed with it, and prefill/decode splits and stream migration "
+        "need it (default: env TANDEM_CLUSTER_SECRET)",
+    ),
+    Flag(
+        "--admin-key", metavar="KEY",
+        help="bearer token for POST /workers/reload, /workers/ID/drain and /resume, and, once keys "
+        "are on, for /metrics and /workers (default: env TANDEM_ADMIN_KEY, else the "
+        "cluster secret)",
+    ),
+    Flag(
+        "--public-metrics", switch=True,
+        help="keep /metrics, /workers and /openapi.json open to anyone even with "
+        "--api-keys or --admin-key (they show traffic and workers, never prompts)",
+    ),
+))
+
+
 def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "route",
@@ -58,174 +180,16 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    workers = parser.add_argument_group("workers")
-    workers.add_argument(
-        "--prefill", action="append", default=[], metavar="URL", help="prefill worker (repeatable)"
-    )
-    workers.add_argument(
-        "--decode",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="decode worker; also serves short requests whole (repeatable)",
-    )
-    workers.add_argument(
-        "--worker",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="colocated worker (--role both): whole requests and decode hops (repeatable)",
-    )
-    workers.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="JSON/YAML file {prefill: [...], decode: [...], worker: [...]}, added to the flags",
-    )
-    workers.add_argument(
-        "--discover",
-        action="append",
-        default=[],
-        type=_discovery_target,
-        metavar="ROLE=HOST:PORT",
-        help="workers of ROLE (prefill, decode or worker) at every address HOST resolves to, "
-        "re-resolved every --discover-interval: a Kubernetes headless Service lists its ready "
-        "pods (repeatable)",
-    )
-    workers.add_argument(
-        "--discover-interval",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="seconds between --discover lookups (default: 5)",
-    )
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    server.add_argument(
-        "--access-log", action="store_true", help="log every HTTP request (uvicorn)"
-    )
-    routing = parser.add_argument_group("routing")
-    routing.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="tokenizer.json or a model directory holding one, to count prompt "
-        "tokens (default: estimate 4 characters per token)",
-    )
-    routing.add_argument(
-        "--pd-min-prompt-tokens",
-        type=int,
-        default=256,
-        metavar="N",
-        help="shorter prompts skip the prefill hop (default: 256)",
-    )
-    routing.add_argument(
-        "--decode-sequence-weight",
-        type=float,
-        default=ScoringConfig.decode_sequence_weight,
-        metavar="W",
-        help="decode score per running sequence, next to the KV fraction "
-        f"in use (default: {ScoringConfig.decode_sequence_weight})",
-    )
-    health = parser.add_argument_group("health and retries")
-    health.add_argument(
-        "--health-interval",
-        type=float,
-        default=HealthPolicy.interval_s,
-        metavar="S",
-        help=f"poll /health and /load every S seconds (default: {HealthPolicy.interval_s})",
-    )
-    health.add_argument(
-        "--health-timeout",
-        type=float,
-        default=HealthPolicy.timeout_s,
-        metavar="S",
-        help=f"per poll (default: {HealthPolicy.timeout_s})",
-    )
-    health.add_argument(
-        "--down-after",
-        type=int,
-        default=HealthPolicy.failures_to_down,
-        metavar="N",
-        help="consecutive failures that mark a worker down "
-        f"(default: {HealthPolicy.failures_to_down})",
-    )
-    health.add_argument(
-        "--up-after",
-        type=int,
-        default=HealthPolicy.successes_to_up,
-        metavar="N",
-        help="consecutive successes that mark it up again "
-        f"(default: {HealthPolicy.successes_to_up})",
-    )
-    health.add_argument(
-        "--max-attempts",
-        type=int,
-        default=RetryPolicy.max_attempts,
-        metavar="N",
-        help=f"tries per hop before the client saw a byte (default: {RetryPolicy.max_attempts})",
-    )
-    health.add_argument(
-        "--retry-backoff",
-        type=float,
-        default=RetryPolicy.backoff_s,
-        metavar="S",
-        help=f"first retry delay, doubling after (default: {RetryPolicy.backoff_s})",
-    )
-    health.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=Timeouts.connect_s,
-        metavar="S",
-        help=f"per hop (default: {Timeouts.connect_s})",
-    )
-    health.add_argument(
-        "--first-byte-timeout",
-        type=float,
-        default=Timeouts.first_byte_s,
-        metavar="S",
-        help="per hop, until the worker's response headers, and again until a stream's first "
-        "event (a request's wait in the worker's queue); a non-streamed reply sends its headers "
-        f"at its end (default: {Timeouts.first_byte_s})",
-    )
-    add_resilience_args(parser)
-    add_request_limit_args(parser)
-    add_policy_args(parser)
-    add_accounting_args(parser)
-    security = parser.add_argument_group("cluster secret and control plane")
-    security.add_argument(
-        "--cluster-secret",
-        default=None,
-        metavar="SECRET",
-        help="the secret the workers share (the same --cluster-secret or env TANDEM_CLUSTER_SECRET): "
-        "every request to a worker is signed with it, and prefill/decode splits and stream migration "
-        "need it (default: env TANDEM_CLUSTER_SECRET)",
-    )
-    security.add_argument(
-        "--admin-key",
-        default=None,
-        metavar="KEY",
-        help="bearer token for POST /workers/reload, /workers/ID/drain and /resume, and, once keys "
-        "are on, for /metrics and /workers (default: env TANDEM_ADMIN_KEY, else the "
-        "cluster secret)",
-    )
-    security.add_argument(
-        "--public-metrics",
-        action="store_true",
-        help="keep /metrics, /workers and /openapi.json open to anyone even with "
-        "--api-keys or --admin-key (they show traffic and workers, never prompts)",
-    )
-    parser.set_defaults(handler=cmd_route)
-
-
-def _discovery_target(text: str) -> DiscoveryTarget:
-    try:
-        return parse_discovery_target(text)
-    except ValueError as exc:  # argparse then prints the reason, not "invalid value"
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+    ROUTE_WORKER_FLAGS.add_to(parser)
+    ROUTE_SERVER_FLAGS.add_to(parser)
+    ROUTING_FLAGS.add_to(parser)
+    HEALTH_FLAGS.add_to(parser)
+    RESILIENCE_FLAGS.add_to(parser)
+    REQUEST_LIMIT_FLAGS.add_to(parser)
+    POLICY_FLAGS.add_to(parser)
+    ACCOUNTING_FLAGS.add_to(parser)
+    ROUTE_SECURITY_FLAGS.add_to(parser)
+    Command(cmd_route, check_route).install(parser)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -266,7 +230,10 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-def cmd_route(args: argparse.Namespace) -> int:
+def check_route(args: argparse.Namespace) -> RouterConfig:
+    """The router's config, built and checked before anything starts: workers given, the
+    worker file readable, the secret there when prefill workers need it, and the price, key
+    and ledger files usable."""
     config = router_config(args)
     if not config.workers and config.config_file is None and not config.discover:
         raise ValueError("give workers with --prefill/--decode/--worker URL, --config FILE or "
@@ -281,6 +248,11 @@ def cmd_route(args: argparse.Namespace) -> int:
             "decode workers in signed requests only"
         )
     check_accounting(config.accounting)  # so are a bad price or key file, or ledger path
+    return config
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    config = check_route(args)
     from tandem.router.http.app import run_router
 
     # One line per poll would drown the router's own log lines.

@@ -21,8 +21,8 @@ from netns_hosts import needs_netns
 from up_cluster import Up, start_up
 
 from tandem.cli.main import build_parser
+from tandem.launch.cluster_plan import banner, default_threads, engine_argv, plan_cluster
 from tandem.launch.netns import WorkerNetwork
-from tandem.launch.up import banner, default_threads, engine_argv, plan_cluster
 
 SMALL = ["--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8"]
 
@@ -334,7 +334,7 @@ def test_kv_store_redis_starts_a_local_server_for_the_workers(tmp_path: Path) ->
     import redis
 
     from tandem.kvcache.tiers.open import open_cluster_store
-    from tandem.launch.up import start_local_store
+    from tandem.launch.cluster import start_local_store
 
     args = _args("--kv-store", "redis", "--kv-store-memory", "64MiB")
     secret = "cluster secret " + uuid.uuid4().hex

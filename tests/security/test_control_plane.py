@@ -101,7 +101,7 @@ def test_the_banner_tells_the_operator_which_key_opens_the_control_plane(cluster
 def test_the_generated_secret_is_written_for_the_operator_only(tmp_path: Path) -> None:
     """Without a secret in the environment, tandem up makes one and leaves it, mode 0600, in its
     log directory: the operator's key to the control plane."""
-    from tandem.launch.up import write_secret
+    from tandem.launch.cluster import write_secret
 
     path = tmp_path / "cluster-secret"
     write_secret(path, "s3cret")

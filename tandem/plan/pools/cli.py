@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+from tandem.cli.table import Flag, FlagTable
 from tandem.plan.pools.costs import CostModel
 from tandem.plan.pools.search import Slo, recommendation, search
 from tandem.plan.pools.simulator import EngineLimits
@@ -49,46 +50,78 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+PROFILE_FLAGS = FlagTable(None, (
+    Flag("model", nargs="?", help="model (default: smollm2-135m)"),
+    Flag(
+        "--out", default=Path("tandem-profile.json"), type=Path,
+        help="where to write the cost model (default: tandem-profile.json)",
+    ),
+    Flag("--threads", type=int, help="engine threads, as a worker gets them"),
+    Flag("--dtype", default="auto", help="weight dtype (default: auto)"),
+    Flag(
+        "--max-num-batched-tokens", default=2048, type=int,
+        help="the workers' step budget (default: 2048)",
+    ),
+    Flag("--repeats", default=3, type=int, help="measurements per grid point (default: 3)"),
+    Flag(
+        "--transfer-gbps", type=float,
+        help="KV handoff over a network of this rate (default: a same-host memory copy)",
+    ),
+))
+POOLS_INPUT_FLAGS = FlagTable(None, (
+    Flag("--profile", type=Path, required=True, help="a cost model from `tandem plan profile`"),
+))
+POOLS_TRAFFIC_FLAGS = FlagTable("traffic", (
+    Flag("--rate", type=float, required=True, help="sessions arriving per second (Poisson)"),
+    Flag("--sessions", default=64, type=int, help="sessions to simulate (default: 64)"),
+    Flag(
+        "--turns", default=(1, 1), type=_range,
+        help="turns per session, N or LOW-HIGH (default: 1)",
+    ),
+    Flag("--system", default=0, type=int, help="shared system-prompt tokens (default: 0)"),
+    Flag(
+        "--input", default=(512, 512), type=_range,
+        help="new input tokens per turn, N or LOW-HIGH (default: 512)",
+    ),
+    Flag(
+        "--output", default=(128, 128), type=_range,
+        help="output tokens per turn, N or LOW-HIGH (default: 128)",
+    ),
+    Flag("--seed", default=0, type=int),
+))
+POOLS_GOALS_FLAGS = FlagTable("goals and limits", (
+    Flag("--ttft-p90", default=2.0, type=float, help="TTFT p90 goal, seconds (default: 2)"),
+    Flag(
+        "--tpot-p90", default=0.1, type=float,
+        help="time per output token p90 goal, seconds (default: 0.1)",
+    ),
+    Flag("--max-workers", default=4, type=int, help="workers to try up to (default: 4)"),
+    Flag("--max-num-batched-tokens", default=2048, type=int),
+    Flag("--max-num-seqs", default=128, type=int),
+    Flag(
+        "--pd-min-prompt-tokens", default=256, type=int,
+        help="the router's split threshold (default: 256)",
+    ),
+))
+POOLS_OUTPUT_FLAGS = FlagTable(None, (
+    Flag("--json", switch=True, help="print every layout's figures as JSON"),
+))
+
+
 def add_pools_parsers(commands: argparse._SubParsersAction) -> None:
     profile = commands.add_parser("profile", help="measure engine step costs on this machine (loads the model)",
                                   description=_PROFILE_DESCRIPTION,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    profile.add_argument("model", nargs="?", default=None, help="model (default: smollm2-135m)")
-    profile.add_argument("--out", type=Path, default=Path("tandem-profile.json"),
-                         help="where to write the cost model (default: tandem-profile.json)")
-    profile.add_argument("--threads", type=int, default=None, help="engine threads, as a worker gets them")
-    profile.add_argument("--dtype", default="auto", help="weight dtype (default: auto)")
-    profile.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                         help="the workers' step budget (default: 2048)")
-    profile.add_argument("--repeats", type=int, default=3, help="measurements per grid point (default: 3)")
-    profile.add_argument("--transfer-gbps", type=float, default=None,
-                         help="KV handoff over a network of this rate (default: a same-host memory copy)")
+    PROFILE_FLAGS.add_to(profile)
     profile.set_defaults(handler=cmd_plan_profile)
 
     pools = commands.add_parser("pools", help="recommend prefill / decode pool sizes for a traffic mix",
                                 description=_POOLS_DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    pools.add_argument("--profile", type=Path, required=True, help="a cost model from `tandem plan profile`")
-    traffic = pools.add_argument_group("traffic")
-    traffic.add_argument("--rate", type=float, required=True, help="sessions arriving per second (Poisson)")
-    traffic.add_argument("--sessions", type=int, default=64, help="sessions to simulate (default: 64)")
-    traffic.add_argument("--turns", type=_range, default=(1, 1), help="turns per session, N or LOW-HIGH (default: 1)")
-    traffic.add_argument("--system", type=int, default=0, help="shared system-prompt tokens (default: 0)")
-    traffic.add_argument("--input", type=_range, default=(512, 512),
-                         help="new input tokens per turn, N or LOW-HIGH (default: 512)")
-    traffic.add_argument("--output", type=_range, default=(128, 128),
-                         help="output tokens per turn, N or LOW-HIGH (default: 128)")
-    traffic.add_argument("--seed", type=int, default=0)
-    goals = pools.add_argument_group("goals and limits")
-    goals.add_argument("--ttft-p90", type=float, default=2.0, help="TTFT p90 goal, seconds (default: 2)")
-    goals.add_argument("--tpot-p90", type=float, default=0.1,
-                       help="time per output token p90 goal, seconds (default: 0.1)")
-    goals.add_argument("--max-workers", type=int, default=4, help="workers to try up to (default: 4)")
-    goals.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    goals.add_argument("--max-num-seqs", type=int, default=128)
-    goals.add_argument("--pd-min-prompt-tokens", type=int, default=256,
-                       help="the router's split threshold (default: 256)")
-    pools.add_argument("--json", action="store_true", help="print every layout's figures as JSON")
+    POOLS_INPUT_FLAGS.add_to(pools)
+    POOLS_TRAFFIC_FLAGS.add_to(pools)
+    POOLS_GOALS_FLAGS.add_to(pools)
+    POOLS_OUTPUT_FLAGS.add_to(pools)
     pools.set_defaults(handler=cmd_plan_pools)
 
 

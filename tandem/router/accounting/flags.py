@@ -11,6 +11,7 @@ import os
 import sqlite3
 from pathlib import Path
 
+from tandem.cli.table import Flag, FlagTable
 from tandem.router.accounting.accounting import load_keys
 from tandem.router.accounting.ledger import connect
 from tandem.router.accounting.pricing import read_price_file
@@ -20,69 +21,54 @@ DEFAULT_LEDGER = Path("tandem-usage.sqlite3")
 WORKER_KEY_ENV = "TANDEM_WORKER_API_KEY"
 
 
-def add_accounting_args(parser: argparse.ArgumentParser, worker_key: bool = True) -> None:
-    group = parser.add_argument_group("pricing, usage ledger and API keys")
-    group.add_argument(
-        "--prices",
-        type=Path,
-        default=None,
-        metavar="FILE",
+ACCOUNTING_FLAGS = FlagTable("pricing, usage ledger and API keys", (
+    Flag(
+        "--prices", type=Path, metavar="FILE",
         help='JSON/YAML {"MODEL": {"input": USD, "cached_input": USD, "output": USD}} per 1M '
         'tokens; "*" for other models (default: every model free, costs reported as 0)',
-    )
-    group.add_argument(
-        "--ledger",
-        type=Path,
-        default=DEFAULT_LEDGER,
-        metavar="PATH",
+    ),
+    Flag(
+        "--ledger", type=Path, default=DEFAULT_LEDGER, metavar="PATH",
         help=f"SQLite usage ledger, one row per request (default: ./{DEFAULT_LEDGER})",
-    )
-    group.add_argument("--no-ledger", action="store_true", help="keep no usage ledger")
-    group.add_argument(
-        "--api-keys",
-        type=Path,
-        default=None,
-        metavar="FILE",
+    ),
+    Flag("--no-ledger", help="keep no usage ledger", switch=True),
+    Flag(
+        "--api-keys", type=Path, metavar="FILE",
         help="require 'Authorization: Bearer KEY' on /v1/*: a file `tandem keys add` wrote "
         "(salted hashes and per-key limits), or JSON/YAML {KEY: IDENTITY} or lines "
         "'KEY IDENTITY'; re-read when it changes (default: no keys)",
-    )
-    for flag, what in (
-        ("--rate-limit-rpm", "requests per minute per API key"),
-        ("--rate-limit-tpm", "tokens (prompt + completion) per minute per API key"),
-        ("--quota-tokens-per-day", "tokens per identity per day (UTC), from the usage ledger"),
-    ):
-        group.add_argument(
-            flag,
-            type=int,
-            default=None,
-            metavar="N",
+    ),
+    *(
+        Flag(
+            flag, type=int, metavar="N",
             help=f"{what}, where the key file sets none; beyond it, 429 with Retry-After "
             "(default: unlimited)",
         )
-    group.add_argument(
-        "--shared-prefix-cache",
-        action="store_true",
+        for flag, what in (
+            ("--rate-limit-rpm", "requests per minute per API key"),
+            ("--rate-limit-tpm", "tokens (prompt + completion) per minute per API key"),
+            ("--quota-tokens-per-day", "tokens per identity per day (UTC), from the usage ledger"),
+        )
+    ),
+    Flag(
+        "--shared-prefix-cache", switch=True,
         help="with --api-keys, let every identity's requests share cached prompt KV; by "
         "default each identity gets its own cache_salt, because a shared cache's faster "
         "answers tell one tenant what another tenant's prompts began with",
-    )
-    group.add_argument(
-        "--usage-admin",
-        action="append",
-        default=[],
-        metavar="IDENTITY",
+    ),
+    Flag(
+        "--usage-admin", action="append", default=[], metavar="IDENTITY",
         help="an identity that may read everyone's GET /v1/usage (repeatable)",
-    )
-    if worker_key:
-        group.add_argument(
-            "--worker-api-key",
-            default=None,
-            metavar="KEY",
-            help="send workers 'Authorization: Bearer KEY' (default: env "
-            f"{WORKER_KEY_ENV}; without it the client's header passes through unless "
-            "--api-keys is on)",
-        )
+    ),
+    Flag(
+        "--worker-api-key", metavar="KEY",
+        help="send workers 'Authorization: Bearer KEY' (default: env "
+        f"{WORKER_KEY_ENV}; without it the client's header passes through unless "
+        "--api-keys is on)",
+    ),
+))
+# `tandem up` starts its workers itself and passes them no key: everything but --worker-api-key.
+UP_ACCOUNTING_FLAGS = ACCOUNTING_FLAGS.without({"--worker-api-key"})
 
 
 def accounting_config(args: argparse.Namespace) -> AccountingConfig:

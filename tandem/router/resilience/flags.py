@@ -1,9 +1,11 @@
-"""The fault-handling flags, shared by `tandem route` and `tandem up` (which passes them on)."""
+"""The fault-handling flag table, shared by `tandem route` and `tandem up` (which offers part of
+it and passes that on), and the policies built from it."""
 
 from __future__ import annotations
 
 import argparse
 
+from tandem.cli.table import Flag, FlagTable
 from tandem.router.config import AdmissionPolicy, BreakerPolicy, RetryPolicy, RouterConfig, Timeouts
 
 _DEFAULTS = RouterConfig()
@@ -12,11 +14,8 @@ _RETRY = RetryPolicy()
 _ADMISSION = AdmissionPolicy()
 
 
-def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> None:
-    """`full` adds the breaker and retry-budget tuning (`tandem route`); `tandem up` offers
-    the migration limit only."""
-    group = parser.add_argument_group("faults")
-    group.add_argument(
+RESILIENCE_FLAGS = FlagTable("faults", (
+    Flag(
         "--migration-limit",
         type=int,
         default=_DEFAULTS.migration_limit,
@@ -24,32 +23,32 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
         help="when a worker fails mid-stream, continue the stream on another worker (the "
         "prompt plus the tokens sent so far), at most N times per request; 0 turns it off "
         f"(default: {_DEFAULTS.migration_limit})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--max-in-flight",
         type=int,
         default=_ADMISSION.max_in_flight,
         metavar="N",
         help="requests the router serves at once; more wait in its queue (0: no bound) "
         f"(default: {_ADMISSION.max_in_flight})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--max-queue",
         type=int,
         default=_ADMISSION.max_queue,
         metavar="N",
         help="requests that may wait for a slot; beyond, 429 with Retry-After "
         f"(default: {_ADMISSION.max_queue})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--queue-timeout",
         type=float,
         default=_ADMISSION.queue_timeout_s,
         metavar="S",
         help=f"a request that waited S seconds for a slot gets a 408 "
         f"(default: {_ADMISSION.queue_timeout_s:g})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--idle-timeout",
         type=float,
         default=Timeouts.idle_s,
@@ -57,10 +56,8 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
         help="a stream silent for S seconds after its first token is broken (and moved, see "
         "--migration-limit); a worker whose health checks fail breaks its streams at once "
         f"(default: {Timeouts.idle_s:g})",
-    )
-    if not full:
-        return
-    group.add_argument(
+    ),
+    Flag(
         "--shutdown-timeout",
         type=float,
         default=_DEFAULTS.shutdown_timeout_s,
@@ -68,8 +65,8 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
         help="SIGTERM drains: new requests get a retryable 503 and /health fails while the "
         "requests in flight finish, for up to S seconds; a second SIGTERM or Ctrl-C stops at "
         f"once (default: {_DEFAULTS.shutdown_timeout_s:g})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--breaker-failures",
         type=int,
         default=_BREAKER.failures,
@@ -77,15 +74,15 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
         help="a worker's circuit breaker opens after N of its own failures (no connection, "
         "a timeout, a 5xx other than a busy 503, a broken stream) within --breaker-window; "
         f"busy answers (429) and clients' errors never count (default: {_BREAKER.failures})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--breaker-window",
         type=float,
         default=_BREAKER.window_s,
         metavar="S",
         help=f"seconds over which --breaker-failures are counted (default: {_BREAKER.window_s:g})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--breaker-cooldown",
         type=float,
         default=_BREAKER.cooldown_s,
@@ -93,8 +90,8 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
         help="an open breaker sends the worker nothing for S seconds, then one trial request; "
         f"each failed trial doubles S, up to {_BREAKER.max_cooldown_s:g} s "
         f"(default: {_BREAKER.cooldown_s:g})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--retry-budget",
         type=float,
         default=_RETRY.budget_ratio,
@@ -102,15 +99,21 @@ def add_resilience_args(parser: argparse.ArgumentParser, full: bool = True) -> N
         help="retries may add at most R x the requests of the last "
         f"{_RETRY.budget_window_s:g} s, so that retries cannot multiply an overload "
         f"(default: {_RETRY.budget_ratio:g})",
-    )
-    group.add_argument(
+    ),
+    Flag(
         "--retry-budget-min",
         type=float,
         default=_RETRY.budget_min_per_s,
         metavar="N",
         help="retries per second allowed whatever the ratio, for quiet routers "
         f"(default: {_RETRY.budget_min_per_s:g})",
-    )
+    ),
+))
+# What `tandem up` offers and passes on: the migration limit and the admission bounds; the
+# breaker and retry-budget tuning are `tandem route`'s alone.
+UP_RESILIENCE_FLAGS = RESILIENCE_FLAGS.subset({
+    "--migration-limit", "--max-in-flight", "--max-queue", "--queue-timeout", "--idle-timeout",
+})
 
 
 def breaker_policy(args: argparse.Namespace) -> BreakerPolicy:
@@ -132,10 +135,4 @@ def resilience_argv(args: argparse.Namespace) -> list[str]:
     if args.migration_limit < 0:
         raise ValueError(f"--migration-limit must be >= 0, got {args.migration_limit}")
     admission_policy(args)
-    return [
-        "--migration-limit", str(args.migration_limit),
-        "--max-in-flight", str(args.max_in_flight),
-        "--max-queue", str(args.max_queue),
-        "--queue-timeout", str(args.queue_timeout),
-        "--idle-timeout", str(args.idle_timeout),
-    ]
+    return UP_RESILIENCE_FLAGS.argv(args, changed_only=False)

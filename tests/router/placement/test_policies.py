@@ -778,7 +778,7 @@ def test_a_finished_request_makes_the_router_reread_the_load_at_once() -> None:
 
 def test_policy_flags_on_route_and_up() -> None:
     from tandem.cli.main import build_parser
-    from tandem.launch.up import plan_cluster
+    from tandem.launch.cluster_plan import plan_cluster
     from tandem.router.cli import router_config
 
     args = build_parser().parse_args(["route", "--worker", "http://a:1"])
