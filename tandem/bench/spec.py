@@ -372,8 +372,8 @@ def weight_bytes(model: str, dtype: str) -> int | None:
     model cannot be resolved here."""
     try:
         from tandem.loader.resolve import resolve_model
-        from tandem.plan.model_config import DTYPE_BYTES, read_shape
-        from tandem.plan.tensors import count_params
+        from tandem.sizing.shape import DTYPE_BYTES, read_shape
+        from tandem.sizing.tensors import count_params
 
         resolved = resolve_model(model, dtype)
         shape = read_shape(json.loads((resolved.hf_dir / "config.json").read_text()))

@@ -321,7 +321,7 @@ class Worker:
         """KV bytes on a GPU, as vLLM sizes them: --gpu-memory-utilization's 90% of the device,
         less what is in use now, the weights and one step's activation peak (both from the
         memory plan, since the model is not built yet)."""
-        from tandem.plan.errors import PlanError
+        from tandem.sizing.errors import PlanError
 
         free, total = torch.cuda.mem_get_info(self.device)
         try:
@@ -339,9 +339,9 @@ class Worker:
         """(weight bytes, activation peak bytes) of this rank, from `tandem.plan`."""
         import json
 
-        from tandem.plan.activation import activation_peak_bytes
-        from tandem.plan.model_config import read_shape
-        from tandem.plan.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
+        from tandem.sizing.activation import activation_peak_bytes
+        from tandem.sizing.shape import read_shape
+        from tandem.sizing.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
 
         parallel, scheduler = self.config.parallel, self.config.scheduler
         split = Parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.enable_expert_parallel)
@@ -375,9 +375,9 @@ class Worker:
         split it, not an allocator's failure halfway through building it."""
         import json
 
-        from tandem.plan.errors import PlanError
-        from tandem.plan.model_config import read_shape
-        from tandem.plan.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
+        from tandem.sizing.errors import PlanError
+        from tandem.sizing.shape import read_shape
+        from tandem.sizing.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
 
         parallel = self.config.parallel
         split = Parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.enable_expert_parallel)

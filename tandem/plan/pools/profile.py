@@ -148,8 +148,8 @@ def http_round_trip_s(requests: int = 200) -> float:
 
 
 def kv_bytes_per_token(hf_dir: Path, kv_dtype: str) -> int:
-    from tandem.plan.kv import kv_bytes_per_token as per_token
-    from tandem.plan.model_config import read_shape
+    from tandem.sizing.kv import kv_bytes_per_token as per_token
+    from tandem.sizing.shape import read_shape
 
     shape = read_shape(json.loads((hf_dir / "config.json").read_text()))
     return per_token(shape, 1, shape.num_layers, kv_dtype)
