@@ -149,7 +149,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
     """
     import json
 
-    from tandem.bench.machine import (
+    from tandem.platform.machine import (
         matmul_flops_per_s,
         memory_copy_bytes_per_s,
         memory_read_bytes_per_s,

@@ -184,7 +184,7 @@ def measure_profile(settings: ProfileSettings, progress: Callable[[str], None] =
             progress(f"decode batch {batch} at context {mean_context}: {seconds * 1e3:.1f} ms")
         hf_dir = Path(engine.core.hf_dir)
         dtype = str(engine.core.config.load.dtype)
-        from tandem.bench.machine import memory_copy_bytes_per_s
+        from tandem.platform.machine import memory_copy_bytes_per_s
     kv_per_token = kv_bytes_per_token(hf_dir, "float32" if dtype in ("auto", "float32") else dtype)
     bandwidth = settings.transfer_gbps * 1e9 / 8 if settings.transfer_gbps else memory_copy_bytes_per_s(256 << 20)
     http = http_round_trip_s()
@@ -205,7 +205,7 @@ def measure_profile(settings: ProfileSettings, progress: Callable[[str], None] =
 
 
 def _machine() -> dict[str, Any]:
-    from tandem.bench.spec import host_info
+    from tandem.platform.machine import host_info
 
     return host_info()
 
