@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.platform.device import resolve_device, resolve_dtype
+from tandem.sizing.experts import expert_layout
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -172,34 +173,22 @@ class MoeConfig:
 
     @classmethod
     def from_hf(cls, arch: str, hf: dict[str, Any]) -> MoeConfig | None:
-        layers = int(hf["num_hidden_layers"])
-        # hub configs say num_experts (Qwen) or num_local_experts (Mixtral); transformers v5
-        # writes num_local_experts for both
-        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+        # the expert count and the MoE layers as the memory plan reads them (tandem/sizing)
+        layout = expert_layout(arch, hf)
+        if layout is None:
+            return None
+        common = {"num_experts": layout.num_experts, "top_k": layout.top_k,
+                  "intermediate_size": layout.intermediate_size, "moe_layers": layout.moe_layers}
         if arch == "MixtralForCausalLM":
-            return cls(num_experts=int(num_experts), top_k=int(hf["num_experts_per_tok"]),
-                       intermediate_size=int(hf["intermediate_size"]), moe_layers=(True,) * layers)
+            return cls(**common)
         if arch == "Qwen3MoeForCausalLM":
-            step = int(hf.get("decoder_sparse_step", 1))
-            dense = set(hf.get("mlp_only_layers") or [])
-            experts = int(num_experts)
-            moe_layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-            return cls(num_experts=experts, top_k=int(hf["num_experts_per_tok"]),
-                       intermediate_size=int(hf["moe_intermediate_size"]),
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=moe_layers)
+            return cls(**common, norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
         if arch == "DeepseekV3ForCausalLM":  # Kimi-K2 too
-            experts = int(hf.get("n_routed_experts") or 0)
-            dense = int(hf.get("first_k_dense_replace", 0))
-            every = int(hf.get("moe_layer_freq", 1))
-            moe_layers = tuple(experts > 0 and i >= dense and i % every == 0 for i in range(layers))
-            return cls(num_experts=experts, top_k=int(hf["num_experts_per_tok"]),
-                       intermediate_size=int(hf["moe_intermediate_size"]),
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            return cls(**common, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                        scoring=hf.get("scoring_func", "sigmoid"), n_group=int(hf.get("n_group") or 1),
                        topk_group=int(hf.get("topk_group") or 1),
                        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                       correction_bias=True, num_shared_experts=int(hf.get("n_shared_experts") or 0),
-                       moe_layers=moe_layers)
+                       correction_bias=True, num_shared_experts=int(hf.get("n_shared_experts") or 0))
         return None
 
 

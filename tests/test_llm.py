@@ -11,7 +11,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.kernels.q4_gemm import Q8Matrix
 from tandem.loader.resolve import _smollm2_gguf
-from tandem.worker.worker import model_bytes
+from tandem.worker.model_builder import model_bytes
 
 PROMPTS = [
     "The capital of France is",

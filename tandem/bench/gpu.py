@@ -171,8 +171,8 @@ def profile_table(torch: Any, fn: Any, path: Path) -> None:
 def kv_room(llm: Any, config: dict[str, Any], max_len: int, kv_per_token: int, sequence_len: int,
             device_bytes: int) -> dict[str, Any]:
     """tandem's KV tokens beside vLLM's defaults (planned) and a contiguous per-sequence cache."""
-    from tandem.plan.devices import parse_devices
-    from tandem.plan.memory import PlanRequest, plan_memory
+    from tandem.sizing.devices import parse_devices
+    from tandem.sizing.memory import PlanRequest, plan_memory
 
     core = llm.engine.core
     tokens = core.num_blocks * core.block_size

@@ -37,8 +37,8 @@ from typing import Any
 
 import httpx
 
-from tandem.bench.machine import matmul_flops_per_s, memory_copy_bytes_per_s
 from tandem.bench.serve import LaunchedServer, free_port
+from tandem.platform.machine import matmul_flops_per_s, memory_copy_bytes_per_s
 from tandem.trust.keys import secret_from_env
 from tandem.trust.peer import peer_client
 

@@ -149,14 +149,14 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
     """
     import json
 
-    from tandem.bench.machine import (
+    from tandem.platform.machine import (
         matmul_flops_per_s,
         memory_copy_bytes_per_s,
         memory_read_bytes_per_s,
     )
-    from tandem.plan.model_config import read_shape
-    from tandem.plan.sharding import DTYPE_BYTES
-    from tandem.plan.tensors import count_params
+    from tandem.sizing.shape import read_shape
+    from tandem.sizing.sharding import DTYPE_BYTES
+    from tandem.sizing.tensors import count_params
 
     shape = read_shape(json.loads((Path(hf_dir) / "config.json").read_text()))
     params = count_params(shape)

@@ -25,7 +25,7 @@ that fails to start (not built yet, no such model) gets error rows and the run g
 process that dies is restarted for the configurations after the one it died in.
 
 Verdicts are printed for the issue's goals (spec_report.GOALS), with the distance to this
-machine's memory-bandwidth bound (tandem/bench/machine.py). Writes results.json, table.txt,
+machine's memory-bandwidth bound (tandem/platform/machine.py). Writes results.json, table.txt,
 outputs.jsonl (every request's tokens and text) and one PNG per target model to
 <output-dir>/spec-<timestamp>/.
 
@@ -40,8 +40,6 @@ import argparse
 import datetime as dt
 import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -73,6 +71,7 @@ from tandem.bench.spec_workloads import (
 from tandem.cli.flags import add_engine_args, engine_values, settle_device
 from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.launch import supervisor
+from tandem.platform.machine import host_info
 
 logger = logging.getLogger(__name__)
 
@@ -349,31 +348,13 @@ def _tail(path: Path) -> str:
 
 # --- the machine --------------------------------------------------------------------------------
 
-def host_info() -> dict[str, Any]:
-    """The CPU's name and its AVX-512 / AMX flags, which decide the GEMM kernels' speed."""
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and "cpu" not in info:
-            info["cpu"] = value.strip()
-        if key.strip() == "flags" and "flags" not in info:
-            flags = value.split()
-            info["flags"] = sorted(f for f in flags if f.startswith(("avx512", "amx")))
-    return info
-
-
 def weight_bytes(model: str, dtype: str) -> int | None:
     """Bytes of weights a plain decode step reads (every parameter once), or None if the
     model cannot be resolved here."""
     try:
         from tandem.loader.resolve import resolve_model
-        from tandem.plan.model_config import DTYPE_BYTES, read_shape
-        from tandem.plan.tensors import count_params
+        from tandem.sizing.shape import DTYPE_BYTES, read_shape
+        from tandem.sizing.tensors import count_params
 
         resolved = resolve_model(model, dtype)
         shape = read_shape(json.loads((resolved.hf_dir / "config.json").read_text()))
@@ -384,7 +365,7 @@ def weight_bytes(model: str, dtype: str) -> int | None:
 
 
 def machine(plans: list[dict[str, Any]], dtype: str) -> dict[str, Any]:
-    from tandem.bench.machine import memory_copy_bytes_per_s
+    from tandem.platform.machine import memory_copy_bytes_per_s
 
     # The best of three: another process on the machine only ever slows a copy down.
     return {"memory_bytes_per_s": max(memory_copy_bytes_per_s(256 << 20) for _ in range(3)),

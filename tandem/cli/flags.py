@@ -33,6 +33,7 @@ from tandem.config import (
     SpeculativeConfig,
     parse_memory_size,
 )
+from tandem.config_checks import check_engine_config
 from tandem.edge.limits import REQUEST_LIMIT_FLAGS, request_limits
 from tandem.loader.resolve import DEFAULT_MODEL
 from tandem.platform.device import DEVICES, resolve_device, resolve_dtype
@@ -190,7 +191,9 @@ def engine_argv(args: argparse.Namespace, exclude: Collection[str] = ()) -> list
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
+    """The engine's config; a ValueError (one line, exit 2) for flags that cannot work together,
+    before any process starts."""
+    config = EngineConfig(
         model=args.model,
         load=LoadConfig(dtype=args.dtype, load_format=args.load_format, seed=args.seed,
                         num_threads=args.threads, decode_weights=args.decode_weights,
@@ -210,6 +213,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_tiers=kv_tiers_config(args),
         speculative=SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
     )
+    check_engine_config(config)
+    return config
 
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
@@ -243,6 +248,7 @@ def kv_tiers_config(args: argparse.Namespace) -> KVTiersConfig:
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments of `tandem.LLM(args.model, **...)` (offline commands and bench runs),
     which takes the engine settings as keywords rather than an EngineConfig."""
+    engine_config(args)  # refuses flags that cannot work together before the engine starts
     return {
         "dtype": args.dtype,
         "block_size": args.block_size,
@@ -381,4 +387,6 @@ def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
 
 def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     """A worker's engine: the engine flags plus its KV-transfer role."""
-    return replace(engine_config(args), kv_transfer=kv_transfer_config(args))
+    config = replace(engine_config(args), kv_transfer=kv_transfer_config(args))
+    check_engine_config(config)  # again: some settings do not work with a role
+    return config

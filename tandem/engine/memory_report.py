@@ -23,10 +23,10 @@ def _plan(config: EngineConfig, hf_dir: str) -> Any:
     """tandem's plan for this model and split on this host's memory, or None if it cannot say."""
     import psutil
 
-    from tandem.plan.devices import parse_devices
-    from tandem.plan.errors import PlanError
-    from tandem.plan.memory import PlanRequest, plan_memory
-    from tandem.plan.sharding import Parallel
+    from tandem.sizing.devices import parse_devices
+    from tandem.sizing.errors import PlanError
+    from tandem.sizing.memory import PlanRequest, plan_memory
+    from tandem.sizing.sharding import Parallel
 
     parallel = config.parallel
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size

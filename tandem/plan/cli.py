@@ -1,7 +1,7 @@
 """`tandem plan`: capacity planning commands: `memory` (how a model splits over devices),
 `profile` and `pools` (how many prefill and decode workers a traffic mix needs).
 
-Torch-free like the rest of tandem.plan: planning a 1T-parameter model takes a config.json
+Torch-free like the rest of tandem.plan and tandem.sizing: planning a 1T-parameter model takes a config.json
 and a few milliseconds, not the weights or a GPU.
 """
 
@@ -12,18 +12,19 @@ import json
 import textwrap
 
 from tandem.cli.table import Command, Flag, FlagTable
-from tandem.plan.devices import CUDA_CONTEXT_BYTES, NCCL_BYTES, MiB, parse_devices
-from tandem.plan.memory import (
+from tandem.plan.pools.cli import add_pools_parsers
+from tandem.plan.report import format_memory_plan, plan_to_dict
+from tandem.sizing.devices import CUDA_CONTEXT_BYTES, NCCL_BYTES, MiB, parse_devices
+from tandem.sizing.examples import EXAMPLE_NAMES, load_config
+from tandem.sizing.memory import (
     DEFAULT_MEMORY_UTILIZATION,
     DTYPE_CHOICES,
     KV_DTYPE_CHOICES,
     PlanRequest,
     plan_memory,
 )
-from tandem.plan.model_config import EXAMPLE_NAMES, SUPPORTED, load_config
-from tandem.plan.pools.cli import add_pools_parsers
-from tandem.plan.report import format_memory_plan, plan_to_dict
-from tandem.plan.sharding import Parallel
+from tandem.sizing.shape import SUPPORTED
+from tandem.sizing.sharding import Parallel
 
 _PLAN_DESCRIPTION = """\
 Plan a deployment. `memory` reads a model's config.json and needs neither the hardware nor

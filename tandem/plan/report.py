@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.plan.devices import GiB
-from tandem.plan.memory import EnginePlan, MemoryPlan, StagePlan
+from tandem.sizing.devices import GiB
+from tandem.sizing.memory import EnginePlan, MemoryPlan, StagePlan
 
 
 def format_memory_plan(plan: MemoryPlan) -> str:

@@ -1,1 +1,2 @@
-"""What the process runs on: device and dtype resolution, and the profiler hooks."""
+"""What the process runs on: device and dtype resolution, the profiler hooks, and the
+machine's description and measured ceilings."""

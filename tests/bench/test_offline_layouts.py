@@ -48,9 +48,9 @@ def test_prefill_ceiling_leaves_out_the_lm_head(tmp_path, monkeypatch: pytest.Mo
     layers' FLOPs, while a decode step also pays for the LM head."""
     import json
 
-    from tandem.bench import machine
     from tandem.bench.offline_layouts import machine_ceilings
     from tandem.bench.offline_workloads import Workload
+    from tandem.platform import machine
 
     # Llama-3.1-8B's shape: 8.03B parameters, of which the LM head is 128256 x 4096 = 0.525B
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,

@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+from tandem.sizing.examples import EXAMPLES_DIR as CONFIGS
+
 MINI = str(CONFIGS / "deepseek-v3-mini")
 
 

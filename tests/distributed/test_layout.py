@@ -28,7 +28,7 @@ def test_layers_are_dealt_evenly_with_the_remainder_kept_off_the_last_stage() ->
 
 @pytest.mark.parametrize("layers, stages", [(61, 4), (61, 8), (30, 2), (7, 4), (3, 3), (94, 5)])
 def test_the_engine_splits_layers_as_the_memory_plan_does(layers: int, stages: int) -> None:
-    from tandem.plan.sharding import pp_layer_ranges
+    from tandem.sizing.sharding import pp_layer_ranges
 
     planned = [(r.start, r.stop) for r in pp_layer_ranges(layers, stages)]
     assert [stage_layers(layers, stages, s) for s in range(stages)] == planned

@@ -148,8 +148,8 @@ def http_round_trip_s(requests: int = 200) -> float:
 
 
 def kv_bytes_per_token(hf_dir: Path, kv_dtype: str) -> int:
-    from tandem.plan.kv import kv_bytes_per_token as per_token
-    from tandem.plan.model_config import read_shape
+    from tandem.sizing.kv import kv_bytes_per_token as per_token
+    from tandem.sizing.shape import read_shape
 
     shape = read_shape(json.loads((hf_dir / "config.json").read_text()))
     return per_token(shape, 1, shape.num_layers, kv_dtype)
@@ -184,7 +184,7 @@ def measure_profile(settings: ProfileSettings, progress: Callable[[str], None] =
             progress(f"decode batch {batch} at context {mean_context}: {seconds * 1e3:.1f} ms")
         hf_dir = Path(engine.core.hf_dir)
         dtype = str(engine.core.config.load.dtype)
-        from tandem.bench.machine import memory_copy_bytes_per_s
+        from tandem.platform.machine import memory_copy_bytes_per_s
     kv_per_token = kv_bytes_per_token(hf_dir, "float32" if dtype in ("auto", "float32") else dtype)
     bandwidth = settings.transfer_gbps * 1e9 / 8 if settings.transfer_gbps else memory_copy_bytes_per_s(256 << 20)
     http = http_round_trip_s()
@@ -205,7 +205,7 @@ def measure_profile(settings: ProfileSettings, progress: Callable[[str], None] =
 
 
 def _machine() -> dict[str, Any]:
-    from tandem.bench.spec import host_info
+    from tandem.platform.machine import host_info
 
     return host_info()
 

@@ -1,5 +1,5 @@
-"""`tandem plan memory`: parameter counts, KV sizes, sharding rules and the plan, checked
-against published figures for the shipped example configs (no weights, no GPU).
+"""The memory plan (`tandem.sizing`): parameter counts, KV sizes, sharding rules and the plan,
+checked against published figures for the shipped example configs (no weights, no GPU).
 
 Published figures used:
 - Llama-3.1-70B: 70,553,706,496 parameters (the HF checkpoint's count).
@@ -19,36 +19,24 @@ differ (input embedding in or out), so those are checked to 3%; totals to 1%.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-from tandem.plan import (
+from tandem.plan.report import format_memory_plan
+from tandem.sizing.devices import GiB, parse_devices
+from tandem.sizing.errors import PlanError
+from tandem.sizing.examples import EXAMPLE_NAMES, EXAMPLES_DIR, load_config
+from tandem.sizing.kv import kv_bytes_per_token
+from tandem.sizing.memory import PlanRequest, plan_memory
+from tandem.sizing.shape import read_shape
+from tandem.sizing.sharding import (
     Parallel,
-    PlanError,
-    PlanRequest,
-    format_memory_plan,
-    parse_devices,
-    plan_memory,
-)
-from tandem.plan.devices import GiB
-from tandem.plan.kv import kv_bytes_per_token
-from tandem.plan.model_config import EXAMPLE_NAMES, load_config, read_shape
-from tandem.plan.sharding import (
     WeightFormat,
     pp_layer_ranges,
     shard_shape,
     stage_weight_bytes,
     stages,
 )
-from tandem.plan.tensors import Part, Split, Tensor, count_params
-
-REPO = Path(__file__).resolve().parents[2]
-TANDEM = [sys.executable, "-m", "tandem.cli.main"]
+from tandem.sizing.tensors import Part, Split, Tensor, count_params
 
 # meta-llama/Llama-3.1-8B's dimensions (the published config.json's shape fields).
 LLAMA_8B = {
@@ -77,7 +65,7 @@ def within(value: float, published: float, tolerance: float) -> bool:
 
 def test_every_example_config_is_readable() -> None:
     for name in EXAMPLE_NAMES:
-        assert (REPO / "examples" / "configs" / name / "config.json").is_file()
+        assert (EXAMPLES_DIR / name / "config.json").is_file()
         assert count_params(shape_of(name)).total > 7e10
 
 
@@ -246,69 +234,3 @@ def test_bad_plans_say_why(args: tuple, message: str) -> None:
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(PlanError, match="supported: LlamaForCausalLM.*DeepseekV3ForCausalLM"):
         read_shape({"architectures": ["GPT2LMHeadModel"]})
-
-
-# --- the command line ----------------------------------------------------------------------
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
-
-
-def test_cli_prints_the_table() -> None:
-    result = run("plan", "memory", "llama-4-scout", "--devices", "2xH200", "--tp", "2")
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    for row in ("weights", "activation peak", "reserved (CUDA, NCCL)", "KV cache left",
-                "KV bytes per token", "KV tokens that fit", "seqs of 10,485,760 tokens"):
-        assert f"\n{row} " in out, row
-    assert "tandem" in out and "vLLM defaults" in out and "96.0 KiB" in out
-    assert "vLLM, its defaults (gpu_memory_utilization 0.9 of everything, 8192 tokens, 1024 seqs)" in out
-
-
-def test_cli_json_and_a_config_path(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
-    result = run("plan", "memory", str(tmp_path), "--devices", "2xH100", "--json")
-    assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
-    assert data["parallel"] == {"tp": 2, "pp": 1, "ep": False}  # tp defaults to the devices
-    assert data["tandem"]["kv_tokens"] == data["tandem"]["stages"][0]["kv_tokens"] > 0
-    assert data["vllm"]["memory_utilization"] == 0.9
-
-
-@pytest.mark.parametrize(("args", "message"), [
-    (("memory", "{gpt2}"), "not supported by the memory plan; supported:"),
-    (("memory", "llama-3.1-70b", "--devices", "3xH100"), "tp 3 does not divide the 64 attention heads"),
-    (("memory", "kimi-k2", "--devices", "8xH100"), "the weights do not fit on 8 x H100"),
-    (("memory", "no-such-model"), "no config.json at 'no-such-model'"),
-    (("memory", "llama-3.1-70b", "--devices", "2xB300"), "unknown device"),
-])
-def test_cli_errors_are_one_line_and_nonzero(tmp_path: Path, args: tuple, message: str) -> None:
-    gpt2 = tmp_path / "config.json"
-    gpt2.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    result = run("plan", *(str(gpt2) if a == "{gpt2}" else a for a in args))
-    assert result.returncode != 0
-    assert message in result.stderr and "Traceback" not in result.stderr
-    assert result.stderr.startswith("tandem: error: ")
-
-
-def test_cli_help() -> None:
-    result = run("plan", "--help")
-    assert result.returncode == 0 and "memory" in result.stdout
-    result = run("plan", "memory", "--help")
-    assert result.returncode == 0
-    assert "kimi-k2" in result.stdout and "--memory-utilization" in result.stdout
-
-
-def test_plan_imports_no_torch() -> None:
-    """The whole command, through tandem.cli.main, runs without importing torch."""
-    script = textwrap.dedent("""
-        import contextlib, io, sys
-        from tandem.cli.main import main
-        with contextlib.redirect_stdout(io.StringIO()):
-            assert main(["plan", "memory", "kimi-k2", "--devices", "8xH200"]) == 0
-        print(sorted(m for m in ("torch", "transformers", "tandem.engine") if m in sys.modules))
-    """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"

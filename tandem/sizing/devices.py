@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 
 from tandem.config import parse_memory_size
-from tandem.plan.errors import PlanError
+from tandem.sizing.errors import PlanError
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -7,25 +7,23 @@ architecture family has one reader; anything else is refused with the list of wh
 supported, because guessing shapes for an unknown architecture would print a confident,
 wrong plan.
 
-`load_config` also resolves the names of the configs shipped under `examples/configs/`.
+Which layers route to experts, and how many there are, is read by `experts.expert_layout`,
+the same function the engine's `MoeConfig` uses, so the plan reads every config the engine
+serves (transformers v5's `num_local_experts` for Qwen3-MoE included).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from tandem.plan.errors import PlanError
+from tandem.sizing.errors import PlanError
+from tandem.sizing.experts import expert_layout
 
 # The architectures the plan reads, by family. Kimi-K2 ships as DeepseekV3ForCausalLM.
 DENSE_GQA = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED = (*DENSE_GQA, "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
              "Llama4ForConditionalGeneration")
-
-EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs"
-EXAMPLE_NAMES = ("kimi-k2", "deepseek-v3", "llama-3.1-70b", "llama-4-scout", "qwen3-235b-a22b")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -90,29 +88,6 @@ class ModelShape:
         return self.num_layers - (len(self.moe.layers) if self.moe else 0)
 
 
-def load_config(spec: str) -> tuple[str, dict[str, Any]]:
-    """(display name, config dict) for a path, a directory holding config.json, or an example name."""
-    path = Path(spec)
-    if spec in EXAMPLE_NAMES and not path.exists():
-        path = EXAMPLES_DIR / spec
-        name = spec
-    else:
-        # a model directory's name, or a file's own name unless it is the usual config.json
-        name = path.name if path.is_dir() else (path.parent.name if path.name == "config.json" else path.stem)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise PlanError(f"no config.json at {spec!r}; give a path to a config.json, a directory "
-                        f"holding one, or an example name: {', '.join(EXAMPLE_NAMES)}")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlanError(f"cannot read {path}: {exc}") from None
-    if not isinstance(config, dict):
-        raise PlanError(f"{path} is not a JSON object")
-    return name, config
-
-
 def read_shape(config: dict[str, Any], name: str = "") -> ModelShape:
     """The `ModelShape` of an HF config dict; `PlanError` for an unsupported architecture."""
     architectures = config.get("architectures") or []
@@ -156,7 +131,7 @@ def _decoder(text: dict[str, Any], top: dict[str, Any], arch: str, name: str) ->
     hidden = int(text["hidden_size"])
     heads = int(text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or hidden // heads)
-    mla = moe = None
+    mla = None
     if arch == "DeepseekV3ForCausalLM":
         q_lora = text.get("q_lora_rank")
         mla = MLAShape(q_lora_rank=int(q_lora) if q_lora else None,
@@ -164,28 +139,7 @@ def _decoder(text: dict[str, Any], top: dict[str, Any], arch: str, name: str) ->
                        qk_nope_head_dim=int(text["qk_nope_head_dim"]),
                        qk_rope_head_dim=int(text["qk_rope_head_dim"]),
                        v_head_dim=int(text["v_head_dim"]))
-        first_dense = int(text.get("first_k_dense_replace", 0))
-        freq = int(text.get("moe_layer_freq", 1))
-        layers = int(text["num_hidden_layers"])
-        moe = MoEShape(num_experts=int(text["n_routed_experts"]), top_k=int(text["num_experts_per_tok"]),
-                       expert_intermediate=int(text["moe_intermediate_size"]),
-                       shared_intermediate=int(text.get("n_shared_experts") or 0)
-                       * int(text["moe_intermediate_size"]),
-                       layers=frozenset(i for i in range(first_dense, layers) if i % freq == 0),
-                       router_bias=text.get("topk_method") == "noaux_tc")
-    elif arch == "Qwen3MoeForCausalLM":
-        step = int(text.get("decoder_sparse_step", 1))
-        dense_only = set(text.get("mlp_only_layers") or [])
-        layers = int(text["num_hidden_layers"])
-        moe = MoEShape(num_experts=int(text["num_experts"]), top_k=int(text["num_experts_per_tok"]),
-                       expert_intermediate=int(text["moe_intermediate_size"]), shared_intermediate=0,
-                       layers=frozenset(i for i in range(layers)
-                                        if i not in dense_only and (i + 1) % step == 0),
-                       router_bias=False)
-    elif arch == "MixtralForCausalLM":
-        moe = MoEShape(num_experts=int(text["num_local_experts"]), top_k=int(text["num_experts_per_tok"]),
-                       expert_intermediate=int(text["intermediate_size"]), shared_intermediate=0,
-                       layers=frozenset(range(int(text["num_hidden_layers"]))), router_bias=False)
+    moe = _moe(arch, text)
     is_qwen2 = arch == "Qwen2ForCausalLM"
     bias = bool(text.get("attention_bias", False))
     return ModelShape(
@@ -203,17 +157,32 @@ def _decoder(text: dict[str, Any], top: dict[str, Any], arch: str, name: str) ->
     )
 
 
+def _moe(arch: str, text: dict[str, Any]) -> MoEShape | None:
+    """The routed experts as the engine reads them (`expert_layout`), plus what only the plan
+    needs: the shared expert's width and DeepSeek's router bias."""
+    layout = expert_layout(arch, text)
+    if layout is None:
+        return None
+    if layout.num_experts < 1:
+        raise PlanError(f"config.json of {arch} has no routed experts")
+    shared, router_bias = 0, False
+    if arch == "DeepseekV3ForCausalLM":
+        shared = int(text.get("n_shared_experts") or 0) * layout.intermediate_size
+        router_bias = text.get("topk_method") == "noaux_tc"
+    elif arch == "Llama4ForConditionalGeneration":
+        shared = layout.intermediate_size  # one shared expert as wide as a routed one
+    return MoEShape(num_experts=layout.num_experts, top_k=layout.top_k,
+                    expert_intermediate=layout.intermediate_size, shared_intermediate=shared,
+                    layers=frozenset(i for i, routed in enumerate(layout.moe_layers) if routed),
+                    router_bias=router_bias)
+
+
 def _llama4(config: dict[str, Any], name: str) -> ModelShape:
     """Llama 4: the text decoder from `text_config`; the vision tower counted apart."""
     text = config["text_config"]
     shape = _decoder(text, config, "LlamaForCausalLM", name)
-    layers = int(text["num_hidden_layers"])
-    step = int(text.get("interleave_moe_layer_step", 1))
-    intermediate = int(text["intermediate_size"])  # the experts' (and the shared expert's) width
-    moe = MoEShape(num_experts=int(text["num_local_experts"]), top_k=int(text["num_experts_per_tok"]),
-                   expert_intermediate=intermediate, shared_intermediate=intermediate,
-                   # HF Llama4TextConfig: moe_layers = range(step - 1, layers, step)
-                   layers=frozenset(range(step - 1, layers, step)), router_bias=False)
+    intermediate = int(text["intermediate_size"])  # the experts'; dense layers' is intermediate_size_mlp
+    moe = _moe("Llama4ForConditionalGeneration", text)
     vision = config.get("vision_config")
     return ModelShape(**{
         **shape.__dict__,

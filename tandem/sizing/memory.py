@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.plan.activation import activation_peak_bytes
-from tandem.plan.devices import Devices, GiB
-from tandem.plan.errors import PlanError
-from tandem.plan.kv import kv_bytes_per_token
-from tandem.plan.model_config import ModelShape, read_shape
-from tandem.plan.sharding import (
+from tandem.sizing.activation import activation_peak_bytes
+from tandem.sizing.devices import Devices, GiB
+from tandem.sizing.errors import PlanError
+from tandem.sizing.kv import kv_bytes_per_token
+from tandem.sizing.shape import ModelShape, read_shape
+from tandem.sizing.sharding import (
     Parallel,
     Stage,
     WeightFormat,
@@ -46,7 +46,7 @@ from tandem.plan.sharding import (
     stages,
     validate,
 )
-from tandem.plan.tensors import ParamCounts, count_params
+from tandem.sizing.tensors import ParamCounts, count_params
 
 DEFAULT_MEMORY_UTILIZATION = 0.92
 VLLM_MEMORY_UTILIZATION = 0.9

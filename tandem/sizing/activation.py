@@ -32,8 +32,8 @@ scratch (FlashAttention's is O(T x heads) floats, noise beside the above).
 
 from __future__ import annotations
 
-from tandem.plan.model_config import DTYPE_BYTES, ModelShape
-from tandem.plan.sharding import Parallel
+from tandem.sizing.shape import DTYPE_BYTES, ModelShape
+from tandem.sizing.sharding import Parallel
 
 
 def activation_peak_bytes(shape: ModelShape, parallel: Parallel, layers: range, last: bool,

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from tandem.plan.model_config import ModelShape
+from tandem.sizing.shape import ModelShape
 
 
 class Split(Enum):

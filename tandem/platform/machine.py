@@ -1,10 +1,17 @@
-"""What this machine can do at best, measured on the spot: a matmul rate and a memory copy
-rate. Benches print their figures against these ceilings, so a ratio between two engines
-also shows how far both are from the hardware."""
+"""What this machine is and can do at best: its CPU (name, AVX-512 / AMX flags) and, measured
+on the spot, a matmul rate and memory copy and read rates. Benches print their figures against
+these ceilings, so a ratio between two engines also shows how far both are from the hardware;
+`tandem plan profile` records them beside the step costs it measures. Below both, so the
+planner need not import the benches (which import the planner).
+"""
 
 from __future__ import annotations
 
+import os
+import platform
 import time
+from pathlib import Path
+from typing import Any
 
 
 def memory_copy_bytes_per_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
@@ -46,3 +53,21 @@ def matmul_flops_per_s(dtype: str = "float32", m: int = 2048, k: int = 576, n: i
     for _ in range(repeats):
         torch.mm(a, b)
     return repeats * 2 * m * k * n / (time.perf_counter() - started)
+
+
+def host_info() -> dict[str, Any]:
+    """The CPU's name and its AVX-512 / AMX flags, which decide the GEMM kernels' speed."""
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpu_count": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and "cpu" not in info:
+            info["cpu"] = value.strip()
+        if key.strip() == "flags" and "flags" not in info:
+            flags = value.split()
+            info["flags"] = sorted(f for f in flags if f.startswith(("avx512", "amx")))
+    return info

@@ -19,7 +19,7 @@ attention_chunk_size tokens per sequence; the plan counts every layer in full, a
 
 from __future__ import annotations
 
-from tandem.plan.model_config import DTYPE_BYTES, ModelShape
+from tandem.sizing.shape import DTYPE_BYTES, ModelShape
 
 
 def kv_values_per_token_per_layer(shape: ModelShape, tp: int) -> int:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.plan.errors import PlanError
-from tandem.plan.model_config import DTYPE_BYTES, ModelShape
-from tandem.plan.tensors import (
+from tandem.sizing.errors import PlanError
+from tandem.sizing.shape import DTYPE_BYTES, ModelShape
+from tandem.sizing.tensors import (
     Split,
     Tensor,
     embedding_tensors,

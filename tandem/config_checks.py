@@ -1,0 +1,79 @@
+"""Engine settings that cannot work together, refused from the config alone.
+
+A rank used to find these only once it ran: after the processes had started, sometimes after
+the model was resolved. Every one of them is decided by the `EngineConfig` itself (the device
+is settled when the config is made, tandem/platform/device.py), so the flag parser runs them
+too and `tandem serve` / `generate` / `chat` fail at once with one line; the worker still runs
+them, for engines built another way (`tandem.LLM`, a headless rank).
+
+What only a rank can know stays there (tandem/worker/): whether this torch sees the GPU and
+has the int8 GEMM, whether the weights fit this host's memory, the model's own limits
+(positions, heads, layers) and the KV blocks that fit. torch-free: the API process imports it.
+"""
+
+from __future__ import annotations
+
+from tandem.config import DECODE_WEIGHT_FORMATS, DTYPES, EngineConfig
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    """ValueError, saying why, for settings that cannot work together."""
+    _check_parallel(config)
+    load = config.load
+    if load.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
+    _check_kv_cache_dtype(config)
+    if load.quantization not in ("none", "int8"):
+        raise ValueError(f"--quantization must be none or int8, not {load.quantization!r}")
+    if load.device == "cuda":
+        if load.quantization != "none" or load.decode_weights != "none":
+            raise ValueError("--quantization and --decode-weights are CPU kernels; on a GPU the model runs in "
+                             f"--dtype ({load.dtype}); drop them or pass --device cpu")
+    else:
+        _check_decode_weights(config)
+
+
+def _check_parallel(config: EngineConfig) -> None:
+    parallel = config.parallel
+    if parallel.splits_model and config.speculative.method in ("draft_model", "eagle3"):
+        raise ValueError(f"speculative method {config.speculative.method!r} runs its model beside a whole "
+                         "target on one rank; it does not yet work with --tensor-parallel-size or "
+                         "--pipeline-parallel-size > 1")
+    if parallel.splits_model and (config.kv_transfer.role != "both" or config.kv_tiers.enabled):
+        raise ValueError(
+            "--tensor-parallel-size or --pipeline-parallel-size > 1 does not yet work with --role "
+            "prefill/decode or the KV tiers: each rank holds its own part of every block, and they "
+            "move whole blocks"
+        )
+
+
+def _check_kv_cache_dtype(config: EngineConfig) -> None:
+    """float8 e4m3 KV (--kv-cache-dtype fp8) only the Triton kernels read (they widen each block
+    as they load it), and no connector moves yet (their layouts and stores assume the model's
+    dtype)."""
+    choice = config.cache.kv_cache_dtype
+    if choice == "auto":
+        return
+    if choice != "fp8":
+        raise ValueError(f"--kv-cache-dtype must be auto or fp8, not {choice!r}")
+    backend = config.load.attention_backend
+    if not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
+        raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "
+                         "--attention-backend triton under TRITON_INTERPRET=1)")
+    if (config.kv_transfer.role != "both" or config.kv_tiers.enabled or config.kv_transfer.shared_memory
+            or config.speculative.method):
+        raise ValueError("--kv-cache-dtype fp8 does not yet work with --role prefill/decode, the KV tiers, "
+                         "a shared-memory KV cache or speculative decoding")
+
+
+def _check_decode_weights(config: EngineConfig) -> None:
+    """--decode-weights on the CPU: a known compact format, and float32 only for an fp32 model."""
+    load = config.load
+    choice = load.decode_weights
+    if choice == "none" or load.decode_weights_max_tokens < 1:
+        return
+    if choice not in DECODE_WEIGHT_FORMATS:
+        raise ValueError(f"decode weights must be none or one of {', '.join(DECODE_WEIGHT_FORMATS)}, not {choice!r}")
+    if choice == "float32" and load.dtype != "float32":
+        raise ValueError(f"--decode-weights float32 keeps an fp32 model's own rows; this model runs in {load.dtype} "
+                         "(its compact copies are float16, bfloat16 or int4)")

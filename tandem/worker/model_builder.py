@@ -1,0 +1,201 @@
+"""A rank's model, built and laid out for the kernels that will read it.
+
+On the CPU: built in the run dtype, weights filled (or random under --load-format dummy), then
+the layouts the CPU kernels read: the small-step weight copies (--decode-weights), the 8-bit
+projections (--quantization int8), oneDNN-packed weights, the fused layer passes and the
+one-call decode stack. On a GPU: built on the device, weights copied in through pinned staging
+buffers, and the Triton passes for the norms, the rotation and silu-and-mul. The worker owns
+the lifecycle; this module only builds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.distributed.expert_parallel import ExpertParallel
+from tandem.distributed.pipeline_parallel import PipelineStage
+from tandem.distributed.tensor_parallel import TensorParallel
+from tandem.kernels.base import AttentionBackend
+from tandem.kernels.dense_gemv import load_dense_gemv_kernel
+from tandem.kernels.int8_rows import load_int8_rows_kernel
+from tandem.kernels.layer_ops import LayerOpsKernel, load_layer_ops
+from tandem.kernels.q4_gemm import load_q4_kernel
+from tandem.layers.bounded_greedy import BoundedGreedyHead
+from tandem.layers.fused_ops import attach_gpu_passes, attach_layer_ops
+from tandem.layers.int8 import int8_available
+from tandem.layers.linear import (
+    SmallStepWeights,
+    attach_small_step_weights,
+    onednn_available,
+    pack_weights_for_cpu,
+    quantize_int8,
+)
+from tandem.loader.model_loader import build_model, init_dummy_weights, load_weights
+from tandem.models.decode_stack import attach_decode_stack
+from tandem.worker.kv_sizing import check_weights_fit
+
+logger = logging.getLogger(__name__)
+
+# --decode-weights int4: the largest relative error of a matrix's 4-bit copy (else it gets an
+# 8-bit one, or keeps its dense weights where that too is further). A Q4 GGUF's 4-bit tensors
+# come back within fp16 rounding (< 1e-3); its 8-bit embedding / LM head would lose ~9% in 4
+# bits (SmolLM2-135M: +6.9% perplexity), and an 8-bit copy holds it.
+TARGET_INT4_MAX_ERROR = 0.01
+
+
+@dataclass(frozen=True)
+class ModelBuilder:
+    """What a rank's model is built for: its device and dtype, and its share of the model."""
+
+    config: EngineConfig
+    rank: int
+    device: torch.device
+    dtype: torch.dtype
+    tp: TensorParallel
+    stage: PipelineStage
+    ep: ExpertParallel | None
+    world_size: int
+    kernel_cache_dir: Path  # where compiled C kernels are kept
+
+    def build(self, model_config: ModelConfig, hf_dir: Path, backend: AttentionBackend,
+              max_model_len: int) -> torch.nn.Module:
+        """Build the model, fill its weights, then lay them out for the kernels that read them."""
+        load = self.config.load
+        if load.quantization == "int8" and not int8_available():
+            raise ValueError("--quantization int8 needs PyTorch's integer GEMM (torch._int_mm)")
+        if self.device.type == "cuda":
+            return self._build_gpu_model(model_config, hf_dir, backend, max_model_len)
+        return self._build_cpu_model(model_config, hf_dir, backend, max_model_len)
+
+    def _build_cpu_model(self, model_config: ModelConfig, hf_dir: Path, backend: AttentionBackend,
+                         max_model_len: int) -> torch.nn.Module:
+        load = self.config.load
+        check_weights_fit(self.config, hf_dir, self.stage, self.rank, self.world_size)
+        if self.ep is not None and model_config.moe is None and self.rank == 0:
+            logger.info("--enable-expert-parallel: %s has no experts; nothing to shard", model_config.architecture)
+        model = build_model(model_config, backend, max_model_len, self.dtype, self.tp, self.stage, self.ep)
+        if load.load_format == "dummy":
+            init_dummy_weights(model, load.seed)
+        else:
+            load_weights(model, hf_dir)
+        small_step = self._small_step_weights()
+        q4_kernel = dense_kernel = None
+        if small_step is not None:
+            q4_kernel = load_q4_kernel(self.kernel_cache_dir) if small_step.format == "int4" else None
+            dense_kernel = load_dense_gemv_kernel(self.kernel_cache_dir) if small_step.format == "float32" else None
+            added = attach_small_step_weights(model, small_step, q4_kernel, dense_kernel)
+            if self.rank == 0:
+                what = ("plain fp32 rows kept beside the packed weights, read by the fp32 GEMV"
+                        if small_step.format == "float32" else "small-step weight copy")
+                logger.info("%s %s for steps of <= %d tokens (+%.0f MiB)", small_step.format, what,
+                            small_step.max_tokens, added / (1 << 20))
+        if load.quantization == "int8":
+            quantized = quantize_int8(model, load_int8_rows_kernel(self.kernel_cache_dir))
+            if self.rank == 0:
+                logger.info("--quantization int8: %d projections hold 8-bit weights for steps of more than %s tokens",
+                            quantized, small_step.max_tokens if small_step is not None else 0)
+        if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
+            logger.info("linear weights packed for oneDNN")
+        ops = load_layer_ops(self.kernel_cache_dir)
+        if small_step is not None and small_step.format == "float32":
+            self._attach_bounded_greedy(model, ops)
+        if ops is not None:
+            attach_layer_ops(model, ops)
+        stacked = small_step is not None and attach_decode_stack(model, backend, self.kernel_cache_dir,
+                                                                  q4_kernel, ops, dense_kernel)
+        if stacked and self.rank == 0:
+            logger.info("decode stack: steps of <= %d decode tokens run every layer in one C call",
+                        small_step.max_tokens)
+        return model
+
+    def _build_gpu_model(self, model_config: ModelConfig, hf_dir: Path, backend: AttentionBackend,
+                         max_model_len: int) -> torch.nn.Module:
+        """The model on this rank's GPU: built there in the run dtype (no fp32 copy on the host
+        or the device), its weights copied in through pinned staging buffers. The CPU-only
+        layouts (oneDNN packing, 8-bit and small-step copies, the C passes) are not made."""
+        load = self.config.load
+        started = time.perf_counter()
+        model = build_model(model_config, backend, max_model_len, self.dtype, self.tp, self.stage, self.ep,
+                            device=self.device)
+        if load.load_format == "dummy":
+            init_dummy_weights(model, load.seed)
+            staged = None
+        else:
+            staged = load_weights(model, hf_dir, device=self.device)
+        if getattr(backend, "name", "") == "triton":
+            from tandem.kernels.gpu.rms_norm import TritonNorm
+            from tandem.kernels.gpu.rotary import TritonRotary
+            from tandem.kernels.gpu.silu_mul import TritonSiluMul
+
+            # One kernel each for the norms, the rotation and silu-and-mul instead of 8, 7
+            # and 2 torch ops: at batch 1 those small launches were a fifth of the step.
+            attach_gpu_passes(model, TritonNorm(), TritonRotary(), TritonSiluMul())
+        torch.cuda.synchronize(self.device)
+        if self.rank == 0:
+            seconds = time.perf_counter() - started
+            moved = f", {staged / 1e9:.2f} GB through pinned staging at {staged / 1e9 / seconds:.2f} GB/s" if staged else ""
+            logger.info("model on %s in %s: %.2f s%s", self.device, load.dtype, seconds, moved)
+        return model
+
+    def _small_step_weights(self) -> SmallStepWeights | None:
+        """--decode-weights as the layers take it (its value is checked with the config,
+        tandem/config_checks.py)."""
+        load = self.config.load
+        choice = load.decode_weights
+        if choice == "none" or load.decode_weights_max_tokens < 1:
+            return None
+        # The target's int4 copies only where they lose nothing (the checkpoint's own 4-bit
+        # matrices); a draft model's guesses take any (tandem/spec/model_proposers.py).
+        return SmallStepWeights(load.decode_weights_max_tokens, choice,
+                                int4_max_error=TARGET_INT4_MAX_ERROR if choice == "int4" else None)
+
+    def _attach_bounded_greedy(self, model: torch.nn.Module, ops: LayerOpsKernel | None) -> None:
+        """--decode-weights float32 (exact fp32, faster kernels): greedy rows read a bf16 copy
+        of the LM head and compute only the candidates' fp32 logits (layers/bounded_greedy.py)."""
+        head = getattr(model, "lm_head", None)
+        if head is None or head.shard.tp.split or not onednn_available():
+            return
+        dense = getattr(head, "small_dense", None)
+        rows = dense.weight if dense is not None else head.weight
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.numel() == 0:
+            return
+        head.bounded_greedy = BoundedGreedyHead(rows, ops)
+        if self.rank == 0:
+            logger.info("greedy rows read the LM head's bf16 copy and compute only their candidates' fp32 "
+                        "logits (+%.0f MiB)", head.bounded_greedy.nbytes / (1 << 20))
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights take: parameters, their oneDNN-packed layouts and their
+    small-step copies (each storage once: a tied head is the embedding)."""
+    seen: set[int] = set()
+    total = 0
+    tensors: list[torch.Tensor] = list(model.parameters())
+    for module in model.modules():
+        for name in ("packed_weight", "small_weight", "small_bias", "small_packed"):
+            extra = getattr(module, name, None)
+            if isinstance(extra, torch.Tensor):
+                tensors.append(extra)
+        dense = getattr(module, "small_dense", None)  # --decode-weights float32: the plain rows kept
+        if dense is not None:
+            tensors.append(dense.weight)
+        for compact in (getattr(module, "small_quantized", None), getattr(module, "int8", None),
+                        getattr(module, "bounded_greedy", None)):
+            if compact is not None:
+                total += compact.nbytes
+        tensors += list(getattr(module, "packed_halves", None) or ())
+    for tensor in tensors:
+        if tensor.is_mkldnn:
+            total += tensor.element_size() * tensor.numel()
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

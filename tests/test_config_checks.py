@@ -1,0 +1,64 @@
+"""Settings that cannot work together are refused from the config alone, and each check can fail."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from tandem.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTiersConfig,
+    KVTransferConfig,
+    LoadConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+)
+from tandem.config_checks import check_engine_config
+
+CPU = EngineConfig("smollm2-135m", load=LoadConfig(device="cpu", dtype="float32"))
+TP2 = ParallelConfig.of(2, 2, "mp")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"parallel": TP2, "speculative": SpeculativeConfig(method="draft_model", model="x", num_speculative_tokens=2)},
+     "speculative method 'draft_model' runs its model beside a whole target"),
+    ({"parallel": TP2, "kv_transfer": KVTransferConfig(role="prefill")},
+     "--tensor-parallel-size or --pipeline-parallel-size > 1 does not yet work with --role"),
+    ({"parallel": TP2, "kv_tiers": KVTiersConfig(cpu_bytes=1 << 20)}, "or the KV tiers"),
+    ({"cache": CacheConfig(kv_cache_dtype="int4")}, "--kv-cache-dtype must be auto or fp8, not 'int4'"),
+    ({"cache": CacheConfig(kv_cache_dtype="fp8")}, "--kv-cache-dtype fp8 needs the Triton attention backend"),
+    ({"cache": CacheConfig(kv_cache_dtype="fp8"), "load": LoadConfig(device="cpu", attention_backend="triton"),
+      "kv_transfer": KVTransferConfig(shared_memory=True)}, "--kv-cache-dtype fp8 does not yet work with"),
+    ({"load": LoadConfig(device="cpu", quantization="int4")}, "--quantization must be none or int8, not 'int4'"),
+    ({"load": LoadConfig(device="cpu", decode_weights="float8")}, "decode weights must be none or one of"),
+    ({"load": LoadConfig(device="cpu", dtype="bfloat16", decode_weights="float32")},
+     "--decode-weights float32 keeps an fp32 model's own rows; this model runs in bfloat16"),
+])
+def test_incompatible_settings_are_refused(change: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        check_engine_config(replace(CPU, **change))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("change", [
+    {},
+    {"parallel": TP2},
+    {"kv_transfer": KVTransferConfig(role="prefill")},
+    {"cache": CacheConfig(kv_cache_dtype="fp8"), "load": LoadConfig(device="cpu", attention_backend="triton")},
+    {"load": LoadConfig(device="cpu", decode_weights="int4", quantization="int8")},
+    {"load": LoadConfig(device="cpu", dtype="bfloat16", decode_weights="float32", decode_weights_max_tokens=0)},
+])
+def test_settings_that_work_together_pass(change: dict) -> None:
+    check_engine_config(replace(CPU, **change))
+
+
+def test_the_checks_import_no_torch() -> None:
+    """The API process of `tandem serve` parses the flags, and it never imports torch."""
+    script = "import sys, tandem.config_checks; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
