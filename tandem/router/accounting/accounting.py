@@ -40,7 +40,7 @@ _USER_MAX_CHARS = 256
 
 
 class FinishedCall(Protocol):
-    """What `record` reads from the proxy's per-request state (proxy.Call)."""
+    """What `record` reads from the proxy's per-request state (http/call.py's Call)."""
 
     identity: Identity
     kind: str
