@@ -23,7 +23,7 @@ from tandem.router.accounting.auth import Caller
 from tandem.router.http.migration import StreamRecord
 from tandem.router.pd.merge import Identity, Kind
 from tandem.router.placement.policies import PromptRoute
-from tandem.router.workers.registry import Worker
+from tandem.router.workers.registry import WorkerEndpoint
 
 T = TypeVar("T")
 
@@ -55,11 +55,11 @@ class Call:
     prompt_tokens: int = 0
     route: str = "direct"
     reason: str = ""
-    prefill_worker: Worker | None = None
-    decode_worker: Worker | None = None
+    prefill_worker: WorkerEndpoint | None = None
+    decode_worker: WorkerEndpoint | None = None
     first_hop_at: float | None = None
     ttft: float | None = None
-    first_output_worker: Worker | None = None
+    first_output_worker: WorkerEndpoint | None = None
     status: int = 200
     usage: dict[str, Any] | None = None
     retries: int = 0
@@ -91,7 +91,7 @@ class Call:
         options = self.body.get("stream_options")
         return bool(isinstance(options, dict) and options.get("include_usage"))
 
-    def mark_first_output(self, worker: Worker | None) -> None:
+    def mark_first_output(self, worker: WorkerEndpoint | None) -> None:
         if self.ttft is None:
             self.ttft = time.monotonic() - self.received
             self.first_output_worker = worker

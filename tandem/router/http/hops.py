@@ -24,7 +24,7 @@ from tandem.router.http.metrics import RouterMetrics
 from tandem.router.http.sse import error_payload
 from tandem.router.http.upstream import Hop, HopFailure, Upstream
 from tandem.router.placement.placement import Placement
-from tandem.router.workers.registry import DispatchKind, Worker, WorkerRegistry
+from tandem.router.workers.registry import DispatchKind, WorkerEndpoint, WorkerRegistry
 
 PREFILL_ROLES: tuple[Role, ...] = ("prefill",)
 WHOLE_ROLES: tuple[Role, ...] = ("decode", "both")  # serve whole requests and decode hops
@@ -45,7 +45,7 @@ class Hops:
         self.upstream = upstream
         self.metrics = metrics
 
-    def choose(self, call: Call, roles: tuple[Role, ...], hop_name: str) -> Worker | None:
+    def choose(self, call: Call, roles: tuple[Role, ...], hop_name: str) -> WorkerEndpoint | None:
         """The worker of `roles` that placement would pick for `call` now."""
         return self.placement.choose(self.registry.pool(roles), call.prompt_route, hop_name)
 
@@ -58,14 +58,14 @@ class Hops:
         body: dict[str, Any],
         kind: DispatchKind,
         tokens: int,
-        preferred: Worker | None = None,
+        preferred: WorkerEndpoint | None = None,
         avoid: frozenset[str] = frozenset(),
     ) -> Hop:
         """Open a hop on the best worker of `roles`, retrying on others; errors as responses.
 
         Workers in `avoid` (a migrated stream's failed ones) are the last resort."""
 
-        def pick(exclude: set[str]) -> Worker | None:
+        def pick(exclude: set[str]) -> WorkerEndpoint | None:
             if (
                 preferred is not None
                 and preferred.available(time.monotonic())
@@ -79,10 +79,10 @@ class Hops:
         if call.first_hop_at is None:
             call.first_hop_at = time.monotonic()
             self.metrics.overhead.observe(call.first_hop_at - call.received)
-        def prefill_work(worker: Worker) -> int:
+        def prefill_work(worker: WorkerEndpoint) -> int:
             return call.prompt_route.prefill_work(worker.url)
 
-        load: int | Callable[[Worker], int] = prefill_work if kind == "prefill" else tokens
+        load: int | Callable[[WorkerEndpoint], int] = prefill_work if kind == "prefill" else tokens
         work = self.upstream.open_with_retries(
             hop_name, pick, call.path, body, call.headers, kind, load
         )

@@ -49,7 +49,7 @@ from tandem.router.pd.split import (
     prefill_body,
     prefill_outcome,
 )
-from tandem.router.workers.registry import Worker
+from tandem.router.workers.registry import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,12 @@ class PdFlow:
         return JSONResponse(out, headers=worker_notes(hop))
 
     async def _stream(
-        self, call: Call, outcome: PrefillOutcome, decode: Worker, body: dict[str, Any], emit: bool
+        self,
+        call: Call,
+        outcome: PrefillOutcome,
+        decode: WorkerEndpoint,
+        body: dict[str, Any],
+        emit: bool,
     ) -> AsyncIterator[str]:
         hop: Hop | None = None
         try:
@@ -255,7 +260,7 @@ class PdFlow:
     def _priced(self, call: Call, reply: dict[str, Any]) -> dict[str, Any]:
         return self.accounting.priced_reply(reply, call.identity.model)
 
-    def _warn_no_pd(self, worker: Worker) -> None:
+    def _warn_no_pd(self, worker: WorkerEndpoint) -> None:
         if worker.url not in self._warned_no_pd:
             self._warned_no_pd.add(worker.url)
             logger.warning(
