@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.router.config import HealthPolicy, Timeouts, WorkerSpec
 from tandem.router.pd.merge import sse
-from tandem.router.workers.registry import LoadSnapshot, Worker
+from tandem.router.workers.registry import LoadSnapshot, WorkerEndpoint
 
 PROMPT_TOKENS = 50
 
@@ -32,9 +32,9 @@ PROMPT_TOKENS = 50
 MODEL_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=180.0, idle_s=180.0)
 
 
-def healthy_worker(url: str, role: str = "decode", **load: int) -> Worker:
+def healthy_worker(url: str, role: str = "decode", **load: int) -> WorkerEndpoint:
     """A worker that passed its first health probe, with `load` (GET /load fields) polled."""
-    worker = Worker(WorkerSpec(url, role), HealthPolicy())  # type: ignore[arg-type]
+    worker = WorkerEndpoint(WorkerSpec(url, role), HealthPolicy())  # type: ignore[arg-type]
     worker.health.record(True)
     if load:
         worker.on_load(LoadSnapshot.from_json(load), poll_started_at=0.0, reflect_delay_s=0.25)

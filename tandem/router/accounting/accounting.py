@@ -34,13 +34,13 @@ from tandem.router.accounting.pricing import (
 )
 from tandem.router.config import AccountingConfig
 from tandem.router.pd.merge import Identity
-from tandem.router.workers.registry import Worker
+from tandem.router.workers.registry import WorkerEndpoint
 
 _USER_MAX_CHARS = 256
 
 
 class FinishedCall(Protocol):
-    """What `record` reads from the proxy's per-request state (proxy.Call)."""
+    """What `record` reads from the proxy's per-request state (http/call.py's Call)."""
 
     identity: Identity
     kind: str
@@ -52,8 +52,8 @@ class FinishedCall(Protocol):
     prefill_usage: dict[str, Any] | None
     prompt_tokens: int
     output_chunks: int
-    prefill_worker: Worker | None
-    decode_worker: Worker | None
+    prefill_worker: WorkerEndpoint | None
+    decode_worker: WorkerEndpoint | None
     received: float
 
 

@@ -49,9 +49,10 @@ from tandem.router.accounting.accounting import load_keys, open_accounting
 from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, caller_of
 from tandem.router.accounting.usage_api import usage_report
 from tandem.router.config import RouterConfig, all_worker_specs, dedupe
+from tandem.router.http.hops import WHOLE_ROLES
 from tandem.router.http.metrics import RouterMetrics
 from tandem.router.http.openapi import document_request_bodies
-from tandem.router.http.proxy import WHOLE_ROLES, Proxy
+from tandem.router.http.proxy import Proxy
 from tandem.router.http.upstream import HopFailure, Upstream, make_client
 from tandem.router.placement.kv_events import KvEventPoller
 from tandem.router.placement.kv_index import KvIndex

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tandem.router.resilience.breaker import STATE_CODES
-from tandem.router.workers.registry import Worker
+from tandem.router.workers.registry import WorkerEndpoint
 
 _LATENCY_BUCKETS = (
     0.01,
@@ -41,7 +41,7 @@ _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 class _WorkerCollector(Collector):
     """Reads the live worker list at scrape time, so removed workers simply disappear."""
 
-    def __init__(self, workers: Callable[[], tuple[Worker, ...]]) -> None:
+    def __init__(self, workers: Callable[[], tuple[WorkerEndpoint, ...]]) -> None:
         self._workers = workers
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -85,7 +85,7 @@ class _WorkerCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, workers: Callable[[], tuple[Worker, ...]]) -> None:
+    def __init__(self, workers: Callable[[], tuple[WorkerEndpoint, ...]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -192,7 +192,10 @@ class RouterMetrics:
         r.register(_WorkerCollector(workers))
 
     def observe_usage(
-        self, prompt_worker: Worker | None, decode_worker: Worker | None, usage: dict | None
+        self,
+        prompt_worker: WorkerEndpoint | None,
+        decode_worker: WorkerEndpoint | None,
+        usage: dict | None,
     ) -> None:
         if not usage:
             return

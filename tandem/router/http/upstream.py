@@ -28,7 +28,7 @@ import httpx
 
 from tandem.router.config import RetryPolicy, Timeouts
 from tandem.router.resilience.retry_budget import RetryBudget
-from tandem.router.workers.registry import DispatchKind, Worker
+from tandem.router.workers.registry import DispatchKind, WorkerEndpoint
 from tandem.trust.peer import PeerAuth
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class HopFailure(Exception):
 
     def __init__(
         self,
-        worker: Worker,
+        worker: WorkerEndpoint,
         reason: str,
         status: int | None = None,
         body: bytes = b"",
@@ -94,7 +94,7 @@ def make_client(timeouts: Timeouts, secret: str | None = None) -> httpx.AsyncCli
 class Hop:
     """One open request to one worker; the worker's accounting lasts as long as the hop."""
 
-    worker: Worker
+    worker: WorkerEndpoint
     response: httpx.Response
     started: float
     handle: int
@@ -143,7 +143,7 @@ class Upstream:
 
     async def open(
         self,
-        worker: Worker,
+        worker: WorkerEndpoint,
         path: str,
         body: dict[str, Any],
         headers: dict[str, str],
@@ -196,12 +196,12 @@ class Upstream:
     async def open_with_retries(
         self,
         hop_name: str,
-        pick: Callable[[set[str]], Worker | None],
+        pick: Callable[[set[str]], WorkerEndpoint | None],
         path: str,
         body: dict[str, Any],
         headers: dict[str, str],
         kind: DispatchKind,
-        tokens: int | Callable[[Worker], int],
+        tokens: int | Callable[[WorkerEndpoint], int],
     ) -> Hop:
         """Try workers from `pick` (which skips the URLs it is given) until one answers.
 
@@ -265,7 +265,7 @@ class Upstream:
         self,
         response: httpx.Response,
         is_output: Callable[[str], bool] | None = None,
-        worker: Worker | None = None,
+        worker: WorkerEndpoint | None = None,
     ) -> AsyncIterator[str]:
         """The `data:` payloads of an SSE stream, through `[DONE]`; StreamBroken otherwise.
 
@@ -319,13 +319,13 @@ class LostWatch:
 
     A worker behind a cut link or a frozen host sends nothing at all, not a reset, so a
     stream on it would wait out its idle timeout (minutes when prefills are long). The health
-    monitor notices within a few polls and calls `Worker.lost`; a wait that has been silent
+    monitor notices within a few polls and calls `WorkerEndpoint.lost`; a wait that has been silent
     for `silence_s` by then ends at once, a younger one once it has (and every later wait on
     the worker is bounded by `silence_s`). A stream still flowing is left alone: an
     overloaded worker whose /health answered late is slow, not gone. `lost` tells such an
     expiry from a plain timeout."""
 
-    def __init__(self, worker: Worker, silence_s: float) -> None:
+    def __init__(self, worker: WorkerEndpoint, silence_s: float) -> None:
         self.lost = False
         self.silence_s = silence_s
         self._current: asyncio.Timeout | None = None

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from tandem.router.placement.kv_index import KvIndex
-from tandem.router.workers.registry import Worker, WorkerRegistry
+from tandem.router.workers.registry import WorkerEndpoint, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class KvEventPoller:
         index: KvIndex,
         interval_s: float,
         timeout_s: float,
-        on_resync: Callable[[Worker, str], None] = lambda worker, reason: None,
+        on_resync: Callable[[WorkerEndpoint, str], None] = lambda worker, reason: None,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -60,7 +60,7 @@ class KvEventPoller:
                     self._poll(worker), name=f"kv events {worker.url}"
                 )
 
-    async def poll_once(self, worker: Worker) -> float:
+    async def poll_once(self, worker: WorkerEndpoint) -> float:
         """One step for one worker; returns how long to wait before the next."""
         entry = self.index.state(worker.url)
         try:
@@ -87,7 +87,7 @@ class KvEventPoller:
             self.index.unsync(worker.url, "error", f"malformed reply: {exc!r}")
         return self.interval_s
 
-    async def _get(self, worker: Worker, path: str) -> dict[str, Any] | None:
+    async def _get(self, worker: WorkerEndpoint, path: str) -> dict[str, Any] | None:
         try:
             response = await self.client.get(
                 worker.url + path, timeout=httpx.Timeout(self.timeout_s)
@@ -113,7 +113,7 @@ class KvEventPoller:
             raise ValueError(f"GET {path} did not answer a JSON object")
         return reply
 
-    async def _poll(self, worker: Worker) -> None:
+    async def _poll(self, worker: WorkerEndpoint) -> None:
         while True:
             delay = self.interval_s
             if worker.healthy:

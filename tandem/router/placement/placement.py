@@ -23,7 +23,7 @@ from tandem.router.config import PolicyConfig, ScoringConfig
 from tandem.router.placement.kv_index import KvIndex
 from tandem.router.placement.policies import HopName, Placer, PromptRoute, affinity_key
 from tandem.router.placement.tokenize import RemoteTokenizer, token_id_prompt, tokenize_body
-from tandem.router.workers.registry import Worker, WorkerRegistry
+from tandem.router.workers.registry import WorkerEndpoint, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class Placement:
         index: KvIndex,
         tokenizer: RemoteTokenizer,
         metrics: PlacementMetrics,
-        refresh_load: Callable[[Worker], None] = lambda worker: None,
+        refresh_load: Callable[[WorkerEndpoint], None] = lambda worker: None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -166,7 +166,9 @@ class Placement:
         route.token_ids, route.prompt_tokens = tokens, len(tokens)
         return route
 
-    def choose(self, pool: Sequence[Worker], route: PromptRoute, hop: HopName) -> Worker | None:
+    def choose(
+        self, pool: Sequence[WorkerEndpoint], route: PromptRoute, hop: HopName
+    ) -> WorkerEndpoint | None:
         choice = self.placer.choose(pool, route, hop)
         if choice is None:
             return None
@@ -197,12 +199,12 @@ class Placement:
         route.notes.append(note)
         return worker
 
-    def ended(self, *workers: Worker | None) -> None:
+    def ended(self, *workers: WorkerEndpoint | None) -> None:
         """A request is over on these workers: their last polled load still counts it."""
         for worker in {w for w in workers if w is not None}:
             self._refresh_load(worker)
 
-    def _tokenize_worker(self) -> Worker | None:
+    def _tokenize_worker(self) -> WorkerEndpoint | None:
         pool = [w for w in self.registry.workers if w.healthy]
         if not pool:
             return None

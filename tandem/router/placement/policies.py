@@ -85,7 +85,7 @@ from tandem.router.config import PolicyConfig, ScoringConfig
 from tandem.router.placement.kv_index import CLUSTER, KvIndex
 from tandem.router.placement.ring import HashRing, bounded_pick, load_bound
 from tandem.router.placement.scoring import pick_decode, pick_lowest, pick_prefill
-from tandem.router.workers.registry import LoadSnapshot, Worker
+from tandem.router.workers.registry import LoadSnapshot, WorkerEndpoint
 
 AFFINITY_HEADER = "x-session-affinity"
 # A hop's name: "prefill" and "decode" (PD mode) or "direct" (a whole request on one worker).
@@ -145,7 +145,7 @@ class PromptRoute:
 class Choice:
     """A placement and why it was made, for the metrics and the request's log line."""
 
-    worker: Worker
+    worker: WorkerEndpoint
     rule: str  # the rule that decided: session, kv_aware, least_tokens, round_robin
     # kv_aware: the predicted prefix hit on the chosen worker, in blocks from every tier
     cached_blocks: int = 0
@@ -191,7 +191,11 @@ def credited(run: Sequence[str], credits: Mapping[str, float]) -> float:
 
 
 def kv_cost(
-    worker: Worker, credited_blocks: float, prompt_tokens: int, block_size: int, weight: float
+    worker: WorkerEndpoint,
+    credited_blocks: float,
+    prompt_tokens: int,
+    block_size: int,
+    weight: float,
 ) -> float:
     load = worker.load or LoadSnapshot()
     uncached = max(0.0, prompt_tokens - credited_blocks * block_size)
@@ -212,7 +216,9 @@ class Placer:
         self._credits = config.tier_credits
         self._measured = config.measured_media
 
-    def choose(self, pool: Sequence[Worker], route: PromptRoute, hop: HopName) -> Choice | None:
+    def choose(
+        self, pool: Sequence[WorkerEndpoint], route: PromptRoute, hop: HopName
+    ) -> Choice | None:
         if not pool:
             return None
         if route.affinity_key is not None:
@@ -227,7 +233,7 @@ class Placer:
             return self.kv_aware(pool, route)
         return self._least_tokens(pool, route, hop)
 
-    def session(self, pool: Sequence[Worker], key: str) -> Choice:
+    def session(self, pool: Sequence[WorkerEndpoint], key: str) -> Choice:
         by_url = {w.url: w for w in pool}
         members = frozenset(by_url)
         ring = self._rings.get(members)
@@ -242,7 +248,7 @@ class Placer:
         url, position = picked
         return Choice(by_url[url], "session", overflow=position)
 
-    def kv_aware(self, pool: Sequence[Worker], route: PromptRoute) -> Choice:
+    def kv_aware(self, pool: Sequence[WorkerEndpoint], route: PromptRoute) -> Choice:
         candidates = list(pool)
         loads = [w.in_flight for w in pool]
         if sum(loads) >= len(loads):  # the pool is busy: guard against hot spots
@@ -259,7 +265,7 @@ class Placer:
         for worker in pool:
             uncached = route.prompt_tokens - hits[worker] * self._block_size(worker)
             route.uncached[worker.url] = max(0, round(uncached))
-        costs: dict[Worker, float] = {}
+        costs: dict[WorkerEndpoint, float] = {}
         for worker in candidates:
             costs[worker] = kv_cost(
                 worker, hits[worker], route.prompt_tokens, self._block_size(worker),
@@ -278,14 +284,14 @@ class Placer:
             best_skipped="load bound" if best not in costs else f"cost {costs[best] - costs[chosen]:+.0f}",
         )
 
-    def credits_for(self, worker: Worker) -> dict[str, float]:
+    def credits_for(self, worker: WorkerEndpoint) -> dict[str, float]:
         """The fixed credits, with the tiers left to measurement set from the worker's report."""
         if not self._measured or worker.load is None:
             return self._credits
         measured = measured_credits(worker.load.raw, self._measured)
         return {**self._credits, **measured} if measured else self._credits
 
-    def reads_cluster(self, worker: Worker) -> bool:
+    def reads_cluster(self, worker: WorkerEndpoint) -> bool:
         """Whether the worker can load from the cluster store, so the pool's cluster set counts
         for it: it has reported cluster blocks, or its /load lists the medium."""
         if self.index.writes_cluster(worker.url):
@@ -295,7 +301,9 @@ class Placer:
         media = tiers.get("media") if isinstance(tiers, dict) else None
         return isinstance(media, dict) and CLUSTER in media
 
-    def _least_tokens(self, pool: Sequence[Worker], route: PromptRoute, hop: HopName) -> Choice:
+    def _least_tokens(
+        self, pool: Sequence[WorkerEndpoint], route: PromptRoute, hop: HopName
+    ) -> Choice:
         if hop == "prefill":
             chosen = pick_prefill(pool, route.prompt_tokens)
         else:
@@ -303,7 +311,7 @@ class Placer:
         assert chosen is not None
         return Choice(chosen, "least_tokens")
 
-    def _block_size(self, worker: Worker) -> int:
+    def _block_size(self, worker: WorkerEndpoint) -> int:
         size = self.index.block_size(worker.url)
         if size:
             return size

@@ -3,7 +3,7 @@
 Requests differ by orders of magnitude in size (a 20-token question, a 30 000-token agent
 turn), so counting requests balances nothing. Both scores use the worker's last `GET /load`
 (polled every 0.5 s) plus what the router has routed to it since that the poll cannot show
-yet ("unreflected" tokens: see `Worker.on_load`).
+yet ("unreflected" tokens: see `WorkerEndpoint.on_load`).
 
 Prefill score (prefill hop), in tokens the worker must still prefill before this request is
 done:
@@ -27,18 +27,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tandem.router.workers.registry import LoadSnapshot, Worker
+from tandem.router.workers.registry import LoadSnapshot, WorkerEndpoint
 
 _UNKNOWN_CAPACITY = 1 << 20
 
 
-def prefill_score(worker: Worker, prompt_tokens: int) -> float:
+def prefill_score(worker: WorkerEndpoint, prompt_tokens: int) -> float:
     queued = worker.load.waiting_prefill_tokens if worker.load else 0
     return float(queued + worker.unreflected_tokens("prefill") + prompt_tokens)
 
 
 def decode_score(
-    worker: Worker,
+    worker: WorkerEndpoint,
     request_tokens: int,
     sequence_weight: float,
     fallback_capacity: int = _UNKNOWN_CAPACITY,
@@ -55,24 +55,26 @@ def decode_score(
     return tokens / max(capacity, 1) + sequence_weight * sequences
 
 
-def pool_capacity(workers: Sequence[Worker]) -> int:
+def pool_capacity(workers: Sequence[WorkerEndpoint]) -> int:
     known = [w.load.kv_capacity_tokens for w in workers if w.load and w.load.kv_capacity_tokens]
     return max(known) if known else _UNKNOWN_CAPACITY
 
 
-def pick_lowest(workers: Sequence[Worker], score: Callable[[Worker], float]) -> Worker | None:
+def pick_lowest(
+    workers: Sequence[WorkerEndpoint], score: Callable[[WorkerEndpoint], float]
+) -> WorkerEndpoint | None:
     if not workers:
         return None
     return min(workers, key=lambda w: (score(w), w.in_flight, w.last_picked))
 
 
-def pick_prefill(workers: Sequence[Worker], prompt_tokens: int) -> Worker | None:
+def pick_prefill(workers: Sequence[WorkerEndpoint], prompt_tokens: int) -> WorkerEndpoint | None:
     return pick_lowest(workers, lambda w: prefill_score(w, prompt_tokens))
 
 
 def pick_decode(
-    workers: Sequence[Worker], request_tokens: int, sequence_weight: float
-) -> Worker | None:
+    workers: Sequence[WorkerEndpoint], request_tokens: int, sequence_weight: float
+) -> WorkerEndpoint | None:
     capacity = pool_capacity(workers)
     return pick_lowest(
         workers, lambda w: decode_score(w, request_tokens, sequence_weight, capacity)

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from tandem.router.workers.registry import Worker
+from tandem.router.workers.registry import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RemoteTokenizer:
         self.timeout_s = timeout_s
 
     async def tokens(
-        self, worker: Worker, request: dict[str, Any], headers: dict[str, str]
+        self, worker: WorkerEndpoint, request: dict[str, Any], headers: dict[str, str]
     ) -> list[int] | None:
         try:
             async with asyncio.timeout(self.timeout_s):  # in all: connect, send and read

@@ -22,7 +22,7 @@ import time
 import httpx
 
 from tandem.router.config import HealthPolicy, ScoringConfig
-from tandem.router.workers.registry import LoadSnapshot, Worker, WorkerRegistry
+from tandem.router.workers.registry import LoadSnapshot, WorkerEndpoint, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ class HealthMonitor:
         self.client = client
         self.policy = policy
         self.scoring = scoring
-        self._tasks: dict[Worker, asyncio.Task[None]] = {}
-        self._refreshing: set[Worker] = set()
-        self._refresh_again: set[Worker] = set()
+        self._tasks: dict[WorkerEndpoint, asyncio.Task[None]] = {}
+        self._refreshing: set[WorkerEndpoint] = set()
+        self._refresh_again: set[WorkerEndpoint] = set()
         self._refreshes: set[asyncio.Task[None]] = set()
 
-    def record(self, worker: Worker, ok: bool, reason: str = "") -> None:
+    def record(self, worker: WorkerEndpoint, ok: bool, reason: str = "") -> None:
         """Count one outcome and log the transitions (the only place that does)."""
         first = not worker.health.probed
         if worker.health.record(ok):
@@ -67,7 +67,7 @@ class HealthMonitor:
                 "worker %s (%s) is not reachable yet: %s", worker.url, worker.role, reason
             )
 
-    async def probe(self, worker: Worker) -> None:
+    async def probe(self, worker: WorkerEndpoint) -> None:
         started = time.monotonic()
         timeout = httpx.Timeout(self.policy.timeout_s)
         try:
@@ -79,7 +79,7 @@ class HealthMonitor:
         if ok:
             await self._poll_load(worker, started)
 
-    async def _poll_load(self, worker: Worker, started: float) -> None:
+    async def _poll_load(self, worker: WorkerEndpoint, started: float) -> None:
         try:
             response = await self.client.get(
                 f"{worker.url}/load", timeout=httpx.Timeout(self.policy.timeout_s)
@@ -91,7 +91,7 @@ class HealthMonitor:
         except (httpx.HTTPError, ValueError) as exc:
             logger.debug("GET %s/load failed: %s", worker.url, exc)
 
-    def refresh_load(self, worker: Worker) -> None:
+    def refresh_load(self, worker: WorkerEndpoint) -> None:
         """Poll the worker's /load now; one poll at a time, another after it if asked again."""
         if worker in self._refreshing:
             self._refresh_again.add(worker)
@@ -101,7 +101,7 @@ class HealthMonitor:
         self._refreshes.add(task)
         task.add_done_callback(self._refreshes.discard)
 
-    async def _refresh(self, worker: Worker) -> None:
+    async def _refresh(self, worker: WorkerEndpoint) -> None:
         try:
             while True:
                 self._refresh_again.discard(worker)
@@ -126,7 +126,7 @@ class HealthMonitor:
                     self._poll(worker), name=f"poll {worker.url}"
                 )
 
-    async def _poll(self, worker: Worker) -> None:
+    async def _poll(self, worker: WorkerEndpoint) -> None:
         while True:
             await asyncio.sleep(self.policy.interval_s)
             try:

@@ -96,7 +96,7 @@ class _Dispatch:
     at: float
 
 
-class Worker:
+class WorkerEndpoint:
     """One worker endpoint in one role; the router's only mutable view of it."""
 
     def __init__(
@@ -207,29 +207,32 @@ class WorkerRegistry:
     ) -> None:
         self._policy = policy
         self._breaker = breaker or BreakerPolicy()
-        self._workers: dict[WorkerSpec, Worker] = {}
+        self._workers: dict[WorkerSpec, WorkerEndpoint] = {}
         self._picks = itertools.count(1)
         self.replace(specs)
 
     @property
-    def workers(self) -> tuple[Worker, ...]:
+    def workers(self) -> tuple[WorkerEndpoint, ...]:
         return tuple(self._workers.values())
 
-    def replace(self, specs: tuple[WorkerSpec, ...]) -> tuple[list[Worker], list[Worker]]:
-        """Adopt a new list; returns (added, removed). In-flight requests keep their Worker."""
+    def replace(
+        self, specs: tuple[WorkerSpec, ...]
+    ) -> tuple[list[WorkerEndpoint], list[WorkerEndpoint]]:
+        """Adopt a new list; returns (added, removed). In-flight requests keep their
+        WorkerEndpoint."""
         removed = [w for spec, w in self._workers.items() if spec not in specs]
         added = []
         workers = {}
         for spec in specs:
             worker = self._workers.get(spec)
             if worker is None:
-                worker = Worker(spec, self._policy, self._breaker)
+                worker = WorkerEndpoint(spec, self._policy, self._breaker)
                 added.append(worker)
             workers[spec] = worker
         self._workers = workers
         return added, removed
 
-    def pool(self, roles: tuple[Role, ...], healthy_only: bool = True) -> list[Worker]:
+    def pool(self, roles: tuple[Role, ...], healthy_only: bool = True) -> list[WorkerEndpoint]:
         """The workers of these roles that may take a new request now (or all of them)."""
         now = time.monotonic()
         return [
@@ -238,5 +241,5 @@ class WorkerRegistry:
             if w.role in roles and (not healthy_only or w.available(now))
         ]
 
-    def mark_picked(self, worker: Worker) -> None:
+    def mark_picked(self, worker: WorkerEndpoint) -> None:
         worker.last_picked = next(self._picks)

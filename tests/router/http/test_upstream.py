@@ -14,7 +14,7 @@ from router_helpers import healthy_worker
 
 from tandem.router.config import RetryPolicy, Timeouts
 from tandem.router.http.upstream import HopFailure, StreamBroken, Upstream
-from tandem.router.workers.registry import Worker
+from tandem.router.workers.registry import WorkerEndpoint
 
 
 # --- retries before the first byte -------------------------------------------------------
@@ -31,8 +31,8 @@ def _upstream(handler, retry: RetryPolicy | None = None) -> tuple[Upstream, list
     return upstream, failures
 
 
-def _picker(workers: list[Worker]):  # noqa: ANN202
-    def pick(exclude: set[str]) -> Worker | None:
+def _picker(workers: list[WorkerEndpoint]):  # noqa: ANN202
+    def pick(exclude: set[str]) -> WorkerEndpoint | None:
         return next((w for w in workers if w.url not in exclude), None)
 
     return pick
@@ -187,7 +187,7 @@ def test_the_first_event_may_wait_in_a_queue_up_to_the_first_byte_timeout() -> N
 
 def test_a_worker_marked_down_ends_the_waits_on_it_at_once() -> None:
     """A cut link sends no reset: a stream on it, or a request waiting for its headers, hears
-    nothing until its timeout. When the health checks mark the worker down (`Worker.lost`),
+    nothing until its timeout. When the health checks mark the worker down (`WorkerEndpoint.lost`),
     both give up at once, long before their timeouts, and say why."""
 
     async def silence() -> None:  # the worker behind a cut link

@@ -24,15 +24,15 @@ from tandem.router.placement.policies import Placer, PromptRoute, affinity_key, 
 from tandem.router.placement.ring import HashRing, bounded_pick, load_bound
 from tandem.router.placement.tokenize import RemoteTokenizer, token_id_prompt, tokenize_body
 from tandem.router.workers.health import HealthMonitor
-from tandem.router.workers.registry import LoadSnapshot, Worker, WorkerRegistry
+from tandem.router.workers.registry import LoadSnapshot, WorkerEndpoint, WorkerRegistry
 
 ROOT = 12345
 BS = 4
 KEYS = [f"session-{i}" for i in range(3000)]
 
 
-def _worker(url: str, role: str = "both", **load: int) -> Worker:
-    worker = Worker(WorkerSpec(url, role), HealthPolicy())  # type: ignore[arg-type]
+def _worker(url: str, role: str = "both", **load: int) -> WorkerEndpoint:
+    worker = WorkerEndpoint(WorkerSpec(url, role), HealthPolicy())  # type: ignore[arg-type]
     worker.health.record(True)
     if load:
         worker.on_load(LoadSnapshot.from_json(load), poll_started_at=0.0, reflect_delay_s=0.25)

@@ -53,7 +53,7 @@ def test_reload_keeps_the_state_of_workers_that_stay() -> None:
 
 
 def test_a_worker_going_down_tells_whoever_waits_on_it() -> None:
-    """The health monitor's down transition calls Worker.lost, which ends every wait on the
+    """The health monitor's down transition calls WorkerEndpoint.lost, which ends every wait on the
     worker (upstream.LostWatch); unregistered callbacks are not called."""
     registry = WorkerRegistry((WorkerSpec("http://a:1", "decode"),), POLICY)
     worker = registry.workers[0]

@@ -1,0 +1,114 @@
+"""One client request as it goes through the router, and the two ways it ends before a reply.
+
+Every step of the request path (the proxy's admission, the direct and prefill/decode flows,
+the relay, the closing bookkeeping) reads and fills the same `Call`, so each step needs no
+reference to the others: what the log line, the metrics and the usage ledger report at the
+end is what the steps wrote into it. `ClientGone` and `Answered` end a call early, from any
+step, and the proxy turns them into the client's response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from tandem.router.accounting.auth import Caller
+from tandem.router.http.migration import StreamRecord
+from tandem.router.pd.merge import Identity, Kind
+from tandem.router.placement.policies import PromptRoute
+from tandem.router.workers.registry import WorkerEndpoint
+
+T = TypeVar("T")
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Answered(Exception):
+    """A worker's own error reply, passed to the client as it is."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+@dataclass
+class Call:
+    """One client request and what the log line and metrics report about it."""
+
+    kind: Kind
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    identity: Identity
+    received: float
+    prompt_tokens: int = 0
+    route: str = "direct"
+    reason: str = ""
+    prefill_worker: WorkerEndpoint | None = None
+    decode_worker: WorkerEndpoint | None = None
+    first_hop_at: float | None = None
+    ttft: float | None = None
+    first_output_worker: WorkerEndpoint | None = None
+    status: int = 200
+    usage: dict[str, Any] | None = None
+    retries: int = 0
+    finished: bool = False
+    prompt_route: PromptRoute = field(default_factory=lambda: PromptRoute(0))
+    # For the usage ledger (accounting/accounting.py): who called, and what is known if no
+    # usage comes.
+    caller: str = ""
+    prefill_usage: dict[str, Any] | None = None
+    output_chunks: int = 0
+    # A stream the router can move to another worker if its worker fails (migration.py).
+    record: StreamRecord | None = None
+    failed_workers: set[str] = field(default_factory=set)
+    # Admission: the key and limits it was admitted under, and whether it holds a slot.
+    key: Caller | None = None
+    admitted_tokens: int = 0  # the prompt tokens its rate limit took at admission
+    admitted: bool = False
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def wants_token_ids(self) -> bool:
+        return self.body.get("return_token_ids") is True
+
+    @property
+    def include_usage(self) -> bool:
+        options = self.body.get("stream_options")
+        return bool(isinstance(options, dict) and options.get("include_usage"))
+
+    def mark_first_output(self, worker: WorkerEndpoint | None) -> None:
+        if self.ttft is None:
+            self.ttft = time.monotonic() - self.received
+            self.first_output_worker = worker
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which closes its upstream connection) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
