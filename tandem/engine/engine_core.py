@@ -341,8 +341,6 @@ class EngineCore:
         )
         stats = self.kv_manager.stats
         connector = scheduler.connector
-        transfer = dict(connector.counters()) if connector is not None else {}
-        tiers = transfer.pop("tiers", {})
         return EngineLoad(
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
@@ -355,8 +353,7 @@ class EngineCore:
             prefix_cache_hits=stats.hits,
             connector_loaded_tokens=scheduler.stats.num_loaded_tokens,
             num_preemptions=scheduler.num_preemptions,
-            kv_transfer=transfer,
-            kv_tiers=tiers,
+            connectors=connector.counters_by_section() if connector is not None else {},
             spec_decode=self.speculator.stats.as_dict() if self.speculator is not None else {},
         )
 
