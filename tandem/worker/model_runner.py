@@ -289,7 +289,7 @@ class ModelRunner:
         `graphs=False` keeps the static buffers and padding but runs each step eagerly (how the
         CPU tests check them). False, with the reason logged, when this model or backend cannot."""
         why = None
-        if not getattr(self.backend, "pads_decode_rows", False):
+        if not self.backend.capabilities.pads_decode_rows:
             why = f"the {self.backend.name} attention backend cannot take padded rows"
         elif self.stage.split or getattr(self.model, "aux_hidden_layers", ()) or self.drafter is not None:
             why = "pipeline stages and speculative decoding run eagerly"

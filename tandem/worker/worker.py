@@ -29,8 +29,8 @@ from tandem.distributed.layout import RankLayout, stage_layers
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.kernels.attention_registry import attention_capabilities, make_attention_backend
 from tandem.kernels.base import AttentionBackend
-from tandem.kernels.cpu_attention import make_attention_backend
 from tandem.kernels.dense_gemv import load_dense_gemv_kernel
 from tandem.kernels.int8_rows import load_int8_rows_kernel
 from tandem.kernels.layer_ops import LayerOpsKernel, load_layer_ops
@@ -216,8 +216,7 @@ class Worker:
             return self.dtype
         if choice != "fp8":
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, not {choice!r}")
-        backend = config.load.attention_backend
-        if not (backend == "triton" or (backend == "auto" and self.device.type == "cuda")):
+        if not attention_capabilities(config.load.attention_backend, self.device.type).fp8_kv_cache:
             raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "
                              "--attention-backend triton under TRITON_INTERPRET=1)")
         if (config.kv_transfer.role != "both" or config.kv_tiers.enabled or config.kv_transfer.shared_memory
@@ -302,7 +301,7 @@ class Worker:
             staged = None
         else:
             staged = load_weights(model, hf_dir, device=self.device)
-        if getattr(self._backend, "name", "") == "triton":
+        if self._backend.capabilities.gpu_layer_passes:
             from tandem.kernels.gpu.rms_norm import TritonNorm
             from tandem.kernels.gpu.rotary import TritonRotary
             from tandem.kernels.gpu.silu_mul import TritonSiluMul
