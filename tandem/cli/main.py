@@ -37,7 +37,7 @@ from tandem.launch.up import add_up_parser
 from tandem.plan.cli import add_plan_parser
 from tandem.router.accounting.keys_cli import add_keys_parser
 from tandem.router.cli import add_route_parser
-from tandem.spec.cli import add_spec_parser
+from tandem.train.cli import add_spec_parser
 
 _DESCRIPTION = """\
 tandem: LLM serving for agents.

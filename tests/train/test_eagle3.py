@@ -16,7 +16,7 @@ from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.loader.resolve import resolve_model
 from tandem.spec.eagle3 import Eagle3Config, Eagle3Head
-from tandem.spec.eagle3_train import (
+from tandem.train.eagle3 import (
     DraftVocab,
     Sample,
     SequenceFeatures,
