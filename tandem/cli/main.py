@@ -53,7 +53,7 @@ Nothing is downloaded from a model hub.
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.headless:
-        from tandem.engine.executor.headless import run_headless
+        from tandem.executor.headless import run_headless
 
         return run_headless(serve_engine_config(args))
     from tandem.server.app import run_server

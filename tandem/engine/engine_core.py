@@ -20,15 +20,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.batch.scheduler_output import SchedulerOutput
 from tandem.config import EngineConfig
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.executor.base import Executor, WorkerDiedError
-from tandem.engine.executor.factory import make_executor
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.memory_report import log_memory_split
 from tandem.engine.messages import RequestDelta, SequenceDelta
 from tandem.engine.scheduler import RequestUpdate, Scheduler
-from tandem.engine.scheduler_output import SchedulerOutput
+from tandem.executor.base import Executor, WorkerDiedError
+from tandem.executor.factory import make_executor
 from tandem.kvcache.block_hash import root_hash
 from tandem.kvcache.connector.factory import make_connector_scheduler
 from tandem.spec.factory import make_speculator

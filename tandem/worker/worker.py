@@ -23,12 +23,12 @@ from typing import Any
 import psutil
 import torch
 
+from tandem.batch.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.config import DECODE_WEIGHT_FORMATS, DTYPES, EngineConfig, ModelConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.layout import RankLayout, stage_layers
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
-from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kernels.attention_registry import attention_capabilities, make_attention_backend
 from tandem.kernels.base import AttentionBackend
 from tandem.kernels.dense_gemv import load_dense_gemv_kernel

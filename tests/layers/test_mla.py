@@ -14,13 +14,13 @@ import torch
 import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.config import MLAConfig, ModelConfig, RopeConfig
 from tandem.kernels.base import AttentionBackend, AttentionCapabilities, kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.rotary import RotaryEmbedding, inverse_frequencies, rotary_magnitude
 from tandem.loader.mla_weights import deinterleave_rope_rows
-from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 BLOCK = 4
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32, "beta_slow": 1,

@@ -110,7 +110,7 @@ class KVConnectorScheduler(ABC):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """This step's instructions for the worker side (plain, picklable), or None.
 
-        `scheduler_output` is the step's SchedulerOutput (engine/scheduler_output.py), so a
+        `scheduler_output` is the step's SchedulerOutput (tandem/batch/scheduler_output.py), so a
         connector that saves KV knows which requests compute which tokens this step."""
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027

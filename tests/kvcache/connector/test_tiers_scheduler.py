@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from tandem.batch.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.config import EngineConfig, KVTiersConfig
-from tandem.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.kvcache.block_hash import block_hashes, root_hash
 from tandem.kvcache.connector.base import KVConnectorOutput
 from tandem.kvcache.connector.tiers import TiersConnectorScheduler
