@@ -391,7 +391,7 @@ EXECUTOR_BACKENDS = ("auto", "uni", "mp")
 @dataclass(frozen=True)
 class ParallelConfig:
     """How many ranks run the model, how they split it, and how the engine reaches them
-    (engine/executor/, distributed/).
+    (executor/, distributed/).
 
     Ranks are laid out stage-major, as vLLM does: rank = stage * tensor_parallel_size +
     tensor-parallel rank, so a stage's tensor-parallel group is consecutive ranks (one host,

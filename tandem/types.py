@@ -264,12 +264,21 @@ class EngineLoad:
     prefix_cache_hits: int = 0  # of which found cached, cumulative
     connector_loaded_tokens: int = 0  # prompt tokens a connector loaded (handoff, KV tiers), cumulative
     num_preemptions: int = 0  # cumulative
-    kv_transfer: dict[str, float] = field(default_factory=dict)  # handoff counters (engine core)
-    # The KV tiers (CPU, disk, cluster store): blocks and traffic per tier, loads, the writer
-    # (tandem/kvcache/connector/tiers.py `counters`); empty when no tier is on.
-    kv_tiers: dict[str, Any] = field(default_factory=dict)
+    # Each running KV connector's counters under its config section (the registry's key:
+    # tandem/kvcache/connector/factory.py), e.g. "kv_transfer" for the prefill/decode handoff,
+    # "kv_tiers" for the CPU, disk and cluster tiers; a connector that is off is absent.
+    connectors: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Speculative decoding's counters (tandem/spec/stats.py `as_dict`); empty when it is off.
     spec_decode: dict[str, Any] = field(default_factory=dict)
+
+    def connector(self, section: str) -> dict[str, Any]:
+        """One connector's counters; empty when it is off."""
+        return self.connectors.get(section, {})
+
+    @property
+    def kv_held(self) -> int:
+        """KV kept leased to others (a prefill worker's handoffs), over every connector."""
+        return sum(int(counters.get("held", 0)) for counters in self.connectors.values())
 
     @property
     def kv_usage(self) -> float:

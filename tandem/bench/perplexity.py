@@ -13,9 +13,9 @@ import math
 
 import torch
 
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.engine.llm_engine import LLMEngine
 from tandem.types import Request, SamplingParams
-from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 # A fixed English passage (public-domain style prose written for this benchmark).
 REFERENCE_TEXT = (

@@ -38,7 +38,7 @@ from tandem.launch.up import add_up_parser
 from tandem.plan.cli import add_plan_parser
 from tandem.router.accounting.keys_cli import add_keys_parser
 from tandem.router.cli import add_route_parser
-from tandem.spec.cli import add_spec_parser
+from tandem.train.cli import add_spec_parser
 
 _DESCRIPTION = """\
 tandem: LLM serving for agents.
@@ -54,7 +54,7 @@ Nothing is downloaded from a model hub.
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.headless:
-        from tandem.engine.executor.headless import run_headless
+        from tandem.executor.headless import run_headless
 
         return run_headless(serve_engine_config(args))
     from tandem.server.app import run_server

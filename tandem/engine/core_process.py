@@ -24,7 +24,6 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.engine.engine_core import EngineCore, EngineCoreRequest
-from tandem.engine.executor.base import WorkerDiedError
 from tandem.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -37,6 +36,7 @@ from tandem.engine.messages import (
     ResetPrefixCache,
     Shutdown,
 )
+from tandem.executor.base import WorkerDiedError
 
 logger = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.batch.scheduler_output import SchedulerOutput
 from tandem.config import EngineConfig
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.executor.base import Executor, WorkerDiedError
-from tandem.engine.executor.factory import make_executor
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.memory_report import log_memory_split
 from tandem.engine.messages import RequestDelta, SequenceDelta
 from tandem.engine.scheduler import RequestUpdate, Scheduler
-from tandem.engine.scheduler_output import SchedulerOutput
+from tandem.executor.base import Executor, WorkerDiedError
+from tandem.executor.factory import make_executor
 from tandem.kvcache.block_hash import root_hash
 from tandem.kvcache.connector.factory import make_connector_scheduler
 from tandem.spec.factory import make_speculator
@@ -341,8 +341,6 @@ class EngineCore:
         )
         stats = self.kv_manager.stats
         connector = scheduler.connector
-        transfer = dict(connector.counters()) if connector is not None else {}
-        tiers = transfer.pop("tiers", {})
         return EngineLoad(
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
@@ -355,8 +353,7 @@ class EngineCore:
             prefix_cache_hits=stats.hits,
             connector_loaded_tokens=scheduler.stats.num_loaded_tokens,
             num_preemptions=scheduler.num_preemptions,
-            kv_transfer=transfer,
-            kv_tiers=tiers,
+            connectors=connector.counters_by_section() if connector is not None else {},
             spec_decode=self.speculator.stats.as_dict() if self.speculator is not None else {},
         )
 

@@ -16,10 +16,10 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.engine_core import EngineCore, EngineCoreRequest
-from tandem.engine.executor.base import Executor
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.output_processor import RequestText
 from tandem.engine.scheduler import Scheduler
+from tandem.executor.base import Executor
 from tandem.types import CompletionOutput, EngineLoad, RequestOutput, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)

@@ -29,14 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.config import SchedulerConfig
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.scheduler_output import (
+from tandem.batch.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from tandem.config import SchedulerConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.kvcache.connector.base import KVConnectorOutput, KVConnectorScheduler
 from tandem.spec.speculator import Candidate, Speculator
 from tandem.types import Request, RequestStatus, SampledToken

@@ -38,8 +38,26 @@ class AttentionMetadata:
     scratch: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What a backend can do beyond `write_kv` and `attend`, so callers ask the backend
+    rather than test its name."""
+
+    # Padded decode rows are harmless (a negative slot is not written, a context of 0 reads
+    # nothing) and its launches are sized from the metadata alone: decode steps can be graphs.
+    pads_decode_rows: bool = False
+    # The model runs on a GPU with Triton: norms, rotary and silu-and-mul may take its kernels.
+    gpu_layer_passes: bool = False
+    # Reads a float8 e4m3 KV cache (--kv-cache-dtype fp8), widening each block as it loads it.
+    fp8_kv_cache: bool = False
+    # `decode` takes MLA's absorbed decode: MQA over one latent plane read as keys and values,
+    # with a head size that is not a power of two (tandem/layers/mla.py).
+    latent_decode: bool = False
+
+
 class AttentionBackend(Protocol):
     name: str
+    capabilities: AttentionCapabilities
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -51,6 +69,11 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """Causal attention of query [T, heads, head_dim] over each sequence's context."""
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """The decode rows alone ([num_decodes, heads, head_dim], one query per sequence) over
+        the context already in the cache."""
 
 
 def kv_cache_shape(

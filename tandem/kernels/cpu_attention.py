@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels.base import AttentionBackend, AttentionMetadata
+from tandem.kernels.base import AttentionMetadata
 from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
 from tandem.kernels.cpu_prefill import PrefillAttentionKernel
 from tandem.kernels.torch_attention import TorchAttentionBackend
@@ -153,30 +153,14 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def make_attention_backend(choice: str, cache_dir: Path, device_type: str = "cpu") -> AttentionBackend:
-    """`--attention-backend`: "torch", "cpu" (the kernel, or an error), "triton" (the Triton
-    kernels: on a GPU, or on this CPU under TRITON_INTERPRET=1), or "auto" (on a GPU Triton,
-    else the C kernel when it builds, else torch with a warning)."""
-    if choice == "auto" and device_type == "cuda":
-        choice = "triton"  # a GPU's backend; the C kernels read host memory
-    if choice == "torch":
-        return TorchAttentionBackend()
-    if choice == "triton":
-        from tandem.kernels.gpu import available
-
-        reason = available(device_type)
-        if reason:
-            raise ValueError(f"--attention-backend triton: {reason}")
-        from tandem.kernels.gpu.backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    if choice not in ("auto", "cpu"):
-        raise ValueError(f"unknown attention backend {choice!r}; choose auto, cpu, torch or triton")
+def build_cpu_backend(cache_dir: Path, required: bool) -> TorchAttentionBackend:
+    """The C kernels compiled under `cache_dir`; where they do not build, an error when they
+    were asked for by name, else the torch backend with a warning."""
     try:
         backend = CpuAttentionBackend(PagedDecodeKernel(build_kernel_library(cache_dir, SOURCE)),
                                       PrefillAttentionKernel.build(cache_dir))
     except (KernelBuildError, OSError, subprocess.SubprocessError) as error:
-        if choice == "cpu":
+        if required:
             raise
         logger.warning("CPU attention kernels unavailable (%s); using the torch backend", error)
         return TorchAttentionBackend()

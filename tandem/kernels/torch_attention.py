@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.base import AttentionMetadata
+from tandem.kernels.base import AttentionCapabilities, AttentionMetadata
 
 # Split a decode batch in two when it has at least this many sequences and the shorter half
 # needs at most 1/this-factor of the blocks of the longest (i.e. saves >= 20% of its copy).
@@ -55,6 +55,7 @@ def _prefill_after_prefix(q: torch.Tensor, kv_cache: torch.Tensor, span, scale: 
 
 class TorchAttentionBackend:
     name = "torch"
+    capabilities = AttentionCapabilities(latent_decode=True)
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -76,6 +77,10 @@ class TorchAttentionBackend:
             rows = slice(span.q_start, span.q_start + span.q_len)
             out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
         return out
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        return self._decode(query, kv_cache, meta, scale)
 
     def _prefill(self, q, k, v, kv_cache, span, scale) -> torch.Tensor:
         cached = span.context_len - span.q_len

@@ -30,8 +30,8 @@ from torch import nn
 
 from tandem.config import MLAConfig, RopeConfig, yarn_mscale
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
-from tandem.kernels.base import AttentionMetadata, PrefillSpan
-from tandem.kernels.torch_attention import TorchAttentionBackend
+from tandem.kernels.attention_registry import latent_decoder
+from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan
 from tandem.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -82,7 +82,8 @@ class MultiLatentAttention(nn.Module):
 
     def __init__(
         self, mla: MLAConfig, hidden_size: int, num_heads: int, rms_norm_eps: float,
-        rope: RopeConfig, rotary: RotaryEmbedding, bias: bool = False, tp: TensorParallel = SINGLE_RANK,
+        rope: RopeConfig, rotary: RotaryEmbedding, backend: AttentionBackend, bias: bool = False,
+        tp: TensorParallel = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.mla = mla
@@ -100,9 +101,9 @@ class MultiLatentAttention(nn.Module):
                                             mla.v_head_dim, tp)
         self.o_proj = RowParallelLinear(num_heads * mla.v_head_dim, hidden_size, bias, tp)
         self.scale = mla_softmax_scale(mla, rope)
-        # Absorbed decode is MQA over the latent entries; the torch path's batched decode
-        # attention does it when keys and values are both the cache's one plane.
-        self._decode_attention = TorchAttentionBackend()
+        # Absorbed decode is MQA over the latent entries, keys and values both the cache's one
+        # plane: the given backend's decode where it takes that, else the torch one.
+        self._decode_attention = latent_decoder(backend)
 
     def forward(
         self, angles: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -144,7 +145,7 @@ class MultiLatentAttention(nn.Module):
         query = torch.cat((q_latent, q_rot), dim=-1)  # [T, heads, latent_dim]
         # Keys and values are the same latent entries: one stored plane, read as both.
         both = kv_cache.expand(2, -1, -1, -1, -1)
-        attended = self._decode_attention._decode(query, both, meta, self.scale)
+        attended = self._decode_attention.decode(query, both, meta, self.scale)
         return torch.einsum("thl,hvl->thv", attended[..., : self.mla.kv_lora_rank], w_uv.to(q_nope.dtype))
 
     def _decompressed_prefill(

@@ -110,7 +110,7 @@ def make_attention(
     """Multi-head latent attention for MLA models (DeepSeek-V3, Kimi-K2), else the GQA one."""
     if cfg.mla is not None:
         return MultiLatentAttention(cfg.mla, cfg.hidden_size, cfg.num_attention_heads, cfg.rms_norm_eps,
-                                    cfg.rope, rotary, cfg.qkv_bias, tp)
+                                    cfg.rope, rotary, backend, cfg.qkv_bias, tp)
     return DecoderAttention(cfg, rotary, backend, tp)
 
 

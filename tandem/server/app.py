@@ -40,6 +40,7 @@ from tandem.edge.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tandem.kvcache.connector.factory import connector_sections
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
@@ -68,7 +69,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             app.state.serving = ServingState(config, client, tokenizer, tuple(names), metrics,
                                              get_tool_parser(parser_name), drain)
             # A drain waits for requests in flight and for handed-over prompt KV to be read.
-            drain.busy = lambda: client.num_in_flight + int(client.load.kv_transfer.get("held", 0))
+            drain.busy = lambda: client.num_in_flight + client.load.kv_held
             logger.info("serving %s at http://%s:%d/v1 (tool-call format: %s)", ", ".join(names),
                         config.host, config.port, parser_name)
             watcher = asyncio.create_task(_exit_when_engine_dies(client), name="engine watcher")
@@ -124,8 +125,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             "tiers": tier_blocks(current),
             "role": serving.client.info.role,
             "kv_source": serving.client.info.kv_source,
-            "kv_transfer": current.kv_transfer,
-            "kv_tiers": current.kv_tiers,
+            # Every registered connector's counters under its section ("kv_transfer", "kv_tiers"),
+            # empty when it is off, so a router sees the same keys from every worker.
+            **{section: current.connector(section) for section in connector_sections()},
             "spec_decode": current.spec_decode,
         }
 

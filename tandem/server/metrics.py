@@ -65,7 +65,7 @@ class _EngineStateCollector(Collector):
         yield counter("connector_loaded_tokens", "Prompt tokens whose KV a connector loaded (PD handoff, KV tiers).",
                       load.connector_loaded_tokens)
         yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.", load.num_preemptions)
-        transfer = load.kv_transfer
+        transfer = load.connector("kv_transfer")
         yield gauge("kv_transfer_held", "Prompt KV handoffs kept for a decode worker.", transfer.get("held", 0))
         yield counter("kv_transfer_blocks_sent", "KV blocks served to decode workers.",
                       transfer.get("blocks_sent", 0))
@@ -75,8 +75,8 @@ class _EngineStateCollector(Collector):
                       transfer.get("pull_failures", 0))
         yield counter("kv_transfer_pull_seconds", "Time spent fetching KV from prefill workers.",
                       transfer.get("pull_seconds", 0.0))
-        if load.kv_tiers:
-            yield from _tier_metrics(self.model_name, load.kv_tiers)
+        if tiers := load.connector("kv_tiers"):
+            yield from _tier_metrics(self.model_name, tiers)
         if load.spec_decode:
             yield from _spec_decode_metrics(self.model_name, load.spec_decode)
 
@@ -121,7 +121,7 @@ def tier_blocks(load: EngineLoad) -> dict[str, dict[str, Any]]:
     tiers: dict[str, dict[str, Any]] = {
         "device": {"blocks_used": load.kv_blocks_used, "blocks_total": load.kv_blocks_total,
                    "blocks_cached": load.kv_blocks_cached}}
-    for medium, stats in load.kv_tiers.get("media", {}).items():
+    for medium, stats in load.connector("kv_tiers").get("media", {}).items():
         entry = {"blocks": int(stats.get("blocks", 0))}
         if "budget_bytes" in stats:
             entry["budget_bytes"] = int(stats["budget_bytes"])

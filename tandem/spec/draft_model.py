@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from tandem.batch.prepared import PreparedBatch, RequestState, ScheduledChunk, TargetStep
 from tandem.config import ModelConfig
 from tandem.spec.paged_draft import CatchUp, FedGuesses, PagedDraftProposer
-from tandem.worker.model_runner import PreparedBatch, RequestState, ScheduledChunk, TargetStep
 
 
 class DraftModelProposer(PagedDraftProposer):

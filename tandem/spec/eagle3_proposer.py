@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from tandem.batch.prepared import PreparedBatch, ScheduledChunk, TargetStep
 from tandem.spec.draft_model import known_tokens
 from tandem.spec.eagle3 import Eagle3Head
 from tandem.spec.paged_draft import CatchUp, PagedDraftProposer
-from tandem.worker.model_runner import PreparedBatch, ScheduledChunk, TargetStep
 
 
 class Eagle3Proposer(PagedDraftProposer):

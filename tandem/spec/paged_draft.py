@@ -38,15 +38,10 @@ from typing import Any
 
 import torch
 
+from tandem.batch.prepared import PreparedBatch, ScheduledChunk, TargetStep, prepare_batch
 from tandem.config import KVCacheSpec
 from tandem.kernels.base import kv_cache_shape
-from tandem.worker.model_runner import (
-    PreparedBatch,
-    ScheduledChunk,
-    TargetStep,
-    lazily_zeroed,
-    prepare_batch,
-)
+from tandem.platform.lazy_memory import lazily_zeroed
 
 # The longest catch-up run as decode rows (one per position); longer ones (a prompt) as a
 # prefill chunk.

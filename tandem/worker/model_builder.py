@@ -128,7 +128,7 @@ class ModelBuilder:
             staged = None
         else:
             staged = load_weights(model, hf_dir, device=self.device)
-        if getattr(backend, "name", "") == "triton":
+        if backend.capabilities.gpu_layer_passes:
             from tandem.kernels.gpu.rms_norm import TritonNorm
             from tandem.kernels.gpu.rotary import TritonRotary
             from tandem.kernels.gpu.silu_mul import TritonSiluMul

@@ -26,14 +26,14 @@ from typing import Any
 import psutil
 import torch
 
+from tandem.batch.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.config import EngineConfig, ModelConfig
 from tandem.config_checks import check_engine_config
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.layout import RankLayout, stage_layers
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
-from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from tandem.kernels.cpu_attention import make_attention_backend
+from tandem.kernels.attention_registry import make_attention_backend
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorWorker
 from tandem.kvcache.connector.factory import make_connector_worker
 from tandem.loader.fingerprint import model_fingerprint

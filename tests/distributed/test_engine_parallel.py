@@ -106,7 +106,7 @@ def test_the_default_model_over_two_stages_gives_one_rank_s_tokens() -> None:
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_stage_killed_mid_run_stops_the_engine_naming_it(victim: int) -> None:
-    from tandem.engine.executor.base import WorkerDiedError
+    from tandem.executor.base import WorkerDiedError
 
     llm = LLM(kv_cache_memory="64MiB", num_threads=1, pipeline_parallel_size=2)
     ranks = [psutil.Process(p.pid) for p in llm.engine.core.executor._procs]

@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.distributed.tensor_parallel import TensorParallel
 from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.linear import pack_weights_for_cpu
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
-from tandem.worker.model_runner import ScheduledChunk, prepare_batch, rank_kv_spec
+from tandem.worker.model_runner import rank_kv_spec
 
 BLOCK = 4
 

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import xxhash
 
+from tandem.batch.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.config import MAX_SPEC_TOKENS, SchedulerConfig
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.scheduler import FinishedRequest, Scheduler
-from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kvcache.block_hash import root_hash
 from tandem.spec.speculator import Speculator
 from tandem.types import Request, RequestStatus, SampledToken, SamplingParams

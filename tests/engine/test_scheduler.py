@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from tandem.engine.scheduler_output import ModelRunnerOutput
+from tandem.batch.scheduler_output import ModelRunnerOutput
 from tandem.types import RequestStatus, SampledToken
 
 EOS = 2

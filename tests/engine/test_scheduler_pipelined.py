@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from tandem.engine.scheduler_output import SchedulerOutput
+from tandem.batch.scheduler_output import SchedulerOutput
 from tandem.types import RequestStatus
 
 DEPTH = 2

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tandem.kernels import c_library, cpu_attention
+from tandem.kernels.attention_registry import make_attention_backend
 from tandem.kernels.base import AttentionMetadata, kv_cache_shape
 from tandem.kernels.c_library import KernelBuildError, build_kernel_library
 from tandem.kernels.cpu_attention import (
     CpuAttentionBackend,
     PagedDecodeKernel,
-    make_attention_backend,
 )
 from tandem.kernels.torch_attention import TorchAttentionBackend
 

@@ -66,7 +66,7 @@ def test_prefix_comes_back_from_cpu(cpu_llm: LLM, cold_outputs: list[str]) -> No
     loaded = cpu_llm.engine.scheduler.stats.num_loaded_tokens - loaded_before
     assert loaded >= 16 * 4 * (len(again.prompt_token_ids) // 64 - 1)
     assert again.num_cached_tokens >= loaded
-    tiers = cpu_llm.engine.core.load().kv_tiers
+    tiers = cpu_llm.engine.core.load().connector("kv_tiers")
     assert tiers["loads"] >= 1 and tiers["media"]["cpu"]["chunk_hits"] >= 1
     assert tiers["load_seconds"]["cpu"]["count"] >= 1
     assert_idle(cpu_llm)
@@ -107,7 +107,7 @@ def test_prefix_comes_back_from_disk(tmp_path: Path, cold_outputs: list[str]) ->
         first, again = serve_twice(llm)
         assert first.outputs[0].text == again.outputs[0].text == cold_outputs[0]
         assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
-        tiers = llm.engine.core.load().kv_tiers
+        tiers = llm.engine.core.load().connector("kv_tiers")
         assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["media"]["disk"]["blocks"] > 0
         assert_idle(llm)
 
@@ -119,7 +119,7 @@ def test_prefix_comes_back_from_redis_and_a_fresh_engine_reads_it(redis_server: 
         first, again = serve_twice(llm)
         assert first.outputs[0].text == again.outputs[0].text == cold_outputs[0]
         assert again.num_cached_tokens > 0
-        assert llm.engine.core.load().kv_tiers["media"]["cluster"]["chunk_hits"] >= 1
+        assert llm.engine.core.load().connector("kv_tiers")["media"]["cluster"]["chunk_hits"] >= 1
         assert_idle(llm)
     with tier_llm(store_url=redis_server.url) as fresh:  # never saw the prompt
         out = fresh.generate([PROMPT], GREEDY)[0]
@@ -138,11 +138,11 @@ def test_a_second_sighting_on_another_engine_admits_a_prefix_to_the_cluster_stor
     try:
         first.generate([PROMPT], GREEDY)  # first sighting anywhere: nothing stored
         drain_writes(first)
-        assert first.engine.core.load().kv_tiers["media"]["cluster"].get("puts", 0) == 0
+        assert first.engine.core.load().connector("kv_tiers")["media"]["cluster"].get("puts", 0) == 0
         out = second.generate([PROMPT], GREEDY)[0]  # the second, on another engine: stored
         drain_writes(second)
         assert out.outputs[0].text == cold_outputs[0]
-        assert second.engine.core.load().kv_tiers["media"]["cluster"]["puts"] > 0
+        assert second.engine.core.load().connector("kv_tiers")["media"]["cluster"]["puts"] > 0
         evict_from_device(first)
         again = first.generate([PROMPT], GREEDY)[0]
         assert again.outputs[0].text == cold_outputs[0] and again.num_cached_tokens > 0
@@ -195,7 +195,7 @@ def test_corrupt_bytes_on_disk_are_a_recompute(tmp_path: Path, cold_outputs: lis
         evict_from_device(llm)
         again = llm.generate([PROMPT], GREEDY)[0]
         assert again.outputs[0].text == cold_outputs[0]
-        tiers = llm.engine.core.load().kv_tiers
+        tiers = llm.engine.core.load().connector("kv_tiers")
         assert tiers["loads_failed"] >= 1 and tiers["media"]["disk"]["corrupt"] >= 1
         assert llm.engine.scheduler.stats.num_failed_loads >= 1
         assert_idle(llm)
@@ -228,7 +228,7 @@ def test_corrupt_and_foreign_values_in_redis_are_a_recompute(redis_server: Redis
         evict_from_device(llm)
         again = llm.generate([PROMPT], GREEDY)[0]
         assert again.outputs[0].text == cold_outputs[0]
-        media = llm.engine.core.load().kv_tiers["media"]["cluster"]
+        media = llm.engine.core.load().connector("kv_tiers")["media"]["cluster"]
         assert media["corrupt"] >= 1
         # The first chunk decides: it was truncated; make each kind the first in turn below.
         assert_idle(llm)
@@ -243,13 +243,13 @@ def test_corrupt_and_foreign_values_in_redis_are_a_recompute(redis_server: Redis
                 else:
                     value = _refingerprinted(value, "LlamaForCausalLM/float32/another-revision")
                 client.set(key, value)
-            before = llm.engine.core.load().kv_tiers["media"]["cluster"].get(f"corrupt_{reason}", 0)
+            before = llm.engine.core.load().connector("kv_tiers")["media"]["cluster"].get(f"corrupt_{reason}", 0)
             evict_from_device(llm)
             again = llm.generate([PROMPT], GREEDY)[0]
             assert again.outputs[0].text == cold_outputs[0]
             assert again.num_cached_tokens == 0  # nothing was taken from a bad value
-            after = llm.engine.core.load().kv_tiers["media"]["cluster"].get(f"corrupt_{reason}", 0)
-            assert after >= before + 1, (reason, llm.engine.core.load().kv_tiers["media"]["cluster"])
+            after = llm.engine.core.load().connector("kv_tiers")["media"]["cluster"].get(f"corrupt_{reason}", 0)
+            assert after >= before + 1, (reason, llm.engine.core.load().connector("kv_tiers")["media"]["cluster"])
             assert_idle(llm)
     client.close()
 
@@ -281,7 +281,7 @@ def test_redis_stopping_mid_run_is_a_recompute(cold_outputs: list[str]) -> None:
             assert time.monotonic() - started < 30
             assert again.outputs[0].text == cold_outputs[0]
             assert again.num_cached_tokens == 0
-            tiers = llm.engine.core.load().kv_tiers
+            tiers = llm.engine.core.load().connector("kv_tiers")
             assert tiers["probe_errors"] >= 1
             # Writes while it is down fail and are counted; serving goes on.
             llm.generate([PROMPT + " Another question?"], GREEDY)
@@ -323,7 +323,7 @@ def test_prefix_comes_back_from_mooncake_and_another_engine_reads_it(cold_output
         with tier_llm(store_url=url) as llm:
             first, again = serve_twice(llm)
             assert first.outputs[0].text == again.outputs[0].text == cold_outputs[0]
-            assert llm.engine.core.load().kv_tiers["media"]["cluster"]["chunk_hits"] >= 1
+            assert llm.engine.core.load().connector("kv_tiers")["media"]["cluster"]["chunk_hits"] >= 1
             # Values live in the segments of running clients: read them from another engine
             # while this one still holds its segment.
             with tier_llm(store_url=url) as other:

@@ -20,7 +20,7 @@ from tandem.kvcache.transfer.sink import KVSink, PullJob
 from tandem.kvcache.transfer.source import KVSource
 from tandem.kvcache.transfer.tcp import TcpTransport
 from tandem.kvcache.transfer.wire import CHECK, MAGIC, FrameKey, recv_frame, send_frame
-from tandem.worker.model_runner import shared_zeroed
+from tandem.platform.lazy_memory import shared_zeroed
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, block_size=4, head_dim=3, dtype="float32")
 NUM_BLOCKS = 8

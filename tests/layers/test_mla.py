@@ -14,12 +14,13 @@ import torch
 import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.config import MLAConfig, ModelConfig, RopeConfig
-from tandem.kernels.base import kv_cache_shape
+from tandem.kernels.base import AttentionBackend, AttentionCapabilities, kv_cache_shape
+from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.rotary import RotaryEmbedding, inverse_frequencies, rotary_magnitude
 from tandem.models.mla_weights import deinterleave_rope_rows
-from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 BLOCK = 4
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
@@ -35,7 +36,8 @@ def _hf_config(q_lora_rank: int | None, rope: dict) -> transformers.DeepseekV3Co
     )
 
 
-def _pair(q_lora_rank: int | None, rope: dict) -> tuple[torch.nn.Module, torch.nn.Module, MultiLatentAttention]:
+def _pair(q_lora_rank: int | None, rope: dict,
+          backend: AttentionBackend | None = None) -> tuple[torch.nn.Module, torch.nn.Module, MultiLatentAttention]:
     torch.manual_seed(0)
     hf_config = _hf_config(q_lora_rank, rope)
     reference = hf_ds.DeepseekV3Attention(hf_config, layer_idx=0).eval()
@@ -46,7 +48,8 @@ def _pair(q_lora_rank: int | None, rope: dict) -> tuple[torch.nn.Module, torch.n
     mla = MLAConfig(q_lora_rank, 16, 8, 6, 10, rope_interleave=True)
     rope_config = RopeConfig.from_hf({"rope_parameters": rope, "max_position_embeddings": 128})
     rotary = RotaryEmbedding(rope_config, mla.qk_rope_head_dim, 128, torch.float32)
-    ours = MultiLatentAttention(mla, 48, 4, hf_config.rms_norm_eps, rope_config, rotary)
+    ours = MultiLatentAttention(mla, 48, 4, hf_config.rms_norm_eps, rope_config, rotary,
+                                backend or TorchAttentionBackend())
     with torch.no_grad():
         for name, tensor in reference.state_dict().items():
             tensor = deinterleave_rope_rows(name, tensor, mla, num_heads=4)
@@ -114,6 +117,25 @@ def test_absorbed_decode_equals_decompressed_attention() -> None:
     as_chunk = _run(ours, [hidden], [{0: (0, 6)}, {0: (6, 4)}])[0]
     for position in range(6, 10):
         torch.testing.assert_close(as_decodes[position], as_chunk[position], rtol=1e-5, atol=1e-5)
+
+
+class CountingBackend(TorchAttentionBackend):
+    def __init__(self, latent_decode: bool) -> None:
+        self.capabilities = AttentionCapabilities(latent_decode=latent_decode)
+        self.decodes = 0
+
+    def decode(self, query, kv_cache, meta, scale) -> torch.Tensor:
+        self.decodes += 1
+        return super().decode(query, kv_cache, meta, scale)
+
+
+@pytest.mark.parametrize("latent_decode", [True, False])
+def test_the_absorbed_decode_runs_on_the_given_backend_when_it_can(latent_decode: bool) -> None:
+    backend = CountingBackend(latent_decode)
+    _, _, ours = _pair(12, YARN, backend)
+    hidden = torch.randn(8, 48, generator=torch.Generator().manual_seed(3))
+    _run(ours, [hidden], [{0: (0, 6)}, {0: (6, 1)}, {0: (7, 1)}])
+    assert backend.decodes == (2 if latent_decode else 0)
 
 
 def test_yarn_frequencies_and_magnitude_match_transformers() -> None:

@@ -13,13 +13,13 @@ import pytest
 import torch
 import transformers
 
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.linear import pack_weights_for_cpu
 from tandem.layers.moe import FusedMoE, route
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
 from tandem.types import Request, SamplingParams
-from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 BLOCK = 4
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -54,7 +54,7 @@ def _run(model: Path, disk: Path) -> tuple[int, str, int, dict]:
         connector = llm.engine.scheduler.connector
         while connector._pending:  # the chunks land on disk
             core.step()
-        return core.root_hash, core.fingerprint, out.num_cached_tokens, dict(core.load().kv_tiers)
+        return core.root_hash, core.fingerprint, out.num_cached_tokens, dict(core.load().connector("kv_tiers"))
 
 
 def test_a_revision_shares_no_kv_with_another(revisions: tuple[Path, Path], tmp_path: Path) -> None:

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.spec.eagle3 import Eagle3Config, Eagle3Head
-from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 BLOCK = 4
 VOCAB, DRAFT_VOCAB, HIDDEN, TARGET_HIDDEN = 96, 40, 64, 48

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.batch.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.config import EngineConfig
-from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kvcache.connector.base import KVConnectorOutput, KVConnectorWorker
 from tandem.worker.worker import Worker
 

@@ -14,6 +14,11 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from tandem.kernels.base import AttentionCapabilities
+
+# The Triton backend's (gpu/backend.py), here so a caller can ask before importing Triton.
+TRITON_CAPABILITIES = AttentionCapabilities(pads_decode_rows=True, gpu_layer_passes=True, fp8_kv_cache=True)
+
 
 def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"

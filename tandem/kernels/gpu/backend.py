@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels.base import AttentionMetadata
-from tandem.kernels.gpu import available
+from tandem.kernels.gpu import TRITON_CAPABILITIES, available
 from tandem.kernels.gpu.cache_write import write_kv
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.prefill_attention import prefill_attention
@@ -34,9 +34,7 @@ class _Chunks:
 
 class TritonAttentionBackend:
     name = "triton"
-    # Padded decode rows are harmless (a negative slot is not written, a context of 0 reads
-    # nothing) and the launch is sized from the metadata alone: decode steps can be CUDA graphs.
-    pads_decode_rows = True
+    capabilities = TRITON_CAPABILITIES
 
     def __init__(self, target_programs: int = 264) -> None:
         # Decode splits aim at this many programs: a couple per SM of an H100 (132 SMs).
@@ -70,12 +68,7 @@ class TritonAttentionBackend:
         decodes = meta.num_decode_tokens
         decoded = None
         if decodes:
-            max_blocks = -(-meta.decode_max_context_len // meta.block_size)
-            splits = decode_splits(decodes, kv_cache.shape[1], max_blocks, self.target_programs)
-            decoded = paged_decode_attention(
-                query[:decodes], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
-                meta.decode_max_context_len, scale, splits,
-            )
+            decoded = self.decode(query[:decodes], kv_cache, meta, scale)
             if not meta.prefills:
                 return decoded  # a decode-only step: no copy into a step-wide output
         out = torch.empty_like(query)
@@ -86,6 +79,16 @@ class TritonAttentionBackend:
             prefill_attention(query, kv_cache, chunks.starts, chunks.lens, chunks.contexts,
                               chunks.tables, chunks.max_len, scale, out)
         return out
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        decodes = query.shape[0]
+        max_blocks = -(-meta.decode_max_context_len // meta.block_size)
+        splits = decode_splits(decodes, kv_cache.shape[1], max_blocks, self.target_programs)
+        return paged_decode_attention(
+            query, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+            meta.decode_max_context_len, scale, splits,
+        )
 
     @staticmethod
     def _chunks(meta: AttentionMetadata, device: torch.device) -> _Chunks:

@@ -86,6 +86,10 @@ class KVConnectorScheduler(ABC):
     """The scheduler side. Every method runs on the engine core's thread."""
 
     name = "connector"
+    # The EngineConfig section that configures this connector; its counters are reported under
+    # this key (`EngineLoad.connectors`, /load, /metrics). connector/factory.py checks it matches
+    # the section the connector was registered with.
+    section = "connector"
 
     def set_worker_info(self, infos: Sequence[dict[str, Any]]) -> None:  # noqa: B027 - optional hook
         """What each rank's worker side reported when its KV cache was registered."""
@@ -106,7 +110,7 @@ class KVConnectorScheduler(ABC):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """This step's instructions for the worker side (plain, picklable), or None.
 
-        `scheduler_output` is the step's SchedulerOutput (engine/scheduler_output.py), so a
+        `scheduler_output` is the step's SchedulerOutput (tandem/batch/scheduler_output.py), so a
         connector that saves KV knows which requests compute which tokens this step."""
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027
@@ -127,8 +131,14 @@ class KVConnectorScheduler(ABC):
         """Seconds until the worker side should be polled again, or None if nothing is pending."""
         return None
 
-    def counters(self) -> dict[str, float]:
+    def counters(self) -> dict[str, Any]:
+        """This connector's cumulative counters. A `held` entry, if any, counts KV kept leased
+        to someone else: a draining worker waits until no connector holds any."""
         return {}
+
+    def counters_by_section(self) -> dict[str, dict[str, Any]]:
+        """Every connector's counters under its own section (a chain reports each of its own)."""
+        return {self.section: self.counters()}
 
     def endpoints(self) -> dict[str, str]:
         """Addresses this worker offers other workers (e.g. "kv_source"), for /load and routers."""
@@ -242,10 +252,10 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         waits = [w for w in (c.pending_work() for c in self.connectors) if w is not None]
         return min(waits) if waits else None
 
-    def counters(self) -> dict[str, float]:
-        merged: dict[str, float] = {}
+    def counters_by_section(self) -> dict[str, dict[str, Any]]:
+        merged: dict[str, dict[str, Any]] = {}
         for connector in self.connectors:
-            merged.update(connector.counters())
+            merged.update(connector.counters_by_section())
         return merged
 
     def endpoints(self) -> dict[str, str]:

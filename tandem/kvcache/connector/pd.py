@@ -104,6 +104,7 @@ class PDCounters:
 
 class PDConnectorScheduler(KVConnectorScheduler):
     name = "pd"
+    section = "kv_transfer"
 
     def __init__(self, config: KVTransferConfig, block_size: int) -> None:
         self.config = config

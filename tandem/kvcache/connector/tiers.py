@@ -105,6 +105,7 @@ class TierCounters:
 
 class TiersConnectorScheduler(KVConnectorScheduler):
     name = "tiers"
+    section = "kv_tiers"
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.kv_tiers
@@ -512,7 +513,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         return events
 
     def counters(self) -> dict[str, Any]:
-        """Everything under one key, "tiers", that /load reports and /metrics renders."""
+        """What /load reports under `kv_tiers` and /metrics renders as `tandem:kv_tier_*`."""
         c = self._counters
         media: dict[str, dict[str, float]] = {m: dict(v) for m, v in self._worker_counters.items()
                                               if m in ("cpu", "disk", "cluster")}
@@ -527,7 +528,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
             disk["blocks"] = disk.get("num_chunks", 0) * self.chunk_blocks
         writer = dict(self._worker_counters.get("writer", {}))
         writer["pending"] = len(self._pending)
-        return {"tiers": {
+        return {
             "chunk_blocks": self.chunk_blocks, "block_bytes": self._block_bytes,
             "media": media, "writer": writer,
             "lookups": c.lookups, "chunk_misses": c.chunk_misses, "loads": c.loads,
@@ -537,7 +538,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
                              for m, h in self._load_hist.items()},
             "load_seconds_bounds": list(LOAD_SECONDS_BUCKETS),
             "cost_model": self.cost.describe(),
-        }}
+        }
 
     def shutdown(self) -> None:
         for store in self._probes.values():

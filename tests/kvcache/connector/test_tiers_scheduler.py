@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from tandem.batch.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.config import EngineConfig, KVTiersConfig
-from tandem.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.kvcache.block_hash import block_hashes, root_hash
 from tandem.kvcache.connector.base import KVConnectorOutput
 from tandem.kvcache.connector.tiers import TiersConnectorScheduler
@@ -66,7 +66,7 @@ def test_computed_chunks_are_written_through_to_cpu() -> None:
     assert meta.saves[0].token_ids == tuple(PROMPT[: K * B])
     events = connector.drain_events()
     assert len(events) == 2 * K and {e[0] for e in events} == {"stored"} and {e[2] for e in events} == {"cpu"}
-    assert connector.counters()["tiers"]["media"]["cpu"]["blocks"] == 2 * K
+    assert connector.counters()["media"]["cpu"]["blocks"] == 2 * K
 
 
 def test_a_chunk_is_saved_once_its_step_completes_it() -> None:
@@ -157,7 +157,7 @@ def test_a_timed_out_load_is_cancelled() -> None:
 
     assert connector.timed_out_loads(time.monotonic() + 1) == ["b"]
     assert connector.build_connector_meta(SchedulerOutput()).cancels == ["b"]
-    assert connector.counters()["tiers"]["loads_timed_out"] == 1
+    assert connector.counters()["loads_timed_out"] == 1
 
 
 def test_an_aborted_load_is_cancelled() -> None:
@@ -180,7 +180,7 @@ def test_cost_model_declines_a_tier_slower_than_recompute() -> None:
     b = request("b")
     assert connector.get_num_new_matched_tokens(b, 0) == (0, False)
     assert connector.get_num_new_matched_tokens(b, 0) == (0, False)  # asked again: waits for room
-    assert connector.counters()["tiers"]["loads_skipped_by_cost"] == 1
+    assert connector.counters()["loads_skipped_by_cost"] == 1
     connector.cost.observe_load("cpu", CHUNK_BYTES, 1e-6, 1)
     connector.cost.observe_load("cpu", CHUNK_BYTES, 1e-6, 1)
     connector.cost.observe_load("cpu", CHUNK_BYTES, 1e-6, 1)
@@ -206,7 +206,7 @@ def test_slow_tiers_admit_on_the_configured_sighting(tmp_path, admit_after: int)
     connector.update_connector_output(KVConnectorOutput(reports={"tiers": {
         "stored": [(meta.saves[0].chunk_hash, "disk")], "not_stored": [(meta.saves[1].chunk_hash, "disk")]}}))
     assert {e[2] for e in connector.drain_events()} == {"disk"}
-    assert connector.counters()["tiers"]["writer"]["pending"] == 0
+    assert connector.counters()["writer"]["pending"] == 0
 
 
 def test_a_request_continuing_a_known_prefix_has_its_new_chunks_admitted_at_once(tmp_path) -> None:

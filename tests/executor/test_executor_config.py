@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from tandem.config import EngineConfig, ParallelConfig
-from tandem.engine.executor.factory import make_executor
-from tandem.engine.executor.multiproc import MultiprocExecutor
-from tandem.engine.executor.uniproc import InProcessExecutor
+from tandem.executor.factory import make_executor
+from tandem.executor.multiproc import MultiprocExecutor
+from tandem.executor.uniproc import InProcessExecutor
 
 
 def _config(**parallel: object) -> EngineConfig:

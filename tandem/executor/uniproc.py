@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tandem.batch.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.config import EngineConfig
-from tandem.engine.executor.base import Executor
-from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.executor.base import Executor
 
 if TYPE_CHECKING:
     from tandem.worker.worker import Worker, WorkerInfo

@@ -15,7 +15,7 @@ import subprocess
 import time
 
 from tandem.config import EngineConfig
-from tandem.engine.executor.ranks import (
+from tandem.executor.ranks import (
     dist_init_url,
     node_ranks,
     rank_channel,

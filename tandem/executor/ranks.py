@@ -62,8 +62,8 @@ def die_with_parent() -> None:
 
 
 def spawn_rank(parallel: ParallelConfig, rank: int, channel: str, dist_url: str, threads: int) -> subprocess.Popen[bytes]:
-    """Start `python -m tandem.worker.rank_process` for `rank`; it dies with this process."""
-    argv = [sys.executable, "-m", "tandem.worker.rank_process", "--address", channel,
+    """Start `python -m tandem.executor.rank_process` for `rank`; it dies with this process."""
+    argv = [sys.executable, "-m", "tandem.executor.rank_process", "--address", channel,
             "--rank", str(rank), "--world-size", str(parallel.world_size), "--dist-url", dist_url,
             "--parent-pid", str(os.getpid()), "--threads", str(threads),
             "--join-timeout", str(parallel.join_timeout),

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from tandem.layers.rotary import inverse_frequencies, rotary_magnitude
 from tandem.spec.eagle3 import Eagle3Config
-from tandem.spec.eagle3_prompts import Conversation, builtin_conversations, read_prompt_file
+from tandem.train.eagle3_prompts import Conversation, builtin_conversations, read_prompt_file
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """N ranks, one process each, joined by torch.distributed (gloo on CPU, NCCL on CUDA).
 
-Each rank runs `python -m tandem.worker.rank_process` and talks to this executor over a ZMQ
+Each rank runs `python -m tandem.executor.rank_process` and talks to this executor over a ZMQ
 PAIR socket of its own: a call (method name and arguments) goes to every rank at once, and
 the executor waits for every reply while watching the processes, so a rank that dies turns
 into a `WorkerDiedError` naming it instead of a hang. The output rank (rank 0, or the first
@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from tandem.batch.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.config import EngineConfig
 from tandem.distributed.layout import RankLayout
-from tandem.engine.executor.base import Executor, WorkerDiedError
-from tandem.engine.executor.ranks import (
+from tandem.executor.base import Executor, WorkerDiedError
+from tandem.executor.ranks import (
     HEARTBEAT_IVL_MS,
     HEARTBEAT_TIMEOUT_MS,
     dist_init_url,
@@ -41,7 +42,6 @@ from tandem.engine.executor.ranks import (
     spawn_rank,
     threads_per_rank,
 )
-from tandem.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.kvcache.connector.base import KVOutputAggregator
 
 if TYPE_CHECKING:

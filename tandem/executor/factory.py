@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.config import EXECUTOR_BACKENDS, EngineConfig
-from tandem.engine.executor.base import Executor
+from tandem.executor.base import Executor
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -17,11 +17,11 @@ def make_executor(config: EngineConfig) -> Executor:
         raise ValueError(f"--node-rank {parallel.node_rank}: only node 0 runs the engine; start the other "
                          "nodes with `tandem serve --headless`")
     if parallel.uses_processes:
-        from tandem.engine.executor.multiproc import MultiprocExecutor
+        from tandem.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
     if parallel.world_size != 1:
         raise ValueError("the in-process executor runs one rank; use --distributed-executor-backend mp")
-    from tandem.engine.executor.uniproc import InProcessExecutor
+    from tandem.executor.uniproc import InProcessExecutor
 
     return InProcessExecutor(config)

@@ -1,34 +1,11 @@
-"""The KV cache allocation: zero, writable, and resident only where written."""
+"""Scheduled chunks flattened into one batch: which run as decode rows, which rows sample."""
 
 from __future__ import annotations
 
-import psutil
-import torch
-
-from tandem.worker.model_runner import lazily_zeroed
-
-
-def test_lazily_zeroed_is_zero_and_writable() -> None:
-    for dtype in (torch.float32, torch.bfloat16):
-        tensor = lazily_zeroed((3, 4, 5), dtype)
-        assert tensor.dtype == dtype and tensor.shape == (3, 4, 5) and tensor.is_contiguous()
-        assert not tensor.any()
-        tensor[1, 2, 3] = 7
-        assert tensor.sum() == 7
-
-
-def test_large_budget_costs_no_memory_until_used() -> None:
-    process = psutil.Process()
-    before = process.memory_info().rss
-    tensor = lazily_zeroed((256, 1 << 20), torch.float32)  # 1 GiB
-    assert process.memory_info().rss - before < 64 << 20
-    tensor[:4].fill_(1.0)  # touch 16 MiB
-    assert process.memory_info().rss - before >= 16 << 20
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
 
 
 def test_a_verification_runs_as_decode_rows_and_samples_its_own_rows_in_order() -> None:
-    from tandem.worker.model_runner import ScheduledChunk, prepare_batch
-
     block = 4
     decode = ScheduledChunk("d", [7], 9, [0, 1, 2], True)  # one token at position 9
     verify = ScheduledChunk("v", [5, 50, 51], 4, [3, 4], True, draft_token_ids=[50, 51])  # positions 4..6
@@ -54,7 +31,6 @@ def test_a_verification_runs_as_decode_rows_and_samples_its_own_rows_in_order() 
 def test_a_proposers_short_catch_up_runs_as_decode_rows() -> None:
     """Without drafts a chunk of several tokens is a prefill span, unless the proposer asks
     for decode rows (its 1-2 token catch-up after a step)."""
-    from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
     plain = prepare_batch([ScheduledChunk("c", [5, 6], 8, [0, 1, 2], True)], 4)
     assert plain.meta.num_decode_tokens == 0 and len(plain.meta.prefills) == 1

@@ -16,7 +16,7 @@ import pytest
 from live_server import start_server, stop_server
 
 from tandem import LLM, SamplingParams
-from tandem.engine.executor.base import WorkerDiedError
+from tandem.executor.base import WorkerDiedError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "Q: What is 7 times 8?\nA:"]
@@ -74,7 +74,7 @@ def test_a_served_engine_whose_rank_dies_fails_loudly_and_leaves_nothing(tmp_pat
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
         tree = psutil.Process(server.process.pid).children(recursive=True)
-        ranks = [p for p in tree if "tandem.worker.rank_process" in " ".join(p.cmdline())]
+        ranks = [p for p in tree if "tandem.executor.rank_process" in " ".join(p.cmdline())]
         assert len(ranks) == 2
         ranks[0].send_signal(signal.SIGKILL)
         codes = set()

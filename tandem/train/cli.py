@@ -73,7 +73,7 @@ def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_train_eagle3(args: argparse.Namespace) -> int:
-    from tandem.spec.eagle3_train import TrainOptions, format_report, run
+    from tandem.train.eagle3 import TrainOptions, format_report, run
 
     opts = TrainOptions(
         model=args.model, output=args.output, prompts_file=args.prompts,

@@ -1,6 +1,6 @@
 """One rank of a multi-process engine: a Worker answering its executor's calls.
 
-Started by tandem.engine.executor.multiproc as `python -m tandem.worker.rank_process`. It
+Started by tandem.executor.multiproc as `python -m tandem.executor.rank_process`. It
 joins the torch.distributed group (gloo on CPU, NCCL on CUDA), then serves calls from its
 PAIR socket until told to shut down, its parent disappears, or a call fails: a failure is
 reported to the executor, which stops the engine. After loading, the ranks check over the
@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tandem.engine.executor.ranks import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from tandem.executor.ranks import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 logger = logging.getLogger("tandem.worker.rank")
 
@@ -32,7 +32,7 @@ _IDLE_POLL_MS = 1000
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tandem.worker.rank_process")
+    parser = argparse.ArgumentParser(prog="tandem.executor.rank_process")
     parser.add_argument("--address", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)

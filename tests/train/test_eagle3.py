@@ -12,11 +12,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.kernels.base import kv_cache_shape
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.loader.resolve import resolve_model
 from tandem.spec.eagle3 import Eagle3Config, Eagle3Head
-from tandem.spec.eagle3_train import (
+from tandem.train.eagle3 import (
     DraftVocab,
     Sample,
     SequenceFeatures,
@@ -31,7 +32,6 @@ from tandem.spec.eagle3_train import (
     save_head,
     unroll,
 )
-from tandem.worker.model_runner import ScheduledChunk, prepare_batch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -1,0 +1,43 @@
+"""Zeroed tensors that cost nothing until written: a KV cache's memory.
+
+A KV budget may be gigabytes, so the target's cache and a draft model's are anonymous (or
+/dev/shm) mappings whose pages the OS zeroes on first write.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+
+import torch
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor backed by an anonymous mmap: the OS hands out zero pages on first write.
+
+    The KV budget may be gigabytes; zero-filling it would cost seconds at start-up and make
+    it all resident. Uninitialised memory would be free but may hold any bit pattern, and a
+    padded attention read multiplies slots past a sequence's end by zero probability, which
+    a NaN survives. Fresh anonymous pages are both free and zero. The tensor keeps the
+    mapping alive.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+def shared_zeroed(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Like `lazily_zeroed`, but in a file (under /dev/shm) that other processes can map.
+
+    A decode worker on the same host reads a prefill worker's KV blocks straight from this
+    mapping instead of over a socket. A sparse file reads as zeros and commits pages on first
+    write, so the lazy-zero property holds.
+    """
+    nbytes = max(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), 1)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
