@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.platform.device import resolve_device, resolve_dtype
 from tandem.sizing.experts import expert_layout
+from tandem.sizing.units import parse_memory_size  # noqa: F401 - the config's size flags parse with it
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -624,18 +624,3 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.max_tokens_policy not in ("cap", "reject"):
             raise ValueError(f"--max-tokens-policy must be cap or reject, got {self.max_tokens_policy!r}")
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_memory_size(text: str | int) -> int:
-    """Parse '2GiB', '512MB', '1.5g' or a plain byte count into bytes (binary units)."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE_RE.match(str(text))
-    if not match:
-        raise ValueError(f"cannot read memory size {text!r}; use e.g. 2GiB, 512MiB or a byte count")
-    number, unit, _ = match.groups()
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit.lower()]
-    return int(float(number) * scale)

@@ -8,7 +8,9 @@ breaks it fails. The rules are the ones docs/architecture.md states:
 - no import cycle between modules, and none between packages (a top-level package or a module
   at the package root is one node);
 - the runtime never imports a tool, the launcher or the command line;
-- the router, the HTTP edge and the trust boundary never import the torch side.
+- the router, the HTTP edge and the trust boundary never import the torch side;
+- the modules that must run where torch is not installed (the router's process, the memory
+  model, the flag tables, the scheduler and block pool) import no torch themselves.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ ENTRY = {"cli", "__main__", "launch"}
 TORCH_SIDE = {"engine", "executor", "worker", "models", "layers", "kernels", "distributed", "spec",
               "loader", "llm"}
 TORCH_FREE = {"router", "edge", "trust"}
+# Import no torch at all, directly: packages and single modules.
+NO_TORCH = ("router", "edge", "trust", "sizing", "flags", "launch", "config", "config_checks", "types",
+            "batch.scheduler_output", "engine.scheduler", "engine.block_pool", "engine.kv_cache_manager")
 
 
 def _modules() -> dict[str, Path]:
@@ -166,6 +171,23 @@ def test_router_edge_and_trust_stay_off_the_torch_side(graph: dict[str, set[str]
     wrong = {f"{a} -> {b}": edges[:3] for a, targets in packages.items() for b, edges in targets.items()
              if a in TORCH_FREE and b in TORCH_SIDE}
     assert not wrong, f"a torch-free package imports the torch side: {wrong}"
+
+
+def imports_torch(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+@pytest.mark.parametrize("name", NO_TORCH)
+def test_torch_free_modules_import_no_torch(name: str) -> None:
+    target = PACKAGE.joinpath(*name.split("."))
+    paths = sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
+    assert paths and all(p.exists() for p in paths), f"{name} not found"
+    assert [str(p.relative_to(PACKAGE.parent)) for p in paths if imports_torch(p)] == []
 
 
 def test_the_rules_see_a_break() -> None:

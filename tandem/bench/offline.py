@@ -60,7 +60,7 @@ from tandem.bench.offline_workloads import (
     compute_metrics,
     warmup_prompt,
 )
-from tandem.cli.flags import ENGINE_FLAGS, add_engine_args, engine_values, settle_device
+from tandem.flags.engine import ENGINE_FLAGS, add_engine_args, engine_values, settle_device
 from tandem.launch import supervisor
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: i
         values["world_size"] = 1  # set by the layout's sizes
         return values
     if engine == "tandem":
-        # Every engine flag, turned into `tandem.LLM` keywords in the worker (tandem.cli.flags), so a
+        # Every engine flag, turned into `tandem.LLM` keywords in the worker (tandem.flags.engine), so a
         # flag added to the engine is benchmarkable here without touching this file.
         values = engine_values(args)
         values["kv_cache_memory"] = kv_bytes  # the same budget as vLLM's

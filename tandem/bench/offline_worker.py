@@ -77,7 +77,7 @@ def start_tandem(args: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
     import torch
 
     import tandem
-    from tandem.cli.flags import llm_kwargs
+    from tandem.flags.engine import llm_kwargs
     from tandem.llm import LLM
     from tandem.types import SamplingParams
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tandem.bench.load_client import ENDPOINTS
 from tandem.bench.serve_workloads import WORKLOAD_NAMES
-from tandem.cli.table import Flag, FlagTable
+from tandem.flags.table import Flag, FlagTable
 
 DEFAULT_MODEL = (
     "smollm2-135m"  # the alias tandem.loader.resolve knows (kept here: no loader import)

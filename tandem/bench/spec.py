@@ -68,8 +68,8 @@ from tandem.bench.spec_workloads import (
     capacity,
     conversations,
 )
-from tandem.cli.flags import add_engine_args, engine_values, settle_device
 from tandem.config import DECODE_WEIGHT_FORMATS
+from tandem.flags.engine import add_engine_args, engine_values, settle_device
 from tandem.launch import supervisor
 from tandem.platform.machine import host_info
 

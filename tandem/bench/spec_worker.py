@@ -260,7 +260,7 @@ def cells_for(config: dict[str, Any], cells: list[dict[str, Any]]) -> list[dict[
 
 def engine_kwargs(plan: dict[str, Any]) -> dict[str, Any]:
     """`tandem.LLM` keywords from the parent's engine flag values (as `tandem generate`)."""
-    from tandem.cli.flags import llm_kwargs
+    from tandem.flags.engine import llm_kwargs
 
     kwargs = llm_kwargs(argparse.Namespace(**plan["engine_values"]))
     kwargs.pop("speculative_config", None)

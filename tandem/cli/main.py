@@ -1,7 +1,7 @@
 """The `tandem` command line: up, serve, route, generate, chat, bench, plan, spec.
 
 This module is the command table: each command's parser comes from the module that owns the
-command (engine and server flags from `tandem.cli.flags`), and heavy imports (torch, the engine,
+command (engine and server flags from `tandem.flags.engine`), and heavy imports (torch, the engine,
 the server) wait for the handler that needs them, so `tandem route` and `--help` stay light.
 """
 
@@ -24,7 +24,7 @@ from tandem.bench.perplexity_cli import add_perplexity_parser
 from tandem.bench.plan import add_plan_bench_parser
 from tandem.bench.serve import add_serve_parser
 from tandem.bench.spec import add_spec_bench_parser
-from tandem.cli.flags import (
+from tandem.flags.engine import (
     add_engine_args,
     add_server_args,
     llm_kwargs,
@@ -33,7 +33,7 @@ from tandem.cli.flags import (
     settle_device,
     settle_model,
 )
-from tandem.cli.table import Command, Flag, FlagTable, check_args
+from tandem.flags.table import Command, Flag, FlagTable, check_args
 from tandem.launch.up import add_up_parser
 from tandem.plan.cli import add_plan_parser
 from tandem.router.accounting.keys_cli import add_keys_parser

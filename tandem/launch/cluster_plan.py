@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.cli import flags
-from tandem.edge.limits import request_limit_argv
+from tandem.flags import engine as flags
+from tandem.flags.limits import request_limit_argv
 from tandem.launch import supervisor
 from tandem.launch.netns import WorkerNetwork
 from tandem.launch.up_flags import ROLE_OVERRIDES, worker_roles

@@ -29,8 +29,8 @@ import signal
 import threading
 from pathlib import Path
 
-from tandem.cli import flags
-from tandem.cli.table import Command
+from tandem.flags import engine as flags
+from tandem.flags.table import Command
 from tandem.launch.cluster import (
     Cluster,
     _check_port_free,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tandem.cli.table import Flag, FlagTable
-from tandem.edge.limits import REQUEST_LIMIT_FLAGS, request_limit_argv
+from tandem.flags.limits import REQUEST_LIMIT_FLAGS, request_limit_argv
+from tandem.flags.table import Flag, FlagTable
 from tandem.router.accounting.flags import UP_ACCOUNTING_FLAGS, accounting_config, check_accounting
 from tandem.router.placement.flags import UP_POLICY_FLAGS, policy_argv
 from tandem.router.resilience.flags import UP_RESILIENCE_FLAGS, resilience_argv

@@ -11,7 +11,7 @@ import argparse
 import json
 import textwrap
 
-from tandem.cli.table import Command, Flag, FlagTable
+from tandem.flags.table import Command, Flag, FlagTable
 from tandem.plan.pools.cli import add_pools_parsers
 from tandem.plan.report import format_memory_plan, plan_to_dict
 from tandem.sizing.devices import CUDA_CONTEXT_BYTES, NCCL_BYTES, MiB, parse_devices

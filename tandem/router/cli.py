@@ -6,8 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from tandem.cli.table import Command, Flag, FlagTable
-from tandem.edge.limits import REQUEST_LIMIT_FLAGS, request_limits
+from tandem.flags.limits import REQUEST_LIMIT_FLAGS, request_limits
+from tandem.flags.table import Command, Flag, FlagTable
 from tandem.router.accounting.flags import (
     ACCOUNTING_FLAGS,
     accounting_config,

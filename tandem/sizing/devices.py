@@ -29,8 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tandem.config import parse_memory_size
 from tandem.sizing.errors import PlanError
+from tandem.sizing.units import parse_memory_size
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -25,7 +25,7 @@ from tandem.bench.offline_workloads import (
     compute_metrics,
     warmup_prompt,
 )
-from tandem.cli.flags import engine_defaults, llm_kwargs
+from tandem.flags.engine import engine_defaults, llm_kwargs
 
 VOCAB = 49152
 

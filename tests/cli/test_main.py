@@ -72,8 +72,8 @@ def test_bad_value_is_a_clear_error() -> None:
 
 def test_model_may_be_given_as_a_flag_too() -> None:
     """`tandem up --model qwen2.5-coder-0.5b`, as vLLM users type it, is the positional MODEL."""
-    from tandem.cli.flags import settle_model
     from tandem.cli.main import build_parser
+    from tandem.flags.engine import settle_model
 
     parser = build_parser()
     for argv in (["up", "--model", "qwen2.5-coder-0.5b"], ["up", "qwen2.5-coder-0.5b"],

@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from tandem.cli.table import Flag, FlagTable
+from tandem.flags.table import Flag, FlagTable
 from tandem.plan.pools.costs import CostModel
 from tandem.plan.pools.search import Slo, recommendation, search
 from tandem.plan.pools.simulator import EngineLimits

@@ -11,7 +11,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-from tandem.cli.table import Flag, FlagTable
+from tandem.flags.table import Flag, FlagTable
 from tandem.router.accounting.accounting import load_keys
 from tandem.router.accounting.ledger import connect
 from tandem.router.accounting.pricing import read_price_file

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli.table import Flag, FlagTable
+from tandem.flags.table import Flag, FlagTable
 from tandem.router.config import FALLBACK_TIER_CREDITS, POLICIES, PolicyConfig
 
 _DEFAULTS = PolicyConfig()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli.table import Flag, FlagTable
+from tandem.flags.table import Flag, FlagTable
 from tandem.router.config import AdmissionPolicy, BreakerPolicy, RetryPolicy, RouterConfig, Timeouts
 
 _DEFAULTS = RouterConfig()

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli.flags import ENGINE_FLAGS, engine_argv
 from tandem.cli.main import build_parser, main
-from tandem.cli.table import Command, Flag, FlagTable, check_args
+from tandem.flags.engine import ENGINE_FLAGS, engine_argv
+from tandem.flags.table import Command, Flag, FlagTable, check_args
 from tandem.launch.up_flags import check_up
 from tandem.router.placement.flags import POLICY_FLAGS, UP_POLICY_FLAGS
 

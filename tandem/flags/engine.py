@@ -19,7 +19,6 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
-from tandem.cli.table import Flag, FlagTable
 from tandem.config import (
     DECODE_WEIGHT_FORMATS,
     CacheConfig,
@@ -34,7 +33,8 @@ from tandem.config import (
     parse_memory_size,
 )
 from tandem.config_checks import check_engine_config
-from tandem.edge.limits import REQUEST_LIMIT_FLAGS, request_limits
+from tandem.flags.limits import REQUEST_LIMIT_FLAGS, request_limits
+from tandem.flags.table import Flag, FlagTable
 from tandem.loader.resolve import DEFAULT_MODEL
 from tandem.platform.device import DEVICES, resolve_device, resolve_dtype
 from tandem.trust.keys import CLUSTER_SECRET_ENV, admin_key_from_env, secret_from_env
