@@ -38,7 +38,8 @@ from typing import Any
 import httpx
 
 from tandem.bench.machine import matmul_flops_per_s, memory_copy_bytes_per_s
-from tandem.bench.serve import LaunchedServer, free_port
+from tandem.bench.serve import LaunchedServer
+from tandem.launch.ports import free_port
 from tandem.trust.keys import secret_from_env
 from tandem.trust.peer import peer_client
 

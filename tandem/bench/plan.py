@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.load_client import LoadConfig, RunResult, poisson_arrivals, run_load
-from tandem.bench.serve import DEFAULT_MODEL, LaunchedServer, free_port
+from tandem.bench.serve import DEFAULT_MODEL, LaunchedServer
 from tandem.bench.serve_workloads import (
     MESSAGE_OVERHEAD_TOKENS,
     ServeWorkload,
@@ -34,6 +34,7 @@ from tandem.bench.serve_workloads import (
     make_sizer,
     warmup_turn,
 )
+from tandem.launch.ports import free_port
 from tandem.plan.pools.costs import CostModel
 from tandem.plan.pools.simulator import EngineLimits, Layout, SimResult, percentile, simulate
 from tandem.plan.pools.traffic import SimSession, SimTurn, SimWorkload

@@ -30,7 +30,6 @@ import logging
 import os
 import secrets
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -62,6 +61,7 @@ from tandem.bench.serve_workloads import (
     warmup_turn,
 )
 from tandem.launch import supervisor
+from tandem.launch.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 
 logger = logging.getLogger(__name__)
@@ -463,12 +463,6 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
 
 
 # --- launched servers ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tandem_command(args: argparse.Namespace, port: int) -> list[str]:

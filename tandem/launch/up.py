@@ -37,6 +37,7 @@ from tandem.cli import flags
 from tandem.edge.limits import add_request_limit_args, request_limit_argv
 from tandem.launch import supervisor
 from tandem.launch.netns import WorkerNetwork
+from tandem.launch.ports import free_port
 from tandem.router.accounting.flags import (
     accounting_argv,
     accounting_config,
@@ -360,12 +361,6 @@ def write_secret(path: Path, secret: str) -> None:
         handle.write(secret + "\n")
 
 
-def pick_free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _check_port_free(host: str, port: int) -> None:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -558,7 +553,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not os.environ.get(flags.CLUSTER_SECRET_ENV):
         write_secret(log_dir / "cluster-secret", secret)  # for an operator's control-plane calls
     store = start_local_store(args, log_dir, secret)
-    plan = plan_cluster(args, tokenizer_dir, pick_free_port, secret)
+    plan = plan_cluster(args, tokenizer_dir, free_port, secret)
     stop = threading.Event()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
