@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from recording_proxy import Exchange, RecordingProxy
-from up_cluster import Up, start_up
 
 from tandem.loader.resolve import default_cache_dir
+from tests.support.recording_proxy import Exchange, RecordingProxy
+from tests.support.up_cluster import Up, start_up
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPENCODE = Path(os.environ.get("TANDEM_OPENCODE_DIR", REPO_ROOT / ".opencode-ai")) / "node_modules/.bin/opencode"

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from live_server import start_router
 
 from tandem.loader.resolve import resolve_model
+from tests.support.live_server import start_router
 
 if TYPE_CHECKING:
-    from live_server import LiveServer
+    from tests.support.live_server import LiveServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GUIDELLM_VENV = REPO_ROOT / ".venv-guidellm"

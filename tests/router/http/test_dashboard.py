@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from live_server import LiveServer, start_router, start_server, stop_server
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.live_server import LiveServer, start_router, start_server, stop_server
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
