@@ -12,7 +12,7 @@ with no tier. Each trial, for a distinct seeded prompt of `--prefix-tokens` toke
 4. the same prefix with another question is sent, streamed, and its TTFT measured; the
    response's `cached_tokens` says how much came from the tier.
 
-Reported per tier: median TTFT, its ratio to recomputing (the issue's goals: CPU <= 0.15x,
+Reported per tier: median TTFT, its ratio to recomputing (the goals: CPU <= 0.15x,
 disk <= 0.3x, Redis on loopback <= 0.5x), cached tokens, and the load's distance from this
 machine's limits: the KV bytes moved over a measured memory-copy bandwidth, and the prefill's
 FLOPs over a measured matmul rate. Writes JSON, a table and a PNG to

@@ -713,7 +713,7 @@ def measure(
 
 
 def goal_line(outcomes: list[TargetOutcome], workload: str) -> str | None:
-    """The issue's goal on the agentic workload: tandem ahead of vLLM on TTFT p50 and on
+    """The serving goal on the agentic workload: tandem ahead of vLLM on TTFT p50 and on
     output tok/s at the same load."""
     by_name = {o.name: o for o in outcomes}
     tandem, vllm = by_name.get("tandem"), by_name.get("vllm")
@@ -733,7 +733,7 @@ def goal_line(outcomes: list[TargetOutcome], workload: str) -> str | None:
 
 
 def policy_goal_line(outcomes: list[TargetOutcome]) -> str | None:
-    """Issue 5's goal: kv_aware without the header caches >= 90% of prompt tokens, within 3
+    """The placement goal: kv_aware without the header caches >= 90% of prompt tokens, within 3
     points of session affinity, and both well above round robin."""
     pct = {o.name: o.metrics.get("cached_pct") for o in outcomes if o.error is None and o.metrics}
     kv, session, rr = pct.get("kv_aware"), pct.get("session"), pct.get("round_robin")
@@ -746,7 +746,7 @@ def policy_goal_line(outcomes: list[TargetOutcome]) -> str | None:
 
 
 def tier_goal_line(outcomes: list[TargetOutcome]) -> str | None:
-    """Issue 12's goal on the agentic workload: kv_aware with every tier caches >= 95% of the
+    """The KV tiers' goal on the agentic workload: kv_aware with every tier caches >= 95% of the
     prompt tokens, and round robin with the cluster store comes within 3 points of it."""
     pct = {o.name: o.metrics.get("cached_pct") for o in outcomes if o.error is None and o.metrics}
     full = "cpu+disk+cluster"
