@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.load_client import LoadConfig, RunResult, poisson_arrivals, run_load
+from tandem.bench.load_client import RunResult, TrafficConfig, poisson_arrivals, run_load
 from tandem.bench.serve import DEFAULT_MODEL, LaunchedServer
 from tandem.bench.serve_workloads import (
     MESSAGE_OVERHEAD_TOKENS,
@@ -142,7 +142,7 @@ def run_plan_bench(args: argparse.Namespace) -> int:
             mix = MIXES[name]
             rate = mix.rate * args.rate_scale
             workload = build_serve_workload(scaled(mix.workload, args.size_scale), sizer)
-            load = LoadConfig(request_rate=rate, seed=args.seed)
+            load = TrafficConfig(request_rate=rate, seed=args.seed)
             logger.info("%s: %s at %.3g sessions/s", name, workload.description, rate)
             started = time.perf_counter()
             result = run_load(cluster.base_url, workload, load, target=args.layout,

@@ -43,7 +43,7 @@ import httpx
 from tandem.bench.cluster_stats import describe as describe_cluster
 from tandem.bench.cluster_stats import snapshot_workers
 from tandem.bench.cluster_stats import summarize as summarize_cluster
-from tandem.bench.load_client import ENDPOINTS, LoadConfig, RequestRecord, run_load
+from tandem.bench.load_client import ENDPOINTS, RequestRecord, TrafficConfig, run_load
 from tandem.bench.serve_report import (
     TargetOutcome,
     build_report,
@@ -439,13 +439,13 @@ def workload_config(args: argparse.Namespace, max_context: int) -> WorkloadConfi
     )
 
 
-def load_config(args: argparse.Namespace) -> LoadConfig:
+def traffic_config(args: argparse.Namespace) -> TrafficConfig:
     concurrency = args.concurrency
     if concurrency is None and args.request_rate is None:
         concurrency = 4
     if concurrency is not None and args.request_rate is not None:
         raise ValueError("give --concurrency or --request-rate (with --max-concurrency), not both")
-    config = LoadConfig(
+    config = TrafficConfig(
         concurrency=concurrency,
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
@@ -676,14 +676,14 @@ def _vllm_version(vllm_python: str) -> str | None:
 # --- running -------------------------------------------------------------------------------
 
 
-def _for_target(config: LoadConfig, target: Target) -> LoadConfig:
+def _for_target(config: TrafficConfig, target: Target) -> TrafficConfig:
     if target.session_header is None:
         return config
     return dataclasses.replace(config, session_header=target.session_header)
 
 
 def measure(
-    target: Target, base_url: str, workload: ServeWorkload, config: LoadConfig, warmup: list[Any]
+    target: Target, base_url: str, workload: ServeWorkload, config: TrafficConfig, warmup: list[Any]
 ) -> TargetOutcome:
     """Run the workload against one server with a progress bar; errors become the outcome's."""
     from tqdm import tqdm
@@ -792,7 +792,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     httpx_logger = logging.getLogger("httpx")
     httpx_logger.setLevel(max(httpx_logger.getEffectiveLevel(), logging.WARNING))
     targets = plan_targets(args.url, args.launch, args.policies, parse_tier_sets(args.kv_tier_sets))
-    config = load_config(args)
+    config = traffic_config(args)
     ctx = LaunchContext(served_name=args.served_model_name or args.model)
     tokenizer = args.tokenizer
     model_max_len: int | None = None
