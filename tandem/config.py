@@ -298,6 +298,9 @@ DECODE_WEIGHT_FORMATS = ("float16", "bfloat16", "int4", "float32")
 
 @dataclass(frozen=True)
 class LoadConfig:
+    """How the model's weights are loaded and run: dtype, device, threads, weight formats,
+    attention backend, CUDA graphs. (The benches' traffic is bench.load_client.TrafficConfig.)"""
+
     # "auto": bfloat16 on a GPU, float32 on the CPU (tandem/platform/device.py); settled at construction.
     dtype: str = "auto"
     load_format: str = "auto"  # auto | dummy

@@ -1,4 +1,4 @@
-"""Session fixtures: one live `tandem serve` on the default model (see live_server.py).
+"""Session fixtures: one live `tandem serve` on the default model (see support/live_server.py).
 
 Triton's kernels run on the CPU here, in its interpreter, and Triton reads TRITON_INTERPRET
 when it is first imported, which transformers and torch may do while any test module is
@@ -11,9 +11,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from live_server import LiveServer, start_server, stop_server
 
 from tandem.launch.redis_server import find_redis_server
+from tests.support.live_server import LiveServer, start_server, stop_server
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

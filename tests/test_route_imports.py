@@ -10,13 +10,14 @@ chat reply): no model is loaded, and the request still takes the router's whole 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tandem.platform.ports import free_port
 
 HEAVY = ("torch", "transformers", "tandem.engine", "tandem.llm")
 
@@ -67,11 +68,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _tokenizer_dir() -> Path | None:
     try:
@@ -84,7 +80,7 @@ def _tokenizer_dir() -> Path | None:
 
 @pytest.mark.parametrize("tokenizer", [False, True], ids=["estimated", "tokenizer"])
 def test_route_runs_and_serves_without_torch(tmp_path: Path, tokenizer: bool) -> None:
-    port, worker_port = _free_port(), _free_port()
+    port, worker_port = free_port(), free_port()
     argv = ["--log-level", "WARNING", "route", "--port", str(port), "--no-ledger",
             "--worker", f"http://127.0.0.1:{worker_port}"]
     if tokenizer:

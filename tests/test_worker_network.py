@@ -8,9 +8,9 @@ import sys
 import time
 
 import httpx
-from netns_hosts import needs_netns
 
 from tandem.launch.netns import WorkerNetwork
+from tests.support.netns_hosts import needs_netns
 
 
 def test_names_and_addresses_follow_the_router_port() -> None:

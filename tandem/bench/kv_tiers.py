@@ -12,7 +12,7 @@ with no tier. Each trial, for a distinct seeded prompt of `--prefix-tokens` toke
 4. the same prefix with another question is sent, streamed, and its TTFT measured; the
    response's `cached_tokens` says how much came from the tier.
 
-Reported per tier: median TTFT, its ratio to recomputing (the issue's goals: CPU <= 0.15x,
+Reported per tier: median TTFT, its ratio to recomputing (the goals: CPU <= 0.15x,
 disk <= 0.3x, Redis on loopback <= 0.5x), cached tokens, and the load's distance from this
 machine's limits: the KV bytes moved over a measured memory-copy bandwidth, and the prefill's
 FLOPs over a measured matmul rate. Writes JSON, a table and a PNG to
@@ -37,8 +37,9 @@ from typing import Any
 
 import httpx
 
-from tandem.bench.serve import LaunchedServer, free_port
+from tandem.bench.serve import LaunchedServer
 from tandem.platform.machine import matmul_flops_per_s, memory_copy_bytes_per_s
+from tandem.platform.ports import free_port
 from tandem.trust.keys import secret_from_env
 from tandem.trust.peer import peer_client
 

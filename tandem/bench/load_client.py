@@ -49,8 +49,9 @@ _ERROR_BODY_CHARS = 500
 
 
 @dataclass(frozen=True)
-class LoadConfig:
-    """How to send a workload: load shape, request options, client limits."""
+class TrafficConfig:
+    """How to send a workload: traffic shape (closed or open loop), request options, client
+    limits. (How the model's weights load is tandem.config.LoadConfig.)"""
 
     concurrency: int | None = None  # closed loop: sessions in flight
     request_rate: float | None = None  # open loop: session arrivals per second (Poisson)
@@ -127,7 +128,7 @@ class RunResult:
     base_url: str
     model: str
     workload: str
-    load: LoadConfig
+    load: TrafficConfig
     started_at: str
     duration_s: float
     records: list[RequestRecord]
@@ -299,7 +300,7 @@ class _Runner:
         self,
         client: httpx.AsyncClient,
         workload: ServeWorkload,
-        config: LoadConfig,
+        config: TrafficConfig,
         model: str,
         endpoint: str,
         on_record: Callable[[RequestRecord], None] | None,
@@ -430,7 +431,7 @@ async def list_models(client: httpx.AsyncClient) -> list[str]:
 async def run_load_async(
     base_url: str,
     workload: ServeWorkload,
-    config: LoadConfig,
+    config: TrafficConfig,
     *,
     target: str = "",
     warmup: Sequence[Turn] = (),
@@ -492,7 +493,7 @@ async def run_load_async(
 
 
 def run_load(
-    base_url: str, workload: ServeWorkload, config: LoadConfig, **kwargs: Any
+    base_url: str, workload: ServeWorkload, config: TrafficConfig, **kwargs: Any
 ) -> RunResult:
     """``run_load_async`` in a fresh event loop (for callers that are not async)."""
     return asyncio.run(run_load_async(base_url, workload, config, **kwargs))

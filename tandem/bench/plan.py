@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.load_client import LoadConfig, RunResult, poisson_arrivals, run_load
-from tandem.bench.serve import DEFAULT_MODEL, LaunchedServer, free_port
+from tandem.bench.load_client import RunResult, TrafficConfig, poisson_arrivals, run_load
+from tandem.bench.serve import DEFAULT_MODEL, LaunchedServer
 from tandem.bench.serve_workloads import (
     MESSAGE_OVERHEAD_TOKENS,
     ServeWorkload,
@@ -37,6 +37,7 @@ from tandem.bench.serve_workloads import (
 from tandem.plan.pools.costs import CostModel
 from tandem.plan.pools.simulator import EngineLimits, Layout, SimResult, percentile, simulate
 from tandem.plan.pools.traffic import SimSession, SimTurn, SimWorkload
+from tandem.platform.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def run_plan_bench(args: argparse.Namespace) -> int:
             mix = MIXES[name]
             rate = mix.rate * args.rate_scale
             workload = build_serve_workload(scaled(mix.workload, args.size_scale), sizer)
-            load = LoadConfig(request_rate=rate, seed=args.seed)
+            load = TrafficConfig(request_rate=rate, seed=args.seed)
             logger.info("%s: %s at %.3g sessions/s", name, workload.description, rate)
             started = time.perf_counter()
             result = run_load(cluster.base_url, workload, load, target=args.layout,

@@ -30,7 +30,6 @@ import logging
 import os
 import secrets
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ import httpx
 from tandem.bench.cluster_stats import describe as describe_cluster
 from tandem.bench.cluster_stats import snapshot_workers
 from tandem.bench.cluster_stats import summarize as summarize_cluster
-from tandem.bench.load_client import LoadConfig, RequestRecord, run_load
+from tandem.bench.load_client import RequestRecord, TrafficConfig, run_load
 from tandem.bench.serve_flags import (
     DEFAULT_MODEL,
     KV_TIERS,
@@ -67,6 +66,7 @@ from tandem.bench.serve_workloads import (
     warmup_turn,
 )
 from tandem.launch import supervisor
+from tandem.platform.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 
 logger = logging.getLogger(__name__)
@@ -186,13 +186,13 @@ def workload_config(args: argparse.Namespace, max_context: int) -> WorkloadConfi
     )
 
 
-def load_config(args: argparse.Namespace) -> LoadConfig:
+def traffic_config(args: argparse.Namespace) -> TrafficConfig:
     concurrency = args.concurrency
     if concurrency is None and args.request_rate is None:
         concurrency = 4
     if concurrency is not None and args.request_rate is not None:
         raise ValueError("give --concurrency or --request-rate (with --max-concurrency), not both")
-    config = LoadConfig(
+    config = TrafficConfig(
         concurrency=concurrency,
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
@@ -210,12 +210,6 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
 
 
 # --- launched servers ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tandem_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -429,14 +423,14 @@ def _vllm_version(vllm_python: str) -> str | None:
 # --- running -------------------------------------------------------------------------------
 
 
-def _for_target(config: LoadConfig, target: Target) -> LoadConfig:
+def _for_target(config: TrafficConfig, target: Target) -> TrafficConfig:
     if target.session_header is None:
         return config
     return dataclasses.replace(config, session_header=target.session_header)
 
 
 def measure(
-    target: Target, base_url: str, workload: ServeWorkload, config: LoadConfig, warmup: list[Any]
+    target: Target, base_url: str, workload: ServeWorkload, config: TrafficConfig, warmup: list[Any]
 ) -> TargetOutcome:
     """Run the workload against one server with a progress bar; errors become the outcome's."""
     from tqdm import tqdm
@@ -466,7 +460,7 @@ def measure(
 
 
 def goal_line(outcomes: list[TargetOutcome], workload: str) -> str | None:
-    """The issue's goal on the agentic workload: tandem ahead of vLLM on TTFT p50 and on
+    """The serving goal on the agentic workload: tandem ahead of vLLM on TTFT p50 and on
     output tok/s at the same load."""
     by_name = {o.name: o for o in outcomes}
     tandem, vllm = by_name.get("tandem"), by_name.get("vllm")
@@ -486,7 +480,7 @@ def goal_line(outcomes: list[TargetOutcome], workload: str) -> str | None:
 
 
 def policy_goal_line(outcomes: list[TargetOutcome]) -> str | None:
-    """Issue 5's goal: kv_aware without the header caches >= 90% of prompt tokens, within 3
+    """The placement goal: kv_aware without the header caches >= 90% of prompt tokens, within 3
     points of session affinity, and both well above round robin."""
     pct = {o.name: o.metrics.get("cached_pct") for o in outcomes if o.error is None and o.metrics}
     kv, session, rr = pct.get("kv_aware"), pct.get("session"), pct.get("round_robin")
@@ -499,7 +493,7 @@ def policy_goal_line(outcomes: list[TargetOutcome]) -> str | None:
 
 
 def tier_goal_line(outcomes: list[TargetOutcome]) -> str | None:
-    """Issue 12's goal on the agentic workload: kv_aware with every tier caches >= 95% of the
+    """The KV tiers' goal on the agentic workload: kv_aware with every tier caches >= 95% of the
     prompt tokens, and round robin with the cluster store comes within 3 points of it."""
     pct = {o.name: o.metrics.get("cached_pct") for o in outcomes if o.error is None and o.metrics}
     full = "cpu+disk+cluster"
@@ -545,7 +539,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     httpx_logger = logging.getLogger("httpx")
     httpx_logger.setLevel(max(httpx_logger.getEffectiveLevel(), logging.WARNING))
     targets = plan_targets(args.url, args.launch, args.policies, parse_tier_sets(args.kv_tier_sets))
-    config = load_config(args)
+    config = traffic_config(args)
     ctx = LaunchContext(served_name=args.served_model_name or args.model)
     tokenizer = args.tokenizer
     model_max_len: int | None = None

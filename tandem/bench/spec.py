@@ -24,7 +24,7 @@ run weighs on both sides alike (--unpaired: the first pass only, half the time).
 that fails to start (not built yet, no such model) gets error rows and the run goes on; a
 process that dies is restarted for the configurations after the one it died in.
 
-Verdicts are printed for the issue's goals (spec_report.GOALS), with the distance to this
+Verdicts are printed for speculative decoding's goals (spec_report.GOALS), with the distance to this
 machine's memory-bandwidth bound (tandem/platform/machine.py). Writes results.json, table.txt,
 outputs.jsonl (every request's tokens and text) and one PNG per target model to
 <output-dir>/spec-<timestamp>/.

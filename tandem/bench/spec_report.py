@@ -51,7 +51,7 @@ BASELINE = "baseline"
 COPY_METHODS = ("ngram", "suffix")
 DRAFT_METHODS = ("draft_model",)
 
-# The goals: (id, text, what qualifies, the bar). `mode` best: the best qualifying
+# Speculative decoding's goals: (id, text, what qualifies, the bar). `mode` best: the best qualifying
 # row must reach the bar; worst: every qualifying row must, at every batch listed.
 GOALS: tuple[dict[str, Any], ...] = (
     {"id": "copy-2x", "text": "ngram or suffix >= 2x on code edits, single stream, default model",

@@ -20,7 +20,6 @@ import contextlib
 import logging
 import pickle
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -43,6 +42,7 @@ from tandem.executor.ranks import (
     threads_per_rank,
 )
 from tandem.kvcache.connector.base import KVOutputAggregator
+from tandem.platform.ports import free_port
 
 if TYPE_CHECKING:
     from tandem.worker.worker import WorkerInfo
@@ -52,12 +52,6 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 100
 _START_TIMEOUT_S = 900.0  # a first start may convert a GGUF
 _STOP_GRACE_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_error(rank: int, exc: Exception | None, text: str) -> Exception:
@@ -94,7 +88,7 @@ class MultiprocExecutor(Executor):
     def start(self) -> list[WorkerInfo]:
         parallel = self.config.parallel
         world = self.world_size
-        dist_url = dist_init_url(parallel, _free_port())
+        dist_url = dist_init_url(parallel, free_port())
         threads = threads_per_rank(parallel, self.config.load.num_threads)
         local = node_ranks(parallel, 0)
         for rank in range(world):

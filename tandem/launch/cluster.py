@@ -32,12 +32,6 @@ def write_secret(path: Path, secret: str) -> None:
         handle.write(secret + "\n")
 
 
-def pick_free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _check_port_free(host: str, port: int) -> None:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.launch.supervisor import die_with_parent_hook, stop_process
+from tandem.platform.ports import free_port
 
 _PR_SET_PDEATHSIG = 1
 
@@ -44,12 +45,6 @@ def find_mooncake_master() -> str | None:
                     path.chmod(path.stat().st_mode | 0o111)
             return str(path)
     return None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _accepts(host: str, port: int, timeout: float = 0.2) -> bool:
@@ -92,12 +87,12 @@ class MooncakeMaster:
                                     "(`pip install mooncake-transfer-engine-non-cuda`; "
                                     "scripts/setup.sh does)")
         if self.port is None:
-            self.port = _free_port(self.host)
+            self.port = free_port(self.host)
         argv = [binary, f"--rpc_port={self.port}", f"--rpc_address={self.host}",
                 f"--metrics_host={self.host}", "--metrics_port=0",
                 "--enable_metric_reporting=false"]
         if self.http_metadata:
-            self.http_port = self.http_port or _free_port(self.host)
+            self.http_port = self.http_port or free_port(self.host)
             argv += ["--enable_http_metadata_server=true",
                      f"--http_metadata_server_host={self.host}",
                      f"--http_metadata_server_port={self.http_port}"]

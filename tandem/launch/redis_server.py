@@ -29,6 +29,7 @@ import weakref
 from pathlib import Path
 
 from tandem.launch.supervisor import die_with_parent_hook, stop_process
+from tandem.platform.ports import free_port
 
 _BINARIES = ("redis-server", "valkey-server")
 _SYSTEM_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin")
@@ -53,12 +54,6 @@ def find_redis_server() -> str | None:
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate)
     return None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _read_replies(sock: socket.socket, count: int) -> bytes:
@@ -128,7 +123,7 @@ class RedisServer:
         pick_port = self.port is None
         for attempt in range(3):  # a free port found by bind() may be taken before the server
             if pick_port:
-                self.port = _free_port(self.host)
+                self.port = free_port(self.host)
             try:
                 self._launch(binary, directory, timeout)
                 return self

@@ -34,12 +34,12 @@ from tandem.flags.table import Command
 from tandem.launch.cluster import (
     Cluster,
     _check_port_free,
-    pick_free_port,
     start_local_store,
     write_secret,
 )
 from tandem.launch.cluster_plan import cluster_secret, plan_cluster
 from tandem.launch.up_flags import add_up_flags, check_up
+from tandem.platform.ports import free_port
 
 
 def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -80,7 +80,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not os.environ.get(flags.CLUSTER_SECRET_ENV):
         write_secret(log_dir / "cluster-secret", secret)  # for an operator's control-plane calls
     store = start_local_store(args, log_dir, secret)
-    plan = plan_cluster(args, tokenizer_dir, pick_free_port, secret)
+    plan = plan_cluster(args, tokenizer_dir, free_port, secret)
     stop = threading.Event()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import free_port
 
 from tandem.bench.cluster_stats import describe, snapshot_workers, summarize
+from tandem.platform.ports import free_port
 
 
 @pytest.fixture

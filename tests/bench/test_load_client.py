@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from tandem.bench.load_client import (
-    LoadConfig,
     RequestRecord,
     StreamMeter,
+    TrafficConfig,
     poisson_arrivals,
     resolve_endpoint,
     run_load,
@@ -143,13 +143,13 @@ def test_poisson_arrivals_seeded() -> None:
     assert 200 / 4.0 * 0.7 < a[-1] < 200 / 4.0 * 1.3
 
 
-def test_load_config_validation_and_endpoint() -> None:
+def test_traffic_config_validation_and_endpoint() -> None:
     for bad in (
-        LoadConfig(),
-        LoadConfig(concurrency=2, request_rate=1.0),
-        LoadConfig(concurrency=0),
-        LoadConfig(request_rate=0.0),
-        LoadConfig(concurrency=1, endpoint="x"),
+        TrafficConfig(),
+        TrafficConfig(concurrency=2, request_rate=1.0),
+        TrafficConfig(concurrency=0),
+        TrafficConfig(request_rate=0.0),
+        TrafficConfig(concurrency=1, endpoint="x"),
     ):
         with pytest.raises(ValueError):
             bad.validate()
@@ -272,7 +272,7 @@ def test_agentic_run_resends_history_with_actual_replies() -> None:
     server = FakeServer()
     workload = build_serve_workload(AGENTIC)
     seen: list[RequestRecord] = []
-    config = LoadConfig(concurrency=2, session_header=True, api_key="secret", warmup_requests=1)
+    config = TrafficConfig(concurrency=2, session_header=True, api_key="secret", warmup_requests=1)
     warm = Turn("warm up", 2, 2)
     result = run_load(
         "http://fake",
@@ -324,7 +324,7 @@ def test_fixed_run_uses_completions_and_open_loop() -> None:
     workload = build_serve_workload(
         WorkloadConfig(name="fixed", num_requests=6, input_len=20, output_len=3)
     )
-    config = LoadConfig(request_rate=200.0, max_concurrency=2, warmup_requests=0)
+    config = TrafficConfig(request_rate=200.0, max_concurrency=2, warmup_requests=0)
     result = run_load("http://fake/", workload, config, transport=server.transport())
     assert len(result.records) == 6 and all(r.ok for r in result.records)
     assert all("prompt" in b and "messages" not in b for b in server.requests)
@@ -340,7 +340,7 @@ def test_errors_are_recorded_and_a_failed_session_stops() -> None:
     result = run_load(
         "http://fake",
         workload,
-        LoadConfig(concurrency=3, warmup_requests=0),
+        TrafficConfig(concurrency=3, warmup_requests=0),
         transport=server.transport(),
     )
     failed = [r for r in result.records if not r.ok]
@@ -352,7 +352,7 @@ def test_errors_are_recorded_and_a_failed_session_stops() -> None:
     result = run_load(
         "http://fake",
         workload,
-        LoadConfig(concurrency=1, warmup_requests=0),
+        TrafficConfig(concurrency=1, warmup_requests=0),
         transport=server.transport(),
     )
     failed = [r for r in result.records if not r.ok]
@@ -372,7 +372,7 @@ def test_timeouts_are_errors_not_crashes() -> None:
     result = run_load(
         "http://fake",
         workload,
-        LoadConfig(concurrency=2, request_timeout_s=0.2, warmup_requests=0),
+        TrafficConfig(concurrency=2, request_timeout_s=0.2, warmup_requests=0),
         transport=server.transport(),
     )
     assert [r.ok for r in result.records] == [False, False]
@@ -390,13 +390,13 @@ def test_model_name_needed_when_models_endpoint_fails() -> None:
         run_load(
             "http://fake",
             workload,
-            LoadConfig(concurrency=1),
+            TrafficConfig(concurrency=1),
             transport=httpx.MockTransport(handler),
         )
     result = run_load(
         "http://fake",
         workload,
-        LoadConfig(concurrency=1, model="given", warmup_requests=0),
+        TrafficConfig(concurrency=1, model="given", warmup_requests=0),
         transport=httpx.MockTransport(handler),
     )
     assert result.model == "given" and result.records[0].status == 404 and not result.records[0].ok

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench.load_client import LoadConfig, RequestRecord, RunResult, poisson_arrivals
+from tandem.bench.load_client import RequestRecord, RunResult, TrafficConfig, poisson_arrivals
 from tandem.bench.plan import MIXES, errors, format_report, measured_figures, sim_workload
 from tandem.bench.serve_workloads import build_serve_workload, make_sizer
 from tandem.plan.pools.costs import CostModel
@@ -35,7 +35,7 @@ def test_measured_figures_from_records() -> None:
                              prompt_tokens=100, cached_tokens=50, error=None if ok else "boom")
 
     records = [record(0.1, 1.1, 11), record(0.3, 2.3, 21), record(0.2, 0.2, 1), record(9, 9, 2, ok=False)]
-    result = RunResult("t", "http://x", "m", "w", LoadConfig(request_rate=1), "now", 3.0, records)
+    result = RunResult("t", "http://x", "m", "w", TrafficConfig(request_rate=1), "now", 3.0, records)
     figures = measured_figures(result)
     assert figures["ttft_p50_s"] == pytest.approx(0.2) and figures["failed"] == 1
     assert figures["tpot_p50_s"] == pytest.approx(0.1) and figures["cached_ratio"] == pytest.approx(0.5)

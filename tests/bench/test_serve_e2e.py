@@ -3,7 +3,7 @@ tests/conftest.py: the base URL of a running server on the default model)."""
 
 from __future__ import annotations
 
-from tandem.bench.load_client import LoadConfig, RunResult, run_load
+from tandem.bench.load_client import RunResult, TrafficConfig, run_load
 from tandem.bench.serve_report import compute_metrics
 from tandem.bench.serve_workloads import (
     WordSizer,
@@ -45,7 +45,7 @@ def test_agentic_sessions_against_tandem(tandem_server: str) -> None:
     result = run_load(
         tandem_server,
         workload,
-        LoadConfig(concurrency=2, session_header=True),
+        TrafficConfig(concurrency=2, session_header=True),
         target="tandem",
         warmup=[warmup_turn(WordSizer())],
     )
@@ -73,7 +73,7 @@ def test_fixed_requests_against_tandem(tandem_server: str) -> None:
     workload = build_serve_workload(
         WorkloadConfig(name="fixed", num_requests=3, input_len=24, output_len=5)
     )
-    result = run_load(tandem_server, workload, LoadConfig(concurrency=2, warmup_requests=0))
+    result = run_load(tandem_server, workload, TrafficConfig(concurrency=2, warmup_requests=0))
     assert len(result.records) == 3
     _check_every_request(result)
     assert {r.endpoint for r in result.records} == {"completions"}

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench.load_client import LoadConfig, RequestRecord, RunResult
+from tandem.bench.load_client import RequestRecord, RunResult, TrafficConfig
 from tandem.bench.serve import (
     LaunchedServer,
     Target,
     add_serve_parser,
     free_port,
     goal_line,
-    load_config,
     parse_url_target,
     plan_targets,
     tandem_command,
+    traffic_config,
     vllm_command,
     vllm_env,
     workload_config,
@@ -71,7 +71,7 @@ def _rec(
 
 def _result(records: list[RequestRecord], duration: float = 2.0, name: str = "t") -> RunResult:
     return RunResult(
-        name, "http://x", "m", "agentic", LoadConfig(concurrency=2), "now", duration, records
+        name, "http://x", "m", "agentic", TrafficConfig(concurrency=2), "now", duration, records
     )
 
 
@@ -237,7 +237,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_parser_defaults_and_configs() -> None:
     args = _args()
     assert callable(args.handler) and args.workload == "agentic"
-    config = load_config(args)
+    config = traffic_config(args)
     assert config.concurrency == 4 and config.request_rate is None and config.ignore_eos
     wl = workload_config(args, 8192)
     assert (wl.agentic_output_len, wl.output_len, wl.turns_min, wl.turns_max, wl.prefix_len) == (
@@ -250,7 +250,7 @@ def test_parser_defaults_and_configs() -> None:
     args = _args(
         "--request-rate", "2", "--max-concurrency", "3", "--output-len", "7", "--no-ignore-eos"
     )
-    config = load_config(args)
+    config = traffic_config(args)
     assert (config.concurrency, config.request_rate, config.max_concurrency, config.ignore_eos) == (
         None,
         2.0,
@@ -259,7 +259,7 @@ def test_parser_defaults_and_configs() -> None:
     )
     assert workload_config(args, 100).agentic_output_len == 7
     with pytest.raises(ValueError):
-        load_config(_args("--concurrency", "2", "--request-rate", "1"))
+        traffic_config(_args("--concurrency", "2", "--request-rate", "1"))
 
 
 def test_targets() -> None:
@@ -406,7 +406,7 @@ def test_cluster_and_policy_targets() -> None:
     assert cmd[cmd.index("--kv-cache-memory") + 1] == "96MiB"
     pd = cluster_command(args, 4321, "pd")
     assert pd[pd.index("--prefill-workers") + 1] == "1" and "--policy" not in pd
-    config = load_config(args)
+    config = traffic_config(args)
     assert _for_target(config, policy).session_header and not _for_target(config, targets[2]).session_header
 
     def outcome(name: str, cached_pct: float) -> TargetOutcome:

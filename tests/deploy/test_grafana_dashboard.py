@@ -11,8 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, start_router
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.live_server import LiveServer, start_router
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tandem.json"
 SCRAPE_LABELS = {"instance", "job", "le"}  # added by Prometheus at scrape, or the histogram's own

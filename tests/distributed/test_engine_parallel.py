@@ -15,10 +15,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from tiny_models import save_tiny
 
 from tandem import LLM, SamplingParams
 from tandem.engine.memory_report import memory_split_lines
+from tests.support.tiny_models import save_tiny
 
 MODES = {
     "tp2": dict(tensor_parallel_size=2),

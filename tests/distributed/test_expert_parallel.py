@@ -5,7 +5,6 @@ combining them back with all-to-alls, give the unsplit FusedMoE's output on ever
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import tandem
 from tandem.config import MoeConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.layers.moe import FusedMoE, route
+from tandem.platform.ports import free_port
 
 HIDDEN = 24
 TOKENS = (0, 1, 5, 64)  # an empty step, fewer tokens than ranks, an uneven split, a prefill
@@ -29,11 +29,6 @@ CONFIGS = {
         routed_scaling_factor=2.5, correction_bias=True, num_shared_experts=1),
 }
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_env() -> dict[str, str]:
@@ -80,7 +75,7 @@ def test_two_expert_parallel_ranks_give_the_unsplit_layer_s_output(name: str, tm
     config = CONFIGS[name]
     reference, data = _whole_layer(config)
     torch.save(data, tmp_path / "case.pt")
-    port = _free_port()
+    port = free_port()
     script = Path(__file__).with_name("ep_rank.py")
     ranks = [
         subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port), str(tmp_path / "case.pt"),

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from netns_hosts import Hosts, make_hosts, needs_netns
 
 from tandem import LLM, SamplingParams
+from tests.support.netns_hosts import Hosts, make_hosts, needs_netns
 
 pytestmark = needs_netns
 

@@ -4,31 +4,25 @@ logits (column- and row-parallel linears, vocabulary-split embedding and head, h
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import CONFIGS, save_tiny
 
 from tandem.distributed.tensor_parallel import TensorParallel
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.loader.model_loader import build_model, read_model_config
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tandem.platform.ports import free_port
+from tests.support.tiny_models import CONFIGS, save_tiny
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_ranks_give_transformers_logits(name: str, tmp_path: Path) -> None:
     reference = save_tiny(name, tmp_path)
     tokens = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(1)).tolist()
-    port = _free_port()
+    port = free_port()
     script = Path(__file__).with_name("tp_rank.py")
     ranks = [
         subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port), str(tmp_path),

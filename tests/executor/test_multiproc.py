@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from live_server import start_server, stop_server
 
 from tandem import LLM, SamplingParams
 from tandem.executor.base import WorkerDiedError
+from tests.support.live_server import start_server, stop_server
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "Q: What is 7 times 8?\nA:"]

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from live_server import TEST_SECRET, LiveServer, start_server, stop_server
+
+from tests.support.live_server import TEST_SECRET, LiveServer, start_server, stop_server
 
 MODEL = "smollm2-135m"
 BLOCK = 16  # tokens per KV block (the default --block-size)

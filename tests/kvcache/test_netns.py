@@ -16,8 +16,15 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from live_server import TEST_SECRET, LiveServer, start_router, start_server, stop_server
-from netns_hosts import Hosts, make_hosts, needs_netns
+
+from tests.support.live_server import (
+    TEST_SECRET,
+    LiveServer,
+    start_router,
+    start_server,
+    stop_server,
+)
+from tests.support.netns_hosts import Hosts, make_hosts, needs_netns
 
 pytestmark = needs_netns
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import psutil
 import pytest
 
 from tandem.launch import supervisor
+from tandem.platform.ports import free_port
 
 # argv[1]: port; argv[2] (optional): "grandchild" starts a sleeper in a session of its own
 # (out of reach of the child's process group) and "stray" one in the child's own group.
@@ -43,11 +43,6 @@ HEALTH_SERVER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture
 def script(tmp_path: Path) -> Path:
@@ -68,7 +63,7 @@ def started() -> Iterator[list[supervisor.Child]]:
 
 
 def _server(tmp_path: Path, script: Path, *extra: str) -> supervisor.ProcessSpec:
-    port = _free_port()
+    port = free_port()
     return supervisor.ProcessSpec(
         "health", (sys.executable, str(script), str(port), *extra), tmp_path / "logs" / "health.log",
         url=f"http://127.0.0.1:{port}",
@@ -157,7 +152,7 @@ def test_never_healthy_is_a_timeout_with_the_log_tail(
 ) -> None:
     code = "import time; print('loading weights', flush=True); time.sleep(600)"
     spec = supervisor.ProcessSpec(
-        "slow", (sys.executable, "-c", code), tmp_path / "slow.log", url=f"http://127.0.0.1:{_free_port()}"
+        "slow", (sys.executable, "-c", code), tmp_path / "slow.log", url=f"http://127.0.0.1:{free_port()}"
     )
     child = supervisor.start(spec)
     started.append(child)
@@ -176,7 +171,7 @@ def test_exit_while_starting_names_the_child_and_its_log(
     code = "import sys; print('loading weights'); print('fatal: out of memory'); sys.exit(3)"
     spec = supervisor.ProcessSpec(
         "bad", (sys.executable, "-c", code), tmp_path / "bad.log",
-        url=f"http://127.0.0.1:{_free_port()}", echo_command=True,
+        url=f"http://127.0.0.1:{free_port()}", echo_command=True,
     )
     child = supervisor.start(spec)
     started.append(child)
@@ -190,7 +185,7 @@ def test_exit_while_starting_names_the_child_and_its_log(
 def test_a_set_stop_event_abandons_the_wait(tmp_path: Path, started: list[supervisor.Child]) -> None:
     spec = supervisor.ProcessSpec(
         "idle", (sys.executable, "-c", "import time; time.sleep(600)"), tmp_path / "idle.log",
-        url=f"http://127.0.0.1:{_free_port()}",
+        url=f"http://127.0.0.1:{free_port()}",
     )
     child = supervisor.start(spec)
     started.append(child)

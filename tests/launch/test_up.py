@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from netns_hosts import needs_netns
-from up_cluster import Up, start_up
 
 from tandem.cli.main import build_parser
 from tandem.launch.cluster_plan import banner, default_threads, engine_argv, plan_cluster
 from tandem.launch.netns import WorkerNetwork
+from tests.support.netns_hosts import needs_netns
+from tests.support.up_cluster import Up, start_up
 
 SMALL = ["--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8"]
 

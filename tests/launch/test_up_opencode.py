@@ -3,7 +3,7 @@
 `opencode run` (npm `opencode-ai`, installed by scripts/setup.sh into .opencode-ai/: not
 `.opencode`, which OpenCode reads as a config folder) works on a scratch git repo through a
 provider that points at the cluster, as the README configures it. A recording proxy between the two keeps every request and streamed answer, and the
-test checks what the issue asks of a harness-ready server:
+test checks what a harness-ready server must do:
 
 - every request succeeds, OpenCode's `max_tokens: 32000` included (capped, not refused);
 - the tool definitions reach the chat template (the prompt the model saw counts them);
@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from recording_proxy import Exchange, RecordingProxy
-from up_cluster import Up, start_up
 
 from tandem.loader.resolve import default_cache_dir
+from tests.support.recording_proxy import Exchange, RecordingProxy
+from tests.support.up_cluster import Up, start_up
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPENCODE = Path(os.environ.get("TANDEM_OPENCODE_DIR", REPO_ROOT / ".opencode-ai")) / "node_modules/.bin/opencode"

@@ -1,6 +1,6 @@
 """GGUFCheckpoint on tiny hand-written GGUF files: tensor types, q/k order, config, errors.
 
-The files come from `write_gguf` (tests/loader/tiny_gguf.py), which writes them the way
+The files come from `write_gguf` (tests/support/tiny_gguf.py), which writes them the way
 llama.cpp's converter does, so these tests check tandem's reading against the HF-layout
 weights the file was made from, and against transformers' own GGUF loader.
 """
@@ -15,7 +15,15 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize
-from tiny_gguf import (
+
+from tandem.config import ModelConfig
+from tandem.loader.gguf_loader import (
+    SUPPORTED_QUANT_TYPES,
+    GGUFCheckpoint,
+    hf_name,
+    reverse_qk_permutation,
+)
+from tests.support.tiny_gguf import (
     EOS_ID,
     EPS,
     HEAD_DIM,
@@ -32,14 +40,6 @@ from tiny_gguf import (
     permute_qk,
     write_gguf,
     write_metadata_only,
-)
-
-from tandem.config import ModelConfig
-from tandem.loader.gguf_loader import (
-    SUPPORTED_QUANT_TYPES,
-    GGUFCheckpoint,
-    hf_name,
-    reverse_qk_permutation,
 )
 
 # Largest relative RMS error (|dequantized - original| over |original|) allowed per stored

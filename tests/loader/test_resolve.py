@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_gguf import EOS_ID, Q, write_gguf
 
 from tandem.config import ModelConfig
 from tandem.loader import resolve
 from tandem.loader.gguf_loader import GGUFCheckpoint
 from tandem.loader.resolve import ResolvedModel, convert_gguf, default_cache_dir, resolve_model
+from tests.support.tiny_gguf import EOS_ID, Q, write_gguf
 
 # --- errors and plain directories ---------------------------------------------------------
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import jinja2
 import pytest
-from tiny_gguf import Q, write_gguf
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -28,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 from tandem.loader.chat_template import ChatTemplateError
 from tandem.loader.resolve import convert_gguf, resolve_model
 from tandem.loader.tokenizer import Tokenizer, load_tokenizer, render_chat
+from tests.support.tiny_gguf import Q, write_gguf
 
 MODEL = "smollm2-135m"
 

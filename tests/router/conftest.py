@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from live_server import TEST_SECRET
-from router_helpers import FakeWorker, ThreadServer
 
 from tandem.router.config import HealthPolicy, RetryPolicy, RouterConfig, Timeouts, WorkerSpec
 from tandem.router.http.app import build_app
+from tests.support.live_server import TEST_SECRET
+from tests.support.router_helpers import FakeWorker, ThreadServer
 
 # Quick reactions, so fault tests take seconds.
 FAST_HEALTH = HealthPolicy(interval_s=0.1, timeout_s=1.0, failures_to_down=3, successes_to_up=2)

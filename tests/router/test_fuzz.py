@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, start_server, stop_server
 
 from tandem.router.config import Timeouts, WorkerSpec
+from tests.support.live_server import LiveServer, start_server, stop_server
 
 pytest.importorskip("schemathesis", reason="schemathesis comes with the test extras")
 

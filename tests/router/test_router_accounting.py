@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from router_helpers import PROMPT_TOKENS, FakeWorker, ThreadServer, read_stream, wait_for
 
 from tandem.router.accounting.flags import check_accounting
 from tandem.router.accounting.pricing import Price, cost
@@ -27,6 +26,13 @@ from tandem.router.config import (
     WorkerSpec,
 )
 from tandem.router.http.app import build_app
+from tests.support.router_helpers import (
+    PROMPT_TOKENS,
+    FakeWorker,
+    ThreadServer,
+    read_stream,
+    wait_for,
+)
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
 SECRET = "test-cluster-secret"  # the router's: it signs hops and opens the control plane

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_helpers import FakeWorker
 
 from tandem.router.accounting.keys_store import KeyLimits, new_key, write_store
 from tandem.router.config import AccountingConfig, AdmissionPolicy, Timeouts, WorkerSpec
+from tests.support.router_helpers import FakeWorker
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}

@@ -26,11 +26,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from live_server import TEST_SECRET, LiveServer, free_port, start_server, stop_server
-from router_helpers import MODEL_TIMEOUTS, read_stream, stream_text, wait_for
 
 from tandem.loader.resolve import resolve_model
+from tandem.platform.ports import free_port
 from tandem.router.config import HealthPolicy, WorkerSpec
+from tests.support.live_server import TEST_SECRET, LiveServer, start_server, stop_server
+from tests.support.router_helpers import MODEL_TIMEOUTS, read_stream, stream_text, wait_for
 
 MODEL = "smollm2-135m"
 WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "16")

@@ -9,10 +9,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import TEST_SECRET
-from router_helpers import PROMPT_TOKENS, FakeWorker, metric, read_stream, stream_text, wait_for
 
 from tandem.router.config import BreakerPolicy, HealthPolicy, WorkerSpec
+from tests.support.live_server import TEST_SECRET
+from tests.support.router_helpers import (
+    PROMPT_TOKENS,
+    FakeWorker,
+    metric,
+    read_stream,
+    stream_text,
+    wait_for,
+)
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
 ADMIN = {"Authorization": f"Bearer {TEST_SECRET}"}  # the router fixture's cluster secret opens its control plane

@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 import httpx
 import psutil
 import pytest
-from live_server import TEST_SECRET, LiveServer, free_port, start_server, stop_server
-from router_helpers import metric
 
+from tandem.platform.ports import free_port
 from tandem.router.config import Timeouts, WorkerSpec
+from tests.support.live_server import TEST_SECRET, LiveServer, start_server, stop_server
+from tests.support.router_helpers import metric
 
 WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8")
 CONTEXT = "Our travel agency answers questions about cities, food, history and weather. " * 60

@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-from live_server import LiveServer, start_server, stop_server
-from router_helpers import ThreadServer, metric, wait_for
 
 from tandem.router.config import HealthPolicy, RouterConfig, WorkerSpec
 from tandem.router.http.app import build_app
+from tests.support.live_server import LiveServer, start_server, stop_server
+from tests.support.router_helpers import ThreadServer, metric, wait_for
 
 MODEL = "smollm2-135m"
 WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8")

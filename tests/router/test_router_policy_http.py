@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from router_helpers import FakeWorker, ThreadServer, metric, wait_for
 
 from tandem.kvcache.block_hash import block_hashes, salted_root
 from tandem.router.config import PolicyConfig, WorkerSpec
+from tests.support.router_helpers import FakeWorker, ThreadServer, metric, wait_for
 
 ROOT = 987654321
 BLOCK = 4

@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable
 
 import httpx
-from live_server import TEST_SECRET
-from router_helpers import FakeWorker, metric
 
 from tandem.router.config import BreakerPolicy, PolicyConfig, RetryPolicy, WorkerSpec
+from tests.support.live_server import TEST_SECRET
+from tests.support.router_helpers import FakeWorker, metric
 
 FakeFactory = Callable[[str], tuple[FakeWorker, str]]
 ADMIN = {"Authorization": f"Bearer {TEST_SECRET}"}  # the router fixture's cluster secret opens its control plane
@@ -173,7 +173,7 @@ def test_sigterm_drains_the_router(fake_workers: FakeFactory, tmp_path) -> None:
     import sys
     import threading
 
-    from live_server import free_port
+    from tandem.platform.ports import free_port
 
     worker, worker_url = fake_workers("slow")
     worker.behaviour.tokens = tuple(f" w{i}" for i in range(40))

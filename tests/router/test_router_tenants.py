@@ -12,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from router_helpers import MODEL_TIMEOUTS
 
 from tandem.router.accounting.keys_store import KeyLimits, new_key, write_store
 from tandem.router.config import AccountingConfig, WorkerSpec
+from tests.support.router_helpers import MODEL_TIMEOUTS
 
 
 def _cached(url: str, key: str, prompt: str) -> int:

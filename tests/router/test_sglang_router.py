@@ -20,7 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, free_port, start_server, stop_server
+
+from tandem.platform.ports import free_port
+from tests.support.live_server import LiveServer, start_server, stop_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"

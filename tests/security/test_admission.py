@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from live_server import LiveServer, start_router, start_server, stop_server
+
+from tests.support.live_server import LiveServer, start_router, start_server, stop_server
 
 MODEL = "smollm2-135m"
 PROMPTS = [f"Item {i}: say one word." for i in range(2000)]

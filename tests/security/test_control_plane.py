@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from up_cluster import Up, start_up
 
 from tandem.router.accounting.keys_store import KeyLimits, new_key, write_store
+from tests.support.up_cluster import Up, start_up
 
 ADMIN = "admin-key-for-tests"
 SMALL = ("--kv-cache-memory", "128MiB", "--max-num-seqs", "4", "--workers", "2")

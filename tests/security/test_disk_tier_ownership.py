@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from tandem.kvcache.connector.tiers_worker import TiersConnectorWorker
 from tandem.kvcache.tiers.chunk import chunk_key, is_chunk_key, parse_chunk_key
 from tandem.kvcache.tiers.disk import MARKER, DiskStore, file_name, shard_of
 from tandem.kvcache.tiers.store import ChunkStoreError
+from tandem.platform.ports import free_port
 
 HOUR_AGO = time.time() - 3600
 
@@ -210,9 +210,7 @@ def test_tandem_serve_refuses_a_foreign_disk_tier_directory(tmp_path: Path) -> N
     write(root / "x.kv")
     write(root / "ab" / f".tmp-{uuid.uuid4().hex}")
     before = snapshot(root)
-    with socket.socket() as sock:  # a free port (start-up fails before it binds)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # start-up fails before it binds
     command = [sys.executable, "-m", "tandem", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--kv-offload-disk-path", str(root), "--kv-offload-cpu-bytes", "64MiB"]
     # A session of its own: should it start after all, the engine core goes with it.

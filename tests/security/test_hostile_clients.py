@@ -20,7 +20,14 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from live_server import TEST_SECRET, LiveServer, start_router, start_server, stop_server
+
+from tests.support.live_server import (
+    TEST_SECRET,
+    LiveServer,
+    start_router,
+    start_server,
+    stop_server,
+)
 
 MODEL = "smollm2-135m"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}

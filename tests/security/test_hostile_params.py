@@ -27,7 +27,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from live_server import LiveServer, start_router
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -40,6 +39,7 @@ from tandem.edge.limits import RequestLimitMiddleware, holds_lone_surrogate
 from tandem.edge.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.layers.sampler import Sampler, SamplingRow
 from tandem.types import SEED_MAX, SEED_MIN, SamplingParams
+from tests.support.live_server import LiveServer, start_router
 
 MODEL = "smollm2-135m"
 VOCAB = 49152  # SmolLM2's vocabulary

@@ -28,12 +28,18 @@ from dataclasses import dataclass
 import httpx
 import psutil
 import pytest
-from live_server import TEST_SECRET, LiveServer, start_router, start_server, stop_server
 
 from tandem.bench.hostile import Listener
 from tandem.kvcache.transfer.wire import CHECK, MAGIC
 from tandem.router.accounting.keys_store import KeyLimits, new_key, write_store
 from tandem.trust.peer import peer_client
+from tests.support.live_server import (
+    TEST_SECRET,
+    LiveServer,
+    start_router,
+    start_server,
+    stop_server,
+)
 
 MODEL = "smollm2-135m"
 WORKER_ARGS = ("--kv-cache-memory", "128MiB", "--threads", "1")

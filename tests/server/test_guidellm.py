@@ -1,7 +1,6 @@
 """guidellm, a third-party load generator, runs unmodified against `tandem serve`.
 
-Our issue asks that an off-the-shelf OpenAI client benchmark completes every request it
-sends. guidellm is a demanding one: before the load it probes `GET /health` and
+An off-the-shelf OpenAI client benchmark must complete every request it sends. guidellm is a demanding one: before the load it probes `GET /health` and
 `GET /v1/models`, and it sends chat messages whose content is a list of parts
 (`[{"type": "text", "text": ...}]`), streams with `stream_options.include_usage`, and uses
 `max_completion_tokens` and `ignore_eos`. A short synthetic load must end with every request
@@ -25,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from live_server import start_router
 
 from tandem.loader.resolve import resolve_model
+from tests.support.live_server import start_router
 
 if TYPE_CHECKING:
-    from live_server import LiveServer
+    from tests.support.live_server import LiveServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GUIDELLM_VENV = REPO_ROOT / ".venv-guidellm"

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from live_server import LiveServer, start_router, start_server, stop_server
+
+from tests.support.live_server import LiveServer, start_router, start_server, stop_server
 
 MODEL = "smollm2-135m"
 CONTEXT = 128

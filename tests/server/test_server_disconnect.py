@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from live_server import LiveServer
+
+from tests.support.live_server import LiveServer
 
 LONG = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write a long story."}],
         "max_tokens": 3000, "ignore_eos": True, "temperature": 0}

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import psutil
-from live_server import start_server
+
+from tests.support.live_server import start_server
 
 STORY = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a long story."}],
          "max_tokens": 120, "ignore_eos": True, "temperature": 0, "stream": True,

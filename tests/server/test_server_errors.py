@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from live_server import LiveServer
+
+from tests.support.live_server import LiveServer
 
 MODEL = "smollm2-135m"
 HELLO = [{"role": "user", "content": "Hello"}]

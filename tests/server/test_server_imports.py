@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from live_server import free_port
+from tandem.platform.ports import free_port
 
 MODEL = "smollm2-135m"
 PROBE = Path(__file__).with_name("api_process_probe.py")

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from live_server import LiveServer, start_server, stop_server
+
+from tests.support.live_server import LiveServer, start_server, stop_server
 
 KEY = "sk-test-key"
 LONG = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write a long story."}],

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from live_server import LiveServer, start_server, stop_server
+
+from tests.support.live_server import LiveServer, start_server, stop_server
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
 MESSAGES = [{"role": "user", "content":

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from live_server import TEST_SECRET, LiveServer, start_server, stop_server
 
 from tandem.trust.peer import peer_client
+from tests.support.live_server import TEST_SECRET, LiveServer, start_server, stop_server
 
 MODEL = "smollm2-135m"
 STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]

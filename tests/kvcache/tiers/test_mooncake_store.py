@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import pytest
 from tandem.kvcache.tiers.mooncake_store import MooncakeConfig, MooncakeStore, import_client
 from tandem.kvcache.tiers.store import ChunkStoreError
 from tandem.launch.mooncake_master import MooncakeMaster, find_mooncake_master
+from tandem.platform.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -54,11 +54,6 @@ def store(master: MooncakeMaster) -> Iterator[MooncakeStore]:
     yield client
     client.close()
 
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_url_options() -> None:
@@ -128,7 +123,7 @@ def test_a_prober_checks_existence_only(master: MooncakeMaster, store: MooncakeS
 
 def test_an_unreachable_master_fails_fast() -> None:
     # refused at once, and a TEST-NET address that never answers (bounded by the connect timeout)
-    for url in (f"mooncake://127.0.0.1:{_closed_port()}", "mooncake://192.0.2.1:50051"):
+    for url in (f"mooncake://127.0.0.1:{free_port()}", "mooncake://192.0.2.1:50051"):
         started = time.monotonic()
         with pytest.raises(ChunkStoreError, match="no Mooncake master at"):
             MooncakeStore(url)

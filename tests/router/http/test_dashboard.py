@@ -1,6 +1,6 @@
 """GET /dashboard in a real headless Chromium (Playwright), over a real router and two real
-workers: the page loads and keeps polling, its numbers match what /metrics says at the same
-moment, and a worker killed shows as down."""
+workers: the page loads and keeps polling, its numbers are what the /metrics text it fetched
+says, and a worker killed shows as down."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import math
 import re
 import shutil
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -16,8 +17,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from live_server import LiveServer, start_router, start_server, stop_server
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.live_server import LiveServer, start_router, start_server, stop_server
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
@@ -61,8 +63,32 @@ def cluster(tandem_server_process: LiveServer, tmp_path: Path) -> Iterator[tuple
             stop_server(second)
 
 
-def _metrics(url: str) -> dict[str, list]:
-    return {f.name: f.samples for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)}
+def _families(text: str) -> dict[str, list]:
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+# The figures on screen and the /metrics text the page computed them from, read in one step of
+# the page's JavaScript: a poll writes both at once, so they always belong together (a second
+# fetch of /metrics by the test could land on either side of a poll).
+_READ_PAGE = """() => ({
+    metrics: window.tandemSnapshot && window.tandemSnapshot.metrics,
+    shown: Object.fromEntries(["requests-total", "cached-ratio", "tokens", "ttft", "tpot"]
+        .map(id => [id, document.getElementById(id).textContent])),
+})"""
+
+
+def _rendered(page, settled: Callable[[dict[str, list]], bool],
+              timeout: float = 30.0) -> tuple[dict[str, str], dict[str, list]]:
+    """What the page shows and the metrics it rendered them from, once those satisfy `settled`
+    (the router records a stream's timings as it closes, a moment after the client's last byte)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        read = page.evaluate(_READ_PAGE)
+        metrics = _families(read["metrics"] or "")
+        if read["metrics"] and settled(metrics):
+            return read["shown"], metrics
+        assert time.monotonic() < deadline, f"the page never rendered settled metrics: {read}"
+        page.wait_for_timeout(250)
 
 
 def _sum(samples: list, name: str) -> float:
@@ -113,7 +139,9 @@ def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str
         assert reply.status_code == 200
     with _dashboard(url, tmp_path) as page:
         page.wait_for_function("Number(document.body.dataset.polls || 0) >= 2", timeout=30_000)
-        metrics = _metrics(url)  # no traffic since: the page's last poll read the same numbers
+        shown, metrics = _rendered(page, settled=lambda m: _sum(
+            m["tandem_router_time_per_output_token_seconds"],
+            "tandem_router_time_per_output_token_seconds_count") == 3)  # each stream, recorded
         requests = metrics["tandem_router_requests"]
         prompt = _sum(metrics["tandem_router_prompt_tokens"], "tandem_router_prompt_tokens_total")
         cached = _sum(metrics["tandem_router_cached_prompt_tokens"], "tandem_router_cached_prompt_tokens_total")
@@ -121,12 +149,11 @@ def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str
         ttft = metrics["tandem_router_time_to_first_token_seconds"]
         tpot = metrics["tandem_router_time_per_output_token_seconds"]
         assert cached > 0, "the session's later turns should hit the prefix cache"
-        assert _sum(tpot, "tandem_router_time_per_output_token_seconds_count") == 3  # each stream
-        assert page.text_content("#requests-total") == f"{_sum(requests, 'tandem_router_requests_total'):,.0f}"
-        assert page.text_content("#cached-ratio") == f"{100 * cached / prompt:.1f}%"
-        assert page.text_content("#tokens") == f"{prompt:,.0f} / {cached:,.0f} / {output:,.0f}"
-        assert page.text_content("#ttft") == f"{_seconds(_quantile(0.5, ttft))} / {_seconds(_quantile(0.9, ttft))}"
-        assert page.text_content("#tpot") == f"{_seconds(_quantile(0.5, tpot))} / {_seconds(_quantile(0.9, tpot))}"
+        assert shown["requests-total"] == f"{_sum(requests, 'tandem_router_requests_total'):,.0f}"
+        assert shown["cached-ratio"] == f"{100 * cached / prompt:.1f}%"
+        assert shown["tokens"] == f"{prompt:,.0f} / {cached:,.0f} / {output:,.0f}"
+        assert shown["ttft"] == f"{_seconds(_quantile(0.5, ttft))} / {_seconds(_quantile(0.9, ttft))}"
+        assert shown["tpot"] == f"{_seconds(_quantile(0.5, tpot))} / {_seconds(_quantile(0.9, tpot))}"
         assert page.text_content("#cost-per-million") != "–"
         rows = page.locator("#workers tr")
         assert rows.count() == 2

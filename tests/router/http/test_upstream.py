@@ -10,11 +10,11 @@ import time
 
 import httpx
 import pytest
-from router_helpers import healthy_worker
 
 from tandem.router.config import RetryPolicy, Timeouts
 from tandem.router.http.upstream import HopFailure, StreamBroken, Upstream
 from tandem.router.workers.registry import WorkerEndpoint
+from tests.support.router_helpers import healthy_worker
 
 
 # --- retries before the first byte -------------------------------------------------------

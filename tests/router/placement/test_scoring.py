@@ -8,12 +8,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from router_helpers import healthy_worker
 
 from tandem.router.config import HealthPolicy, WorkerSpec
 from tandem.router.placement.prompt_tokens import PromptCounter
 from tandem.router.placement.scoring import decode_score, pick_decode, pick_prefill, prefill_score
 from tandem.router.workers.registry import LoadSnapshot, WorkerRegistry
+from tests.support.router_helpers import healthy_worker
 
 POLICY = HealthPolicy()
 

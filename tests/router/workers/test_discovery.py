@@ -19,10 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, free_port, start_router, start_server, stop_server
 
+from tandem.platform.ports import free_port
 from tandem.router.config import DiscoveryTarget, WorkerSpec, parse_discovery_target
 from tandem.router.workers.discovery import DnsDiscovery
+from tests.support.live_server import LiveServer, start_router, start_server, stop_server
 
 NAME = "tandem-workers.test"
 

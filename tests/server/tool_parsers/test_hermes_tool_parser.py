@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tool_stream_helpers import run_stream, summary
-
 from tandem.server.tool_parsers import HermesToolParser, ToolCall
+from tests.support.tool_stream_helpers import run_stream, summary
 
 P = HermesToolParser()
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

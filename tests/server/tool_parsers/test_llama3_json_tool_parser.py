@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tool_stream_helpers import run_stream, summary
-
 from tandem.server.tool_parsers import Llama3JsonToolParser
+from tests.support.tool_stream_helpers import run_stream, summary
 
 P = Llama3JsonToolParser()
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'

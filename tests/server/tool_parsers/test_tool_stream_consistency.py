@@ -8,9 +8,9 @@ same as `parse` on the whole text, with ids and names once per call.
 from __future__ import annotations
 
 import pytest
-from tool_stream_helpers import run_stream, splits, summary
 
 from tandem.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
+from tests.support.tool_stream_helpers import run_stream, splits, summary
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
 CALL2 = '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}'

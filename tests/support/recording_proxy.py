@@ -1,5 +1,5 @@
 """A pass-through HTTP proxy that records what a real client sends and what it got back
-(imported as `recording_proxy`).
+(`tests.support.recording_proxy`).
 
 The OpenCode test puts it between the agent harness and `tandem up`'s router: the harness
 and the cluster are both real, and the test reads each request's headers and body and the

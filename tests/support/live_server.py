@@ -1,18 +1,17 @@
-"""Live `tandem serve` processes for tests that speak HTTP (imported as `live_server`).
+"""Live `tandem serve` processes for tests that speak HTTP (`tests.support.live_server`).
 
 A server is started as a user would start it (`python -m tandem serve ...`) on a free
 port, waited for through `GET /health`, and stopped with SIGINT (or SIGTERM); stopping
 reports any process left behind (the engine core must exit with the server).
 
-A module of its own, not conftest.py: test directories have no __init__.py, so the name
-`conftest` belongs to whichever conftest pytest imported last.
+A module of its own, not conftest.py: test files import these helpers, and a conftest is
+pytest's to import, not theirs.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,11 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tandem.platform.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 from tandem.trust.peer import peer_client
 
 _START_TIMEOUT = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # The cluster secret tests give workers that take part in a handoff (tandem/trust): such a

@@ -18,9 +18,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from live_server import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.platform.ports import free_port
 from tandem.router.config import HealthPolicy, Timeouts, WorkerSpec
 from tandem.router.pd.merge import sse
 from tandem.router.workers.registry import LoadSnapshot, WorkerEndpoint

@@ -1,4 +1,4 @@
-"""A live `tandem up` for tests (imported as `up_cluster`): started as a user starts it, until
+"""A live `tandem up` for tests (`tests.support.up_cluster`): started as a user starts it, until
 its router is healthy and its banner printed; the caller stops it with SIGINT.
 
 A module of its own, like live_server.py, so several test files can start clusters.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import free_port
 
+from tandem.platform.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 from tandem.trust.peer import peer_client
 
