@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import EngineConfig, ServerConfig
+from tandem.edge.disconnect import ClientGone
 from tandem.edge.drain import Drain, DrainingServer
 from tandem.edge.errors import (
     APIError,
@@ -45,7 +46,7 @@ from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
 from tandem.server.metrics import ServerMetrics, tier_blocks
-from tandem.server.serving import ClientDisconnected, ServingState
+from tandem.server.serving import ServingState
 from tandem.server.serving_chat import create_chat_completion
 from tandem.server.serving_completion import create_completion
 from tandem.server.tool_parsers import detect_tool_parser, get_tool_parser
@@ -88,7 +89,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
     app.add_exception_handler(APIError, _counted_api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    app.add_exception_handler(ClientDisconnected, _disconnected_handler)
+    app.add_exception_handler(ClientGone, _disconnected_handler)
     app.add_exception_handler(EngineDeadError, _engine_dead_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
 

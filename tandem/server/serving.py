@@ -8,12 +8,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-
-from fastapi import Request
 
 from tandem.config import ServerConfig
 from tandem.edge.drain import Drain
@@ -32,13 +30,6 @@ from tandem.types import SamplingParams, TokenLogprob
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_DISCONNECT_POLL_SECONDS = 0.25
-
-
-class ClientDisconnected(Exception):
-    pass
-
 
 @dataclass
 class ServingState:
@@ -282,23 +273,6 @@ def as_api_error(exc: Exception) -> APIError:
         return APIError(503, str(exc), None, "engine_dead")
     logger.exception("request failed")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so aborting its engine request) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_SECONDS)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientDisconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

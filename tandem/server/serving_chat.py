@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.edge.disconnect import unless_disconnected
 from tandem.edge.errors import bad_request
 from tandem.edge.limits import check_shape
 from tandem.edge.openai_protocol import ChatCompletionRequest
@@ -21,7 +22,6 @@ from tandem.server.serving import (
     ServingState,
     sse,
     sse_events,
-    unless_disconnected,
     usage,
 )
 from tandem.server.tool_parsers import ToolParser

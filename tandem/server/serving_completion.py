@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.edge.disconnect import unless_disconnected
 from tandem.edge.errors import bad_request
 from tandem.edge.openai_protocol import CompletionRequest
 from tandem.engine.output_processor import RequestStep
@@ -25,7 +26,6 @@ from tandem.server.serving import (
     merge,
     sse,
     sse_events,
-    unless_disconnected,
     usage,
 )
 from tandem.trust.access import is_peer

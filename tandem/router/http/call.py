@@ -3,20 +3,17 @@
 Every step of the request path (the proxy's admission, the direct and prefill/decode flows,
 the relay, the closing bookkeeping) reads and fills the same `Call`, so each step needs no
 reference to the others: what the log line, the metrics and the usage ledger report at the
-end is what the steps wrote into it. `ClientGone` and `Answered` end a call early, from any
-step, and the proxy turns them into the client's response.
+end is what the steps wrote into it. `Answered` (a worker's own error reply) and
+`tandem.edge.disconnect.ClientGone` end a call early, from any step, and the proxy turns them
+into the client's response.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from fastapi import Request
 from fastapi.responses import Response
 
 from tandem.router.accounting.auth import Caller
@@ -24,14 +21,6 @@ from tandem.router.http.migration import StreamRecord
 from tandem.router.pd.merge import Identity, Kind
 from tandem.router.placement.policies import PromptRoute
 from tandem.router.workers.registry import WorkerEndpoint
-
-T = TypeVar("T")
-
-_DISCONNECT_POLL_S = 0.25
-
-
-class ClientGone(Exception):
-    pass
 
 
 class Answered(Exception):
@@ -97,18 +86,3 @@ class Call:
             self.first_output_worker = worker
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (which closes its upstream connection) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone()
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task

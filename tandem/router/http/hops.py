@@ -17,9 +17,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from tandem.edge.disconnect import ClientGone, unless_disconnected
 from tandem.edge.errors import APIError, error_body
 from tandem.router.config import Role
-from tandem.router.http.call import Answered, Call, ClientGone, unless_disconnected
+from tandem.router.http.call import Answered, Call
 from tandem.router.http.metrics import RouterMetrics
 from tandem.router.http.sse import error_payload
 from tandem.router.http.upstream import Hop, HopFailure, Upstream

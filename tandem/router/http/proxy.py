@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tandem.edge.disconnect import ClientGone, unless_disconnected
 from tandem.edge.drain import Drain
 from tandem.edge.errors import APIError
 from tandem.edge.limits import check_shape
@@ -33,7 +34,7 @@ from tandem.router.accounting.accounting import Accounting
 from tandem.router.accounting.auth import caller_key_of, caller_of
 from tandem.router.config import RouterConfig
 from tandem.router.http.bookkeeping import Bookkeeping
-from tandem.router.http.call import Answered, Call, ClientGone, unless_disconnected
+from tandem.router.http.call import Answered, Call
 from tandem.router.http.direct import Direct
 from tandem.router.http.hops import PREFILL_ROLES, Hops
 from tandem.router.http.metrics import RouterMetrics
