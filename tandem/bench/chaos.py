@@ -57,6 +57,7 @@ import httpx
 import psutil
 
 from tandem.bench.hostile import Attack, Target, attack_loop
+from tandem.flags.table import Command, Flag, FlagTable
 from tandem.launch import netns
 from tandem.launch.netns import WorkerNetwork
 from tandem.trust.keys import CLUSTER_SECRET_ENV, secret_from_env
@@ -125,31 +126,62 @@ class PhaseResult:
         return sum(refused for _, refused in self.attacks.values())
 
 
+# One table: the cluster, its load and the faults are one experiment, listed as one group.
+CHAOS_FLAGS = FlagTable(None, (
+    Flag("--model", default="smollm2-135m", help="model (default: smollm2-135m)"),
+    Flag("--decode-workers", default=2, type=int, help="decode workers (default: 2)"),
+    Flag("--prefill-workers", default=1, type=int, help="prefill workers (default: 1)"),
+    Flag("--concurrency", default=16, type=int, help="streams in flight (default: 16)"),
+    Flag("--duration", default=60.0, type=float, metavar="S", help="load per phase (default: 60)"),
+    Flag("--max-tokens", default=48, type=int, help="tokens per answer (default: 48)"),
+    Flag(
+        "--faults", default=_DEFAULT_FAULTS, metavar="S:WORKER,S:cut:WORKER:D,...",
+        help="S:WORKER SIGKILLs WORKER (a tandem up process name) S seconds into the "
+        "load; S:cut:WORKER:D cuts its network link for D seconds (needs root: "
+        f"the cluster runs with --netns) (default: {_DEFAULT_FAULTS})",
+    ),
+    Flag(
+        "--idle-timeout", type=float, metavar="S",
+        help="the router's --idle-timeout (default: its own)",
+    ),
+    Flag(
+        "--phases", default="peer,tandem",
+        help="peer (--migration-limit 0) and/or tandem, under --faults; calm and/or hostile, "
+        "without faults, hostile with attacks mixed into the load (default: peer,tandem)",
+    ),
+    Flag(
+        "--attack-rate", default=2.0, type=float, metavar="R",
+        help="hostile phase: attacks a second (default: 2)",
+    ),
+    Flag("--kv-cache-memory", default="512MiB", help="per worker (default: 512MiB)"),
+    Flag("--out", default=Path("bench-results/chaos"), type=Path, help="report directory"),
+    Flag("--port", default=8450, type=int, help="router port (default: 8450)"),
+))
+
+
 def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "chaos", help="load through tandem up while workers are killed: what failed, moved, leaked",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help="model (default: smollm2-135m)")
-    parser.add_argument("--decode-workers", type=int, default=2, help="decode workers (default: 2)")
-    parser.add_argument("--prefill-workers", type=int, default=1, help="prefill workers (default: 1)")
-    parser.add_argument("--concurrency", type=int, default=16, help="streams in flight (default: 16)")
-    parser.add_argument("--duration", type=float, default=60.0, metavar="S", help="load per phase (default: 60)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default: 48)")
-    parser.add_argument("--faults", default=_DEFAULT_FAULTS, metavar="S:WORKER,S:cut:WORKER:D,...",
-                        help="S:WORKER SIGKILLs WORKER (a tandem up process name) S seconds into the "
-                             "load; S:cut:WORKER:D cuts its network link for D seconds (needs root: "
-                             f"the cluster runs with --netns) (default: {_DEFAULT_FAULTS})")
-    parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
-                        help="the router's --idle-timeout (default: its own)")
-    parser.add_argument("--phases", default="peer,tandem",
-                        help="peer (--migration-limit 0) and/or tandem, under --faults; calm and/or hostile, "
-                             "without faults, hostile with attacks mixed into the load (default: peer,tandem)")
-    parser.add_argument("--attack-rate", type=float, default=2.0, metavar="R",
-                        help="hostile phase: attacks a second (default: 2)")
-    parser.add_argument("--kv-cache-memory", default="512MiB", help="per worker (default: 512MiB)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/chaos"), help="report directory")
-    parser.add_argument("--port", type=int, default=8450, help="router port (default: 8450)")
-    parser.set_defaults(handler=cmd_chaos)
+    CHAOS_FLAGS.add_to(parser)
+    Command(cmd_chaos, check_chaos).install(parser)
+
+
+_PHASES = ("peer", "tandem", "calm", "hostile")
+
+
+def parse_phases(text: str) -> list[str]:
+    phases = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = set(phases) - set(_PHASES)
+    if unknown:
+        raise ValueError(f"--phases: unknown {', '.join(sorted(unknown))} ({', '.join(_PHASES)})")
+    return phases
+
+
+def check_chaos(args: argparse.Namespace) -> None:
+    """--phases and --faults at parse time: a typo fails before any cluster starts."""
+    parse_phases(args.phases)
+    parse_faults(args.faults)
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -523,12 +555,9 @@ def _plot(results: list[tuple[PhaseResult, list[Request]]], path: Path) -> None:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    args.out.mkdir(parents=True, exist_ok=True)
-    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    unknown = set(phases) - {"peer", "tandem", "calm", "hostile"}
-    if unknown:
-        raise ValueError(f"--phases: unknown {', '.join(sorted(unknown))} (peer, tandem, calm, hostile)")
+    phases = parse_phases(args.phases)
     faults = parse_faults(args.faults)
+    args.out.mkdir(parents=True, exist_ok=True)
     reason = netns.available()
     if reason and any(f.cut_s for f in faults):
         kept = [f for f in faults if f.cut_s is None]

@@ -42,31 +42,56 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.flags.table import Command, Flag, FlagTable
+
 GOAL = 0.8  # the cold load's GB/s over dd's
 _DD_BLOCK = 16 << 20
+
+# The model, how it is built, and the repeats: one group.
+LOAD_FLAGS = FlagTable(None, (
+    Flag("model", nargs="?", help="model: alias, HF directory or .gguf (default: smollm2-135m)"),
+    Flag(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+        help="the engine's dtype, which the model is built in (default: float32)",
+    ),
+    Flag(
+        "--repeats", default=5, type=int, metavar="N",
+        help="cold (and warm) loads, each paired with a dd run (default: 5)",
+    ),
+    Flag(
+        "--warmup", default=1, type=int, metavar="N",
+        help="rounds run first and not kept: the first reads after start-up are often slow (default: 1)",
+    ),
+    Flag(
+        "--tensor-parallel-size", default=1, type=int, metavar="N",
+        help="N processes at once, each loading its share, as the ranks of one machine do (default: 1)",
+    ),
+    Flag(
+        "--workers", type=int, metavar="N",
+        help="loader threads per process (default: the loader's, two per core, 4 to 16)",
+    ),
+    Flag("--no-warm", switch=True, help="skip the loads with the page cache warm"),
+    Flag(
+        "--device", default="cpu", choices=("cpu", "cuda"),
+        help="where the model is built and filled: cuda copies through pinned staging buffers, "
+        "rank r to GPU r (default: cpu)",
+    ),
+    Flag("--output-dir", default=Path("bench-results"), type=Path),
+))
 
 
 def add_load_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "load", help="cold start: building the model and reading its weights, against dd of the same files",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", default=None, help="model: alias, HF directory or .gguf (default: smollm2-135m)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="the engine's dtype, which the model is built in (default: float32)")
-    parser.add_argument("--repeats", type=int, default=5, metavar="N",
-                        help="cold (and warm) loads, each paired with a dd run (default: 5)")
-    parser.add_argument("--warmup", type=int, default=1, metavar="N",
-                        help="rounds run first and not kept: the first reads after start-up are often slow (default: 1)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="N processes at once, each loading its share, as the ranks of one machine do (default: 1)")
-    parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="loader threads per process (default: the loader's, two per core, 4 to 16)")
-    parser.add_argument("--no-warm", action="store_true", help="skip the loads with the page cache warm")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="where the model is built and filled: cuda copies through pinned staging buffers, "
-                             "rank r to GPU r (default: cpu)")
-    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    parser.set_defaults(handler=cmd_load)
+    LOAD_FLAGS.add_to(parser)
+    Command(cmd_load, check_load).install(parser)
+
+
+def check_load(args: argparse.Namespace) -> None:
+    """Counts that could not make a run fail at parse time, before any model is resolved."""
+    if args.repeats < 1 or args.tensor_parallel_size < 1 or args.warmup < 0:
+        raise ValueError("--repeats and --tensor-parallel-size must be at least 1, --warmup at least 0")
 
 
 # --- the measuring process -------------------------------------------------------------
@@ -274,8 +299,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     from tandem.loader.model_loader import weight_files
     from tandem.loader.resolve import resolve_model
 
-    if args.repeats < 1 or args.tensor_parallel_size < 1 or args.warmup < 0:
-        raise ValueError("--repeats and --tensor-parallel-size must be at least 1, --warmup at least 0")
+    check_load(args)
     resolved = resolve_model(args.model, args.dtype)
     files = weight_files(resolved.hf_dir)
     total = sum(path.stat().st_size for path in files)

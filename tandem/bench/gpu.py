@@ -39,9 +39,53 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.flags.table import Command, Flag, FlagTable
+
 CONFIGS = Path(__file__).parent / "configs"
 DECODE_GOAL = 0.85
 PREFILL_GOAL = 0.60
+
+
+# The model shape, the three runs' sizes and what to skip or add, in one group.
+GPU_FLAGS = FlagTable(None, (
+    Flag(
+        "--config", default="llama-3.1-8b", metavar="NAME_OR_FILE",
+        help=f"a config.json, or one of: {', '.join(sorted(p.stem for p in CONFIGS.glob('*.json')))} "
+        "(default: llama-3.1-8b)",
+    ),
+    Flag(
+        "--decode-steps", default=128, type=int, metavar="N",
+        help="timed batch-1 decode steps (default: 128)",
+    ),
+    Flag(
+        "--prefill-len", default=2048, type=int, metavar="N",
+        help="prefill prompt length (default: 2048)",
+    ),
+    Flag("--prefill-prompts", default=8, type=int, metavar="N", help="prefill prompts (default: 8)"),
+    Flag(
+        "--batch", default=64, type=int, metavar="N",
+        help="sequences of the throughput run (default: 64)",
+    ),
+    Flag(
+        "--prompt-len", default=128, type=int, metavar="N",
+        help="throughput prompt length (default: 128)",
+    ),
+    Flag(
+        "--output-len", default=128, type=int, metavar="N",
+        help="throughput output length (default: 128)",
+    ),
+    Flag("--no-transformers", switch=True, help="skip transformers' run"),
+    Flag("--no-eager", switch=True, help="skip the --enforce-eager decode run"),
+    Flag(
+        "--profile", switch=True,
+        help="also write torch.profiler tables (kernels by GPU time) of batch-1 decode steps "
+        "(graphs and eager) and of the prefill to --output-dir",
+    ),
+    Flag(
+        "--output-dir", default="bench-results",
+        help="where the JSON goes (default: bench-results)",
+    ),
+))
 
 
 def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,23 +93,13 @@ def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
         "gpu", help="the GPU runner: batch-1 decode against copy bandwidth, prefill against the matmul "
                     "rate, batch throughput against transformers (needs a GPU)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="llama-3.1-8b", metavar="NAME_OR_FILE",
-                        help=f"a config.json, or one of: {', '.join(sorted(p.stem for p in CONFIGS.glob('*.json')))} "
-                             "(default: llama-3.1-8b)")
-    parser.add_argument("--decode-steps", type=int, default=128, metavar="N",
-                        help="timed batch-1 decode steps (default: 128)")
-    parser.add_argument("--prefill-len", type=int, default=2048, metavar="N", help="prefill prompt length (default: 2048)")
-    parser.add_argument("--prefill-prompts", type=int, default=8, metavar="N", help="prefill prompts (default: 8)")
-    parser.add_argument("--batch", type=int, default=64, metavar="N", help="sequences of the throughput run (default: 64)")
-    parser.add_argument("--prompt-len", type=int, default=128, metavar="N", help="throughput prompt length (default: 128)")
-    parser.add_argument("--output-len", type=int, default=128, metavar="N", help="throughput output length (default: 128)")
-    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' run")
-    parser.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager decode run")
-    parser.add_argument("--profile", action="store_true",
-                        help="also write torch.profiler tables (kernels by GPU time) of batch-1 decode steps "
-                             "(graphs and eager) and of the prefill to --output-dir")
-    parser.add_argument("--output-dir", default="bench-results", help="where the JSON goes (default: bench-results)")
-    parser.set_defaults(handler=run_gpu_bench)
+    GPU_FLAGS.add_to(parser)
+    Command(run_gpu_bench, check_gpu).install(parser)
+
+
+def check_gpu(args: argparse.Namespace) -> None:
+    """A --config that names no file and no shipped config fails at parse time."""
+    config_path(args.config)
 
 
 def config_path(name: str) -> Path:

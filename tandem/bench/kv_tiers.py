@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from tandem.bench.serve import LaunchedServer
+from tandem.flags.table import Command, Flag, FlagTable
 from tandem.platform.machine import matmul_flops_per_s, memory_copy_bytes_per_s
 from tandem.platform.ports import free_port
 from tandem.trust.keys import secret_from_env
@@ -49,22 +50,32 @@ GOALS = {"cpu": 0.15, "disk": 0.3, "disk-cold": 0.3, "redis": 0.5, "mooncake": 0
 _WORDS = ["harbour", "ship", "tide", "crane", "cargo", "pilot", "anchor", "dock", "lighthouse", "rope", "sail", "keel", "mast", "hull", "captain", "crew", "manifest", "customs", "berth", "quay", "ledger", "voyage", "storm", "compass", "chart"]
 
 
+# The model, the prefix, the tiers measured and the server's budget: one group.
+KV_TIERS_FLAGS = FlagTable(None, (
+    Flag("model", default="smollm2-135m", nargs="?", help="model (default: smollm2-135m)"),
+    Flag(
+        "--prefix-tokens", default=4096, type=int, metavar="N",
+        help="prefix length in tokens (default: 4096)",
+    ),
+    Flag("--trials", default=3, type=int, metavar="N", help="prompts per tier (default: 3)"),
+    Flag(
+        "--tiers", default="recompute,cpu,disk,disk-cold,redis,mooncake",
+        help="comma-separated: recompute, cpu, disk, disk-cold, redis, mooncake "
+        "(default: all; disk-cold needs root, mooncake its package)",
+    ),
+    Flag("--kv-cache-memory", default="1GiB", help="device KV budget (default: 1GiB)"),
+    Flag("--threads", type=int, help="torch threads of the server"),
+    Flag("--output-dir", default=Path("bench-results"), type=Path),
+    Flag("--seed", default=0, type=int),
+))
+
+
 def add_kv_tiers_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "kv-tiers", help="TTFT of a long prefix from each KV tier vs recomputing it",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", default="smollm2-135m", help="model (default: smollm2-135m)")
-    parser.add_argument("--prefix-tokens", type=int, default=4096, metavar="N",
-                        help="prefix length in tokens (default: 4096)")
-    parser.add_argument("--trials", type=int, default=3, metavar="N", help="prompts per tier (default: 3)")
-    parser.add_argument("--tiers", default="recompute,cpu,disk,disk-cold,redis,mooncake",
-                        help="comma-separated: recompute, cpu, disk, disk-cold, redis, mooncake "
-                             "(default: all; disk-cold needs root, mooncake its package)")
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="device KV budget (default: 1GiB)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of the server")
-    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(handler=cmd_kv_tiers)
+    KV_TIERS_FLAGS.add_to(parser)
+    Command(cmd_kv_tiers).install(parser)
 
 
 @dataclass

@@ -61,6 +61,7 @@ from tandem.bench.offline_workloads import (
     warmup_prompt,
 )
 from tandem.flags.engine import ENGINE_FLAGS, add_engine_args, engine_values, settle_device
+from tandem.flags.table import Command, Flag, FlagTable
 from tandem.launch import supervisor
 
 logger = logging.getLogger(__name__)
@@ -74,43 +75,74 @@ _WORKER = Path(__file__).with_name("offline_worker.py")
 _STOP_TIMEOUT_S = 5.0  # a run that timed out or was interrupted: SIGINT, then this, then SIGKILL
 
 
+# What runs (workloads, engines or layouts, scale), the peers' interpreters and where the
+# results go; the engine flags come from the engine's own table.
+OFFLINE_BENCH_FLAGS = FlagTable("benchmark", (
+    Flag(
+        "--workloads", default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} "
+        f"(default: {','.join(DEFAULT_WORKLOADS)})",
+    ),
+    Flag(
+        "--engines",
+        help="comma-separated subset of tandem,transformers,vllm,llamacpp (default: "
+        "tandem,transformers, plus vllm and llamacpp when their --*-python is given)",
+    ),
+    Flag(
+        "--vllm-python", metavar="PATH",
+        help="Python of a venv with vllm installed (e.g. /opt/venvs/vllm/bin/python)",
+    ),
+    Flag(
+        "--llamacpp-python", metavar="PATH",
+        help="Python of a venv with llama-cpp-python installed: llama.cpp on the model's GGUF",
+    ),
+    Flag(
+        "--vllm-no-iomp-preload", switch=True,
+        help="do not LD_PRELOAD the venv's libiomp5.so into vLLM (preloaded by default "
+        "when present, as vLLM's CPU guide recommends)",
+    ),
+    Flag(
+        "--hf-batch-size", default=16, type=int,
+        help="transformers peer: prompts per padded generate call (default: 16)",
+    ),
+    Flag(
+        "--scale", default=1.0, type=float,
+        help="shrink request counts and lengths, e.g. 0.1 for a quick run (default: 1.0)",
+    ),
+    Flag(
+        "--layouts", metavar="LIST",
+        help="tandem alone in several parallel layouts, side by side, e.g. tp1,tp2,ep2,pp2 "
+        "(tpN, ppN, epN, joined by + as in tp2+pp2); ratios are to the first",
+    ),
+    Flag(
+        "--profile", switch=True,
+        help="after each timed tandem run, an untimed pass with the ranks' profilers on: "
+        "the share of step time in attention, routing, expert GEMMs, all-to-all, "
+        "all-reduce and the pipeline",
+    ),
+    Flag(
+        "--workload-seed", default=0, type=int,
+        help="seed offset of the request sets (default: 0)",
+    ),
+    Flag(
+        "--output-dir", default="bench-results/offline",
+        help="where the JSON, the PNG and the run logs go (default: bench-results/offline)",
+    ),
+    Flag(
+        "--run-timeout", default=3600.0, type=float,
+        help="seconds before one engine run is killed and reported as an error (default: 3600)",
+    ),
+))
+
+
 def add_offline_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "offline", help="offline throughput / latency vs peers (transformers, vLLM)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_engine_args(parser)
-    bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
-                       help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} "
-                            f"(default: {','.join(DEFAULT_WORKLOADS)})")
-    bench.add_argument("--engines", default=None,
-                       help="comma-separated subset of tandem,transformers,vllm,llamacpp (default: "
-                            "tandem,transformers, plus vllm and llamacpp when their --*-python is given)")
-    bench.add_argument("--vllm-python", default=None, metavar="PATH",
-                       help="Python of a venv with vllm installed (e.g. /opt/venvs/vllm/bin/python)")
-    bench.add_argument("--llamacpp-python", default=None, metavar="PATH",
-                       help="Python of a venv with llama-cpp-python installed: llama.cpp on the model's GGUF")
-    bench.add_argument("--vllm-no-iomp-preload", action="store_true",
-                       help="do not LD_PRELOAD the venv's libiomp5.so into vLLM (preloaded by default "
-                            "when present, as vLLM's CPU guide recommends)")
-    bench.add_argument("--hf-batch-size", type=int, default=16,
-                       help="transformers peer: prompts per padded generate call (default: 16)")
-    bench.add_argument("--scale", type=float, default=1.0,
-                       help="shrink request counts and lengths, e.g. 0.1 for a quick run (default: 1.0)")
-    bench.add_argument("--layouts", default=None, metavar="LIST",
-                       help="tandem alone in several parallel layouts, side by side, e.g. tp1,tp2,ep2,pp2 "
-                            "(tpN, ppN, epN, joined by + as in tp2+pp2); ratios are to the first")
-    bench.add_argument("--profile", action="store_true",
-                       help="after each timed tandem run, an untimed pass with the ranks' profilers on: "
-                            "the share of step time in attention, routing, expert GEMMs, all-to-all, "
-                            "all-reduce and the pipeline")
-    bench.add_argument("--workload-seed", type=int, default=0, help="seed offset of the request sets (default: 0)")
-    bench.add_argument("--output-dir", default="bench-results/offline",
-                       help="where the JSON, the PNG and the run logs go (default: bench-results/offline)")
-    bench.add_argument("--run-timeout", type=float, default=3600.0,
-                       help="seconds before one engine run is killed and reported as an error (default: 3600)")
-    parser.set_defaults(handler=cmd_offline)
+    OFFLINE_BENCH_FLAGS.add_to(parser)
+    Command(cmd_offline, check_offline_bench).install(parser)
 
 
 # --- planning ------------------------------------------------------------------------------
@@ -142,6 +174,21 @@ def select_engines(args: argparse.Namespace) -> list[str]:
     if "tandem" not in engines:
         engines.insert(0, "tandem")  # the reference every ratio is taken against
     return engines
+
+
+def select_runs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The workloads and the engines (or layouts) to run, from the flags."""
+    workload_names = parse_list(args.workloads, WORKLOAD_NAMES, "workloads")
+    engines = select_engines(args)
+    if args.scale <= 0:
+        raise ValueError(f"--scale must be > 0, got {args.scale}")
+    return workload_names, engines
+
+
+def check_offline_bench(args: argparse.Namespace) -> None:
+    """An unknown workload or engine, --layouts with --engines, or a --scale of 0 fails at
+    parse time, before any engine starts."""
+    select_runs(args)
 
 
 def tandem_flags(args: argparse.Namespace) -> list[str]:
@@ -281,10 +328,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     from tandem.config import parse_memory_size
     from tandem.loader.resolve import resolve_model
 
-    workload_names = parse_list(args.workloads, WORKLOAD_NAMES, "workloads")
-    engines = select_engines(args)
-    if args.scale <= 0:
-        raise ValueError(f"--scale must be > 0, got {args.scale}")
+    workload_names, engines = select_runs(args)
     kv_bytes = parse_memory_size(args.kv_cache_memory or DEFAULT_BENCH_KV)
     if Path(args.model).exists():  # the runs start in a scratch directory
         args.model = str(Path(args.model).resolve())

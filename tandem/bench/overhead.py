@@ -99,17 +99,30 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
+def _baseline(args: argparse.Namespace) -> Path | None:
+    if not args.baseline:
+        return None
+    baseline = Path(args.baseline).resolve()
+    if not (baseline / "tandem" / "llm.py").is_file():
+        raise ValueError(f"--baseline {args.baseline}: not a tandem checkout (no tandem/llm.py there)")
+    return baseline
+
+
+def check_overhead(args: argparse.Namespace) -> None:
+    """A --baseline that is no tandem checkout, or a count below 1, fails before any run."""
+    _baseline(args)
+    if args.repeats < 1 or args.steps < 1 or args.batch < 1:
+        raise ValueError("--repeats, --steps and --batch must be at least 1")
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    check_overhead(args)
     engines: dict[str, Path | None] = {"tandem": None}
-    if args.baseline:
-        baseline = Path(args.baseline).resolve()
-        if not (baseline / "tandem" / "llm.py").is_file():
-            raise ValueError(f"--baseline {args.baseline}: not a tandem checkout (no tandem/llm.py there)")
+    baseline = _baseline(args)
+    if baseline is not None:
         engines["baseline"] = baseline
-    if args.repeats < 1 or args.steps < 1 or args.batch < 1:
-        raise ValueError("--repeats, --steps and --batch must be at least 1")
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     order = [name for _ in range(args.repeats) for name in engines]
     for name in tqdm(order, desc="measuring", unit="run"):
@@ -124,36 +137,27 @@ def run_overhead(args: argparse.Namespace) -> int:
         ratio = results["baseline"]["overhead_s"] / max(results["tandem"]["overhead_s"], 1e-9)
         print(f"overhead: baseline / tandem = {ratio:.2f}x (the hardware's limit is 0 us)")
     if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args) | {"handler": None}, "runs": runs,
+        shown = {key: value for key, value in vars(args).items() if key != "check"}
+        Path(args.output).write_text(json.dumps({"args": shown | {"handler": None}, "runs": runs,
                                                  "results": results}, indent=2, default=str))
     return 0
 
 
-def add_overhead_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "overhead", help="per-step engine overhead (step time minus the model's own time)",
-        description="Time engine steps at a fixed batch and split them into the model's time (forward "
-                    "and LM head) and everything else; optionally beside another tandem checkout.")
-    _add_measure_args(parser)
-    parser.add_argument("--baseline", default=None, metavar="PATH",
-                        help="another tandem checkout to measure in the same run (e.g. a git worktree)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per engine, alternating (default: 3)")
-    parser.add_argument("--output", default=None, metavar="FILE", help="also write the figures as JSON")
-    parser.set_defaults(handler=run_overhead)
-
-
-def _add_measure_args(parser: argparse.ArgumentParser) -> None:
+def measure_parser() -> argparse.ArgumentParser:
+    """The measuring process's parser. Plain argparse on purpose: this file also runs inside a
+    baseline checkout, which may predate the flag tables (`tandem.bench.overhead_cli` holds the
+    command's, and a test keeps the two alike)."""
+    parser = argparse.ArgumentParser(description="one overhead measurement; prints JSON")
+    parser.add_argument("--measure", action="store_true", required=True)
     parser.add_argument("--model", default=None, help="model (default: smollm2-135m)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (default: 1)")
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed (default: 200)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    return parser
 
 
 def _main() -> int:
-    parser = argparse.ArgumentParser(description="one overhead measurement; prints JSON")
-    parser.add_argument("--measure", action="store_true", required=True)
-    _add_measure_args(parser)
-    args = parser.parse_args()
+    args = measure_parser().parse_args()
     print(json.dumps(measure(args.model, args.batch, args.steps, args.threads)))
     return 0
 

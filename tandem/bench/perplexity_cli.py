@@ -9,24 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "perplexity",
-        help="perplexity of a fixed text: exact fp32 vs the fast weight formats",
-        description="Perplexity of ~3,700 tokens of standard-library docstrings, fed one token per "
-        "step (the decode path, which --decode-weights copies serve) and in 64-token chunks (the "
-        "prefill path), in exact fp32, with fp16, bf16, int4 and fp32-GEMV decode weights, in bf16 "
-        "(alone and with int4 decode weights) and with 8-bit weights and activations "
-        "(--quantization int8). Every mode beside exact fp32. Takes about fifteen minutes on two "
-        "cores for all of them.",
-    )
-    parser.add_argument("model", nargs="?", default=None, help="model (default: smollm2-135m)")
-    parser.add_argument("--modes", default=None, metavar="KEYS",
-                        help=f"comma-separated subset of {','.join(MODES)} (default: all); exact fp32 "
-                        "always runs, as the baseline")
-    parser.set_defaults(handler=run_perplexity)
-
+from tandem.flags.table import Command, Flag, FlagTable
 
 # key -> (label, LLM keywords); the first is the baseline every other is compared with.
 MODES: dict[str, tuple[str, dict[str, str]]] = {
@@ -42,14 +25,44 @@ MODES: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 
+PERPLEXITY_FLAGS = FlagTable(None, (
+    Flag("model", nargs="?", help="model (default: smollm2-135m)"),
+    Flag(
+        "--modes", metavar="KEYS",
+        help=f"comma-separated subset of {','.join(MODES)} (default: all); exact fp32 "
+        "always runs, as the baseline",
+    ),
+))
+
+
+def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "perplexity",
+        help="perplexity of a fixed text: exact fp32 vs the fast weight formats",
+        description="Perplexity of ~3,700 tokens of standard-library docstrings, fed one token per "
+        "step (the decode path, which --decode-weights copies serve) and in 64-token chunks (the "
+        "prefill path), in exact fp32, with fp16, bf16, int4 and fp32-GEMV decode weights, in bf16 "
+        "(alone and with int4 decode weights) and with 8-bit weights and activations "
+        "(--quantization int8). Every mode beside exact fp32. Takes about fifteen minutes on two "
+        "cores for all of them.",
+    )
+    PERPLEXITY_FLAGS.add_to(parser)
+    Command(run_perplexity, check_perplexity).install(parser)
+
+
 def _chosen_modes(keys: str | None) -> list[tuple[str, dict[str, str]]]:
     if keys is None:
         return list(MODES.values())
     wanted = [key.strip() for key in keys.split(",") if key.strip()]
     unknown = [key for key in wanted if key not in MODES]
     if unknown:
-        raise SystemExit(f"tandem bench perplexity: unknown mode {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        raise ValueError(f"--modes: unknown mode {', '.join(unknown)}; choose from {', '.join(MODES)}")
     return [MODES["fp32"], *(MODES[key] for key in wanted if key != "fp32")]
+
+
+def check_perplexity(args: argparse.Namespace) -> None:
+    """An unknown --modes key fails at parse time, before any model loads."""
+    _chosen_modes(args.modes)
 
 
 def run_perplexity(args: argparse.Namespace) -> int:

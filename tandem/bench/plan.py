@@ -34,6 +34,7 @@ from tandem.bench.serve_workloads import (
     make_sizer,
     warmup_turn,
 )
+from tandem.flags.table import Command, Flag, FlagTable
 from tandem.plan.pools.costs import CostModel
 from tandem.plan.pools.simulator import EngineLimits, Layout, SimResult, percentile, simulate
 from tandem.plan.pools.traffic import SimSession, SimTurn, SimWorkload
@@ -65,26 +66,55 @@ LAYOUTS = {"pd": (Layout(prefill=1, decode=1), ["--prefill-workers", "1", "--dec
            "colocated": (Layout(colocated=2), ["--workers", "2"])}
 
 
+# The cost model, the cluster it predicts and the mixes sent to it: one group.
+PLAN_BENCH_FLAGS = FlagTable(None, (
+    Flag("--profile", type=Path, required=True, help="a cost model from `tandem plan profile`"),
+    Flag("--model", default=DEFAULT_MODEL, help=f"model (default: {DEFAULT_MODEL})"),
+    Flag(
+        "--mixes", default="agentic,output-heavy",
+        help=f"comma-separated, from {', '.join(MIXES)} (default: both)",
+    ),
+    Flag(
+        "--layout", default="pd", choices=sorted(LAYOUTS),
+        help="pd: 1 prefill + 1 decode worker; colocated: 2 workers (default: pd)",
+    ),
+    Flag("--threads", default=1, type=int, help="threads per worker (default: 1, as profiled)"),
+    Flag(
+        "--rate-scale", default=1.0, type=float,
+        help="multiply each mix's session rate (default: 1)",
+    ),
+    Flag(
+        "--size-scale", default=1.0, type=float,
+        help="multiply each mix's session (or request) count, at least 2 (default: 1)",
+    ),
+    Flag("--seed", default=0, type=int),
+    Flag("--kv-cache-memory", default="1GiB", help="per worker (default: 1GiB)"),
+    Flag(
+        "--out", default=Path("bench-results/plan"), type=Path,
+        help="report directory (default: bench-results/plan)",
+    ),
+))
+
+
 def add_plan_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan", help="the pool planner's predicted TTFT / TPOT beside a real cluster's",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", type=Path, required=True, help="a cost model from `tandem plan profile`")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default: {DEFAULT_MODEL})")
-    parser.add_argument("--mixes", default="agentic,output-heavy",
-                        help=f"comma-separated, from {', '.join(MIXES)} (default: both)")
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="pd",
-                        help="pd: 1 prefill + 1 decode worker; colocated: 2 workers (default: pd)")
-    parser.add_argument("--threads", type=int, default=1, help="threads per worker (default: 1, as profiled)")
-    parser.add_argument("--rate-scale", type=float, default=1.0,
-                        help="multiply each mix's session rate (default: 1)")
-    parser.add_argument("--size-scale", type=float, default=1.0,
-                        help="multiply each mix's session (or request) count, at least 2 (default: 1)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="per worker (default: 1GiB)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/plan"),
-                        help="report directory (default: bench-results/plan)")
-    parser.set_defaults(handler=run_plan_bench)
+    PLAN_BENCH_FLAGS.add_to(parser)
+    Command(run_plan_bench, check_plan_bench).install(parser)
+
+
+def parse_mixes(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MIXES]
+    if unknown:
+        raise ValueError(f"unknown mix {', '.join(unknown)}; choose from {', '.join(MIXES)}")
+    return names
+
+
+def check_plan_bench(args: argparse.Namespace) -> None:
+    """An unknown --mixes name fails at parse time, before the cluster starts."""
+    parse_mixes(args.mixes)
 
 
 def scaled(config: WorkloadConfig, factor: float) -> WorkloadConfig:
@@ -120,10 +150,7 @@ def predicted_figures(result: SimResult) -> dict[str, float]:
 
 def run_plan_bench(args: argparse.Namespace) -> int:
     costs = CostModel.load(args.profile)
-    names = [m.strip() for m in args.mixes.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MIXES]
-    if unknown:
-        raise ValueError(f"unknown mix {', '.join(unknown)}; choose from {', '.join(MIXES)}")
+    names = parse_mixes(args.mixes)
     layout, shape = LAYOUTS[args.layout]
     args.out.mkdir(parents=True, exist_ok=True)
     sizer = make_sizer(_tokenizer_path(args.model))

@@ -70,6 +70,7 @@ from tandem.bench.spec_workloads import (
 )
 from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.flags.engine import add_engine_args, engine_values, settle_device
+from tandem.flags.table import Command, Flag, FlagTable
 from tandem.launch import supervisor
 from tandem.platform.machine import host_info
 
@@ -81,45 +82,91 @@ DEFAULT_KV = "512MiB"
 _STOP_TIMEOUT_S = 5.0
 
 
+# What is measured (proposers, k, output kinds, batches, the draft model) and where it goes;
+# the engine flags come from the engine's own table.
+SPEC_BENCH_FLAGS = FlagTable("benchmark", (
+    Flag(
+        "--methods", default="ngram,suffix",
+        help=f"comma-separated proposers, of {', '.join(METHODS)} (draft = draft_model) "
+        "(default: ngram,suffix)",
+    ),
+    Flag(
+        "--ks", default="1,2,4,8",
+        help="fixed k values: a list and/or ranges, e.g. 1-8 (default: 1,2,4,8)",
+    ),
+    Flag(
+        "--no-adaptive", action="store_false", dest_name="adaptive",
+        help="leave out adaptive k (measured by default)",
+    ),
+    Flag(
+        "--adaptive-k", type=int, metavar="K",
+        help="most drafts adaptive k may choose per step (default: the largest of --ks)",
+    ),
+    Flag(
+        "--kinds", default=",".join(KINDS),
+        help=f"output kinds, of {', '.join(KINDS)} (default: all)",
+    ),
+    Flag("--batches", default="1,8", help="batch sizes (default: 1,8)"),
+    Flag(
+        "--adaptive-batches", default="prose:32", metavar="KIND:B,...",
+        help="cells measured only with no speculation and adaptive k (default: prose:32; '' for none)",
+    ),
+    Flag(
+        "--single-prompts", default=3, type=int, metavar="N",
+        help="requests in a batch-1 cell, run one after another (default: 3)",
+    ),
+    Flag(
+        "--unpaired", switch=True,
+        help="measure the baseline once, first, instead of alternating its calls with each "
+        "configuration's (half the time; fair only on a machine with no other load)",
+    ),
+    Flag(
+        "--max-tokens", default=128, type=int,
+        help="most output tokens per request (default: 128)",
+    ),
+    Flag(
+        "--draft-target", default="qwen2.5-coder-1.5b",
+        help="target model of draft_model (default: qwen2.5-coder-1.5b)",
+    ),
+    Flag(
+        "--draft-model", default="qwen2.5-coder-0.5b",
+        help="the draft model proposing for it (default: qwen2.5-coder-0.5b)",
+    ),
+    Flag(
+        "--draft-kinds", default="tool",
+        help="output kinds measured with draft_model (default: tool)",
+    ),
+    Flag("--draft-batches", default="1", help="batch sizes measured with draft_model (default: 1)"),
+    Flag(
+        "--draft-decode-weights", default="int4", choices=("none", *DECODE_WEIGHT_FORMATS),
+        help="the weights the draft's small forwards read (speculative config "
+        "draft_decode_weights) (default: int4)",
+    ),
+    Flag(
+        "--output-dir", default=Path("bench-results/spec"), type=Path,
+        help="where spec-<timestamp>/ goes (default: bench-results/spec)",
+    ),
+    Flag(
+        "--run-timeout", default=3600.0, type=float,
+        help="seconds before a target model's process is killed (default: 3600)",
+    ),
+))
+
+
 def add_spec_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "spec", help="speculative decoding: speedup per proposer and k vs the Leviathan prediction",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     parser.set_defaults(threads=1)
-    bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--methods", default="ngram,suffix",
-                       help=f"comma-separated proposers, of {', '.join(METHODS)} (draft = draft_model) "
-                            "(default: ngram,suffix)")
-    bench.add_argument("--ks", default="1,2,4,8", help="fixed k values: a list and/or ranges, e.g. 1-8 (default: 1,2,4,8)")
-    bench.add_argument("--no-adaptive", dest="adaptive", action="store_false",
-                       help="leave out adaptive k (measured by default)")
-    bench.add_argument("--adaptive-k", type=int, default=None, metavar="K",
-                       help="most drafts adaptive k may choose per step (default: the largest of --ks)")
-    bench.add_argument("--kinds", default=",".join(KINDS), help=f"output kinds, of {', '.join(KINDS)} (default: all)")
-    bench.add_argument("--batches", default="1,8", help="batch sizes (default: 1,8)")
-    bench.add_argument("--adaptive-batches", default="prose:32", metavar="KIND:B,...",
-                       help="cells measured only with no speculation and adaptive k (default: prose:32; '' for none)")
-    bench.add_argument("--single-prompts", type=int, default=3, metavar="N",
-                       help="requests in a batch-1 cell, run one after another (default: 3)")
-    bench.add_argument("--unpaired", action="store_true",
-                       help="measure the baseline once, first, instead of alternating its calls with each "
-                            "configuration's (half the time; fair only on a machine with no other load)")
-    bench.add_argument("--max-tokens", type=int, default=128, help="most output tokens per request (default: 128)")
-    bench.add_argument("--draft-target", default="qwen2.5-coder-1.5b",
-                       help="target model of draft_model (default: qwen2.5-coder-1.5b)")
-    bench.add_argument("--draft-model", default="qwen2.5-coder-0.5b",
-                       help="the draft model proposing for it (default: qwen2.5-coder-0.5b)")
-    bench.add_argument("--draft-kinds", default="tool", help="output kinds measured with draft_model (default: tool)")
-    bench.add_argument("--draft-batches", default="1", help="batch sizes measured with draft_model (default: 1)")
-    bench.add_argument("--draft-decode-weights", default="int4", choices=("none", *DECODE_WEIGHT_FORMATS),
-                       help="the weights the draft's small forwards read (speculative config "
-                            "draft_decode_weights) (default: int4)")
-    bench.add_argument("--output-dir", type=Path, default=Path("bench-results/spec"),
-                       help="where spec-<timestamp>/ goes (default: bench-results/spec)")
-    bench.add_argument("--run-timeout", type=float, default=3600.0,
-                       help="seconds before a target model's process is killed (default: 3600)")
-    parser.set_defaults(handler=cmd_spec)
+    SPEC_BENCH_FLAGS.add_to(parser)
+    Command(cmd_spec, check_spec_bench).install(parser)
+
+
+def check_spec_bench(args: argparse.Namespace) -> None:
+    """Plan the runs once at parse time: a bad --methods, --ks, --kinds or batch list (or a
+    --speculative-config, which this bench sets itself) fails before any process starts."""
+    build_plans(args)
 
 
 # --- planning -----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from tandem.bench.cold_start import add_load_parser
 from tandem.bench.gpu import add_gpu_parser
 from tandem.bench.kv_tiers import add_kv_tiers_parser
 from tandem.bench.offline import add_offline_parser
-from tandem.bench.overhead import add_overhead_parser
+from tandem.bench.overhead_cli import add_overhead_parser
 from tandem.bench.perplexity_cli import add_perplexity_parser
 from tandem.bench.plan import add_plan_bench_parser
 from tandem.bench.serve import add_serve_parser

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tandem.flags.table import Command, Flag, FlagTable
+
 _TRAIN_DESCRIPTION = """\
 Fit an EAGLE-3 draft head for MODEL by self-distillation: the target continues built-in
 conversations (agent tool calls, code tasks, prose; plus --prompts) through tandem, transformers
@@ -22,54 +24,107 @@ Runs on CPU; --minutes bounds the training loop, --gen-minutes the data generati
 """
 
 
+# The target and where its head goes, outside any group.
+TRAIN_TARGET_FLAGS = FlagTable(None, (
+    Flag(
+        "model", metavar="MODEL", nargs="?",
+        help="target: HF directory, .gguf or alias (default: smollm2-135m)",
+    ),
+    Flag(
+        "--output", type=Path, metavar="DIR", short="-o", required=True,
+        help="directory for the head",
+    ),
+))
+# What the head learns from: the conversations and the target's continuations of them.
+TRAIN_DATA_FLAGS = FlagTable("data", (
+    Flag(
+        "--prompts", type=Path, metavar="FILE",
+        help='extra conversations, JSONL: {"messages": [...]}, {"prompt": "..."} or a string',
+    ),
+    Flag("--no-builtin-prompts", switch=True, help="use only --prompts"),
+    Flag("--max-prompts", type=int, metavar="N", help="use the first N conversations"),
+    Flag(
+        "--max-new-tokens", default=192, type=int, metavar="N",
+        help="continuation length (default: 192)",
+    ),
+    Flag(
+        "--sampled-fraction", default=0.3, type=float, metavar="F",
+        help="conversations that also get a sampled continuation (default: 0.3)",
+    ),
+    Flag(
+        "--gen-minutes", type=float, metavar="M",
+        help="start no generation round (32 conversations, run whole) that would end "
+        "after M minutes (default: no limit)",
+    ),
+    Flag(
+        "--samples-cache", type=Path, metavar="FILE",
+        help="JSONL of the target's continuations: reused, extended for conversations it "
+        "lacks, rewritten (resume a cut run, re-train without generating)",
+    ),
+    Flag(
+        "--draft-vocab-size", default=8192, type=int, metavar="N",
+        help="the head's vocabulary: the most frequent generated tokens (default: 8192)",
+    ),
+    Flag(
+        "--heldout-fraction", default=0.1, type=float, metavar="F",
+        help="conversations kept out of training for the report (default: 0.1)",
+    ),
+))
+# How the head is fitted (TrainOptions' optimizer and budget fields).
+TRAIN_FIT_FLAGS = FlagTable("training", (
+    Flag(
+        "--minutes", default=45.0, type=float, metavar="M",
+        help="training time budget (default: 45)",
+    ),
+    Flag("--steps", type=int, metavar="N", help="stop after this many optimizer steps"),
+    Flag(
+        "--ttt-steps", default=4, type=int, metavar="N",
+        help="guesses unrolled per training row (default: 4)",
+    ),
+    Flag(
+        "--eval-steps", default=5, type=int, metavar="N",
+        help="guesses unrolled in the report (default: 5)",
+    ),
+    Flag(
+        "--batch-tokens", default=1024, type=int, metavar="N",
+        help="rows per optimizer step (default: 1024)",
+    ),
+    Flag(
+        "--precision", default="auto", choices=("auto", "bf16", "fp32"),
+        help="training matmuls; auto: bf16 where the CPU multiplies it natively (default: auto)",
+    ),
+    Flag(
+        "--lr", default=1e-3, type=float, metavar="LR",
+        help="peak AdamW learning rate (default: 1e-3)",
+    ),
+    Flag(
+        "--weight-decay", default=0.01, type=float, metavar="W",
+        help="AdamW weight decay (default: 0.01)",
+    ),
+    Flag(
+        "--feature-loss", default=0.0, type=float, metavar="W",
+        help="weight of a regression onto the target's last hidden state (EAGLE-1's feature "
+        "loss; default: 0, cross-entropy only)",
+    ),
+    Flag(
+        "--train-lm-head", switch=True,
+        help="train the final norm and LM head too (default: kept as the target's rows)",
+    ),
+    Flag("--seed", default=0, type=int, metavar="N"),
+    Flag("--threads", type=int, metavar="N", help="torch threads (default: torch's)"),
+    Flag("--no-progress", switch=True, help="no progress bars"),
+))
+
+
 def add_spec_parser(subparsers: argparse._SubParsersAction) -> None:
     spec = subparsers.add_parser("spec", help="speculative decoding tools (train an EAGLE-3 head)",
                                  description="Tools for speculative decoding.")
     commands = spec.add_subparsers(dest="spec_command", required=True, metavar="SPEC")
     train = commands.add_parser("train-eagle3", help="train an EAGLE-3 draft head for a model on its own outputs",
                                 description=_TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="target: HF directory, .gguf or alias (default: smollm2-135m)")
-    train.add_argument("-o", "--output", type=Path, metavar="DIR", required=True, help="directory for the head")
-
-    data = train.add_argument_group("data")
-    data.add_argument("--prompts", type=Path, default=None, metavar="FILE",
-                      help='extra conversations, JSONL: {"messages": [...]}, {"prompt": "..."} or a string')
-    data.add_argument("--no-builtin-prompts", action="store_true", help="use only --prompts")
-    data.add_argument("--max-prompts", type=int, metavar="N", default=None, help="use the first N conversations")
-    data.add_argument("--max-new-tokens", type=int, metavar="N", default=192, help="continuation length (default: 192)")
-    data.add_argument("--sampled-fraction", type=float, metavar="F", default=0.3,
-                      help="conversations that also get a sampled continuation (default: 0.3)")
-    data.add_argument("--gen-minutes", type=float, metavar="M", default=None,
-                      help="start no generation round (32 conversations, run whole) that would end "
-                           "after M minutes (default: no limit)")
-    data.add_argument("--samples-cache", type=Path, metavar="FILE", default=None,
-                      help="JSONL of the target's continuations: reused, extended for conversations it "
-                           "lacks, rewritten (resume a cut run, re-train without generating)")
-    data.add_argument("--draft-vocab-size", type=int, metavar="N", default=8192,
-                      help="the head's vocabulary: the most frequent generated tokens (default: 8192)")
-    data.add_argument("--heldout-fraction", type=float, metavar="F", default=0.1,
-                      help="conversations kept out of training for the report (default: 0.1)")
-
-    fit = train.add_argument_group("training")
-    fit.add_argument("--minutes", type=float, metavar="M", default=45.0, help="training time budget (default: 45)")
-    fit.add_argument("--steps", type=int, metavar="N", default=None, help="stop after this many optimizer steps")
-    fit.add_argument("--ttt-steps", type=int, metavar="N", default=4, help="guesses unrolled per training row (default: 4)")
-    fit.add_argument("--eval-steps", type=int, metavar="N", default=5, help="guesses unrolled in the report (default: 5)")
-    fit.add_argument("--batch-tokens", type=int, metavar="N", default=1024, help="rows per optimizer step (default: 1024)")
-    fit.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                     help="training matmuls; auto: bf16 where the CPU multiplies it natively (default: auto)")
-    fit.add_argument("--lr", type=float, metavar="LR", default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
-    fit.add_argument("--weight-decay", type=float, metavar="W", default=0.01, help="AdamW weight decay (default: 0.01)")
-    fit.add_argument("--feature-loss", type=float, metavar="W", default=0.0,
-                     help="weight of a regression onto the target's last hidden state (EAGLE-1's feature "
-                          "loss; default: 0, cross-entropy only)")
-    fit.add_argument("--train-lm-head", action="store_true",
-                     help="train the final norm and LM head too (default: kept as the target's rows)")
-    fit.add_argument("--seed", type=int, metavar="N", default=0)
-    fit.add_argument("--threads", type=int, metavar="N", default=None, help="torch threads (default: torch's)")
-    fit.add_argument("--no-progress", action="store_true", help="no progress bars")
-    train.set_defaults(handler=cmd_train_eagle3)
+    for table in (TRAIN_TARGET_FLAGS, TRAIN_DATA_FLAGS, TRAIN_FIT_FLAGS):
+        table.add_to(train)
+    Command(cmd_train_eagle3).install(train)
 
 
 def cmd_train_eagle3(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.bench.chaos import PhaseResult, _p99, parse_faults, prompts, report
+from tandem.cli.main import main
 
 
 def test_fault_schedule_is_parsed_and_sorted() -> None:
@@ -53,3 +54,17 @@ def test_the_hostile_report_puts_the_phases_side_by_side() -> None:
     assert rows[3].startswith("| hostile | 39 | 39 | 0 | 2.10 | 1.05x | 7 | 6 |")
     assert "| forged_handle_via_router | 4 | 3 |" in text and "| nan_temperature | 3 | 3 |" in text
     assert report([calm, hostile]) == ""  # the fault table leaves them out
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--phases", "peer,storm"], "--phases: unknown storm (peer, tandem, calm, hostile)"),
+    (["--faults", "10:decode-0,soon"], "--faults: expected S:WORKER or S:cut:WORKER:D, got 'soon'"),
+])
+def test_bad_phases_and_faults_fail_at_parse_time(flags: list[str], message: str, tmp_path,
+                                                  capsys) -> None:
+    out = tmp_path / "chaos"
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "chaos", *flags, "--out", str(out)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"tandem: error: {message}\n"
+    assert not out.exists()  # the handler never ran

@@ -83,3 +83,16 @@ def test_a_random_checkpoint_loads_into_the_engine(tmp_path) -> None:
     model = build_model(read_model_config(hf_dir), TorchAttentionBackend(), 64, torch.bfloat16)
     load_weights(model, hf_dir)  # raises if any weight is missing
     assert model.model.layers[1].mlp.down_proj.weight.float().std().item() == pytest.approx(0.02, rel=0.1)
+
+
+@pytest.mark.parametrize("flags", [["--repeats", "0"], ["--tensor-parallel-size", "0"],
+                                   ["--warmup", "-1"]])
+def test_counts_below_their_floor_fail_at_parse_time(flags: list[str], tmp_path: Path, capsys) -> None:
+    from tandem.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "load", *flags, "--output-dir", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == ("tandem: error: --repeats and --tensor-parallel-size must be "
+                                       "at least 1, --warmup at least 0\n")
+    assert not (tmp_path / "out").exists()

@@ -52,3 +52,10 @@ def test_kv_room_beside_vllm_and_a_contiguous_cache(tmp_path, capsys) -> None:
     assert room["contiguous_sequences"] == room["tandem_tokens"] // 512
     assert room["vllm_default_tokens"] > 0
     assert "vLLM's defaults here (planned)" in capsys.readouterr().out
+
+
+def test_an_unknown_config_fails_at_parse_time(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "gpu", "--config", "no-such-model"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("tandem: error: --config no-such-model: no such file")

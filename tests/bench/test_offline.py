@@ -259,3 +259,20 @@ def test_tiny_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert ratios[("decode-heavy", "output_tok_s", "vllm")]["ratio"] is None
     # Same weights, same token ids, greedy: transformers should agree with tandem (fp32).
     assert runs[("transformers", "decode-heavy")]["agreement"] >= 90
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--engines", "tandem,sglang"], "unknown engines sglang; choose from"),
+    (["--layouts", "tp1,tp2", "--engines", "tandem"], "--layouts compares tandem with itself"),
+    (["--workloads", "chatty"], "unknown workloads chatty; choose from"),
+    (["--scale", "0"], "--scale must be > 0, got 0.0"),
+])
+def test_bad_runs_fail_at_parse_time(flags: list[str], message: str, tmp_path: Path, capsys) -> None:
+    from tandem.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "offline", "--device", "cpu", *flags, "--output-dir", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("tandem: error: ") and message in line
+    assert not (tmp_path / "out").exists()

@@ -35,3 +35,26 @@ def test_a_baseline_that_is_not_a_checkout_is_a_clear_error(tmp_path: Path) -> N
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "not a tandem checkout" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_measuring_process_takes_the_commands_measure_flags() -> None:
+    """The measuring process keeps a plain parser (it runs inside baseline checkouts); it must
+    take the command's measure flags with the same defaults."""
+    from tandem.bench.overhead import measure_parser
+    from tandem.bench.overhead_cli import OVERHEAD_MEASURE_FLAGS
+
+    parser = measure_parser()
+    child = {a.option_strings[0]: a for a in parser._actions if a.option_strings[0] not in ("-h", "--measure")}
+    assert set(child) == {flag.option for flag in OVERHEAD_MEASURE_FLAGS}
+    for flag in OVERHEAD_MEASURE_FLAGS:
+        assert (child[flag.option].default, child[flag.option].type) == (flag.default, flag.type)
+    args = parser.parse_args(["--measure", *OVERHEAD_MEASURE_FLAGS.argv(
+        parser.parse_args(["--measure", "--batch", "2", "--model", "m"]))])
+    assert (args.batch, args.model, args.steps) == (2, "m", 200)
+
+
+def test_counts_below_one_fail_at_parse_time() -> None:
+    done = subprocess.run([sys.executable, "-m", "tandem", "bench", "overhead", "--steps", "0"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert done.stderr == "tandem: error: --repeats, --steps and --batch must be at least 1\n"

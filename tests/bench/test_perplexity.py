@@ -73,5 +73,14 @@ def test_mode_subsets_always_start_from_exact_fp32() -> None:
     assert [label for label, _ in _chosen_modes("fp32+fp32, bf16")] == [
         "fp32 (exact)", "fp32 + fp32 decode weights", "bf16"]
     assert _chosen_modes("fp32") == [MODES["fp32"]]
-    with pytest.raises(SystemExit, match="unknown mode fp8"):
+    with pytest.raises(ValueError, match="unknown mode fp8"):
         _chosen_modes("fp8")
+
+
+def test_an_unknown_mode_fails_at_parse_time(capsys) -> None:
+    from tandem.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "perplexity", "--modes", "bf16,fp8"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("tandem: error: --modes: unknown mode fp8; choose from")

@@ -69,3 +69,15 @@ def test_a_tiny_real_run(tmp_path: Path) -> None:
     for side in ("measured", "predicted"):
         assert all(0 < mix[side][key] < 60 for key in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s"))
     assert "output-heavy   TTFT p50" in result.stdout and (tmp_path / "out" / "plan.png").is_file()
+
+
+def test_an_unknown_mix_fails_at_parse_time(tmp_path: Path, capsys) -> None:
+    from tandem.cli.main import main
+
+    out = tmp_path / "plan"
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "plan", "--profile", str(tmp_path / "costs.json"), "--mixes", "agentic,bursty",
+              "--out", str(out)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("tandem: error: unknown mix bursty; choose from")
+    assert not out.exists()

@@ -372,3 +372,19 @@ def ngram_outputs(run_dir: Path) -> list[int]:
         if row["label"] == "ngram k=2":
             return row["outputs"][0]
     raise AssertionError("no ngram row in outputs.jsonl")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--methods", "ngram,oracle"], "unknown methods oracle"),
+    (["--ks", "0-2"], "--ks must be in 1..16"),
+    (["--speculative-config", '{"method": "ngram"}'], "sets the speculative config itself"),
+])
+def test_bad_plans_fail_at_parse_time(flags: list[str], message: str, tmp_path: Path, capsys) -> None:
+    from tandem.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "spec", "--device", "cpu", *flags, "--output-dir", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("tandem: error: ") and message in line
+    assert not (tmp_path / "out").exists()

@@ -11,9 +11,37 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from tandem.flags.table import Command, Flag, FlagTable
 from tandem.router.accounting.keys_store import KeyLimits, new_key, read_store, write_store
 
 DEFAULT_KEY_FILE = Path("tandem-keys.json")
+
+
+# `add`: the key's owner and its own limits (KeyLimits; None: the router's flag).
+KEY_ADD_FLAGS = FlagTable(None, (
+    Flag("identity", help="who the key belongs to (the usage ledger's identity)"),
+    Flag(
+        "--rpm", type=int, metavar="N",
+        help="requests per minute for this key (default: the router's --rate-limit-rpm)",
+    ),
+    Flag(
+        "--tpm", type=int, metavar="N",
+        help="tokens (prompt + completion) per minute (default: --rate-limit-tpm)",
+    ),
+    Flag(
+        "--tokens-per-day", type=int, metavar="N",
+        help="daily token quota of the identity, from the usage ledger "
+        "(default: --quota-tokens-per-day)",
+    ),
+))
+KEY_REVOKE_FLAGS = FlagTable(None, (Flag("target", metavar="ID|IDENTITY"),))
+# Every action's key file.
+KEY_FILE_FLAGS = FlagTable(None, (
+    Flag(
+        "--file", default=DEFAULT_KEY_FILE, type=Path, metavar="FILE",
+        help=f"the key file (default: ./{DEFAULT_KEY_FILE})",
+    ),
+))
 
 
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,21 +53,13 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
     add = actions.add_parser("add", help="create a key for IDENTITY and print it once")
-    add.add_argument("identity", help="who the key belongs to (the usage ledger's identity)")
-    add.add_argument("--rpm", type=int, default=None, metavar="N",
-                     help="requests per minute for this key (default: the router's --rate-limit-rpm)")
-    add.add_argument("--tpm", type=int, default=None, metavar="N",
-                     help="tokens (prompt + completion) per minute (default: --rate-limit-tpm)")
-    add.add_argument("--tokens-per-day", type=int, default=None, metavar="N",
-                     help="daily token quota of the identity, from the usage ledger "
-                          "(default: --quota-tokens-per-day)")
+    KEY_ADD_FLAGS.add_to(add)
     listing = actions.add_parser("list", help="the keys: id, identity, created, revoked, limits")
     revoke = actions.add_parser("revoke", help="revoke a key by its id (or every key of an identity)")
-    revoke.add_argument("target", metavar="ID|IDENTITY")
+    KEY_REVOKE_FLAGS.add_to(revoke)
     for sub in (add, listing, revoke):
-        sub.add_argument("--file", type=Path, default=DEFAULT_KEY_FILE, metavar="FILE",
-                         help=f"the key file (default: ./{DEFAULT_KEY_FILE})")
-    parser.set_defaults(handler=cmd_keys)
+        KEY_FILE_FLAGS.add_to(sub)
+    Command(cmd_keys).install(parser)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
