@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from conftest import VOCAB_HIGH, next_token
-
 from tandem.config import SpeculativeConfig
 from tandem.spec.proposer import TokenProposer
 from tandem.spec.speculator import Speculator
 from tandem.types import RequestStatus
+from tests.engine.conftest import VOCAB_HIGH, next_token
 
 
 class ScriptedProposer(TokenProposer):
