@@ -32,7 +32,7 @@ from tandem.loader.resolve import default_cache_dir
 from tests.support.recording_proxy import Exchange, RecordingProxy
 from tests.support.up_cluster import Up, start_up
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 OPENCODE = Path(os.environ.get("TANDEM_OPENCODE_DIR", REPO_ROOT / ".opencode-ai")) / "node_modules/.bin/opencode"
 MODEL = "qwen2.5-coder-0.5b"
 GGUF = default_cache_dir() / "models" / f"{MODEL}.gguf"
