@@ -109,7 +109,7 @@ def test_hermes_bare_calls_every_split_match_parse(text: str, names: frozenset[s
         assert summary(run_stream(parser, chunks, tool_names=names)) == expected, chunks
 
 
-@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()], ids=str)
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()], ids=lambda parser: type(parser).__name__)
 @pytest.mark.parametrize("name", [None, "get_weather"])
 def test_forced_prefix_every_split(parser: ToolParser, name: str | None) -> None:
     prefix = parser.forced_prefix(name)
