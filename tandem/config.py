@@ -13,6 +13,7 @@ from typing import Any
 
 from tandem.platform.device import resolve_device, resolve_dtype
 from tandem.sizing.experts import expert_layout
+from tandem.sizing.shape import MLAShape, read_decoder_dims
 from tandem.sizing.units import parse_memory_size  # noqa: F401 - the config's size flags parse with it
 
 SUPPORTED_ARCHITECTURES = (
@@ -126,15 +127,18 @@ class MLAConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MLAConfig | None:
-        if not hf.get("kv_lora_rank"):
-            return None
-        q_lora = hf.get("q_lora_rank")
+        shape = read_decoder_dims("DeepseekV3ForCausalLM", hf).mla
+        return None if shape is None else cls.from_shape(shape, hf)
+
+    @classmethod
+    def from_shape(cls, shape: MLAShape, hf: dict[str, Any]) -> MLAConfig:
+        """The dimensions the plan reads too, plus how the checkpoint orders rotary pairs."""
         return cls(
-            q_lora_rank=int(q_lora) if q_lora else None,
-            kv_lora_rank=int(hf["kv_lora_rank"]),
-            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-            v_head_dim=int(hf["v_head_dim"]),
+            q_lora_rank=shape.q_lora_rank,
+            kv_lora_rank=shape.kv_lora_rank,
+            qk_nope_head_dim=shape.qk_nope_head_dim,
+            qk_rope_head_dim=shape.qk_rope_head_dim,
+            v_head_dim=shape.v_head_dim,
             rope_interleave=bool(hf.get("rope_interleave", True)),
         )
 
@@ -235,37 +239,34 @@ class ModelConfig:
                 f"unsupported architecture {archs or '(none given)'}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // heads
-        mla = MLAConfig.from_hf(hf) if arch == "DeepseekV3ForCausalLM" else None
-        if mla is not None:
-            head_dim = mla.qk_rope_head_dim  # what the rotary tables are built over
+        # The dimensions come from the reader `tandem plan memory` uses, so both agree.
+        dims = read_decoder_dims(arch, hf)
+        if not dims.intermediate_size:
+            raise KeyError("intermediate_size")
+        mla = MLAConfig.from_shape(dims.mla, hf) if dims.mla is not None else None
+        # MLA's rotary tables are built over the rope part of a query/key head only.
+        head_dim = mla.qk_rope_head_dim if mla is not None else dims.head_dim
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         use_sliding = hf.get("use_sliding_window", True) and hf.get("sliding_window")
         return cls(
             architecture=arch,
             model_type=hf.get("model_type", ""),
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
+            vocab_size=dims.vocab_size,
+            hidden_size=dims.hidden_size,
+            intermediate_size=dims.intermediate_size,
+            num_hidden_layers=dims.num_layers,
+            num_attention_heads=dims.num_heads,
+            num_key_value_heads=dims.num_kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            max_position_embeddings=dims.max_position_embeddings,
             rope=RopeConfig.from_hf(hf),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and never an o_proj bias; Llama-style models
-            # put `attention_bias` on all four projections.
-            qkv_bias=is_qwen2 or bool(hf.get("attention_bias", False)),
-            o_proj_bias=not is_qwen2 and bool(hf.get("attention_bias", False)),
+            tie_word_embeddings=dims.tie_word_embeddings,
+            qkv_bias=dims.qkv_bias,
+            o_proj_bias=dims.o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=is_qwen3,
+            qk_norm=dims.qk_norm,
             sliding_window=int(use_sliding) if use_sliding else None,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),

@@ -7,9 +7,10 @@ architecture family has one reader; anything else is refused with the list of wh
 supported, because guessing shapes for an unknown architecture would print a confident,
 wrong plan.
 
-Which layers route to experts, and how many there are, is read by `experts.expert_layout`,
-the same function the engine's `MoeConfig` uses, so the plan reads every config the engine
-serves (transformers v5's `num_local_experts` for Qwen3-MoE included).
+The decoder's dimensions are read by `read_decoder_dims` and which layers route to experts
+by `experts.expert_layout`; the engine's `ModelConfig` and `MoeConfig` are built from the same
+two functions, so the plan and the engine cannot drift apart on what a config.json says
+(transformers v5's `num_local_experts` for Qwen3-MoE included).
 """
 
 from __future__ import annotations
@@ -37,6 +38,59 @@ class MLAShape:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """A text decoder's dimensions as config.json states them: what the engine builds its
+    layers from and what the plan counts bytes over."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # per attention head (MLA's query/key heads are described by `mla`)
+    intermediate_size: int  # the dense MLP's width; 0 when config.json gives none
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool  # per-head RMSNorm weights on q and k (Qwen3)
+    max_position_embeddings: int
+    mla: MLAShape | None  # DeepSeek-V3 / Kimi-K2 with a kv_lora_rank
+
+
+def read_decoder_dims(arch: str, text: dict[str, Any], top: dict[str, Any] | None = None) -> DecoderDims:
+    """The decoder's dimensions from the dict `text` that holds them (`top` is the outer config
+    of a wrapper such as Llama 4's, where tie_word_embeddings may live). KeyError names a
+    required field that is missing."""
+    top = text if top is None else top
+    hidden = int(text["hidden_size"])
+    heads = int(text["num_attention_heads"])
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    # Qwen2 always has q/k/v biases and never an o_proj bias; Llama-style models put
+    # `attention_bias` on all four projections.
+    bias = bool(text.get("attention_bias", False))
+    mla = None
+    if arch == "DeepseekV3ForCausalLM" and text.get("kv_lora_rank"):
+        q_lora = text.get("q_lora_rank")
+        mla = MLAShape(q_lora_rank=int(q_lora) if q_lora else None,
+                       kv_lora_rank=int(text["kv_lora_rank"]),
+                       qk_nope_head_dim=int(text["qk_nope_head_dim"]),
+                       qk_rope_head_dim=int(text["qk_rope_head_dim"]),
+                       v_head_dim=int(text["v_head_dim"]))
+    return DecoderDims(
+        vocab_size=int(text["vocab_size"]), hidden_size=hidden,
+        num_layers=int(text["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=int(text.get("head_dim") or hidden // heads),
+        intermediate_size=int(text.get("intermediate_size") or 0),
+        tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        qkv_bias=is_qwen2 or bias, o_bias=bias and not is_qwen2,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
+        mla=mla,
+    )
 
 
 @dataclass(frozen=True)
@@ -128,32 +182,20 @@ def _fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
 
 def _decoder(text: dict[str, Any], top: dict[str, Any], arch: str, name: str) -> ModelShape:
     """Every family but Llama 4's wrapper: the dict `text` holds the decoder's fields."""
-    hidden = int(text["hidden_size"])
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or hidden // heads)
-    mla = None
-    if arch == "DeepseekV3ForCausalLM":
-        q_lora = text.get("q_lora_rank")
-        mla = MLAShape(q_lora_rank=int(q_lora) if q_lora else None,
-                       kv_lora_rank=int(text["kv_lora_rank"]),
-                       qk_nope_head_dim=int(text["qk_nope_head_dim"]),
-                       qk_rope_head_dim=int(text["qk_rope_head_dim"]),
-                       v_head_dim=int(text["v_head_dim"]))
-    moe = _moe(arch, text)
-    is_qwen2 = arch == "Qwen2ForCausalLM"
-    bias = bool(text.get("attention_bias", False))
+    dims = read_decoder_dims(arch, text, top)
+    if arch == "DeepseekV3ForCausalLM" and dims.mla is None:
+        raise KeyError("kv_lora_rank")
     return ModelShape(
         name=name, architecture=arch,
-        vocab_size=int(text["vocab_size"]), hidden_size=hidden,
-        num_layers=int(text["num_hidden_layers"]), num_heads=heads,
-        num_kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
-        intermediate_size=int(text.get("intermediate_size") or 0),
-        tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        qkv_bias=is_qwen2 or bias, o_bias=bias and not is_qwen2,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        vocab_size=dims.vocab_size, hidden_size=dims.hidden_size,
+        num_layers=dims.num_layers, num_heads=dims.num_heads,
+        num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
+        intermediate_size=dims.intermediate_size,
+        tie_word_embeddings=dims.tie_word_embeddings,
+        qkv_bias=dims.qkv_bias, o_bias=dims.o_bias, qk_norm=dims.qk_norm,
         dtype=_dtype(text, top), fp8_block=_fp8_block(top) or _fp8_block(text),
-        max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
-        mla=mla, moe=moe, mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
+        max_position_embeddings=dims.max_position_embeddings,
+        mla=dims.mla, moe=_moe(arch, text), mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
     )
 
 
