@@ -52,7 +52,7 @@ import sys
 from pathlib import Path
 from tandem.bench.cold_start import write_random_checkpoint
 write_random_checkpoint(Path('tandem/bench/configs/llama-3.1-8b.json'), Path('$CKPT'), device='cuda')"
-  stage load "${LOAD_LIMIT:-240}" "$PY" -m tandem bench load "$CKPT" --device cuda --dtype bfloat16 \
+  stage load "${LOAD_LIMIT:-240}" "$PY" -m tandem bench cold-start "$CKPT" --device cuda --dtype bfloat16 \
     --repeats "${LOAD_REPEATS:-2}" --warmup 0 --no-warm --output-dir "$DEST"
 fi
 grep -E "^==> |tok/s|TFLOP/s|GB/s|KV:|passed|failed|Error" "$LOG" | tail -40

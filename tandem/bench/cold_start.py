@@ -1,4 +1,4 @@
-"""`tandem bench load`: cold start (building the model and reading its weights) against the
+"""`tandem bench cold-start`: cold start (building the model and reading its weights) against the
 disk's own read speed.
 
 After a warm-up round that is not kept, each repeat, for MODEL's safetensors files:
@@ -80,9 +80,12 @@ LOAD_FLAGS = FlagTable(None, (
 ))
 
 
-def add_load_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_cold_start_parser(subparsers: argparse._SubParsersAction) -> None:
+    # "load" was this command's first name; it stays as an alias so existing scripts keep working,
+    # but "load" also names traffic, engine load and KV loads, so the command is cold-start.
     parser = subparsers.add_parser(
-        "load", help="cold start: building the model and reading its weights, against dd of the same files",
+        "cold-start", aliases=["load"],
+        help="building the model and reading its weights, against dd of the same files",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     LOAD_FLAGS.add_to(parser)
     Command(cmd_load, check_load).install(parser)

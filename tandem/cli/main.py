@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.chaos import add_chaos_parser
-from tandem.bench.cold_start import add_load_parser
+from tandem.bench.cold_start import add_cold_start_parser
 from tandem.bench.gpu import add_gpu_parser
 from tandem.bench.kv_tiers import add_kv_tiers_parser
 from tandem.bench.offline import add_offline_parser
@@ -209,9 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks that print tandem beside a peer")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     add_chaos_parser(bench_commands)
+    add_cold_start_parser(bench_commands)
     add_gpu_parser(bench_commands)
     add_kv_tiers_parser(bench_commands)
-    add_load_parser(bench_commands)
     add_offline_parser(bench_commands)
     add_overhead_parser(bench_commands)
     add_perplexity_parser(bench_commands)

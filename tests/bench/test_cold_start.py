@@ -1,4 +1,4 @@
-"""`tandem bench load`: cold and warm loads of a small checkpoint against dd of its files."""
+"""`tandem bench cold-start`: cold and warm loads of a small checkpoint against dd of its files."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _bench(model_dir: Path, out: Path, *args: str) -> tuple[str, dict]:
-    done = subprocess.run([sys.executable, "-m", "tandem", "bench", "load", str(model_dir), "--repeats", "2", "--warmup", "0",
+    done = subprocess.run([sys.executable, "-m", "tandem", "bench", "cold-start", str(model_dir), "--repeats", "2", "--warmup", "0",
                            "--output-dir", str(out), *args], capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = out.glob("load-*")
@@ -91,6 +91,7 @@ def test_counts_below_their_floor_fail_at_parse_time(flags: list[str], tmp_path:
     from tandem.cli.main import main
 
     with pytest.raises(SystemExit) as exited:
+        # "load", the old name, kept as an alias
         main(["bench", "load", *flags, "--output-dir", str(tmp_path / "out")])
     assert exited.value.code == 2
     assert capsys.readouterr().err == ("tandem: error: --repeats and --tensor-parallel-size must be "
