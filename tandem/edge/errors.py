@@ -13,6 +13,7 @@ router imports it and must stay deployable on a small CPU box.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -88,15 +89,19 @@ async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
 async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
     """Pydantic's list of problems, condensed to the first one a person should fix."""
     assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
+    return validation_error(exc.errors()).response()
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The 400 for pydantic's list of problems (`exc.errors()`), naming the first one."""
     if not errors:
-        return APIError(400, "invalid request body").response()
+        return APIError(400, "invalid request body")
     first = errors[0]
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
-        return APIError(400, message, None, "invalid_json").response()
+        return APIError(400, message, None, "invalid_json")
     if first.get("type") == "missing":
         message = f"missing required field '{param}'"
     else:
@@ -104,7 +109,7 @@ async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
     extra = len(errors) - 1
     if extra:
         message += f" (and {extra} more problem{'s' if extra > 1 else ''})"
-    return APIError(400, message, param, "invalid_value").response()
+    return APIError(400, message, param, "invalid_value")
 
 
 async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:

@@ -66,9 +66,18 @@ class ToolCallIn(OpenAIModel):
     function: FunctionCall
 
 
+class CacheControl(OpenAIModel):
+    """A cache breakpoint on a content part (Anthropic's `cache_control`, which OpenAI-compatible
+    gateways accept on chat parts too): the prompt up to here is worth keeping."""
+
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: Literal["5m", "1h"] | None = None
+
+
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(OpenAIModel):
@@ -77,6 +86,9 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+
+    def has_cache_breakpoint(self) -> bool:
+        return isinstance(self.content, list) and any(p.cache_control is not None for p in self.content)
 
     def text(self) -> str:
         """The content as one string: text parts joined by newlines, as vLLM does."""

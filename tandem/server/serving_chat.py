@@ -30,7 +30,7 @@ from tandem.types import SamplingParams, TokenLogprob
 
 
 @dataclass
-class _ChatRun:
+class ChatRun:
     """Everything about one accepted chat request that the response needs."""
 
     request_id: str
@@ -50,9 +50,34 @@ class _ChatRun:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
+    breakpoint_tokens: int | None = None  # prompt tokens up to the last cache_control breakpoint
+
+    def usage(self) -> dict[str, Any]:
+        """Chat usage; with a cache breakpoint, the tokens written up to it that were not read
+        from the cache (`prompt_tokens_details.cache_write_tokens`)."""
+        out = usage(len(self.prompt_token_ids), self.completion_tokens, self.cached_tokens)
+        if self.breakpoint_tokens is not None:
+            written = max(0, self.breakpoint_tokens - self.cached_tokens)
+            out["prompt_tokens_details"]["cache_write_tokens"] = written
+        return out
 
 
 async def create_chat_completion(state: ServingState, body: ChatCompletionRequest, raw: Request) -> Response:
+    run, headers = prepare_chat(state, body, raw)
+    if body.stream:
+        return StreamingResponse(sse_events(_sse(chat_chunks(state, run)), lambda: observe_chat(state, run)),
+                                 media_type="text/event-stream", headers=headers)
+    try:
+        return JSONResponse(await unless_disconnected(raw, chat_reply(state, run)), headers=headers)
+    finally:
+        observe_chat(state, run)
+
+
+def prepare_chat(state: ServingState, body: ChatCompletionRequest, raw: Request) -> tuple[ChatRun, dict[str, str]]:
+    """Check, render and admit a chat request: its run and the response headers it needs.
+
+    Every protocol comes through here (tandem/edge/protocols translate the others into a chat
+    request first); once this returns, the request holds its admission until `observe_chat`."""
     model = state.check_model(body.model)
     check_shape({"messages": body.messages, "tools": body.tools or []}, state.config.limits)
     if body.response_format is not None and body.response_format.type != "text":
@@ -75,8 +100,9 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
         params.stop = [*params.stop, *state.tool_parser.stop_strings(parallel_tool_calls=False)]
     handoff = state.handoff(body.kv_transfer_params, params, body.stream, is_peer(raw))
     request_id = state.new_id("chatcmpl")
+    breakpoint_tokens = cache_breakpoint_tokens(state, body, prompt, token_ids)
     state.check_admission([request_id], params.n, [len(token_ids)])
-    run = _ChatRun(
+    run = ChatRun(
         request_id=request_id, model=model, prompt=prompt, prompt_token_ids=token_ids,
         params=params, parser=state.tool_parser if prompt.tools_enabled else None,
         want_logprobs=logprobs is not None,
@@ -86,21 +112,46 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
         cache_salt=body.cache_salt,
         return_token_ids=body.return_token_ids,
         completion_tokens=len(handoff.prior_output_ids) if handoff else 0,
+        breakpoint_tokens=breakpoint_tokens,
     )
-    if body.stream:
-        return StreamingResponse(sse_events(_stream(state, run), lambda: _observe(state, run)),
-                                 media_type="text/event-stream", headers=headers)
-    try:
-        return JSONResponse(await unless_disconnected(raw, _complete(state, run)), headers=headers)
-    finally:
-        _observe(state, run)
+    return run, headers
+
+
+def cache_breakpoint_tokens(state: ServingState, body: ChatCompletionRequest, prompt: ChatPrompt,
+                            token_ids: list[int]) -> int | None:
+    """How many prompt tokens lie up to the last `cache_control` breakpoint (None: no breakpoint).
+
+    The conversation up to the marked message is rendered on its own; the tokens it shares
+    with the whole prompt are the prefix the breakpoint covers (a template may close a turn
+    differently when nothing follows it, so only the common part counts)."""
+    last = max((i for i, m in enumerate(body.messages) if m.has_cache_breakpoint()), default=None)
+    if last is None:
+        return None
+    if last == len(body.messages) - 1:
+        return len(token_ids)
+    head = render_chat_prompt(state.tokenizer, body.messages[:last + 1], body.tools, body.tool_choice,
+                              state.tool_parser, add_generation_prompt=False, continue_final_message=False)
+    head_ids = state.encode(head.text, add_special_tokens=False)
+    shared = 0
+    for a, b in zip(head_ids, token_ids, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return shared
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            yield sse(chunk)
 
 
 def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
     return "tool_calls" if reason == "stop" and called_tools else reason
 
 
-async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
+async def chat_reply(state: ServingState, run: ChatRun) -> dict[str, Any]:
+    """The whole `chat.completion` of an admitted run."""
     n = run.params.n
     texts = [""] * n
     entries: list[list[list[TokenLogprob]]] = [[] for _ in range(n)]
@@ -147,22 +198,23 @@ async def _complete(state: ServingState, run: _ChatRun) -> dict[str, Any]:
         "created": run.created,
         "model": run.model,
         "choices": choices,
-        "usage": usage(len(run.prompt_token_ids), run.completion_tokens, run.cached_tokens),
+        "usage": run.usage(),
     }
     if run.handoff is not None:
         body["kv_transfer_params"] = state.handoff_reply(run.handoff, kv_transfer, finish[0][0], token_ids, loaded)
     return body
 
 
-async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
+async def chat_chunks(state: ServingState, run: ChatRun) -> AsyncIterator[dict[str, Any]]:
+    """The `chat.completion.chunk`s of an admitted run, as dicts (the caller writes them out)."""
     n = run.params.n
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         payload: dict[str, Any] = {"id": run.request_id, "object": "chat.completion.chunk",
                                    "created": run.created, "model": run.model, "choices": choices}
         if run.include_usage:
             payload["usage"] = None
-        return sse(payload)
+        return payload
 
     parsers = ([run.parser.stream(run.prompt.forced_prefix, run.prompt.tool_names) for _ in range(n)]
                if run.parser else None)
@@ -211,12 +263,12 @@ async def _stream(state: ServingState, run: _ChatRun) -> AsyncIterator[str]:
             if choices:
                 yield chunk(choices)
     if run.include_usage:
-        yield sse({"id": run.request_id, "object": "chat.completion.chunk", "created": run.created,
-                   "model": run.model, "choices": [],
-                   "usage": usage(len(run.prompt_token_ids), run.completion_tokens, run.cached_tokens)})
+        yield {"id": run.request_id, "object": "chat.completion.chunk", "created": run.created,
+               "model": run.model, "choices": [], "usage": run.usage()}
 
 
-def _observe(state: ServingState, run: _ChatRun) -> None:
+def observe_chat(state: ServingState, run: ChatRun) -> None:
+    """The run's metrics, once, however it ended; and its admission given back if unused."""
     state.client.unreserve([run.request_id])  # if it never reached the engine
     state.metrics.observe_finished(run.timings, time.monotonic(), len(run.prompt_token_ids), run.cached_tokens,
                                    run.completion_tokens, run.finish_reasons or ["abort"])

@@ -55,7 +55,7 @@ class Bookkeeping:
         call.finished = True
         end = time.monotonic()
         route = call.route
-        self.metrics.requests.labels(route, call.kind, str(call.status)).inc()
+        self.metrics.requests.labels(route, call.protocol, str(call.status)).inc()
         self.metrics.e2e.labels(route).observe(end - call.received)
         if call.ttft is not None and call.first_output_worker is not None:
             self.metrics.ttft.labels(route, call.first_output_worker.url).observe(call.ttft)

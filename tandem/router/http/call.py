@@ -66,6 +66,9 @@ class Call:
     key: Caller | None = None
     admitted_tokens: int = 0  # the prompt tokens its rate limit took at admission
     admitted: bool = False
+    # The client's protocol ("chat", "completion", "messages", "responses"): the metrics'
+    # endpoint label. Below the proxy a Messages or Responses call is a chat call.
+    protocol: str = "chat"
 
     @property
     def stream(self) -> bool:

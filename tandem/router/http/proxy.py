@@ -30,6 +30,7 @@ from tandem.edge.disconnect import ClientGone, unless_disconnected
 from tandem.edge.drain import Drain
 from tandem.edge.errors import APIError
 from tandem.edge.limits import check_shape
+from tandem.edge.protocols.base import ProtocolAdapter, Translated
 from tandem.router.accounting.accounting import Accounting
 from tandem.router.accounting.auth import caller_key_of, caller_of
 from tandem.router.config import RouterConfig
@@ -39,6 +40,7 @@ from tandem.router.http.direct import Direct
 from tandem.router.http.hops import PREFILL_ROLES, Hops
 from tandem.router.http.metrics import RouterMetrics
 from tandem.router.http.pd_flow import KvRelease, PdFlow
+from tandem.router.http.protocol import in_protocol, protocol_error
 from tandem.router.http.relay import Relay
 from tandem.router.http.upstream import Upstream
 from tandem.router.pd.merge import Identity, Kind
@@ -100,11 +102,30 @@ class Proxy:
         )
 
     # --- entry -----------------------------------------------------------------------
-    async def serve(self, kind: Kind, path: str, request: Request) -> Response:
+    async def serve(
+        self, kind: Kind, path: str, request: Request, adapter: ProtocolAdapter | None = None
+    ) -> Response:
+        """Serve a chat or completion request; with `adapter`, a request in another protocol
+        (Messages, Responses) that travels as a chat request and is answered in its own."""
+        if adapter is None:
+            return await self._serve(kind, path, request, None)
+        try:
+            translated = await adapter.to_chat(await _json_body(request), request.headers)
+        except APIError as exc:
+            self.metrics.requests.labels("none", adapter.name, str(exc.status)).inc()
+            return protocol_error(adapter, exc)
+        response = await self._serve(kind, path, request, translated, adapter.name)
+        return await in_protocol(response, adapter, translated)
+
+    async def _serve(
+        self, kind: Kind, path: str, request: Request, translated: Translated | None,
+        protocol: str | None = None,
+    ) -> Response:
         if self.drain.draining:
             return self.drain.refusal("this router").response()
         received = time.monotonic()
-        body = strip_internal(await _json_body(request))  # internal fields are set here, never by a client
+        raw = translated.chat if translated is not None else await _json_body(request)
+        body = strip_internal(raw)  # internal fields are set here, never by a client
         check_shape(body, self.config.limits)
         if self.config.accounting.api_keys_file is not None and not self.config.shared_prefix_cache:
             body = self.tenant_salts.salted(body, caller_of(request))
@@ -117,12 +138,14 @@ class Proxy:
             Identity.new(kind, model if isinstance(model, str) else ""),
             received,
             caller=caller_of(request),
+            protocol=protocol or kind,
         )
         try:
             call.prompt_tokens = await self.counter.count(body, kind)
             await self._admit(call, request)
             call.prompt_route = await self.placement.prepare(
-                body, kind, request.headers, call.headers, call.prompt_tokens
+                body, kind, request.headers, call.headers, call.prompt_tokens,
+                translated.session if translated is not None else None,
             )
             call.prompt_tokens = call.prompt_route.prompt_tokens  # exact after a tokenize hop
             decision = decide_route(

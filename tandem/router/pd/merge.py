@@ -72,8 +72,11 @@ def merged_usage(prefill: dict[str, Any] | None, decode: dict[str, Any]) -> dict
     out["prompt_tokens"] = prompt
     out["completion_tokens"] = completion
     out["total_tokens"] = prompt + completion
+    # Every prompt figure is the prefill worker's: cached tokens, and the tokens written up to
+    # a cache breakpoint (cache_write_tokens) where the request had one.
     out["prompt_tokens_details"] = {
         **(decode.get("prompt_tokens_details") or {}),
+        **(prefill.get("prompt_tokens_details") or {}),
         "cached_tokens": _cached(prefill),
     }
     return out

@@ -141,9 +141,11 @@ class Placement:
         headers: Mapping[str, str],
         passed_headers: dict[str, str],
         estimate: int,
+        agent_session: str | None = None,
     ) -> PromptRoute:
         salt = body.get("cache_salt")
-        route = PromptRoute(estimate, affinity_key(headers, body, self.config.affinity_header),
+        key = affinity_key(headers, body, self.config.affinity_header, agent_session)
+        route = PromptRoute(estimate, key,
                             cache_salt=salt if isinstance(salt, str) and salt else None)
         if route.affinity_key is not None or self.config.name != "kv_aware":
             return route

@@ -94,14 +94,18 @@ _MAX_RINGS = 32  # rings cached per distinct healthy pool; pools change rarely
 
 
 def affinity_key(
-    headers: Mapping[str, str], body: Mapping[str, Any], extra_header: str | None
+    headers: Mapping[str, str], body: Mapping[str, Any], extra_header: str | None,
+    agent_session: str | None = None,
 ) -> str | None:
-    """x-session-affinity, then the configured header, then the OpenAI `user` field."""
+    """x-session-affinity, then the configured header, then the agent's own session id (read by
+    its protocol's adapter, tandem/edge/protocols), then the OpenAI `user` field."""
     for name in (AFFINITY_HEADER, extra_header):
         if name:
             value = headers.get(name)
             if value:
                 return value
+    if agent_session:
+        return agent_session
     user = body.get("user")
     return user if isinstance(user, str) and user else None
 

@@ -1,0 +1,128 @@
+"""The seam between a client protocol and the internal Chat Completions form.
+
+An adapter does three things, each a pure function of what it is given:
+
+- `to_chat`: the client's request body (and headers) → a Chat Completions request body, plus
+  the session the request belongs to (for the router's affinity) and what was dropped;
+- `reply`: a whole `chat.completion` → the protocol's whole response;
+- `stream`: a `StreamTranslator` that turns the `chat.completion.chunk`s of one response into
+  the protocol's server-sent events, in order, ending the stream the protocol's way.
+
+Errors keep their status and are reshaped by `error_body` (Anthropic's
+`{"type": "error", "error": {...}}`, OpenAI's `{"error": {...}}`).
+
+The internal form carries two things a plain chat request does not: a content part's
+`cache_control` (a cache breakpoint, as Anthropic marks them; the worker reports the tokens
+written up to the last one as `prompt_tokens_details.cache_write_tokens`), and nothing else
+protocol-specific: an adapter that needs more must add it to the chat form for every protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Translated:
+    """A client request in the internal form."""
+
+    chat: dict[str, Any]  # a Chat Completions request body
+    session: str | None = None  # the agent's own session id, for the router's affinity
+    dropped: list[str] = field(default_factory=list)  # what was ignored (a warning header says so)
+
+
+class StreamTranslator(ABC):
+    """One response's chat chunks → the protocol's events (each a complete SSE event string)."""
+
+    @abstractmethod
+    def feed(self, chunk: dict[str, Any]) -> list[str]:
+        """The events for one `chat.completion.chunk` (possibly none)."""
+
+    @abstractmethod
+    def error(self, payload: dict[str, Any]) -> list[str]:
+        """An OpenAI-shaped error event (`{"error": {...}}`) that arrived mid-stream."""
+
+    @abstractmethod
+    def close(self) -> list[str]:
+        """The events after the last chunk (the chat stream's `[DONE]`)."""
+
+
+class ProtocolAdapter(ABC):
+    """A client protocol translated to and from the internal chat form."""
+
+    name: ClassVar[str]  # "messages" | "responses": metrics and logs label requests by it
+
+    @abstractmethod
+    async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> Translated:
+        """The internal request; `APIError` (400) for a body this protocol refuses."""
+
+    @abstractmethod
+    async def reply(self, chat_reply: dict[str, Any], translated: Translated) -> dict[str, Any]:
+        """A whole chat reply as this protocol's whole response."""
+
+    @abstractmethod
+    def stream(self, translated: Translated) -> StreamTranslator:
+        """A translator for one streamed response."""
+
+    @abstractmethod
+    def error_body(self, status: int, openai_body: dict[str, Any]) -> dict[str, Any]:
+        """An OpenAI-shaped error body in this protocol's shape."""
+
+
+def sse_event(event: str | None, payload: dict[str, Any]) -> str:
+    """One server-sent event; `event` names it (Anthropic and Responses streams name theirs)."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
+
+
+async def translate_sse(events: AsyncIterator[str], translator: StreamTranslator) -> AsyncIterator[str]:
+    """A chat SSE body (`data: {...}` events, `data: [DONE]`) in the protocol's events.
+
+    The router's relay and the server's chat stream both write one event per string; an error
+    event (`{"error": ...}` without `choices`) is handed to the translator as such."""
+    done = False
+    async with contextlib.AsyncExitStack() as stack:
+        if hasattr(events, "aclose"):  # closing this stream closes the one it reads (and its hop)
+            await stack.enter_async_context(contextlib.aclosing(events))  # type: ignore[type-var]
+        async for out in _translated(events, translator):
+            if out is _DONE:
+                done = True
+                continue
+            yield out
+    if not done:
+        for out in translator.close():
+            yield out
+
+
+_DONE = "\x00done"
+
+
+async def _translated(events: AsyncIterator[str], translator: StreamTranslator) -> AsyncIterator[str]:
+    async for text in events:
+        for line in text.split("\n"):
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                for out in translator.close():
+                    yield out
+                yield _DONE
+                continue
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                logger.warning("dropping a malformed chat event: %.200s", data)
+                continue
+            if not isinstance(chunk, dict):
+                continue
+            outs = translator.error(chunk) if "error" in chunk and "choices" not in chunk else translator.feed(chunk)
+            for out in outs:
+                yield out
