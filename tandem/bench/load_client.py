@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from tandem.bench.protocol_wire import PATHS, PROTOCOLS, read_event, request_body
 from tandem.bench.serve_workloads import ServeWorkload, Session, Turn
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class TrafficConfig:
     ignore_eos: bool = True  # every request generates exactly max_tokens on every server
     temperature: float = 0.0
     warmup_requests: int = 1
+    # chat | messages | responses: the wire protocol of conversation turns (protocol_wire.py)
+    protocol: str = "chat"
 
     def validate(self) -> None:
         if (self.concurrency is None) == (self.request_rate is None):
@@ -79,6 +82,10 @@ class TrafficConfig:
             raise ValueError(
                 f"unknown endpoint {self.endpoint!r}; choose from {', '.join(ENDPOINTS)}"
             )
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {self.protocol!r}; choose from {', '.join(PROTOCOLS)}")
+        if self.protocol != "chat" and self.endpoint == "completions":
+            raise ValueError(f"the {self.protocol} protocol is a conversation: it needs the chat endpoint")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request timeout must be > 0, got {self.request_timeout_s}")
 
@@ -159,8 +166,9 @@ class StreamMeter:
     it with made-up streams and timings.
     """
 
-    def __init__(self, start: float) -> None:
+    def __init__(self, start: float, protocol: str = "chat") -> None:
         self.start = start
+        self.protocol = protocol
         self.first_output_at: float | None = None
         self.last_output_at: float | None = None
         self.itl: list[float] = []
@@ -172,7 +180,8 @@ class StreamMeter:
         self.done = False
 
     def feed(self, line: str, now: float) -> bool:
-        """Take one line; True once the stream is over (``[DONE]`` or an error event)."""
+        """Take one line; True once the stream is over (chat's ``[DONE]``, the protocol's
+        last event, or an error event)."""
         line = line.strip()
         if not line.startswith("data:"):
             return False  # blank separators, ": comments", "event:" / "id:" fields
@@ -188,20 +197,19 @@ class StreamMeter:
         if not isinstance(data, dict):
             self.error = f"bad SSE data: {payload[:200]!r}"
             return True
-        if data.get("error"):
-            error = data["error"]
-            self.error = str(error.get("message", error) if isinstance(error, dict) else error)
+        event = read_event(self.protocol, data)
+        if event.error is not None:
+            self.error = event.error
             return True
-        if isinstance(data.get("usage"), dict):
-            self.usage = data["usage"]
-        text = ""
-        for choice in data.get("choices") or ():
-            text += _choice_output(choice)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        if text:
-            self._output(text, now)
-        return False
+        if event.usage is not None:
+            self.usage = event.usage
+        if event.finish_reason:
+            self.finish_reason = event.finish_reason
+        if event.text:
+            self._output(event.text, now)
+        if event.done:
+            self.done = True
+        return event.done
 
     def _output(self, text: str, now: float) -> None:
         if self.first_output_at is None:
@@ -240,22 +248,6 @@ class StreamMeter:
             record.error = "no output in the stream"
 
 
-def _choice_output(choice: dict[str, Any]) -> str:
-    """The output a chunk's choice carries: completion text, or a chat delta's content,
-    reasoning or tool-call pieces (rendered as text for the conversation history)."""
-    if isinstance(choice.get("text"), str):
-        return choice["text"]
-    delta = choice.get("delta") or {}
-    out = ""
-    for key in ("reasoning_content", "reasoning", "content"):
-        if isinstance(delta.get(key), str):
-            out += delta[key]
-    for call in delta.get("tool_calls") or ():
-        function = call.get("function") or {}
-        out += (function.get("name") or "") + (function.get("arguments") or "")
-    return out
-
-
 def _int_or_none(value: Any) -> int | None:
     return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
@@ -283,9 +275,11 @@ def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-def resolve_endpoint(endpoint: str, workload: ServeWorkload) -> str:
+def resolve_endpoint(endpoint: str, workload: ServeWorkload, protocol: str = "chat") -> str:
+    """chat or completions; a protocol other than chat sends even one-turn prompts as a
+    conversation (Messages and Responses have no completions endpoint)."""
     if endpoint == "auto":
-        return "chat" if workload.chat_only else "completions"
+        return "chat" if workload.chat_only or protocol != "chat" else "completions"
     if endpoint == "completions" and workload.chat_only:
         raise ValueError(
             f"the {workload.name} workload is a conversation: it needs the chat endpoint"
@@ -316,8 +310,12 @@ class _Runner:
         self.t0 = time.perf_counter()
 
     def body(self, messages: list[dict[str, Any]], turn: Turn) -> dict[str, Any]:
+        if self.endpoint == "chat":
+            return request_body(self.config.protocol, self.model, messages, turn.max_tokens,
+                                self.config.temperature, self.config.ignore_eos)
         body: dict[str, Any] = {
             "model": self.model,
+            "prompt": turn.prompt,
             "max_tokens": turn.max_tokens,
             "temperature": self.config.temperature,
             "stream": True,
@@ -325,10 +323,6 @@ class _Runner:
         }
         if self.config.ignore_eos:
             body["ignore_eos"] = True
-        if self.endpoint == "chat":
-            body["messages"] = messages
-        else:
-            body["prompt"] = turn.prompt
         return body
 
     def headers(self, session: Session) -> dict[str, str]:
@@ -338,10 +332,10 @@ class _Runner:
         self, body: dict[str, Any], record: RequestRecord, headers: dict[str, str]
     ) -> None:
         """Send one streamed request and fill ``record``; never raises (except cancellation)."""
-        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+        path = PATHS[self.config.protocol] if self.endpoint == "chat" else "/v1/completions"
         start = time.perf_counter()
         record.start_s = start - self.t0
-        meter = StreamMeter(start)
+        meter = StreamMeter(start, self.config.protocol if self.endpoint == "chat" else "chat")
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 async with self.client.stream("POST", path, json=body, headers=headers) as response:
@@ -445,7 +439,7 @@ async def run_load_async(
     progress bar). ``transport`` replaces the network (tests).
     """
     config.validate()
-    endpoint = resolve_endpoint(config.endpoint, workload)
+    endpoint = resolve_endpoint(config.endpoint, workload, config.protocol)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     in_flight = config.concurrency or config.max_concurrency or 64
     limits = httpx.Limits(max_connections=in_flight + 4, max_keepalive_connections=in_flight + 4)

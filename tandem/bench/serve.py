@@ -44,6 +44,7 @@ from tandem.bench.cluster_stats import describe as describe_cluster
 from tandem.bench.cluster_stats import snapshot_workers
 from tandem.bench.cluster_stats import summarize as summarize_cluster
 from tandem.bench.load_client import RequestRecord, TrafficConfig, run_load
+from tandem.bench.protocol_wire import PROTOCOLS
 from tandem.bench.serve_flags import (
     DEFAULT_MODEL,
     KV_TIERS,
@@ -110,6 +111,7 @@ class Target:
     policy: str | None = None
     session_header: bool | None = None  # None: the --session-header flag
     kv_tiers: tuple[str, ...] = ()  # policy targets: the KV tiers below the device pool
+    protocol: str = "chat"  # the wire protocol its turns are sent in (protocol_wire.py)
 
 
 def parse_tier_sets(text: str) -> list[tuple[str, ...]]:
@@ -164,6 +166,24 @@ def plan_targets(urls: list[str], launches: list[str], policies: list[str] = (),
     if len(set(names)) != len(names):
         raise ValueError(f"target names must differ: {', '.join(names)} (use --url NAME=URL)")
     return targets
+
+
+def parse_protocols(text: str) -> list[str]:
+    """"chat,messages" -> ["chat", "messages"]: chat first, the reference the others are held to."""
+    wanted = [x.strip() for x in text.split(",") if x.strip()]
+    bad = sorted(set(wanted) - set(PROTOCOLS))
+    if bad or not wanted:
+        raise ValueError(f"--protocol {text!r}: choose from {', '.join(PROTOCOLS)}")
+    return [p for p in PROTOCOLS if p in wanted]
+
+
+def with_protocols(targets: list[Target], protocols: list[str]) -> list[Target]:
+    """Each target once per protocol; a launched one is launched afresh for each, so no run
+    finds the prefix cache another protocol's run filled. Chat keeps the target's own name."""
+    if protocols == ["chat"]:
+        return targets
+    return [dataclasses.replace(t, protocol=p, name=t.name if p == "chat" else f"{t.name}+{p}")
+            for t in targets for p in protocols]
 
 
 def workload_config(args: argparse.Namespace, max_context: int) -> WorkloadConfig:
@@ -424,6 +444,7 @@ def _vllm_version(vllm_python: str) -> str | None:
 
 
 def _for_target(config: TrafficConfig, target: Target) -> TrafficConfig:
+    config = dataclasses.replace(config, protocol=target.protocol)
     if target.session_header is None:
         return config
     return dataclasses.replace(config, session_header=target.session_header)
@@ -492,6 +513,37 @@ def policy_goal_line(outcomes: list[TargetOutcome]) -> str | None:
             f"{versus}: {'met' if ok else 'NOT met'}")
 
 
+PROTOCOL_TOLERANCE = 0.03  # TTFT and output tok/s of another protocol within 3% of chat's
+
+
+def protocol_goal_lines(outcomes: list[TargetOutcome], targets: list[Target]) -> list[str]:
+    """The agent protocols' goal: each protocol's run of a target within 3% of the same
+    target's chat run on TTFT p50 and output tok/s, with the same cached-token ratio."""
+    by_name = {o.name: o for o in outcomes}
+    lines = []
+    for target in targets:
+        if target.protocol == "chat":
+            continue
+        base = target.name.removesuffix(f"+{target.protocol}")
+        chat, other = by_name.get(base), by_name.get(target.name)
+        if chat is None or other is None or not (chat.ok and other.ok):
+            continue
+        c, o = chat.metrics, other.metrics
+        if None in (c["ttft_p50_ms"], o["ttft_p50_ms"], c["output_tok_s"], o["output_tok_s"]):
+            continue
+        ttft = o["ttft_p50_ms"] / c["ttft_p50_ms"] - 1
+        tput = o["output_tok_s"] / c["output_tok_s"] - 1
+        cached_c, cached_o = c.get("cached_pct"), o.get("cached_pct")
+        same_cache = cached_c is not None and cached_o is not None and abs(cached_c - cached_o) < 0.5
+        ok = ttft <= PROTOCOL_TOLERANCE and tput >= -PROTOCOL_TOLERANCE and same_cache
+        cache_text = (f"cached {cached_o:.1f}% vs {cached_c:.1f}%" if cached_c is not None and cached_o is not None
+                      else "cached tokens not reported")
+        lines.append(f"goal ({target.protocol} vs chat on {base}): TTFT p50 {o['ttft_p50_ms']:.0f} vs "
+                     f"{c['ttft_p50_ms']:.0f} ms ({ttft:+.1%}), output tok/s {o['output_tok_s']:.1f} vs "
+                     f"{c['output_tok_s']:.1f} ({tput:+.1%}), {cache_text}: {'met' if ok else 'NOT met'}")
+    return lines
+
+
 def tier_goal_line(outcomes: list[TargetOutcome]) -> str | None:
     """The KV tiers' goal on the agentic workload: kv_aware with every tier caches >= 95% of the
     prompt tokens, and round robin with the cluster store comes within 3 points of it."""
@@ -538,7 +590,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # httpx logs every request at INFO: thousands of lines that would bury the progress bar
     httpx_logger = logging.getLogger("httpx")
     httpx_logger.setLevel(max(httpx_logger.getEffectiveLevel(), logging.WARNING))
-    targets = plan_targets(args.url, args.launch, args.policies, parse_tier_sets(args.kv_tier_sets))
+    targets = with_protocols(plan_targets(args.url, args.launch, args.policies, parse_tier_sets(args.kv_tier_sets)),
+                             parse_protocols(args.protocol))
     config = traffic_config(args)
     ctx = LaunchContext(served_name=args.served_model_name or args.model)
     tokenizer = args.tokenizer
@@ -591,7 +644,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 )
             if not target.launch:
                 assert target.url is not None
-                outcomes.append(measure(target, target.url, workload, config, warmup))
+                outcomes.append(measure(target, target.url, workload, _for_target(config, target), warmup))
                 continue
             server: LaunchedServer | None = None
             try:
@@ -634,7 +687,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"{os.cpu_count()} CPUs"
     )
     table = format_table(outcomes, title)
-    for goal in (goal_line(outcomes, workload.name), policy_goal_line(outcomes), tier_goal_line(outcomes)):
+    for goal in (goal_line(outcomes, workload.name), policy_goal_line(outcomes), tier_goal_line(outcomes),
+                 *protocol_goal_lines(outcomes, targets)):
         if goal:
             table += "\n" + goal
     sources = tier_lines(outcomes)

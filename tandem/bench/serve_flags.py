@@ -138,6 +138,13 @@ LOAD_FLAGS = FlagTable("load", (
         help="auto: /v1/completions for fixed / random, /v1/chat/completions for agentic",
     ),
     Flag(
+        "--protocol", default="chat", metavar="LIST",
+        help="wire protocols of conversation turns, comma-separated: chat (/v1/chat/completions), "
+        "messages (Anthropic /v1/messages), responses (OpenAI /v1/responses); each target runs "
+        "once per protocol (a launched one afresh) and the report holds each to chat's figures "
+        "(default: chat)",
+    ),
+    Flag(
         "--no-ignore-eos", switch=True,
         help="do not send ignore_eos (for servers that refuse it; outputs may be shorter)",
     ),
