@@ -144,6 +144,17 @@ def test_affinity_key_precedence() -> None:
     assert affinity_key({}, {"user": 7}, None) is None
 
 
+def test_an_agents_own_session_id_comes_after_the_headers_and_before_user() -> None:
+    """The documented order (docs/routing.md): x-session-affinity, --affinity-header, the
+    agent's session (Claude Code's, Codex's, read by its protocol adapter), then `user`."""
+    body = {"user": "u1"}
+    assert affinity_key({"x-session-affinity": "s1"}, body, None, "agent") == "s1"
+    assert affinity_key({"x-conversation": "c1"}, body, "x-conversation", "agent") == "c1"
+    assert affinity_key({}, body, "x-conversation", "agent") == "agent"
+    assert affinity_key({}, body, None, None) == "u1"
+    assert affinity_key({}, body, None, "") == "u1"
+
+
 # --- the KV index ------------------------------------------------------------------------
 def _chain_route(tokens: list[int]) -> PromptRoute:
     return PromptRoute(len(tokens), token_ids=tokens)
