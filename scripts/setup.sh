@@ -20,7 +20,8 @@ command -v redis-server >/dev/null || command -v valkey-server >/dev/null \
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || MISSING+=(iproute2)
 # Chromium: the router dashboard's test drives it headless through Playwright.
 command -v chromium >/dev/null || MISSING+=(chromium)
-# Node and npm: the OpenCode agent harness (npm `opencode-ai`) runs against `tandem up` in a test.
+# Node and npm: the agent harnesses OpenCode, Claude Code and Codex (npm) run against `tandem up`
+# in tests.
 command -v npm >/dev/null || MISSING+=(nodejs npm)
 # The Mooncake Store client and master (pip, below) load these shared libraries.
 for lib in libibverbs1:libibverbs.so.1 libnuma1:libnuma.so.1 libcurl4:libcurl.so.4; do
@@ -87,5 +88,21 @@ if [ "${TANDEM_SKIP_OPENCODE:-0}" != "1" ] && command -v npm >/dev/null; then
   echo "==> installing opencode-ai into $OPENCODE_DIR"
   [ -x "$OPENCODE_DIR/node_modules/.bin/opencode" ] \
     || npm install --silent --no-audit --no-fund --prefix "$OPENCODE_DIR" opencode-ai@1.18.33
+fi
+if [ "${TANDEM_SKIP_CLAUDE_CODE:-0}" != "1" ] && command -v npm >/dev/null; then
+  # Claude Code (npm @anthropic-ai/claude-code), run unmodified against `tandem up`'s
+  # /v1/messages by its test; into a folder of its own (not `.claude`, its config folder).
+  CLAUDE_CODE_DIR="${TANDEM_CLAUDE_CODE_DIR:-.claude-code}"
+  echo "==> installing @anthropic-ai/claude-code into $CLAUDE_CODE_DIR"
+  [ -x "$CLAUDE_CODE_DIR/node_modules/.bin/claude" ] \
+    || npm install --silent --no-audit --no-fund --prefix "$CLAUDE_CODE_DIR" @anthropic-ai/claude-code@2.1.332
+fi
+if [ "${TANDEM_SKIP_CODEX:-0}" != "1" ] && command -v npm >/dev/null; then
+  # Codex CLI (npm @openai/codex), run unmodified against `tandem up`'s /v1/responses by its
+  # test; into a folder of its own (not `.codex`, which Codex reads as project config).
+  CODEX_DIR="${TANDEM_CODEX_DIR:-.openai-codex}"
+  echo "==> installing @openai/codex into $CODEX_DIR"
+  [ -x "$CODEX_DIR/node_modules/.bin/codex" ] \
+    || npm install --silent --no-audit --no-fund --prefix "$CODEX_DIR" @openai/codex@0.171.0
 fi
 echo "==> ready: $VENV/bin/tandem"
