@@ -22,6 +22,7 @@ class _Upstream:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.second_sent = threading.Event()
         upstream = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -40,9 +41,10 @@ class _Upstream:
                     for number, event in enumerate((b"event: one\ndata: {\"n\": 1}\n\n",
                                                     b"event: two\ndata: {\"n\": 2}\n\n")):
                         if number == 1:
-                            upstream.release.wait(30)
+                            upstream.release.wait(20)
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                         self.wfile.flush()
+                    upstream.second_sent.set()
                     self.wfile.write(b"0\r\n\r\n")
                     return
                 echo = json.dumps({"path": self.path, "body": body.decode(),
@@ -100,6 +102,7 @@ def test_a_stream_is_relayed_event_by_event(upstream: _Upstream) -> None:
             # The upstream holds its second event back until the first has come through.
             assert next(lines) == "event: one"
             assert next(lines) == 'data: {"n": 1}'
+            assert not upstream.second_sent.is_set(), "the first event waited for the whole answer"
             upstream.release.set()
             rest = list(lines)
         [exchange] = proxy.snapshot()
