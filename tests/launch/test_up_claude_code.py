@@ -107,7 +107,8 @@ def test_claude_code_runs_a_code_fixing_session_unmodified(
     for exchange in exchanges:  # shown if an assertion fails
         print(exchange.method, exchange.target, exchange.status)
     # Every request answered 2xx: the model's and any other Claude Code makes.
-    failed = [(e.method, e.target, e.status) for e in exchanges if not 200 <= e.status < 300]
+    failed = [(e.method, e.target, e.status, e.response[:1000].decode(errors="replace"))
+              for e in exchanges if not 200 <= e.status < 300]
     assert not failed, failed
     turns = [e for e in exchanges if e.method == "POST" and e.path == "/v1/messages"]
     assert len(turns) >= 2, f"expected at least two model requests, got {len(turns)}"
