@@ -71,8 +71,9 @@ def make_pool() -> Iterator[Callable[..., BlockPool]]:
     """Build block pools that must all be back to all-free when the test ends."""
     pools: list[BlockPool] = []
 
-    def factory(num_blocks: int, enable_caching: bool = True) -> BlockPool:
-        pool = BlockPool(num_blocks, enable_caching)
+    def factory(num_blocks: int, enable_caching: bool = True, clock: Callable[[], float] | None = None) -> BlockPool:
+        pool = BlockPool(num_blocks, enable_caching) if clock is None else BlockPool(num_blocks, enable_caching,
+                                                                                     clock=clock)
         pools.append(pool)
         return pool
 
@@ -251,8 +252,9 @@ class Engine:
     ) -> Request:
         params.setdefault("max_tokens", 8)
         kv_transfer_params = params.pop("kv_transfer_params", None)
-        request = Request(request_id, list(prompt), SamplingParams(**params), eos,
-                          kv_transfer_params=kv_transfer_params)  # type: ignore[arg-type]
+        retention = params.pop("retention", None)
+        request = Request(request_id, list(prompt), SamplingParams(**params), eos,  # type: ignore[arg-type]
+                          kv_transfer_params=kv_transfer_params, retention=retention)  # type: ignore[arg-type]
         self.scheduler.add_request(request)
         return request
 
@@ -353,8 +355,9 @@ def make_engine(make_pool: Callable[..., BlockPool]) -> Callable[..., Engine]:
         connector_worker: Callable[[FakeModel], Any] | None = None,
         max_concurrent_batches: int = 1,
         speculator: Speculator | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> Engine:
-        pool = make_pool(num_blocks, enable_caching)
+        pool = make_pool(num_blocks, enable_caching, clock)
         kv = KVCacheManager(pool, BLOCK_SIZE, ROOT)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
         scheduler = Scheduler(config, kv, max_model_len, connector, max_concurrent_batches, speculator)
