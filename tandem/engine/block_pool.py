@@ -43,6 +43,7 @@ class BlockPool:
         self._free = RetainingLRU(clock)
         for i in range(num_blocks):
             self._free.push(i)
+        self._num_free = num_blocks  # len(self._free), kept here: asked every step per request
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
         # KV events for routers (docs/prompt-caching.md): ("stored" | "removed", hash) or ("cleared", 0), in
@@ -53,11 +54,11 @@ class BlockPool:
     # --- accounting -----------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_free
 
     @property
     def num_cached_blocks(self) -> int:
@@ -76,11 +77,19 @@ class BlockPool:
     def allocate(self, count: int) -> list[KVBlock]:
         """Take `count` blocks from the head of the free queue, evicting their old contents
         (retained blocks last)."""
-        if count > len(self._free):
-            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        if count > self._num_free:
+            raise NoFreeBlocksError(f"asked for {count} blocks, {self._num_free} free")
+        if not count:
+            return []
+        self._num_free -= count
+        free = self._free
+        # Nothing retained (the common case): the plain LRU alone, inline. Nothing is retained
+        # while this runs, so the choice holds for the whole loop.
+        retained = bool(free.until)
+        popitem = free.plain.popitem
         taken = []
         for _ in range(count):
-            block = self.blocks[self._free.pop()]
+            block = self.blocks[free.pop() if retained else popitem(last=False)[0]]
             self._evict(block)
             block.ref_count = 1
             taken.append(block)
@@ -91,6 +100,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self._free.remove(block.block_id)
+                self._num_free -= 1
             block.ref_count += 1
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
@@ -100,12 +110,16 @@ class BlockPool:
         holding a cached prefix go to the back of the queue, so they survive longest; blocks
         with nothing reusable go to the front.
         """
+        plain = self._free.plain  # pushing is `plain[key] = None` (kvcache/retention.py)
         for block in blocks:
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of KV block {block.block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free.push(block.block_id, first=block.block_hash is None)
+                self._num_free += 1
+                plain[block.block_id] = None
+                if block.block_hash is None:
+                    plain.move_to_end(block.block_id, last=False)
 
     # --- prefix cache ---------------------------------------------------------------
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:
@@ -153,7 +167,8 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
-            self._free.forget(block.block_id)
+            if self._free.until:
+                self._free.forget(block.block_id)
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
                 self.num_evictions += 1

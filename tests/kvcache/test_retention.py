@@ -26,7 +26,7 @@ def drain(lru: RetainingLRU) -> list[int]:
 
 def test_without_retention_it_is_a_plain_lru() -> None:
     lru = make(range(4), FakeClock())
-    lru.push(9, first=True)
+    lru.push_first(9)
     lru.touch(0)
     assert list(lru) == [9, 1, 2, 3, 0]
     assert drain(lru) == [9, 1, 2, 3, 0]

@@ -427,7 +427,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
                     break
                 loading.append(candidate)
             for chunk_hash in reversed(loading):
-                lru.push(chunk_hash, first=True)
+                lru.push_first(chunk_hash)
             if victim is None:
                 return  # every chunk is being loaded; over budget until a load ends
             lru.forget(victim)
