@@ -85,3 +85,15 @@ def test_a_marked_prefix_survives_a_flood_an_unmarked_one_does_not(client: opena
     assert again["prompt_tokens_details"]["cache_write_tokens"] < BLOCK
     plain_again = ask(client, [{"type": "text", "text": plain_text}], "What is the last rule?")
     assert plain_again["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("control", [{"type": "ephemeral", "ttl": "2h"}, {"type": "ephemeral", "ttl": -1},
+                                     {"type": "forever"}, "yes"])
+def test_a_breakpoint_outside_the_protocol_is_a_400(server: LiveServer, control: Any) -> None:
+    body = {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief.", "cache_control": control}]},
+        {"role": "user", "content": "Hi"}]}
+    reply = server.post("/v1/chat/completions", body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+    assert server.post("/v1/chat/completions", {**body, "messages": body["messages"][1:]}).status_code == 200

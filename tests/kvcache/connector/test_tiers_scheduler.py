@@ -264,3 +264,21 @@ def test_cpu_budget_evicts_retained_chunks_last_until_their_ttl() -> None:
     assert connector.counters()["media"]["cpu"]["chunks_retained"] == 0
     compute_prompt(connector, request("y", list(range(500, 521))))
     assert connector.get_num_new_matched_tokens(request("c"), 0) == (0, False)
+
+
+def test_retention_never_lets_the_cpu_tier_exceed_its_budget() -> None:
+    """Retained chunks are evicted when nothing else is left: ordering, not pinning."""
+    from tandem.types import CacheRetention
+    from tests.support.fake_clock import FakeClock
+
+    config = EngineConfig("m", kv_tiers=KVTiersConfig(cpu_bytes=2 * CHUNK_BYTES, chunk_blocks=K))
+    connector = TiersConnectorScheduler(replace(config, cache=replace(config.cache, block_size=B)),
+                                        clock=FakeClock())
+    connector.set_worker_info([{"chunk_bytes": CHUNK_BYTES}])
+    for request_id, prompt in (("a", PROMPT), ("x", list(range(300, 321)))):
+        req = request(request_id, prompt)
+        req.retention = CacheRetention(2 * K * B, 3600.0)
+        compute_prompt(connector, req)
+    cpu = connector.counters()["media"]["cpu"]
+    assert cpu["blocks"] == 2 * K and cpu["chunks_retained"] == 2  # the evicted ones are no longer retained
+    assert connector.get_num_new_matched_tokens(request("b"), 0) == (0, False)  # the older pair went
