@@ -40,7 +40,9 @@ def assert_pool_consistent(pool: BlockPool) -> None:
     """The pool's own accounting agrees with its blocks."""
     idle = [b for b in pool.blocks if b.ref_count == 0]
     assert all(b.ref_count >= 0 for b in pool.blocks)
-    assert pool.num_free_blocks == len(idle)
+    assert pool.num_free_blocks == len(idle) == len(pool._free)
+    # Retention marks only blocks holding a cached prefix (a breakpoint's, block_pool.retain).
+    assert all(pool.blocks[i].block_hash is not None for i in pool._free.until)
     assert pool.num_used_blocks == pool.num_blocks - len(idle)
     hashed = [b for b in pool.blocks if b.block_hash is not None]
     assert pool.num_cached_blocks == len(hashed)
