@@ -128,6 +128,35 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+# The longest a prompt-caching breakpoint keeps a prefix ahead of others (Anthropic's "1h").
+MAX_RETENTION_SECONDS = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRetention:
+    """Keep the KV of a prompt's first `tokens` tokens ahead of unmarked prefixes under eviction
+    pressure for `seconds` (a client's cache breakpoint and its TTL; docs/prompt-caching.md).
+
+    Protocol-neutral: the API layer derives it from whatever the client marked. It orders
+    eviction and never pins memory, so any valid value is safe for the engine."""
+
+    tokens: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError unless tokens is an integer >= 0 and seconds a number in [0, 3600].
+        The engine calls it again on what reaches it (an unpickled message skips __init__)."""
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
+            raise ValueError(f"cache retention tokens must be an integer >= 0, got {self.tokens!r}")
+        seconds = self.seconds
+        if (isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds)
+                or not 0 <= seconds <= MAX_RETENTION_SECONDS):
+            raise ValueError(f"cache retention seconds must be in [0, {MAX_RETENTION_SECONDS:.0f}], got {seconds!r}")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     # Blocks allocated, their KV arriving from elsewhere (a KV connector's asynchronous
@@ -177,6 +206,7 @@ class Request:
     # consumer (prefix cache, KV connectors, handoffs) reads them from here.
     block_hashes: list[int] = field(default_factory=list)
     cache_salt: str | None = None  # isolates a tenant's cache: the chain's root is salted
+    retention: CacheRetention | None = None  # keep its prompt's marked prefix ahead of others
     # A KV connector's instructions for this request (e.g. the prefill/decode handoff).
     kv_transfer_params: dict[str, Any] | None = None
     # Guesses a worker-side proposer (a draft model) made after the last step, to verify next.
@@ -260,6 +290,7 @@ class EngineLoad:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_blocks_cached: int = 0  # blocks holding a hashed, reusable prefix (in use or free)
+    kv_blocks_retained: int = 0  # of which kept ahead of others by a cache breakpoint, now
     prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
     prefix_cache_hits: int = 0  # of which found cached, cumulative
     connector_loaded_tokens: int = 0  # prompt tokens a connector loaded (handoff, KV tiers), cumulative

@@ -144,3 +144,20 @@ def test_request_status_finished() -> None:
 def test_completion_output_finished() -> None:
     assert not CompletionOutput(0, "", []).finished
     assert CompletionOutput(0, "hi", [1], finish_reason="stop").finished
+
+
+@pytest.mark.parametrize(("tokens", "seconds"), [(-1, 300.0), (1.5, 300.0), (True, 300.0), (10, -1.0),
+                                                 (10, 3601.0), (10, float("nan")), (10, float("inf")),
+                                                 (10, "300")])
+def test_cache_retention_is_range_checked(tokens: object, seconds: object) -> None:
+    from tandem.types import CacheRetention
+
+    with pytest.raises(ValueError, match="cache retention"):
+        CacheRetention(tokens, seconds)  # type: ignore[arg-type]
+
+
+def test_cache_retention_takes_the_bounds() -> None:
+    from tandem.types import CacheRetention
+
+    assert CacheRetention(0, 0.0).seconds == 0.0
+    assert CacheRetention(10**9, 3600).tokens == 10**9

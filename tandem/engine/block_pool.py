@@ -3,13 +3,20 @@
 A block whose reference count drops to zero is not forgotten: it joins the free queue with
 its hash intact and can be revived by a later request with the same prefix, until the queue
 hands it out again (least recently freed first). Torch-free by design.
+
+A cached block may be *retained* until a deadline (a prompt-caching breakpoint's TTL,
+`retain`): the free queue then hands it out only when no ordinary free block is left
+(kvcache/retention.py). Retention orders eviction, it never pins: every free block, retained
+or not, counts as free, so no allocation fails because of it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from tandem.kvcache.retention import Clock, RetainingLRU
 
 
 @dataclass
@@ -25,14 +32,18 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False,
+                 clock: Clock = time.monotonic) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Insertion order is eviction order: the head is reused first.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Eviction order: the head is reused first, retained blocks after every other one.
+        self._free = RetainingLRU(clock)
+        for i in range(num_blocks):
+            self._free.push(i)
+        self._num_free = num_blocks  # len(self._free), kept here: asked every step per request
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
         # KV events for routers (docs/prompt-caching.md): ("stored" | "removed", hash) or ("cleared", 0), in
@@ -43,15 +54,20 @@ class BlockPool:
     # --- accounting -----------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_free
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Cached blocks retained now (in use or free)."""
+        return self._free.num_retained()
 
     @property
     def usage(self) -> float:
@@ -59,13 +75,21 @@ class BlockPool:
 
     # --- allocation -----------------------------------------------------------------
     def allocate(self, count: int) -> list[KVBlock]:
-        """Take `count` blocks from the head of the free queue, evicting their old contents."""
-        if count > len(self._free):
-            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        """Take `count` blocks from the head of the free queue, evicting their old contents
+        (retained blocks last)."""
+        if count > self._num_free:
+            raise NoFreeBlocksError(f"asked for {count} blocks, {self._num_free} free")
+        if not count:
+            return []
+        self._num_free -= count
+        free = self._free
+        # Nothing retained (the common case): the plain LRU alone, inline. Nothing is retained
+        # while this runs, so the choice holds for the whole loop.
+        retained = bool(free.until)
+        popitem = free.plain.popitem
         taken = []
         for _ in range(count):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self.blocks[free.pop() if retained else popitem(last=False)[0]]
             self._evict(block)
             block.ref_count = 1
             taken.append(block)
@@ -75,7 +99,8 @@ class BlockPool:
         """Take a reference on cache-hit blocks, reviving them from the free queue if idle."""
         for block in blocks:
             if block.ref_count == 0:
-                del self._free[block.block_id]
+                self._free.remove(block.block_id)
+                self._num_free -= 1
             block.ref_count += 1
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
@@ -85,14 +110,16 @@ class BlockPool:
         holding a cached prefix go to the back of the queue, so they survive longest; blocks
         with nothing reusable go to the front.
         """
+        plain = self._free.plain  # pushing is `plain[key] = None` (kvcache/retention.py)
         for block in blocks:
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of KV block {block.block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = None
+                self._num_free += 1
+                plain[block.block_id] = None
                 if block.block_hash is None:
-                    self._free.move_to_end(block.block_id, last=False)
+                    plain.move_to_end(block.block_id, last=False)
 
     # --- prefix cache ---------------------------------------------------------------
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:
@@ -115,6 +142,15 @@ class BlockPool:
             self.events.append(("stored", block_hash))
         return True
 
+    def retain(self, blocks: Iterable[KVBlock], seconds: float) -> None:
+        """Keep these cached blocks behind unretained free ones for `seconds` from now (a later
+        call extends, never shortens). Blocks holding no cached prefix are skipped."""
+        free = self._free
+        until = free.clock() + seconds
+        for block in blocks:
+            if block.block_hash is not None:
+                free.retain(block.block_id, until)
+
     def drain_events(self) -> list[tuple[str, int]]:
         events, self.events = self.events, []
         return events
@@ -131,6 +167,8 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
+            if self._free.until:
+                self._free.forget(block.block_id)
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
                 self.num_evictions += 1

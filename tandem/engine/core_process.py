@@ -94,7 +94,8 @@ class EngineCoreProc:
             try:
                 core.add_request(EngineCoreRequest(message.request_id, message.prompt_token_ids, message.params,
                                                    message.prior_output_ids, message.kv_transfer_params,
-                                                   message.cache_salt))
+                                                   message.cache_salt,
+                                                   retention=message.retention))
             except Exception as exc:  # refused (ValueError) or not understood: that request alone fails
                 message_text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
                 out.deltas.append(RequestDelta(message.request_id, [], True, 0, error=message_text))

@@ -32,7 +32,7 @@ from tandem.executor.factory import make_executor
 from tandem.kvcache.block_hash import root_hash
 from tandem.kvcache.connector.factory import make_connector_scheduler
 from tandem.spec.factory import make_speculator
-from tandem.types import EngineLoad, Request, RequestStatus, SamplingParams
+from tandem.types import CacheRetention, EngineLoad, Request, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class EngineCoreRequest:
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    retention: CacheRetention | None = None  # keep the prompt's marked prefix cached ahead of others
 
 
 @dataclass
@@ -133,7 +134,7 @@ class EngineCore:
             sequences.append(Request(seq_id, list(request.prompt_token_ids), child_params, self.eos_token_ids,
                                      arrival_time=request.arrival_time,
                                      output_token_ids=list(request.prior_output_ids or []),
-                                     cache_salt=request.cache_salt,
+                                     cache_salt=request.cache_salt, retention=request.retention,
                                      kv_transfer_params=request.kv_transfer_params))
         group = _Group(request_id, sequences, set(range(params.n)))
         first = sequences[0]
@@ -151,6 +152,10 @@ class EngineCore:
         """The engine's own range checks (ValueError), behind the edge's: whatever reaches the
         core (a peer's handoff tokens, a caller of `LLM`) is held to what the model can take."""
         request.params.validate(vocab_size=self.model_config.vocab_size)
+        if request.retention is not None:
+            if not isinstance(request.retention, CacheRetention):
+                raise ValueError("retention must be a CacheRetention")
+            request.retention.validate()
         vocab = self.model_config.vocab_size
         for name, tokens in (("prompt", request.prompt_token_ids), ("prior output", request.prior_output_ids or [])):
             if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
@@ -349,6 +354,7 @@ class EngineCore:
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_total=pool.num_blocks,
             kv_blocks_cached=pool.num_cached_blocks,
+            kv_blocks_retained=pool.num_retained_blocks,
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
             connector_loaded_tokens=scheduler.stats.num_loaded_tokens,

@@ -2,6 +2,10 @@
 
 Torch-free. The scheduler asks it two questions: how much of a new request's prompt is
 already cached, and whether there is room for the next N tokens of a running request.
+
+A request with a `retention` (a cache breakpoint) has the full blocks of its marked prefix
+retained in the pool for its TTL as they are cached, and again whenever it hits them: they are
+evicted after every unretained free block (block_pool.py).
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ class KVCacheManager:
                 del self._blocks[request.request_id]
             return False
         self.pool.touch(computed_blocks)
+        if computed_blocks and request.retention is not None:
+            self._retain(request, len(held), computed_blocks)  # a hit extends the prefix's retention
         held.extend(computed_blocks)
         held.extend(self.pool.allocate(num_new_blocks))
         if computed_blocks:
@@ -128,7 +134,18 @@ class KVCacheManager:
         for index in range(done, num_full):
             start = index * self.block_size
             self.pool.cache(held[index], hashes[index], request.all_token_ids[start : start + self.block_size])
+        if request.retention is not None:
+            self._retain(request, done, held[done:num_full])
         self._num_cached_blocks[request.request_id] = max(done, num_full)
+
+    def _retain(self, request: Request, first: int, blocks: list[KVBlock]) -> None:
+        """Retain those of `blocks` (the request's from index `first` on) that lie wholly within
+        its retained prefix, for its TTL from now."""
+        retention = request.retention
+        assert retention is not None
+        end = retention.tokens // self.block_size - first
+        if end > 0:
+            self.pool.retain(blocks[:end], retention.seconds)
 
     def free(self, request: Request, hold_blocks: int = 0) -> list[KVBlock]:
         """Release the blocks of a finished or preempted request (tail first, for LRU).

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.types import EngineLoad, SamplingParams, TokenLogprob
+from tandem.types import CacheRetention, EngineLoad, SamplingParams, TokenLogprob
 
 
 # --- server -> core ----------------------------------------------------------------------
@@ -22,6 +22,7 @@ class AddRequest:
     prior_output_ids: list[int] | None = None  # generated elsewhere (a prefill worker's first token)
     kv_transfer_params: dict[str, Any] | None = None  # for the KV connectors (the PD handoff)
     cache_salt: str | None = None
+    retention: CacheRetention | None = None  # keep the prompt's marked prefix cached ahead of others
 
 
 @dataclass

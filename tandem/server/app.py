@@ -117,6 +117,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             "kv_blocks_used": current.kv_blocks_used,
             "kv_blocks_total": current.kv_blocks_total,
             "kv_blocks_cached": current.kv_blocks_cached,
+            "kv_blocks_retained": current.kv_blocks_retained,
             "kv_usage": current.kv_usage,
             "block_size": serving.client.info.block_size,
             "max_model_len": serving.max_model_len,

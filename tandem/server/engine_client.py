@@ -42,7 +42,7 @@ from tandem.engine.messages import (
     Shutdown,
 )
 from tandem.kvcache.events import KVEventLog
-from tandem.types import EngineLoad, SamplingParams
+from tandem.types import CacheRetention, EngineLoad, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,8 @@ class AsyncEngineClient:
 
     # --- requests -------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       handoff: Handoff | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+                       handoff: Handoff | None = None, cache_salt: str | None = None,
+                       retention: CacheRetention | None = None) -> AsyncIterator[RequestDelta]:
         """Deltas of one request until it finishes; abort it if the consumer stops early."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -231,7 +232,7 @@ class AsyncEngineClient:
         try:
             handoff = handoff or Handoff()
             message = AddRequest(request_id, prompt_token_ids, params, handoff.prior_output_ids or None,
-                                 handoff.kv_transfer_params, cache_salt)
+                                 handoff.kv_transfer_params, cache_salt, retention)
             if not self._send(message):
                 raise EngineDeadError("the engine core does not take requests")
             while not finished:

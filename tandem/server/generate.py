@@ -15,7 +15,7 @@ from typing import Any
 
 from tandem.engine.output_processor import RequestStep, RequestText
 from tandem.server.engine_client import AsyncEngineClient, Handoff
-from tandem.types import SamplingParams
+from tandem.types import CacheRetention, SamplingParams
 
 
 @dataclass
@@ -50,11 +50,11 @@ def request_text(tokenizer: Any, prompt_token_ids: list[int], params: SamplingPa
 async def process_request(
     client: AsyncEngineClient, tokenizer: Any, request_id: str, prompt_token_ids: list[int],
     params: SamplingParams, timings: RequestTimings, handoff: Handoff | None = None,
-    cache_salt: str | None = None,
+    cache_salt: str | None = None, retention: CacheRetention | None = None,
 ) -> AsyncIterator[RequestStep]:
     """Run one request on the engine and yield its text steps until every sequence is done."""
     text = request_text(tokenizer, prompt_token_ids, params, handoff)
-    async with aclosing(client.generate(request_id, prompt_token_ids, params, handoff, cache_salt)) as deltas:
+    async with aclosing(client.generate(request_id, prompt_token_ids, params, handoff, cache_salt, retention)) as deltas:
         async for delta in deltas:
             timings.observe(delta.queue_seconds, any(s.token_ids for s in delta.sequences))
             step, stopped = text.process(delta)

@@ -59,6 +59,8 @@ class _EngineStateCollector(Collector):
         yield gauge("num_waiting_prefill_tokens", "Prompt tokens not yet computed.", load.waiting_prefill_tokens)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", load.kv_usage)
         yield gauge("kv_cache_blocks_total", "KV blocks in the pool.", load.kv_blocks_total)
+        yield gauge("kv_blocks_retained", "Cached KV blocks a cache breakpoint keeps ahead of others (its TTL).",
+                    load.kv_blocks_retained)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       load.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", load.prefix_cache_hits)
@@ -120,7 +122,7 @@ def tier_blocks(load: EngineLoad) -> dict[str, dict[str, Any]]:
     """Blocks per tier for /load: the device pool's, then each KV tier's that this worker runs."""
     tiers: dict[str, dict[str, Any]] = {
         "device": {"blocks_used": load.kv_blocks_used, "blocks_total": load.kv_blocks_total,
-                   "blocks_cached": load.kv_blocks_cached}}
+                   "blocks_cached": load.kv_blocks_cached, "blocks_retained": load.kv_blocks_retained}}
     for medium, stats in load.connector("kv_tiers").get("media", {}).items():
         entry = {"blocks": int(stats.get("blocks", 0))}
         if "budget_bytes" in stats:

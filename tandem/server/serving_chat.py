@@ -15,6 +15,7 @@ from tandem.edge.disconnect import unless_disconnected
 from tandem.edge.errors import bad_request
 from tandem.edge.limits import check_shape
 from tandem.edge.openai_protocol import ChatCompletionRequest
+from tandem.server.cache_retention import chat_retention
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
 from tandem.server.engine_client import Handoff
 from tandem.server.generate import RequestTimings, process_request, request_text
@@ -26,7 +27,7 @@ from tandem.server.serving import (
 )
 from tandem.server.tool_parsers import ToolParser
 from tandem.trust.access import is_peer
-from tandem.types import SamplingParams, TokenLogprob
+from tandem.types import CacheRetention, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ChatRun:
     cached_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     breakpoint_tokens: int | None = None  # prompt tokens up to the last cache_control breakpoint
+    retention: CacheRetention | None = None  # that prefix kept cached ahead of others for its TTL
 
     def usage(self) -> dict[str, Any]:
         """Chat usage; with a cache breakpoint, the tokens written up to it that were not read
@@ -113,6 +115,7 @@ def prepare_chat(state: ServingState, body: ChatCompletionRequest, raw: Request)
         return_token_ids=body.return_token_ids,
         completion_tokens=len(handoff.prior_output_ids) if handoff else 0,
         breakpoint_tokens=breakpoint_tokens,
+        retention=chat_retention(body.messages, breakpoint_tokens),
     )
     return run, headers
 
@@ -159,7 +162,8 @@ async def chat_reply(state: ServingState, run: ChatRun) -> dict[str, Any]:
     token_ids: list[int] = []
     kv_transfer, loaded = None, 0
     async with aclosing(process_request(state.client, state.tokenizer, run.request_id, run.prompt_token_ids,
-                                        run.params, run.timings, run.handoff, run.cache_salt)) as steps:
+                                        run.params, run.timings, run.handoff, run.cache_salt,
+                                        run.retention)) as steps:
         async for step in steps:
             run.cached_tokens = step.num_cached_tokens
             kv_transfer = step.kv_transfer_params or kv_transfer
@@ -227,7 +231,7 @@ async def chat_chunks(state: ServingState, run: ChatRun) -> AsyncIterator[dict[s
                   "finish_reason": None} for i in range(n)])
     async with aclosing(process_request(state.client, state.tokenizer, run.request_id,
                                         run.prompt_token_ids, run.params, run.timings,
-                                        run.handoff, run.cache_salt)) as steps:
+                                        run.handoff, run.cache_salt, run.retention)) as steps:
         async for step in steps:
             run.cached_tokens = step.num_cached_tokens
             choices = []

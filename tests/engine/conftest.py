@@ -40,7 +40,9 @@ def assert_pool_consistent(pool: BlockPool) -> None:
     """The pool's own accounting agrees with its blocks."""
     idle = [b for b in pool.blocks if b.ref_count == 0]
     assert all(b.ref_count >= 0 for b in pool.blocks)
-    assert pool.num_free_blocks == len(idle)
+    assert pool.num_free_blocks == len(idle) == len(pool._free)
+    # Retention marks only blocks holding a cached prefix (a breakpoint's, block_pool.retain).
+    assert all(pool.blocks[i].block_hash is not None for i in pool._free.until)
     assert pool.num_used_blocks == pool.num_blocks - len(idle)
     hashed = [b for b in pool.blocks if b.block_hash is not None]
     assert pool.num_cached_blocks == len(hashed)
@@ -71,8 +73,9 @@ def make_pool() -> Iterator[Callable[..., BlockPool]]:
     """Build block pools that must all be back to all-free when the test ends."""
     pools: list[BlockPool] = []
 
-    def factory(num_blocks: int, enable_caching: bool = True) -> BlockPool:
-        pool = BlockPool(num_blocks, enable_caching)
+    def factory(num_blocks: int, enable_caching: bool = True, clock: Callable[[], float] | None = None) -> BlockPool:
+        pool = BlockPool(num_blocks, enable_caching) if clock is None else BlockPool(num_blocks, enable_caching,
+                                                                                     clock=clock)
         pools.append(pool)
         return pool
 
@@ -251,8 +254,9 @@ class Engine:
     ) -> Request:
         params.setdefault("max_tokens", 8)
         kv_transfer_params = params.pop("kv_transfer_params", None)
-        request = Request(request_id, list(prompt), SamplingParams(**params), eos,
-                          kv_transfer_params=kv_transfer_params)  # type: ignore[arg-type]
+        retention = params.pop("retention", None)
+        request = Request(request_id, list(prompt), SamplingParams(**params), eos,  # type: ignore[arg-type]
+                          kv_transfer_params=kv_transfer_params, retention=retention)  # type: ignore[arg-type]
         self.scheduler.add_request(request)
         return request
 
@@ -353,8 +357,9 @@ def make_engine(make_pool: Callable[..., BlockPool]) -> Callable[..., Engine]:
         connector_worker: Callable[[FakeModel], Any] | None = None,
         max_concurrent_batches: int = 1,
         speculator: Speculator | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> Engine:
-        pool = make_pool(num_blocks, enable_caching)
+        pool = make_pool(num_blocks, enable_caching, clock)
         kv = KVCacheManager(pool, BLOCK_SIZE, ROOT)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
         scheduler = Scheduler(config, kv, max_model_len, connector, max_concurrent_batches, speculator)

@@ -13,7 +13,7 @@ import pytest
 
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine_core import EngineCore, EngineCoreRequest
-from tandem.types import SamplingParams
+from tandem.types import CacheRetention, SamplingParams
 
 PROMPTS = {
     "a": [1, 504, 3458, 282, 4118, 314, 2],
@@ -94,4 +94,11 @@ def test_a_request_the_engine_cannot_take_is_refused_at_add(core: EngineCore) ->
     params.top_k = vocab + 1
     with pytest.raises(ValueError):
         core.add_request(EngineCoreRequest("x4", [1, 2, 3], params))
+    # A retention hint that skipped its constructor's checks (an unpickled message does).
+    retention = object.__new__(CacheRetention)
+    object.__setattr__(retention, "tokens", -5)
+    object.__setattr__(retention, "seconds", float("nan"))
+    for hint in (retention, "keep it"):
+        with pytest.raises(ValueError, match="retention"):
+            core.add_request(EngineCoreRequest("x5", [1, 2, 3], _greedy(), retention=hint))  # type: ignore[arg-type]
     assert not core.has_unfinished()

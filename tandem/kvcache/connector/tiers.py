@@ -8,7 +8,10 @@ key names the whole prefix, the model, its revision and the cache salt.
 worker side, after the forward pass, copies the chunk's blocks out of the KV cache:
 
 * into the **CPU tier** (write-through, every chunk; a dict of tensors in the worker's memory
-  under a byte budget whose LRU the scheduler side keeps, so lookups never ask the worker);
+  under a byte budget whose LRU the scheduler side keeps, so lookups never ask the worker).
+  A chunk inside a request's retained prefix (a cache breakpoint, `Request.retention`) is
+  evicted after every unretained one until its TTL ends, as in the device pool
+  (kvcache/retention.py);
 * to the **disk tier** and the **cluster store** through one writer thread with a bounded
   queue: a full queue drops the write (counted) and the step never waits. Only admitted chunks
   are written there, so one-shot prompts stay out: a chunk seen in at least `admit_after`
@@ -55,6 +58,7 @@ from tandem.kvcache.connector.base import (
     KVConnectorOutput,
     KVConnectorScheduler,
 )
+from tandem.kvcache.retention import Clock, RetainingLRU
 from tandem.kvcache.tiers.chunk import chunk_key
 from tandem.kvcache.tiers.cost import CostModel
 from tandem.kvcache.tiers.metadata import ChunkLoad, EvictSpec, LoadSpec, SaveSpec, TiersMetadata
@@ -107,7 +111,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
     name = "tiers"
     section = "kv_tiers"
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, clock: Clock = time.monotonic) -> None:
         self.config = config.kv_tiers
         self.block_size = config.cache.block_size
         self.chunk_blocks = self.config.chunk_blocks
@@ -121,7 +125,8 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         self._cpu_blocks = 0  # blocks the CPU tier holds, for its budget
         self._holds: set[str] = set()  # finished requests' tails being copied out
         self._cpu_budget = self.config.cpu_bytes
-        self._cpu: OrderedDict[int, list[int]] = OrderedDict()  # chunk hash -> its block hashes (LRU)
+        self._cpu: dict[int, list[int]] = {}  # chunk hash -> its block hashes
+        self._cpu_lru = RetainingLRU(clock)  # the CPU tier's chunk hashes, in eviction order
         self._sightings: OrderedDict[int, int] = OrderedDict()
         # chunk hash -> the slow media known to hold it (from confirmed writes and probes)
         self._known: OrderedDict[int, set[str]] = OrderedDict()
@@ -371,7 +376,8 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         chunk_hash = request.block_hashes[end - 1]
         in_cpu = chunk_hash in self._cpu
         if in_cpu:
-            self._cpu.move_to_end(chunk_hash)
+            self._cpu_lru.touch(chunk_hash)
+            self._retain_cpu(request, chunk_hash, end)
         to_cpu = bool(self._cpu_budget) and not in_cpu
         to_slow = self._slow_targets(chunk_hash, admitted)
         if not to_cpu and not to_slow:
@@ -384,10 +390,20 @@ class TiersConnectorScheduler(KVConnectorScheduler):
             self._pending[chunk_hash] = (set(to_slow), block_hashes)
         if to_cpu:
             self._cpu[chunk_hash] = block_hashes
+            self._cpu_lru.push(chunk_hash)
+            self._retain_cpu(request, chunk_hash, end)
             self._cpu_blocks += num_blocks
             self._events += [("stored", h, "cpu") for h in block_hashes]
             self._evict_cpu()
         return True
+
+    def _retain_cpu(self, request: Request, chunk_hash: int, end_block: int) -> None:
+        """Retain a CPU chunk ending at block `end_block` if it lies within the request's
+        retained prefix, for its TTL from now (a later request extends it)."""
+        retention = request.retention
+        if retention is not None and end_block * self.block_size <= retention.tokens:
+            lru = self._cpu_lru
+            lru.retain(chunk_hash, lru.clock() + retention.seconds)
 
     def _slow_targets(self, chunk_hash: int, admitted: bool | None = None) -> tuple[str, ...]:
         if not self.slow_media or chunk_hash in self._pending:
@@ -400,10 +416,21 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         return tuple(m for m in self.slow_media if m not in known)
 
     def _evict_cpu(self) -> None:
+        lru = self._cpu_lru
         while self._cpu_blocks * self._block_bytes > self._cpu_budget:
-            victim = next((h for h in self._cpu if h not in self._inflight), None)
+            loading: list[int] = []  # chunks being loaded: they stay, in their place
+            victim = None
+            while lru:
+                candidate = lru.pop()
+                if candidate not in self._inflight:
+                    victim = candidate
+                    break
+                loading.append(candidate)
+            for chunk_hash in reversed(loading):
+                lru.push_first(chunk_hash)
             if victim is None:
                 return  # every chunk is being loaded; over budget until a load ends
+            lru.forget(victim)
             block_hashes = self._cpu.pop(victim)
             self._cpu_blocks -= len(block_hashes)
             demote = self._slow_targets(victim)
@@ -519,7 +546,7 @@ class TiersConnectorScheduler(KVConnectorScheduler):
                                               if m in ("cpu", "disk", "cluster")}
         cpu = media.setdefault("cpu", {})
         cpu.update(blocks=self._cpu_blocks, bytes=self._cpu_blocks * self._block_bytes,
-                   budget_bytes=self._cpu_budget)
+                   budget_bytes=self._cpu_budget, chunks_retained=self._cpu_lru.num_retained())
         for medium, hits in c.chunk_hits.items():
             if medium == "cpu" or medium in self.slow_media:
                 media.setdefault(medium, {})["chunk_hits"] = hits

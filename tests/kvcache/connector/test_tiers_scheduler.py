@@ -242,3 +242,43 @@ def test_a_finished_requests_tail_is_saved_under_a_hold_and_found_by_the_next() 
     connector.update_state_after_alloc(nxt, list(range(20, 27)), 20)
     chunks = connector.build_connector_meta(SchedulerOutput()).loads[0].chunks
     assert [(c.num_blocks, c.dest_block_ids) for c in chunks] == [(2, [20, 21]), (2, [22, 23]), (1, [24])]
+
+
+def test_cpu_budget_evicts_retained_chunks_last_until_their_ttl() -> None:
+    """A cache breakpoint's chunks stay in the CPU tier while unmarked ones go, until the TTL."""
+    from tandem.types import CacheRetention
+    from tests.support.fake_clock import FakeClock
+
+    clock = FakeClock()
+    config = EngineConfig("m", kv_tiers=KVTiersConfig(cpu_bytes=2 * CHUNK_BYTES, chunk_blocks=K))
+    connector = TiersConnectorScheduler(replace(config, cache=replace(config.cache, block_size=B)), clock=clock)
+    connector.set_worker_info([{"chunk_bytes": CHUNK_BYTES}])
+    marked = request("a")
+    marked.retention = CacheRetention(2 * K * B, 300.0)  # both chunks
+    compute_prompt(connector, marked)
+    assert connector.counters()["media"]["cpu"]["chunks_retained"] == 2
+    meta = compute_prompt(connector, request("x", list(range(300, 321))))
+    assert len(meta.evictions) == 2  # the unmarked newcomers, not the older marked chunks
+    assert connector.get_num_new_matched_tokens(request("b"), 0) == (16, True)
+    clock.advance(300)
+    assert connector.counters()["media"]["cpu"]["chunks_retained"] == 0
+    compute_prompt(connector, request("y", list(range(500, 521))))
+    assert connector.get_num_new_matched_tokens(request("c"), 0) == (0, False)
+
+
+def test_retention_never_lets_the_cpu_tier_exceed_its_budget() -> None:
+    """Retained chunks are evicted when nothing else is left: ordering, not pinning."""
+    from tandem.types import CacheRetention
+    from tests.support.fake_clock import FakeClock
+
+    config = EngineConfig("m", kv_tiers=KVTiersConfig(cpu_bytes=2 * CHUNK_BYTES, chunk_blocks=K))
+    connector = TiersConnectorScheduler(replace(config, cache=replace(config.cache, block_size=B)),
+                                        clock=FakeClock())
+    connector.set_worker_info([{"chunk_bytes": CHUNK_BYTES}])
+    for request_id, prompt in (("a", PROMPT), ("x", list(range(300, 321)))):
+        req = request(request_id, prompt)
+        req.retention = CacheRetention(2 * K * B, 3600.0)
+        compute_prompt(connector, req)
+    cpu = connector.counters()["media"]["cpu"]
+    assert cpu["blocks"] == 2 * K and cpu["chunks_retained"] == 2  # the evicted ones are no longer retained
+    assert connector.get_num_new_matched_tokens(request("b"), 0) == (0, False)  # the older pair went
