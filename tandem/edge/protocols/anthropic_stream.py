@@ -11,7 +11,8 @@ after the start is one `error` event, and nothing follows it.
 Blocks are split as the whole reply splits them (anthropic_reply.py), so the events of a
 stream accumulate to the reply of the same output however the output was chunked. One
 exception: text the model writes after a tool call has to open a new text block after the
-call in a stream, where the whole reply has one text block before the calls.
+call in a stream, where the whole reply has one text block before the calls; the text blocks
+of the stream still join to the reply's text.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class MessagesStream(StreamTranslator):
         self.index = -1  # the current block's index
         self.kind: str | None = None  # the open block's type, None when none is open
         self.blocks: dict[int, int] = {}  # a chat tool call's index → its block's index
-        self.pending = ""  # trailing whitespace of the text, sent once more text follows
+        # Trailing whitespace of the text, sent once more text follows; beside tool calls,
+        # whitespace that no text follows is dropped at the end (as the whole reply drops it).
+        self.pending = ""
         self.called = False
         self.finish_reason: Any = None
         self.matched: Any = None
@@ -147,7 +150,6 @@ class MessagesStream(StreamTranslator):
         out: list[str] = []
         if position not in self.blocks:
             self.called = True
-            self.pending = ""  # whitespace before a call is not text (the whole reply drops it)
             out += self._open({"type": "tool_use", "id": call.get("id") or "toolu_" + secrets.token_hex(12),
                                "name": function.get("name") or "", "input": {}})
             self.blocks[position] = self.index

@@ -400,6 +400,22 @@ def test_the_stream_accumulates_to_the_reply_at_every_split_point(name: str) -> 
         assert accumulate(stream_events(translated, chunks)) == expected, chunks
 
 
+def test_text_after_a_call_is_a_block_of_its_own_in_a_stream() -> None:
+    """The one difference between a stream and its whole reply: a stream cannot put text that
+    comes after a call before it. No text is lost: the text blocks join to the reply's text."""
+    translated = to_chat(minimal(stream=True, tools=[WEATHER]))
+    content, calls = ["Sure.\n", "\nDone. "], [("call_1", "get_weather", ['{"city": "Rome"}'])]
+    chunks = chat_chunks(content[:1], calls, "tool_calls")
+    chunks.insert(-2, chat_chunks(content[1:], [], "tool_calls")[1])  # text after the call
+    streamed = accumulate(stream_events(translated, chunks))
+    reply = asyncio.run(MessagesAdapter().reply(chat_reply("".join(content), [
+        ("call_1", "get_weather", '{"city": "Rome"}')], "tool_calls"), translated))
+    assert [b["type"] for b in streamed["content"]] == ["text", "tool_use", "text"]
+    assert [b["type"] for b in reply["content"]] == ["text", "tool_use"]
+    assert "".join(b["text"] for b in streamed["content"] if b["type"] == "text") == reply["content"][0]["text"]
+    assert streamed["content"][1] == reply["content"][1]
+
+
 def test_replies_say_what_the_output_was() -> None:
     translated = to_chat(minimal(tools=[WEATHER], thinking={"type": "adaptive"}, stop_sequences=["END"]))
     reply = asyncio.run(MessagesAdapter().reply(chat_reply(*(
