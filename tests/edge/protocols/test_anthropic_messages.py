@@ -8,9 +8,11 @@ import asyncio
 import copy
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from tandem.edge.errors import APIError, error_body
 from tandem.edge.openai_protocol import ChatCompletionRequest
@@ -263,6 +265,48 @@ HOSTILE: dict[str, Any] = {
 def test_hostile_requests_are_400s_in_anthropic_shape(name: str) -> None:
     body = refusal(HOSTILE[name])
     assert body["error"]["message"] and set(body) == {"type", "error"}
+
+
+def _paths(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield path
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _paths(child, (*path, key))
+
+
+def _replaced(body: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    out = copy.copy(body)
+    out[path[0]] = _replaced(body[path[0]], path[1:], value)
+    return out
+
+
+def test_any_field_of_a_claude_code_request_swapped_for_junk_is_served_or_a_400() -> None:
+    """Every value of a Claude Code body, in turn, replaced by a value of another type: the
+    adapter and the chat form take it or refuse it with a 400, never anything else."""
+    history = [{"role": "user", "content": [{"type": "text", "text": "Fix add.", "cache_control": {"type": "ephemeral"}}]},
+               {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                                 {"type": "tool_use", "id": "t1", "name": "Read",
+                                                  "input": {"file_path": "calc.py"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": False,
+                                             "content": [{"type": "text", "text": "def add(a, b):"}]}]}]
+    body = claude_code.body(history, tools=claude_code.TOOLS[:2], stop_sequences=["END"])
+    adapter = MessagesAdapter()
+    cases = 0
+    for path in _paths(body):
+        if "input_schema" in path or "input" in path[:-1]:
+            continue  # a schema's or a call's own content is free-form JSON
+        for junk in (None, 7, -1, 2**70, 0.5, "x", True, [], {}, [{}], {"type": "x"}):
+            cases += 1
+            try:
+                chat = asyncio.run(adapter.to_chat(_replaced(body, path, junk), {})).chat
+                ChatCompletionRequest.model_validate(chat)
+            except APIError as exc:
+                assert exc.status == 400, (path, junk, exc.message)
+            except ValidationError:
+                pass  # the chat form's own check: the server answers it with a 400 (chat_request)
+    assert cases > 500
 
 
 def test_refusals_name_the_block() -> None:
