@@ -41,6 +41,7 @@ from tandem.edge.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tandem.edge.protocols.anthropic_messages import MessagesAdapter
 from tandem.kvcache.connector.factory import connector_sections
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
@@ -49,6 +50,8 @@ from tandem.server.metrics import ServerMetrics, tier_blocks
 from tandem.server.serving import ServingState
 from tandem.server.serving_chat import create_chat_completion
 from tandem.server.serving_completion import create_completion
+from tandem.server.serving_count_tokens import count_tokens
+from tandem.server.serving_protocol import serve_protocol
 from tandem.server.tool_parsers import detect_tool_parser, get_tool_parser
 from tandem.trust.access import AccessMiddleware, AccessPolicy, Level
 from tandem.trust.peer import PeerVerifier
@@ -168,6 +171,17 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(state(request), body, request)
+
+    messages_adapter = MessagesAdapter()
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (Claude Code), served as a chat request."""
+        return await serve_protocol(state(request), messages_adapter, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(state(request), messages_adapter, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:

@@ -253,17 +253,20 @@ async def chat_chunks(state: ServingState, run: ChatRun) -> AsyncIterator[dict[s
                 elif seq.text:
                     delta["content"] = seq.text
                 logprobs = None
+                extra: dict[str, Any] = {}
                 if run.want_logprobs and seq.logprobs:
                     logprobs = {"content": state.chat_logprobs(seq.logprobs)}
                 if reason is not None:
                     run.finish_reasons.append(reason)
+                    if seq.stop_reason is not None:  # the stop string or token that ended it (vLLM's)
+                        extra["stop_reason"] = seq.stop_reason
                 if run.return_token_ids and seq.token_ids:
                     # Every token is reported, held-back text or not: the ids are the record.
                     choices.append({"index": seq.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": reason, "token_ids": seq.token_ids})
+                                    "finish_reason": reason, **extra, "token_ids": seq.token_ids})
                 elif delta or reason is not None or logprobs is not None:
                     choices.append({"index": seq.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": reason})
+                                    "finish_reason": reason, **extra})
             if choices:
                 yield chunk(choices)
     if run.include_usage:

@@ -3,7 +3,8 @@
 Every path has a level (`Level`), and a request passes when it carries what the level asks:
 
 - PUBLIC: nothing (`/health`; the router's `/v1/*`, which its API-key middleware guards).
-- CLIENT: a worker's OpenAI endpoints: a peer's signature, or the worker's `--api-key`; open
+- CLIENT: a worker's OpenAI endpoints: a peer's signature, or the worker's `--api-key` (as
+  `Authorization: Bearer`, or Anthropic's `x-api-key`); open
   when the worker has neither a cluster secret nor an API key (a standalone dev server).
 - OBSERVE: metrics and views (`/metrics`, `/load`, `/workers`, `/openapi.json`):
   open while nothing is configured or with `--public-metrics`; otherwise an operator's
@@ -64,9 +65,12 @@ def is_peer(request: Request) -> bool:
 
 
 def _bearer(headers: Headers) -> str | None:
+    """The caller's token: `Authorization: Bearer <token>`, else `x-api-key` (Anthropic's header)."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
     token = token.strip()
-    return token if scheme.lower() == "bearer" and token else None
+    if scheme.lower() == "bearer" and token:
+        return token
+    return headers.get("x-api-key", "").strip() or None
 
 
 class AccessMiddleware:

@@ -91,6 +91,23 @@ def test_a_worker_api_key_opens_its_client_endpoints_only() -> None:
     assert _status(public, "GET", "/kv/events")[0] == 401  # block hashes are not metrics
 
 
+def test_an_x_api_key_is_a_client_key_too() -> None:
+    """Anthropic's clients (Claude Code) send the key as `x-api-key`."""
+    policy = worker_access_policy(ServerConfig(api_key="sk-client"), None)
+    app = AccessMiddleware(_echo, policy)
+
+    def status(headers: dict[str, str]) -> int:
+        async def call() -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as client:
+                return await client.post("/v1/messages", headers=headers, content=b"{}")
+
+        return asyncio.run(call()).status_code
+
+    assert status({"x-api-key": "sk-client"}) == 200
+    assert status({"x-api-key": "sk-wrong"}) == 401 and status({"x-api-key": " "}) == 401 and status({}) == 401
+    assert status({"authorization": "Bearer sk-client", "x-api-key": "sk-wrong"}) == 200  # the bearer first
+
+
 def test_an_api_key_alone_still_guards_the_control_plane() -> None:
     """A worker started with --api-key only (no secret, no admin key), as before: the key opens
     everything it opened; nothing is open without it."""

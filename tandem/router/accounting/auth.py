@@ -1,11 +1,12 @@
 """Router API keys (`--api-keys FILE`): who is calling, and which key the workers get.
 
-With keys on, every request under /v1/ needs `Authorization: Bearer KEY` with a key from the
-file, else 401 in OpenAI's shape (code `invalid_api_key`); the key's identity names the caller
-in the usage ledger. The other endpoints are not this module's: /health is open, and the
-control plane and the views (/workers/*, /metrics, /workers) follow the router's access policy
-(tandem/trust/access.py, `router_access_policy` in http/app.py): they need the admin key, the
-views only once keys are on and unless --public-metrics.
+With keys on, every request under /v1/ needs `Authorization: Bearer KEY` (or `x-api-key: KEY`,
+as Anthropic's clients send it) with a key from the file, else 401 in OpenAI's shape (code
+`invalid_api_key`); the key's identity names the caller in the usage ledger. The other
+endpoints are not this module's: /health is open, and the control plane and the views
+(/workers/*, /metrics, /workers) follow the router's access policy (tandem/trust/access.py,
+`router_access_policy` in http/app.py): they need the admin key, the views only once keys
+are on and unless --public-metrics.
 
 File formats: a JSON or YAML mapping `{"KEY": "IDENTITY", ...}` (by suffix; a file whose
 text starts with `{` is read as JSON), or text lines `KEY IDENTITY` (`#` comments and blank
@@ -205,6 +206,14 @@ class KeyFile:
         return len(self.current())
 
 
+def client_authorization(headers: Mapping[str, str]) -> str | None:
+    """The client's `Authorization` header, or its `x-api-key` (Anthropic's) as a bearer one."""
+    value = headers.get("authorization")
+    if value is None and (key := (headers.get("x-api-key") or "").strip()):
+        return f"Bearer {key}"
+    return value
+
+
 def worker_headers(
     client: Mapping[str, str], keys_on: bool, worker_api_key: str | None
 ) -> dict[str, str]:
@@ -213,7 +222,7 @@ def worker_headers(
         return {"authorization": f"Bearer {worker_api_key}"}
     if keys_on:
         return {}
-    value = client.get("authorization")
+    value = client_authorization(client)
     return {"authorization": value} if value is not None else {}
 
 
@@ -243,7 +252,7 @@ class ApiKeyMiddleware:
         if self.keys is None or scope["type"] != "http" or not requires_key(scope["path"]):
             await self.app(scope, receive, send)
             return
-        header = Headers(scope=scope).get("authorization")
+        header = client_authorization(Headers(scope=scope))
         caller = self.keys.authenticate(header)
         if caller is None:
             message = (

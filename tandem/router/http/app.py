@@ -45,10 +45,12 @@ from tandem.edge.errors import (
     validation_error_handler,
 )
 from tandem.edge.limits import RequestLimitMiddleware
+from tandem.edge.protocols.anthropic_messages import MessagesAdapter
 from tandem.router.accounting.accounting import load_keys, open_accounting
 from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, caller_of
 from tandem.router.accounting.usage_api import usage_report
 from tandem.router.config import RouterConfig, all_worker_specs, dedupe
+from tandem.router.http.count_tokens import count_tokens
 from tandem.router.http.hops import WHOLE_ROLES
 from tandem.router.http.metrics import RouterMetrics
 from tandem.router.http.openapi import document_request_bodies
@@ -225,6 +227,22 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await state_of(request).proxy.serve("completion", "/v1/completions", request)
+
+    messages_adapter = MessagesAdapter()
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (Claude Code), routed as a chat request."""
+        proxy = state_of(request).proxy
+        return await proxy.serve("chat", "/v1/chat/completions", request, messages_adapter)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        state = state_of(request)
+        workers = state.registry.pool(WHOLE_ROLES) + state.registry.pool(("prefill",))
+        headers = state.proxy.accounting.worker_headers(request.headers)
+        return await count_tokens(messages_adapter, request, workers, state.client, headers,
+                                  config.health.timeout_s * 5)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

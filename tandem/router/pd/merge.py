@@ -246,6 +246,7 @@ def reply_to_chunks(
                             "delta": {},
                             "logprobs": None,
                             "finish_reason": choice.get("finish_reason"),
+                            "stop_reason": choice.get("stop_reason"),
                         }
                     ],
                     include_usage,

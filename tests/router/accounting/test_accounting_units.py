@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
 
 from tandem.edge.errors import APIError
 from tandem.router.accounting.accounting import Accounting, status_name
-from tandem.router.accounting.auth import ApiKeys, parse_api_keys, read_api_keys, worker_headers
+from tandem.router.accounting.auth import (
+    ApiKeyMiddleware,
+    ApiKeys,
+    caller_of,
+    parse_api_keys,
+    read_api_keys,
+    worker_headers,
+)
 from tandem.router.accounting.ledger import Ledger, Totals, UsageRow
 from tandem.router.accounting.pricing import (
     FREE,
@@ -150,6 +162,38 @@ def test_what_workers_receive() -> None:
     # A worker key replaces whatever the client sent, with or without router keys.
     for keys_on in (False, True):
         assert worker_headers(client, keys_on, "wk") == {"authorization": "Bearer wk"}
+
+
+def test_an_x_api_key_is_a_key_like_a_bearer_one() -> None:
+    """Anthropic's clients (Claude Code) send `x-api-key`: the router's key check and what a
+    keyless router passes to keyed workers treat it as `Authorization: Bearer`."""
+    anthropic_client = {"x-api-key": "client-key"}
+    assert worker_headers(anthropic_client, keys_on=False, worker_api_key=None) == {
+        "authorization": "Bearer client-key"
+    }
+    assert worker_headers(anthropic_client, keys_on=True, worker_api_key=None) == {}
+    both = {"authorization": "Bearer first", "x-api-key": "second"}
+    assert worker_headers(both, keys_on=False, worker_api_key=None) == {"authorization": "Bearer first"}
+    keys = parse_api_keys("sk-alice alice\n", ".txt")
+    app = ApiKeyMiddleware(_identity_app, keys)
+    assert _asgi_get(app, {"x-api-key": "sk-alice"}) == (200, "alice")
+    assert _asgi_get(app, {"authorization": "Bearer sk-alice"}) == (200, "alice")
+    assert _asgi_get(app, {"x-api-key": "sk-wrong"})[0] == 401
+    assert _asgi_get(app, {"x-api-key": ""})[0] == 401
+    assert _asgi_get(app, {})[0] == 401
+
+
+async def _identity_app(scope, receive, send) -> None:  # noqa: ANN001
+    await PlainTextResponse(caller_of(Request(scope, receive)))(scope, receive, send)
+
+
+def _asgi_get(app: Any, headers: dict[str, str]) -> tuple[int, str]:
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return await client.post("/v1/messages", headers=headers, content=b"{}")
+
+    response = asyncio.run(call())
+    return response.status_code, response.text
 
 
 # --- /v1/usage parameters --------------------------------------------------------------

@@ -174,6 +174,16 @@ def test_reply_to_chunks_keeps_tool_calls() -> None:
     assert {c["id"] for c in chunks} == {"chatcmpl-router"}
 
 
+def test_reply_to_chunks_keeps_the_matched_stop() -> None:
+    """A reply the prefill worker finished, streamed: its end still names the stop string
+    (vLLM's `stop_reason`), which a Messages stream reports as its `stop_sequence`."""
+    reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                          "finish_reason": "stop", "stop_reason": "END"}]}
+    chunks = reply_to_chunks(reply, IDENT, include_usage=False)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["stop_reason"] == "END"
+
+
 def test_reply_to_chunks_for_completions() -> None:
     ident = Identity("cmpl-router", 1, "m", "completion")
     reply = {
