@@ -234,7 +234,7 @@ def _message(role: str, content: str | list[Any], i: int) -> list[dict[str, Any]
                 parts = []
             out.append(_tool_result(validated(ToolResultBlock, raw, loc), loc))
         else:
-            allowed = "text, tool_use, thinking" if role == "assistant" else "text, tool_result"
+            allowed = {"assistant": "text, tool_use, thinking", "user": "text, tool_result"}.get(role, "text")
             raise unknown_block(kind, loc, allowed)
     if breakpoint_ is not None:  # a breakpoint on a call marks the message it is part of
         if parts:

@@ -71,7 +71,9 @@ class Metadata(AnthropicModel):
 
 
 class InputMessage(AnthropicModel):
-    role: Literal["user", "assistant"]
+    # "system" inside `messages` is a mid-conversation system message: Claude Code (2.1.x,
+    # beta mid-conversation-tool-changes) sends its environment and deferred tools as one.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Any]  # blocks, each checked by `content_block`
 
 

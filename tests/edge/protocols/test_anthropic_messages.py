@@ -8,6 +8,7 @@ import asyncio
 import copy
 import json
 import logging
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,7 +214,8 @@ HOSTILE: dict[str, Any] = {
     "max_tokens a string": minimal(max_tokens="lots"),
     "no messages": minimal(messages=[]),
     "messages a string": minimal(messages="hi"),
-    "system role": minimal(messages=[{"role": "system", "content": "x"}]),
+    "system role with a tool result": minimal(messages=[{"role": "system", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]),
     "content a number": minimal(messages=[{"role": "user", "content": 5}]),
     "block a string": minimal(messages=[{"role": "user", "content": ["hi"]}]),
     "block without type": minimal(messages=[{"role": "user", "content": [{"text": "hi"}]}]),
@@ -517,3 +519,20 @@ def test_the_think_splitter_holds_back_only_what_may_be_a_tag(text: str) -> None
         splitter.feed(text[:k])
         held = splitter.held
         assert held == "" or "<think>".startswith(held) or "</think>".startswith(held), (text[:k], held)
+
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["claude_code_messages.json", "claude_code_messages_turn2.json"])
+def test_what_claude_code_really_sends_is_served(name: str) -> None:
+    """Requests recorded from Claude Code 2.1.332 (fixtures/README.md): its messages[1] is a
+    mid-conversation system message, which must stay a system message in its place."""
+    recorded = json.loads((FIXTURES / name).read_text())
+    translated = to_chat(recorded["body"], recorded["headers"])
+    sent = recorded["body"]["messages"]
+    chat_roles = [m["role"] for m in translated.chat["messages"]]
+    assert chat_roles[0] == "system"  # the system blocks, billing header left out
+    assert [m["role"] for m in sent][:2] == ["user", "system"]
+    assert chat_roles[1:3] == ["user", "system"]
+    assert translated.session == recorded["headers"]["x-claude-code-session-id"]
