@@ -57,7 +57,12 @@ from tandem.edge.protocols.anthropic_models import (
     validated,
 )
 from tandem.edge.protocols.anthropic_stream import MessagesStream
-from tandem.edge.protocols.base import ProtocolAdapter, StreamTranslator, Translated
+from tandem.edge.protocols.base import (
+    ProtocolAdapter,
+    StreamTranslator,
+    Translated,
+    sampling_extras,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +102,7 @@ class MessagesAdapter(ProtocolAdapter):
             value = getattr(request, name)
             if value is not None:
                 chat[name] = value
+        chat.update(sampling_extras(body))
         return translated
 
     async def count_chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> MessagesTranslated:

@@ -77,6 +77,18 @@ class ProtocolAdapter(ABC):
         """An OpenAI-shaped error body in this protocol's shape."""
 
 
+# The sampling extras tandem's chat endpoint accepts beside OpenAI's fields (vLLM's names),
+# taken as they are from a Messages or Responses body too: the chat request model range-checks
+# them, so an adapter only copies them. `ignore_eos` lets a benchmark generate exactly
+# max_tokens in every protocol.
+SAMPLING_EXTRAS = ("ignore_eos", "min_tokens", "min_p", "repetition_penalty", "seed")
+
+
+def sampling_extras(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The extras a client body carries, for the chat request."""
+    return {name: body[name] for name in SAMPLING_EXTRAS if name in body}
+
+
 def sse_event(event: str | None, payload: dict[str, Any]) -> str:
     """One server-sent event; `event` names it (Anthropic and Responses streams name theirs)."""
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

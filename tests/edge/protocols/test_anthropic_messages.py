@@ -536,3 +536,13 @@ def test_what_claude_code_really_sends_is_served(name: str) -> None:
     assert [m["role"] for m in sent][:2] == ["user", "system"]
     assert chat_roles[1:3] == ["user", "system"]
     assert translated.session == recorded["headers"]["x-claude-code-session-id"]
+
+
+def test_tandems_sampling_extras_reach_the_chat_request() -> None:
+    """`ignore_eos` and the other vLLM-style extras the chat endpoint takes pass through, so a
+    benchmark generates exactly max_tokens in every protocol; their ranges are the chat
+    request's own (a negative min_tokens is refused there)."""
+    chat = to_chat(minimal(ignore_eos=True, seed=7, min_tokens=2)).chat
+    assert (chat["ignore_eos"], chat["seed"], chat["min_tokens"]) == (True, 7, 2)
+    with pytest.raises(ValidationError):
+        to_chat(minimal(min_tokens=-1))
