@@ -41,6 +41,8 @@ from tandem.edge.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tandem.edge.protocols.openai_responses import OpenAIResponsesAdapter
+from tandem.edge.protocols.response_store import is_redis_url, open_response_store
 from tandem.kvcache.connector.factory import connector_sections
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
@@ -49,6 +51,7 @@ from tandem.server.metrics import ServerMetrics, tier_blocks
 from tandem.server.serving import ServingState
 from tandem.server.serving_chat import create_chat_completion
 from tandem.server.serving_completion import create_completion
+from tandem.server.serving_protocol import serve_protocol
 from tandem.server.tool_parsers import detect_tool_parser, get_tool_parser
 from tandem.trust.access import AccessMiddleware, AccessPolicy, Level
 from tandem.trust.peer import PeerVerifier
@@ -69,6 +72,12 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             metrics = ServerMetrics(names[0], lambda: client.load, lambda: client.num_in_flight)
             app.state.serving = ServingState(config, client, tokenizer, tuple(names), metrics,
                                              get_tool_parser(parser_name), drain)
+            # Responses are kept where the cluster keeps KV (a Redis --kv-store), so that any
+            # worker continues a conversation; else in this process.
+            store_url = engine_config.kv_tiers.store_url
+            app.state.responses = OpenAIResponsesAdapter(open_response_store(
+                store_url if is_redis_url(store_url) else None, engine_config.kv_transfer.secret))
+            logger.info("%s", app.state.responses.describe())
             # A drain waits for requests in flight and for handed-over prompt KV to be read.
             drain.busy = lambda: client.num_in_flight + client.load.kv_held
             logger.info("serving %s at http://%s:%d/v1 (tool-call format: %s)", ", ".join(names),
@@ -78,6 +87,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
                 yield
             finally:
                 watcher.cancel()
+                await app.state.responses.close()
         finally:
             logger.info("stopping the engine core")
             await client.shutdown()
@@ -167,6 +177,14 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(state(request), body, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve_protocol(state(request), request.app.state.responses, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await request.app.state.responses.retrieve(response_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:

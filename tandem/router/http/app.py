@@ -45,6 +45,8 @@ from tandem.edge.errors import (
     validation_error_handler,
 )
 from tandem.edge.limits import RequestLimitMiddleware
+from tandem.edge.protocols.openai_responses import OpenAIResponsesAdapter
+from tandem.edge.protocols.response_store import open_response_store
 from tandem.router.accounting.accounting import load_keys, open_accounting
 from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, caller_of
 from tandem.router.accounting.usage_api import usage_report
@@ -173,6 +175,9 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
             state.proxy.drain = drain
         state.proxy.drain.busy = lambda: state.proxy.admission.in_flight + state.proxy.admission.waiting
         app.state.router = state
+        # Shared by the replicas when it is Redis: any of them continues any conversation.
+        app.state.responses = OpenAIResponsesAdapter(
+            open_response_store(config.response_store, config.cluster_secret))
         background: set[asyncio.Task[Any]] = set()
         if config.discover:
             await state.discovery.refresh()
@@ -193,6 +198,7 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
             ", ".join(f"{w.role} {w.url}" for w in state.registry.workers) or "none",
         )
         logger.info("%s", state.proxy.accounting.describe())
+        logger.info("%s", app.state.responses.describe())
         try:
             yield
         finally:
@@ -203,6 +209,7 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
             await state.monitor.stop()
             await state.kv_events.stop()
             await state.client.aclose()
+            await app.state.responses.close()
             # After the in-flight requests: every row they recorded is written before exit.
             await asyncio.to_thread(state.proxy.accounting.close)
 
@@ -225,6 +232,15 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await state_of(request).proxy.serve("completion", "/v1/completions", request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await state_of(request).proxy.serve("chat", "/v1/chat/completions", request,
+                                                   request.app.state.responses)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await request.app.state.responses.retrieve(response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
