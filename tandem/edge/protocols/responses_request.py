@@ -251,6 +251,8 @@ def translate_tools(value: Any, dropped: list[str]) -> ToolSet:
 
 def _add_function(tools: ToolSet, tool: Mapping[str, Any], where: str, namespace: str | None,
                   dropped: list[str]) -> None:
+    """One function as a chat tool: name, description, parameters. `strict` is left out: with
+    no constrained decoding it changes nothing but the prompt (Codex sends it on every tool)."""
     name = _string(tool, "name", where)
     assert name is not None
     parameters = tool.get("parameters")
@@ -259,7 +261,6 @@ def _add_function(tools: ToolSet, tool: Mapping[str, Any], where: str, namespace
     description = tool.get("description")
     if description is not None and not isinstance(description, str):
         raise bad(f"'{where}.description' must be a string", f"{where}.description")
-    strict = tool.get("strict")
     chat_name = flat_name(namespace, name)
     if chat_name in tools.names:
         _note(dropped, f"duplicate function {chat_name[:80]}")
@@ -269,8 +270,6 @@ def _add_function(tools: ToolSet, tool: Mapping[str, Any], where: str, namespace
         function["description"] = description
     if parameters is not None:
         function["parameters"] = parameters
-    if isinstance(strict, bool):
-        function["strict"] = strict
     tools.chat.append({"type": "function", "function": function})
     if namespace:
         tools.namespaces[chat_name] = (namespace, name)

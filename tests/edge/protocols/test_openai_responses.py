@@ -179,7 +179,8 @@ def test_every_input_item_type(adapter: OpenAIResponsesAdapter) -> None:
 def test_a_codex_request_is_accepted_with_hosted_tools_dropped(adapter: OpenAIResponsesAdapter) -> None:
     t = translate(adapter, codex_body(), {"session-id": "0199a7f0-session", "originator": "codex_cli_rs"})
     assert [tool["function"]["name"] for tool in t.chat["tools"]] == ["shell_command", "mcp__docs__search"]
-    assert t.chat["tools"][0]["function"]["parameters"] == CODEX_TOOLS[0]["parameters"]
+    assert t.chat["tools"][0]["function"] == {"name": "shell_command", "description": "Runs a shell command",
+                                              "parameters": CODEX_TOOLS[0]["parameters"]}  # no strict
     assert t.chat["tool_choice"] == "auto" and t.chat["parallel_tool_calls"] is False
     assert t.chat["stream"] is True and t.chat["stream_options"] == {"include_usage": True}
     assert [m["role"] for m in t.chat["messages"]] == ["system", "developer", "user", "user"]
