@@ -8,6 +8,7 @@ whose template knows tools, in a server of this module's own.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Iterator
@@ -152,6 +153,40 @@ def test_hosted_tools_are_dropped_in_a_header_and_bad_input_is_a_400(client: ope
     assert "not supported yet" in caught.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="Hi")
+
+
+def test_the_server_stores_a_stream_before_its_last_events_go_out() -> None:
+    """serving_protocol.protocol_events awaits the adapter's finish after the translator's
+    closing events are made and before they are sent: a client that continues the moment it
+    reads `response.completed` finds the response stored."""
+    from tandem.edge.protocols.openai_responses import OpenAIResponsesAdapter
+    from tandem.edge.protocols.response_store import MemoryResponseStore
+    from tandem.server.serving_protocol import protocol_events
+
+    adapter = OpenAIResponsesAdapter(MemoryResponseStore())
+    seen: list[str] = []
+
+    async def main() -> None:
+        translated = await adapter.to_chat({"input": "x", "stream": True}, {})
+        translator = adapter.stream(translated)
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+        async def chunks() -> Any:
+            yield {"model": MODEL, "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+            yield {"model": MODEL, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            yield {"model": MODEL, "choices": [], "usage": usage}
+
+        async def stored() -> None:
+            seen.append("stored" if translator.final else "nothing to store")
+            await adapter.finish(translated, translator.final)
+
+        async for event in protocol_events(chunks(), translator, lambda: seen.append("ended"), stored):
+            seen.append(event.split("\n", 1)[0].removeprefix("event: "))
+        assert (await adapter.retrieve(translated.response_id))["output"][0]["content"][0]["text"] == "Hi"
+
+    asyncio.run(main())
+    assert seen[-6:] == ["stored", "response.output_text.done", "response.content_part.done",
+                         "response.output_item.done", "response.completed", "ended"]
 
 
 # --- function calls, on a model that knows tools ------------------------------------------
