@@ -183,26 +183,33 @@ def _function_call_output(item: Mapping[str, Any], where: str) -> dict[str, Any]
 
 
 def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages for normalized items (a stored conversation's, then the request's)."""
+    """Chat messages for normalized items (a stored conversation's, then the request's). An
+    item that is not one of those forms (a store written by something else) is skipped."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
     for item in items:
-        kind = item.get("type")
-        if kind == "message":
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in _MESSAGE_ROLES:
             messages.append({"role": item["role"], "content": _text_of(item.get("content"))})
-        elif kind == "function_call":
+        elif kind == "function_call" and _strings(item, "call_id", "name"):
+            namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+            arguments = item.get("arguments")
             call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": flat_name(item.get("namespace"), item["name"]),
-                                 "arguments": item.get("arguments") or ""}}
+                    "function": {"name": flat_name(namespace, item["name"]),
+                                 "arguments": arguments if isinstance(arguments, str) else ""}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # one turn's text and calls
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind == "function_call_output" and _strings(item, "call_id"):
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(item.get("output"))})
     return messages
+
+
+def _strings(item: Mapping[str, Any], *keys: str) -> bool:
+    return all(isinstance(item.get(key), str) and item[key] for key in keys)
 
 
 def _text_of(content: Any) -> str:
@@ -210,7 +217,7 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(p.get("text") or p.get("refusal") or "" for p in content if isinstance(p, dict))
+        return "\n".join(str(p.get("text") or p.get("refusal") or "") for p in content if isinstance(p, dict))
     return ""
 
 

@@ -548,3 +548,16 @@ def test_an_unreachable_store_is_503_on_lookups_and_costs_no_answer() -> None:
     assert run(adapter.reply(chat_reply("ok"), t))["status"] == "completed"
     error = refused(adapter, {"input": "x", "previous_response_id": "resp_1"}, 503)
     assert error.code == "response_store_unavailable"
+
+
+def test_a_garbled_stored_conversation_is_read_as_far_as_it_makes_sense() -> None:
+    """A store written by something else (a shared Redis) cannot make a continuation fail: what
+    is not an item this adapter wrote is skipped."""
+    store = MemoryResponseStore()
+    garbled = [5, {"type": "message", "role": "robot", "content": "x"}, {"type": "message", "role": "user",
+               "content": [{"type": "output_text", "text": "kept"}, 7]}, {"type": "function_call", "name": 3},
+               {"type": "function_call_output", "call_id": "c", "output": None}, {"type": "mystery"}]
+    run(store.put(StoredResponse({"id": "resp_g"}, garbled)))
+    t = translate(OpenAIResponsesAdapter(store), {"previous_response_id": "resp_g", "input": "next"})
+    assert t.chat["messages"] == [{"role": "user", "content": "kept"}, {"role": "tool", "tool_call_id": "c", "content": ""},
+                                  {"role": "user", "content": "next"}]
