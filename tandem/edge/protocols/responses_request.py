@@ -107,9 +107,7 @@ def normalize_input(value: Any, dropped: list[str]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             items.append(_function_call_output(item, where))
         elif isinstance(kind, str):
-            note = "reasoning items" if kind == _REASONING else f"input items of type {kind}"
-            if note not in dropped:
-                dropped.append(note)
+            _note(dropped, "reasoning items" if kind == _REASONING else f"input items of type {kind[:40]}")
         else:
             raise bad(f"'{where}.type' must be a string naming the item's type", f"{where}.type")
     return items
@@ -283,6 +281,9 @@ def _add_function(tools: ToolSet, tool: Mapping[str, Any], where: str, namespace
 
 
 def _note(dropped: list[str], note: str) -> None:
+    """Add a note once. Notes name what the client sent and go out in a response header, so
+    only printable ASCII stays in them (a newline or an emoji there cannot be sent at all)."""
+    note = "".join(c if " " <= c <= "~" else "?" for c in note)
     if note not in dropped:
         dropped.append(note)
 

@@ -240,6 +240,13 @@ def test_session_precedence(adapter: OpenAIResponsesAdapter) -> None:
     assert follow.session == "stored-session"
 
 
+def test_what_is_dropped_can_be_sent_in_a_header(adapter: OpenAIResponsesAdapter) -> None:
+    t = translate(adapter, {"input": [{"type": "x\r\nSet-Cookie: a=b"}, {"role": "user", "content": "hi"}], "tools": [
+        {"type": "web_search🙂"}, {"type": "namespace", "name": "n\u00e9\n", "tools": [{"type": "custom\x00"}]}]})
+    assert t.dropped == ["input items of type x??Set-Cookie: a=b", "tool web_search?", "tool custom? in namespace n??"]
+    assert all(note.isascii() and note.isprintable() for note in t.dropped)
+
+
 def test_unknown_fields_are_tolerated(adapter: OpenAIResponsesAdapter) -> None:
     t = translate(adapter, {"input": "x", "metadata": {"a": "b"}, "truncation": "auto", "safety_identifier": "s",
                             "service_tier": "flex", "max_tool_calls": 3, "top_logprobs": 2, "background": True,
