@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.edge.protocols.response_store import is_redis_url
 from tandem.flags import engine as flags
 from tandem.flags.limits import request_limit_argv
 from tandem.launch import supervisor
@@ -184,6 +185,9 @@ def plan_cluster(
     if tokenizer_dir is not None:
         router_argv += ["--tokenizer", str(tokenizer_dir)]
     router_argv += accounting_argv(args)
+    kv_store = getattr(args, "kv_store", None)
+    if is_redis_url(kv_store):  # the workers' Redis keeps the router's responses too
+        router_argv += ["--response-store", kv_store]
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     router = supervisor.ProcessSpec(
         "router", tuple(router_argv), log_dir / "router.log", url=f"http://{shown_host}:{args.port}",

@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from tandem.edge.protocols.response_store import MEMORY, check_store_url
 from tandem.flags.limits import REQUEST_LIMIT_FLAGS, request_limits
 from tandem.flags.table import Command, Flag, FlagTable
 from tandem.router.accounting.flags import (
@@ -110,6 +111,13 @@ ROUTING_FLAGS = FlagTable("routing", (
         metavar="W",
         help="decode score per running sequence, next to the KV fraction "
         f"in use (default: {ScoringConfig.decode_sequence_weight})",
+    ),
+    Flag(
+        "--response-store", default=MEMORY, metavar="URL",
+        help="where /v1/responses keeps responses for previous_response_id and GET "
+        "/v1/responses/ID: 'memory' (this router's, bounded) or redis://HOST:PORT / valkey://... "
+        "that every router replica shares; the cluster secret is its password unless the URL "
+        "has one (default: memory; tandem up passes its Redis --kv-store)",
     ),
 ))
 
@@ -227,6 +235,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         install_sighup=True,
         log_level=args.log_level.lower(),
         access_log=args.access_log,
+        response_store=args.response_store,
     )
 
 
@@ -248,6 +257,7 @@ def check_route(args: argparse.Namespace) -> RouterConfig:
             "decode workers in signed requests only"
         )
     check_accounting(config.accounting)  # so are a bad price or key file, or ledger path
+    check_store_url(config.response_store)
     return config
 
 

@@ -268,6 +268,9 @@ class RouterConfig:
     install_sighup: bool = False  # only the main thread of a `tandem route` process may
     log_level: str = "info"
     access_log: bool = False
+    # Where /v1/responses keeps responses for previous_response_id and GET: "memory" (this
+    # router's) or a Redis/Valkey URL that every replica shares (tandem up: its KV store's).
+    response_store: str = "memory"
 
     def __post_init__(self) -> None:
         if self.pd_min_prompt_tokens < 0:

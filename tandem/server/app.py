@@ -42,6 +42,8 @@ from tandem.edge.openai_protocol import (
     TokenizeRequest,
 )
 from tandem.edge.protocols.anthropic_messages import MessagesAdapter
+from tandem.edge.protocols.openai_responses import OpenAIResponsesAdapter
+from tandem.edge.protocols.response_store import is_redis_url, open_response_store
 from tandem.kvcache.connector.factory import connector_sections
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
@@ -72,6 +74,12 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             metrics = ServerMetrics(names[0], lambda: client.load, lambda: client.num_in_flight)
             app.state.serving = ServingState(config, client, tokenizer, tuple(names), metrics,
                                              get_tool_parser(parser_name), drain)
+            # Responses are kept where the cluster keeps KV (a Redis --kv-store), so that any
+            # worker continues a conversation; else in this process.
+            store_url = engine_config.kv_tiers.store_url
+            app.state.responses = OpenAIResponsesAdapter(open_response_store(
+                store_url if is_redis_url(store_url) else None, engine_config.kv_transfer.secret))
+            logger.info("%s", app.state.responses.describe())
             # A drain waits for requests in flight and for handed-over prompt KV to be read.
             drain.busy = lambda: client.num_in_flight + client.load.kv_held
             logger.info("serving %s at http://%s:%d/v1 (tool-call format: %s)", ", ".join(names),
@@ -81,6 +89,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
                 yield
             finally:
                 watcher.cancel()
+                await app.state.responses.close()
         finally:
             logger.info("stopping the engine core")
             await client.shutdown()
@@ -182,6 +191,13 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
         return await count_tokens(state(request), messages_adapter, request)
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve_protocol(state(request), request.app.state.responses, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await request.app.state.responses.retrieve(response_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:

@@ -9,7 +9,7 @@ error shape, before the stream starts and in it.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from tandem.edge.disconnect import unless_disconnected
 from tandem.edge.errors import APIError, validation_error
 from tandem.edge.openai_protocol import ChatCompletionRequest
-from tandem.edge.protocols.base import ProtocolAdapter, StreamTranslator, Translated
+from tandem.edge.protocols.base import ProtocolAdapter, StreamTranslator, Translated, finish_stream
 from tandem.server.serving import ServingState, as_api_error
 from tandem.server.serving_chat import chat_chunks, chat_reply, observe_chat, prepare_chat
 
@@ -63,7 +63,9 @@ async def serve_protocol(state: ServingState, adapter: ProtocolAdapter, raw: Req
         return protocol_error(adapter, exc)
     headers = {**headers, **dropped_headers(translated)}
     if body.stream:
-        events = protocol_events(chat_chunks(state, run), adapter.stream(translated), lambda: observe_chat(state, run))
+        translator = adapter.stream(translated)
+        events = protocol_events(chat_chunks(state, run), translator, lambda: observe_chat(state, run),
+                                 lambda: finish_stream(adapter, translated, translator))
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     try:
         reply = await unless_disconnected(raw, chat_reply(state, run))
@@ -75,14 +77,19 @@ async def serve_protocol(state: ServingState, adapter: ProtocolAdapter, raw: Req
 
 
 async def protocol_events(chunks: AsyncIterator[dict[str, Any]], translator: StreamTranslator,
-                          on_end: Callable[[], None]) -> AsyncIterator[str]:
-    """The protocol's events for a run's chunks; a failure after the start is an error event."""
+                          on_end: Callable[[], None],
+                          on_close: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[str]:
+    """The protocol's events for a run's chunks; a failure after the start is an error event.
+    `on_close` (the adapter's `finish`) runs before the closing events go out."""
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
                 for event in translator.feed(chunk):
                     yield event
-        for event in translator.close():
+        closing = translator.close()
+        if on_close is not None:
+            await on_close()
+        for event in closing:
             yield event
     except Exception as exc:
         for event in translator.error(as_api_error(exc).body()):

@@ -11,6 +11,11 @@ An adapter does three things, each a pure function of what it is given:
 Errors keep their status and are reshaped by `error_body` (Anthropic's
 `{"type": "error", "error": {...}}`, OpenAI's `{"error": {...}}`).
 
+A protocol that keeps what it answered (the Responses API's store) does so in `reply` and in
+`finish`, which the server and the router await with the whole response a stream ended with
+(`StreamTranslator.final`) before its last events go out: a client that continues the
+conversation the moment it reads them finds it kept.
+
 The internal form carries two things a plain chat request does not: a content part's
 `cache_control` (a cache breakpoint, as Anthropic marks them; the worker reports the tokens
 written up to the last one as `prompt_tokens_details.cache_write_tokens`), and nothing else
@@ -23,7 +28,7 @@ import contextlib
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -41,6 +46,9 @@ class Translated:
 
 class StreamTranslator(ABC):
     """One response's chat chunks → the protocol's events (each a complete SSE event string)."""
+
+    # The whole response the stream ended with, once `close` made it (None: none, or it failed).
+    final: dict[str, Any] | None = None
 
     @abstractmethod
     def feed(self, chunk: dict[str, Any]) -> list[str]:
@@ -76,6 +84,17 @@ class ProtocolAdapter(ABC):
     def error_body(self, status: int, openai_body: dict[str, Any]) -> dict[str, Any]:
         """An OpenAI-shaped error body in this protocol's shape."""
 
+    async def finish(self, translated: Translated, response: dict[str, Any]) -> None:
+        """A streamed response's end (`StreamTranslator.final`), before its last events go out:
+        a protocol that keeps its responses keeps it here. Nothing by default."""
+        return None
+
+
+async def finish_stream(adapter: ProtocolAdapter, translated: Translated, translator: StreamTranslator) -> None:
+    """`adapter.finish` with the response the translator ended with, if it ended with one."""
+    if translator.final is not None:
+        await adapter.finish(translated, translator.final)
+
 
 # The sampling extras tandem's chat endpoint accepts beside OpenAI's fields (vLLM's names),
 # taken as they are from a Messages or Responses body too: the chat request model range-checks
@@ -95,36 +114,49 @@ def sse_event(event: str | None, payload: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 
-async def translate_sse(events: AsyncIterator[str], translator: StreamTranslator) -> AsyncIterator[str]:
+Finish = Callable[[], Awaitable[None]]
+
+
+async def translate_sse(events: AsyncIterator[str], translator: StreamTranslator,
+                        on_close: Finish | None = None) -> AsyncIterator[str]:
     """A chat SSE body (`data: {...}` events, `data: [DONE]`) in the protocol's events.
 
     The router's relay and the server's chat stream both write one event per string; an error
-    event (`{"error": ...}` without `choices`) is handed to the translator as such."""
+    event (`{"error": ...}` without `choices`) is handed to the translator as such. `on_close`
+    is awaited after the translator's closing events are made and before they go out."""
     done = False
     async with contextlib.AsyncExitStack() as stack:
         if hasattr(events, "aclose"):  # closing this stream closes the one it reads (and its hop)
             await stack.enter_async_context(contextlib.aclosing(events))  # type: ignore[type-var]
-        async for out in _translated(events, translator):
+        async for out in _translated(events, translator, on_close):
             if out is _DONE:
                 done = True
                 continue
             yield out
     if not done:
-        for out in translator.close():
+        for out in await _closed(translator, on_close):
             yield out
 
 
 _DONE = "\x00done"
 
 
-async def _translated(events: AsyncIterator[str], translator: StreamTranslator) -> AsyncIterator[str]:
+async def _closed(translator: StreamTranslator, on_close: Finish | None) -> list[str]:
+    events = translator.close()
+    if on_close is not None:
+        await on_close()
+    return events
+
+
+async def _translated(events: AsyncIterator[str], translator: StreamTranslator,
+                      on_close: Finish | None) -> AsyncIterator[str]:
     async for text in events:
         for line in text.split("\n"):
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                for out in translator.close():
+                for out in await _closed(translator, on_close):
                     yield out
                 yield _DONE
                 continue

@@ -46,6 +46,8 @@ from tandem.edge.errors import (
 )
 from tandem.edge.limits import RequestLimitMiddleware
 from tandem.edge.protocols.anthropic_messages import MessagesAdapter
+from tandem.edge.protocols.openai_responses import OpenAIResponsesAdapter
+from tandem.edge.protocols.response_store import open_response_store
 from tandem.router.accounting.accounting import load_keys, open_accounting
 from tandem.router.accounting.auth import ApiKeyMiddleware, ApiKeys, KeyFile, caller_of
 from tandem.router.accounting.usage_api import usage_report
@@ -175,6 +177,9 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
             state.proxy.drain = drain
         state.proxy.drain.busy = lambda: state.proxy.admission.in_flight + state.proxy.admission.waiting
         app.state.router = state
+        # Shared by the replicas when it is Redis: any of them continues any conversation.
+        app.state.responses = OpenAIResponsesAdapter(
+            open_response_store(config.response_store, config.cluster_secret))
         background: set[asyncio.Task[Any]] = set()
         if config.discover:
             await state.discovery.refresh()
@@ -195,6 +200,7 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
             ", ".join(f"{w.role} {w.url}" for w in state.registry.workers) or "none",
         )
         logger.info("%s", state.proxy.accounting.describe())
+        logger.info("%s", app.state.responses.describe())
         try:
             yield
         finally:
@@ -205,6 +211,7 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
             await state.monitor.stop()
             await state.kv_events.stop()
             await state.client.aclose()
+            await app.state.responses.close()
             # After the in-flight requests: every row they recorded is written before exit.
             await asyncio.to_thread(state.proxy.accounting.close)
 
@@ -243,6 +250,14 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
         headers = state.proxy.accounting.worker_headers(request.headers)
         return await count_tokens(messages_adapter, request, workers, state.client, headers,
                                   config.health.timeout_s * 5)
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await state_of(request).proxy.serve("chat", "/v1/chat/completions", request,
+                                                   request.app.state.responses)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await request.app.state.responses.retrieve(response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -12,7 +12,7 @@ import json
 from fastapi.responses import JSONResponse, Response
 
 from tandem.edge.errors import APIError, error_body
-from tandem.edge.protocols.base import ProtocolAdapter, Translated, translate_sse
+from tandem.edge.protocols.base import ProtocolAdapter, Translated, finish_stream, translate_sse
 from tandem.router.http.sse import EventStream
 
 DROPPED_HEADER = "x-tandem-ignored"
@@ -31,7 +31,9 @@ def _headers(response: Response, translated: Translated) -> dict[str, str]:
 
 async def in_protocol(response: Response, adapter: ProtocolAdapter, translated: Translated) -> Response:
     if isinstance(response, EventStream):
-        response.body_iterator = translate_sse(response.body_iterator, adapter.stream(translated))
+        translator = adapter.stream(translated)
+        response.body_iterator = translate_sse(response.body_iterator, translator,
+                                               lambda: finish_stream(adapter, translated, translator))
         if translated.dropped:
             response.headers[DROPPED_HEADER] = ", ".join(translated.dropped)[:1000]
         return response
