@@ -251,8 +251,8 @@ def test_unknown_fields_are_tolerated(adapter: OpenAIResponsesAdapter) -> None:
     t = translate(adapter, {"input": "x", "metadata": {"a": "b"}, "truncation": "auto", "safety_identifier": "s",
                             "service_tier": "flex", "max_tool_calls": 3, "top_logprobs": 2, "background": True,
                             "stream_options": {"include_obfuscation": False}, "prompt": {"id": "p"},
-                            "some_future_field": {"x": [1]}, "seed": 7})
-    assert t.chat["seed"] == 7 and t.dropped == ["background"]
+                            "some_future_field": {"x": [1]}, "seed": 7, "ignore_eos": True})
+    assert t.chat["seed"] == 7 and t.chat["ignore_eos"] is True and t.dropped == ["background"]
 
 
 HOSTILE: list[Any] = [
