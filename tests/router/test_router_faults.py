@@ -460,3 +460,39 @@ def test_authorization_is_passed_to_workers(
     )
     assert reply.status_code == 200
     assert prefill.authorization == ["Bearer sk-x"] and decode.authorization == ["Bearer sk-x"]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"model": "fake", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": "Say hello."}]}),
+    ("/v1/responses", {"model": "fake", "max_output_tokens": 5, "input": "Say hello.", "store": False}),
+])
+def test_a_broken_messages_or_responses_stream_moves_with_no_gap_or_repeat(
+    fake_workers: FakeFactory, start_router: Callable[..., str], path: str, body: dict
+) -> None:
+    """The adapters translate the relay's output, so a stream moved between workers mid-way
+    (twice here: the fake drops every stream at its third chunk) reaches the client as one
+    well-formed stream in its own protocol: every text delta once, in order, no error event."""
+    from tests.support.protocol_streams import check_anthropic_stream, check_responses_stream
+    from tests.support.recording_proxy import parse_sse
+
+    worker, worker_url = fake_workers("dropper")
+    worker.behaviour.mode = "drop"
+    url = start_router([WorkerSpec(worker_url, "both")], **TOLERANT)
+    response = httpx.post(f"{url}{path}", json={**body, "stream": True}, timeout=60.0)
+    assert response.status_code == 200, response.text
+    frames = parse_sse(response.content)
+    if path == "/v1/messages":
+        message = check_anthropic_stream(frames)
+        deltas = [f.json()["delta"]["text"] for f in frames if f.event == "content_block_delta"]
+        assert "".join(deltas) == FULL and [b["text"] for b in message.blocks] == [FULL]
+        assert message.usage["output_tokens"] == 5
+    else:
+        result = check_responses_stream(frames)
+        deltas = [f.json()["delta"] for f in frames if f.event == "response.output_text.delta"]
+        assert "".join(deltas) == FULL
+        assert result.response["output"][0]["content"][0]["text"] == FULL
+        assert result.usage["output_tokens"] == 5
+    assert worker.requests[-1]["kv_transfer_params"]["first_token_ids"] == [7, 8, 9, 10]  # moved twice
+    text = httpx.get(f"{url}/metrics").text
+    assert metric(text, "tandem_router_migrations_total", route="direct") >= 2
