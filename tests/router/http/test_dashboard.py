@@ -72,7 +72,7 @@ def _families(text: str) -> dict[str, list]:
 # fetch of /metrics by the test could land on either side of a poll).
 _READ_PAGE = """() => ({
     metrics: window.tandemSnapshot && window.tandemSnapshot.metrics,
-    shown: Object.fromEntries(["requests-total", "cached-ratio", "tokens", "ttft", "tpot"]
+    shown: Object.fromEntries(["requests-total", "protocols", "cached-ratio", "tokens", "ttft", "tpot"]
         .map(id => [id, document.getElementById(id).textContent])),
 })"""
 
@@ -137,11 +137,16 @@ def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {turn}?"}]})
         assert reply.status_code == 200
+    # One streamed request in each agent protocol: the page counts requests by protocol.
+    for path, body in (("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/responses", {"max_output_tokens": 8, "input": "Hi", "store": False})):
+        reply = httpx.post(f"{url}{path}", timeout=120, json={"model": "smollm2-135m", "stream": True, **body})
+        assert reply.status_code == 200, reply.text
     with _dashboard(url, tmp_path) as page:
         page.wait_for_function("Number(document.body.dataset.polls || 0) >= 2", timeout=30_000)
         shown, metrics = _rendered(page, settled=lambda m: _sum(
             m["tandem_router_time_per_output_token_seconds"],
-            "tandem_router_time_per_output_token_seconds_count") == 3)  # each stream, recorded
+            "tandem_router_time_per_output_token_seconds_count") == 5)  # each stream, recorded
         requests = metrics["tandem_router_requests"]
         prompt = _sum(metrics["tandem_router_prompt_tokens"], "tandem_router_prompt_tokens_total")
         cached = _sum(metrics["tandem_router_cached_prompt_tokens"], "tandem_router_cached_prompt_tokens_total")
@@ -150,6 +155,12 @@ def test_dashboard_shows_what_metrics_say_and_a_killed_worker(cluster: tuple[str
         tpot = metrics["tandem_router_time_per_output_token_seconds"]
         assert cached > 0, "the session's later turns should hit the prefix cache"
         assert shown["requests-total"] == f"{_sum(requests, 'tandem_router_requests_total'):,.0f}"
+        by_protocol: dict[str, float] = {}
+        for sample in requests:
+            if sample.name == "tandem_router_requests_total":
+                by_protocol[sample.labels["endpoint"]] = by_protocol.get(sample.labels["endpoint"], 0) + sample.value
+        assert by_protocol == {"chat": 3, "messages": 1, "responses": 1}
+        assert shown["protocols"] == " · ".join(f"{p} {by_protocol[p]:,.0f}" for p in sorted(by_protocol))
         assert shown["cached-ratio"] == f"{100 * cached / prompt:.1f}%"
         assert shown["tokens"] == f"{prompt:,.0f} / {cached:,.0f} / {output:,.0f}"
         assert shown["ttft"] == f"{_seconds(_quantile(0.5, ttft))} / {_seconds(_quantile(0.9, ttft))}"
