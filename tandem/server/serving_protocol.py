@@ -20,11 +20,15 @@ from pydantic import ValidationError
 from tandem.edge.disconnect import unless_disconnected
 from tandem.edge.errors import APIError, validation_error
 from tandem.edge.openai_protocol import ChatCompletionRequest
-from tandem.edge.protocols.base import ProtocolAdapter, StreamTranslator, Translated, finish_stream
+from tandem.edge.protocols.base import (
+    ProtocolAdapter,
+    StreamTranslator,
+    Translated,
+    dropped_headers,
+    finish_stream,
+)
 from tandem.server.serving import ServingState, as_api_error
 from tandem.server.serving_chat import chat_chunks, chat_reply, observe_chat, prepare_chat
-
-DROPPED_HEADER = "x-tandem-ignored"
 
 
 async def read_json(raw: Request) -> dict[str, Any]:
@@ -46,11 +50,6 @@ def chat_request(translated: Translated) -> ChatCompletionRequest:
 
 def protocol_error(adapter: ProtocolAdapter, exc: APIError) -> JSONResponse:
     return JSONResponse(adapter.error_body(exc.status, exc.body()), status_code=exc.status, headers=exc.headers)
-
-
-def dropped_headers(translated: Translated) -> dict[str, str]:
-    """What the adapter ignored (hosted tools, unknown betas), named in one response header."""
-    return {DROPPED_HEADER: ", ".join(translated.dropped)[:1000]} if translated.dropped else {}
 
 
 async def serve_protocol(state: ServingState, adapter: ProtocolAdapter, raw: Request) -> Response:

@@ -44,6 +44,14 @@ class Translated:
     dropped: list[str] = field(default_factory=list)  # what was ignored (a warning header says so)
 
 
+# What an adapter ignored (hosted tools, unknown item types), named for the client in one header.
+DROPPED_HEADER = "x-tandem-ignored"
+
+
+def dropped_headers(translated: Translated) -> dict[str, str]:
+    return {DROPPED_HEADER: ", ".join(translated.dropped)[:1000]} if translated.dropped else {}
+
+
 class StreamTranslator(ABC):
     """One response's chat chunks → the protocol's events (each a complete SSE event string)."""
 

@@ -12,10 +12,14 @@ import json
 from fastapi.responses import JSONResponse, Response
 
 from tandem.edge.errors import APIError, error_body
-from tandem.edge.protocols.base import ProtocolAdapter, Translated, finish_stream, translate_sse
+from tandem.edge.protocols.base import (
+    ProtocolAdapter,
+    Translated,
+    dropped_headers,
+    finish_stream,
+    translate_sse,
+)
 from tandem.router.http.sse import EventStream
-
-DROPPED_HEADER = "x-tandem-ignored"
 
 
 def protocol_error(adapter: ProtocolAdapter, exc: APIError) -> JSONResponse:
@@ -25,7 +29,7 @@ def protocol_error(adapter: ProtocolAdapter, exc: APIError) -> JSONResponse:
 def _headers(response: Response, translated: Translated) -> dict[str, str]:
     kept = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
     if translated.dropped:
-        kept[DROPPED_HEADER] = ", ".join(translated.dropped)[:1000]
+        kept.update(dropped_headers(translated))
     return kept
 
 
@@ -35,7 +39,7 @@ async def in_protocol(response: Response, adapter: ProtocolAdapter, translated: 
         response.body_iterator = translate_sse(response.body_iterator, translator,
                                                lambda: finish_stream(adapter, translated, translator))
         if translated.dropped:
-            response.headers[DROPPED_HEADER] = ", ".join(translated.dropped)[:1000]
+            response.headers.update(dropped_headers(translated))
         return response
     try:
         body = json.loads(bytes(response.body)) if response.body else None
