@@ -42,6 +42,7 @@ from tandem.edge.openai_protocol import (
     TokenizeRequest,
 )
 from tandem.edge.protocols.anthropic_messages import MessagesAdapter
+from tandem.edge.protocols.error_shape import ProtocolErrorShape, agent_protocol_shapes
 from tandem.edge.protocols.openai_responses import OpenAIResponsesAdapter
 from tandem.edge.protocols.response_store import is_redis_url, open_response_store
 from tandem.kvcache.connector.factory import connector_sections
@@ -98,6 +99,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
     # Outermost last: the body is bounded (limits), then the caller is known (access).
     app.add_middleware(AccessMiddleware, policy=worker_access_policy(config, engine_config.kv_transfer.secret))
     app.add_middleware(RequestLimitMiddleware, limits=config.limits)
+    # Outside every refusal: on /v1/messages they reach the client in Anthropic's shape.
+    app.add_middleware(ProtocolErrorShape, shapes=agent_protocol_shapes())
     app.add_exception_handler(APIError, _counted_api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

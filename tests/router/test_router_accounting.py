@@ -213,6 +213,70 @@ def test_an_abandoned_stream_is_recorded_as_aborted(routers: Routers) -> None:
     assert 0 < row["completion_tokens"] < 2000 and row["prompt_tokens"] > 0
 
 
+def _sse(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    """A Messages or Responses stream's (event, data) pairs."""
+    pairs = []
+    for block in response.text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in lines and lines["data"] != "[DONE]":
+            pairs.append((lines.get("event", ""), json.loads(lines["data"])))
+    return pairs
+
+
+def test_messages_and_responses_are_priced_and_recorded_as_themselves(routers: Routers) -> None:
+    """A Messages or Responses request is a chat request below the router's edge, but the
+    ledger records it under the client's protocol and the id the client saw, and prices it
+    with the cached tokens discounted, like a chat request."""
+    server, _, _ = routers.start()
+    url = server.url
+    message = {"model": "smol", "max_tokens": 5, "messages": [{"role": "user", "content": "Say hello."}]}
+    response = {"model": "smol", "max_output_tokens": 5, "input": "Say hello.", "store": False}
+    seen: list[tuple[str, str, dict[str, Any]]] = []  # (endpoint, id the client saw, usage)
+    alice = {"x-api-key": "sk-alice"}  # as Claude Code sends its key
+    whole = httpx.post(f"{url}/v1/messages", json=message, headers=alice, timeout=30).json()
+    seen.append(("messages", whole["id"], whole["usage"]))
+    streamed = _sse(httpx.post(f"{url}/v1/messages", json={**message, "stream": True}, headers=alice, timeout=30))
+    start = next(data for event, data in streamed if event == "message_start")
+    final = next(data for event, data in streamed if event == "message_delta")
+    seen.append(("messages", start["message"]["id"], {**start["message"]["usage"], **final["usage"]}))
+    whole = httpx.post(f"{url}/v1/responses", json=response, headers=_auth("sk-bob"), timeout=30).json()
+    seen.append(("responses", whole["id"], whole["usage"]))
+    streamed = _sse(httpx.post(f"{url}/v1/responses", json={**response, "stream": True},
+                               headers=_auth("sk-bob"), timeout=30))
+    done = next(data for event, data in streamed if event == "response.completed")["response"]
+    seen.append(("responses", done["id"], done["usage"]))
+    server.stop()  # the ledger is flushed at shutdown
+    rows = {row["request_id"]: row for row in routers.rows()}
+    expected = cost(PROMPT_TOKENS, 32, 5, SMOL)  # PD: the prefill worker's 32 cached tokens
+    for endpoint, reply_id, usage in seen:
+        row = rows[reply_id]
+        assert row["endpoint"] == endpoint and row["route"] == "pd" and row["status"] == "ok"
+        assert (row["prompt_tokens"], row["cached_tokens"], row["completion_tokens"]) == (PROMPT_TOKENS, 32, 5)
+        assert row["cost_total"] == pytest.approx(expected["total"])
+        assert row["identity"] == ("alice" if endpoint == "messages" else "bob")
+        if endpoint == "messages":  # what the client was told, in Anthropic's terms
+            assert reply_id.startswith("msg_") and usage["output_tokens"] == 5
+            assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (PROMPT_TOKENS - 32, 32)
+        else:
+            assert reply_id.startswith("resp_") and usage["output_tokens"] == 5
+            assert usage["input_tokens"] == PROMPT_TOKENS
+            assert usage["input_tokens_details"]["cached_tokens"] == 32
+
+
+def test_a_refused_key_is_answered_in_the_clients_protocol(routers: Routers) -> None:
+    server, decode, _ = routers.start()
+    hi = {"model": "smol", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        for headers in ({}, {"x-api-key": "sk-wrong"}, _auth("sk-wrong")):
+            reply = httpx.post(f"{server.url}{path}", json=hi, headers=headers, timeout=30)
+            assert reply.status_code == 401
+            assert reply.json()["type"] == "error", reply.text
+            assert reply.json()["error"]["type"] == "authentication_error"
+    reply = httpx.post(f"{server.url}/v1/responses", json={"model": "smol", "input": "hi"}, timeout=30)
+    assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"  # OpenAI's
+    assert decode.requests == []
+
+
 # --- API keys ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "headers",

@@ -229,5 +229,8 @@ def test_errors_in_anthropic_shape(client: anthropic.Anthropic, tandem_server: s
     _error(httpx.post(f"{url}/count_tokens", json={"model": MODEL, "messages": "x"}), 400, "invalid_request_error")
     _error(httpx.post(f"{url}/count_tokens", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
            404, "not_found_error")
+    # Refusals made before a Messages route runs are in Anthropic's shape too.
+    _error(httpx.post(f"{url}/nothing-here", json={}), 404, "not_found_error")
+    _error(httpx.get(url), 405, "invalid_request_error")
     # ... and the server goes on serving.
     assert client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}]).content

@@ -151,6 +151,9 @@ class MessagesAdapter(ProtocolAdapter):
         return MessagesStream(model if isinstance(model, str) else None, _thinking(translated),
                               _stops(translated))
 
+    def reply_id(self, translated: Translated, chat_id: str) -> str:
+        return anthropic_reply.message_id(chat_id)
+
     def error_body(self, status: int, openai_body: dict[str, Any]) -> dict[str, Any]:
         return anthropic_reply.error_body(status, openai_body)
 

@@ -92,6 +92,11 @@ class ProtocolAdapter(ABC):
     def error_body(self, status: int, openai_body: dict[str, Any]) -> dict[str, Any]:
         """An OpenAI-shaped error body in this protocol's shape."""
 
+    def reply_id(self, translated: Translated, chat_id: str) -> str:
+        """The id the client will see for a request whose chat id is `chat_id` (the usage
+        ledger records it, so a client's id finds its row). The chat id by default."""
+        return chat_id
+
     async def finish(self, translated: Translated, response: dict[str, Any]) -> None:
         """A streamed response's end (`StreamTranslator.final`), before its last events go out:
         a protocol that keeps its responses keeps it here. Nothing by default."""

@@ -128,6 +128,9 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
         assert isinstance(translated, ResponsesTranslated)
         return ResponsesStream(translated)
 
+    def reply_id(self, translated: Translated, chat_id: str) -> str:
+        return translated.response_id if isinstance(translated, ResponsesTranslated) else chat_id
+
     def error_body(self, status: int, openai_body: dict[str, Any]) -> dict[str, Any]:
         return openai_body  # the Responses API answers errors in OpenAI's shape
 

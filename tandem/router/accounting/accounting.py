@@ -44,6 +44,8 @@ class FinishedCall(Protocol):
 
     identity: Identity
     kind: str
+    protocol: str
+    reply_id: str | None
     body: dict[str, Any]
     caller: str
     route: str
@@ -127,8 +129,8 @@ class Accounting:
             identity=call.caller or ANONYMOUS,
             user=user[:_USER_MAX_CHARS] if isinstance(user, str) else None,
             model=model,
-            endpoint=call.kind,
-            request_id=call.identity.id,
+            endpoint=call.protocol,  # the client's protocol: messages, responses, chat...
+            request_id=call.reply_id or call.identity.id,
             route=call.route,
             prefill_worker=call.prefill_worker.url if call.prefill_worker else None,
             decode_worker=call.decode_worker.url if call.decode_worker else None,

@@ -18,8 +18,8 @@ the router after its body parsed):
     identity TEXT        API key identity ("anonymous" when keys are off)
     user TEXT            the request's `user` field, if any
     model TEXT           the model the client asked for (what prices are looked up by)
-    endpoint TEXT        chat | completion
-    request_id TEXT      the response id the client saw (chatcmpl-... / cmpl-...)
+    endpoint TEXT        the client's protocol: chat | completion | messages | responses
+    request_id TEXT      the response id the client saw (chatcmpl-, cmpl-, msg_, resp_...)
     route TEXT           pd | direct
     prefill_worker TEXT, decode_worker TEXT   worker URLs (NULL where no hop went)
     status TEXT          ok | aborted (client went away) | error

@@ -46,6 +46,7 @@ from tandem.edge.errors import (
 )
 from tandem.edge.limits import RequestLimitMiddleware
 from tandem.edge.protocols.anthropic_messages import MessagesAdapter
+from tandem.edge.protocols.error_shape import ProtocolErrorShape, agent_protocol_shapes
 from tandem.edge.protocols.openai_responses import OpenAIResponsesAdapter
 from tandem.edge.protocols.response_store import open_response_store
 from tandem.router.accounting.accounting import load_keys, open_accounting
@@ -219,6 +220,8 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
     app.add_middleware(AccessMiddleware, policy=router_access_policy(config))
     app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(RequestLimitMiddleware, limits=config.limits)  # outermost: before keys
+    # Outside every refusal: on /v1/messages they reach the client in Anthropic's shape.
+    app.add_middleware(ProtocolErrorShape, shapes=agent_protocol_shapes())
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

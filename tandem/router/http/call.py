@@ -69,6 +69,8 @@ class Call:
     # The client's protocol ("chat", "completion", "messages", "responses"): the metrics'
     # endpoint label. Below the proxy a Messages or Responses call is a chat call.
     protocol: str = "chat"
+    # The id the client sees (a Messages `msg_…`, a Responses `resp_…`); the chat id if None.
+    reply_id: str | None = None
 
     @property
     def stream(self) -> bool:

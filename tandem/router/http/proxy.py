@@ -114,12 +114,12 @@ class Proxy:
         except APIError as exc:
             self.metrics.requests.labels("none", adapter.name, str(exc.status)).inc()
             return protocol_error(adapter, exc)
-        response = await self._serve(kind, path, request, translated, adapter.name)
+        response = await self._serve(kind, path, request, translated, adapter)
         return await in_protocol(response, adapter, translated)
 
     async def _serve(
         self, kind: Kind, path: str, request: Request, translated: Translated | None,
-        protocol: str | None = None,
+        adapter: ProtocolAdapter | None = None,
     ) -> Response:
         if self.drain.draining:
             return self.drain.refusal("this router").response()
@@ -138,8 +138,10 @@ class Proxy:
             Identity.new(kind, model if isinstance(model, str) else ""),
             received,
             caller=caller_of(request),
-            protocol=protocol or kind,
+            protocol=adapter.name if adapter is not None else kind,
         )
+        if adapter is not None and translated is not None:
+            call.reply_id = adapter.reply_id(translated, call.identity.id)
         try:
             call.prompt_tokens = await self.counter.count(body, kind)
             await self._admit(call, request)
