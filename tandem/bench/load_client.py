@@ -105,6 +105,7 @@ class RequestRecord:
     endpoint: str
     max_tokens: int
     new_prompt_len: int  # the turn's new text, by the workload's sizer (history not included)
+    protocol: str = "chat"  # the wire protocol it was sent in
     start_s: float = 0.0
     ttft_s: float | None = None
     e2e_s: float | None = None
@@ -278,8 +279,12 @@ def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
 def resolve_endpoint(endpoint: str, workload: ServeWorkload, protocol: str = "chat") -> str:
     """chat or completions; a protocol other than chat sends even one-turn prompts as a
     conversation (Messages and Responses have no completions endpoint)."""
+    protocols = {protocol} | {s.protocol for s in workload.sessions if s.protocol is not None}
     if endpoint == "auto":
-        return "chat" if workload.chat_only or protocol != "chat" else "completions"
+        return "chat" if workload.chat_only or protocols != {"chat"} else "completions"
+    if endpoint == "completions" and protocols != {"chat"}:
+        raise ValueError(f"the {', '.join(sorted(protocols - {'chat'}))} protocol is a conversation: "
+                         "it needs the chat endpoint")
     if endpoint == "completions" and workload.chat_only:
         raise ValueError(
             f"the {workload.name} workload is a conversation: it needs the chat endpoint"
@@ -309,9 +314,15 @@ class _Runner:
         self.skipped = 0
         self.t0 = time.perf_counter()
 
-    def body(self, messages: list[dict[str, Any]], turn: Turn) -> dict[str, Any]:
+    def protocol(self, session: Session) -> str:
+        """The session's wire protocol (completions requests are read as chat streams)."""
+        if self.endpoint != "chat":
+            return "chat"
+        return session.protocol or self.config.protocol
+
+    def body(self, messages: list[dict[str, Any]], turn: Turn, protocol: str) -> dict[str, Any]:
         if self.endpoint == "chat":
-            return request_body(self.config.protocol, self.model, messages, turn.max_tokens,
+            return request_body(protocol, self.model, messages, turn.max_tokens,
                                 self.config.temperature, self.config.ignore_eos)
         body: dict[str, Any] = {
             "model": self.model,
@@ -332,10 +343,10 @@ class _Runner:
         self, body: dict[str, Any], record: RequestRecord, headers: dict[str, str]
     ) -> None:
         """Send one streamed request and fill ``record``; never raises (except cancellation)."""
-        path = PATHS[self.config.protocol] if self.endpoint == "chat" else "/v1/completions"
+        path = PATHS[record.protocol] if self.endpoint == "chat" else "/v1/completions"
         start = time.perf_counter()
         record.start_s = start - self.t0
-        meter = StreamMeter(start, self.config.protocol if self.endpoint == "chat" else "chat")
+        meter = StreamMeter(start, record.protocol)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 async with self.client.stream("POST", path, json=body, headers=headers) as response:
@@ -365,12 +376,16 @@ class _Runner:
         messages: list[dict[str, Any]] = []
         if self.workload.system is not None and record_results:
             messages.append({"role": "system", "content": self.workload.system})
+        protocol = self.protocol(session)
         for index, turn in enumerate(session.turns):
             messages.append({"role": "user", "content": turn.prompt})
             record = RequestRecord(
-                session.session_id, index, self.endpoint, turn.max_tokens, turn.prompt_len
+                session.session_id, index, self.endpoint, turn.max_tokens, turn.prompt_len, protocol=protocol
             )
-            await self.send(self.body(messages, turn), record, self.headers(session))
+            body = self.body(messages, turn, protocol)
+            if session.cache_salt is not None:
+                body["cache_salt"] = session.cache_salt
+            await self.send(body, record, self.headers(session))
             if record_results:
                 self.records.append(record)
                 if self.on_record is not None:

@@ -8,8 +8,9 @@ usage as `{"prompt_tokens", "completion_tokens", "prompt_tokens_details": {"cach
 (Anthropic's prompt is its input + cache-read + cache-creation tokens, its cached tokens the
 cache reads; Responses' are `input_tokens` and `input_tokens_details.cached_tokens`).
 
-The sampling extras tandem accepts beside each protocol's own fields (`ignore_eos`) go in
-the body as they do for chat, so every protocol generates exactly `max_tokens`.
+The extras tandem accepts beside each protocol's own fields go in the body as they do for
+chat: `ignore_eos`, so every protocol generates exactly `max_tokens`, and `cache_salt`, which
+keeps an interleaved run's protocols from reading each other's prefixes.
 """
 
 from __future__ import annotations

@@ -145,6 +145,12 @@ LOAD_FLAGS = FlagTable("load", (
         "(default: chat)",
     ),
     Flag(
+        "--interleave-protocols", switch=True,
+        help="with several --protocol: one run per target (a launched one once) in which every "
+        "session is sent once in each protocol, the copies side by side, so the protocols are "
+        "compared under the same load at the same moments instead of in runs minutes apart",
+    ),
+    Flag(
         "--no-ignore-eos", switch=True,
         help="do not send ignore_eos (for servers that refuse it; outputs may be shorter)",
     ),

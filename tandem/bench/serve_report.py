@@ -8,6 +8,7 @@ tandem is ahead.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 import os
@@ -33,6 +34,7 @@ TABLE_ROWS: tuple[tuple[str, str, bool | None], ...] = (
     ("errors", "errors", None),
     ("request_throughput", "requests/s", True),
     ("output_tok_s", "output tok/s", True),
+    ("stream_tok_s", "output tok/s per stream", True),  # interleaved protocols only
     ("total_tok_s", "total tok/s (prompt + output)", True),
     *((f"ttft_{s}_ms", f"TTFT {s} ms", False) for s in STATS),
     *((f"itl_{s}_ms", f"ITL {s} ms", False) for s in STATS),
@@ -63,6 +65,33 @@ class TargetOutcome:
     @property
     def ok(self) -> bool:
         return self.result is not None and self.error is None
+
+
+def split_by_protocol(outcome: TargetOutcome, protocols: Sequence[str], shared_prefix: int = 0) -> list[TargetOutcome]:
+    """An interleaved run's outcome as one outcome per protocol, named as separate runs would
+    be (chat keeps the target's name, another protocol is `NAME+PROTOCOL`). The protocols shared
+    the run's wall time with the same sessions, so their output tok/s over it come out equal
+    by construction; what tells them apart is `stream_tok_s`, each protocol's output tokens over
+    the time its own requests took (send to last event), which the goal reads instead."""
+    if outcome.result is None:
+        return [dataclasses.replace(outcome, name=_protocol_name(outcome.name, p)) for p in protocols]
+    parts = []
+    for protocol in protocols:
+        name = _protocol_name(outcome.name, protocol)
+        records = [r for r in outcome.result.records if r.protocol == protocol]
+        result = dataclasses.replace(outcome.result, target=name, records=records)
+        metrics = compute_metrics(result, shared_prefix)
+        ok = [r for r in records if r.ok and r.e2e_s]
+        busy = sum(r.e2e_s or 0.0 for r in ok)
+        tokens = sum(r.completion_tokens if r.completion_tokens is not None else r.output_chunks for r in ok)
+        metrics["stream_tok_s"] = tokens / busy if busy > 0 else None
+        metrics["interleaved"] = True
+        parts.append(dataclasses.replace(outcome, name=name, result=result, metrics=metrics))
+    return parts
+
+
+def _protocol_name(name: str, protocol: str) -> str:
+    return name if protocol == "chat" else f"{name}+{protocol}"
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -211,6 +240,9 @@ def _ratio_cell(value: float | None, higher_is_better: bool) -> str:
     better = value > 1 if higher_is_better else value < 1
     return f"{value:.2f}x {'better' if better else 'worse'}"
 
+# Rows only some runs measure: left out of a table where no target has them.
+_OPTIONAL_ROWS = frozenset({"stream_tok_s"})
+
 
 def ratio_rows(outcomes: Sequence[TargetOutcome]) -> list[dict[str, Any]]:
     """One row per (metric, peer) with a ratio: reference value, peer value, reference/peer."""
@@ -250,6 +282,8 @@ def format_table(outcomes: Sequence[TargetOutcome], title: str = "") -> str:
             header.append(f"{ref.name}/{outcome.name}")
     rows: list[list[str]] = []
     for key, label, higher in TABLE_ROWS:
+        if key in _OPTIONAL_ROWS and not any(o.metrics.get(key) is not None for o in outcomes):
+            continue
         row = [label]
         ref_value = ref.metrics.get(key) if ref.ok else None
         for index, outcome in enumerate(outcomes):

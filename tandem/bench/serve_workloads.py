@@ -24,6 +24,7 @@ another, sessions run concurrently):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -296,6 +297,8 @@ class Turn:
 class Session:
     session_id: str
     turns: tuple[Turn, ...]
+    protocol: str | None = None  # its turns' wire protocol; None: the run's (TrafficConfig)
+    cache_salt: str | None = None  # keeps its prefix cache apart (interleave_protocols)
 
 
 @dataclass(frozen=True)
@@ -474,6 +477,25 @@ def build_serve_workload(config: WorkloadConfig, sizer: Sizer | None = None) -> 
     if config.name == "agentic":
         return _agentic(config, sizer)
     return _one_turn_sessions(config, sizer)
+
+
+def interleave_protocols(workload: ServeWorkload, protocols: list[str]) -> ServeWorkload:
+    """Every session once per protocol, the copies next to each other, for one run that
+    compares the protocols under the same load at the same moments (a protocol's separate run
+    sees the box's drift as a difference). Each protocol's copies carry a `cache_salt` of their
+    own, so one protocol never reads a prefix another filled and each caches across its own
+    sessions as a run of it alone would, while the prompts stay token for token the same (so
+    are the greedy outputs). The order of the copies turns with each session, so no protocol is
+    always the first of its group to reach the server."""
+    sessions = tuple(
+        dataclasses.replace(session, session_id=f"{session.session_id}-{protocol}", protocol=protocol,
+                            cache_salt=f"bench-{protocol}")
+        for n, session in enumerate(workload.sessions)
+        for protocol in protocols[n % len(protocols):] + protocols[:n % len(protocols)]
+    )
+    return dataclasses.replace(workload, sessions=sessions,
+                               description=f"{workload.description}; each session once in "
+                                           f"{', '.join(protocols)}, interleaved")
 
 
 def warmup_turn(sizer: Sizer, seed: int = 0) -> Turn:

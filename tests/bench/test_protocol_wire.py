@@ -1,7 +1,7 @@
 """`tandem bench serve --protocol`: each protocol's request and stream read into one meter.
 
 The streams here are written out by hand in each protocol's documented event sequence; the
-same meter reads the real servers' streams in tests/bench/test_serve_protocols.py.
+same meter reads a real server's streams in tests/bench/test_serve_e2e.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from tandem.bench.load_client import RequestRecord, StreamMeter
 from tandem.bench.protocol_wire import request_body
 from tandem.bench.serve import Target, parse_protocols, protocol_goal_lines, with_protocols
-from tandem.bench.serve_report import TargetOutcome
+from tandem.bench.serve_report import TargetOutcome, format_table
 
 HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"}]
@@ -120,3 +120,19 @@ def test_the_protocol_goal_holds_each_protocol_to_chat_within_three_percent() ->
     assert len(lines) == 2
     assert lines[0].startswith("goal (messages vs chat on pd)") and lines[0].endswith(": met")
     assert lines[1].startswith("goal (responses vs chat on pd)") and lines[1].endswith("NOT met")
+
+
+def test_an_interleaved_run_holds_each_protocol_to_chats_rate_per_stream() -> None:
+    """Interleaved protocols share one run's wall time, so their output tok/s are equal by
+    construction; the goal reads each protocol's tokens over its own requests' time."""
+    targets = with_protocols([Target("pd", launch="pd")], ["chat", "messages", "responses"])
+    outcomes = [_outcome("pd", 100.0, 50.0, 90.0), _outcome("pd+messages", 101.0, 50.0, 90.0),
+                _outcome("pd+responses", 100.0, 50.0, 90.0)]
+    for outcome, per_stream in zip(outcomes, (8.0, 7.9, 7.6), strict=True):
+        outcome.metrics.update(stream_tok_s=per_stream, interleaved=True)
+    messages, responses = protocol_goal_lines(outcomes, targets)
+    assert "output tok/s per stream 7.90 vs 8.00 (-1.2%)" in messages and messages.endswith(": met")
+    assert "(-5.0%)" in responses and responses.endswith("NOT met")
+    table = format_table(outcomes)
+    assert "output tok/s per stream" in table
+    assert "output tok/s per stream" not in format_table([_outcome("a", 1.0, 1.0, 1.0), _outcome("b", 1.0, 1.0, 1.0)])

@@ -3,12 +3,13 @@ tests/conftest.py: the base URL of a running server on the default model)."""
 
 from __future__ import annotations
 
-from tandem.bench.load_client import RunResult, TrafficConfig, run_load
-from tandem.bench.serve_report import compute_metrics
+from tandem.bench.load_client import RequestRecord, RunResult, TrafficConfig, run_load
+from tandem.bench.serve_report import TargetOutcome, compute_metrics, split_by_protocol
 from tandem.bench.serve_workloads import (
     WordSizer,
     WorkloadConfig,
     build_serve_workload,
+    interleave_protocols,
     warmup_turn,
 )
 
@@ -78,3 +79,38 @@ def test_fixed_requests_against_tandem(tandem_server: str) -> None:
     _check_every_request(result)
     assert {r.endpoint for r in result.records} == {"completions"}
     assert all(len(r.itl_s) >= 1 for r in result.records)  # streamed: 5 tokens, 2 chunks or more
+
+
+def test_interleaved_protocols_against_tandem(tandem_server: str) -> None:
+    """`--protocol chat,messages,responses --interleave-protocols`: each session once per
+    protocol in one run. The copies cost the server the same work (the adapters render the same
+    prompt, and each generates the same number of tokens), and each protocol caches its own
+    prefixes (its `cache_salt`) as a run of it alone would."""
+    protocols = ["chat", "messages", "responses"]
+    config = WorkloadConfig(name="agentic", num_sessions=2, turns_min=2, turns_max=2, prefix_len=96,
+                            user_len_min=16, user_len_max=24, agentic_output_len=6)
+    workload = interleave_protocols(build_serve_workload(config), protocols)
+    result = run_load(tandem_server, workload, TrafficConfig(concurrency=3, warmup_requests=0), target="tandem")
+    assert len(result.records) == 12
+    _check_every_request(result)
+    by_turn: dict[tuple[str, int], dict[str, RequestRecord]] = {}
+    for record in result.records:
+        session = record.session_id.rsplit("-", 1)[0]
+        by_turn.setdefault((session, record.turn), {})[record.protocol] = record
+    assert len(by_turn) == 4
+    for (session, index), turn in by_turn.items():
+        assert set(turn) == set(protocols)
+        assert {r.completion_tokens for r in turn.values()} == {6}
+        earlier = [by_turn[(session, i)] for i in range(index)]
+        if all(len({r.output_text for r in t.values()}) == 1 for t in earlier):  # the same history
+            assert len({r.prompt_tokens for r in turn.values()}) == 1, {p: r.prompt_tokens for p, r in turn.items()}
+    for key, turn in by_turn.items():  # a later turn finds its own protocol's earlier turn
+        if key[1] == 1:
+            for protocol, record in turn.items():
+                before = by_turn[(key[0], 0)][protocol].prompt_tokens
+                assert record.cached_tokens >= before // 16 * 16 > 0, protocol  # type: ignore[operator]
+    outcome = TargetOutcome("tandem", tandem_server, result=result)
+    parts = split_by_protocol(outcome, protocols, workload.system_len)
+    assert [p.name for p in parts] == ["tandem", "tandem+messages", "tandem+responses"]
+    assert [p.metrics["requests"] for p in parts] == [4, 4, 4]
+    assert all(p.metrics["output_tok_s"] == 24 / result.duration_s for p in parts)

@@ -16,6 +16,7 @@ from tandem.bench.serve_workloads import (
     WordSizer,
     WorkloadConfig,
     build_serve_workload,
+    interleave_protocols,
     make_sizer,
     make_text,
     system_prompt,
@@ -201,3 +202,15 @@ def test_invalid_configs() -> None:
     ):
         with pytest.raises(ValueError):
             build_serve_workload(WorkloadConfig(**bad))
+
+
+def test_interleaved_protocols_copy_every_session_with_its_own_salt_in_turning_order() -> None:
+    workload = build_serve_workload(WorkloadConfig(name="agentic", num_sessions=3, turns_min=2, turns_max=3))
+    mixed = interleave_protocols(workload, ["chat", "messages", "responses"])
+    assert mixed.num_requests == 3 * workload.num_requests and mixed.system == workload.system
+    order = [(s.session_id, s.protocol, s.cache_salt) for s in mixed.sessions]
+    assert [p for _, p, _ in order] == ["chat", "messages", "responses", "messages", "responses", "chat",
+                                        "responses", "chat", "messages"]
+    assert all(sid.endswith(f"-{p}") and salt == f"bench-{p}" for sid, p, salt in order)
+    for n, session in enumerate(workload.sessions):
+        assert all(copy.turns == session.turns for copy in mixed.sessions[3 * n:3 * n + 3])

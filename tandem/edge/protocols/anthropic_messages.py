@@ -61,7 +61,7 @@ from tandem.edge.protocols.base import (
     ProtocolAdapter,
     StreamTranslator,
     Translated,
-    sampling_extras,
+    chat_extras,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class MessagesAdapter(ProtocolAdapter):
             value = getattr(request, name)
             if value is not None:
                 chat[name] = value
-        chat.update(sampling_extras(body))
+        chat.update(chat_extras(body))
         return translated
 
     async def count_chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> MessagesTranslated:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.edge.errors import APIError, bad_request, validation_error
 from tandem.edge.openai_protocol import MAX_TOKENS_BOUND, CacheControl
-from tandem.edge.protocols.base import SAMPLING_EXTRAS
+from tandem.edge.protocols.base import CHAT_EXTRAS
 
 
 class AnthropicModel(BaseModel):
@@ -102,7 +102,7 @@ class MessagesRequest(CountTokensRequest):
 
 # The fields the adapter reads; any other (`context_management`, `output_config`,
 # `service_tier`, ...) is ignored, and logged once.
-KNOWN_FIELDS = frozenset(MessagesRequest.model_fields) | frozenset(SAMPLING_EXTRAS)
+KNOWN_FIELDS = frozenset(MessagesRequest.model_fields) | frozenset(CHAT_EXTRAS)
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -109,16 +109,17 @@ async def finish_stream(adapter: ProtocolAdapter, translated: Translated, transl
         await adapter.finish(translated, translator.final)
 
 
-# The sampling extras tandem's chat endpoint accepts beside OpenAI's fields (vLLM's names),
-# taken as they are from a Messages or Responses body too: the chat request model range-checks
-# them, so an adapter only copies them. `ignore_eos` lets a benchmark generate exactly
-# max_tokens in every protocol.
-SAMPLING_EXTRAS = ("ignore_eos", "min_tokens", "min_p", "repetition_penalty", "seed")
+# The extras tandem's chat endpoint accepts beside OpenAI's fields (vLLM's names), taken as
+# they are from a Messages or Responses body too: the chat request model range-checks them, so
+# an adapter only copies them. `ignore_eos` lets a benchmark generate exactly max_tokens in
+# every protocol; `cache_salt` keeps a request's prefix cache apart from requests without it
+# (the router salts it further per tenant, as it does a chat request's).
+CHAT_EXTRAS = ("ignore_eos", "min_tokens", "min_p", "repetition_penalty", "seed", "cache_salt")
 
 
-def sampling_extras(body: Mapping[str, Any]) -> dict[str, Any]:
+def chat_extras(body: Mapping[str, Any]) -> dict[str, Any]:
     """The extras a client body carries, for the chat request."""
-    return {name: body[name] for name in SAMPLING_EXTRAS if name in body}
+    return {name: body[name] for name in CHAT_EXTRAS if name in body}
 
 
 def sse_event(event: str | None, payload: dict[str, Any]) -> str:

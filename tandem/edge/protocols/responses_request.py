@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.edge.errors import APIError
-from tandem.edge.protocols.base import SAMPLING_EXTRAS
+from tandem.edge.protocols.base import CHAT_EXTRAS
 
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -44,9 +44,9 @@ _MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image_url", "image"
 # Item types that carry nothing a chat model can read: dropped with a note.
 _REASONING = "reasoning"
 # Sampling extras passed through as the chat path takes them (vLLM's, through extra_body).
-# tandem's sampling extras (base.SAMPLING_EXTRAS: ignore_eos, ...) and the chat fields the
+# tandem's extras (base.CHAT_EXTRAS: ignore_eos, cache_salt, ...) and the chat fields the
 # Responses API lacks, taken as the chat request validates them.
-_PASSED_THROUGH = (*SAMPLING_EXTRAS, "top_k", "presence_penalty", "frequency_penalty", "stop")
+_PASSED_THROUGH = (*CHAT_EXTRAS, "top_k", "presence_penalty", "frequency_penalty", "stop")
 _TOOL_CHOICE_MODES = ("auto", "none", "required")
 
 

@@ -538,11 +538,14 @@ def test_what_claude_code_really_sends_is_served(name: str) -> None:
     assert translated.session == recorded["headers"]["x-claude-code-session-id"]
 
 
-def test_tandems_sampling_extras_reach_the_chat_request() -> None:
-    """`ignore_eos` and the other vLLM-style extras the chat endpoint takes pass through, so a
-    benchmark generates exactly max_tokens in every protocol; their ranges are the chat
-    request's own (a negative min_tokens is refused there)."""
-    chat = to_chat(minimal(ignore_eos=True, seed=7, min_tokens=2)).chat
-    assert (chat["ignore_eos"], chat["seed"], chat["min_tokens"]) == (True, 7, 2)
+def test_tandems_chat_extras_reach_the_chat_request() -> None:
+    """`ignore_eos`, `cache_salt` and the other vLLM-style extras the chat endpoint takes pass
+    through, so a benchmark generates exactly max_tokens in every protocol and can keep runs'
+    caches apart; their ranges are the chat request's own (a negative min_tokens, an empty
+    salt are refused there)."""
+    chat = to_chat(minimal(ignore_eos=True, seed=7, min_tokens=2, cache_salt="run-2")).chat
+    assert (chat["ignore_eos"], chat["seed"], chat["min_tokens"], chat["cache_salt"]) == (True, 7, 2, "run-2")
     with pytest.raises(ValidationError):
         to_chat(minimal(min_tokens=-1))
+    with pytest.raises(ValidationError):
+        to_chat(minimal(cache_salt=""))
