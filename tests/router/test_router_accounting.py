@@ -277,6 +277,29 @@ def test_a_refused_key_is_answered_in_the_clients_protocol(routers: Routers) -> 
     assert decode.requests == []
 
 
+def test_a_stored_response_is_its_callers_alone(routers: Routers) -> None:
+    """With keys on, a stored Responses conversation belongs to the identity that made it:
+    another key can neither read it nor continue it, and is told no more than for an id never
+    stored (404 either way)."""
+    server, _, _ = routers.start()
+    url = server.url
+    body = {"model": "smol", "max_output_tokens": 5, "input": "Say hello."}
+    stored = httpx.post(f"{url}/v1/responses", json=body, headers=_auth("sk-alice"), timeout=30)
+    assert stored.status_code == 200, stored.text
+    response_id = stored.json()["id"]
+    own = httpx.get(f"{url}/v1/responses/{response_id}", headers=_auth("sk-alice"), timeout=30)
+    assert own.status_code == 200 and own.json()["id"] == response_id
+    never = httpx.get(f"{url}/v1/responses/resp_{'0' * 32}", headers=_auth("sk-bob"), timeout=30)
+    other = httpx.get(f"{url}/v1/responses/{response_id}", headers=_auth("sk-bob"), timeout=30)
+    assert other.status_code == never.status_code == 404
+    assert other.json()["error"]["code"] == never.json()["error"]["code"] == "response_not_found"
+    follow = {**body, "input": "And again.", "previous_response_id": response_id}
+    stolen = httpx.post(f"{url}/v1/responses", json=follow, headers=_auth("sk-bob"), timeout=30)
+    assert stolen.status_code == 404 and stolen.json()["error"]["code"] == "previous_response_not_found"
+    continued = httpx.post(f"{url}/v1/responses", json=follow, headers=_auth("sk-alice"), timeout=30)
+    assert continued.status_code == 200, continued.text
+
+
 # --- API keys ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "headers",

@@ -87,7 +87,7 @@ class MessagesAdapter(ProtocolAdapter):
         self._logged: set[str] = set()  # fields and betas already logged as ignored
 
     # --- requests -------------------------------------------------------------------
-    async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> MessagesTranslated:
+    async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str], caller: str = "") -> MessagesTranslated:
         request = validated(MessagesRequest, body)
         self._log_ignored(body, headers)
         translated = self._translate(request, headers)

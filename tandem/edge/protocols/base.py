@@ -77,8 +77,10 @@ class ProtocolAdapter(ABC):
     name: ClassVar[str]  # "messages" | "responses": metrics and logs label requests by it
 
     @abstractmethod
-    async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> Translated:
-        """The internal request; `APIError` (400) for a body this protocol refuses."""
+    async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str], caller: str = "") -> Translated:
+        """The internal request; `APIError` (400) for a body this protocol refuses. `caller` is
+        who the API-key check found (the router's key identity; "" where there is none): a
+        protocol that keeps state between requests keeps each caller's apart by it."""
 
     @abstractmethod
     async def reply(self, chat_reply: dict[str, Any], translated: Translated) -> dict[str, Any]:

@@ -45,7 +45,7 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
         self.store = store
 
     # --- request -------------------------------------------------------------------------
-    async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str]) -> Translated:
+    async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str], caller: str = "") -> Translated:
         dropped: list[str] = []
         store = req.optional_bool(body, "store", True)
         stream = req.optional_bool(body, "stream", False)
@@ -54,7 +54,7 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
         instructions = req.optional_string(body, "instructions")
         user = req.optional_string(body, "user")
         previous_id = req.optional_string(body, "previous_response_id")
-        previous = await self._previous(previous_id) if previous_id is not None else None
+        previous = await self._previous(previous_id, caller) if previous_id is not None else None
         items = req.normalize_input(body.get("input"), dropped)
         conversation = [*(previous.conversation if previous else []), *items]
         if not conversation:
@@ -96,10 +96,11 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
             tools=tools,
             conversation=conversation,
             store=store,
+            owner=caller,
         )
 
-    async def _previous(self, response_id: str) -> StoredResponse:
-        found = await self._get(response_id)
+    async def _previous(self, response_id: str, caller: str) -> StoredResponse:
+        found = await self._get(response_id, caller)
         if found is None:
             raise APIError(404, f"Previous response with id '{response_id[:MAX_ID_LENGTH]}' not found: it was "
                            "never stored (store: false), has expired, or was stored by another server "
@@ -107,15 +108,18 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
                            "previous_response_id", "previous_response_not_found")
         return found
 
-    async def _get(self, response_id: str) -> StoredResponse | None:
+    async def _get(self, response_id: str, caller: str) -> StoredResponse | None:
+        """The caller's own stored response: another caller's is as unknown as a missing one
+        (a 404 either way, so an id says nothing about whether someone else stored it)."""
         if len(response_id) > MAX_ID_LENGTH:
             return None
         try:
-            return await self.store.get(response_id)
+            found = await self.store.get(response_id)
         except ResponseStoreError as exc:
             logger.warning("%s", exc)
             raise APIError(503, "the response store is unavailable; try again", None,
                            "response_store_unavailable") from exc
+        return found if found is not None and found.owner == caller else None
 
     # --- reply ---------------------------------------------------------------------------
     async def reply(self, chat_reply: dict[str, Any], translated: Translated) -> dict[str, Any]:
@@ -140,16 +144,18 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
         assert isinstance(translated, ResponsesTranslated)
         if not translated.store or response.get("status") not in ("completed", "incomplete"):
             return
-        entry = StoredResponse(response, [*translated.conversation, *response["output"]], translated.session)
+        entry = StoredResponse(response, [*translated.conversation, *response["output"]], translated.session,
+                               owner=translated.owner)
         try:
             await self.store.put(entry)
         except ResponseStoreError as exc:
             logger.warning("%s", exc)
 
     # --- GET /v1/responses/{id} ----------------------------------------------------------
-    async def retrieve(self, response_id: str) -> dict[str, Any]:
-        """The stored response; 404 if it was never stored, has expired or been evicted."""
-        found = await self._get(response_id)
+    async def retrieve(self, response_id: str, caller: str = "") -> dict[str, Any]:
+        """The caller's stored response; 404 if it was never stored, has expired or been
+        evicted, or is another caller's."""
+        found = await self._get(response_id, caller)
         if found is None:
             raise APIError(404, f"No response with id '{response_id[:MAX_ID_LENGTH]}' is stored here",
                            "response_id", "response_not_found")

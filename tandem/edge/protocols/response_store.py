@@ -47,6 +47,7 @@ class StoredResponse:
     response: dict[str, Any]  # the whole response object, as GET /v1/responses/{id} answers
     conversation: list[dict[str, Any]]  # input items up to and including this response's output
     session: str | None = None  # the agent session it belonged to (router affinity)
+    owner: str = ""  # the API-key identity that stored it ("" without keys): only it reads it
 
     @property
     def id(self) -> str:
@@ -55,7 +56,7 @@ class StoredResponse:
     def to_json(self) -> bytes:
         # ASCII: a lone surrogate (which the HTTP edge refuses anyway) cannot break the write.
         return json.dumps({"response": self.response, "conversation": self.conversation,
-                           "session": self.session}, separators=(",", ":")).encode()
+                           "session": self.session, "owner": self.owner}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> StoredResponse:
@@ -64,10 +65,12 @@ class StoredResponse:
         if not isinstance(raw, dict):
             raise ValueError("not a stored response")
         response, conversation, session = raw.get("response"), raw.get("conversation"), raw.get("session")
+        owner = raw.get("owner", "")
         if not isinstance(response, dict) or not isinstance(response.get("id"), str) \
-                or not isinstance(conversation, list) or not (session is None or isinstance(session, str)):
+                or not isinstance(conversation, list) or not (session is None or isinstance(session, str)) \
+                or not isinstance(owner, str):
             raise ValueError("not a stored response")
-        return cls(response, conversation, session)
+        return cls(response, conversation, session, owner)
 
 
 class ResponseStoreError(Exception):

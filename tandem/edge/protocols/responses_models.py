@@ -26,6 +26,7 @@ class ResponsesTranslated(Translated):
     tools: ToolSet = field(default_factory=ToolSet)
     conversation: list[dict[str, Any]] = field(default_factory=list)  # stored + new input items
     store: bool = True
+    owner: str = ""  # the caller it is stored for: only they can read or continue it
 
     @property
     def id_base(self) -> str:

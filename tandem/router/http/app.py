@@ -260,7 +260,7 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-        return await request.app.state.responses.retrieve(response_id)
+        return await request.app.state.responses.retrieve(response_id, caller_of(request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -110,7 +110,7 @@ class Proxy:
         if adapter is None:
             return await self._serve(kind, path, request, None)
         try:
-            translated = await adapter.to_chat(await _json_body(request), request.headers)
+            translated = await adapter.to_chat(await _json_body(request), request.headers, caller_of(request))
         except APIError as exc:
             self.metrics.requests.labels("none", adapter.name, str(exc.status)).inc()
             return protocol_error(adapter, exc)
