@@ -202,6 +202,10 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
         return await request.app.state.responses.retrieve(response_id)
 
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await request.app.state.responses.delete(response_id)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         serving = state(request)

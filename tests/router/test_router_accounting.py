@@ -298,6 +298,12 @@ def test_a_stored_response_is_its_callers_alone(routers: Routers) -> None:
     assert stolen.status_code == 404 and stolen.json()["error"]["code"] == "previous_response_not_found"
     continued = httpx.post(f"{url}/v1/responses", json=follow, headers=_auth("sk-alice"), timeout=30)
     assert continued.status_code == 200, continued.text
+    deleted = httpx.delete(f"{url}/v1/responses/{response_id}", headers=_auth("sk-bob"), timeout=30)
+    assert deleted.status_code == 404  # not bob's to delete
+    deleted = httpx.delete(f"{url}/v1/responses/{response_id}", headers=_auth("sk-alice"), timeout=30)
+    assert deleted.json() == {"id": response_id, "object": "response", "deleted": True}
+    gone = httpx.get(f"{url}/v1/responses/{response_id}", headers=_auth("sk-alice"), timeout=30)
+    assert gone.status_code == 404
 
 
 # --- API keys ------------------------------------------------------------------------------

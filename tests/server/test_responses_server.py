@@ -137,6 +137,17 @@ def test_store_false_and_unknown_ids_are_404(client: openai.OpenAI) -> None:
     assert caught.value.body["param"] == "previous_response_id"
 
 
+def test_delete_forgets_a_stored_response(client: openai.OpenAI) -> None:
+    kept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert client.responses.retrieve(kept.id).id == kept.id
+    client.responses.delete(kept.id)  # the SDK's own call: DELETE /v1/responses/{id}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.delete(kept.id)
+    assert caught.value.body["code"] == "response_not_found"
+
+
 def test_hosted_tools_are_dropped_in_a_header_and_bad_input_is_a_400(client: openai.OpenAI) -> None:
     raw = client.responses.with_raw_response.create(
         model=MODEL, input="Hi", max_output_tokens=2, store=False, reasoning={"summary": "auto"},

@@ -161,6 +161,21 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
                            "response_id", "response_not_found")
         return found.response
 
+    async def delete(self, response_id: str, caller: str = "") -> dict[str, Any]:
+        """DELETE /v1/responses/{id}: forget the caller's stored response (a later GET or
+        previous_response_id is a 404); 404 for one it cannot see, as GET is."""
+        found = await self._get(response_id, caller)
+        if found is None:
+            raise APIError(404, f"No response with id '{response_id[:MAX_ID_LENGTH]}' is stored here",
+                           "response_id", "response_not_found")
+        try:
+            await self.store.delete(found.id)
+        except ResponseStoreError as exc:
+            logger.warning("%s", exc)
+            raise APIError(503, "the response store is unavailable; try again", None,
+                           "response_store_unavailable") from exc
+        return {"id": found.id, "object": "response", "deleted": True}
+
     async def close(self) -> None:
         await self.store.close()
 

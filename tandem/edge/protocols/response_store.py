@@ -88,6 +88,10 @@ class ResponseStore(ABC):
     async def get(self, response_id: str) -> StoredResponse | None:
         """The entry, or None if unknown, expired or evicted (ResponseStoreError if unreachable)."""
 
+    @abstractmethod
+    async def delete(self, response_id: str) -> None:
+        """Forget the entry if there is one (ResponseStoreError if unreachable)."""
+
     async def close(self) -> None:
         """Release connections (the app's lifespan calls it at shutdown)."""
         return None
@@ -147,6 +151,11 @@ class MemoryResponseStore(ResponseStore):
             return None
         self._entries.move_to_end(response_id)
         return StoredResponse.from_json(data)
+
+    async def delete(self, response_id: str) -> None:
+        data = self._entries.pop(response_id, None)
+        if data is not None:
+            self._bytes -= len(data)
 
     def describe(self) -> str:
         return (f"in memory (up to {self.config.max_entries} responses, "
@@ -213,6 +222,14 @@ class RedisResponseStore(ResponseStore):
         except ValueError:
             logger.warning("ignoring a malformed stored response under %s", self._key(response_id))
             return None
+
+    async def delete(self, response_id: str) -> None:
+        import redis
+
+        try:
+            await self._client.delete(self._key(response_id))
+        except (redis.RedisError, OSError) as exc:
+            raise ResponseStoreError(f"cannot delete response {response_id}: {exc}") from exc
 
     async def close(self) -> None:
         await self._client.aclose()

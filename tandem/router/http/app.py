@@ -262,6 +262,10 @@ def build_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
         return await request.app.state.responses.retrieve(response_id, caller_of(request))
 
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await request.app.state.responses.delete(response_id, caller_of(request))
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         state = state_of(request)

@@ -541,6 +541,32 @@ def test_a_stream_is_stored_at_its_end_and_a_failed_one_not(adapter: OpenAIRespo
         run(adapter.retrieve(failed.response_id))
 
 
+def test_a_stored_response_is_its_callers_and_deleting_it_forgets_it(adapter: OpenAIResponsesAdapter) -> None:
+    """`caller` (the router's key identity) owns what it stores: another caller's GET, DELETE
+    and previous_response_id see a 404, as for an id never stored."""
+    t = run(adapter.to_chat({"input": "x"}, {}, "alice"))
+    answer = run(adapter.reply(chat_reply("ok"), t))
+    assert run(adapter.retrieve(t.response_id, "alice")) == answer
+    for caller in ("bob", ""):
+        with pytest.raises(APIError) as caught:
+            run(adapter.retrieve(t.response_id, caller))
+        assert caught.value.status == 404
+        with pytest.raises(APIError) as caught:
+            run(adapter.delete(t.response_id, caller))
+        assert caught.value.status == 404
+        with pytest.raises(APIError) as caught:
+            run(adapter.to_chat({"input": "y", "previous_response_id": t.response_id}, {}, caller))
+        assert caught.value.code == "previous_response_not_found"
+    assert run(adapter.delete(t.response_id, "alice")) == {"id": t.response_id, "object": "response",
+                                                            "deleted": True}
+    with pytest.raises(APIError) as caught:
+        run(adapter.retrieve(t.response_id, "alice"))
+    assert caught.value.status == 404
+    with pytest.raises(APIError) as caught:
+        run(adapter.delete(t.response_id, "alice"))  # twice: the second finds nothing
+    assert caught.value.code == "response_not_found"
+
+
 class BrokenStore(MemoryResponseStore):
     async def put(self, entry: StoredResponse) -> None:
         raise ResponseStoreError("down")

@@ -4,6 +4,7 @@ the Redis one against a real redis-server (the managed one `tandem up` starts, w
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,6 +83,30 @@ def test_memory_evicts_past_its_byte_bound_and_counts_exactly() -> None:
     run(main())
 
 
+def test_memory_delete_forgets_and_gives_back_the_bytes() -> None:
+    store = MemoryResponseStore()
+
+    async def main() -> None:
+        await store.put(entry("a"))
+        await store.put(entry("b"))
+        size_b = store.num_bytes - len(entry("a").to_json())
+        await store.delete("a")
+        await store.delete("never-stored")  # nothing to forget: no error
+        assert await store.get("a") is None and len(store) == 1 and store.num_bytes == size_b
+
+    run(main())
+
+
+def test_the_owner_survives_a_round_trip_and_a_bad_one_is_refused() -> None:
+    owned = StoredResponse(entry("a").response, [], None, owner="alice")
+    assert StoredResponse.from_json(owned.to_json()).owner == "alice"
+    raw = json.loads(owned.to_json())
+    del raw["owner"]  # written before owners were kept: nobody's
+    assert StoredResponse.from_json(json.dumps(raw)).owner == ""
+    with pytest.raises(ValueError):
+        StoredResponse.from_json(json.dumps({**raw, "owner": 7}))
+
+
 def test_urls() -> None:
     assert isinstance(open_response_store(None), MemoryResponseStore)
     assert isinstance(open_response_store("memory"), MemoryResponseStore)
@@ -116,6 +141,9 @@ def test_redis_round_trip_ttl_and_prefix(redis_server: RedisServer) -> None:
         await one.put(kept)
         assert await two.get("resp_r1") == kept  # another client (another router) reads it
         assert await two.get("resp_unknown") is None
+        await one.put(entry("resp_r2"))
+        await two.delete("resp_r2")  # ... and forgets it for every client
+        assert await one.get("resp_r2") is None
         await one.close()
         await two.close()
 
