@@ -68,6 +68,7 @@ from tandem.bench.serve_workloads import (
     make_sizer,
     warmup_turn,
 )
+from tandem.flags.table import Command
 from tandem.launch import supervisor
 from tandem.platform.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
@@ -93,7 +94,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     for table in SERVE_BENCH_TABLES:
         table.add_to(parser)
-    parser.set_defaults(handler=cmd_serve)
+    Command(cmd_serve, check_serve_args).install(parser)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The combinations the flags alone cannot refuse, before anything is launched."""
+    protocols = parse_protocols(args.protocol)
+    if args.interleave_protocols and len(protocols) < 2:
+        raise ValueError("--interleave-protocols needs two or more --protocol (e.g. chat,messages,responses)")
 
 
 # --- targets -------------------------------------------------------------------------------

@@ -136,3 +136,16 @@ def test_an_interleaved_run_holds_each_protocol_to_chats_rate_per_stream() -> No
     table = format_table(outcomes)
     assert "output tok/s per stream" in table
     assert "output tok/s per stream" not in format_table([_outcome("a", 1.0, 1.0, 1.0), _outcome("b", 1.0, 1.0, 1.0)])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--interleave-protocols"], "--interleave-protocols needs two or more --protocol"),
+    (["--protocol", "grpc"], "--protocol 'grpc': choose from"),
+])
+def test_protocol_flags_are_checked_before_anything_starts(flags: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tandem", "bench", "serve", "--launch", "pd", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"tandem: error: {message}" in done.stderr
