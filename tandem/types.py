@@ -46,6 +46,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # tandem: special tokens whose text stays in the output even with skip_special_tokens: a
+    # tool-call format written in special tokens (Kimi-K2's sections) that its parser reads.
+    preserved_token_ids: list[int] = field(default_factory=list)
     # tandem: False opts this request out of speculative decoding (its drafts are never
     # verified), e.g. a latency probe that must not share a step's extra tokens.
     speculate: bool = True

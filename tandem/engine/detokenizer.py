@@ -8,6 +8,7 @@ keeps SentencePiece's leading-space handling right.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
@@ -15,15 +16,22 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 preserved_token_ids: Collection[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Skipping special tokens but some: those are dropped here, the rest decoded as they are.
+        self._dropped: frozenset[int] | None = (
+            special_token_ids(tokenizer) - frozenset(preserved_token_ids)
+            if skip_special_tokens and preserved_token_ids else None)
         self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self._dropped is not None:
+            return self.tokenizer.decode([i for i in ids if i not in self._dropped], skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
@@ -45,6 +53,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.text += delta
         return delta
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids `decode(..., skip_special_tokens=True)` leaves out: added tokens marked special."""
+    return frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:

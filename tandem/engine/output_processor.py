@@ -45,7 +45,8 @@ class SequenceText:
         self.index = index
         # No tokenizer (random weights on a bare config.json): token ids only, no text.
         self.detokenizer = (None if tokenizer is None
-                            else IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens))
+                            else IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                   params.preserved_token_ids))
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
         # Text that may be the start of a stop string waits until it is decided.

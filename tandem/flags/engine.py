@@ -313,7 +313,7 @@ SERVER_FLAGS = FlagTable("server", (
          choices=["cap", "reject"]),
     Flag("--tool-call-parser",
          "tool-call format (default: chosen from the chat template; hermes when it has none)",
-         choices=["hermes", "qwen", "llama3_json"]),
+         choices=["hermes", "qwen", "llama3_json", "kimi_k2"]),
     Flag("--no-access-log", "do not log one line per HTTP request", switch=True),
     Flag("--shutdown-timeout",
          "SIGTERM drains: new requests get a retryable 503, /health fails, running ones "

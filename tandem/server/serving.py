@@ -47,6 +47,14 @@ class ServingState:
     def model_name(self) -> str:
         return self.model_names[0]
 
+    def preserved_token_ids(self) -> list[int]:
+        """The ids of the tool parser's markers that are added tokens of this vocabulary (only
+        those can be special and skipped)."""
+        if not self.tool_parser.preserved_tokens:
+            return []
+        added = {token.content: i for i, token in self.tokenizer.added_tokens_decoder.items()}
+        return [added[token] for token in self.tool_parser.preserved_tokens if token in added]
+
     @property
     def max_model_len(self) -> int:
         return self.client.info.max_model_len

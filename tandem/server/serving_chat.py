@@ -97,6 +97,8 @@ def prepare_chat(state: ServingState, body: ChatCompletionRequest, raw: Request)
     headers = state.max_tokens_headers(body.requested_max_tokens(), max_tokens)
     params = state.sampling_params(body, max_tokens, logprobs)
     single_call = body.parallel_tool_calls is False or tool_choice_name(body.tool_choice) is not None
+    if prompt.tools_enabled:
+        params.preserved_token_ids = state.preserved_token_ids()
     if prompt.tools_enabled and single_call:
         # One call is all that is wanted: stop decoding when it closes.
         params.stop = [*params.stop, *state.tool_parser.stop_strings(parallel_tool_calls=False)]

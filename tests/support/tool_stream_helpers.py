@@ -5,9 +5,12 @@ patterns the property tests feed it."""
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Collection, Iterable, Iterator
 
 from tandem.server.tool_parsers import ParsedMessage, StreamDelta, ToolParser
+
+_KIMI_ID = re.compile(r"functions\.[^:]+:\d+")
 
 
 def check_pieces(deltas: list[StreamDelta]) -> None:
@@ -18,7 +21,8 @@ def check_pieces(deltas: list[StreamDelta]) -> None:
                 assert piece.id is None and piece.name is None, "id/name repeated"
                 continue
             assert piece.index == len(seen), "calls must be numbered 0, 1, 2, ..."
-            assert piece.id is not None and piece.id.startswith("call_")
+            # OpenAI-style ids, or the `functions.NAME:IDX` ids Kimi-K2 writes itself
+            assert piece.id is not None and (piece.id.startswith("call_") or _KIMI_ID.fullmatch(piece.id))
             assert piece.name
             seen.add(piece.index)
 

@@ -14,6 +14,7 @@ from tandem.server.tool_parsers.base import (
     new_call_id,
 )
 from tandem.server.tool_parsers.hermes import HermesToolParser
+from tandem.server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from tandem.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from tandem.server.tool_parsers.registry import (
     DEFAULT_TOOL_PARSER,
@@ -27,6 +28,7 @@ __all__ = [
     "DEFAULT_TOOL_PARSER",
     "TOOL_PARSERS",
     "HermesToolParser",
+    "KimiK2ToolParser",
     "Llama3JsonToolParser",
     "ParsedMessage",
     "StreamDelta",

@@ -164,6 +164,9 @@ class ToolParser(ABC):
     """One tool-call text format, both directions. Stateless: share one per server."""
 
     name: ClassVar[str]
+    # Markers of the format that a tokenizer may hold as special tokens: the server keeps
+    # their text in the output it parses (a detokenizer skipping special tokens drops it).
+    preserved_tokens: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def stream(self, prefix: str = "", tool_names: Collection[str] = ()) -> ToolStreamParser:

@@ -11,6 +11,7 @@ from jinja2 import meta
 
 from tandem.server.tool_parsers.base import ToolParser
 from tandem.server.tool_parsers.hermes import HermesToolParser
+from tandem.server.tool_parsers.kimi_k2 import SECTION_BEGIN, KimiK2ToolParser
 from tandem.server.tool_parsers.llama3_json import PYTHON_TAG, Llama3JsonToolParser
 
 TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType(
@@ -18,6 +19,7 @@ TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType(
         "hermes": HermesToolParser,
         "qwen": HermesToolParser,
         "llama3_json": Llama3JsonToolParser,
+        "kimi_k2": KimiK2ToolParser,
     }
 )
 
@@ -47,6 +49,8 @@ def detect_tool_parser(chat_template: str | None) -> str:
     """The parser for the format a chat template teaches, for `--tool-parser auto`."""
     if not chat_template:
         return DEFAULT_TOOL_PARSER
+    if SECTION_BEGIN in chat_template:
+        return "kimi_k2"
     if "<tool_call>" in chat_template:
         return "hermes"
     if any(marker in chat_template for marker in _LLAMA3_MARKERS):

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
+from tandem.server.tool_parsers import (
+    HermesToolParser,
+    KimiK2ToolParser,
+    Llama3JsonToolParser,
+    ToolParser,
+)
 from tests.support.tool_stream_helpers import run_stream, splits, summary
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
@@ -88,10 +93,40 @@ LLAMA_CASES = [
 ]
 
 
+_S, _E = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+_B, _A, _C = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+KIMI_CALL = f'{_B}functions.get_weather:0{_A}{{"city": "Paris", "unit": "c"}}{_C}'
+KIMI_CALL2 = f'{_B}functions.get_time:1{_A}{{"tz": "Europe/Paris"}}{_C}'
+KIMI_CASES = [
+    "",
+    " \n",
+    "Hello, world!\n",
+    f"{_S}{KIMI_CALL}{_E}",
+    f"{_S}{KIMI_CALL}{KIMI_CALL2}{_E}",
+    f"{_S}\n{KIMI_CALL}\n{KIMI_CALL2}\n{_E}\n",
+    f"Let me check the weather.\n\n{_S}{KIMI_CALL}{_E}",
+    f"Before. {_S}{KIMI_CALL}{_E} After.",
+    f"{_S}{KIMI_CALL}{_E}\n\nDone.",
+    f"{KIMI_CALL}",  # no section markers
+    f"{_S}{_B}get_weather:3{_A}{{}}{_C}{_E}",  # no functions. prefix
+    f"{_S}{_B}functions.get_weather:0{_A}{{not json}}{_C}{_E}",
+    f"{_S}{_B}no header{_A}{{}}{_C}{_E}",
+    f"{_S}{_B}functions.f:0{_A}[1, 2]{_C}{_E}",
+    f"{_S}{KIMI_CALL}{_B}functions.f:1{_A}{{bad{_C}{KIMI_CALL2}{_E}",
+    f"{_S}{_B}functions.get_weather:0{_A}{{\"city\": \"東京 😀\"}}",  # cut before its end
+    f"{_S}{_B}functions.get_weather:0{_A}{{\"city\": \"Par",  # cut inside the arguments
+    f"Sure.{_S}{_B}functions.get_weather:0{_A}{{}}<|tool_ca",
+    f"{_S}then words, not calls",
+    "ends with a partial marker <|tool_calls_sec",
+    "<|tool_call|> is not a marker, nor <|im_end|>",
+]
+
+
 @pytest.mark.parametrize(
     ("parser", "text"),
     [(HermesToolParser(), t) for t in HERMES_CASES]
-    + [(Llama3JsonToolParser(), t) for t in LLAMA_CASES],
+    + [(Llama3JsonToolParser(), t) for t in LLAMA_CASES]
+    + [(KimiK2ToolParser(), t) for t in KIMI_CASES],
     ids=lambda x: x.name if isinstance(x, ToolParser) else repr(x)[:40],
 )
 def test_every_split_matches_parse(parser: ToolParser, text: str) -> None:
@@ -109,7 +144,8 @@ def test_hermes_bare_calls_every_split_match_parse(text: str, names: frozenset[s
         assert summary(run_stream(parser, chunks, tool_names=names)) == expected, chunks
 
 
-@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()], ids=lambda parser: type(parser).__name__)
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), KimiK2ToolParser()],
+                         ids=lambda parser: type(parser).__name__)
 @pytest.mark.parametrize("name", [None, "get_weather"])
 def test_forced_prefix_every_split(parser: ToolParser, name: str | None) -> None:
     prefix = parser.forced_prefix(name)
