@@ -15,7 +15,8 @@ as content.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
@@ -30,7 +31,9 @@ class ChatPrompt:
     text: str
     forced_prefix: str  # already part of `text`; the parser must see it before the output
     tools_enabled: bool
-    tool_names: frozenset[str] = frozenset()  # the declared functions, when tools are enabled
+    # The declared functions when tools are enabled, each with its parameters' JSON schema
+    # (a parser whose format writes arguments untyped reads their types there).
+    tool_names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def tool_choice_name(tool_choice: Any) -> str | None:
@@ -87,7 +90,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[
     if tools_enabled and tool_choice not in (None, "auto"):
         forced = parser.forced_prefix(tool_choice_name(tool_choice))
         text += forced
-    names = frozenset(t.function.name for t in tools or ()) if tools_enabled else frozenset()
+    names = {t.function.name: t.function.parameters or {} for t in tools or ()} if tools_enabled else {}
     return ChatPrompt(text, forced, tools_enabled, names)
 
 

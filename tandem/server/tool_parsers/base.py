@@ -173,7 +173,9 @@ class ToolParser(ABC):
         """A fresh streaming parser for one response, already fed `prefix` (which, for a
         prefix from `forced_prefix`, emits nothing). `tool_names` are the request's declared
         functions: a parser may use them to accept calls that only a declared name makes
-        unambiguous."""
+        unambiguous. The server passes a mapping from each name to its parameters' JSON
+        schema, which a format that writes arguments as untyped text (Qwen3-Coder's XML)
+        needs to give each value its type; any collection of names serves the others."""
 
     def parse(self, text: str, tool_names: Collection[str] = ()) -> ParsedMessage:
         """Parse a whole response. Defined through `stream` so the two can never disagree."""
