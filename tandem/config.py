@@ -620,6 +620,7 @@ class ServerConfig:
     # 32000 whatever the model), "reject" answers 400 as vLLM does.
     max_tokens_policy: str = "cap"
     tool_call_parser: str | None = None  # None: chosen from the chat template
+    reasoning_parser: str | None = None  # None: reasoning stays in the answer text
     engine_start_timeout: float = 900.0  # a first start converts the GGUF; allow for it
     log_level: str = "info"
     limits: RequestLimits = field(default_factory=RequestLimits)

@@ -314,6 +314,10 @@ SERVER_FLAGS = FlagTable("server", (
     Flag("--tool-call-parser",
          "tool-call format (default: chosen from the chat template; hermes when it has none)",
          choices=["hermes", "qwen", "llama3_json", "kimi_k2"]),
+    Flag("--reasoning-parser",
+         "return a reasoning model's <think> text apart from its answer, as reasoning_content "
+         "(default: off, the answer holds it)",
+         choices=["deepseek_r1", "qwen3", "kimi_k2"]),
     Flag("--no-access-log", "do not log one line per HTTP request", switch=True),
     Flag("--shutdown-timeout",
          "SIGTERM drains: new requests get a retryable 503, /health fails, running ones "
@@ -361,7 +365,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         admin_key=admin_key_from_env(getattr(args, "admin_key", None)),
         public_metrics=getattr(args, "public_metrics", False), max_waiting=args.max_waiting,
         max_waiting_tokens=getattr(args, "max_waiting_tokens", None),
-        max_tokens_policy=args.max_tokens_policy, tool_call_parser=args.tool_call_parser, log_level=args.log_level.lower(),
+        max_tokens_policy=args.max_tokens_policy, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, log_level=args.log_level.lower(),
         limits=request_limits(args), shutdown_timeout_s=args.shutdown_timeout,
     )
     if config.max_waiting < 0 or (config.max_waiting_tokens or 0) < 0:

@@ -50,6 +50,7 @@ from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
 from tandem.server.metrics import ServerMetrics, tier_blocks
+from tandem.server.reasoning import get_reasoning_parser
 from tandem.server.serving import ServingState
 from tandem.server.serving_chat import create_chat_completion
 from tandem.server.serving_completion import create_completion
@@ -73,8 +74,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             parser_name = config.tool_call_parser or detect_tool_parser(tokenizer.chat_template)
             names = config.served_model_names or (engine_config.model,)
             metrics = ServerMetrics(names[0], lambda: client.load, lambda: client.num_in_flight)
-            app.state.serving = ServingState(config, client, tokenizer, tuple(names), metrics,
-                                             get_tool_parser(parser_name), drain)
+            app.state.serving = ServingState(
+                config, client, tokenizer, tuple(names), metrics, get_tool_parser(parser_name), drain,
+                reasoning_parser=get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None)
             # Responses are kept where the cluster keeps KV (a Redis --kv-store), so that any
             # worker continues a conversation; else in this process.
             store_url = engine_config.kv_tiers.store_url
@@ -83,8 +85,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             logger.info("%s", app.state.responses.describe())
             # A drain waits for requests in flight and for handed-over prompt KV to be read.
             drain.busy = lambda: client.num_in_flight + client.load.kv_held
-            logger.info("serving %s at http://%s:%d/v1 (tool-call format: %s)", ", ".join(names),
-                        config.host, config.port, parser_name)
+            reasoning = f", reasoning format: {config.reasoning_parser}" if config.reasoning_parser else ""
+            logger.info("serving %s at http://%s:%d/v1 (tool-call format: %s%s)", ", ".join(names),
+                        config.host, config.port, parser_name, reasoning)
             watcher = asyncio.create_task(_exit_when_engine_dies(client), name="engine watcher")
             try:
                 yield

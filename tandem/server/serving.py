@@ -24,6 +24,7 @@ from tandem.server.engine_client import (
     Handoff,
 )
 from tandem.server.metrics import ServerMetrics
+from tandem.server.reasoning import ReasoningParser
 from tandem.server.tool_parsers import ToolParser
 from tandem.types import SamplingParams, TokenLogprob
 
@@ -40,6 +41,7 @@ class ServingState:
     metrics: ServerMetrics
     tool_parser: ToolParser
     drain: Drain = field(default_factory=Drain)
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: <think> apart from the answer
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 

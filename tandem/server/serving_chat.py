@@ -16,9 +16,11 @@ from tandem.edge.errors import bad_request
 from tandem.edge.limits import check_shape
 from tandem.edge.openai_protocol import ChatCompletionRequest
 from tandem.server.cache_retention import chat_retention
+from tandem.server.chat_output import SequenceOutput
 from tandem.server.chat_prompt import ChatPrompt, render_chat_prompt, tool_choice_name
 from tandem.server.engine_client import Handoff
 from tandem.server.generate import RequestTimings, process_request, request_text
+from tandem.server.reasoning import ReasoningParser
 from tandem.server.serving import (
     ServingState,
     sse,
@@ -53,6 +55,12 @@ class ChatRun:
     finish_reasons: list[str] = field(default_factory=list)
     breakpoint_tokens: int | None = None  # prompt tokens up to the last cache_control breakpoint
     retention: CacheRetention | None = None  # that prefix kept cached ahead of others for its TTL
+    reasoning: ReasoningParser | None = None  # the server's --reasoning-parser
+
+    def output(self) -> SequenceOutput:
+        """A fresh parser pipeline for one sequence of this run's output."""
+        return SequenceOutput.start(self.prompt.text, self.prompt.forced_prefix, self.reasoning, self.parser,
+                                    self.prompt.tool_names)
 
     def usage(self) -> dict[str, Any]:
         """Chat usage; with a cache breakpoint, the tokens written up to it that were not read
@@ -118,6 +126,7 @@ def prepare_chat(state: ServingState, body: ChatCompletionRequest, raw: Request)
         completion_tokens=len(handoff.prior_output_ids) if handoff else 0,
         breakpoint_tokens=breakpoint_tokens,
         retention=chat_retention(body.messages, breakpoint_tokens),
+        reasoning=state.reasoning_parser,
     )
     return run, headers
 
@@ -181,12 +190,17 @@ async def chat_reply(state: ServingState, run: ChatRun) -> dict[str, Any]:
                     finish[seq.index] = (seq.finish_reason, seq.stop_reason)
     choices = []
     for index in range(n):
-        message: dict[str, Any] = {"role": "assistant", "content": texts[index]}
         reason, stop_reason = finish[index]
+        output = run.output()
+        whole = output.feed(texts[index], final=True)
+        message: dict[str, Any] = {"role": "assistant", "content": whole.content}
+        if run.reasoning is not None:
+            message["reasoning_content"] = whole.reasoning or None
         if run.parser is not None:
-            parsed = run.parser.parse(run.prompt.forced_prefix + texts[index], run.prompt.tool_names)
-            calls = parsed.tool_calls[:1] if run.single_call else parsed.tool_calls
-            message["content"] = parsed.content if calls else (parsed.content or "")
+            calls = whole.tool_calls[:1] if run.single_call else whole.tool_calls
+            # None beside calls (as OpenAI does), "" for a blank answer without them.
+            content = whole.content if whole.content.strip() else None
+            message["content"] = content if calls else (content or "")
             if calls:
                 message["tool_calls"] = [c.to_openai() for c in calls]
             reason = _finish_reason(reason, bool(calls))
@@ -222,13 +236,12 @@ async def chat_chunks(state: ServingState, run: ChatRun) -> AsyncIterator[dict[s
             payload["usage"] = None
         return payload
 
-    parsers = ([run.parser.stream(run.prompt.forced_prefix, run.prompt.tool_names) for _ in range(n)]
-               if run.parser else None)
-    if parsers is not None and run.handoff is not None and not run.handoff.emit_prior:
-        # A stream moved here: the client has this much of the output already. Its parser
-        # reads it (and what it says was said) so that it goes on where the other one stopped.
+    outputs = [run.output() for _ in range(n)]
+    if run.handoff is not None and not run.handoff.emit_prior:
+        # A stream moved here: the client has this much of the output already. Its parsers
+        # read it (and what they say was said) so that they go on where the others stopped.
         shown = request_text(state.tokenizer, run.prompt_token_ids, run.params, run.handoff).sequences[0]
-        parsers[0].feed(shown.shown_text)
+        outputs[0].feed(shown.shown_text)
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)])
     async with aclosing(process_request(state.client, state.tokenizer, run.request_id,
@@ -241,19 +254,17 @@ async def chat_chunks(state: ServingState, run: ChatRun) -> AsyncIterator[dict[s
                 run.completion_tokens += len(seq.token_ids)
                 delta: dict[str, Any] = {}
                 reason = seq.finish_reason
-                if parsers is not None:
-                    parser = parsers[seq.index]
-                    pieces = parser.feed(seq.text)
-                    if reason is not None:
-                        pieces.extend(parser.finish())
-                    if pieces.content:
-                        delta["content"] = pieces.content
-                    calls = [c for c in pieces.tool_calls if not run.single_call or c.index == 0]
-                    if calls:
-                        delta["tool_calls"] = [c.to_openai() for c in calls]
-                    reason = _finish_reason(reason, parser.called_tools)
-                elif seq.text:
-                    delta["content"] = seq.text
+                output = outputs[seq.index]
+                pieces = output.feed(seq.text, final=reason is not None)
+                if pieces.reasoning:
+                    delta["reasoning_content"] = pieces.reasoning
+                if pieces.content:
+                    delta["content"] = pieces.content
+                calls = [c for c in pieces.tool_calls if not run.single_call or c.index == 0]
+                if calls:
+                    delta["tool_calls"] = [c.to_openai() for c in calls]
+                if run.parser is not None:
+                    reason = _finish_reason(reason, output.called_tools)
                 logprobs = None
                 extra: dict[str, Any] = {}
                 if run.want_logprobs and seq.logprobs:
