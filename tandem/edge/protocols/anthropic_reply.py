@@ -199,6 +199,9 @@ def message_reply(chat_reply: dict[str, Any], thinking: bool, stop_sequences: li
     content = message.get("content") if isinstance(message.get("content"), str) else ""
     calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
     thought, text = split_output(content, thinking)
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning and thinking:  # a server's --reasoning-parser split it
+        thought = reasoning + (thought or "")
     blocks: list[dict[str, Any]] = []
     if thought is not None:
         blocks.append({"type": "thinking", "thinking": thought, "signature": ""})

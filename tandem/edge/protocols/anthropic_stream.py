@@ -35,6 +35,7 @@ class MessagesStream(StreamTranslator):
     def __init__(self, model: str | None, thinking: bool, stop_sequences: list[str]) -> None:
         self.model = model
         self.stop_sequences = stop_sequences
+        self.thinking = thinking
         self.splitter = ThinkSplitter(thinking)
         self.started = False
         self.ended = False
@@ -60,6 +61,9 @@ class MessagesStream(StreamTranslator):
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue  # Messages asks for one choice
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            reasoning = delta.get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning and self.thinking:  # the server split it out
+                out += self._piece("thinking", reasoning)
             content = delta.get("content")
             if isinstance(content, str) and content:
                 for kind, piece in self.splitter.feed(content):

@@ -446,6 +446,25 @@ def test_the_stream_accumulates_to_the_reply_at_every_split_point(name: str) -> 
         assert accumulate(stream_events(translated, chunks)) == expected, chunks
 
 
+@pytest.mark.parametrize("requested", [True, False], ids=["thinking", "no-thinking"])
+def test_a_servers_reasoning_content_is_the_thinking_block(requested: bool) -> None:
+    """A worker started with --reasoning-parser sends the reasoning apart (`reasoning_content`):
+    it becomes the thinking block, whole or streamed, when thinking was asked for, and is left
+    out when it was not (as Anthropic leaves thinking out)."""
+    body = {"thinking": {"type": "adaptive"}} if requested else {}
+    translated = to_chat(minimal(stream=True, **body))
+    reply = chat_reply("The answer is 4.", [], "stop")
+    reply["choices"][0]["message"]["reasoning_content"] = "2 + 2 is 4."
+    whole = asyncio.run(MessagesAdapter().reply(reply, translated))
+    expected = ([{"type": "thinking", "thinking": "2 + 2 is 4.", "signature": ""}] if requested else []) + [
+        {"type": "text", "text": "The answer is 4."}]
+    assert whole["content"] == expected
+    chunks = chat_chunks(["The answer is 4."], [], "stop")
+    reasoning = [{**chunks[0], "choices": [{"index": 0, "delta": {"reasoning_content": piece}, "logprobs": None,
+                                            "finish_reason": None}]} for piece in ("2 + 2 ", "is 4.")]
+    assert accumulate(stream_events(translated, [chunks[0], *reasoning, *chunks[1:]])) == whole
+
+
 def test_text_after_a_call_is_a_block_of_its_own_in_a_stream() -> None:
     """The one difference between a stream and its whole reply: a stream cannot put text that
     comes after a call before it. No text is lost: the text blocks join to the reply's text."""
