@@ -13,6 +13,7 @@ from tandem.server.tool_parsers.base import (
     ToolStreamParser,
     new_call_id,
 )
+from tandem.server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from tandem.server.tool_parsers.hermes import HermesToolParser
 from tandem.server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from tandem.server.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -27,6 +28,8 @@ from tandem.server.tool_parsers.registry import (
 __all__ = [
     "DEFAULT_TOOL_PARSER",
     "TOOL_PARSERS",
+    "DeepSeekV3ToolParser",
+    "DeepSeekV31ToolParser",
     "HermesToolParser",
     "KimiK2ToolParser",
     "Llama3JsonToolParser",

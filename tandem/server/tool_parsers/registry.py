@@ -10,6 +10,12 @@ import jinja2
 from jinja2 import meta
 
 from tandem.server.tool_parsers.base import ToolParser
+from tandem.server.tool_parsers.deepseek import (
+    CALLS_BEGIN,
+    SEP,
+    DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
+)
 from tandem.server.tool_parsers.hermes import HermesToolParser
 from tandem.server.tool_parsers.kimi_k2 import SECTION_BEGIN, KimiK2ToolParser
 from tandem.server.tool_parsers.llama3_json import PYTHON_TAG, Llama3JsonToolParser
@@ -20,6 +26,8 @@ TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType(
         "qwen": HermesToolParser,
         "llama3_json": Llama3JsonToolParser,
         "kimi_k2": KimiK2ToolParser,
+        "deepseek_v3": DeepSeekV3ToolParser,
+        "deepseek_v31": DeepSeekV31ToolParser,
     }
 )
 
@@ -29,6 +37,11 @@ DEFAULT_TOOL_PARSER = "hermes"
 
 # Phrases only Llama 3.1 / 3.2 templates write when they teach JSON calls.
 _LLAMA3_MARKERS = (PYTHON_TAG, "Given the following functions", "dictionary of argument name")
+
+# What only DeepSeek-V3's calls have: the name after the sep (its template writes
+# `tool['type'] + '<｜tool▁sep｜>' + name`, a template with the type spelled out writes
+# `function<｜tool▁sep｜>`), and arguments in a ```json fence. V3.1 writes `name<｜tool▁sep｜>`.
+_DEEPSEEK_V3_MARKERS = ("function" + SEP, "```json")
 
 # Fallback for templates jinja2 cannot parse (unknown extension tags): `tools` used inside a
 # `{{ }}` or `{% %}` block, not merely the word in the template's prose.
@@ -51,6 +64,10 @@ def detect_tool_parser(chat_template: str | None) -> str:
         return DEFAULT_TOOL_PARSER
     if SECTION_BEGIN in chat_template:
         return "kimi_k2"
+    if CALLS_BEGIN in chat_template:
+        if any(marker in chat_template for marker in _DEEPSEEK_V3_MARKERS):
+            return "deepseek_v3"
+        return "deepseek_v31"
     if "<tool_call>" in chat_template:
         return "hermes"
     if any(marker in chat_template for marker in _LLAMA3_MARKERS):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.server.tool_parsers import (
+    DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
     HermesToolParser,
     KimiK2ToolParser,
     Llama3JsonToolParser,
@@ -121,12 +123,64 @@ KIMI_CASES = [
     "<|tool_call|> is not a marker, nor <|im_end|>",
 ]
 
+_DS, _DE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DB, _DP, _DC = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+V3_CALL = f'{_DB}function{_DP}get_weather\n```json\n{{"city": "Paris", "unit": "c"}}\n```{_DC}'
+V3_CALL2 = f'{_DB}function{_DP}get_time\n```json\n{{"tz": "Europe/Paris"}}\n```{_DC}'
+DEEPSEEK_V3_CASES = [
+    "",
+    " \n",
+    "Hello, world!\n",
+    f"{_DS}{V3_CALL}{_DE}",
+    f"{_DS}{V3_CALL}\n{V3_CALL2}{_DE}",
+    f"Let me check the weather.\n\n{_DS}{V3_CALL}{_DE}",
+    f"Before. {_DS}{V3_CALL}{_DE} After.",
+    f"{_DS}{V3_CALL}{_DE}\n\nDone.",
+    f"{V3_CALL}",  # no section markers
+    f"{_DS}{_DB}function{_DP}f\n```json\n{{not json}}\n```{_DC}{_DE}",
+    f"{_DS}{_DB}function{_DP}f\n```json\n[1]\n```{_DC}{_DE}",
+    f"{_DS}{_DB}get_weather{_DP}{{}}{_DC}{_DE}",  # V3.1's call
+    f"{_DS}{V3_CALL}{_DB}function{_DP}f\n```json\n{{bad\n```{_DC}{V3_CALL2}{_DE}",
+    f"{_DS}{_DB}function{_DP}get_weather\n```json\n{{\"city\": \"東京 😀\"}}\n``",  # cut in the fence
+    f"{_DS}{_DB}function{_DP}get_weather\n```json\n{{\"city\": \"Par",  # cut inside the arguments
+    f"Sure.{_DS}{_DB}function{_DP}get_weather\n```json\n{{}}\n```<｜tool▁ca",
+    f"{_DS}then words, not calls",
+    "ends with a partial marker <｜tool▁calls▁be",
+    "<｜tool▁output▁begin｜> is not a call marker, nor <｜end▁of▁sentence｜>",
+]
+V31_CALL = f'{_DB}get_weather{_DP}{{"city": "Paris", "unit": "c"}}{_DC}'
+V31_CALL2 = f'{_DB}get_time{_DP}{{"tz": "Europe/Paris"}}{_DC}'
+DEEPSEEK_V31_CASES = [
+    "",
+    " \n",
+    "Hello, world!\n",
+    f"{_DS}{V31_CALL}{_DE}",
+    f"{_DS}{V31_CALL}{V31_CALL2}{_DE}",
+    f"{_DS}\n{V31_CALL}\n{V31_CALL2}\n{_DE}\n",
+    f"Let me check the weather.\n\n{_DS}{V31_CALL}{_DE}",
+    f"Before. {_DS}{V31_CALL}{_DE} After.",
+    f"{_DS}{V31_CALL}{_DE}\n\nDone.",
+    f"{V31_CALL}",  # no section markers
+    f"{_DS}{_DB}get_time{_DP}{_DC}{_DE}",  # no arguments: {}
+    f"{_DS}{_DB}get_weather{_DP}{{not json}}{_DC}{_DE}",
+    f"{_DS}{_DB}no name{_DP}{{}}{_DC}{_DE}",
+    f"{_DS}{_DB}f{_DP}[1, 2]{_DC}{_DE}",
+    f"{_DS}{V31_CALL}{_DB}f{_DP}{{bad{_DC}{V31_CALL2}{_DE}",
+    f"{_DS}{_DB}get_weather{_DP}{{\"city\": \"東京 😀\"}}",  # cut before its end
+    f"{_DS}{_DB}get_weather{_DP}{{\"city\": \"Par",  # cut inside the arguments
+    f"Sure.{_DS}{_DB}get_weather{_DP}{{}}<｜tool▁ca",
+    f"{_DS}then words, not calls",
+    "ends with a partial marker <｜tool▁calls▁be",
+]
+
 
 @pytest.mark.parametrize(
     ("parser", "text"),
     [(HermesToolParser(), t) for t in HERMES_CASES]
     + [(Llama3JsonToolParser(), t) for t in LLAMA_CASES]
-    + [(KimiK2ToolParser(), t) for t in KIMI_CASES],
+    + [(KimiK2ToolParser(), t) for t in KIMI_CASES]
+    + [(DeepSeekV3ToolParser(), t) for t in DEEPSEEK_V3_CASES]
+    + [(DeepSeekV31ToolParser(), t) for t in DEEPSEEK_V31_CASES],
     ids=lambda x: x.name if isinstance(x, ToolParser) else repr(x)[:40],
 )
 def test_every_split_matches_parse(parser: ToolParser, text: str) -> None:
@@ -144,7 +198,8 @@ def test_hermes_bare_calls_every_split_match_parse(text: str, names: frozenset[s
         assert summary(run_stream(parser, chunks, tool_names=names)) == expected, chunks
 
 
-@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), KimiK2ToolParser()],
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), KimiK2ToolParser(),
+                                    DeepSeekV3ToolParser(), DeepSeekV31ToolParser()],
                          ids=lambda parser: type(parser).__name__)
 @pytest.mark.parametrize("name", [None, "get_weather"])
 def test_forced_prefix_every_split(parser: ToolParser, name: str | None) -> None:
