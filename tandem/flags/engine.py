@@ -313,7 +313,7 @@ SERVER_FLAGS = FlagTable("server", (
          choices=["cap", "reject"]),
     Flag("--tool-call-parser",
          "tool-call format (default: chosen from the chat template; hermes when it has none)",
-         choices=["hermes", "qwen", "llama3_json", "kimi_k2", "deepseek_v3", "deepseek_v31"]),
+         choices=["hermes", "qwen", "llama3_json", "kimi_k2", "deepseek_v3", "deepseek_v31", "qwen3_coder"]),
     Flag("--reasoning-parser",
          "return a reasoning model's <think> text apart from its answer, as reasoning_content "
          "(default: off, the answer holds it)",

@@ -17,6 +17,7 @@ from tandem.server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV3
 from tandem.server.tool_parsers.hermes import HermesToolParser
 from tandem.server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from tandem.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from tandem.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from tandem.server.tool_parsers.registry import (
     DEFAULT_TOOL_PARSER,
     TOOL_PARSERS,
@@ -34,6 +35,7 @@ __all__ = [
     "KimiK2ToolParser",
     "Llama3JsonToolParser",
     "ParsedMessage",
+    "Qwen3CoderToolParser",
     "StreamDelta",
     "ToolCall",
     "ToolCallDelta",

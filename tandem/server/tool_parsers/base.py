@@ -23,8 +23,10 @@ must see it before the generated text:
 - streaming: `sp = parser.stream(prefix)` (same as `sp = parser.stream(); sp.feed(prefix)`),
   then `sp.feed(delta)` for each generated delta and `sp.finish()` at the end.
 
-Feeding a forced prefix never emits anything: the prefix only opens a call, and a call is
-emitted when it is complete. Without forcing the prefix is "" and nothing changes.
+Feeding a forced prefix never emits anything: the prefix only opens a call, and nothing of a
+call is emitted before the model has written some of it (most parsers emit a call whole when
+it is complete; `qwen3_coder` streams it from the start of its body). Without forcing the
+prefix is "" and nothing changes.
 
 Streaming guarantees (checked by the tests for every way of splitting the text):
 
@@ -37,7 +39,9 @@ Streaming guarantees (checked by the tests for every way of splitting the text):
 `called_tools` tells the server to answer `finish_reason="tool_calls"`.
 
 Malformed calls (bad JSON, no name) are returned as content, never raised: the client then
-sees what the model wrote instead of a 500.
+sees what the model wrote instead of a 500. A parser that streams a call before it is
+complete cannot take its pieces back: markup that breaks after them ends the call there, and
+the rest is content (see `qwen3_coder`).
 """
 
 from __future__ import annotations

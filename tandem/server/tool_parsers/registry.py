@@ -19,6 +19,7 @@ from tandem.server.tool_parsers.deepseek import (
 from tandem.server.tool_parsers.hermes import HermesToolParser
 from tandem.server.tool_parsers.kimi_k2 import SECTION_BEGIN, KimiK2ToolParser
 from tandem.server.tool_parsers.llama3_json import PYTHON_TAG, Llama3JsonToolParser
+from tandem.server.tool_parsers.qwen3_coder import FUNCTION, PARAMETER, Qwen3CoderToolParser
 
 TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType(
     {
@@ -28,6 +29,7 @@ TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType(
         "kimi_k2": KimiK2ToolParser,
         "deepseek_v3": DeepSeekV3ToolParser,
         "deepseek_v31": DeepSeekV31ToolParser,
+        "qwen3_coder": Qwen3CoderToolParser,
     }
 )
 
@@ -64,6 +66,10 @@ def detect_tool_parser(chat_template: str | None) -> str:
         return DEFAULT_TOOL_PARSER
     if SECTION_BEGIN in chat_template:
         return "kimi_k2"
+    # Qwen3-Coder's calls sit in <tool_call> too, so this comes before Hermes. `<function=`
+    # alone is not enough: Llama 3.1's custom-tool prompt writes `<function=NAME>{json}`.
+    if FUNCTION in chat_template and PARAMETER in chat_template:
+        return "qwen3_coder"
     if CALLS_BEGIN in chat_template:
         if any(marker in chat_template for marker in _DEEPSEEK_V3_MARKERS):
             return "deepseek_v3"

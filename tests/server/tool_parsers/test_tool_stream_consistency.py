@@ -15,6 +15,7 @@ from tandem.server.tool_parsers import (
     HermesToolParser,
     KimiK2ToolParser,
     Llama3JsonToolParser,
+    Qwen3CoderToolParser,
     ToolParser,
 )
 from tests.support.tool_stream_helpers import run_stream, splits, summary
@@ -174,13 +175,81 @@ DEEPSEEK_V31_CASES = [
 ]
 
 
+
+def qwen_call(name: str, *params: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+QWEN_WEATHER = qwen_call("get_weather", ("city", "Paris"), ("days", "3"))
+QWEN_TIME = qwen_call("get_time", ("tz", "Europe/Paris"))
+# The schemas the server passes as tool_names: each value is typed by them.
+QWEN_SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
+        "metric": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+        "when": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+    "get_time": {"type": "object", "properties": {"tz": {"type": "string"}}},
+}
+QWEN3_CODER_CASES = [
+    "",
+    " \n",
+    "Hello, world!\n",
+    QWEN_WEATHER,
+    f"{QWEN_WEATHER}\n{QWEN_TIME}",
+    f"{QWEN_WEATHER}{QWEN_TIME}",
+    f"Let me check.\n\n{QWEN_WEATHER}",
+    f"Before.\n{QWEN_WEATHER}\n\nAfter.\n",
+    qwen_call("get_weather", ("temp", "21.5"), ("metric", "TRUE"), ("opts", '{"a": [1, 2]}'),
+              ("tags", '["x", "東京 😀"]'), ("when", "null"), ("days", "three")),
+    qwen_call("get_weather", ("opts", "{not json"), ("temp", "nan"), ("when", "7")),
+    qwen_call("get_weather", ("city", "line one\n</para\n  indented <b>\n")),
+    qwen_call("get_time"),  # no parameters
+    qwen_call("undeclared", ("x", "1")),
+    qwen_call("get_weather", ("city", "a"), ("city", "b")),  # repeated: the first stands
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\n\n</parameter>\n</function>",
+    "<tool_call><function=get_weather><parameter=city>Paris</parameter></function></tool_call>",
+    # cut off: counts when no parameter is left open
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</func",
+    "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+    "<tool_call>\n<function=get_weather>\n<parameter=ci",
+    "<tool_call>\n<function=get_weather>\n<par",
+    "<tool_call>\n<function=get_weather>\n",
+    "<tool_call>\n<function=get_wea",
+    # broken before the call is committed: all text
+    "<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>",
+    "<tool_call>\n<function=>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get weather>\n</function>\n</tool_call>",
+    "Text <tool_call>\n<function=get_weather>\nParis\n</function>\n</tool_call> more",
+    f"<tool_call>\n<function=get_weather>\n{QWEN_TIME}",
+    # broken after it is committed: the call ends there, the rest is text
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "junk\n</function>\n</tool_call> tail",
+    "Before. <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "\n junk <parameter=days>\n3\n</parameter>",
+    "Before. <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=bad name>\nx\n</parameter>\n</function>",
+    "Before.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3",
+    f"Hi <tool_call>\n<function=get_weather>\n<parameter=>\nx\n</parameter>\n</function>\n{QWEN_TIME}",
+    f"{QWEN_WEATHER.removesuffix('</tool_call>')}then text\n{QWEN_TIME}",
+    f"{QWEN_WEATHER.removesuffix('</tool_call>')}{QWEN_TIME}",
+    "a < b, <b>bold</b>, <function=x> and <tool_cal",
+    "<<tool_call>\n<function=f>\n</function>\n</tool_call>>",
+    "x<tool_call>",
+]
+
+
 @pytest.mark.parametrize(
     ("parser", "text"),
     [(HermesToolParser(), t) for t in HERMES_CASES]
     + [(Llama3JsonToolParser(), t) for t in LLAMA_CASES]
     + [(KimiK2ToolParser(), t) for t in KIMI_CASES]
     + [(DeepSeekV3ToolParser(), t) for t in DEEPSEEK_V3_CASES]
-    + [(DeepSeekV31ToolParser(), t) for t in DEEPSEEK_V31_CASES],
+    + [(DeepSeekV31ToolParser(), t) for t in DEEPSEEK_V31_CASES]
+    + [(Qwen3CoderToolParser(), t) for t in QWEN3_CODER_CASES],
     ids=lambda x: x.name if isinstance(x, ToolParser) else repr(x)[:40],
 )
 def test_every_split_matches_parse(parser: ToolParser, text: str) -> None:
@@ -198,8 +267,34 @@ def test_hermes_bare_calls_every_split_match_parse(text: str, names: frozenset[s
         assert summary(run_stream(parser, chunks, tool_names=names)) == expected, chunks
 
 
+@pytest.mark.parametrize("text", QWEN3_CODER_CASES, ids=lambda t: repr(t)[:40])
+def test_qwen3_coder_typed_by_schemas_every_split_matches_parse(text: str) -> None:
+    parser = Qwen3CoderToolParser()
+    expected = summary(parser.parse(text, QWEN_SCHEMAS))
+    for chunks in splits(text, seed=len(text), random_rounds=5):
+        assert summary(run_stream(parser, chunks, tool_names=QWEN_SCHEMAS)) == expected, chunks
+
+
+def test_qwen3_coder_streams_a_call_before_it_is_complete() -> None:
+    """The name goes out when the body starts, each argument when its parameter closes."""
+    stream = Qwen3CoderToolParser().stream(tool_names=QWEN_SCHEMAS)
+    head, _, rest = QWEN_WEATHER.partition("<parameter=city>")
+    assert not stream.feed(head)  # `<function=NAME>` alone commits nothing (forced prefixes end there)
+    [first] = stream.feed("<parameter=city>").tool_calls
+    assert (first.index, first.name, first.arguments) == (0, "get_weather", "")
+    assert first.id is not None and first.id.startswith("call_")
+    value, _, rest = rest.partition("</parameter>")
+    assert not stream.feed(value)
+    assert [p.arguments for p in stream.feed("</parameter>").tool_calls] == ['{"city": "Paris"']
+    before_end, _, rest = rest.partition("</function>")
+    assert [p.arguments for p in stream.feed(before_end).tool_calls] == [', "days": 3']
+    assert [(p.name, p.arguments) for p in stream.feed("</function>").tool_calls] == [(None, "}")]
+    assert not stream.feed(rest) and not stream.finish()
+    assert stream.called_tools
+
+
 @pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), KimiK2ToolParser(),
-                                    DeepSeekV3ToolParser(), DeepSeekV31ToolParser()],
+                                    DeepSeekV3ToolParser(), DeepSeekV31ToolParser(), Qwen3CoderToolParser()],
                          ids=lambda parser: type(parser).__name__)
 @pytest.mark.parametrize("name", [None, "get_weather"])
 def test_forced_prefix_every_split(parser: ToolParser, name: str | None) -> None:
