@@ -11,6 +11,7 @@ models (tandem/router/http/openapi.py), and the router imports nothing of the se
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -200,6 +201,32 @@ class SamplingFields(OpenAIModel):
         return params
 
 
+# Template variables a request may not set through `chat_template_kwargs`: the renderer's own
+# arguments (what the request's other fields set) and options tandem does not take.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "tokenizer_kwargs", "padding", "truncation",
+    "max_length", "return_tensors", "return_assistant_tokens_mask", "sanitize_control_tokens",
+})
+_TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_MAX_TEMPLATE_KWARGS = 32
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` (vLLM's field: `enable_thinking` for Qwen3, `thinking` for Kimi and
+    DeepSeek-V3.1): template variables, named as identifiers, none of the renderer's own."""
+    if value is None:
+        return None
+    if len(value) > _MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"at most {_MAX_TEMPLATE_KWARGS} chat_template_kwargs")
+    for name in value:
+        if not _TEMPLATE_KWARG_NAME.fullmatch(name):
+            raise ValueError(f"chat_template_kwargs name {name[:80]!r} is not an identifier")
+        if name in _RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs cannot set {name!r}: use the request's own field")
+    return value
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_BOUND)
@@ -212,6 +239,12 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -265,6 +298,12 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
 
 
 class DetokenizeRequest(OpenAIModel):

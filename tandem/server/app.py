@@ -218,7 +218,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
         if body.messages is not None:
             add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
             prompt = render_chat_prompt(serving.tokenizer, body.messages, body.tools, body.tool_choice,
-                                        serving.tool_parser, add_generation_prompt, body.continue_final_message)
+                                        serving.tool_parser, add_generation_prompt, body.continue_final_message,
+                                        body.chat_template_kwargs)
             tokens = serving.encode(prompt.text, add_special_tokens=False)
         else:
             tokens = serving.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)

@@ -59,7 +59,8 @@ def _describe(tool_choice: Any) -> str:
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[Tool] | None,
                        tool_choice: Any, parser: ToolParser, add_generation_prompt: bool = True,
-                       continue_final_message: bool = False) -> ChatPrompt:
+                       continue_final_message: bool = False,
+                       template_kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
     template = tokenizer.chat_template
     if template is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages", "no_chat_template")
@@ -82,6 +83,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[
         text = tokenizer.apply_chat_template(
             conversation, tools=tool_dicts, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
     except (TemplateError, ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages",

@@ -99,7 +99,8 @@ def prepare_chat(state: ServingState, body: ChatCompletionRequest, raw: Request)
     except ValueError as exc:
         raise bad_request(str(exc), "top_logprobs", "invalid_value") from exc
     prompt = render_chat_prompt(state.tokenizer, body.messages, body.tools, body.tool_choice,
-                                state.tool_parser, body.add_generation_prompt, body.continue_final_message)
+                                state.tool_parser, body.add_generation_prompt, body.continue_final_message,
+                                body.chat_template_kwargs)
     token_ids = state.encode(prompt.text, add_special_tokens=False)
     max_tokens = state.check_prompt(token_ids, body.requested_max_tokens(), "messages")
     headers = state.max_tokens_headers(body.requested_max_tokens(), max_tokens)
@@ -144,7 +145,8 @@ def cache_breakpoint_tokens(state: ServingState, body: ChatCompletionRequest, pr
     if last == len(body.messages) - 1:
         return len(token_ids)
     head = render_chat_prompt(state.tokenizer, body.messages[:last + 1], body.tools, body.tool_choice,
-                              state.tool_parser, add_generation_prompt=False, continue_final_message=False)
+                              state.tool_parser, add_generation_prompt=False, continue_final_message=False,
+                              template_kwargs=body.chat_template_kwargs)
     head_ids = state.encode(head.text, add_special_tokens=False)
     shared = 0
     for a, b in zip(head_ids, token_ids, strict=False):

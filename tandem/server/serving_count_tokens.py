@@ -26,7 +26,8 @@ async def count_tokens(state: ServingState, adapter: MessagesAdapter, raw: Reque
         state.check_model(body.model)
         check_shape({"messages": body.messages, "tools": body.tools or []}, state.config.limits)
         prompt = render_chat_prompt(state.tokenizer, body.messages, body.tools, body.tool_choice,
-                                    state.tool_parser, body.add_generation_prompt, body.continue_final_message)
+                                    state.tool_parser, body.add_generation_prompt, body.continue_final_message,
+                                    body.chat_template_kwargs)
         count = len(state.encode(prompt.text, add_special_tokens=False))
     except APIError as exc:
         state.metrics.observe_error(exc.status)
