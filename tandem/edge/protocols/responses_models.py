@@ -41,11 +41,21 @@ class ResponsesTranslated(Translated):
     def call_id(self, index: int) -> str:
         return f"call_{self.id_base}_{index}"
 
+    def reasoning_id(self, index: int) -> str:
+        return f"rs_{self.id_base}_{index}"
+
 
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     """An assistant message output item; `text` None: the item as just opened (no part yet)."""
     content = [] if text is None else [output_text(text)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning output item (a worker's `reasoning_content`: its `<think>` text), the text as
+    one `reasoning_text` part; `text` None: the item as just opened."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
 
 
 def output_text(text: str) -> dict[str, Any]:
@@ -174,15 +184,18 @@ def failure(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def whole_response(translated: ResponsesTranslated, chat_reply: dict[str, Any]) -> dict[str, Any]:
-    """A whole `chat.completion` as a response: the message (if it says anything), then its
-    calls, each at its position in `output`."""
+    """A whole `chat.completion` as a response: its reasoning (a worker's reasoning_content),
+    the message (if it says anything), then its calls, each at its position in `output`."""
     choices = chat_reply.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     items: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        items.append(reasoning_item(translated.reasoning_id(0), reasoning, "completed"))
     text = message.get("content")
     if isinstance(text, str) and text:
-        items.append(message_item(translated.message_id(0), text, "completed"))
+        items.append(message_item(translated.message_id(len(items)), text, "completed"))
     calls = message.get("tool_calls")
     for call in calls if isinstance(calls, list) else []:
         if not isinstance(call, dict):

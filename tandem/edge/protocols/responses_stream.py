@@ -3,6 +3,8 @@
 Events, each `event: <type>` + `data: {"type", "sequence_number", ...}`:
 
     response.created, response.in_progress              (on the first chunk)
+    for reasoning:   response.output_item.added, response.reasoning_text.delta ...,
+                     response.reasoning_text.done, response.output_item.done
     for a message:   response.output_item.added, response.content_part.added,
                      response.output_text.delta ..., response.output_text.done,
                      response.content_part.done, response.output_item.done
@@ -30,6 +32,7 @@ from tandem.edge.protocols.responses_models import (
     final_status,
     message_item,
     output_text,
+    reasoning_item,
     response_object,
     settle,
     usage,
@@ -66,6 +69,9 @@ class ResponsesStream(StreamTranslator):
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue  # one response per request: n is never set
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            reasoning = delta.get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning:
+                self._reasoning(reasoning, out)
             content = delta.get("content")
             if isinstance(content, str) and content:
                 self._text(content, out)
@@ -135,6 +141,21 @@ class ResponsesStream(StreamTranslator):
         out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
                                content_index=0, delta=delta, logprobs=[]))
 
+    def _reasoning(self, delta: str, out: list[str]) -> None:
+        if self._open is None or self._items[self._open]["type"] != "reasoning":
+            self._close_open(out)
+            index = len(self._items)
+            item = reasoning_item(self.translated.reasoning_id(index), "", "in_progress")
+            self._items.append(item)
+            self._open = index
+            out.append(self._event("response.output_item.added", output_index=index,
+                                   item=reasoning_item(item["id"], None, "in_progress")))
+        index = self._open
+        item = self._items[index]
+        item["content"][0]["text"] += delta
+        out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                               content_index=0, delta=delta))
+
     def _call(self, piece: dict[str, Any], out: list[str]) -> None:
         chat_index = piece.get("index", 0)
         if not isinstance(chat_index, int):
@@ -173,7 +194,10 @@ class ResponsesStream(StreamTranslator):
         item = self._items[index]
         if item["status"] == "in_progress":
             item["status"] = "completed"
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             text = item["content"][0]["text"]
             out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                    content_index=0, text=text, logprobs=[]))

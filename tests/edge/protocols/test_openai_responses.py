@@ -434,6 +434,29 @@ def test_stream_ends_with_the_whole_reply_at_every_split(adapter: OpenAIResponse
     assert not any(e["type"] == "response.output_text.delta" and "<tool_call>" in e["delta"] for e in events)
 
 
+def test_a_servers_reasoning_content_is_a_reasoning_item_whole_and_streamed(adapter: OpenAIResponsesAdapter) -> None:
+    """A worker started with --reasoning-parser sends its `<think>` text as reasoning_content:
+    it becomes a reasoning item (one reasoning_text part) ahead of the message and the calls,
+    the SDK's own types read it, and the stream ends with the whole reply at any split."""
+    t = translate(adapter, {"model": "m", "input": "x", "tools": CODEX_TOOLS, "stream": True, "store": False})
+    reply = chat_reply(TEXT, CALLS[:1], "tool_calls")
+    reply["choices"][0]["message"]["reasoning_content"] = "Search first."
+    whole = run(adapter.reply(copy.deepcopy(reply), t))
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message", "function_call"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "Search first."}]
+    Response.model_validate(whole)
+    chunks = chunks_of(reply)
+    thinking = [{**chunks[0], "choices": [{"index": 0, "delta": {"reasoning_content": piece}, "logprobs": None,
+                                           "finish_reason": None}]} for piece in ("Search ", "first.")]
+    events, final = stream_events(adapter, t, [chunks[0], *thinking, *chunks[1:]])
+    assert final == whole
+    kinds = [e["type"] for e in events]
+    assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+                          "response.reasoning_text.done"]
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+
+
 def test_stream_of_text_only_and_of_a_cut_response(adapter: OpenAIResponsesAdapter) -> None:
     t = translate(adapter, {"input": "x", "stream": True})
     reply = chat_reply("Hello there", finish="length")
