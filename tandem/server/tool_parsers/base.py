@@ -270,6 +270,56 @@ def history_call(call: ToolCall | Mapping[str, Any]) -> tuple[str, Any]:
     return name, args
 
 
+class ContentSpacing:
+    """The content around calls, less the whitespace that only separates text from calls.
+
+    A model writes "Let me check.\n\n<call>" and the client should not get the newlines:
+    trailing whitespace of the text waits (`text`) until more text keeps it or a call drops
+    it (`drop_pending`, `call_emitted`); whitespace after calls that no text preceded is
+    dropped; at the end (`flush`) whitespace after text stays. Every rule looks only at text
+    already seen, so how the output is split into deltas cannot change the result."""
+
+    def __init__(self) -> None:
+        self._pending = ""  # trailing whitespace of the text so far
+        self._strip_next = False  # calls came first: whitespace before the next text is dropped
+        self._seen_text = False
+
+    def text(self, text: str, out: StreamDelta) -> None:
+        if not text:
+            return
+        if self._strip_next:
+            text = text.lstrip()
+            if not text:
+                return
+            self._strip_next = False
+        body = text.rstrip()
+        if not body:
+            self._pending += text
+            return
+        out.content += self._pending + body
+        self._pending = text[len(body):]
+        self._seen_text = True
+
+    def raw(self, text: str, out: StreamDelta) -> None:
+        """Text that is sent as it is (a call that did not parse, markers included)."""
+        out.content += self._pending + text
+        self._pending = ""
+        self._seen_text = True
+
+    def drop_pending(self) -> None:
+        self._pending = ""
+
+    def call_emitted(self) -> None:
+        self._pending = ""
+        # Text after the calls keeps its leading whitespace only if it continues earlier text.
+        self._strip_next = not self._seen_text
+
+    def flush(self, out: StreamDelta) -> None:
+        if self._seen_text and self._pending:
+            out.content += self._pending
+        self._pending = ""
+
+
 def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`: text to hold
     back because the next delta may complete the marker."""

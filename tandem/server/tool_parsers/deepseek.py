@@ -16,33 +16,22 @@ The markers are special tokens of DeepSeek's vocabulary, which a detokenizer tha
 special tokens drops: `preserved_tokens` names them, and the server keeps their text (and
 only theirs) in the output this parser reads.
 
-As with Kimi-K2, `parse` runs the streaming parser over the whole text, a call is emitted
-whole when its `<｜tool▁call▁end｜>` arrives, and text that may still become a marker is
-held back. A call that does not decode (bad JSON, arguments that are not an object, no
-name) is returned as text, markers included. Call ids are OpenAI-style: neither format
-writes one.
+The section is read by the parser DeepSeek and Kimi-K2 share (sections.py); this module
+decodes a call's body and writes calls back. Call ids are OpenAI-style: neither format writes
+one.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import re
 from abc import abstractmethod
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
-from tandem.server.tool_parsers.base import (
-    StreamDelta,
-    ToolCall,
-    ToolCallDelta,
-    ToolParser,
-    ToolStreamParser,
-    history_call,
-    new_call_id,
-    partial_suffix,
-)
+from tandem.server.tool_parsers.base import ToolCall, ToolParser, history_call, new_call_id
+from tandem.server.tool_parsers.sections import SectionMarkers, SectionStreamParser
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +40,7 @@ CALLS_END = "<｜tool▁calls▁end｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
+MARKERS = SectionMarkers(CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END)
 # Prompt-side only (the template wraps tool results in them); the model never writes them.
 OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
 OUTPUT_END = "<｜tool▁output▁end｜>"
@@ -110,9 +100,9 @@ class DeepSeekToolParser(ToolParser):
     def decode_call(self, body: str) -> ToolCall | None:
         """A call's body (between its begin and end markers) as a call, or None."""
 
-    def stream(self, prefix: str = "", tool_names: Collection[str] = ()) -> DeepSeekStreamParser:
+    def stream(self, prefix: str = "", tool_names: Collection[str] = ()) -> SectionStreamParser:
         del tool_names  # the format is unambiguous: no declared name is needed to accept a call
-        parser = DeepSeekStreamParser(self.decode_call)
+        parser = SectionStreamParser(MARKERS, self.decode_call, "DeepSeek")
         if prefix:
             parser.feed(prefix)
         return parser
@@ -196,121 +186,3 @@ class DeepSeekV31ToolParser(DeepSeekToolParser):
 
     def decode_call(self, body: str) -> ToolCall | None:
         return decode_v31_call(body)
-
-
-class _State(enum.Enum):
-    TEXT = "text"  # outside a section
-    SECTION = "section"  # inside a section, between calls
-    CALL = "call"  # inside a call, before its end marker
-
-
-class DeepSeekStreamParser(ToolStreamParser):
-    """Sections and calls of either format; `decode` turns a call's body into a call."""
-
-    def __init__(self, decode: Callable[[str], ToolCall | None]) -> None:
-        self._decode = decode
-        self._state = _State.TEXT
-        self._buf = ""  # not yet decided: a possible partial marker, or a call's body so far
-        self._held_ws = ""  # trailing whitespace of the text: dropped if a section follows
-        self._text_seen = False  # some content was emitted
-        self._strip_next = False  # calls came first: whitespace before the next text is dropped
-        self._calls = 0
-
-    @property
-    def called_tools(self) -> bool:
-        return self._calls > 0
-
-    def feed(self, text_delta: str) -> StreamDelta:
-        out = StreamDelta()
-        self._buf += text_delta
-        while self._advance(out):
-            pass
-        return out
-
-    def finish(self) -> StreamDelta:
-        out = StreamDelta()
-        if self._state is _State.CALL:
-            # Cut off inside a call (a stop string, max_tokens): it counts if what came
-            # decodes, a partial end marker left out.
-            body = self._buf[: len(self._buf) - partial_suffix(self._buf, CALL_END)]
-            self._close_call(body, CALL_BEGIN + self._buf, out)
-        elif self._state is _State.TEXT:
-            self._emit_text(self._buf, out)
-        # In a section, what is left is whitespace or a partial marker: dropped.
-        if self._text_seen:
-            out.content += self._held_ws
-        self._buf, self._held_ws, self._state = "", "", _State.TEXT
-        return out
-
-    def _advance(self, out: StreamDelta) -> bool:
-        """Consume what can be decided at the start of the buffer; False to wait for more."""
-        if self._state is _State.TEXT:
-            return self._advance_text(out)
-        if self._state is _State.SECTION:
-            return self._advance_section()
-        end = self._buf.find(CALL_END)
-        if end < 0:
-            return False
-        body, self._buf = self._buf[:end], self._buf[end + len(CALL_END) :]
-        self._close_call(body, CALL_BEGIN + body + CALL_END, out)
-        self._state = _State.SECTION
-        return True
-
-    def _advance_text(self, out: StreamDelta) -> bool:
-        # A call without its section is read as one, as the model clearly meant it.
-        starts = [(at, m) for m in (CALLS_BEGIN, CALL_BEGIN) if (at := self._buf.find(m)) >= 0]
-        if not starts:
-            hold = max(partial_suffix(self._buf, CALLS_BEGIN), partial_suffix(self._buf, CALL_BEGIN))
-            cut = len(self._buf) - hold
-            self._emit_text(self._buf[:cut], out)
-            self._buf = self._buf[cut:]
-            return False
-        at, marker = min(starts)
-        self._emit_text(self._buf[:at], out)
-        self._held_ws = ""  # it only separated the text from the calls
-        self._buf = self._buf[at + len(marker) :]
-        self._state = _State.CALL if marker == CALL_BEGIN else _State.SECTION
-        return True
-
-    def _advance_section(self) -> bool:
-        rest = self._buf.lstrip()
-        self._buf = rest
-        if rest.startswith(CALL_BEGIN):
-            self._buf, self._state = rest[len(CALL_BEGIN) :], _State.CALL
-            return True
-        if rest.startswith(CALLS_END):
-            self._buf, self._state = rest[len(CALLS_END) :], _State.TEXT
-            return True
-        if not rest or CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest):
-            return False
-        self._state = _State.TEXT  # anything else ends the section: it is text again
-        return True
-
-    def _emit_text(self, text: str, out: StreamDelta) -> None:
-        """Text outside calls; its trailing whitespace waits to see whether calls follow."""
-        if self._strip_next:
-            text = text.lstrip()
-            if not text:
-                return
-            self._strip_next = False
-        body = text.rstrip()
-        if not body:
-            self._held_ws += text
-            return
-        out.content += self._held_ws + body
-        self._held_ws = text[len(body) :]
-        self._text_seen = True
-
-    def _close_call(self, body: str, raw: str, out: StreamDelta) -> None:
-        call = self._decode(body)
-        if call is None:
-            logger.debug("DeepSeek tool call does not decode; returned as text: %r", raw)
-            out.content += self._held_ws + raw
-            self._held_ws = ""
-            self._text_seen = True
-            return
-        # Text after the calls keeps its leading whitespace only if it continues earlier text.
-        self._strip_next = not self._text_seen
-        out.tool_calls.append(ToolCallDelta(index=self._calls, id=call.id, name=call.name,
-                                            arguments=call.arguments))
-        self._calls += 1

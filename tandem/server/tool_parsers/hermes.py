@@ -29,6 +29,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tandem.server.tool_parsers.base import (
+    ContentSpacing,
     StreamDelta,
     ToolCall,
     ToolCallDelta,
@@ -171,9 +172,7 @@ class HermesStreamParser(ToolStreamParser):
         self._buf = ""  # text not yet decided: a partial START, or a call's body so far
         self._in_call = False
         self._scan_from = 0  # where to resume looking for END inside the body
-        self._pending_ws = ""  # whitespace after text: dropped if a valid call follows
-        self._after_call = False  # calls but no text yet: drop whitespace until text comes
-        self._emitted_text = False
+        self._spacing = ContentSpacing()
         self._num_calls = 0
 
     @property
@@ -244,28 +243,12 @@ class HermesStreamParser(ToolStreamParser):
             self._text(self._buf, out)
         self._buf = ""
         self._in_call = False
-        if self._emitted_text and self._pending_ws:
-            out.content += self._pending_ws
-        self._pending_ws = ""
+        self._spacing.flush(out)
         return out
 
     def _text(self, text: str, out: StreamDelta) -> None:
-        """Emit text outside calls, holding trailing whitespace until we know whether a call
-        (which swallows it) or more text (which keeps it) comes next."""
-        if not text:
-            return
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        body = text.rstrip()
-        if body:
-            out.content += self._pending_ws + body
-            self._pending_ws = text[len(body) :]
-            self._emitted_text = True
-        else:
-            self._pending_ws += text
+        """Text outside calls (see ContentSpacing for its whitespace)."""
+        self._spacing.text(text, out)
 
     def _close_call(self, body: str, raw: str, out: StreamDelta) -> None:
         call = _decode_call(body)
@@ -273,9 +256,7 @@ class HermesStreamParser(ToolStreamParser):
             logger.debug("tool call is not valid JSON with a name; returned as text: %r", raw)
             self._text(raw, out)
             return
-        self._pending_ws = ""
-        # Text after the call keeps its leading whitespace only if it continues earlier text.
-        self._after_call = not self._emitted_text
+        self._spacing.call_emitted()
         out.tool_calls.append(
             ToolCallDelta(
                 index=self._num_calls, id=call.id, name=call.name, arguments=call.arguments

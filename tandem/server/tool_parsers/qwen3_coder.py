@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.server.tool_parsers.base import (
+    ContentSpacing,
     StreamDelta,
     ToolCall,
     ToolCallDelta,
@@ -247,9 +248,7 @@ class Qwen3CoderStreamParser(ToolStreamParser):
         self._param = ""  # the open parameter's name, in VALUE
         self._param_raw = ""  # and its opening markup, text again if it is never closed
         self._scan_from = 0  # where to resume looking for </parameter> in a value
-        self._pending_ws = ""  # whitespace after text: dropped if a call follows
-        self._after_call = False  # calls but no text yet: drop whitespace until text comes
-        self._emitted_text = False
+        self._spacing = ContentSpacing()
         self._num_calls = 0
 
     @property
@@ -273,9 +272,7 @@ class Qwen3CoderStreamParser(ToolStreamParser):
             self._cut_off(out)
         self._text(self._buf, out)
         self._buf = ""
-        if self._emitted_text and self._pending_ws:
-            out.content += self._pending_ws
-        self._pending_ws = ""
+        self._spacing.flush(out)
         return out
 
     def _step(self, out: StreamDelta) -> bool:
@@ -412,9 +409,7 @@ class Qwen3CoderStreamParser(ToolStreamParser):
         call.index = self._num_calls
         self._num_calls += 1
         self._raw = ""
-        self._pending_ws = ""
-        # Text after the call keeps its leading whitespace only if it continues earlier text.
-        self._after_call = not self._emitted_text
+        self._spacing.call_emitted()
         out.tool_calls.append(ToolCallDelta(index=call.index, id=new_call_id(), name=call.name))
 
     def _add_parameter(self, name: str, value: str, out: StreamDelta) -> None:
@@ -448,19 +443,5 @@ class Qwen3CoderStreamParser(ToolStreamParser):
             out.tool_calls.append(ToolCallDelta(index=call.index, arguments=fragment))
 
     def _text(self, text: str, out: StreamDelta) -> None:
-        """Emit text outside calls, holding trailing whitespace until we know whether a call
-        (which swallows it) or more text (which keeps it) comes next."""
-        if not text:
-            return
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        body = text.rstrip()
-        if body:
-            out.content += self._pending_ws + body
-            self._pending_ws = text[len(body) :]
-            self._emitted_text = True
-        else:
-            self._pending_ws += text
+        """Text outside calls (see ContentSpacing for its whitespace)."""
+        self._spacing.text(text, out)
