@@ -146,7 +146,7 @@ class PdFlow:
             if call.stream:
                 return EventStream(self._stream_reply(call, out), self.books.cleanup(call))
             return JSONResponse(out)
-        emit = emit_first_token(call.body, outcome.first_text) or not outcome.takes_part
+        emit = emit_first_token(call.body, outcome.first_text) or not outcome.takes_part or outcome.reasoning
         body = decode_body(call.body, outcome.kv if outcome.takes_part else None, emit)
         if call.stream:
             if self.relay.follows(call):

@@ -131,6 +131,10 @@ class PrefillOutcome:
     takes_part: bool  # the worker speaks the protocol (its reply has the key)
     complete: bool  # the reply is the whole answer
     first_text: str
+    # The worker splits reasoning from the answer (its reply says `reasoning_content`): only
+    # the decode worker, whose parser reads the whole output, can say where the first token
+    # belongs, so it sends that token itself.
+    reasoning: bool = False
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -149,7 +153,10 @@ def prefill_outcome(reply: dict[str, Any], body: dict[str, Any], kind: Kind) -> 
         or requested_max_tokens(body, kind) == 1
         or (takes_part and kv is None)
     )
-    return PrefillOutcome(reply, kv, takes_part, complete, first_text(reply))
+    choices = reply.get("choices") or [{}]
+    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    reasoning = isinstance(message, dict) and "reasoning_content" in message
+    return PrefillOutcome(reply, kv, takes_part, complete, first_text(reply), reasoning)
 
 
 def emit_first_token(body: dict[str, Any], first_text: str = "") -> bool:

@@ -99,6 +99,17 @@ def _prefill_reply(reason: str = "length", kv: object = "missing") -> dict:
     return reply
 
 
+def test_a_reasoning_workers_first_token_is_sent_by_the_decode_worker() -> None:
+    """A worker with --reasoning-parser says `reasoning_content` (even null): where its first
+    token belongs (reasoning or answer) only the decode worker's parser, reading on, can say."""
+    body = {"messages": [], "max_tokens": 20}
+    plain = prefill_outcome(_prefill_reply("length", {"transfer_id": "t"}), body, "chat")
+    assert not plain.reasoning
+    reply = _prefill_reply("length", {"transfer_id": "t"})
+    reply["choices"][0]["message"]["reasoning_content"] = None
+    assert prefill_outcome(reply, body, "chat").reasoning
+
+
 def test_prefill_outcome() -> None:
     handle = {"first_token_ids": [9], "transfer_id": "t"}
     body = {"messages": [], "max_tokens": 20}
