@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,12 @@ import anthropic
 import httpx
 import pytest
 
-from tandem.router.config import AccountingConfig, HealthPolicy, RouterConfig, WorkerSpec
-from tandem.router.http.app import build_app
+from tandem.router.config import AccountingConfig, WorkerSpec
 from tests.support import claude_code
 from tests.support.anthropic_events import accumulate, split_sse
-from tests.support.live_server import TEST_SECRET, LiveServer, start_server, stop_server
-from tests.support.router_helpers import MODEL_TIMEOUTS, ThreadServer, metric
+from tests.support.live_server import LiveServer
+from tests.support.pd_cluster import PdCluster, pd_cluster
+from tests.support.router_helpers import MODEL_TIMEOUTS, metric
 
 MODEL = "smollm2-135m"
 WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "16")
@@ -38,12 +37,7 @@ WEATHER = {
 }
 
 
-@dataclass
-class Pd:
-    prefill: LiveServer
-    decode: LiveServer
-    url: str
-
+class Pd(PdCluster):
     def requests(self, route: str) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         return metric(text, "tandem_router_requests_total", route=route, endpoint="messages", status="200")
@@ -51,24 +45,8 @@ class Pd:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd]:
-    logs = tmp_path_factory.mktemp("router-messages")
-    started: list[LiveServer] = []
-    router: ThreadServer | None = None
-    try:
-        started.append(start_server(logs / "prefill.log", "--role", "prefill", *WORKER_ARGS, secret=TEST_SECRET))
-        started.append(start_server(logs / "decode.log", "--role", "decode", *WORKER_ARGS, secret=TEST_SECRET))
-        prefill, decode = started
-        config = RouterConfig(
-            workers=(WorkerSpec(prefill.url, "prefill"), WorkerSpec(decode.url, "decode")),
-            health=HealthPolicy(interval_s=0.5, timeout_s=5.0), timeouts=MODEL_TIMEOUTS,
-            pd_min_prompt_tokens=0, cluster_secret=TEST_SECRET)
-        router = ThreadServer(build_app(config)).start(timeout=60)
-        yield Pd(prefill, decode, router.url)
-    finally:
-        if router is not None:
-            router.stop()
-        for server in started:
-            assert not stop_server(server)
+    with pd_cluster(tmp_path_factory.mktemp("router-messages"), *WORKER_ARGS) as made:
+        yield Pd(made.prefill, made.decode, made.url)
 
 
 @pytest.fixture

@@ -3,19 +3,15 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 from pydantic import ValidationError
 
 from tandem.edge.openai_protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
-from tandem.loader.resolve import resolve_model
 from tandem.loader.tokenizer import Tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
 from tandem.server.reasoning.think_tags import leaves_block_open
 from tandem.server.tool_parsers import HermesToolParser
+from tests.support.tokenizers import smollm_tokenizer_with
 
 # Qwen3's way: asked not to think, the template writes an empty block itself.
 TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
@@ -26,12 +22,7 @@ TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    source = resolve_model("smollm2-135m").hf_dir
-    directory = tmp_path_factory.mktemp("qwen3-like")
-    shutil.copy(source / "tokenizer.json", directory / "tokenizer.json")
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return Tokenizer.from_directory(Path(directory))
+    return smollm_tokenizer_with(tmp_path_factory.mktemp("qwen3-like"), chat_template=TEMPLATE)
 
 
 def render(tokenizer: Tokenizer, kwargs: dict | None) -> str:

@@ -5,7 +5,6 @@ leaves the prompt inside the reasoning, as DeepSeek-R1's template does."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from tests.support.live_server import LiveServer, start_server, stop_server
+from tests.support.pd_cluster import streamed_reasoning_and_content
 
 ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--reasoning-parser", "deepseek_r1")
 THINKING = {
@@ -41,16 +41,7 @@ def _whole(server: LiveServer, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _streamed(server: LiveServer, body: dict[str, Any]) -> tuple[str, str]:
-    reasoning, content = [], []
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True},
-                      timeout=300) as reply:
-        assert reply.status_code == 200
-        for line in reply.iter_lines():
-            if line.startswith("data: {"):
-                for choice in json.loads(line[6:])["choices"]:
-                    reasoning.append(choice["delta"].get("reasoning_content", ""))
-                    content.append(choice["delta"].get("content", ""))
-    return "".join(reasoning), "".join(content)
+    return streamed_reasoning_and_content(server.url, body)
 
 
 def test_the_reasoning_comes_apart_whole_and_streamed(server: LiveServer) -> None:

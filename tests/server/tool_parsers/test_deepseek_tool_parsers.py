@@ -6,14 +6,11 @@ vocabulary holds them)."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.loader.resolve import resolve_model
 from tandem.loader.tokenizer import Tokenizer
 from tandem.server.tool_parsers import (
     DeepSeekV3ToolParser,
@@ -31,6 +28,7 @@ from tandem.server.tool_parsers.deepseek import (
     CALLS_END,
     SEP,
 )
+from tests.support.tokenizers import smollm_tokenizer_with
 
 V3 = DeepSeekV3ToolParser()
 V31 = DeepSeekV31ToolParser()
@@ -200,16 +198,7 @@ def test_chosen_by_name_and_from_deepseeks_templates() -> None:
 @pytest.fixture(scope="module")
 def deepseek_like_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """SmolLM2's tokenizer with DeepSeek's five markers added as special tokens."""
-    source = resolve_model("smollm2-135m").hf_dir
-    directory = tmp_path_factory.mktemp("deepseek-tokenizer")
-    shutil.copy(source / "tokenizer_config.json", directory / "tokenizer_config.json")
-    data = json.loads((source / "tokenizer.json").read_text())
-    next_id = max(len(data["model"]["vocab"]), *(t["id"] + 1 for t in data["added_tokens"]))
-    for offset, marker in enumerate(DeepSeekV31ToolParser.preserved_tokens):
-        data["added_tokens"].append({"id": next_id + offset, "content": marker, "single_word": False, "lstrip": False,
-                                     "rstrip": False, "normalized": False, "special": True})
-    (directory / "tokenizer.json").write_text(json.dumps(data))
-    return Tokenizer.from_directory(Path(directory))
+    return smollm_tokenizer_with(tmp_path_factory.mktemp("deepseek-tokenizer"), DeepSeekV31ToolParser.preserved_tokens)
 
 
 @pytest.mark.parametrize(("parser", "call"), [(V3, v3_call), (V31, v31_call)], ids=["v3", "v31"])

@@ -6,8 +6,6 @@ own vocabulary holds them)."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -27,6 +25,7 @@ from tandem.server.tool_parsers.kimi_k2 import (
     SECTION_BEGIN,
     SECTION_END,
 )
+from tests.support.tokenizers import smollm_tokenizer_with
 
 P = KimiK2ToolParser()
 
@@ -123,16 +122,7 @@ def test_the_flag_offers_every_parser() -> None:
 @pytest.fixture(scope="module")
 def kimi_like_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """SmolLM2's tokenizer with Kimi's five markers added as special tokens."""
-    source = resolve_model("smollm2-135m").hf_dir
-    directory = tmp_path_factory.mktemp("kimi-tokenizer")
-    shutil.copy(source / "tokenizer_config.json", directory / "tokenizer_config.json")
-    data = json.loads((source / "tokenizer.json").read_text())
-    next_id = max(len(data["model"]["vocab"]), *(t["id"] + 1 for t in data["added_tokens"]))
-    for offset, marker in enumerate(KimiK2ToolParser.preserved_tokens):
-        data["added_tokens"].append({"id": next_id + offset, "content": marker, "single_word": False, "lstrip": False,
-                                     "rstrip": False, "normalized": False, "special": True})
-    (directory / "tokenizer.json").write_text(json.dumps(data))
-    return Tokenizer.from_directory(Path(directory))
+    return smollm_tokenizer_with(tmp_path_factory.mktemp("kimi-tokenizer"), KimiK2ToolParser.preserved_tokens)
 
 
 def test_the_markers_survive_detokenization_and_other_special_tokens_do_not(kimi_like_tokenizer: Tokenizer) -> None:
