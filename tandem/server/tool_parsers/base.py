@@ -270,6 +270,17 @@ def history_call(call: ToolCall | Mapping[str, Any]) -> tuple[str, Any]:
     return name, args
 
 
+def object_arguments(text: str) -> str | None:
+    """Arguments text as the JSON object a call carries (re-serialized), or None unless it is
+    one; empty text is `{}`, as a function without parameters may be called with nothing."""
+    text = text.strip()
+    try:
+        args = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return None
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+
+
 class ContentSpacing:
     """The content around calls, less the whitespace that only separates text from calls.
 

@@ -30,7 +30,13 @@ from abc import abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
-from tandem.server.tool_parsers.base import ToolCall, ToolParser, history_call, new_call_id
+from tandem.server.tool_parsers.base import (
+    ToolCall,
+    ToolParser,
+    history_call,
+    new_call_id,
+    object_arguments,
+)
 from tandem.server.tool_parsers.sections import SectionMarkers, SectionStreamParser
 
 logger = logging.getLogger(__name__)
@@ -60,14 +66,8 @@ _V31_BODY = re.compile(rf"\s*({_NAME})\s*{re.escape(SEP)}(.*)", re.DOTALL)
 def _call(name: str, arguments: str) -> ToolCall | None:
     """A call from its name and arguments text, or None unless the text is a JSON object
     (empty text counts as `{}`, as a function without parameters may be called)."""
-    arguments = arguments.strip()
-    try:
-        args = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(id=new_call_id(), name=name, arguments=json.dumps(args, ensure_ascii=False))
+    args = object_arguments(arguments)
+    return None if args is None else ToolCall(id=new_call_id(), name=name, arguments=args)
 
 
 def decode_v3_call(body: str) -> ToolCall | None:

@@ -27,7 +27,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from tandem.server.tool_parsers.base import ToolCall, ToolParser, history_call
+from tandem.server.tool_parsers.base import ToolCall, ToolParser, history_call, object_arguments
 from tandem.server.tool_parsers.sections import SectionMarkers, SectionStreamParser
 
 logger = logging.getLogger(__name__)
@@ -54,15 +54,11 @@ def _decode_call(body: str) -> ToolCall | None:
     match = _HEADER.fullmatch(header)
     if not sep or match is None:
         return None
-    arguments = arguments.strip()
-    try:
-        args = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(args, dict):
+    args = object_arguments(arguments)
+    if args is None:
         return None
     name, index = match.group(1), int(match.group(2))
-    return ToolCall(id=kimi_call_id(name, index), name=name, arguments=json.dumps(args, ensure_ascii=False))
+    return ToolCall(id=kimi_call_id(name, index), name=name, arguments=args)
 
 
 class KimiK2ToolParser(ToolParser):
