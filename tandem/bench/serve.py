@@ -414,9 +414,13 @@ def build_server(
             cmd += ["--ledger", str(log_dir / f"{safe}-usage.sqlite3"), "--log-dir", str(log_dir / safe)]
         env = dict(os.environ)
         env.pop("TANDEM_API_KEY", None)  # the key, if any, is --api-key's, as for vLLM
-        # A cluster's workers answer only signed requests: the bench knows the secret, so that
-        # it can read their /load after the run.
-        env.setdefault(CLUSTER_SECRET_ENV, secrets.token_hex(32))
+        if target.launch != "tandem":
+            # A cluster's workers answer only signed requests: the bench knows the secret, so
+            # that it can read their /load after the run. A lone server gets none: with one it
+            # would answer only signed requests, and the load client signs none.
+            env.setdefault(CLUSTER_SECRET_ENV, secrets.token_hex(32))
+        else:
+            env.pop(CLUSTER_SECRET_ENV, None)
     else:
         if not args.vllm_python:
             raise ValueError(

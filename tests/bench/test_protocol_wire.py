@@ -149,3 +149,21 @@ def test_protocol_flags_are_checked_before_anything_starts(flags: list[str], mes
     done = subprocess.run([sys.executable, "-m", "tandem", "bench", "serve", "--launch", "pd", *flags],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"tandem: error: {message}" in done.stderr
+
+
+def test_a_lone_launched_server_gets_no_cluster_secret_and_a_cluster_does(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """With a cluster secret a worker answers only signed requests, and the load client signs
+    none: `--launch tandem` got 401s on every request while it was given one."""
+    import argparse
+
+    from tandem.bench.serve import LaunchContext, add_serve_parser, build_server
+    from tandem.trust.keys import CLUSTER_SECRET_ENV
+
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, "from-the-shell")
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--launch", "tandem,colocated"])
+    lone = build_server(Target("tandem", launch="tandem"), args, LaunchContext(), tmp_path)
+    assert CLUSTER_SECRET_ENV not in lone.env
+    cluster = build_server(Target("colocated", launch="colocated"), args, LaunchContext(), tmp_path)
+    assert cluster.env[CLUSTER_SECRET_ENV] == "from-the-shell"
