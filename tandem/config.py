@@ -291,6 +291,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Grammar-constrained requests: append the tokens a grammar forces (a JSON key, a call's
+    # envelope) without sampling them, computed with the next step's token (tandem/structured).
+    jump_forward: bool = True
 
 
 # Compact weight copies a small step may read instead of the run dtype's (layers/linear.py).

@@ -25,6 +25,31 @@ def wrap_seed(seed: int) -> int:
     return (seed - SEED_MIN) % 2**64 + SEED_MIN
 
 
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """What a request's output must match: exactly one of a JSON schema (`json`, as JSON text),
+    any JSON object (`json_object`), a regular expression, one of `choice`'s strings, or a
+    grammar (`grammar`: Lark, or GBNF/EBNF with `grammar_syntax="ebnf"`). Compiled into a
+    token-level matcher in the engine core (tandem/structured); checked, and refused with a
+    message naming the problem, at the edge. Plain data, so it crosses processes as is."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    grammar_syntax: str = "lark"  # or "ebnf"
+    # Free text may come first, up to and including this (a reasoning block's end): the
+    # constraint starts after it (docs/serving.md, "Structured outputs").
+    starts_after: str | None = None
+
+    def kinds(self) -> list[str]:
+        """The constraints set, by name (a valid spec has exactly one)."""
+        return [name for name, on in (("json", self.json is not None), ("json_object", self.json_object),
+                                      ("regex", self.regex is not None), ("choice", self.choice is not None),
+                                      ("grammar", self.grammar is not None)) if on]
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request; the field names and defaults follow vLLM's."""
@@ -52,6 +77,9 @@ class SamplingParams:
     # tandem: False opts this request out of speculative decoding (its drafts are never
     # verified), e.g. a latency probe that must not share a step's extra tokens.
     speculate: bool = True
+    # tandem: the output is constrained to a schema, regex, choice or grammar (structured outputs,
+    # strict tool calls); None: free.
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +127,12 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.guided is not None:
+            if not isinstance(self.guided, GuidedDecoding):
+                raise ValueError("guided must be a GuidedDecoding")
+            if len(self.guided.kinds()) != 1:
+                raise ValueError("guided decoding takes exactly one of json, json_object, regex, choice or "
+                                 f"grammar; got {', '.join(self.guided.kinds()) or 'none'}")
         if vocab_size is not None:
             if self.top_k > vocab_size:
                 raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), or -1/0 to disable; "
@@ -304,6 +338,9 @@ class EngineLoad:
     connectors: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Speculative decoding's counters (tandem/spec/stats.py `as_dict`); empty when it is off.
     spec_decode: dict[str, Any] = field(default_factory=dict)
+    # Structured outputs' counters (tandem/structured/constraints.py ConstraintStats); empty
+    # before the first constrained request.
+    structured: dict[str, Any] = field(default_factory=dict)
 
     def connector(self, section: str) -> dict[str, Any]:
         """One connector's counters; empty when it is off."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.kvcache.connector.base import KVConnectorOutput
+from tandem.structured.masks import PendingMasks
 from tandem.types import SampledToken, SamplingParams
 
 
@@ -57,6 +58,9 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Guesses a worker-side proposer (draft model) should make for each request after this step.
     draft_lookahead: dict[str, int] = field(default_factory=dict)
+    # Grammar-constrained requests' token masks (tandem/structured/masks.py), one row per token
+    # they sample this step; still being filled while the forward runs. None: no constraint.
+    token_masks: PendingMasks | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -110,9 +110,33 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class JSONSchemaFormat(OpenAIModel):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # `schema` is a pydantic BaseModel attribute: the field is read under its alias.
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    """OpenAI's text / json_object / json_schema, and tandem's regex and grammar (Lark or EBNF,
+    as SGLang's `ebnf`)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JSONSchemaFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    syntax: Literal["lark", "ebnf"] = "lark"
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` field: one constraint, whatever the endpoint."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=1024)
+    grammar: str | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -160,6 +184,14 @@ class SamplingFields(OpenAIModel):
     # vLLM's field: each streamed choice carries the ids of the tokens it covers (`token_ids`).
     # The router asks for them so that it can move a broken stream to another worker.
     return_token_ids: bool = False
+    # Structured outputs (tandem/server/structured_output.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=1024)
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -236,7 +268,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

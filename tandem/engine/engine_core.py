@@ -18,6 +18,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tandem.batch.scheduler_output import SchedulerOutput
@@ -32,11 +33,13 @@ from tandem.executor.factory import make_executor
 from tandem.kvcache.block_hash import root_hash
 from tandem.kvcache.connector.factory import make_connector_scheduler
 from tandem.spec.factory import make_speculator
+from tandem.structured.constraints import GrammarConstraints, TokenizerSource
 from tandem.types import CacheRetention, EngineLoad, Request, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _IDLE_KV_POLL_S = 0.005
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -94,8 +97,9 @@ class EngineCore:
         if connector is not None:
             connector.set_worker_info(handshakes)
         self.speculator = make_speculator(config.speculative, config.kv_transfer.role)
+        self.constraints = _grammar_constraints(config, info)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, connector,
-                                   self.executor.max_concurrent_batches, self.speculator)
+                                   self.executor.max_concurrent_batches, self.speculator, self.constraints)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         self.kv_source = connector.endpoints().get("kv_source") if connector is not None else None
         self._groups: dict[str, _Group] = {}
@@ -145,6 +149,8 @@ class EngineCore:
                 sequence.block_hashes = list(first.block_hashes)  # same tokens, same chain
             sequence.expected_cached_tokens = min(expected_hit, first.num_prompt_tokens - 1)
             self.scheduler.add_request(sequence)
+            if self.constraints is not None:
+                self.constraints.add(sequence)  # compiles meanwhile; admitted once compiled
             self._parent[sequence.request_id] = (group, index)
         self._groups[request_id] = group
 
@@ -152,6 +158,8 @@ class EngineCore:
         """The engine's own range checks (ValueError), behind the edge's: whatever reaches the
         core (a peer's handoff tokens, a caller of `LLM`) is held to what the model can take."""
         request.params.validate(vocab_size=self.model_config.vocab_size)
+        if request.params.guided is not None and self.constraints is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model directory has none")
         if request.retention is not None:
             if not isinstance(request.retention, CacheRetention):
                 raise ValueError("retention must be a CacheRetention")
@@ -226,16 +234,32 @@ class EngineCore:
         run alone, one per step, until the one that fails again is found (scheduler.py
         `step_failed`). The others keep their place and their output."""
         if self.executor.max_concurrent_batches > 1:
-            return self._pipelined_step()
+            return self._pipelined_step() + self._grammar_failures()
         out = self.scheduler.schedule()
         try:
-            return self._run_now(out)
+            return self._run_now(out) + self._grammar_failures()
         except WorkerDiedError:
             raise
         except Exception as exc:
             if not self.executor.recovers_from_step_errors or out.empty:
                 raise
             return self._step_failed(out, exc)
+
+    def _grammar_failures(self) -> list[RequestDelta]:
+        """End each request whose grammar failed to compile (found at admission) with an error
+        delta naming the problem; its other sequences too."""
+        if self.constraints is None:
+            return []
+        deltas = []
+        for sequence_id, why in self.constraints.failures():
+            entry = self._parent.get(sequence_id)
+            if entry is None:
+                continue
+            group = entry[0]
+            self.abort([group.request_id])
+            deltas.append(RequestDelta(group.request_id, [], True, 0,
+                                       error=f"the request's grammar cannot be used: {why}"))
+        return deltas
 
     def _step_failed(self, out: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
         failed = self.scheduler.step_failed(out)
@@ -277,6 +301,8 @@ class EngineCore:
     def _run_now(self, out: SchedulerOutput) -> list[RequestDelta]:
         if (out.empty and out.kv_connector_metadata is None and not out.finished_request_ids
                 and not out.reset_request_ids):
+            if self.constraints is not None and self.constraints.wait_for_compile(_IDLE_KV_POLL_S):
+                return []  # a grammar compiled (or the wait ran out): schedule again
             pending = self.pending_kv_work()
             if pending is None:
                 return []
@@ -361,6 +387,7 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             connectors=connector.counters_by_section() if connector is not None else {},
             spec_decode=self.speculator.stats.as_dict() if self.speculator is not None else {},
+            structured=self.constraints.stats.as_dict() if self.constraints is not None else {},
         )
 
     def drain_kv_events(self) -> list[tuple]:
@@ -384,5 +411,17 @@ class EngineCore:
         return self.block_pool.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.constraints is not None:
+            self.constraints.shutdown()
         self.executor.shutdown()
+
+
+def _grammar_constraints(config: EngineConfig, info: Any) -> GrammarConstraints | None:
+    """The matchers for constrained requests, from the model's tokenizer; None when the model
+    directory has none (a bare test model): such an engine refuses constrained requests."""
+    hf_dir = Path(info.hf_dir) if info.hf_dir else None
+    if hf_dir is None or not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    source = TokenizerSource(hf_dir, info.model_config.vocab_size, sorted(info.eos_token_ids))
+    return GrammarConstraints(source, jump_forward=config.scheduler.jump_forward)
 

@@ -23,6 +23,7 @@ and of the tokens to compute, so that the next one has work for the stage the fi
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -39,7 +40,10 @@ from tandem.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.kvcache.connector.base import KVConnectorOutput, KVConnectorScheduler
 from tandem.spec.speculator import Candidate, Speculator
+from tandem.structured.constraints import GrammarConstraints
 from tandem.types import Request, RequestStatus, SampledToken
+
+logger = logging.getLogger(__name__)
 
 _MIN_MICRO_BATCH = 128  # tokens: below this a micro-batch's GEMMs get thin for little gain
 
@@ -92,9 +96,12 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
                  connector: KVConnectorScheduler | None = None, max_concurrent_batches: int = 1,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, constraints: GrammarConstraints | None = None) -> None:
         self.config = config
         self.speculator = speculator
+        # Grammar-constrained requests' matchers (tandem/structured): compiled before admission,
+        # drafts checked, the step's masks, tokens accepted and forced.
+        self.constraints = constraints
         self.max_concurrent_batches = max_concurrent_batches
         self._in_flight: dict[str, int] = {}  # request id -> its tokens in steps not yet reported
         self.kv = kv_manager
@@ -159,6 +166,8 @@ class Scheduler:
         del self.requests[request.request_id]
         if self.speculator is not None:
             self.speculator.request_finished(request)
+        if self.constraints is not None:
+            self.constraints.forget(request.request_id)
         self._in_flight.pop(request.request_id, None)
         self._external.pop(request.request_id, None)
         self._runner.pop(request.request_id, None)
@@ -186,6 +195,7 @@ class Scheduler:
         if self._suspects and self._schedule_suspect(out):
             if self.connector is not None:
                 out.kv_connector_metadata = self.connector.build_connector_meta(out)
+            self._request_masks(out)
             return out
         budget = self._micro_batch_budget()
 
@@ -228,7 +238,24 @@ class Scheduler:
 
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        self._request_masks(out)
         return out
+
+    def _request_masks(self, out: SchedulerOutput) -> None:
+        """Have the constrained requests that sample this step get their token masks, one row
+        per sampled position, computed while the step runs."""
+        constraints = self.constraints
+        if constraints is None or out.empty:
+            return
+        sampling = []
+        for request_id in out.num_scheduled_tokens:
+            if not constraints.is_constrained(request_id):
+                continue
+            request = self.requests[request_id]
+            drafts = out.spec_token_ids.get(request_id, [])
+            if request.num_computed_tokens + self._in_flight[request_id] - len(drafts) >= request.num_tokens:
+                sampling.append((request_id, drafts))
+        out.token_masks = constraints.masks(sampling)
 
     # --- a step that raised ---------------------------------------------------------
     def step_failed(self, out: SchedulerOutput) -> list[str]:
@@ -296,6 +323,8 @@ class Scheduler:
             request = candidate.request
             request_id = request.request_id
             drafts = plan.get(request_id, [])
+            if drafts and self.constraints is not None:
+                drafts = self.constraints.valid_drafts(request, drafts)  # none the grammar forbids
             # A worker-side proposer (a draft model) writes its own KV past the verified
             # tokens: the next token's and its guesses'. Room for them if there is any; it
             # proposes fewer where there is not.
@@ -362,8 +391,9 @@ class Scheduler:
         skipped: deque[Request] = deque()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                skipped.append(request)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV or (
+                    self.constraints is not None and not self.constraints.ready(request)):
+                skipped.append(request)  # its KV or its grammar is still on its way
                 continue
             if self.kv.num_blocks_of(request.request_id):
                 # Its KV was loaded (or the load failed) into blocks it already holds.
@@ -558,6 +588,8 @@ class Scheduler:
             # rollback of rejected drafts: their slots are written again next step, and the
             # blocks holding them are neither published nor hashed until then.
             request.num_computed_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens - 1)
+            if self.constraints is not None and reason is None:
+                reason = self._follow_grammar(request, update)
             self.kv.update_block_hashes(request)
             self.kv.cache_computed_blocks(request)
             if reason is not None:
@@ -570,6 +602,37 @@ class Scheduler:
         if connector_output is not None:
             self._apply_connector_output(connector_output)
         return updates
+
+    def _follow_grammar(self, request: Request, update: RequestUpdate) -> RequestStatus | None:
+        """Advance a constrained request's matcher over its new tokens; append the tokens the
+        grammar forces next (jump-forward: computed with the next step's token, never sampled).
+        A finish reason when the grammar has ended the output or refused a token."""
+        constraints = self.constraints
+        assert constraints is not None
+        verdict = constraints.accept(request)
+        if verdict is None:
+            params = request.sampling_params
+            limit = self.max_model_len - request.num_tokens - 1
+            if params.max_tokens is not None:
+                limit = min(limit, params.max_tokens - request.num_output_tokens)
+            if params.logprobs is not None:
+                limit = 0  # a forced token has no distribution to report
+            forced = constraints.forced_tokens(request, limit)
+            for token_id in forced:
+                request.append_output_token(token_id)
+                update.tokens.append(SampledToken(token_id))
+                reason = self._stop_reason(request, token_id)
+                if reason is not None:
+                    constraints.accept(request)
+                    return reason
+            if forced:
+                verdict = constraints.accept(request)
+        if verdict is None:
+            return None
+        request.stop_reason = None
+        if verdict != "stop":
+            logger.error("request %s stopped: %s", request.request_id, verdict)
+        return RequestStatus.FINISHED_STOPPED
 
     def _roll_back_failed_sync_load(self, request: Request, external: _ExternalKV) -> None:
         """The forward read KV that never arrived: drop the step's token and start the request

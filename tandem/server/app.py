@@ -149,6 +149,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
             # empty when it is off, so a router sees the same keys from every worker.
             **{section: current.connector(section) for section in connector_sections()},
             "spec_decode": current.spec_decode,
+            "structured": current.structured,
         }
 
     @app.get("/kv/events")

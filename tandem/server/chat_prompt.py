@@ -60,7 +60,8 @@ def _describe(tool_choice: Any) -> str:
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[Tool] | None,
                        tool_choice: Any, parser: ToolParser, add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
-                       template_kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
+                       template_kwargs: Mapping[str, Any] | None = None,
+                       prefix_forces_calls: bool = True) -> ChatPrompt:
     template = tokenizer.chat_template
     if template is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages", "no_chat_template")
@@ -89,7 +90,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages",
                           "template_error") from exc
     forced = ""
-    if tools_enabled and tool_choice not in (None, "auto"):
+    if tools_enabled and tool_choice not in (None, "auto") and prefix_forces_calls:
         forced = parser.forced_prefix(tool_choice_name(tool_choice))
         text += forced
     names = {t.function.name: t.function.parameters or {} for t in tools or ()} if tools_enabled else {}

@@ -81,6 +81,27 @@ class _EngineStateCollector(Collector):
             yield from _tier_metrics(self.model_name, tiers)
         if load.spec_decode:
             yield from _spec_decode_metrics(self.model_name, load.spec_decode)
+        if load.structured:
+            yield from _structured_metrics(self.model_name, load.structured)
+
+
+# Structured outputs' counters (tandem/structured/constraints.py), as `tandem:structured_<name>`.
+_STRUCTURED_COUNTERS = {
+    "requests": "Sequences generated under a grammar (a schema, regex, choice or tool-call grammar).",
+    "compile_errors": "Grammars that failed to compile in the engine.",
+    "compile_seconds": "Time spent compiling grammars (off the engine loop).",
+    "mask_rows": "Token masks computed (one per constrained token sampled).",
+    "mask_seconds": "Time spent computing token masks (overlapped with the forward).",
+    "forced_tokens": "Tokens appended by jump-forward, without sampling.",
+    "drafts_rejected": "Draft tokens dropped before verification because the grammar forbade them.",
+}
+
+
+def _structured_metrics(model_name: str, stats: dict[str, Any]) -> Iterable[Metric]:
+    for name, doc in _STRUCTURED_COUNTERS.items():
+        metric = CounterMetricFamily(f"tandem:structured_{name}", doc, labels=["model_name"])
+        metric.add_metric([model_name], stats.get(name, 0))
+        yield metric
 
 
 def _spec_decode_metrics(model_name: str, spec: dict[str, Any]) -> Iterable[Metric]:

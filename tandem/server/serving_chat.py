@@ -27,6 +27,7 @@ from tandem.server.serving import (
     sse_events,
     usage,
 )
+from tandem.server.structured_output import after_reasoning, requested_constraint, tool_constraint
 from tandem.server.tool_parsers import ToolParser
 from tandem.trust.access import is_peer
 from tandem.types import CacheRetention, SamplingParams, TokenLogprob
@@ -90,21 +91,23 @@ def prepare_chat(state: ServingState, body: ChatCompletionRequest, raw: Request)
     request first); once this returns, the request holds its admission until `observe_chat`."""
     model = state.check_model(body.model)
     check_shape({"messages": body.messages, "tools": body.tools or []}, state.config.limits)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(f"response_format {body.response_format.type!r} is not supported: tandem has no "
-                          "constrained decoding yet; ask for JSON in the prompt instead",
-                          "response_format", "unsupported")
+    guided = requested_constraint(body)
+    tool_grammar = tool_constraint(state, body)
+    if guided is not None and tool_grammar is not None:
+        raise bad_request("response_format cannot be combined with a tool_choice that forces calls or with strict "
+                          "tools: the output is either a call or the format", "response_format", "invalid_value")
     try:
         logprobs = body.num_logprobs()
     except ValueError as exc:
         raise bad_request(str(exc), "top_logprobs", "invalid_value") from exc
     prompt = render_chat_prompt(state.tokenizer, body.messages, body.tools, body.tool_choice,
                                 state.tool_parser, body.add_generation_prompt, body.continue_final_message,
-                                body.chat_template_kwargs)
+                                body.chat_template_kwargs, prefix_forces_calls=tool_grammar is None)
     token_ids = state.encode(prompt.text, add_special_tokens=False)
     max_tokens = state.check_prompt(token_ids, body.requested_max_tokens(), "messages")
     headers = state.max_tokens_headers(body.requested_max_tokens(), max_tokens)
     params = state.sampling_params(body, max_tokens, logprobs)
+    params.guided = after_reasoning(state, guided or tool_grammar, prompt.text)
     single_call = body.parallel_tool_calls is False or tool_choice_name(body.tool_choice) is not None
     if prompt.tools_enabled:
         params.preserved_token_ids = state.preserved_token_ids()

@@ -28,6 +28,7 @@ from tandem.server.serving import (
     sse_events,
     usage,
 )
+from tandem.server.structured_output import requested_constraint
 from tandem.trust.access import is_peer
 from tandem.types import SamplingParams, TokenLogprob
 
@@ -83,6 +84,7 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
     assert max_tokens is not None
     headers = state.max_tokens_headers(body.max_tokens, max_tokens)
     params = state.sampling_params(body, max_tokens, logprobs)
+    params.guided = requested_constraint(body)
     handoff = state.handoff(body.kv_transfer_params, params, body.stream, is_peer(raw))
     if handoff is not None and len(runs) != 1:
         raise bad_request("a prefill/decode handoff takes one prompt", "kv_transfer_params", "invalid_value")

@@ -28,6 +28,7 @@ from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, kv_cache_shape
 from tandem.layers.rejection_sampler import DraftedRequest, RejectionSampler
 from tandem.layers.sampler import Sampler, SamplingRow
+from tandem.layers.token_mask import apply_token_masks
 from tandem.platform.lazy_memory import lazily_zeroed, shared_zeroed
 from tandem.platform.profiling import STEP, profiled
 from tandem.types import SampledToken
@@ -214,11 +215,15 @@ class ModelRunner:
             return result
         if batch.sample_chunks:
             rows = hidden if batch.sample_rows_in_order else hidden[batch.sample_rows]
-            greedy = self._greedy_without_logits(rows, batch.sample_chunks)
+            greedy = None if out.token_masks is not None else self._greedy_without_logits(rows, batch.sample_chunks)
             if greedy is not None:
                 result.sampled = greedy
             else:
-                result.sampled = self._sample(self.model.compute_logits(rows), batch.sample_chunks)
+                logits = self.model.compute_logits(rows)
+                if out.token_masks is not None:  # filled meanwhile on the engine core's helper thread
+                    apply_token_masks(logits, [(c.request_id, c.num_sample_rows) for c in batch.sample_chunks],
+                                      out.token_masks.resolve())
+                result.sampled = self._sample(logits, batch.sample_chunks)
         if self.drafter is not None:
             kept = {request_id: [t.token_id for t in tokens] for request_id, tokens in result.sampled.items()}
             result.draft_token_ids = self.drafter.propose(TargetStep(

@@ -61,7 +61,7 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
             raise req.bad("'input' is required: a string or a list of input items", "input", "missing")
         tools = req.translate_tools(body.get("tools"), dropped)
         tool_choice = req.translate_tool_choice(body.get("tool_choice"), tools, dropped)
-        req.text_format(body.get("text"))
+        response_format = req.text_format(body.get("text"))
         max_tokens = req.max_output_tokens(body.get("max_output_tokens"))
         for unsupported in ("background", "conversation"):
             if body.get(unsupported):
@@ -78,6 +78,8 @@ class OpenAIResponsesAdapter(ProtocolAdapter):
             chat["parallel_tool_calls"] = parallel
         if max_tokens is not None:
             chat["max_tokens"] = max_tokens
+        if response_format is not None:
+            chat["response_format"] = response_format
         for key in ("temperature", "top_p"):
             if body.get(key) is not None:
                 chat[key] = body[key]

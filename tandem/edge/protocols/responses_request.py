@@ -19,8 +19,8 @@ What is translated:
   cannot run here: they are dropped and named in `dropped`, never refused, because Codex
   sends `web_search` with every request and gives up after five refusals.
 - `tool_choice`, `parallel_tool_calls`, `max_output_tokens` (→ `max_tokens`), `temperature`,
-  `top_p`, `stream`, `user`, and `text.format` of type `text` (a JSON format is refused as the
-  chat path refuses `response_format`: no constrained decoding yet). Everything else the API
+  `top_p`, `stream`, `user`, and `text.format` (`text`, or `json_object` / `json_schema`, which
+  become the chat request's `response_format`: generated under the schema). Everything else the API
   defines (`reasoning`, `include`, `store`, `service_tier`, `metadata`, `truncation`,
   `prompt_cache_key`, `safety_identifier`, ...) is accepted and has no effect on generation.
 
@@ -329,22 +329,31 @@ def translate_tool_choice(value: Any, tools: ToolSet, dropped: list[str]) -> Any
 # --- the rest ---------------------------------------------------------------------------
 
 
-def text_format(value: Any) -> None:
-    """`text`: only the plain text format (and `verbosity`, which says nothing here)."""
+def text_format(value: Any) -> dict[str, Any] | None:
+    """`text.format` as the chat request's `response_format` (None: plain text). Responses
+    writes a JSON schema format flat (`{"type": "json_schema", "name", "schema", "strict"}`);
+    chat nests it under `json_schema`. `verbosity` says nothing here."""
     if value is None:
-        return
+        return None
     if not isinstance(value, dict):
         raise bad("'text' must be an object", "text")
     fmt = value.get("format")
     if fmt is None:
-        return
+        return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
-        return
-    if kind in ("json_schema", "json_object"):
-        raise bad(f"text.format {kind!r} is not supported yet: tandem has no constrained decoding; "
-                  "ask for JSON in the prompt instead", "text.format", "unsupported")
-    raise bad("'text.format.type' must be text", "text.format.type")
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict | bool):
+            raise bad("'text.format.schema' must be a JSON schema object", "text.format.schema")
+        nested = {"name": str(fmt.get("name") or "response")[:64], "schema": schema}
+        if isinstance(fmt.get("strict"), bool):
+            nested["strict"] = fmt["strict"]
+        return {"type": "json_schema", "json_schema": nested}
+    raise bad("'text.format.type' must be text, json_object or json_schema", "text.format.type")
 
 
 def max_output_tokens(value: Any) -> int | None:

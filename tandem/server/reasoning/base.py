@@ -60,6 +60,11 @@ class ReasoningParser(ABC):
     def stream(self, prompt: str) -> ReasoningStream:
         """A fresh stream for one response to `prompt` (the rendered prompt text)."""
 
+    def constraint_starts_after(self, prompt: str) -> str | None:
+        """Where an output constraint (a schema, a grammar) starts for a response to `prompt`:
+        after this text when the response starts inside the reasoning; None: at once."""
+        return None
+
     def parse(self, text: str, prompt: str) -> ReasoningDelta:
         """The whole output, split; defined through `stream` so the two never disagree."""
         stream = self.stream(prompt)

@@ -36,6 +36,9 @@ class ThinkTagsParser(ReasoningParser):
         self.open_tag = open_tag
         self.close_tag = close_tag
 
+    def constraint_starts_after(self, prompt: str) -> str | None:
+        return self.close_tag if leaves_block_open(prompt, self.open_tag, self.close_tag) else None
+
     def stream(self, prompt: str) -> ThinkTagsStream:
         return ThinkTagsStream(self.open_tag, self.close_tag, leaves_block_open(prompt, self.open_tag, self.close_tag))
 

@@ -50,7 +50,7 @@ import contextlib
 import json
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -164,6 +164,21 @@ class ToolStreamParser(ABC):
         """True once at least one valid call was emitted."""
 
 
+@dataclass(frozen=True)
+class CallShape:
+    """A call format as text around each call's JSON arguments. A section holds one or more
+    calls: `section_begin`, the calls joined by `separator`, `section_end`. One call of `name`
+    is `before(name)`, its arguments as JSON, `after(name)`. `call_index` marks where a format
+    writes the call's number (Kimi-K2's `functions.NAME:IDX`): any digits there."""
+
+    section_begin: str
+    separator: str
+    section_end: str
+    before: Callable[[str], str]
+    after: Callable[[str], str]
+    call_index: str = ""  # a placeholder inside before(name) that stands for digits
+
+
 class ToolParser(ABC):
     """One tool-call text format, both directions. Stateless: share one per server."""
 
@@ -185,6 +200,12 @@ class ToolParser(ABC):
         """Parse a whole response. Defined through `stream` so the two can never disagree."""
         parser = self.stream(tool_names=tool_names)
         return ParsedMessage.from_deltas([parser.feed(text), parser.finish()])
+
+    def call_shape(self) -> CallShape | None:
+        """How this format writes calls, for a grammar that makes the model write only calls
+        that parse and name a declared tool (tool_parsers/grammar.py); None: the format has
+        no JSON arguments to constrain, and its calls stay free."""
+        return None
 
     @abstractmethod
     def forced_prefix(self, name: str | None) -> str:

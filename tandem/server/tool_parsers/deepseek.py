@@ -31,6 +31,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 from tandem.server.tool_parsers.base import (
+    CallShape,
     ToolCall,
     ToolParser,
     history_call,
@@ -106,6 +107,11 @@ class DeepSeekToolParser(ToolParser):
         if prefix:
             parser.feed(prefix)
         return parser
+
+    def call_shape(self) -> CallShape:
+        return CallShape(CALLS_BEGIN, self.call_separator, CALLS_END,
+                         lambda name: CALL_BEGIN + self.call_header(name),
+                         lambda name: self.call_footer() + CALL_END)
 
     def forced_prefix(self, name: str | None) -> str:
         if name is None:

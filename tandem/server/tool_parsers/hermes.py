@@ -29,6 +29,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tandem.server.tool_parsers.base import (
+    CallShape,
     ContentSpacing,
     StreamDelta,
     ToolCall,
@@ -61,6 +62,13 @@ class HermesToolParser(ToolParser):
         if prefix:
             parser.feed(prefix)
         return parser
+
+    def call_shape(self) -> CallShape:
+        # As render_tool_calls writes them: the JSON object's envelope is fixed text, so the
+        # grammar forces it and the name picks the arguments' schema.
+        return CallShape(f"{START}\n", f"\n{END}\n{START}\n", f"\n{END}",
+                         lambda name: f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
+                         lambda name: "}")
 
     def forced_prefix(self, name: str | None) -> str:
         # A bare "<tool_call>\n" ends on a token boundary (Qwen has <tool_call> as one

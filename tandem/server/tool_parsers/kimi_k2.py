@@ -27,7 +27,13 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from tandem.server.tool_parsers.base import ToolCall, ToolParser, history_call, object_arguments
+from tandem.server.tool_parsers.base import (
+    CallShape,
+    ToolCall,
+    ToolParser,
+    history_call,
+    object_arguments,
+)
 from tandem.server.tool_parsers.sections import SectionMarkers, SectionStreamParser
 
 logger = logging.getLogger(__name__)
@@ -37,6 +43,7 @@ SECTION_END = "<|tool_calls_section_end|>"
 CALL_BEGIN = "<|tool_call_begin|>"
 ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
+_INDEX = "\x00index\x00"  # where a call's number goes, in call_shape
 MARKERS = SectionMarkers(SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END)
 
 # `functions.NAME:IDX` (the prefix may be missing); NAME as OpenAI allows, plus dots.
@@ -73,6 +80,11 @@ class KimiK2ToolParser(ToolParser):
         if prefix:
             parser.feed(prefix)
         return parser
+
+    def call_shape(self) -> CallShape:
+        return CallShape(SECTION_BEGIN, "", SECTION_END,
+                         lambda name: f"{CALL_BEGIN}functions.{name}:{_INDEX}{ARGUMENT_BEGIN}",
+                         lambda name: CALL_END, call_index=_INDEX)
 
     def forced_prefix(self, name: str | None) -> str:
         # The index of a forced call is not known here (it counts the conversation's calls);

@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tandem.server.tool_parsers.base import (
+    CallShape,
     ParsedMessage,
     StreamDelta,
     ToolCall,
@@ -102,6 +103,11 @@ class Llama3JsonToolParser(ToolParser):
         if rest.startswith(";"):
             rest = rest[1:].strip()
         return ParsedMessage(content=rest or None, tool_calls=calls)
+
+    def call_shape(self) -> CallShape:
+        return CallShape("", "; ", "",
+                         lambda name: f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": ',
+                         lambda name: "}")
 
     def forced_prefix(self, name: str | None) -> str:
         if name is None:

@@ -221,10 +221,18 @@ def test_tool_choice(adapter: OpenAIResponsesAdapter) -> None:
     assert "tools" not in t.chat and "tool_choice" not in t.chat
 
 
-def test_text_format_json_is_not_supported_yet(adapter: OpenAIResponsesAdapter) -> None:
-    translate(adapter, {"input": "x", "text": {"format": {"type": "text"}, "verbosity": "low"}})
-    error = refused(adapter, {"input": "x", "text": {"format": {"type": "json_schema", "name": "o", "schema": {}}}})
-    assert error.param == "text.format" and error.code == "unsupported" and "not supported yet" in error.message
+def test_text_format_becomes_the_chat_response_format(adapter: OpenAIResponsesAdapter) -> None:
+    plain = translate(adapter, {"input": "x", "text": {"format": {"type": "text"}, "verbosity": "low"}})
+    assert "response_format" not in plain.chat
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    flat = {"type": "json_schema", "name": "o", "schema": schema, "strict": True}
+    assert translate(adapter, {"input": "x", "text": {"format": flat}}).chat["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": True}}
+    assert translate(adapter, {"input": "x", "text": {"format": {"type": "json_object"}}}).chat[
+        "response_format"] == {"type": "json_object"}
+    error = refused(adapter, {"input": "x", "text": {"format": {"type": "json_schema", "name": "o", "schema": 3}}})
+    assert error.param == "text.format.schema"
+    assert refused(adapter, {"input": "x", "text": {"format": {"type": "xml"}}}).param == "text.format.type"
 
 
 def test_session_precedence(adapter: OpenAIResponsesAdapter) -> None:
