@@ -32,7 +32,8 @@ TORCH_SIDE = {"engine", "executor", "worker", "models", "layers", "kernels", "di
 TORCH_FREE = {"router", "edge", "trust"}
 # Import no torch at all, directly: packages and single modules.
 NO_TORCH = ("router", "edge", "trust", "sizing", "flags", "launch", "config", "config_checks", "types",
-            "batch.scheduler_output", "engine.scheduler", "engine.block_pool", "engine.kv_cache_manager")
+            "batch.scheduler_output", "engine.scheduler", "engine.block_pool", "engine.kv_cache_manager",
+            "structured")
 
 
 def _modules() -> dict[str, Path]:

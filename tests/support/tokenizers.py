@@ -3,10 +3,12 @@ special tokens added, or another chat template, for dialect tests without those 
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tandem.loader.resolve import resolve_model
 from tandem.loader.tokenizer import Tokenizer
@@ -30,3 +32,14 @@ def smollm_tokenizer_with(directory: Path, special_tokens: Sequence[str] = (),
         config = json.loads((source / "tokenizer_config.json").read_text())
         (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
     return Tokenizer.from_directory(directory)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_llg_tokenizer() -> Any:
+    """llguidance's view of SmolLM2's vocabulary (built once: about a second)."""
+    import llguidance
+
+    from tandem.loader.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model("smollm2-135m").hf_dir)
+    return llguidance.LLTokenizer(tokenizer.backend_tokenizer.to_str())

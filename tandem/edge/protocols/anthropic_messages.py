@@ -16,11 +16,14 @@ The request (`MessagesAdapter.to_chat`):
 - `tools` → function tools (`input_schema` → `parameters`); tools of other types
   (Anthropic's server tools: `web_search_20250305`, `bash_20250124`, ...) are dropped and
   named in `Translated.dropped`. `tool_choice` auto / any / tool / none → auto / required /
-  the named function / none; `disable_parallel_tool_use` → `parallel_tool_calls: false`.
+  the named function / none; `disable_parallel_tool_use` → `parallel_tool_calls: false`;
+  a tool's `strict` passes through (its calls generated under its schema).
+- Structured outputs: `output_format` (or `output_config.format`) `json_schema` → the chat
+  request's `response_format`, so the reply's text validates against the schema.
 - `stop_sequences` → `stop`; `temperature`, `top_p`, `top_k`, `max_tokens` (required, as
   Anthropic requires it) and `stream` as they are; a stream asks for the final usage chunk.
 - Unknown fields and betas (`?beta=true`, `anthropic-beta`, `context_management`,
-  `output_config`, `service_tier`, ...) are ignored, each logged once per adapter. A top-level
+  `service_tier`, ...) are ignored, each logged once per adapter. A top-level
   `cache_control` puts its breakpoint on the last message's last block, as Anthropic's does.
 - The session (the router's affinity): the `X-Claude-Code-Session-Id` header, else the
   `session_id` inside `metadata.user_id` (a JSON string; one that is not JSON is the session).
@@ -102,6 +105,10 @@ class MessagesAdapter(ProtocolAdapter):
             value = getattr(request, name)
             if value is not None:
                 chat[name] = value
+        output = request.output_format or (request.output_config.format if request.output_config else None)
+        if output is not None:
+            chat["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": output.schema_}}
         chat.update(chat_extras(body))
         return translated
 
@@ -306,6 +313,8 @@ def _tools(tools: list[Any] | None) -> tuple[list[dict[str, Any]], list[str]]:
         function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             function["description"] = tool.description
+        if tool.strict is not None:
+            function["strict"] = tool.strict
         functions.append({"type": "function", "function": function})
     return functions, dropped
 

@@ -53,6 +53,19 @@ class ToolDefinition(AnthropicModel):
     name: str = Field(min_length=1, max_length=512)
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None  # structured outputs: the call's input always validates
+
+
+class OutputFormat(AnthropicModel):
+    """Structured outputs' `output_format` (or `output_config.format`): the reply's text is JSON
+    that validates against `schema`."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(AnthropicModel):
+    format: OutputFormat | None = None
 
 
 class ToolChoice(AnthropicModel):
@@ -98,6 +111,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)  # the vocabulary bounds it on the worker
     stream: bool = False
     metadata: Metadata | None = None
+    output_format: OutputFormat | None = None
+    output_config: OutputConfig | None = None
 
 
 # The fields the adapter reads; any other (`context_management`, `output_config`,

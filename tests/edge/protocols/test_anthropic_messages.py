@@ -184,6 +184,18 @@ def test_tools_and_tool_choice() -> None:
     assert "tools" not in only_server and "tool_choice" not in only_server
 
 
+def test_structured_outputs_translate() -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    expected = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert to_chat(minimal(output_format={"type": "json_schema", "schema": schema})).chat["response_format"] == expected
+    assert to_chat(minimal(output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"})).chat[
+        "response_format"] == expected
+    assert "response_format" not in to_chat(minimal(output_config={"effort": "low"})).chat
+    strict = to_chat(minimal(tools=[{"name": "f", "input_schema": schema, "strict": True}])).chat["tools"]
+    assert strict[0]["function"]["strict"] is True
+    assert refusal(minimal(output_format={"type": "json_schema"}))["error"]["message"]
+
+
 def test_sampling_fields() -> None:
     chat = to_chat(minimal(stop_sequences=["END", "\n\n"], temperature=0.2, top_p=0.9, top_k=40,
                            service_tier="auto", stream=False)).chat
