@@ -158,9 +158,10 @@ def test_a_claude_code_request_is_accepted(caplog: pytest.LogCaptureFixture) -> 
     assert chat["messages"][0]["content"] == [claude_code.system()[1]]  # the header is gone
     # Fields and betas it has no use for are logged, once per adapter, never refused.
     logged = [r.getMessage() for r in caplog.records]
-    for name in ("field 'context_management'", "field 'output_config'", "beta 'claude-code-20250219'",
-                 "beta 'effort-2025-11-24'"):
+    for name in ("field 'context_management'", "beta 'claude-code-20250219'", "beta 'effort-2025-11-24'"):
         assert sum(name in line for line in logged) == 1, (name, logged)
+    # `output_config` is read (its `format`, structured outputs); Claude Code's has only an effort.
+    assert "response_format" not in chat
     assert not any("'model'" in line or "'thinking'" in line for line in logged)
 
 
