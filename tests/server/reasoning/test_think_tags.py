@@ -27,6 +27,13 @@ def test_the_prompt_says_where_the_output_starts() -> None:
     assert leaves_block_open("<think>a</think> then <think>open")
 
 
+def test_a_constraint_starts_after_reasoning_the_prompt_leaves_open() -> None:
+    parser = ThinkTagsParser()
+    assert parser.constraint_starts_after("<|im_start|>assistant\n<think>\n") == "</think>"
+    assert parser.constraint_starts_after("<|im_start|>assistant\n<think>\n\n</think>\n\n") is None
+    assert parser.constraint_starts_after("<|im_start|>assistant\n") is None
+
+
 def test_each_start() -> None:
     assert split("<think>\nPlan: greet.\n</think>\n\nHello!") == ("\nPlan: greet.\n", "Hello!")
     assert split("Plan: greet.\n</think>\n\nHello!", R1_PROMPT) == ("Plan: greet.\n", "Hello!")
