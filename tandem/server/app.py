@@ -48,7 +48,7 @@ from tandem.edge.protocols.response_store import is_redis_url, open_response_sto
 from tandem.kvcache.connector.factory import connector_sections
 from tandem.loader.tokenizer import load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
-from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from tandem.server.metrics import ServerMetrics, tier_blocks
 from tandem.server.reasoning import get_reasoning_parser
 from tandem.server.serving import ServingState
@@ -109,6 +109,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, drain: Drain | 
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(ClientGone, _disconnected_handler)
     app.add_exception_handler(EngineDeadError, _engine_dead_handler)
+    app.add_exception_handler(EngineRequestError, _engine_refused_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
 
     def state(request: Request) -> ServingState:
@@ -311,6 +312,12 @@ async def _counted_api_error_handler(request: Request, exc: Exception) -> Respon
 async def _engine_dead_handler(request: Request, exc: Exception) -> Response:
     """A request the engine died under: retryable elsewhere (a router moves it on)."""
     return await _counted_api_error_handler(request, APIError(503, str(exc), None, "engine_dead"))
+
+
+async def _engine_refused_handler(request: Request, exc: Exception) -> Response:
+    """A request the engine core refused or stopped (a grammar only the vocabulary rejects): a
+    400 with the core's reason, as the streamed path's error event says."""
+    return await _counted_api_error_handler(request, APIError(400, str(exc), None, "engine_refused"))
 
 
 async def _disconnected_handler(_: Request, __: Exception) -> Response:

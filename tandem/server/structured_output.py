@@ -65,6 +65,8 @@ def tool_constraint(state: Any, body: Any) -> GuidedDecoding | None:
         return None
     schemas = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in tools}
     if named is not None:
+        if named not in schemas:
+            return None  # rendering the prompt refuses the undeclared name with a 400
         schemas = {named: schemas[named]}
     required = choice not in (None, "auto")
     lark = tool_call_grammar(state.tool_parser, schemas, state.tokenizer.added_tokens_encoder, required=required,

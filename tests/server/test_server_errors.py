@@ -43,8 +43,6 @@ CHAT_CASES: list[tuple[str, Any, int, str | None]] = [
      400, "tool_choice"),
     ("bad tool_choice string", {"model": MODEL, "messages": HELLO, "tools": [TOOL], "tool_choice": "always"},
      400, "tool_choice"),
-    ("json_object response format", {"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}},
-     400, "response_format"),
     ("image content", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),
     ("logit_bias", {"model": MODEL, "messages": HELLO, "logit_bias": {"11": 5}}, 400, "logit_bias"),

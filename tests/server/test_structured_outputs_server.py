@@ -182,9 +182,6 @@ def test_bad_constraint_is_a_400_and_the_server_still_serves(client: openai.Open
     assert after.choices[0].finish_reason in ("stop", "length") and after.usage.completion_tokens >= 1
 
 
-@pytest.mark.xfail(strict=True, reason="a grammar the edge's check passes but the engine's compile refuses (a special "
-                                       "token id past the vocabulary) comes back as a 500 'internal error: "
-                                       "EngineRequestError', its message dropped, not as a 400 naming the grammar")
 def test_a_grammar_only_the_engine_refuses_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, extra_body={

@@ -1,6 +1,6 @@
 """Tool calls generated under a grammar, on Qwen2.5-Coder-0.5B (hermes calls; its template knows
 tools) in a server of this module's own: `tool_choice` "required", a named function, and "auto"
-with tools declared `strict: true` (xfail: a bug, see the test). Every call must name a declared tool and its arguments must
+with tools declared `strict: true`. Every call must name a declared tool and its arguments must
 validate against that tool's schema, whatever the prompt asks (a unit outside the enum, a
 quantity over the maximum, a question that needs no tool); the Anthropic Messages endpoint's
 `tool_choice: any` and the Responses endpoint's `text.format` ride on the same constraints.
@@ -113,13 +113,14 @@ def test_named_function_is_exactly_one_call_of_it(client: openai.OpenAI) -> None
     assert [name for name, _ in _valid_calls(choice.message.tool_calls or [])] == ["set_alarm"]
 
 
-@pytest.mark.xfail(strict=True, reason="under auto, Qwen2.5-Coder-0.5B writes its call as a bare JSON object (or a "
-                                       "```json fence), not in <tool_call>: free text to the grammar, yet the hermes "
-                                       "parser's bare-call recovery returns it as a call ({'hour': 25, 'minute': 70})")
 def test_auto_with_strict_tools_calls_validate(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=TOOL_MODEL, messages=_ask(PROMPTS[1]), tools=_tools(strict=True),
                                            tool_choice="auto", temperature=0, max_tokens=40)
-    _valid_calls(reply.choices[0].message.tool_calls or [])
+    message = reply.choices[0].message
+    # Free text stays free, but not a call written outside the envelope (bare JSON, a fence):
+    # a call is either in the envelope, under its schema, or not made.
+    _valid_calls(message.tool_calls or [])
+    assert not (message.content or "").lstrip().startswith(("{", "[", "`")), message.content
 
 
 def test_streamed_call_deltas_are_the_whole_calls(client: openai.OpenAI) -> None:

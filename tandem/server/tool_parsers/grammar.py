@@ -46,7 +46,11 @@ def tool_call_grammar(parser: ToolParser, tools: Mapping[str, dict[str, Any]], s
         rules.append(f"call_{index}: {before} %json {arguments} {literal(shape.after(name))}")
     rules.append("call: " + " | ".join(alternatives))
     if not required:
-        rules.append("TEXT: /(?s:.+)/")
+        # Free text, but not a call written some other way: a small model that means to call
+        # writes bare JSON (or fences it) as often as its format's envelope, and a parser that
+        # recovers such a call would hand back arguments no grammar checked. Text may not start
+        # with `{`, `[` or a backtick, so the model's call goes through the envelope.
+        rules.append("TEXT: /(?s:[^{\\[`\\s].*|\\s+[^{\\[`\\s].*)/")
     return "\n".join(rule.replace('""', "").strip() for rule in rules) + "\n"
 
 

@@ -82,6 +82,9 @@ def test_auto_takes_text_alone_or_before_calls_where_a_special_token_opens_them(
     separator = "\n" if parser.name == "hermes" else ""
     assert _takes(dialect, "Let me check." + separator + _render(parser, CALLS[:1]), required=False)
     assert not _takes(dialect, "Let me check." + separator + _render(parser, [("nope", {})]), required=False)
+    # A call written some other way (bare JSON, a fence) is not free text: the envelope is the way.
+    for disguised in ('{"name": "add", "arguments": {"a": 1, "b": 2}}', '```json\n{"a": 1}\n```', " [1, 2]"):
+        assert not _takes(dialect, disguised, required=False)
 
 
 def test_formats_without_json_arguments_have_no_grammar(tmp_path: Path) -> None:
