@@ -24,6 +24,7 @@ from tandem.bench.perplexity_cli import add_perplexity_parser
 from tandem.bench.plan import add_plan_bench_parser
 from tandem.bench.serve import add_serve_parser
 from tandem.bench.spec import add_spec_bench_parser
+from tandem.bench.tools import add_tools_parser
 from tandem.flags.engine import (
     add_engine_args,
     add_server_args,
@@ -218,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_bench_parser(bench_commands)
     add_serve_parser(bench_commands)
     add_spec_bench_parser(bench_commands)
+    add_tools_parser(bench_commands)
     add_plan_parser(commands)
     add_spec_parser(commands)
     return parser
