@@ -160,7 +160,7 @@ def goal_lines(run: TargetRun) -> list[str]:
         ratio = entry["ratio"]
         verdict = "not measured" if ratio is None else ("met" if ratio >= COST_GOAL else "NOT met")
         lines.append(f"goal ({run.name}, cost at concurrency {entry['concurrency']}): constrained "
-                     f">= {COST_GOAL}x unconstrained output tok/s: {cell(ratio, 3)}x: {verdict}")
+                     f">= {COST_GOAL}x unconstrained output tok/s: {_times(ratio)}: {verdict}")
     on = run.jump.get("on")
     if on is not None:
         value = on["tokens_per_step"]
@@ -168,6 +168,10 @@ def goal_lines(run: TargetRun) -> list[str]:
         lines.append(f"goal ({run.name}, jump-forward): >= {JUMP_GOAL} tokens per model step: "
                      f"{cell(value, 2)}: {verdict}")
     return lines
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.3f}x"
 
 
 def format_report(runs: Sequence[TargetRun], modes: Sequence[str], title: str) -> str:
@@ -218,6 +222,10 @@ def build_report(runs: Sequence[TargetRun], *, modes: Sequence[str], cases: Sequ
     }
 
 
+def _empty(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="#666666")
+
+
 def plot(runs: Sequence[TargetRun], modes: Sequence[str], path: Path, title: str = "") -> Path:
     """A PNG: validity rates per mode and target, constrained vs free tok/s, tokens per step."""
     import matplotlib
@@ -252,6 +260,10 @@ def plot(runs: Sequence[TargetRun], modes: Sequence[str], path: Path, title: str
                 values.append(float(entry[kind]["output_tok_s"] or 0.0))
                 shades.append(colors[index % len(colors)] if kind == "free" else "#999999")
     ax.bar(range(len(values)), values, 0.6, color=shades)
+    if values:
+        ax.set_ylim(bottom=0)
+    else:
+        _empty(ax, "not run (--skip-cost)")
     ax.set_xticks(range(len(values)))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("output tok/s")
@@ -266,6 +278,9 @@ def plot(runs: Sequence[TargetRun], modes: Sequence[str], path: Path, title: str
             values.append(float(part["tokens_per_step"] or 0.0))
     ax.bar(range(len(values)), values, 0.6, color=[colors[i % len(colors)] for i in range(len(values))])
     ax.axhline(JUMP_GOAL, color="#d62728", linestyle="--", linewidth=1, label=f"goal {JUMP_GOAL}")
+    ax.set_ylim(0, max([JUMP_GOAL, *values]) * 1.15)
+    if not values:
+        _empty(ax, "not run (--skip-jump-forward)")
     ax.set_xticks(range(len(values)))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("tokens per model step (0: not measured)")
