@@ -19,7 +19,9 @@ from typing import Any
 
 from tandem.server.tool_parsers.base import CallShape, ToolParser
 
-_JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# Lenient: a keyword llguidance cannot enforce (`uniqueItems`) is left unchecked, not a refusal;
+# agents send whatever schemas their tools have, and a call that parses beats a 400.
+_JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
 
 
 def tool_call_grammar(parser: ToolParser, tools: Mapping[str, dict[str, Any]], special_tokens: Mapping[str, int],

@@ -87,6 +87,12 @@ def test_auto_takes_text_alone_or_before_calls_where_a_special_token_opens_them(
         assert not _takes(dialect, disguised, required=False)
 
 
+def test_a_keyword_the_grammar_cannot_enforce_is_left_unchecked(dialect) -> None:
+    tools = {"tag": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                               "uniqueItems": True}}, "required": ["tags"]}}
+    assert _takes(dialect, _render(dialect[0], [("tag", {"tags": ["a", "b"]})]), required=True, tools=tools)
+
+
 def test_formats_without_json_arguments_have_no_grammar(tmp_path: Path) -> None:
     assert TOOL_PARSERS["qwen3_coder"]().call_shape() is None
     assert tool_call_grammar(TOOL_PARSERS["qwen3_coder"](), TOOLS, {}, required=True) is None
