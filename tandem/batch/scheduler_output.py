@@ -11,11 +11,13 @@ tokens once. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.kvcache.connector.base import KVConnectorOutput
-from tandem.structured.masks import PendingMasks
 from tandem.types import SampledToken, SamplingParams
+
+if TYPE_CHECKING:  # numpy: only a constrained step carries masks
+    from tandem.structured.masks import PendingMasks
 
 
 @dataclass(slots=True)

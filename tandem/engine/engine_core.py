@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.batch.scheduler_output import SchedulerOutput
 from tandem.config import EngineConfig
@@ -33,8 +33,10 @@ from tandem.executor.factory import make_executor
 from tandem.kvcache.block_hash import root_hash
 from tandem.kvcache.connector.factory import make_connector_scheduler
 from tandem.spec.factory import make_speculator
-from tandem.structured.constraints import GrammarConstraints, TokenizerSource
 from tandem.types import CacheRetention, EngineLoad, Request, RequestStatus, SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.structured.constraints import GrammarConstraints
 
 logger = logging.getLogger(__name__)
 
@@ -422,6 +424,11 @@ def _grammar_constraints(config: EngineConfig, info: Any) -> GrammarConstraints 
     hf_dir = Path(info.hf_dir) if info.hf_dir else None
     if hf_dir is None or not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
         return None
+    from tandem.structured.constraints import (  # numpy, llguidance: lazily
+        GrammarConstraints,
+        TokenizerSource,
+    )
+
     source = TokenizerSource(hf_dir, info.model_config.vocab_size, sorted(info.eos_token_ids))
     return GrammarConstraints(source, jump_forward=config.scheduler.jump_forward)
 

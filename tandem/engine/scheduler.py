@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.batch.scheduler_output import (
     CachedRequestData,
@@ -40,8 +40,10 @@ from tandem.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.kvcache.connector.base import KVConnectorOutput, KVConnectorScheduler
 from tandem.spec.speculator import Candidate, Speculator
-from tandem.structured.constraints import GrammarConstraints
 from tandem.types import Request, RequestStatus, SampledToken
+
+if TYPE_CHECKING:  # numpy and llguidance load only when a model can take constraints
+    from tandem.structured.constraints import GrammarConstraints
 
 logger = logging.getLogger(__name__)
 
