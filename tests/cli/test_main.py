@@ -33,7 +33,7 @@ def test_help_lists_commands() -> None:
     assert _commands(result.stdout) == ["up", "serve", "route", "keys", "generate", "chat", "bench", "plan", "spec"]
     assert "    generate            complete prompts offline and print the text\n" in result.stdout
     bench = _run(["bench", "--help"])
-    assert bench.returncode == 0 and _commands(bench.stdout) == ["chaos", "cold-start", "gpu", "kv-tiers", "offline", "overhead", "perplexity", "plan", "serve", "spec"]
+    assert bench.returncode == 0 and _commands(bench.stdout) == ["chaos", "cold-start", "gpu", "kv-tiers", "offline", "overhead", "perplexity", "plan", "serve", "spec", "tools"]
 
 
 def test_generate_prints_completion_and_reports_kv_cache() -> None:

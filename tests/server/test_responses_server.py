@@ -160,8 +160,8 @@ def test_hosted_tools_are_dropped_in_a_header_and_bad_input_is_a_400(client: ope
             {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "auto"}]}])
     assert caught.value.body["param"] == "input[0].content[0]" and caught.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model=MODEL, input="Hi", text={"format": {"type": "json_object"}})
-    assert "not supported yet" in caught.value.body["message"]
+        client.responses.create(model=MODEL, input="Hi", text={"format": {"type": "xml"}})
+    assert caught.value.body["param"] == "text.format.type"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="Hi")
 
