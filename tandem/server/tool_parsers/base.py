@@ -164,12 +164,19 @@ class ToolStreamParser(ABC):
         """True once at least one valid call was emitted."""
 
 
+# (rule name, a tool's parameters schema) -> Lark rules, the first defining `rule name`: how
+# a format writes one call's arguments, for a format whose arguments are not one JSON object.
+ArgumentRules = Callable[[str, Mapping[str, Any]], list[str]]
+
+
 @dataclass(frozen=True)
 class CallShape:
-    """A call format as text around each call's JSON arguments. A section holds one or more
-    calls: `section_begin`, the calls joined by `separator`, `section_end`. One call of `name`
-    is `before(name)`, its arguments as JSON, `after(name)`. `call_index` marks where a format
-    writes the call's number (Kimi-K2's `functions.NAME:IDX`): any digits there."""
+    """A call format as text around each call's arguments. A section holds one or more calls:
+    `section_begin`, the calls joined by `separator`, `section_end`. One call of `name` is
+    `before(name)`, its arguments, `after(name)`. The arguments are JSON under the tool's
+    schema unless `arguments` writes their rules (Qwen3-Coder's XML parameters). `call_index`
+    marks where a format writes the call's number (Kimi-K2's `functions.NAME:IDX`): any
+    digits there."""
 
     section_begin: str
     separator: str
@@ -177,6 +184,7 @@ class CallShape:
     before: Callable[[str], str]
     after: Callable[[str], str]
     call_index: str = ""  # a placeholder inside before(name) that stands for digits
+    arguments: ArgumentRules | None = None
 
 
 class ToolParser(ABC):
@@ -203,8 +211,8 @@ class ToolParser(ABC):
 
     def call_shape(self) -> CallShape | None:
         """How this format writes calls, for a grammar that makes the model write only calls
-        that parse and name a declared tool (tool_parsers/grammar.py); None: the format has
-        no JSON arguments to constrain, and its calls stay free."""
+        that parse and name a declared tool (tool_parsers/grammar.py); None: no grammar is
+        written for this format, and its calls stay free."""
         return None
 
     @abstractmethod

@@ -4,7 +4,7 @@ Built from the format's `CallShape` (base.py) and the request's tool schemas, in
 llguidance (tandem/structured): the format's envelope around each call is fixed text (a
 special token where the vocabulary has one: the model writes `<tool_call>` as one token, and a
 grammar must name that token), and each tool's arguments are generated under that tool's JSON
-schema. Used for `tool_choice` "required" (one or more calls, nothing else), a named function
+schema (as one JSON object, or as the format writes them: Qwen3-Coder's XML parameters). Used for `tool_choice` "required" (one or more calls, nothing else), a named function
 (one call of it) and, under "auto", tools declared `strict: true`: free text, then, once the
 model opens a call section, only valid calls. Under "auto" a format whose section does not open
 with a special token cannot tell text from a call's start, so it stays free (None).
@@ -41,11 +41,12 @@ def tool_call_grammar(parser: ToolParser, tools: Mapping[str, dict[str, Any]], s
     # find a further call forced on it (after "\n" the grammar would allow only another call).
     rules.append(f'calls: {literal(shape.section_begin)} call{more} {literal(shape.section_end)} "\\n"?')
     alternatives = []
+    write_arguments = shape.arguments or _json_arguments
     for index, (name, schema) in enumerate(tools.items()):
         alternatives.append(f"call_{index}")
-        arguments = json.dumps(_arguments_schema(schema), ensure_ascii=False)
         before = literal(shape.before(name), shape.call_index)
-        rules.append(f"call_{index}: {before} %json {arguments} {literal(shape.after(name))}")
+        rules.append(f"call_{index}: {before} args_{index} {literal(shape.after(name))}")
+        rules.extend(write_arguments(f"args_{index}", schema if isinstance(schema, Mapping) else {}))
     rules.append("call: " + " | ".join(alternatives))
     if not required:
         # Free text, but not a call written some other way: a small model that means to call
@@ -56,13 +57,16 @@ def tool_call_grammar(parser: ToolParser, tools: Mapping[str, dict[str, Any]], s
     return "\n".join(rule.replace('""', "").strip() for rule in rules) + "\n"
 
 
-def _arguments_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
-    """The tool's parameters as llguidance compiles them: JSON written as the model writes it."""
-    schema = dict(schema or {"type": "object"})
-    if not schema:
-        schema = {"type": "object"}
+def _json_arguments(rule: str, schema: Mapping[str, Any]) -> list[str]:
+    """The arguments as one JSON object under the tool's parameters schema."""
+    return [f"{rule}: {json_value(schema or {'type': 'object'})}"]
+
+
+def json_value(schema: Mapping[str, Any]) -> str:
+    """A Lark term for JSON under `schema`, written as the model writes it (`, ` and `: `)."""
+    schema = dict(schema)
     schema.setdefault("x-guidance", _JSON_OPTIONS)
-    return schema
+    return f"%json {json.dumps(schema, ensure_ascii=False)}"
 
 
 class _Literal:
@@ -98,4 +102,4 @@ class _Literal:
         return terms
 
 
-__all__ = ["CallShape", "tool_call_grammar"]
+__all__ = ["CallShape", "json_value", "tool_call_grammar"]

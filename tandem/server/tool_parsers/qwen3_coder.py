@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.server.tool_parsers.base import (
+    CallShape,
     ContentSpacing,
     StreamDelta,
     ToolCall,
@@ -55,6 +56,7 @@ from tandem.server.tool_parsers.base import (
     new_call_id,
     partial_suffix,
 )
+from tandem.server.tool_parsers.grammar import json_value
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +160,54 @@ def _opening(text: str, marker: str) -> tuple[str, int] | bool:
     return match.end() == len(text)
 
 
+# A raw value: any text without `</parameter>` (the parser ends the value at the first one).
+_RAW_VALUE = '/(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/'
+
+
+def xml_arguments(rule: str, schema: Mapping[str, Any]) -> list[str]:
+    """Lark rules for one call's parameters under its JSON schema, as the parser reads them:
+    the declared parameters in the schema's order, each required one present; a value the
+    schema types as a string (or leaves untyped) is raw text, an enum one of its values as
+    render_tool_calls writes them, any other type JSON under its schema. A schema without
+    `properties` takes any parameter names with raw values."""
+    properties = schema.get("properties")
+    if not isinstance(properties, Mapping) or not properties:
+        return [f"{rule}: {rule}_any*",
+                f'{rule}_any: "{PARAMETER}" /[^\\s<>]+/ ">\\n" {rule}_raw "\\n"',
+                f'{rule}_raw[lazy]: {rule.upper()}_RAW "\\n{PARAMETER_END}"',
+                f"{rule.upper()}_RAW: {_RAW_VALUE}"]
+    required = schema.get("required")
+    required = set(required) if isinstance(required, list) else set()
+    terms, rules = [], []
+    for index, (name, value_schema) in enumerate(properties.items()):
+        part = f"{rule}_{index}"
+        terms.append(part if name in required else f"{part}?")
+        opening = json.dumps(f"{PARAMETER}{name}>\n", ensure_ascii=False)
+        value = _xml_value(value_schema if isinstance(value_schema, Mapping) else {})
+        if value is None:  # raw text, ended by the first </parameter>
+            rules += [f'{part}: {opening} {part}_raw "\\n"',
+                      f'{part}_raw[lazy]: {part.upper()}_RAW "\\n{PARAMETER_END}"',
+                      f"{part.upper()}_RAW: {_RAW_VALUE}"]
+        else:
+            closing = json.dumps(f"\n{PARAMETER_END}\n")
+            rules.append(f"{part}: {opening} {value} {closing}")
+    return [f"{rule}: {' '.join(terms)}", *rules]
+
+
+def _xml_value(schema: Mapping[str, Any]) -> str | None:
+    """A parameter value's Lark term; None: raw text."""
+    choices = schema.get("enum")
+    if "const" in schema:
+        choices = [schema["const"]]
+    if isinstance(choices, list) and choices:
+        texts = {value if isinstance(value, str) else json.dumps(value, ensure_ascii=False) for value in choices}
+        return "(" + " | ".join(json.dumps(text, ensure_ascii=False) for text in sorted(texts)) + ")"
+    types = _schema_types(schema)
+    if not types or "string" in types:
+        return None
+    return json_value(schema)
+
+
 class Qwen3CoderToolParser(ToolParser):
     """Qwen3-Coder's XML tool calls (Qwen3.5 writes the same), possibly several in a row."""
 
@@ -168,6 +218,12 @@ class Qwen3CoderToolParser(ToolParser):
         if prefix:
             parser.feed(prefix)
         return parser
+
+    def call_shape(self) -> CallShape:
+        # As render_tool_calls writes them; the parameters are written by xml_arguments.
+        return CallShape(f"{START}\n", f"\n{END}\n{START}\n", f"\n{END}",
+                         lambda name: f"{FUNCTION}{name}>\n", lambda name: FUNCTION_END,
+                         arguments=xml_arguments)
 
     def forced_prefix(self, name: str | None) -> str:
         if name is None:

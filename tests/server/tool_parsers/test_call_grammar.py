@@ -26,13 +26,13 @@ TOOLS = {
 }
 CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 2, "b": 3})]
 HERMES_MARKERS = ("<tool_call>", "</tool_call>")
-JSON_FORMATS = ["hermes", "llama3_json", "kimi_k2", "deepseek_v3", "deepseek_v31"]
+FORMATS = ["hermes", "llama3_json", "kimi_k2", "deepseek_v3", "deepseek_v31", "qwen3_coder"]
 
 
-@pytest.fixture(scope="module", params=JSON_FORMATS)
+@pytest.fixture(scope="module", params=FORMATS)
 def dialect(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     parser = TOOL_PARSERS[request.param]()
-    markers = parser.preserved_tokens or (HERMES_MARKERS if request.param == "hermes" else ())
+    markers = parser.preserved_tokens or (HERMES_MARKERS if request.param in ("hermes", "qwen3_coder") else ())
     tokenizer = smollm_tokenizer_with(tmp_path_factory.mktemp(request.param), markers)
     llg = llguidance.LLTokenizer(tokenizer.backend_tokenizer.to_str())
     return parser, tokenizer, llg
@@ -79,7 +79,7 @@ def test_auto_takes_text_alone_or_before_calls_where_a_special_token_opens_them(
         assert grammar is None  # a call opens with plain text: nothing tells it from an answer
         return
     assert _takes(dialect, "Just an answer.", required=False)
-    separator = "\n" if parser.name == "hermes" else ""
+    separator = "\n" if parser.name in ("hermes", "qwen3_coder") else ""
     assert _takes(dialect, "Let me check." + separator + _render(parser, CALLS[:1]), required=False)
     assert not _takes(dialect, "Let me check." + separator + _render(parser, [("nope", {})]), required=False)
     # A call written some other way (bare JSON, a fence) is not free text: the envelope is the way.
@@ -93,6 +93,30 @@ def test_a_keyword_the_grammar_cannot_enforce_is_left_unchecked(dialect) -> None
     assert _takes(dialect, _render(dialect[0], [("tag", {"tags": ["a", "b"]})]), required=True, tools=tools)
 
 
-def test_formats_without_json_arguments_have_no_grammar(tmp_path: Path) -> None:
-    assert TOOL_PARSERS["qwen3_coder"]().call_shape() is None
-    assert tool_call_grammar(TOOL_PARSERS["qwen3_coder"](), TOOLS, {}, required=True) is None
+def _qwen3_coder(tmp_path: Path):
+    parser = TOOL_PARSERS["qwen3_coder"]()
+    tokenizer = smollm_tokenizer_with(tmp_path, HERMES_MARKERS)
+    return parser, tokenizer, llguidance.LLTokenizer(tokenizer.backend_tokenizer.to_str())
+
+
+def test_qwen3_coder_values_are_raw_text_up_to_the_first_closing_tag(tmp_path: Path) -> None:
+    """A string value is raw text (several lines, quotes, markup) but cannot hold
+    `</parameter>`, where the parser would end it; optional parameters may be left out, in
+    the schema's order; a schema without properties takes any parameter names."""
+    dialect = _qwen3_coder(tmp_path)
+    tools = {"write": {"type": "object", "properties": {"path": {"type": "string"}, "body": {"type": "string"},
+                                                        "mode": {"type": "integer"}}, "required": ["path", "body"]},
+             "anything": {"type": "object"}}
+    body = 'def f():\n    return "<b>x</b>"\n'
+    for calls in ([("write", {"path": "a.py", "body": body})], [("write", {"path": "a.py", "body": body, "mode": 644})],
+                  [("anything", {"x": "1", "y": "two"})]):
+        text = _render(dialect[0], calls)
+        assert _takes(dialect, text, required=True, tools=tools), text
+        parsed = dialect[0].parse(text, tools)
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+    broken = _render(dialect[0], [("write", {"path": "a.py", "body": "x</parameter>y"})])
+    assert not _takes(dialect, broken, required=True, tools=tools)
+    out_of_order = _render(dialect[0], [("write", {"body": "b", "path": "a.py"})])
+    assert not _takes(dialect, out_of_order, required=True, tools=tools)
+    not_a_number = _render(dialect[0], [("write", {"path": "a.py", "body": "b", "mode": "rw"})])
+    assert not _takes(dialect, not_a_number, required=True, tools=tools)
