@@ -5,7 +5,8 @@ string formats and patterns, integer ranges), every output validates (`jsonschem
 checked), greedy and sampled, with and without speculative decoding, with and without
 jump-forward; greedy output with drafts is token for token the output without them. In a
 batch, a free request's output is what it is alone (no mask reaches it) and n > 1 samples each
-follow their own matcher.
+follow their own matcher. A tool-call grammar makes even this model, which was never taught a
+call format, write a call its format's parser reads back as valid.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem import LLM
+from tandem.server.tool_parsers.grammar import tool_call_grammar
+from tandem.server.tool_parsers.registry import TOOL_PARSERS
 from tandem.types import GuidedDecoding, SamplingParams
 
 PROMPT = "Here is a JSON value that matches the schema:\n"
@@ -156,3 +159,29 @@ def test_an_engine_side_compile_failure_ends_only_that_request(llm: LLM) -> None
     failed, served = llm.generate(["x", "The sky is"], [bad, good])
     assert failed.outputs[0].finish_reason == "abort" and not failed.outputs[0].token_ids
     assert served.outputs[0].finish_reason == "length" and served.outputs[0].text
+
+
+TOOL_SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                    "required": ["city", "unit"], "additionalProperties": False},
+    "set_alarm": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                                   "label": {"type": "string", "maxLength": 16}},
+                  "required": ["hour"], "additionalProperties": False},
+}
+
+
+def test_tool_grammars_make_calls_their_parsers_read_back_as_valid(llm: LLM) -> None:
+    formats = ["hermes", "kimi_k2", "deepseek_v31", "qwen3_coder"]
+    parsers = [TOOL_PARSERS[name]() for name in formats]
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOL_SCHEMAS.items()]
+    prompts = [parser.system_prompt(tools) + "\nUser: Wake me at 7 and tell me the weather in Paris.\nAssistant: "
+               for parser in parsers]
+    params = [SamplingParams(max_tokens=160, temperature=0, guided=GuidedDecoding(
+        grammar=tool_call_grammar(parser, TOOL_SCHEMAS, {}, required=True, parallel=False))) for parser in parsers]
+    for parser, result in zip(parsers, llm.generate(prompts, params), strict=True):
+        output = result.outputs[0]
+        assert output.finish_reason == "stop", (parser.name, output.text)
+        calls = parser.parse(output.text, TOOL_SCHEMAS).tool_calls
+        assert len(calls) == 1, (parser.name, output.text)
+        jsonschema.validate(json.loads(calls[0].arguments), TOOL_SCHEMAS[calls[0].name])

@@ -85,7 +85,8 @@ class _Literal:
         pieces = text.split(index_marker) if index_marker else [text]
         for number, piece in enumerate(pieces):
             if number:
-                terms.append("/[0-9]+/")
+                # Bounded: a model that repeats a digit must not write it forever.
+                terms.append("/0|[1-9][0-9]{0,4}/")
             terms.extend(self._terms(piece))
         return " ".join(terms) if terms else '""'
 

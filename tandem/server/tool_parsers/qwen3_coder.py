@@ -160,14 +160,24 @@ def _opening(text: str, marker: str) -> tuple[str, int] | bool:
     return match.end() == len(text)
 
 
-# A raw value: any text without `</parameter>` (the parser ends the value at the first one).
-_RAW_VALUE = '/(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/'
+# A raw value is text without `</parameter>` (the parser ends the value at the first one).
+_NO_CLOSING_TAG = '~/(?s:.*<\\/parameter>.*)/'
+
+
+def _raw_value(schema: Mapping[str, Any]) -> str:
+    """A raw value's terminal, as long as the schema's minLength / maxLength allow."""
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    low = low if isinstance(low, int) and not isinstance(low, bool) and low > 0 else 0
+    high = high if isinstance(high, int) and not isinstance(high, bool) and high >= low else None
+    count = "*" if not low and high is None else f"{{{low},{'' if high is None else high}}}"
+    return f"/(?s:.{count})/ & {_NO_CLOSING_TAG}"
 
 
 def xml_arguments(rule: str, schema: Mapping[str, Any]) -> list[str]:
     """Lark rules for one call's parameters under its JSON schema, as the parser reads them:
     the declared parameters in the schema's order, each required one present; a value the
-    schema types as a string (or leaves untyped) is raw text, an enum one of its values as
+    schema types as a string (or leaves untyped) is raw text (its length bounded by
+    minLength / maxLength), an enum one of its values as
     render_tool_calls writes them, any other type JSON under its schema. A schema without
     `properties` takes any parameter names with raw values."""
     properties = schema.get("properties")
@@ -175,7 +185,7 @@ def xml_arguments(rule: str, schema: Mapping[str, Any]) -> list[str]:
         return [f"{rule}: {rule}_any*",
                 f'{rule}_any: "{PARAMETER}" /[^\\s<>]+/ ">\\n" {rule}_raw "\\n"',
                 f'{rule}_raw[lazy]: {rule.upper()}_RAW "\\n{PARAMETER_END}"',
-                f"{rule.upper()}_RAW: {_RAW_VALUE}"]
+                f"{rule.upper()}_RAW: {_raw_value({})}"]
     required = schema.get("required")
     required = set(required) if isinstance(required, list) else set()
     terms, rules = [], []
@@ -183,11 +193,12 @@ def xml_arguments(rule: str, schema: Mapping[str, Any]) -> list[str]:
         part = f"{rule}_{index}"
         terms.append(part if name in required else f"{part}?")
         opening = json.dumps(f"{PARAMETER}{name}>\n", ensure_ascii=False)
-        value = _xml_value(value_schema if isinstance(value_schema, Mapping) else {})
+        value_schema = value_schema if isinstance(value_schema, Mapping) else {}
+        value = _xml_value(value_schema)
         if value is None:  # raw text, ended by the first </parameter>
             rules += [f'{part}: {opening} {part}_raw "\\n"',
                       f'{part}_raw[lazy]: {part.upper()}_RAW "\\n{PARAMETER_END}"',
-                      f"{part.upper()}_RAW: {_RAW_VALUE}"]
+                      f"{part.upper()}_RAW: {_raw_value(value_schema)}"]
         else:
             closing = json.dumps(f"\n{PARAMETER_END}\n")
             rules.append(f"{part}: {opening} {value} {closing}")
