@@ -40,6 +40,16 @@ def test_only_masked_rows_change() -> None:
     assert logits[4].argmax().item() == 69
 
 
+def test_a_batch_of_masked_rows_only_is_masked_whole() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 70)
+    before = logits.clone()
+    apply_token_masks(logits, [("a", 1), ("b", 1)], {"a": _mask(70, [3, 40]), "b": _mask(70, [64])})
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3, 40]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [64]
+    assert logits[0, 3] == before[0, 3] and logits[0, 40] == before[0, 40] and logits[1, 64] == before[1, 64]
+
+
 def test_a_mask_with_the_wrong_number_of_rows_is_refused() -> None:
     with pytest.raises(ValueError, match="mask rows"):
         apply_token_masks(torch.zeros(2, 10), [("a", 2)], {"a": _mask(10, [1])})
