@@ -185,6 +185,9 @@ class CallShape:
     after: Callable[[str], str]
     call_index: str = ""  # a placeholder inside before(name) that stands for digits
     arguments: ArgumentRules | None = None
+    # The parser also reads a reply made only of calls written without the section's markers
+    # (Hermes: bare `{"name": ..., "arguments": ...}` objects, or one ```json fence of them).
+    bare: bool = False
 
 
 class ToolParser(ABC):

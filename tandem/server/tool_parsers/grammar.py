@@ -35,8 +35,18 @@ def tool_call_grammar(parser: ToolParser, tools: Mapping[str, dict[str, Any]], s
     if not required and not literal.starts_special(shape.section_begin or shape.before(next(iter(tools)))):
         return None
     rules = ["%llguidance {}"]
-    rules.append("start: calls" if required else "start: TEXT | TEXT? calls")
     more = f" ({literal(shape.separator)} call)*" if parallel else ""
+    if required:
+        rules.append("start: calls")
+    elif shape.bare:
+        # A small model that means to call under "auto" often drops the markers and writes the
+        # call's JSON alone (Qwen2.5-Coder-0.5B: most of its calls); its parser reads that too,
+        # so the grammar lets it, checked like any call, alone or in one ```json fence.
+        bare_more = ' ("\\n" call)*' if parallel else ""
+        rules.append('start: TEXT | TEXT? calls | bare | "```json\\n" bare "\\n```"')
+        rules.append(f'bare: call{bare_more} "\\n"?')
+    else:
+        rules.append("start: TEXT | TEXT? calls")
     # A newline may close the section: a model that writes one after its last call must not
     # find a further call forced on it (after "\n" the grammar would allow only another call).
     rules.append(f'calls: {literal(shape.section_begin)} call{more} {literal(shape.section_end)} "\\n"?')
@@ -52,7 +62,8 @@ def tool_call_grammar(parser: ToolParser, tools: Mapping[str, dict[str, Any]], s
         # Free text, but not a call written some other way: a small model that means to call
         # writes bare JSON (or fences it) as often as its format's envelope, and a parser that
         # recovers such a call would hand back arguments no grammar checked. Text may not start
-        # with `{`, `[` or a backtick, so the model's call goes through the envelope.
+        # with `{`, `[` or a backtick, so the model's call goes through the envelope (or the
+        # bare form above, checked the same, where the parser reads one).
         rules.append("TEXT: /(?s:[^{\\[`\\s].*|\\s+[^{\\[`\\s].*)/")
     return "\n".join(rule.replace('""', "").strip() for rule in rules) + "\n"
 

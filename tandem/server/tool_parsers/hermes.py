@@ -68,7 +68,7 @@ class HermesToolParser(ToolParser):
         # grammar forces it and the name picks the arguments' schema.
         return CallShape(f"{START}\n", f"\n{END}\n{START}\n", f"\n{END}",
                          lambda name: f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
-                         lambda name: "}")
+                         lambda name: "}", bare=True)
 
     def forced_prefix(self, name: str | None) -> str:
         # A bare "<tool_call>\n" ends on a token boundary (Qwen has <tool_call> as one

@@ -82,8 +82,17 @@ def test_auto_takes_text_alone_or_before_calls_where_a_special_token_opens_them(
     separator = "\n" if parser.name in ("hermes", "qwen3_coder") else ""
     assert _takes(dialect, "Let me check." + separator + _render(parser, CALLS[:1]), required=False)
     assert not _takes(dialect, "Let me check." + separator + _render(parser, [("nope", {})]), required=False)
-    # A call written some other way (bare JSON, a fence) is not free text: the envelope is the way.
-    for disguised in ('{"name": "add", "arguments": {"a": 1, "b": 2}}', '```json\n{"a": 1}\n```', " [1, 2]"):
+    # A call written some other way (bare JSON, a fence) is not free text: where the parser
+    # reads bare calls (Hermes) they are checked like enveloped ones, elsewhere refused.
+    bare = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    reads_bare = parser.call_shape().bare
+    assert _takes(dialect, bare, required=False) == reads_bare
+    assert _takes(dialect, f"```json\n{bare}\n```", required=False) == reads_bare
+    if reads_bare:
+        for text in (bare, f"```json\n{bare}\n```"):
+            assert [c.name for c in parser.parse(text, TOOLS).tool_calls] == ["add"]
+    for disguised in ('{"name": "nope", "arguments": {}}', '{"name": "add", "arguments": {"a": -1, "b": 2}}',
+                      '```json\n{"a": 1}\n```', " [1, 2]"):
         assert not _takes(dialect, disguised, required=False)
 
 
