@@ -86,6 +86,7 @@ def test_auto_takes_text_alone_or_before_calls_where_a_special_token_opens_them(
     # reads bare calls (Hermes) they are checked like enveloped ones, elsewhere refused.
     bare = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
     reads_bare = parser.call_shape().bare
+    assert reads_bare == (parser.name == "hermes")  # Hermes' parser reads bare calls (hermes.py)
     assert _takes(dialect, bare, required=False) == reads_bare
     assert _takes(dialect, f"```json\n{bare}\n```", required=False) == reads_bare
     if reads_bare:
