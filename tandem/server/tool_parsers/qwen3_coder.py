@@ -164,11 +164,16 @@ def _opening(text: str, marker: str) -> tuple[str, int] | bool:
 _NO_CLOSING_TAG = '~/(?s:.*<\\/parameter>.*)/'
 
 
+_MAX_BOUND = 65536
+
+
 def _raw_value(schema: Mapping[str, Any]) -> str:
     """A raw value's terminal, as long as the schema's minLength / maxLength allow."""
     low, high = schema.get("minLength"), schema.get("maxLength")
     low = low if isinstance(low, int) and not isinstance(low, bool) and low > 0 else 0
     high = high if isinstance(high, int) and not isinstance(high, bool) and high >= low else None
+    low = min(low, _MAX_BOUND)  # a client's bound stays a small regex; past it, unbounded
+    high = None if high is not None and high > _MAX_BOUND else high
     count = "*" if not low and high is None else f"{{{low},{'' if high is None else high}}}"
     return f"/(?s:.{count})/ & {_NO_CLOSING_TAG}"
 
