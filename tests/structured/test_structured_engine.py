@@ -5,7 +5,9 @@ string formats and patterns, integer ranges), every output validates (`jsonschem
 checked), greedy and sampled, with and without speculative decoding, with and without
 jump-forward; greedy output with drafts is token for token the output without them. In a
 batch, a free request's output is what it is alone (no mask reaches it) and n > 1 samples each
-follow their own matcher. A tool-call grammar makes even this model, which was never taught a
+follow their own matcher. A request that arrives with part of its output (a decode worker's,
+a migrated stream's) resumes its grammar and ends with the uninterrupted greedy output. A
+tool-call grammar makes even this model, which was never taught a
 call format, write a call its format's parser reads back as valid.
 """
 
@@ -20,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem import LLM
+from tandem.engine.engine_core import EngineCoreRequest
 from tandem.server.tool_parsers.grammar import tool_call_grammar
 from tandem.server.tool_parsers.registry import TOOL_PARSERS
 from tandem.types import GuidedDecoding, SamplingParams
@@ -185,3 +188,36 @@ def test_tool_grammars_make_calls_their_parsers_read_back_as_valid(llm: LLM) -> 
         calls = parser.parse(output.text, TOOL_SCHEMAS).tool_calls
         assert len(calls) == 1, (parser.name, output.text)
         jsonschema.validate(json.loads(calls[0].arguments), TOOL_SCHEMAS[calls[0].name])
+
+
+RESUMED = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24},
+                                            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                     "minItems": 1, "maxItems": 3},
+                                            "pages": {"type": "integer", "minimum": 1, "maximum": 900}},
+           "required": ["title", "tags", "pages"], "additionalProperties": False}
+
+
+def test_a_request_handed_part_of_its_output_resumes_the_grammar(llm: LLM) -> None:
+    """What a decode worker or a migration target does: the request arrives with output tokens
+    generated elsewhere (`prior_output_ids`), its matcher catches up over them and decoding goes
+    on under the grammar. Greedy, the resumed output is the uninterrupted one, from a cut after
+    the first token, inside the first key, and in the middle."""
+    prompt = llm.engine.tokenize(PROMPT + json.dumps(RESUMED) + "\n")
+    whole, = _generate(llm, [RESUMED], temperature=0)
+    _check([RESUMED], [whole])
+    ids = list(whole.token_ids)
+    core = llm.engine.core
+    for cut in (1, 3, len(ids) // 2):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guided=GuidedDecoding(json=json.dumps(RESUMED)))
+        core.add_request(EngineCoreRequest(f"resumed-{cut}", list(prompt), params, prior_output_ids=ids[:cut]))
+        resumed: list[int] = []
+        errors = []
+        for _ in range(MAX_TOKENS + 8):
+            if not core.has_unfinished():
+                break
+            for delta in core.step():
+                errors.append(delta.error)
+                for sequence in delta.sequences:
+                    resumed.extend(sequence.token_ids)
+        assert not core.has_unfinished() and not any(errors), errors
+        assert ids[:cut] + resumed == ids, (cut, llm.tokenizer.decode(ids[:cut] + resumed), whole.text)
