@@ -115,7 +115,7 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
 
 
-# The fields the adapter reads; any other (`context_management`, `output_config`,
+# The fields the adapter reads; any other (`context_management`, `container`,
 # `service_tier`, ...) is ignored, and logged once.
 KNOWN_FIELDS = frozenset(MessagesRequest.model_fields) | frozenset(CHAT_EXTRAS)
 
