@@ -212,7 +212,9 @@ def test_a_request_handed_part_of_its_output_resumes_the_grammar(llm: LLM) -> No
         core.add_request(EngineCoreRequest(f"resumed-{cut}", list(prompt), params, prior_output_ids=ids[:cut]))
         resumed: list[int] = []
         errors = []
-        for _ in range(MAX_TOKENS + 8):
+        # Bounded by steps, not seconds; generous, since a step with nothing to run (a grammar
+        # still compiling on a loaded box) only waits a few milliseconds before returning.
+        for _ in range(20_000):
             if not core.has_unfinished():
                 break
             for delta in core.step():
