@@ -38,10 +38,16 @@ class Q4Kernel:
 
     def __init__(self, library: Path) -> None:
         gemm = (ctypes.c_int, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int])
+        scaled = (ctypes.c_int, [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int])
+        moe = (ctypes.c_int, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                              ctypes.c_int])
         functions = bind(library, {
             "tandem_q4_gemm": gemm, "tandem_q4_gemm_bf16": gemm, "tandem_q8_gemm": gemm,
             "tandem_q8_gemm_bf16": gemm, "tandem_q4_gemm_isa": (ctypes.c_char_p, []),
+            "tandem_q4_gemm_scaled": scaled, "tandem_q4_moe": moe,
         })
+        self._scaled = functions["tandem_q4_gemm_scaled"]
+        self._moe = functions["tandem_q4_moe"]
         # (bits, activation dtype) -> entry
         self._gemms = {(bits, dtype): functions[f"tandem_q{bits}_gemm{suffix}"]
                        for bits in (4, 8) for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16"))}
@@ -67,6 +73,91 @@ class Q4Kernel:
         if status != 0:
             raise MemoryError("the 4-bit GEMM could not allocate its scratch memory")
         return out
+
+
+    def gemm_scaled(self, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                    x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 @ W.T for a 4-bit W [N, K] in the kernel's layout whose scales (and
+        mins) are fp16 or bf16, with no mins for symmetric levels (weight = (nibble - 8) *
+        scale)."""
+        rows, n = x.shape[0], nibbles.shape[0]
+        _check_scales(scales, mins)
+        out = torch.empty(rows, n, dtype=torch.float32)
+        status = self._scaled(nibbles.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
+                              int(scales.dtype == torch.bfloat16), x.data_ptr(), None, out.data_ptr(), rows, n,
+                              x.shape[1], torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the 4-bit GEMM could not allocate its scratch memory")
+        return out
+
+    def moe(self, experts: Q4ExpertStack, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """A MoE layer's routed experts on x [M, hidden] fp32 (contiguous), rows sorted by
+        expert (expert e's are offsets[e] .. offsets[e + 1], int64 [E + 1]): each row's
+        down(silu(gate x) * up x) in one call, [M, hidden] fp32."""
+        out = torch.empty(x.shape[0], experts.hidden, dtype=torch.float32)
+        status = self._moe(
+            experts.w13.data_ptr(), experts.s13.data_ptr(), _pointer(experts.m13), experts.w2.data_ptr(),
+            experts.s2.data_ptr(), _pointer(experts.m2), int(experts.s13.dtype == torch.bfloat16), x.data_ptr(),
+            offsets.data_ptr(), out.data_ptr(), experts.num_experts, experts.hidden, experts.inter,
+            torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the 4-bit expert GEMMs could not allocate their scratch memory")
+        return out
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _check_scales(scales: torch.Tensor, mins: torch.Tensor | None) -> None:
+    if scales.dtype not in (torch.float16, torch.bfloat16) or (mins is not None and mins.dtype != scales.dtype):
+        raise TypeError(f"4-bit scales and mins must be fp16 or bf16 alike, got {scales.dtype} "
+                        f"and {None if mins is None else mins.dtype}")
+
+
+@dataclass
+class Q4ExpertStack:
+    """A MoE layer's routed experts in the kernel's 4-bit layout, stacked: w13 [E, 2I, H/2]
+    nibbles (gate rows, then up rows) and w2 [E, H, I/2], with per-group scales s13 [E, 2I,
+    H/32] and s2 [E, H, I/32] (fp16 or bf16) and minimums m13 / m2 alike, or None where the
+    levels are symmetric (weight = (nibble - 8) * scale, as compressed-tensors INT4)."""
+
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    m13: torch.Tensor | None = None
+    m2: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def inter(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def hidden(self) -> int:
+        return self.w2.shape[1]
+
+    def check(self) -> None:
+        """Shapes, dtypes and contiguity the C function relies on (it reads raw pointers)."""
+        e, wide, hidden = self.num_experts, 2 * self.inter, self.hidden
+        expected = {"w13": (e, wide, hidden // 2), "s13": (e, wide, hidden // GROUP),
+                    "w2": (e, hidden, self.inter // 2), "s2": (e, hidden, self.inter // GROUP)}
+        for name, shape in expected.items():
+            tensor = getattr(self, name)
+            if tuple(tensor.shape) != shape or not tensor.is_contiguous():
+                raise ValueError(f"4-bit experts: {name} is {tuple(tensor.shape)}, expected contiguous {shape}")
+        if hidden % BLOCK or self.inter % BLOCK:
+            raise ValueError(f"4-bit experts need hidden and intermediate sizes divisible by {BLOCK}, "
+                             f"got {hidden} and {self.inter}")
+        for name in ("w13", "w2"):
+            if getattr(self, name).dtype != torch.uint8:
+                raise TypeError(f"4-bit experts: {name} must be uint8 nibbles")
+        _check_scales(self.s13, self.m13)
+        _check_scales(self.s2, self.m2)
 
 
 def load_q4_kernel(cache_dir: Path) -> Q4Kernel | None:

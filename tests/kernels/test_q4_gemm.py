@@ -147,3 +147,108 @@ def test_a_q8_0_tensor_comes_back_exactly(kernel: Q4Kernel) -> None:
     scale = (torch.rand(16, 4, generator=generator) / 100).half().float().repeat_interleave(32, dim=1)
     weight = levels * scale
     assert torch.equal(Q8Matrix.quantize(weight, kernel).dequantize(), weight)
+
+
+# --- symmetric levels with bf16 scales (compressed-tensors INT4), and the grouped MoE call ---
+
+def _symmetric(out_features: int, in_features: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel nibbles [N, K/2], bf16 scales [N, K/32]) of random signed levels."""
+    from tandem.layers.int4_experts import kernel_nibbles
+
+    levels = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    scales = (torch.rand(out_features, in_features // GROUP, generator=generator) * 0.02 + 1e-3).bfloat16()
+    return kernel_nibbles(levels), scales
+
+
+def _dense(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    from tandem.layers.int4_experts import kernel_levels
+
+    return (kernel_levels(nibbles).float() - 8) * scales.float().repeat_interleave(GROUP, dim=1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("shape", [(66, 64), (256, 7168), (7168, 256)])  # tiny; K2.5's w13 and w2 under TP 8
+def test_symmetric_bf16_scaled_gemm_is_int16_activations_times_the_signed_levels(kernel: Q4Kernel, rows: int,
+                                                                                 shape) -> None:
+    generator = torch.Generator().manual_seed(rows + shape[0])
+    nibbles, scales = _symmetric(*shape, generator)
+    x = torch.randn(rows, shape[1], generator=generator)
+    dense = _dense(nibbles, scales)
+    got = kernel.gemm_scaled(nibbles, scales, None, x)
+    # no minimum's term: the only rounding is the activations' 16 bits
+    torch.testing.assert_close(got, _int16_groups(x) @ dense.T, rtol=1e-4, atol=1e-4)
+    exact = x @ dense.T
+    assert (got - exact).abs().max() <= 2e-4 * exact.abs().max()
+    # fp16 scales and explicit minimums of -8 * scale are the same matrix
+    half, mins = scales.half(), (scales.float() * -8).half()
+    torch.testing.assert_close(kernel.gemm_scaled(nibbles, half, mins, x), exact, rtol=2e-3, atol=2e-3)
+
+
+def _stack(experts: int, hidden: int, inter: int, generator: torch.Generator):
+    from tandem.kernels.q4_gemm import Q4ExpertStack
+
+    w13, s13 = zip(*(_symmetric(2 * inter, hidden, generator) for _ in range(experts)), strict=True)
+    w2, s2 = zip(*(_symmetric(hidden, inter, generator) for _ in range(experts)), strict=True)
+    stack = Q4ExpertStack(torch.stack(w13), torch.stack(s13), torch.stack(w2), torch.stack(s2))
+    stack.check()
+    return stack
+
+
+def _experts_reference(stack, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out, start = torch.zeros(x.shape[0], stack.hidden), 0
+    for e, count in enumerate(counts):
+        part = x[start : start + count]
+        gate, up = (part @ _dense(stack.w13[e], stack.s13[e]).T).split(stack.inter, dim=-1)
+        out[start : start + count] = (torch.nn.functional.silu(gate) * up) @ _dense(stack.w2[e], stack.s2[e]).T
+        start += count
+    return out
+
+
+@pytest.mark.parametrize("hidden, inter, counts", [
+    (64, 128, [2, 0, 1, 5, 0, 0, 3, 1]),  # the tiny K2.5 model: empty experts, more rows than a pass takes
+    (64, 64, [1, 1, 0, 9]),  # its share under TP 2
+    (7168, 256, [1, 0, 2, 0]),  # K2.5 under TP 8: 256 of each expert's 2048
+    (7168, 2048, [1, 0, 0]),  # K2.5 under EP 8: whole experts
+], ids=["tiny", "tiny-tp2", "k25-tp8", "k25-ep8"])
+def test_grouped_moe_equals_each_expert_s_swiglu(kernel: Q4Kernel, hidden: int, inter: int, counts: list[int]) -> None:
+    generator = torch.Generator().manual_seed(hidden + inter)
+    stack = _stack(len(counts), hidden, inter, generator)
+    x = torch.randn(sum(counts), hidden, generator=generator)
+    offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    got = kernel.moe(stack, x, offsets)
+    expected = _experts_reference(stack, x, counts)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 1e-3 * scale, float((got - expected).abs().max() / scale)
+
+
+def test_grouped_moe_takes_no_rows(kernel: Q4Kernel) -> None:
+    stack = _stack(3, 64, 64, torch.Generator().manual_seed(0))
+    assert kernel.moe(stack, torch.empty(0, 64), torch.zeros(4, dtype=torch.int64)).shape == (0, 64)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("march, isa", [("x86-64", "portable C"), ("haswell", "avx2"),
+                                        ("icelake-server", "avx512-vnni")])
+def test_every_instruction_set_path_computes_the_same_symmetric_experts(kernel: Q4Kernel, tmp_path: Path, march: str,
+                                                                        isa: str) -> None:
+    """The symmetric and grouped paths, built for each instruction set this CPU can run (an
+    AVX2-only CPU cannot run the AVX-512 build: it is compiled, not run, there)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / f"q4-{march}.so"
+    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE),
+                    "-o", str(library), "-lm"], check=True, capture_output=True)
+    if isa == "avx512-vnni" and kernel.isa != "avx512-vnni":
+        return  # built (the source compiles for it); this CPU cannot run it
+    other = Q4Kernel(library)
+    assert other.isa == isa
+    generator = torch.Generator().manual_seed(3)
+    stack = _stack(4, 128, 192, generator)
+    counts = [3, 0, 5, 1]
+    x = torch.randn(9, 128, generator=generator)
+    offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    torch.testing.assert_close(other.moe(stack, x, offsets), kernel.moe(stack, x, offsets), rtol=1e-5, atol=1e-5)
+    nibbles, scales = stack.w13[2], stack.s13[2]
+    torch.testing.assert_close(other.gemm_scaled(nibbles, scales, None, x), kernel.gemm_scaled(nibbles, scales, None, x),
+                               rtol=1e-5, atol=1e-5)

@@ -21,6 +21,19 @@
  *   scales, mins [N, K/32] fp16: weight = nibble * scale + min, per group of 32 inputs.
  * Activations: x [M, K] fp32 -> out [M, N] fp32.
  *
+ * Scales and minimums are fp16 (tandem's own quantization) or bf16 (`scale_bf16`: a checkpoint
+ * quantized elsewhere, such as Kimi K2.5's compressed-tensors experts, whose bf16 scales are
+ * kept bit for bit rather than rounded into fp16's narrower range). A symmetric matrix has no
+ * minimums (`mins` NULL): its levels are q + 8 for q in -8..7 and weight = q * scale, so the
+ * dot products take the signed levels (nibble - 8, one subtraction per vector) and there is no
+ * minimum's term at all: no bytes for minimums (a ninth of the matrix), and no error from
+ * the 16-bit activations times the large -8 * scale * sum(x) offset it would otherwise carry.
+ *
+ * `tandem_q4_moe` runs a mixture-of-experts layer's routed experts in one call: rows sorted by
+ * expert, each expert's gate/up GEMM, SiLU(gate) * up, and its down GEMM, every (expert, tile)
+ * pair one work item for the threads (a Python loop over experts paid a call, a quantization
+ * of its rows and a thread fork-join per expert and projection).
+ *
  * The 8-bit variant (`tandem_q8_gemm`, for a matrix 4 bits would spoil, such as an LM head
  * read at every token) has the same scales, minimums and arithmetic with one level byte per
  * input: levels [N, K] bytes, weight = level * scale + min.
@@ -70,6 +83,28 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+static inline uint16_t to_bf16(float x) {
+    union { float f; uint32_t u; } bits = {.f = x};
+    bits.u += 0x7FFFu + ((bits.u >> 16) & 1u);
+    return (uint16_t)(bits.u >> 16);
+}
+
+static inline float from_bf16(uint16_t x) {
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
+    return bits.f;
+}
+
+/* A scale or minimum as a float: fp16, or bf16 where `bf16`. */
+static inline float scale_value(uint16_t raw, int bf16) { return bf16 ? from_bf16(raw) : half_to_float(raw); }
+
+#if defined(__AVX512F__)
+/* 16 scales (fewer under `mask`) widened to floats. */
+static inline __m512 scale_vector(const uint16_t *raw, __mmask16 mask, int bf16) {
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, raw);
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)) : _mm512_cvtph_ps(bits);
+}
+#endif
+
 #define LEVELS 32767.0f /* activation steps each side of zero */
 
 /* One activation row quantized per group: xq int16, d (its scale), xsum (sum of exact x). */
@@ -91,12 +126,14 @@ static void quantize_row(const float *x, int64_t k, int16_t *xq, float *d, float
 }
 
 /* sum over one block's two groups of nibble * xq, as two int32 sums. */
-static inline void block_dots(const uint8_t *levels, int bits, const int16_t *xq, int32_t *first, int32_t *second) {
+static inline void block_dots(const uint8_t *levels, int bits, int symmetric, const int16_t *xq, int32_t *first,
+                              int32_t *second) {
     int32_t a = 0, b = 0;
+    const int32_t offset = symmetric ? 8 : 0; /* symmetric: the signed levels nibble - 8 */
     for (int j = 0; j < GROUP; j++) {
         if (bits == 4) {
-            a += (int32_t)(levels[j] & 0x0f) * xq[j];
-            b += (int32_t)(levels[j] >> 4) * xq[GROUP + j];
+            a += ((int32_t)(levels[j] & 0x0f) - offset) * xq[j];
+            b += ((int32_t)(levels[j] >> 4) - offset) * xq[GROUP + j];
         } else {
             a += (int32_t)levels[j] * xq[j];
             b += (int32_t)levels[GROUP + j] * xq[GROUP + j];
@@ -129,7 +166,7 @@ static inline void block_dots(const uint8_t *levels, int bits, const int16_t *xq
  * integer dot product, for output row r of the tile (its scales `groups` apart). */
 static inline __attribute__((always_inline)) void group_factors(const uint16_t *scales, const float *d,
                                                                 int64_t groups, int64_t tile, int64_t m_rows,
-                                                                float *factor) {
+                                                                float *factor, int bf16) {
     for (int64_t r = 0; r < tile; r++) {
         const uint16_t *row_scales = scales + r * groups;
         float *row_factor = factor + r * m_rows * groups;
@@ -137,24 +174,26 @@ static inline __attribute__((always_inline)) void group_factors(const uint16_t *
 #if defined(__AVX512F__)
         for (; g < groups; g += 16) {
             const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
-            const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row_scales + g));
+            const __m512 scale = scale_vector(row_scales + g, mask, bf16);
             for (int64_t m = 0; m < m_rows; m++)
                 _mm512_mask_storeu_ps(row_factor + m * groups + g, mask,
                                       _mm512_mul_ps(scale, _mm512_maskz_loadu_ps(mask, d + m * groups + g)));
         }
 #endif
         for (; g < groups; g++) {
-            const float scale = half_to_float(row_scales[g]);
+            const float scale = scale_value(row_scales[g], bf16);
             for (int64_t m = 0; m < m_rows; m++) row_factor[m * groups + g] = scale * d[m * groups + g];
         }
     }
 }
 
 /* sum_g min_g * xsum[m][g] for one output row, per activation row m (the AVX-512 path folds
- * this into its accumulators instead). */
-static inline __attribute__((always_inline)) float min_term(const uint16_t *mins, const float *xsum, int64_t groups) {
+ * this into its accumulators instead). A symmetric matrix has none: its dot products take the
+ * signed levels. */
+static inline __attribute__((always_inline)) float min_term(const uint16_t *mins, const float *xsum,
+                                                            int64_t groups, int bf16) {
     float total = 0.0f;
-    for (int64_t g = 0; g < groups; g++) total += half_to_float(mins[g]) * xsum[g];
+    for (int64_t g = 0; g < groups; g++) total += scale_value(mins[g], bf16) * xsum[g];
     return total;
 }
 
@@ -166,16 +205,17 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
                                                            const uint16_t *scales, const uint16_t *mins, int64_t k,
                                                            const int16_t *xq, const float *d, const float *xsum,
                                                            int64_t tile, int64_t m_rows, float *out,
-                                                           int64_t out_stride, float *factor) {
+                                                           int64_t out_stride, float *factor, int bf16) {
     const int64_t groups = k / GROUP, blocks = k / BLOCK;
-    group_factors(scales, d, groups, tile, m_rows, factor);
+    const int symmetric = mins == NULL; /* levels q + 8, weight = q * scale */
+    group_factors(scales, d, groups, tile, m_rows, factor, bf16);
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
     __m512 acc[TILE][MAX_ROWS];
     #pragma GCC unroll 4
     for (int64_t r = 0; r < TILE; r++)
         #pragma GCC unroll 4
         for (int64_t m = 0; m < MAX_ROWS; m++) acc[r][m] = _mm512_setzero_ps();
-    const __m512i low_mask = _mm512_set1_epi16(0x0f);
+    const __m512i low_mask = _mm512_set1_epi16(0x0f), eight = _mm512_set1_epi16(8);
     #pragma GCC unroll 4
     for (int64_t r = 0; r < tile; r++) {
         for (int64_t b = 0; b < blocks; b++) {
@@ -186,6 +226,10 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
                 const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)block));
                 first = _mm512_and_si512(wide, low_mask);
                 second = _mm512_srli_epi16(wide, 4);
+                if (symmetric) { /* the signed levels q = nibble - 8: no minimum's term */
+                    first = _mm512_sub_epi16(first, eight);
+                    second = _mm512_sub_epi16(second, eight);
+                }
             } else {
                 first = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)block));
                 second = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + GROUP)));
@@ -206,9 +250,9 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
     #pragma GCC unroll 4
     for (int64_t r = 0; r < tile; r++) {
         /* the min terms, sum_g min_g * xsum[m][g], into the same accumulators: one reduction */
-        for (int64_t g = 0; g < groups; g += 16) {
+        for (int64_t g = 0; g < groups && !symmetric; g += 16) {
             const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
-            const __m512 low = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + r * groups + g));
+            const __m512 low = scale_vector(mins + r * groups + g, mask, bf16);
             #pragma GCC unroll 4
             for (int64_t m = 0; m < m_rows; m++)
                 acc[r][m] = _mm512_fmadd_ps(low, _mm512_maskz_loadu_ps(mask, xsum + m * groups + g), acc[r][m]);
@@ -222,7 +266,7 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
     for (int64_t r = 0; r < TILE; r++)
         #pragma GCC unroll 4
         for (int64_t m = 0; m < MAX_ROWS; m++) acc[r][m] = _mm256_setzero_ps();
-    const __m256i low_mask = _mm256_set1_epi16(0x0f);
+    const __m256i low_mask = _mm256_set1_epi16(0x0f), eight = _mm256_set1_epi16(8);
     #pragma GCC unroll 4
     for (int64_t r = 0; r < tile; r++) {
         for (int64_t b = 0; b < blocks; b++) {
@@ -237,6 +281,8 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
                 w[1] = _mm256_and_si256(bytes_hi, low_mask);
                 w[2] = _mm256_srli_epi16(bytes_lo, 4);
                 w[3] = _mm256_srli_epi16(bytes_hi, 4);
+                if (symmetric) /* the signed levels q = nibble - 8: no minimum's term */
+                    for (int i = 0; i < 4; i++) w[i] = _mm256_sub_epi16(w[i], eight);
             } else {
                 for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)block + i));
             }
@@ -260,7 +306,7 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
             const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
             const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
             out[m * out_stride + r] = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1))) +
-                                      min_term(mins + r * groups, xsum + m * groups, groups);
+                                      (symmetric ? 0.0f : min_term(mins + r * groups, xsum + m * groups, groups, bf16));
         }
 #else
     #pragma GCC unroll 4
@@ -271,17 +317,18 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
             float total = 0.0f;
             for (int64_t b = 0; b < blocks; b++) {
                 int32_t first, second;
-                block_dots(levels + r * row_bytes + b * BLOCK_BYTES(bits), bits, xq + m * k + b * BLOCK, &first,
-                           &second);
+                block_dots(levels + r * row_bytes + b * BLOCK_BYTES(bits), bits, symmetric, xq + m * k + b * BLOCK,
+                           &first, &second);
                 total += (float)first * f[2 * b] + (float)second * f[2 * b + 1];
             }
-            out[m * out_stride + r] = total + min_term(mins + r * groups, xsum + m * groups, groups);
+            out[m * out_stride + r] = total + (symmetric ? 0.0f : min_term(mins + r * groups, xsum + m * groups,
+                                                                            groups, bf16));
         }
 #endif
 }
 
-#define TILE_CASE(BITS, T, M)                                                                          \
-    tile_dot(levels, row_bytes, BITS, scales, mins, k, xq, d, xsum, T, M, out, out_stride, factor); \
+#define TILE_CASE(BITS, T, M)                                                                               \
+    tile_dot(levels, row_bytes, BITS, scales, mins, k, xq, d, xsum, T, M, out, out_stride, factor, bf16); \
     break;
 
 /* tile_dot with the tile's size and the activation rows as literals: whole tiles, then the
@@ -290,7 +337,7 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
 static void tile_dot_##BITS(const uint8_t *levels, int64_t row_bytes, const uint16_t *scales,          \
                             const uint16_t *mins, int64_t k, const int16_t *xq, const float *d,        \
                             const float *xsum, int64_t tile, int64_t m_rows, float *out,               \
-                            int64_t out_stride, float *factor) {                                       \
+                            int64_t out_stride, float *factor, int bf16) {                             \
     if (tile == TILE) {                                                                                \
         switch (m_rows) {                                                                              \
         case 1: TILE_CASE(BITS, TILE, 1)                                                               \
@@ -300,7 +347,8 @@ static void tile_dot_##BITS(const uint8_t *levels, int64_t row_bytes, const uint
         }                                                                                              \
         return;                                                                                        \
     }                                                                                                  \
-    for (int64_t r = 0; r < tile; r++, levels += row_bytes, scales += k / GROUP, mins += k / GROUP, out++) \
+    for (int64_t r = 0; r < tile; r++, levels += row_bytes, scales += k / GROUP,                       \
+         mins = mins == NULL ? NULL : mins + k / GROUP, out++)                                         \
         switch (m_rows) {                                                                              \
         case 1: TILE_CASE(BITS, 1, 1)                                                                  \
         case 2: TILE_CASE(BITS, 1, 2)                                                                  \
@@ -314,8 +362,9 @@ DEFINE_TILE_DOT(8)
 /* out [m_rows, n] = x [m_rows, k] @ W.T (+ residual [m_rows, n] where not NULL: a layer's
  * o_proj and down_proj add the residual stream, one torch op less a call). Returns 0, or -1
  * when scratch memory ran out. */
-static int lowbit_gemm(int bits, const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, const float *x,
-                       const float *residual, float *out, int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+static int lowbit_gemm_scaled(int bits, const uint8_t *levels, const uint16_t *scales, const uint16_t *mins,
+                              int scale_bf16, const float *x, const float *residual, float *out, int64_t m_rows,
+                              int64_t n, int64_t k, int num_threads) {
     const int64_t groups = k / GROUP, row_bytes = bits == 4 ? k / 2 : k, tiles = (n + TILE - 1) / TILE;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m_rows * k));
     float *d = malloc(sizeof(float) * (size_t)(m_rows * groups));
@@ -339,8 +388,9 @@ static int lowbit_gemm(int bits, const uint8_t *levels, const uint16_t *scales, 
             for (int64_t m = 0; m < m_rows; m += MAX_ROWS) {
                 const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
                 (bits == 4 ? tile_dot_4 : tile_dot_8)(levels + row * row_bytes, row_bytes, scales + row * groups,
-                                                     mins + row * groups, k, xq + m * k, d + m * groups,
-                                                     xsum + m * groups, tile, rows, out + m * n + row, n, factor);
+                                                     mins == NULL ? NULL : mins + row * groups, k, xq + m * k,
+                                                     d + m * groups, xsum + m * groups, tile, rows,
+                                                     out + m * n + row, n, factor, scale_bf16);
             }
         }
         free(factor);
@@ -350,6 +400,124 @@ static int lowbit_gemm(int bits, const uint8_t *levels, const uint16_t *scales, 
     free(xsum);
     if (residual != NULL)
         for (int64_t i = 0; i < m_rows * n; i++) out[i] = residual[i] + out[i];
+    return failed ? -1 : 0;
+}
+
+static int lowbit_gemm(int bits, const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, const float *x,
+                       const float *residual, float *out, int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+    return lowbit_gemm_scaled(bits, levels, scales, mins, 0, x, residual, out, m_rows, n, k, num_threads);
+}
+
+/* 4-bit levels with bf16 scales (`scale_bf16`) and/or no minimums (`mins` NULL: symmetric). */
+int tandem_q4_gemm_scaled(const uint8_t *nibbles, const uint16_t *scales, const uint16_t *mins, int scale_bf16,
+                          const float *x, const float *residual, float *out, int64_t m_rows, int64_t n, int64_t k,
+                          int num_threads) {
+    return lowbit_gemm_scaled(4, nibbles, scales, mins, scale_bf16, x, residual, out, m_rows, n, k, num_threads);
+}
+
+/* One (expert, tile of output rows) pair of a grouped GEMM. */
+typedef struct {
+    int64_t expert;
+    int64_t row;
+} moe_item;
+
+/* out[rows of e] = x[rows of e] @ W_e.T for every expert e with rows, W_e [n, k] the e-th of
+ * `levels` (`level_stride` bytes apart; scales `scale_stride` values apart, mins likewise or
+ * NULL), x already quantized (xq, d, xsum). Called inside a parallel region: its `omp for`
+ * shares the items among the team, and ends on the team's barrier. */
+static void moe_grouped(const uint8_t *levels, int64_t level_stride, const uint16_t *scales, const uint16_t *mins,
+                        int64_t scale_stride, int scale_bf16, const int64_t *offsets, const moe_item *items,
+                        int64_t num_items, const int16_t *xq, const float *d, const float *xsum, float *out, int64_t n,
+                        int64_t k, float *factor) {
+    const int64_t groups = k / GROUP, row_bytes = k / 2;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t i = 0; i < num_items; i++) {
+        const int64_t e = items[i].expert, row = items[i].row, tile = n - row < TILE ? n - row : TILE;
+        const uint8_t *w = levels + e * level_stride + row * row_bytes;
+        const uint16_t *s = scales + e * scale_stride + row * groups;
+        const uint16_t *mn = mins == NULL ? NULL : mins + e * scale_stride + row * groups;
+        for (int64_t m = offsets[e]; m < offsets[e + 1]; m += MAX_ROWS) {
+            const int64_t rows = offsets[e + 1] - m < MAX_ROWS ? offsets[e + 1] - m : MAX_ROWS;
+            tile_dot_4(w, row_bytes, s, mn, k, xq + m * k, d + m * groups, xsum + m * groups, tile, rows,
+                       out + m * n + row, n, factor, scale_bf16);
+        }
+    }
+}
+
+/* The (expert, tile) items of the experts that have rows, for an output of n rows. */
+static int64_t moe_items(const int64_t *offsets, int64_t experts, int64_t n, moe_item *items) {
+    int64_t count = 0;
+    for (int64_t e = 0; e < experts; e++)
+        if (offsets[e + 1] > offsets[e])
+            for (int64_t row = 0; row < n; row += TILE) items[count++] = (moe_item){e, row};
+    return count;
+}
+
+/* A MoE layer's routed experts, 4-bit: x [M, hidden] fp32, its rows sorted by expert (expert
+ * e's are offsets[e] .. offsets[e + 1]); w13 [E, 2 inter, hidden] (gate rows, then up rows),
+ * w2 [E, hidden, inter], each with its scales (and mins, or NULL for symmetric levels).
+ * out [M, hidden] = down_e(silu(gate_e x) * up_e x) for each row's expert. Returns 0, or -1
+ * when scratch memory ran out. */
+int tandem_q4_moe(const uint8_t *w13, const uint16_t *s13, const uint16_t *m13, const uint8_t *w2,
+                  const uint16_t *s2, const uint16_t *m2, int scale_bf16, const float *x, const int64_t *offsets,
+                  float *out, int64_t experts, int64_t hidden, int64_t inter, int num_threads) {
+    const int64_t rows = offsets[experts], wide = 2 * inter;
+    const int64_t hidden_groups = hidden / GROUP, inter_groups = inter / GROUP;
+    const int64_t most_groups = hidden_groups > inter_groups ? hidden_groups : inter_groups;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(rows * hidden));
+    float *d = malloc(sizeof(float) * (size_t)(rows * most_groups));
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * most_groups));
+    float *gate_up = malloc(sizeof(float) * (size_t)(rows * wide));
+    int16_t *hq = malloc(sizeof(int16_t) * (size_t)(rows * inter));
+    moe_item *first = malloc(sizeof(moe_item) * (size_t)(experts * (wide / TILE + 1)));
+    moe_item *second = malloc(sizeof(moe_item) * (size_t)(experts * (hidden / TILE + 1)));
+    int failed = xq == NULL || d == NULL || xsum == NULL || gate_up == NULL || hq == NULL || first == NULL ||
+                 second == NULL;
+    if (!failed) {
+        for (int64_t m = 0; m < rows; m++)
+            quantize_row(x + m * hidden, hidden, xq + m * hidden, d + m * hidden_groups, xsum + m * hidden_groups);
+        const int64_t first_items = moe_items(offsets, experts, wide, first);
+        const int64_t second_items = moe_items(offsets, experts, hidden, second);
+        int unready = 0; /* threads whose scratch could not be allocated */
+#pragma omp parallel num_threads(num_threads)
+        {
+            float *factor = malloc(sizeof(float) * (size_t)(TILE * MAX_ROWS * most_groups));
+            float *act = malloc(sizeof(float) * (size_t)inter);
+            if (factor == NULL || act == NULL) {
+#pragma omp atomic write
+                unready = 1;
+            }
+            /* every thread takes part in each `omp for` below or none does: a failed
+             * allocation anywhere is seen by all before the first */
+#pragma omp barrier
+            int go;
+#pragma omp atomic read
+            go = unready;
+            go = !go;
+            if (go) {
+                moe_grouped(w13, wide * hidden / 2, s13, m13, wide * hidden_groups, scale_bf16, offsets, first,
+                            first_items, xq, d, xsum, gate_up, wide, hidden, factor);
+#pragma omp for schedule(static)
+                for (int64_t m = 0; m < rows; m++) {
+                    const float *gate = gate_up + m * wide, *up = gate + inter;
+                    for (int64_t i = 0; i < inter; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+                    quantize_row(act, inter, hq + m * inter, d + m * inter_groups, xsum + m * inter_groups);
+                }
+                moe_grouped(w2, hidden * inter / 2, s2, m2, hidden * inter_groups, scale_bf16, offsets, second,
+                            second_items, hq, d, xsum, out, hidden, inter, factor);
+            }
+            free(factor);
+            free(act);
+        }
+        failed = unready;
+    }
+    free(xq);
+    free(d);
+    free(xsum);
+    free(gate_up);
+    free(hq);
+    free(first);
+    free(second);
     return failed ? -1 : 0;
 }
 
@@ -366,16 +534,6 @@ int tandem_q8_gemm(const uint8_t *levels, const uint16_t *scales, const uint16_t
     return lowbit_gemm(8, levels, scales, mins, x, residual, out, m_rows, n, k, num_threads);
 }
 
-static inline uint16_t to_bf16(float x) {
-    union { float f; uint32_t u; } bits = {.f = x};
-    bits.u += 0x7FFFu + ((bits.u >> 16) & 1u);
-    return (uint16_t)(bits.u >> 16);
-}
-
-static inline float from_bf16(uint16_t x) {
-    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
-    return bits.f;
-}
 
 /* The residual, where given, is added as torch's bf16 add would: to the product rounded to
  * bf16, the sum rounded again. */
