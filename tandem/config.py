@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tandem.checkpoint_quantization import WeightQuantization
 from tandem.platform.device import resolve_device, resolve_dtype
 from tandem.sizing.experts import expert_layout
 from tandem.sizing.shape import MLAShape, read_decoder_dims
@@ -24,7 +25,11 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration",  # its text backbone: DeepSeek-V3 under text_config
 )
+# Multimodal wrappers whose language model tandem runs: architecture -> (the text backbone's
+# architecture, the prefix of its tensors in the checkpoint).
+TEXT_BACKBONES = {"KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.")}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -222,7 +227,50 @@ class ModelConfig:
     bos_token_id: int | None = None
     mla: MLAConfig | None = None
     moe: MoeConfig | None = None
+    # compressed-tensors INT4 weights (Kimi K2.5's routed experts); None: the run dtype's
+    weight_quantization: WeightQuantization | None = None
+    # A multimodal wrapper's text backbone: its tensors' prefix in the checkpoint (tandem maps
+    # `language_model.model.*` to `model.*`), and whether the checkpoint has a vision tower
+    # (not loaded: a request with images is refused).
+    weight_prefix: str = ""
+    has_vision_tower: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def int4_experts(self) -> bool:
+        """Whether the routed experts are stored as INT4 levels (loaded and run packed)."""
+        if self.weight_quantization is None or self.moe is None or True not in self.moe.moe_layers:
+            return False
+        layer = self.moe.moe_layers.index(True)
+        return self.weight_quantization.quantizes(*self._names(f"model.layers.{layer}.mlp.experts.0.gate_proj"))
+
+    def _names(self, name: str) -> tuple[str, ...]:
+        return (self.weight_prefix + name, name) if self.weight_prefix else (name,)
+
+    def _check_quantized_modules(self) -> None:
+        """INT4 is computed for the routed experts only: a checkpoint whose scheme also
+        quantizes attention, the dense or shared MLPs or the head is refused by name."""
+        quant = self.weight_quantization
+        if quant is None:
+            return
+        names = ["lm_head"]
+        for layer in range(self.num_hidden_layers):
+            prefix = f"model.layers.{layer}"
+            attention = (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if self.mla
+                         else ["q_proj", "k_proj", "v_proj", "o_proj"])
+            names += [f"{prefix}.self_attn.{p}" for p in attention]
+            moe_layer = self.moe is not None and self.moe.moe_layers[layer]
+            mlp = f"{prefix}.mlp.shared_experts" if moe_layer else f"{prefix}.mlp"
+            if moe_layer and not (self.moe and self.moe.num_shared_experts):
+                continue
+            names += [f"{mlp}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        quantized = [name for name in names if quant.quantizes(*self._names(name))]
+        if quantized:
+            raise ValueError(f"this checkpoint's INT4 scheme also quantizes {quantized[0]} (and "
+                             f"{len(quantized) - 1} more); tandem computes INT4 for routed experts only")
+        if not self.int4_experts:
+            raise ValueError("this checkpoint declares compressed-tensors INT4 weights but no routed experts "
+                             "are quantized; tandem computes INT4 for routed experts only")
 
     @property
     def kv_spec(self) -> KVCacheSpec:
@@ -233,6 +281,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         archs = hf.get("architectures") or []
+        wrapper = next((a for a in archs if a in TEXT_BACKBONES), None)
+        if wrapper is not None:
+            return cls._text_backbone(wrapper, hf)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -249,7 +300,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         use_sliding = hf.get("use_sliding_window", True) and hf.get("sliding_window")
-        return cls(
+        config = cls(
             architecture=arch,
             model_type=hf.get("model_type", ""),
             vocab_size=dims.vocab_size,
@@ -272,8 +323,30 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             mla=mla,
             moe=MoeConfig.from_hf(arch, hf),
+            weight_quantization=WeightQuantization.from_hf(hf),
             hf_config=hf,
         )
+        config._check_quantized_modules()
+        return config
+
+    @classmethod
+    def _text_backbone(cls, wrapper: str, hf: dict[str, Any]) -> ModelConfig:
+        """A multimodal checkpoint's language model (Kimi K2.5: DeepSeek-V3 under
+        `text_config`), with the wrapper's token ids and quantization where the text config
+        lacks them."""
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"{wrapper} config has no text_config")
+        backbone, prefix = TEXT_BACKBONES[wrapper]
+        merged = {**text, "architectures": [backbone]}
+        for key in ("eos_token_id", "bos_token_id", "quantization_config"):
+            if key in hf and (key == "eos_token_id" or key not in text):
+                merged[key] = hf[key]  # the top level carries generation_config's eos ids
+        base = cls.from_hf(merged)
+        config = replace(base, architecture=wrapper, model_type=hf.get("model_type", base.model_type),
+                         weight_prefix=prefix, has_vision_tower=bool(hf.get("vision_config")), hf_config=hf)
+        config._check_quantized_modules()
+        return config
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from torch import nn
 from tandem.config import MoeConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
+from tandem.layers.int4_experts import Int4Experts
 from tandem.layers.linear import GateUpLinear, RowParallelLinear
 from tandem.platform.profiling import profiled
 
@@ -84,10 +85,13 @@ class FusedMoE(nn.Module):
     `tp`: every expert split by its intermediate size (one all-reduce after the combine).
     `ep` (size > 1): the experts split by expert instead, `tp` unused: this rank holds experts
     `local_expert_range` whole ([E_local, ...] stacks) and the router and shared experts whole.
+    `int4_experts`: the routed experts stay in the checkpoint's INT4 levels (`Int4Experts`,
+    no w13/w2 in the run dtype); routing, shared experts and the combine are the same.
     """
 
     def __init__(
         self, moe: MoeConfig, hidden_size: int, tp: TensorParallel = SINGLE_RANK, ep: ExpertParallel | None = None,
+        int4_experts: bool = False,
     ) -> None:
         super().__init__()
         self.moe = moe
@@ -101,8 +105,10 @@ class FusedMoE(nn.Module):
         self.local_expert_range = range(first, first + experts)
         self.intermediate = tp.divide(moe.intermediate_size, "expert intermediate size")
         self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden_size), requires_grad=False)  # the router
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * self.intermediate, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(experts, hidden_size, self.intermediate), requires_grad=False)
+        self.int4 = Int4Experts(experts, hidden_size, self.intermediate, tp) if int4_experts else None
+        if self.int4 is None:
+            self.w13 = nn.Parameter(torch.empty(experts, 2 * self.intermediate, hidden_size), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(experts, hidden_size, self.intermediate), requires_grad=False)
         self.correction_bias = (
             nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False) if moe.correction_bias else None
         )
@@ -120,13 +126,21 @@ class FusedMoE(nn.Module):
         another rank's) and, where it can, skip reading them at all by asking this first."""
         return expert in self.local_expert_range
 
-    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
+    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, field: str = "weight") -> None:
         """`projection`: gate, up or down, as the checkpoint's whole [I, H] / [H, I] matrix of
-        global expert `expert`. Another rank's expert is ignored, `tensor` left untouched (a
-        lazily mapped checkpoint tensor is then never read)."""
+        global expert `expert` (`field` "weight"), or one of its INT4 tensors (weight_packed,
+        weight_scale, weight_shape). Another rank's expert is ignored, `tensor` left untouched
+        (a lazily mapped checkpoint tensor is then never read)."""
+        if (field == "weight") != (self.int4 is None):
+            raise ValueError(f"expert {expert} {projection}_proj.{field}: the checkpoint's experts are "
+                             f"{'dense' if field == 'weight' else 'INT4'}, this model was built for "
+                             f"{'INT4' if self.int4 is not None else 'dense'} ones (quantization_config)")
         if not self.owns_expert(expert):
             return
         expert -= self.local_expert_range.start
+        if self.int4 is not None:
+            self.int4.load(expert, projection, field, tensor)
+            return
         inter = self.intermediate
         if projection == "down":
             self.w2.data[expert].copy_(self.tp.shard(tensor, 1))
@@ -164,6 +178,8 @@ class FusedMoE(nn.Module):
     def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each local expert's SwiGLU on its slice of `rows`, sorted by expert, `counts[e]` rows
         for local expert e: one pass per expert that received any, never one per token."""
+        if self.int4 is not None:
+            return self.int4(rows, counts)
         outputs = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts):

@@ -26,6 +26,7 @@ from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend
+from tandem.layers.int4_experts import Int4Experts
 from tandem.loader.copy_pipeline import ReadAhead, SplitCopies
 from tandem.loader.device_copy import StagedDeviceCopies
 from tandem.loader.safetensors_mmap import PrefetchReads, SafetensorsFile
@@ -277,6 +278,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     On a GPU the draws come from the device's generator: the same seed gives the same weights
     on the same kind of device."""
     generators: dict[torch.device, torch.Generator] = {}
+    for module in model.modules():
+        if isinstance(module, Int4Experts):  # packed levels and scales: buffers, not parameters
+            device = module.w13.device
+            generators.setdefault(device, torch.Generator(device).manual_seed(seed))
+            module.init_dummy_(generators[device])
     for name, param in model.named_parameters():
         if param.device not in generators:
             generators[param.device] = torch.Generator(param.device).manual_seed(seed)

@@ -20,6 +20,7 @@ from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.layers.attention import PagedAttention
 from tandem.layers.embedding import LMHead, VocabEmbedding
+from tandem.layers.int4_experts import FIELDS as INT4_FIELDS
 from tandem.layers.linear import GateUpLinear, MergedLinear, RowParallelLinear
 from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.moe import FusedMoE
@@ -119,7 +120,7 @@ def make_mlp(cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE_RANK,
     """The layer's MLP: the experts where the config makes this layer MoE (sharded whole over
     `ep` under expert parallelism), else the dense one."""
     if cfg.moe is not None and cfg.moe.moe_layers[layer]:
-        return FusedMoE(cfg.moe, cfg.hidden_size, tp, ep)
+        return FusedMoE(cfg.moe, cfg.hidden_size, tp, ep, int4_experts=cfg.int4_experts)
     return DecoderMLP(cfg, tp)
 
 
@@ -302,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
         elif parts[0] == "gate" and parts[-1] == "e_score_correction_bias" and moe.correction_bias is not None:
             moe.correction_bias.data.copy_(tensor)
         elif parts[0] == "experts" and len(parts) == 4 and parts[2] in self.expert_projections:
-            moe.load_expert(int(parts[1]), self.expert_projections[parts[2]], tensor)
+            moe.load_expert(int(parts[1]), self.expert_projections[parts[2]], tensor, field=parts[3])
         else:
             raise ValueError(f"{name}: not a weight of a mixture-of-experts layer this model knows")
         return True
@@ -346,8 +347,9 @@ class LlamaForCausalLM(nn.Module):
             if cfg.moe is not None and cfg.moe.moe_layers[i]:
                 moe = f"{prefix}.{self.moe_module}"
                 names.add(f"{moe}.gate.weight")
-                names |= {f"{moe}.experts.{e}.{proj}.weight"
-                          for e in range(cfg.moe.num_experts) for proj in self.expert_projections}
+                fields = INT4_FIELDS if cfg.int4_experts else ("weight",)
+                names |= {f"{moe}.experts.{e}.{proj}.{field}"
+                          for e in range(cfg.moe.num_experts) for proj in self.expert_projections for field in fields}
                 if cfg.moe.correction_bias:
                     names.add(f"{moe}.gate.e_score_correction_bias")
                 if cfg.moe.num_shared_experts:

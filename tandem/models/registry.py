@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
+from tandem.models.kimi_k25 import KimiK25ForConditionalGeneration
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mistral import MistralForCausalLM
 from tandem.models.mixtral import MixtralForCausalLM
@@ -20,6 +21,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "KimiK25ForConditionalGeneration": KimiK25ForConditionalGeneration,
 }
 
 

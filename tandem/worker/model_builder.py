@@ -28,6 +28,7 @@ from tandem.kernels.layer_ops import LayerOpsKernel, load_layer_ops
 from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.layers.bounded_greedy import BoundedGreedyHead
 from tandem.layers.fused_ops import attach_gpu_passes, attach_layer_ops
+from tandem.layers.int4_experts import attach_int4_expert_kernel
 from tandem.layers.int8 import int8_available
 from tandem.layers.linear import (
     SmallStepWeights,
@@ -86,6 +87,12 @@ class ModelBuilder:
             load_weights(model, hf_dir)
         small_step = self._small_step_weights()
         q4_kernel = dense_kernel = None
+        if model_config.int4_experts:
+            expert_kernel = load_q4_kernel(self.kernel_cache_dir)
+            layers = attach_int4_expert_kernel(model, expert_kernel)
+            if self.rank == 0:
+                logger.info("INT4 experts: %d MoE layers keep the checkpoint's 4-bit levels, run by %s", layers,
+                            "the 4-bit C kernel" if expert_kernel is not None else "torch, one expert at a time")
         if small_step is not None:
             q4_kernel = load_q4_kernel(self.kernel_cache_dir) if small_step.format == "int4" else None
             dense_kernel = load_dense_gemv_kernel(self.kernel_cache_dir) if small_step.format == "float32" else None
