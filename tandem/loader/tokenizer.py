@@ -6,9 +6,11 @@ imports. `Tokenizer` is a small tokenizer built on the `tokenizers` package (tok
 and jinja2 (the chat template), with the part of transformers' `PreTrainedTokenizerFast` API
 that tandem uses and the same results: same ids, same text, same prompts.
 
-A directory with no tokenizer.json (only a SentencePiece `tokenizer.model`, or vocab + merges
-files) has nothing the `tokenizers` package can read directly; there, and only there,
-transformers converts the files once at load time (importing it, and torch, in that process).
+A directory with Kimi's `tiktoken.model` instead of tokenizer.json is converted into the same
+kind of backend without transformers (tiktoken_tokenizer.py). A directory with neither (only a
+SentencePiece `tokenizer.model`, or vocab + merges files) has nothing the `tokenizers` package
+can read directly; there, and only there, transformers converts the files once at load time
+(importing it, and torch, in that process).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
 from tandem.loader.chat_template import ChatTemplates
+from tandem.loader.tiktoken_tokenizer import has_tiktoken_model, tiktoken_backend
 from tandem.loader.tokenizer_files import (
     CONFIG_FILE,
     STANDARD_SPECIAL_TOKENS,
@@ -75,7 +78,12 @@ class Tokenizer:
     @classmethod
     def from_directory(cls, hf_dir: Path) -> Tokenizer:
         """From tokenizer.json and tokenizer_config.json, configured as transformers configures it."""
-        backend = Backend.from_file(str(hf_dir / TOKENIZER_FILE))
+        return cls.from_backend(Backend.from_file(str(hf_dir / TOKENIZER_FILE)), hf_dir)
+
+    @classmethod
+    def from_backend(cls, backend: Backend, hf_dir: Path) -> Tokenizer:
+        """`backend` (tokenizer.json's, or one converted from the directory's other files)
+        configured by the directory's tokenizer_config.json, as transformers configures it."""
         settings = read_settings(hf_dir, backend.get_added_tokens_decoder())
         # Encoding never truncates or pads (transformers resets both on every call).
         backend.no_truncation()
@@ -366,6 +374,8 @@ def load_tokenizer(hf_dir: Path) -> Tokenizer:
     try:
         if has_tokenizer_json(hf_dir):
             return Tokenizer.from_directory(hf_dir)
+        if has_tiktoken_model(hf_dir):  # Kimi's: converted here, without transformers or its code
+            return Tokenizer.from_backend(tiktoken_backend(hf_dir), hf_dir)
         if not any((hf_dir / name).is_file() for name in (CONFIG_FILE, "tokenizer.model", "vocab.json")):
             raise FileNotFoundError(f"no {TOKENIZER_FILE} or {CONFIG_FILE} in {hf_dir}")
         return _from_transformers(hf_dir)
