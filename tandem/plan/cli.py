@@ -46,7 +46,10 @@ _MEMORY_DESCRIPTION = "\n\n".join([
     "CONFIG is a config.json, a directory holding one, or a shipped example:\n  "
     + ", ".join(EXAMPLE_NAMES),
     _fill(f"""Architectures: {', '.join(SUPPORTED)}. Kimi-K2 is a DeepseekV3ForCausalLM. Llama 4's
-          vision tower is counted apart (a text-only server does not load it)."""),
+          vision tower is counted apart (a text-only server does not load it); Kimi K2.5's is
+          counted in the vLLM column only (vLLM loads it, tandem serves the text decoder).
+          Checkpoints quantized as FP8 blocks or compressed-tensors pack-quantized integers (Kimi
+          K2.5's INT4 experts) are counted as stored."""),
     _fill(f"""Devices: NxH100 (79.11 GiB each), NxH200 (139.81 GiB each), Nxgpu:SIZE for another
           GPU (SIZE as CUDA reports it), cpu:SIZE for the CPU engine. GPUs also lose
           {CUDA_CONTEXT_BYTES // MiB} MiB to the CUDA context, and {NCCL_BYTES // MiB} MiB to NCCL
@@ -58,6 +61,7 @@ _MEMORY_DESCRIPTION = "\n\n".join([
     """examples:
   tandem plan memory llama-4-scout --devices 2xH200 --tp 2
   tandem plan memory kimi-k2 --devices 8xH200 --tp 8 --kv-cache-dtype fp8
+  tandem plan memory kimi-k2.5 --devices 8xH100 --tp 8 --ep --max-model-len 131072
   tandem plan memory path/to/model/config.json --devices cpu:24GiB --json""",
 ])
 
@@ -73,8 +77,9 @@ MEMORY_DEVICE_FLAGS = FlagTable("where it runs", (
     Flag("--tp", type=int, help="tensor-parallel size (default: the devices not used by --pp)"),
     Flag("--pp", default=1, type=int, help="pipeline-parallel stages (default: 1)"),
     Flag(
-        "--ep", switch=True,
-        help="expert parallelism: deal the routed experts out whole over the tp ranks",
+        "--ep", short="--enable-expert-parallel", dest_name="ep", switch=True,
+        help="expert parallelism (vLLM's --enable-expert-parallel): deal the routed experts out whole "
+        "over the tp ranks; attention stays tensor-parallel",
     ),
     Flag(
         "--memory-utilization", default=DEFAULT_MEMORY_UTILIZATION, type=float,

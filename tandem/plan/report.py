@@ -12,6 +12,15 @@ from typing import Any
 from tandem.sizing.devices import GiB
 from tandem.sizing.memory import EnginePlan, MemoryPlan, StagePlan
 
+# Context lengths agents run at (32K, 128K, 256K tokens): the table also counts the sequences
+# of each that fit at once, below --max-model-len.
+CONTEXT_LENGTHS = (32768, 131072, 262144)
+
+
+def sequence_lengths(max_model_len: int) -> list[int]:
+    """The lengths the table counts sequences of: the usual ones below max-model-len, and it."""
+    return [n for n in CONTEXT_LENGTHS if n < max_model_len] + [max_model_len]
+
 
 def format_memory_plan(plan: MemoryPlan) -> str:
     """The plan as text: a header, one column per engine and rank kind, a summary, notes."""
@@ -44,13 +53,16 @@ def _table(plan: MemoryPlan) -> list[str]:
         ["memory utilization", *(f"{e.memory_utilization:g} of {_gib(s.device_bytes)}" for e, s in columns)],
         ["  = budget", *(_gib(s.budget_bytes) for _, s in columns)],
         ["weights", *(_gib(s.weight_bytes) for _, s in columns)],
+        *([["  of which vision tower", *(_gib(s.vision_bytes) if s.vision_bytes else "-" for _, s in columns)]]
+          if any(s.vision_bytes for _, s in columns) else []),
         ["activation peak", *(_gib(s.activation_bytes) for _, s in columns)],
         ["  batched tokens / seqs", *(f"{e.max_num_batched_tokens} / {e.max_num_seqs}" for e, _ in columns)],
         ["reserved (CUDA, NCCL)", *(_gib(s.reserved_bytes) for _, s in columns)],
         ["KV cache left", *(_kv_left(s) for _, s in columns)],
         ["KV bytes per token", *(_kib(s.kv_bytes_per_token) for _, s in columns)],
         ["KV tokens that fit", *(f"{s.kv_tokens:,}" for _, s in columns)],
-        [f"seqs of {plan.max_model_len:,} tokens", *(f"{s.kv_tokens // plan.max_model_len:,}" for _, s in columns)],
+        *([f"seqs of {n:,} tokens", *(f"{s.kv_tokens // n:,}" for _, s in columns)]
+          for n in sequence_lengths(plan.max_model_len)),
     ]
     table = [head1, head2, *rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(head1))]
@@ -94,7 +106,8 @@ def plan_to_dict(plan: MemoryPlan) -> dict[str, Any]:
 
 def _totals(engine: EnginePlan, max_model_len: int) -> dict[str, Any]:
     return {"fits": engine.fits, "kv_tokens": engine.kv_tokens, "kv_bytes_total": engine.kv_bytes_total,
-            "max_sequences_at_max_model_len": engine.max_sequences(max_model_len)}
+            "max_sequences_at_max_model_len": engine.max_sequences(max_model_len),
+            "max_sequences": {str(n): engine.max_sequences(n) for n in sequence_lengths(max_model_len)}}
 
 
 def _kv_left(stage: StagePlan) -> str:

@@ -23,7 +23,9 @@ its own defaults (8192 batched tokens and 1024 sequences on GPUs of 70 GiB or mo
     KV left = 0.9 x memory - weights - activation - reserved
 
 The plan prints both, with the same weights and the same activation formula, so the
-difference is the policies and the defaults, not the estimates.
+difference is the policies and the defaults, not the estimates, and what each engine loads:
+tandem serves a multimodal checkpoint's text decoder only, vLLM builds Kimi K2.5's vision tower
+and projector on every rank too (counted whole in its column, `StagePlan.vision_bytes`).
 
 The KV tokens of the deployment are the fewest any stage holds (every stage caches every
 token of its own layers; tensor-parallel ranks of a stage hold the same tokens).
@@ -37,11 +39,12 @@ from tandem.sizing.activation import activation_peak_bytes
 from tandem.sizing.devices import Devices, GiB
 from tandem.sizing.errors import PlanError
 from tandem.sizing.kv import kv_bytes_per_token
-from tandem.sizing.shape import ModelShape, read_shape
+from tandem.sizing.shape import DTYPE_BYTES, ModelShape, read_shape
 from tandem.sizing.sharding import (
     Parallel,
     Stage,
     WeightFormat,
+    quantized_parts,
     stage_weight_bytes,
     stages,
     validate,
@@ -79,12 +82,13 @@ class StagePlan:
     last_layer: int
     device_bytes: int
     budget_bytes: int  # memory_utilization x device
-    weight_bytes: int
+    weight_bytes: int  # vision_bytes included
     activation_bytes: int
     reserved_bytes: int
     kv_bytes: int  # negative: the weights do not fit
     kv_bytes_per_token: int
     kv_tokens: int
+    vision_bytes: int = 0  # a vision tower + projector this engine loads on the rank
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ def weight_format(shape: ModelShape, dtype: str) -> WeightFormat:
     if dtype not in DTYPE_CHOICES:
         raise PlanError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     if dtype == "auto":
-        return WeightFormat(shape.dtype, shape.fp8_block)
+        return WeightFormat(shape.dtype, shape.fp8_block, shape.int_quant)
     if dtype == "fp8":
         act = shape.dtype if shape.dtype != "float32" else "bfloat16"
         return WeightFormat(act, shape.fp8_block or (128, 128))
@@ -180,25 +184,41 @@ def plan_memory(config: dict, request: PlanRequest, name: str = "") -> MemoryPla
     if request.devices.kind.gpu:
         tokens, seqs = vllm_batch_defaults(request.devices)
         vllm = _engine_plan("vLLM", shape, pipeline, request, fmt, kv, VLLM_MEMORY_UTILIZATION,
-                            tokens, seqs, activation_in_budget=True)
+                            tokens, seqs, activation_in_budget=True, vision_bytes=vision_weight_bytes(shape, fmt))
     if not tandem.fits:
-        raise PlanError(_no_fit_message(tandem, request, fmt.fp8_block))
+        raise PlanError(_no_fit_message(tandem, request, fmt.fp8_block or fmt.int_quant))
     return MemoryPlan(
         model=shape.name or shape.architecture, architecture=shape.architecture,
-        params=count_params(shape), weights=str(fmt), kv_cache_dtype=kv,
+        params=count_params(shape), weights=describe_weights(shape, fmt), kv_cache_dtype=kv,
         devices=request.devices, parallel=parallel, max_model_len=max_model_len,
-        tandem=tandem, vllm=vllm, notes=_notes(shape, tandem, max_model_len))
+        tandem=tandem, vllm=vllm, notes=_notes(shape, fmt, tandem, vllm, max_model_len))
+
+
+def describe_weights(shape: ModelShape, fmt: WeightFormat) -> str:
+    """The weight format, and for packed integers which components the rules quantize."""
+    if fmt.int_quant is None:
+        return str(fmt)
+    parts = quantized_parts(shape, fmt)
+    return (f"compressed-tensors pack-quantized {fmt.int_quant} for {', '.join(parts) or 'no tensor'}; "
+            f"rest {fmt.dtype}")
+
+
+def vision_weight_bytes(shape: ModelShape, fmt: WeightFormat) -> int:
+    """Bytes of the vision tower + projector on each vLLM rank: whole, in the activation dtype
+    (vLLM builds Kimi K2.5's without the quantization config), 0 where it is not counted."""
+    vision = shape.vision
+    return vision.params * DTYPE_BYTES[fmt.dtype] if vision is not None and vision.loaded_by_vllm else 0
 
 
 def _engine_plan(engine: str, shape: ModelShape, pipeline: list[Stage], request: PlanRequest,
                  fmt: WeightFormat, kv: str, utilization: float, tokens: int, seqs: int,
-                 activation_in_budget: bool) -> EnginePlan:
+                 activation_in_budget: bool, vision_bytes: int = 0) -> EnginePlan:
     parallel, devices = request.parallel, request.devices
     memory = devices.kind.memory_bytes
     reserved = devices.reserved_bytes(parallel.world_size)
     plans = []
     for stage in pipeline:
-        weights = stage_weight_bytes(stage, parallel, fmt)
+        weights = stage_weight_bytes(stage, parallel, fmt) + vision_bytes
         activation = activation_peak_bytes(shape, parallel, stage.layers, stage.last, fmt.dtype,
                                            tokens, seqs)
         budget = int(utilization * memory)
@@ -214,7 +234,7 @@ def _engine_plan(engine: str, shape: ModelShape, pipeline: list[Stage], request:
             first_layer=stage.layers.start, last_layer=stage.layers.stop - 1,
             device_bytes=memory, budget_bytes=budget, weight_bytes=weights,
             activation_bytes=activation, reserved_bytes=reserved, kv_bytes=kv_bytes,
-            kv_bytes_per_token=per_token, kv_tokens=kv_tokens))
+            kv_bytes_per_token=per_token, kv_tokens=kv_tokens, vision_bytes=vision_bytes))
     return EnginePlan(engine, utilization, tokens, seqs, tuple(plans))
 
 
@@ -224,13 +244,13 @@ def _stage_label(stage: Stage, parallel: Parallel) -> str:
     return f"stage {stage.index} (layers {stage.layers.start}-{stage.layers.stop - 1})"
 
 
-def _no_fit_message(plan: EnginePlan, request: PlanRequest, fp8: tuple[int, int] | None) -> str:
+def _no_fit_message(plan: EnginePlan, request: PlanRequest, quantized: object) -> str:
     worst = min(plan.stages, key=lambda s: s.kv_bytes)
     room = worst.weight_bytes + worst.kv_bytes  # what the policy leaves for weights + KV
     short = worst.kv_bytes_per_token * BLOCK_SIZE - worst.kv_bytes  # to hold one KV block
     where = "each rank" if request.parallel.pp == 1 else f"each rank of {worst.label}"
     hint = "more devices or a larger --tp/--pp would help"
-    if fp8 is None:
+    if not quantized:
         hint = "more devices, a larger --tp/--pp, or --dtype fp8 would help"
     return (f"the weights do not fit on {request.devices} ({request.parallel}): {where} holds "
             f"{_gib(worst.weight_bytes)} of weights, but --memory-utilization "
@@ -240,11 +260,23 @@ def _no_fit_message(plan: EnginePlan, request: PlanRequest, fp8: tuple[int, int]
             f"({hint})")
 
 
-def _notes(shape: ModelShape, plan: EnginePlan, max_model_len: int) -> tuple[str, ...]:
+def _notes(shape: ModelShape, fmt: WeightFormat, plan: EnginePlan, vllm: EnginePlan | None,
+           max_model_len: int) -> tuple[str, ...]:
     notes = []
-    if shape.vision is not None:
-        notes.append(f"vision tower: {shape.vision.params / 1e9:.2f}B parameters, counted apart and not "
+    vision = shape.vision
+    if vision is not None and vision.loaded_by_vllm:
+        loaded = vllm.stages[0].vision_bytes if vllm is not None else vision_weight_bytes(shape, fmt)
+        notes.append(f"{vision.name}: {vision.params / 1e9:.2f}B parameters, {_gib(loaded)} in {fmt.dtype}, "
+                     "not in tandem's weights (it serves the text decoder only); vLLM builds it on every "
+                     "rank, counted whole in its column (as its recipe's --mm-encoder-tp-mode data; the "
+                     "default mode shards the tower's matmuls over tp)")
+    elif vision is not None:
+        notes.append(f"vision tower: {vision.params / 1e9:.2f}B parameters, counted apart and not "
                      "in the weights (a text-only server does not load it)")
+    if shape.mla is not None and plan.stages[0].ranks > 1:
+        notes.append(f"MLA caches one {shape.mla.kv_lora_rank + shape.mla.qk_rope_head_dim}-value latent per "
+                     "token and layer, whole on every tp rank (vLLM replicates it too): tp does not add KV "
+                     "capacity")
     if shape.mtp_layers:
         notes.append(f"{shape.mtp_layers} multi-token-prediction layer(s) in the checkpoint, not loaded "
                      "(only speculative decoding would use them)")

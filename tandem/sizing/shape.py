@@ -2,7 +2,9 @@
 
 The plan never loads weights, so everything it knows about a model comes from here: the
 dimensions, which layers are MoE, whether attention is GQA or MLA, and the dtype the
-checkpoint ships in (including DeepSeek-style FP8 block quantisation). Each supported
+checkpoint ships in (including DeepSeek-style FP8 block quantisation and compressed-tensors'
+packed integer weights, quant.py). Multimodal wrappers (Llama 4, Kimi K2.5) are read as their
+text decoder, with the vision tower counted apart (`VisionShape`). Each supported
 architecture family has one reader; anything else is refused with the list of what is
 supported, because guessing shapes for an unknown architecture would print a confident,
 wrong plan.
@@ -20,11 +22,17 @@ from typing import Any
 
 from tandem.sizing.errors import PlanError
 from tandem.sizing.experts import expert_layout
+from tandem.sizing.quant import CompressedTensors, read_compressed_tensors
 
-# The architectures the plan reads, by family. Kimi-K2 ships as DeepseekV3ForCausalLM.
+# The architectures the plan reads, by family. Kimi-K2 ships as DeepseekV3ForCausalLM, Kimi K2.5
+# as KimiK25ForConditionalGeneration: a DeepseekV3ForCausalLM under `text_config` + MoonViT.
 DENSE_GQA = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED = (*DENSE_GQA, "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
-             "Llama4ForConditionalGeneration")
+             "Llama4ForConditionalGeneration", "KimiK25ForConditionalGeneration")
+# Where the module names tensors.py gives (HF's `model.layers.N.self_attn.q_proj`,
+# `model.layers.N.mlp.experts.E.up_proj`, `lm_head`) are the checkpoint's, so compressed-tensors'
+# name rules can be matched against them.
+COMPRESSED_TENSORS_ARCHS = (*DENSE_GQA, "DeepseekV3ForCausalLM")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -107,9 +115,14 @@ class MoEShape:
 
 @dataclass(frozen=True)
 class VisionShape:
-    """Llama 4's vision tower + projector, counted apart: a text-only plan does not load it."""
+    """A vision tower + projector, counted apart: tandem serves the text decoder only.
+
+    `loaded_by_vllm`: vLLM's model class builds it on every rank, so its column counts it
+    (Kimi K2.5); False keeps it out of both columns (Llama 4, as planned before)."""
 
     params: int
+    name: str = "vision tower"
+    loaded_by_vllm: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,7 @@ class ModelShape:
     dtype: str  # the checkpoint's compute dtype: float32 | bfloat16 | float16
     fp8_block: tuple[int, int] | None  # FP8 e4m3 weights with one fp32 scale per block
     max_position_embeddings: int
+    int_quant: CompressedTensors | None = None  # compressed-tensors packed integer weights
     mla: MLAShape | None = None
     moe: MoEShape | None = None
     vision: VisionShape | None = None
@@ -152,6 +166,8 @@ def read_shape(config: dict[str, Any], name: str = "") -> ModelShape:
     try:
         if arch == "Llama4ForConditionalGeneration":
             return _llama4(config, name)
+        if arch == "KimiK25ForConditionalGeneration":
+            return _kimi_k25(config, name)
         return _decoder(config, config, arch, name)
     except KeyError as exc:
         raise PlanError(f"config.json of {arch} has no {exc.args[0]!r}") from None
@@ -168,16 +184,26 @@ def _dtype(*sources: dict[str, Any]) -> str:
     return "bfloat16"
 
 
-def _fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
-    quant = config.get("quantization_config") or {}
+def _quantization(arch: str, *sources: dict[str, Any]
+                  ) -> tuple[tuple[int, int] | None, CompressedTensors | None]:
+    """(FP8 block, compressed-tensors scheme) of the first `quantization_config` among
+    `sources` (a wrapper's top level, then its text_config); (None, None) if there is none."""
+    quant = next((s["quantization_config"] for s in sources if s.get("quantization_config")), None)
     if not quant:
-        return None
-    if quant.get("quant_method") != "fp8" or not quant.get("weight_block_size"):
-        raise PlanError(f"quantization {quant.get('quant_method')!r} is not supported by the memory "
-                        "plan (only FP8 with weight_block_size, as DeepSeek-V3 ships); pass --dtype "
-                        "to plan the model unquantised")
+        return None, None
+    method = quant.get("quant_method")
+    if method == "compressed-tensors":
+        if arch not in COMPRESSED_TENSORS_ARCHS:
+            raise PlanError(f"compressed-tensors checkpoints of {arch} are not supported by the memory "
+                            f"plan (only {', '.join(COMPRESSED_TENSORS_ARCHS)}, whose module names it "
+                            "matches the quantization rules against); pass --dtype to plan it unquantised")
+        return None, read_compressed_tensors(quant)
+    if method != "fp8" or not quant.get("weight_block_size"):
+        raise PlanError(f"quantization {method!r} is not supported by the memory plan (only FP8 with "
+                        "weight_block_size, as DeepSeek-V3 ships, and compressed-tensors pack-quantized "
+                        "integers, as Kimi K2.5 ships); pass --dtype to plan the model unquantised")
     rows, cols = quant["weight_block_size"]
-    return int(rows), int(cols)
+    return (int(rows), int(cols)), None
 
 
 def _decoder(text: dict[str, Any], top: dict[str, Any], arch: str, name: str) -> ModelShape:
@@ -185,6 +211,7 @@ def _decoder(text: dict[str, Any], top: dict[str, Any], arch: str, name: str) ->
     dims = read_decoder_dims(arch, text, top)
     if arch == "DeepseekV3ForCausalLM" and dims.mla is None:
         raise KeyError("kv_lora_rank")
+    fp8_block, int_quant = _quantization(arch, top, text)
     return ModelShape(
         name=name, architecture=arch,
         vocab_size=dims.vocab_size, hidden_size=dims.hidden_size,
@@ -193,7 +220,7 @@ def _decoder(text: dict[str, Any], top: dict[str, Any], arch: str, name: str) ->
         intermediate_size=dims.intermediate_size,
         tie_word_embeddings=dims.tie_word_embeddings,
         qkv_bias=dims.qkv_bias, o_bias=dims.o_bias, qk_norm=dims.qk_norm,
-        dtype=_dtype(text, top), fp8_block=_fp8_block(top) or _fp8_block(text),
+        dtype=_dtype(text, top), fp8_block=fp8_block, int_quant=int_quant,
         max_position_embeddings=dims.max_position_embeddings,
         mla=dims.mla, moe=_moe(arch, text), mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
     )
@@ -223,6 +250,9 @@ def _llama4(config: dict[str, Any], name: str) -> ModelShape:
     """Llama 4: the text decoder from `text_config`; the vision tower counted apart."""
     text = config["text_config"]
     shape = _decoder(text, config, "LlamaForCausalLM", name)
+    if shape.int_quant is not None:  # its experts are fused 3-D tensors, not Linear modules
+        raise PlanError("compressed-tensors checkpoints of Llama4ForConditionalGeneration are not supported "
+                        "by the memory plan; pass --dtype to plan it unquantised")
     intermediate = int(text["intermediate_size"])  # the experts'; dense layers' is intermediate_size_mlp
     moe = _moe("Llama4ForConditionalGeneration", text)
     vision = config.get("vision_config")
@@ -254,3 +284,46 @@ def _llama4_vision_params(vision: dict[str, Any], text_hidden: int) -> int:
             + int(vision["num_hidden_layers"]) * layer
             + adapter_in * proj_in + proj_in * proj_out  # pixel-shuffle MLP
             + int(vision["vision_output_dim"]) * text_hidden)  # multi_modal_projector
+
+
+def _kimi_k25(config: dict[str, Any], name: str) -> ModelShape:
+    """Kimi K2.5: a DeepSeek-V3 decoder under `text_config` (the wrapper's ids and its copy of
+    the quantization_config on top), and MoonViT + the patch-merger projector beside it."""
+    text = config["text_config"]
+    shape = _decoder(text, config, "DeepseekV3ForCausalLM", name)
+    vision = config.get("vision_config")
+    return ModelShape(**{
+        **shape.__dict__,
+        "architecture": "KimiK25ForConditionalGeneration",
+        "vision": VisionShape(_moonvit_params(vision, shape.hidden_size), "MoonViT vision tower + projector",
+                              loaded_by_vllm=True) if vision else None,
+    })
+
+
+def _moonvit_params(vision: dict[str, Any], text_hidden: int) -> int:
+    """Parameters of Kimi K2.5's MoonViT and its patch-merger projector, as the checkpoint
+    stores them (`vision_tower.*`, `mm_projector.*`)."""
+    for key, known in (("pos_emb_type", "divided_fixed"), ("mm_projector_type", "patchmerger")):
+        if vision.get(key, known) != known:
+            raise PlanError(f"Kimi K2.5 vision_config {key} {vision[key]!r} is not supported by the memory "
+                            f"plan (only {known!r})")
+    hidden = int(vision["vt_hidden_size"])
+    inter = int(vision["vt_intermediate_size"])
+    patch = int(vision["patch_size"])
+    block = (3 * hidden * hidden + 3 * hidden  # wqkv with bias
+             + hidden * hidden + hidden  # wo
+             + inter * hidden + inter + hidden * inter + hidden  # mlp.fc0, mlp.fc1
+             + 4 * hidden)  # norm0, norm1: LayerNorm weight and bias
+    tower = (3 * patch * patch * hidden + hidden  # patch_embed.proj: a Conv2d over RGB, with bias
+             # the learned 2-D position embedding (its temporal part is a fixed sin-cos buffer)
+             + int(vision["init_pos_emb_height"]) * int(vision["init_pos_emb_width"]) * hidden
+             + int(vision["vt_num_hidden_layers"]) * block
+             + 2 * hidden)  # encoder.final_layernorm
+    mm_hidden = int(vision.get("mm_hidden_size") or hidden)
+    merge_h, merge_w = vision.get("merge_kernel_size") or (2, 2)
+    merged = mm_hidden * int(merge_h) * int(merge_w)  # 2 x 2 patches concatenated
+    out = int(vision.get("text_hidden_size") or text_hidden)
+    projector = (2 * mm_hidden  # pre_norm: LayerNorm weight and bias
+                 + merged * merged + merged  # proj.0
+                 + out * merged + out)  # proj.2 (proj.1 is the GELU)
+    return tower + projector

@@ -14,10 +14,13 @@ Rules (vLLM's, which tandem will follow when it runs sharded):
 - Expert parallelism (`--ep`): the routed experts are dealt out whole over the tp ranks
   (num_experts / tp each); attention, dense MLPs and shared experts stay tensor-parallel.
 
-Bytes: every tensor in the model dtype, except FP8 block-quantised checkpoints (DeepSeek-V3,
-Kimi-K2), where matmul weights are 1 byte per parameter plus one float32 scale per
-128 x 128 block of each rank's slice; embeddings, LM head, norms and router stay in the
-model dtype, DeepSeek's router bias in float32.
+Bytes: every tensor in the model dtype, except
+- FP8 block-quantised checkpoints (DeepSeek-V3, Kimi-K2), where matmul weights are 1 byte per
+  parameter plus one float32 scale per 128 x 128 block of each rank's slice; embeddings, LM
+  head, norms and router stay in the model dtype, DeepSeek's router bias in float32;
+- compressed-tensors pack-quantized checkpoints (Kimi K2.5), where each matmul weight its rules
+  quantize is packed integers + a scale per group (+ packed zero points, group indices) + its
+  shape, for each rank's slice (quant.py); the rest stays in the model dtype.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.sizing.errors import PlanError
+from tandem.sizing.quant import CompressedTensors, IntScheme
 from tandem.sizing.shape import DTYPE_BYTES, ModelShape
 from tandem.sizing.tensors import (
+    Part,
     Split,
     Tensor,
     embedding_tensors,
     head_tensors,
     layer_tensors,
+    model_tensors,
 )
 
 
@@ -56,16 +62,34 @@ class Parallel:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """What the weights are stored in: a dtype, and optionally FP8 blocks for matmul weights."""
+    """What the weights are stored in: a dtype, and optionally FP8 blocks for matmul weights
+    or compressed-tensors packed integers for the matmul weights its rules name."""
 
-    dtype: str  # float32 | bfloat16 | float16: everything not FP8, and the activations
+    dtype: str  # float32 | bfloat16 | float16: everything not quantized, and the activations
     fp8_block: tuple[int, int] | None = None
+    int_quant: CompressedTensors | None = None
 
     def __str__(self) -> str:
         if self.fp8_block:
             rows, cols = self.fp8_block
             return f"fp8 e4m3 ({rows}x{cols} blocks, fp32 scales; rest {self.dtype})"
+        if self.int_quant:
+            return f"compressed-tensors pack-quantized {self.int_quant}; rest {self.dtype}"
         return self.dtype
+
+
+def int_scheme(t: Tensor, fmt: WeightFormat) -> IntScheme | None:
+    """The packed-integer scheme `t` is stored in, None if it is in the model dtype: only
+    nn.Linear weights (the matmuls and the LM head) that the checkpoint's rules quantize."""
+    if fmt.int_quant is None or not t.module or not (t.linear or t.part is Part.LM_HEAD):
+        return None
+    return fmt.int_quant.scheme_for(t.module, t.experts)
+
+
+def quantized_parts(shape: ModelShape, fmt: WeightFormat) -> list[str]:
+    """The components (`Part` values) whose weights `fmt` stores as packed integers."""
+    parts = {t.part.value for t in model_tensors(shape) if int_scheme(t, fmt)}
+    return [part.value for part in Part if part.value in parts]
 
 
 @dataclass(frozen=True)
@@ -131,6 +155,33 @@ def validate(shape: ModelShape, parallel: Parallel, fmt: WeightFormat) -> None:
             raise PlanError(f"tp {tp} does not divide the shared expert's width {moe.shared_intermediate}")
     if fmt.fp8_block and tp > 1:
         _check_fp8_blocks(shape, parallel, fmt.fp8_block)
+    if fmt.int_quant and tp > 1:
+        _check_int_groups(shape, parallel, fmt)
+
+
+def _check_int_groups(shape: ModelShape, parallel: Parallel, fmt: WeightFormat) -> None:
+    """Each rank's slice of a packed-integer weight must be whole groups of its input columns
+    (vLLM's WNA16 layers refuse a row-parallel slice that splits a group) and whole int32 words
+    of zero points."""
+    seen: set[str] = set()
+    for stage in stages(shape, Parallel(parallel.tp, 1, parallel.ep)):
+        for t in stage.tensors:
+            scheme = int_scheme(t, fmt)
+            if scheme is None or t.name in seen or (t.experts and parallel.ep):
+                continue
+            seen.add(t.name)
+            rows, cols, _ = shard_shape(t, parallel)
+            hint = "; --ep keeps experts whole" if t.experts else ""
+            if t.split is Split.ROW and scheme.strategy == "group" and cols % scheme.group_size:
+                raise PlanError(f"{scheme} weights need whole groups on each rank: {t.name} has {t.cols} input "
+                                f"columns, {cols} per rank at tp {parallel.tp}, not a multiple of "
+                                f"{scheme.group_size}{hint}")
+            if t.split is Split.ROW and cols % scheme.per_word:
+                raise PlanError(f"{scheme} weights pack {scheme.per_word} columns a word: {t.name} has {cols} "
+                                f"per rank at tp {parallel.tp}{hint}")
+            if not scheme.symmetric and t.split in (Split.COLUMN, Split.KV_HEADS) and rows % scheme.per_word:
+                raise PlanError(f"{scheme} zero points pack {scheme.per_word} rows a word: {t.name} has {rows} "
+                                f"rows per rank at tp {parallel.tp}{hint}")
 
 
 def _check_fp8_blocks(shape: ModelShape, parallel: Parallel, block: tuple[int, int]) -> None:
@@ -173,10 +224,13 @@ def shard_shape(t: Tensor, parallel: Parallel) -> tuple[int, int, int]:
 
 
 def tensor_bytes(t: Tensor, parallel: Parallel, fmt: WeightFormat) -> int:
-    """Bytes of `t` on one rank, FP8 block scales included."""
+    """Bytes of `t` on one rank, FP8 block scales and packed-integer scales included."""
     rows, cols, copies = shard_shape(t, parallel)
     if t.fp32:
         return rows * cols * copies * 4
+    scheme = int_scheme(t, fmt)
+    if scheme is not None:
+        return copies * scheme.matrix_bytes(rows, cols, DTYPE_BYTES[fmt.dtype])
     if t.linear and fmt.fp8_block:
         br, bc = fmt.fp8_block
         scales = -(-rows // br) * -(-cols // bc)

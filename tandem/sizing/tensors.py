@@ -8,7 +8,9 @@ knows the architectures.
 
 Shapes follow the HF modeling code (`modeling_llama`, `modeling_qwen2/3`, `modeling_qwen3_moe`,
 `modeling_mixtral`, `modeling_deepseek_v3`, `modeling_llama4`): an nn.Linear(in, out) weight is
-`rows=out, cols=in`.
+`rows=out, cols=in`. Each tensor also carries its module's name in the HF text model
+(`model.layers.3.self_attn.q_a_proj`, `model.layers.3.mlp.experts.{expert}.up_proj`,
+`lm_head`), which a compressed-tensors checkpoint's rules are matched against (quant.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Tensor:
     experts: int = 0  # > 0: a routed expert's weight, `experts` copies
     heads: int = 0  # Split.KV_HEADS: the number of heads in `rows`
     fp32: bool = False  # kept in float32 whatever the model dtype (DeepSeek's router bias)
+    module: str = ""  # the HF module's name in the text model ("{expert}" for the expert index)
 
     @property
     def numel(self) -> int:
@@ -63,16 +66,17 @@ class Tensor:
 
 
 def _linear(name: str, part: Part, out: int, inp: int, split: Split, experts: int = 0,
-            heads: int = 0) -> Tensor:
-    return Tensor(name, part, out, inp, split, linear=True, experts=experts, heads=heads)
+            heads: int = 0, module: str = "") -> Tensor:
+    return Tensor(name, part, out, inp, split, linear=True, experts=experts, heads=heads, module=module)
 
 
 def _mlp(prefix: str, part: Part, hidden: int, width: int, experts: int = 0,
-         bias: bool = False) -> list[Tensor]:
-    """A SwiGLU MLP: gate and up (column-parallel), down (row-parallel)."""
-    tensors = [_linear(f"{prefix}.gate_proj", part, width, hidden, Split.COLUMN, experts),
-               _linear(f"{prefix}.up_proj", part, width, hidden, Split.COLUMN, experts),
-               _linear(f"{prefix}.down_proj", part, hidden, width, Split.ROW, experts)]
+         bias: bool = False, module: str = "") -> list[Tensor]:
+    """A SwiGLU MLP: gate and up (column-parallel), down (row-parallel); `module` is its HF
+    module's name (the projections are `module.gate_proj` etc.)."""
+    tensors = [_linear(f"{prefix}.gate_proj", part, width, hidden, Split.COLUMN, experts, module=f"{module}.gate_proj"),
+               _linear(f"{prefix}.up_proj", part, width, hidden, Split.COLUMN, experts, module=f"{module}.up_proj"),
+               _linear(f"{prefix}.down_proj", part, hidden, width, Split.ROW, experts, module=f"{module}.down_proj")]
     if bias:
         tensors += [Tensor(f"{prefix}.gate_proj.bias", part, width, split=Split.COLUMN),
                     Tensor(f"{prefix}.up_proj.bias", part, width, split=Split.COLUMN),
@@ -80,31 +84,35 @@ def _mlp(prefix: str, part: Part, hidden: int, width: int, experts: int = 0,
     return tensors
 
 
-def attention_tensors(shape: ModelShape) -> list[Tensor]:
+def attention_tensors(shape: ModelShape, layer: int = 0) -> list[Tensor]:
     """One layer's attention: GQA (q/k/v/o, biases, Qwen3's q/k norms) or DeepSeek's MLA."""
     h, a = shape.hidden_size, Part.ATTENTION
+    attn = f"model.layers.{layer}.self_attn"
+
+    def lin(name: str, out: int, inp: int, split: Split, heads: int = 0) -> Tensor:
+        return _linear(name, a, out, inp, split, heads=heads, module=f"{attn}.{name}")
+
     if shape.mla is not None:
         m, heads = shape.mla, shape.num_heads
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
-            q = [_linear("q_a_proj", a, m.q_lora_rank, h, Split.REPLICATED),
+            q = [lin("q_a_proj", m.q_lora_rank, h, Split.REPLICATED),
                  Tensor("q_a_layernorm", a, m.q_lora_rank),
-                 _linear("q_b_proj", a, heads * qk_head, m.q_lora_rank, Split.COLUMN)]
+                 lin("q_b_proj", heads * qk_head, m.q_lora_rank, Split.COLUMN)]
         else:
-            q = [_linear("q_proj", a, heads * qk_head, h, Split.COLUMN)]
+            q = [lin("q_proj", heads * qk_head, h, Split.COLUMN)]
         return [*q,
-                _linear("kv_a_proj_with_mqa", a, m.kv_lora_rank + m.qk_rope_head_dim, h, Split.REPLICATED),
+                lin("kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, h, Split.REPLICATED),
                 Tensor("kv_a_layernorm", a, m.kv_lora_rank),
-                _linear("kv_b_proj", a, heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank,
-                        Split.COLUMN),
-                _linear("o_proj", a, h, heads * m.v_head_dim, Split.ROW)]
+                lin("kv_b_proj", heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, Split.COLUMN),
+                lin("o_proj", h, heads * m.v_head_dim, Split.ROW)]
     q_width = shape.num_heads * shape.head_dim
     kv_width = shape.num_kv_heads * shape.head_dim
     kv = shape.num_kv_heads
-    tensors = [_linear("q_proj", a, q_width, h, Split.COLUMN),
-               _linear("k_proj", a, kv_width, h, Split.KV_HEADS, heads=kv),
-               _linear("v_proj", a, kv_width, h, Split.KV_HEADS, heads=kv),
-               _linear("o_proj", a, h, q_width, Split.ROW)]
+    tensors = [lin("q_proj", q_width, h, Split.COLUMN),
+               lin("k_proj", kv_width, h, Split.KV_HEADS, heads=kv),
+               lin("v_proj", kv_width, h, Split.KV_HEADS, heads=kv),
+               lin("o_proj", h, q_width, Split.ROW)]
     if shape.qkv_bias:
         tensors += [Tensor("q_proj.bias", a, q_width, split=Split.COLUMN),
                     Tensor("k_proj.bias", a, kv_width, split=Split.KV_HEADS, heads=kv),
@@ -120,21 +128,26 @@ def layer_tensors(shape: ModelShape, layer: int) -> list[Tensor]:
     """Decoder layer `layer`: its two norms, attention, and a dense MLP or a MoE block."""
     h = shape.hidden_size
     tensors = [Tensor("input_layernorm", Part.NORMS, h), Tensor("post_attention_layernorm", Part.NORMS, h),
-               *attention_tensors(shape)]
+               *attention_tensors(shape, layer)]
+    mlp = f"model.layers.{layer}.mlp"  # DeepSeek's and Qwen's names (quant.py matches them)
     moe = shape.moe
     if moe is None or layer not in moe.layers:
-        return tensors + _mlp("mlp", Part.DENSE_MLP, h, shape.intermediate_size, bias=False)
-    tensors.append(Tensor("router", Part.ROUTER, moe.num_experts, h))
+        return tensors + _mlp("mlp", Part.DENSE_MLP, h, shape.intermediate_size, bias=False, module=mlp)
+    # the router (DeepSeek's MoEGate) is no nn.Linear: never quantized
+    tensors.append(Tensor("router", Part.ROUTER, moe.num_experts, h, module=f"{mlp}.gate"))
     if moe.router_bias:
         tensors.append(Tensor("router.e_score_correction_bias", Part.ROUTER, moe.num_experts, fp32=True))
-    tensors += _mlp("experts", Part.ROUTED_EXPERTS, h, moe.expert_intermediate, experts=moe.num_experts)
+    tensors += _mlp("experts", Part.ROUTED_EXPERTS, h, moe.expert_intermediate, experts=moe.num_experts,
+                    module=f"{mlp}.experts.{{expert}}")
     if moe.shared_intermediate:
-        tensors += _mlp("shared_expert", Part.SHARED_EXPERTS, h, moe.shared_intermediate)
+        tensors += _mlp("shared_expert", Part.SHARED_EXPERTS, h, moe.shared_intermediate,
+                        module=f"{mlp}.shared_experts")
     return tensors
 
 
 def embedding_tensors(shape: ModelShape) -> list[Tensor]:
-    return [Tensor("embed_tokens", Part.EMBEDDING, shape.vocab_size, shape.hidden_size, Split.VOCAB)]
+    return [Tensor("embed_tokens", Part.EMBEDDING, shape.vocab_size, shape.hidden_size, Split.VOCAB,
+                   module="model.embed_tokens")]
 
 
 def head_tensors(shape: ModelShape, separate_copy: bool = False) -> list[Tensor]:
@@ -142,7 +155,10 @@ def head_tensors(shape: ModelShape, separate_copy: bool = False) -> list[Tensor]
     (a last pipeline stage that does not hold the embedding keeps its own copy)."""
     tensors = [Tensor("norm", Part.NORMS, shape.hidden_size)]
     if not shape.tie_word_embeddings or separate_copy:
-        tensors.append(Tensor("lm_head", Part.LM_HEAD, shape.vocab_size, shape.hidden_size, Split.VOCAB))
+        # not `linear`: FP8 checkpoints keep it in the model dtype (compressed-tensors ones
+        # quantize it unless `ignore` names it, sharding.int_scheme)
+        tensors.append(Tensor("lm_head", Part.LM_HEAD, shape.vocab_size, shape.hidden_size, Split.VOCAB,
+                              module="lm_head"))
     return tensors
 
 
