@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.offline_layouts import (
+    dense_experts_config,
     format_breakdown_table,
     format_ceilings,
     format_layout_table,
@@ -49,6 +50,7 @@ from tandem.bench.offline_layouts import (
     mean_breakdown,
     parse_layout,
     plot_breakdown,
+    wants_dense_experts,
 )
 from tandem.bench.offline_report import format_table, plot, ratio_rows, token_agreement
 from tandem.bench.offline_workloads import (
@@ -164,6 +166,9 @@ def select_engines(args: argparse.Namespace) -> list[str]:
         layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
         for layout in layouts:
             parse_layout(layout)
+            if wants_dense_experts(layout) and args.load_format != "dummy":
+                raise ValueError(f"layout {layout!r} needs --load-format dummy: a checkpoint's INT4 experts have "
+                                 "no run-dtype weights to load")
         return [f"tandem@{layout}" for layout in dict.fromkeys(layouts)]
     if args.engines is None:
         engines = ["tandem", "transformers"] + [
@@ -203,6 +208,11 @@ def engine_args(engine: str, args: argparse.Namespace, hf_dir: Path, kv_bytes: i
         values = engine_args("tandem", args, hf_dir, kv_bytes)
         values.update(parse_layout(layout_of(engine)))
         values["world_size"] = 1  # set by the layout's sizes
+        if wants_dense_experts(layout_of(engine)):
+            if args.load_format != "dummy":
+                raise ValueError(f"layout {layout_of(engine)!r} needs --load-format dummy: a checkpoint's INT4 "
+                                 "experts have no run-dtype weights to load")
+            values["model"] = str(dense_experts_config(hf_dir))
         return values
     if engine == "tandem":
         # Every engine flag, turned into `tandem.LLM` keywords in the worker (tandem.flags.engine), so a
@@ -325,7 +335,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from tandem.config import parse_memory_size
+    from tandem.config import ModelConfig, parse_memory_size
     from tandem.loader.resolve import resolve_model
 
     workload_names, engines = select_runs(args)
@@ -335,8 +345,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
     # The peers' checkpoint is always float32; dummy weights need only the config.
     resolved = resolve_model(args.model, "float32" if args.load_format != "dummy" else args.dtype)
     args.gguf_path = resolved.source if resolved.source.suffix == ".gguf" else None
-    hf_config = json.loads((resolved.hf_dir / "config.json").read_text())
-    vocab_size = int(hf_config["vocab_size"])
+    # a multimodal wrapper's (Kimi K2.5) under text_config
+    vocab_size = ModelConfig.from_hf(json.loads((resolved.hf_dir / "config.json").read_text())).vocab_size
     workloads = {name: build_workload(name, vocab_size, args.scale, args.workload_seed) for name in workload_names}
 
     output_dir = Path(args.output_dir)
@@ -427,7 +437,8 @@ def _report_layouts(args: argparse.Namespace, resolved: Any, engines: list[str],
              f"scale {args.scale:g}, {os.cpu_count()} CPUs")
     table = format_layout_table(results, engines, title)
     breakdown = format_breakdown_table(results, engines)
-    ceilings = machine_ceilings(resolved.hf_dir, args.dtype, workloads)
+    variants = {layout_of(e): dense_experts_config(resolved.hf_dir) for e in engines if wants_dense_experts(layout_of(e))}
+    ceilings = machine_ceilings(resolved.hf_dir, args.dtype, workloads, variants)
     table += "\n\n" + format_ceilings(ceilings, results, engines)
     report = {
         "schema": SCHEMA, "created": dt.datetime.now().isoformat(timespec="seconds"), "command": sys.argv,

@@ -10,17 +10,26 @@ reports where a step's time goes, per phase (tandem/platform/profiling.py), aver
 attention (projections and the attention itself), MoE routing, the experts' GEMMs, the
 all-to-all dispatch and combine (and the all-gather after it), the tensor-parallel
 all-reduces, the pipeline's sends and its wait for the previous stage, and the rest.
+
+`+dense-experts` runs a layout on the same config with its `quantization_config` dropped:
+a model whose routed experts ship as INT4 (Kimi K2.5) then holds them in the run dtype, so
+`--layouts tp1,tp1+dense-experts` puts the packed experts beside bf16 ones (with
+`--load-format dummy`: a checkpoint has no bf16 experts to load).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from tandem.bench.offline_report import METRICS, WORKLOAD_METRICS, _cell, _ratio_cell, ratio
 
 _PART = re.compile(r"^(tp|pp|ep)(\d+)$")
+DENSE_EXPERTS = "dense-experts"
 
 # Report columns of the step breakdown: (label, the phases summed into it).
 BREAKDOWN_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -38,15 +47,39 @@ def parse_layout(name: str) -> dict[str, Any]:
     """tandem.LLM keywords for a layout name ("tp2", "pp2", "ep2", "tp2+pp2", "tp1")."""
     sizes = {"tp": 1, "pp": 1, "ep": 1}
     for part in name.split("+"):
+        if part.strip() == DENSE_EXPERTS:
+            continue  # the config, not the split (dense_experts_config)
         match = _PART.match(part.strip())
         if match is None or int(match.group(2)) < 1:
-            raise ValueError(f"layout {name!r}: each part is tpN, ppN or epN (e.g. tp2, pp2, ep2, tp2+pp2)")
+            raise ValueError(f"layout {name!r}: each part is tpN, ppN, epN or {DENSE_EXPERTS} (e.g. tp2, pp2, ep2, "
+                             f"tp2+pp2, tp1+{DENSE_EXPERTS})")
         sizes[match.group(1)] = int(match.group(2))
     if sizes["ep"] > 1 and sizes["tp"] not in (1, sizes["ep"]):
         raise ValueError(f"layout {name!r}: experts are sharded over the tensor-parallel ranks, so epN needs tpN "
                          "alike or none")
     return {"tensor_parallel_size": max(sizes["tp"], sizes["ep"]), "pipeline_parallel_size": sizes["pp"],
             "enable_expert_parallel": sizes["ep"] > 1}
+
+
+def wants_dense_experts(layout: str) -> bool:
+    return DENSE_EXPERTS in (part.strip() for part in layout.split("+"))
+
+
+def dense_experts_config(hf_dir: Path) -> Path:
+    """A directory beside nothing else: `hf_dir`'s config.json without its quantization_config
+    (top level and text_config), for a dummy-weight run with the experts in the run dtype."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].pop("quantization_config", None)
+    text = json.dumps(config, indent=2, sort_keys=True)
+    directory = Path(tempfile.gettempdir()) / f"tandem-dense-experts-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(text)
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (Path(hf_dir) / extra).is_file() and not (directory / extra).exists():
+            (directory / extra).write_bytes((Path(hf_dir) / extra).read_bytes())
+    return directory
 
 
 def layout_of(engine: str) -> str:
@@ -136,7 +169,8 @@ def plot_breakdown(results: dict[str, dict[str, dict[str, Any]]], engines: list[
     return path
 
 
-def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dict[str, Any]:
+def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
+                     variants: dict[str, Path] | None = None) -> dict[str, Any]:
     """The best this machine could do on each workload, from the model's shape and two rates
     measured now: a `dtype` matmul on every core, and a memory copy.
 
@@ -155,7 +189,6 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
         memory_read_bytes_per_s,
     )
     from tandem.sizing.shape import read_shape
-    from tandem.sizing.sharding import DTYPE_BYTES
     from tandem.sizing.tensors import count_params
 
     shape = read_shape(json.loads((Path(hf_dir) / "config.json").read_text()))
@@ -165,7 +198,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
     # it can pass this ceiling)
     bandwidth = memory_copy_bytes_per_s(256 << 20)
     read = memory_read_bytes_per_s(256 << 20)
-    weight_bytes = params.total * DTYPE_BYTES[dtype]
+    weight_bytes = stored_weight_bytes(hf_dir, dtype)
     per_token = 2 * params.active
     per_prompt_token = per_token - 2 * shape.vocab_size * shape.hidden_size
     ceilings: dict[str, Any] = {"matmul_flops_per_s": flops, "memory_bytes_per_s": bandwidth,
@@ -180,7 +213,34 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any]) -> dic
             batch = len(workload.prompts)
             step = max(weight_bytes / bandwidth, batch * per_token / flops)
             ceilings[name] = ("output_tok_s", batch / step)
+    # a layout on another config (+dense-experts) reads other bytes: its own read-bound limits
+    by_layout: dict[str, dict[str, float]] = {}
+    for layout, other_dir in (variants or {}).items():
+        other_bytes = stored_weight_bytes(other_dir, dtype)
+        limits = by_layout[layout] = {"weight_bytes": other_bytes}
+        for name, workload in workloads.items():
+            if name == "single-stream":
+                limits[name] = read / other_bytes
+            elif name == "decode-heavy":
+                batch = len(workload.prompts)
+                limits[name] = batch / max(other_bytes / bandwidth, batch * per_token / flops)
+    if by_layout:
+        ceilings["by_layout"] = by_layout
     return ceilings
+
+
+def stored_weight_bytes(hf_dir: Path, dtype: str) -> int:
+    """The bytes one rank holding the whole model keeps: the run dtype's, except matmuls a
+    compressed-tensors checkpoint ships packed (Kimi K2.5's INT4 experts), at their packed
+    size (tandem keeps them so), as the memory plan counts them."""
+    import json
+
+    from tandem.sizing.shape import read_shape
+    from tandem.sizing.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
+
+    shape = read_shape(json.loads((Path(hf_dir) / "config.json").read_text()))
+    whole = Parallel(1, 1, False)
+    return stage_weight_bytes(stages(shape, whole)[0], whole, WeightFormat(dtype, int_quant=shape.int_quant))
 
 
 def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[str, Any]]], engines: list[str]) -> str:
@@ -188,14 +248,19 @@ def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[
     lines = [f"this machine, measured now: {ceilings['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s matmul, "
              f"{ceilings['memory_bytes_per_s'] / 1e9:.1f} GB/s memory copy"
              + (f", {read / 1e9:.1f} GB/s memory read" if read else "")
-             + f"; the model is {ceilings['weight_bytes'] / 1e9:.2f} GB of weights, "
+             + f"; the model is {ceilings['weight_bytes'] / 1e9:.2f} GB of weights"
+             + "".join(f" ({layout}: {limits['weight_bytes'] / 1e9:.2f} GB)"
+                       for layout, limits in ceilings.get("by_layout", {}).items())
+             + ", "
              f"{ceilings['flops_per_token'] / 1e9:.2f} GFLOP per token. The ceilings below follow from "
              "those rates; a tuned kernel can pass a plain torch.mm's rate, a 4-bit mode reads fewer bytes"]
     for workload, by_engine in results.items():
         if workload not in ceilings:
             continue
         metric, limit = ceilings[workload]
-        shares = ", ".join(f"{layout_of(e) or e} {100 * r[metric] / limit:.0f}%" for e, r in by_engine.items()
-                           if r.get("ok") and r.get(metric))
+        own = ceilings.get("by_layout", {})
+        shares = ", ".join(
+            f"{layout_of(e) or e} {100 * r[metric] / own.get(layout_of(e), {}).get(workload, limit):.0f}%"
+            for e, r in by_engine.items() if r.get("ok") and r.get(metric))
         lines.append(f"  {workload}: {METRICS[metric][0]} <= {limit:,.0f}; reached: {shares}")
     return "\n".join(lines)

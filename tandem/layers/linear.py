@@ -7,6 +7,7 @@ Tensor-parallel variants will shard these along the same row ranges.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,7 +76,16 @@ def onednn_available() -> bool:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
+    """fp32 always; bf16 where oneDNN has a bf16 GEMM for this CPU (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT: an AVX2-only EPYC has neither, and its reorder raises)."""
+    if weight.device.type != "cpu":
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _onednn_bf16())
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from tandem.config import EngineConfig
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.sizing.activation import activation_peak_bytes
 from tandem.sizing.errors import PlanError
-from tandem.sizing.shape import read_shape
+from tandem.sizing.shape import ModelShape, read_shape
 from tandem.sizing.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
 
 # The share of a GPU the engine may use (vLLM's --gpu-memory-utilization default).
@@ -78,12 +78,19 @@ def _split(config: EngineConfig) -> Parallel:
     return Parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.enable_expert_parallel)
 
 
+def engine_weight_format(config: EngineConfig, shape: ModelShape) -> WeightFormat:
+    """How this engine holds the weights: the run dtype, except the matmuls a
+    compressed-tensors checkpoint ships packed (Kimi K2.5's INT4 experts), which stay packed
+    (layers/int4_experts.py) and are sized as stored."""
+    return WeightFormat(config.load.dtype, int_quant=shape.int_quant)
+
+
 def planned_bytes(config: EngineConfig, hf_dir: Path, stage: PipelineStage) -> tuple[int, int]:
     """(weight bytes, activation peak bytes) of a rank of `stage`, from `tandem.sizing`."""
     scheduler, split = config.scheduler, _split(config)
     shape = read_shape(json.loads((hf_dir / "config.json").read_text()))
     planned = stages(shape, split)[stage.index]
-    weights = stage_weight_bytes(planned, split, WeightFormat(config.load.dtype))
+    weights = stage_weight_bytes(planned, split, engine_weight_format(config, shape))
     activation = activation_peak_bytes(shape, split, planned.layers, stage.is_last, config.load.dtype,
                                        scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
     return weights, activation
@@ -97,7 +104,7 @@ def check_weights_fit(config: EngineConfig, hf_dir: Path, stage: PipelineStage, 
     parallel, split = config.parallel, _split(config)
     try:
         shape = read_shape(json.loads((hf_dir / "config.json").read_text()))
-        need = stage_weight_bytes(stages(shape, split)[stage.index], split, WeightFormat(config.load.dtype))
+        need = stage_weight_bytes(stages(shape, split)[stage.index], split, engine_weight_format(config, shape))
     except (PlanError, OSError, ValueError, KeyError, IndexError):
         return  # the plan cannot say; building the model will
     local_ranks = min(world_size, parallel.ranks_per_node)

@@ -67,3 +67,41 @@ def test_prefill_ceiling_leaves_out_the_lm_head(tmp_path, monkeypatch: pytest.Mo
     assert ceilings["flops_per_token"] == pytest.approx(2 * 8.03e9, rel=0.01)
     assert ceilings["prefill-heavy"] == ("prompt_tok_s", pytest.approx(1e12 / (ceilings["flops_per_token"] - 2 * head)))
     assert ceilings["prefill-heavy"][1] == pytest.approx(1e12 / (2 * 7.50e9), rel=0.01)
+
+
+def test_a_dense_experts_layout_runs_the_config_without_its_int4_scheme() -> None:
+    """`tp1+dense-experts` is the INT4 model's own shapes with the experts in the run dtype:
+    its config loses quantization_config (both levels) and nothing else, and the ceilings
+    count its bytes, 2.2x the packed model's on K2.5's shapes."""
+    import json
+
+    from tandem.bench.offline_layouts import (
+        dense_experts_config,
+        parse_layout,
+        stored_weight_bytes,
+        wants_dense_experts,
+    )
+    from tandem.sizing.examples import EXAMPLES_DIR
+
+    mini = EXAMPLES_DIR / "kimi-k2.5-mini"
+    assert parse_layout("tp1+dense-experts") == parse_layout("tp1")
+    assert wants_dense_experts("tp2+dense-experts") and not wants_dense_experts("tp2")
+    dense = dense_experts_config(mini)
+    original, stripped = (json.loads((d / "config.json").read_text()) for d in (mini, dense))
+    assert "quantization_config" not in stripped and "quantization_config" not in stripped["text_config"]
+    original.pop("quantization_config")
+    original["text_config"].pop("quantization_config")
+    assert stripped == original
+    packed, widened = stored_weight_bytes(mini, "bfloat16"), stored_weight_bytes(dense, "bfloat16")
+    assert 2.0 < widened / packed < 2.4
+
+
+def test_a_dense_experts_layout_needs_dummy_weights() -> None:
+    import argparse
+
+    from tandem.bench.offline import select_runs
+
+    args = argparse.Namespace(layouts="tp1,tp1+dense-experts", engines=None, load_format="auto",
+                              workloads="decode-heavy", scale=1.0)
+    with pytest.raises(ValueError, match="needs --load-format dummy"):
+        select_runs(args)
