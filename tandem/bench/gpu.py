@@ -24,6 +24,16 @@ tandem/bench/configs), in bf16, all in one run:
 
 The engine's own memory split (weights, activation plan, KV) is logged as it starts.
 Writes the figures as JSON to --output-dir.
+
+`--int4-moe` measures one kernel instead: the INT4 MoE grouped GEMM
+(tandem/kernels/gpu/int4_moe.py) on Kimi K2.5's routed experts as one rank holds them under
+tensor parallelism over 8 GPUs (all 384 experts, each intermediate / 8) and expert
+parallelism (48 whole experts), --moe-active-experts of them with rows, at 1 to 64 rows an
+expert: the median time of a launch (Triton's do_bench, L2 flushed before each) against
+the copy bound of the bytes it must move (the active experts' packed weights and scales,
+the rows in and out) at the measured copy bandwidth (and at the device's nominal HBM
+bandwidth, where known); the goal is >= 70%. Each shape is checked against a dequantized
+fp32 reference first (bf16: what the CPU interpreter cannot test).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +55,12 @@ from tandem.flags.table import Command, Flag, FlagTable
 CONFIGS = Path(__file__).parent / "configs"
 DECODE_GOAL = 0.85
 PREFILL_GOAL = 0.60
+MOE_GOAL = 0.70
+MOE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # rows an active expert gets (decode: batch x top-k / experts)
+MOE_CONFIG = "kimi-k2"  # tandem/sizing/configs; K2.5's text model has K2's experts (384 of 7168 x 2048)
+MOE_RANKS = 8
+# NVIDIA's datasheet HBM bandwidth (GB/s), by the first name that torch's device name contains
+NOMINAL_HBM_GB_S = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
 
 
 # The model shape, the three runs' sizes and what to skip or add, in one group.
@@ -75,6 +92,15 @@ GPU_FLAGS = FlagTable(None, (
         help="throughput output length (default: 128)",
     ),
     Flag("--no-transformers", switch=True, help="skip transformers' run"),
+    Flag(
+        "--int4-moe", switch=True,
+        help="measure the INT4 MoE GEMM on Kimi K2.5's experts (TP 8 and EP 8 shapes, 1-64 rows an "
+        "expert) against the copy bound of its bytes, instead of the model runs",
+    ),
+    Flag(
+        "--moe-active-experts", default=8, type=int, metavar="N",
+        help="--int4-moe: experts with rows in each launch (default: 8)",
+    ),
     Flag("--no-eager", switch=True, help="skip the --enforce-eager decode run"),
     Flag(
         "--profile", switch=True,
@@ -100,6 +126,8 @@ def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
 def check_gpu(args: argparse.Namespace) -> None:
     """A --config that names no file and no shipped config fails at parse time."""
     config_path(args.config)
+    if args.moe_active_experts < 1:
+        raise ValueError(f"--moe-active-experts {args.moe_active_experts}: at least 1")
 
 
 def config_path(name: str) -> Path:
@@ -261,11 +289,167 @@ def transformers_throughput(torch: Any, config_file: Path, batch: int, prompt_le
     return batch * output_len / seconds
 
 
+@dataclass(frozen=True)
+class MoeCase:
+    """One stacked expert matrix as a rank holds it: `experts` of [n, k] (n outputs)."""
+
+    plan: str  # "TP 8" or "EP 8"
+    name: str  # "w13 + silu" (gate and up, silu-and-mul fused), "w13", "w2"
+    experts: int
+    n: int
+    k: int
+    silu_mul: bool
+
+    @property
+    def width(self) -> int:
+        """Output columns: n, or n / 2 with silu-and-mul fused."""
+        return self.n // 2 if self.silu_mul else self.n
+
+
+def int4_moe_cases(config: dict[str, Any], ranks: int = MOE_RANKS) -> list[MoeCase]:
+    """A MoE config's routed experts on one of `ranks` GPUs: under tensor parallelism every
+    expert with its intermediate split (w13 [E, 2I/r, H], w2 [E, H, I/r]), under expert
+    parallelism E/r experts whole."""
+    text = config.get("text_config", config)
+    hidden, inter, experts = text["hidden_size"], text["moe_intermediate_size"], text["n_routed_experts"]
+    cases = []
+    for plan, stacked, part in ((f"TP {ranks}", experts, inter // ranks), (f"EP {ranks}", experts // ranks, inter)):
+        cases += [MoeCase(plan, "w13 + silu", stacked, 2 * part, hidden, True),
+                  MoeCase(plan, "w13", stacked, 2 * part, hidden, False),
+                  MoeCase(plan, "w2", stacked, hidden, part, False)]
+    return cases
+
+
+def int4_moe_bytes(case: MoeCase, active: int, rows: int, act_bytes: int = 2, scale_bytes: int = 2) -> dict[str, int]:
+    """What one launch must move at least: the active experts' packed weights (half a byte
+    each) and group scales (one per 32), the rows read and the outputs written."""
+    weights = active * (case.n * case.k // 2 + case.n * (case.k // 32) * scale_bytes)
+    m = active * rows
+    return {"weight_bytes": weights, "bytes": weights + m * case.k * act_bytes + m * case.width * act_bytes}
+
+
+def active_offsets(experts: int, active: int, rows: int) -> list[int]:
+    """expert_offsets [E + 1] with `rows` rows for each of `active` experts spread evenly over
+    the stack (0, E/active, 2E/active, ...), none for the others."""
+    chosen = {j * experts // active for j in range(active)}
+    offsets = [0]
+    for e in range(experts):
+        offsets.append(offsets[-1] + (rows if e in chosen else 0))
+    return offsets
+
+
+def nominal_hbm_gb_s(device_name: str) -> float | None:
+    for name, gb_s in NOMINAL_HBM_GB_S:
+        if name in device_name:
+            return gb_s
+    return None
+
+
+def moe_figures(seconds: float, moved: dict[str, int], copy_gb_s: float, nominal_gb_s: float | None) -> dict[str, Any]:
+    """One launch's time against the copy bound of its bytes (measured and nominal bandwidth)."""
+    bound = moved["bytes"] / (copy_gb_s * 1e9)
+    figures = {"us": seconds * 1e6, "gb_s": moved["bytes"] / seconds / 1e9, "bound_us": bound * 1e6,
+               "of_bound": bound / seconds} | moved
+    if nominal_gb_s is not None:
+        figures["of_nominal"] = moved["bytes"] / (nominal_gb_s * 1e9) / seconds
+    return figures
+
+
+def measure_int4_moe(torch: Any, case: MoeCase, active: int, rows_list: tuple[int, ...], timer: Any,
+                     device: str = "cuda") -> dict[str, Any]:
+    """One stacked case: random packed weights and bf16 scales on `device`, then for each row
+    count the seconds `timer(launch)` gives, and at 4 rows (else the first count) the largest
+    error against fp32 over the dequantized weights, relative to each expert's largest output."""
+    from tandem.kernels.gpu.int4_moe import dequantize_int4, int4_moe_config, int4_moe_gemm
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter mangles bf16
+    generator = torch.Generator(device=device).manual_seed(0)
+    packed = torch.randint(-2**31, 2**31 - 1, (case.experts, case.n, case.k // 8), dtype=torch.int32,
+                           device=device, generator=generator)
+    scales = (torch.rand(case.experts, case.n, case.k // 32, device=device, generator=generator) * 0.02
+              + 0.002).to(dtype)
+    entry: dict[str, Any] = {"plan": case.plan, "name": case.name, "experts": case.experts, "n": case.n,
+                             "k": case.k, "rows": {}}
+    checked = 4 if 4 in rows_list else rows_list[0]
+    for rows in rows_list:
+        offsets = active_offsets(case.experts, active, rows)
+        offsets_t = torch.tensor(offsets, dtype=torch.int32, device=device)
+        x = torch.randn(active * rows, case.k, device=device, generator=generator).to(dtype)
+        y = torch.empty(active * rows, case.width, dtype=dtype, device=device)
+
+        def launch(x=x, offsets_t=offsets_t, y=y, rows=rows) -> None:
+            int4_moe_gemm(x, offsets_t, packed, scales, silu_mul=case.silu_mul, max_rows=rows, out=y)
+
+        if rows == checked:
+            launch()
+            worst = 0.0
+            for e in range(case.experts):
+                if offsets[e + 1] > offsets[e]:
+                    want = x[offsets[e]:offsets[e + 1]].float() @ dequantize_int4(packed[e], scales[e]).T
+                    if case.silu_mul:
+                        want = torch.nn.functional.silu(want[:, :case.width]) * want[:, case.width:]
+                    got = y[offsets[e]:offsets[e + 1]].float()
+                    worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+            entry["max_rel_error"] = worst
+        entry["rows"][rows] = {"seconds": timer(launch), "config": int4_moe_config(rows, case.width, case.k)}
+    return entry
+
+
+def run_int4_moe_bench(torch: Any, args: argparse.Namespace) -> int:
+    """`--int4-moe`: the INT4 MoE GEMM on K2.5's expert shapes (see the module's docstring)."""
+    from tandem.kernels.gpu import available
+
+    why = available("cuda")
+    if why is not None:
+        raise ValueError(f"tandem bench gpu --int4-moe: {why}")
+    import triton.testing
+
+    from tandem.sizing.examples import load_config
+
+    def timer(fn: Any) -> float:  # median seconds, L2 flushed before each launch
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+    device = torch.cuda.get_device_name()
+    limits = device_limits(torch)
+    nominal = nominal_hbm_gb_s(device)
+    active = args.moe_active_experts
+    out = Path(args.output_dir) / f"gpu-int4-moe-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    results: dict[str, Any] = {"device": device, "limits": limits, "nominal_hbm_gb_s": nominal,
+                               "active_experts": active, "cases": []}
+    print(f"tandem bench gpu --int4-moe: {device}, copy {limits['copy_gb_s']:.0f} GB/s (read + written), nominal "
+          f"HBM {'?' if nominal is None else f'{nominal:.0f}'} GB/s; Kimi K2.5's experts ({MOE_CONFIG}'s shapes), "
+          f"{active} active, bf16")
+    for case in int4_moe_cases(load_config(MOE_CONFIG)[1]):
+        if active > case.experts:
+            continue
+        entry = measure_int4_moe(torch, case, active, MOE_ROWS, timer)
+        torch.cuda.empty_cache()
+        for rows, measured in entry["rows"].items():
+            measured |= moe_figures(measured["seconds"], int4_moe_bytes(case, active, rows), limits["copy_gb_s"],
+                                    nominal)
+            nominal_part = "" if nominal is None else f" ({measured['of_nominal']:.0%} of nominal)"
+            print(f"{case.plan} {case.name} [{case.experts} x {case.n} x {case.k}], {rows:>2} rows an expert: "
+                  f"{measured['us']:8.1f} us, {measured['gb_s']:5.0f} GB/s = {measured['of_bound']:4.0%} of the "
+                  f"copy bound {measured['bound_us']:.1f} us{nominal_part}")
+        shares = [f["of_bound"] for f in entry["rows"].values()]
+        print(f"{case.plan} {case.name}: {min(shares):.0%}-{max(shares):.0%} of the copy bound (goal {MOE_GOAL:.0%}: "
+              f"{'met' if min(shares) >= MOE_GOAL else 'missed'}); largest error against fp32 "
+              f"{entry['max_rel_error']:.1e} of the output's scale")
+        results["cases"].append(entry)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results | {"args": {k: v for k, v in vars(args).items()
+                                                                       if k not in ("handler", "check")}}, indent=2))
+    print(f"figures: {out / 'results.json'}")
+    return 0
+
+
 def run_gpu_bench(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
         raise ValueError("tandem bench gpu needs a GPU this torch can drive (torch.cuda.is_available() is False)")
+    if args.int4_moe:
+        return run_int4_moe_bench(torch, args)
     source = config_path(args.config)
     config = json.loads(source.read_text())
     shape = weight_shape(config)

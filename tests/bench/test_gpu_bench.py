@@ -59,3 +59,62 @@ def test_an_unknown_config_fails_at_parse_time(capsys) -> None:
         main(["bench", "gpu", "--config", "no-such-model"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.startswith("tandem: error: --config no-such-model: no such file")
+
+
+def test_int4_moe_refuses_without_a_gpu(capsys) -> None:
+    assert main(["bench", "gpu", "--int4-moe"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_int4_moe_active_experts_checked_at_parse_time(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "gpu", "--int4-moe", "--moe-active-experts", "0"])
+    assert exited.value.code == 2
+    assert "--moe-active-experts 0: at least 1" in capsys.readouterr().err
+
+
+def test_int4_moe_cases_are_kimi_k25_experts_on_one_of_8_gpus() -> None:
+    from tandem.bench.gpu import MOE_CONFIG, MoeCase, int4_moe_cases
+    from tandem.sizing.examples import load_config
+
+    cases = int4_moe_cases(load_config(MOE_CONFIG)[1])
+    assert cases == [
+        MoeCase("TP 8", "w13 + silu", 384, 512, 7168, True), MoeCase("TP 8", "w13", 384, 512, 7168, False),
+        MoeCase("TP 8", "w2", 384, 7168, 256, False),
+        MoeCase("EP 8", "w13 + silu", 48, 4096, 7168, True), MoeCase("EP 8", "w13", 48, 4096, 7168, False),
+        MoeCase("EP 8", "w2", 48, 7168, 2048, False),
+    ]
+    assert [c.width for c in cases] == [256, 512, 7168, 2048, 4096, 7168]
+
+
+def test_int4_moe_bytes_and_the_copy_bound() -> None:
+    """Half a byte a weight, a bf16 scale per 32, the rows in and out; the share of the bound
+    at the measured and the nominal bandwidth."""
+    from tandem.bench.gpu import MoeCase, int4_moe_bytes, moe_figures, nominal_hbm_gb_s
+
+    w13 = MoeCase("EP 8", "w13 + silu", 48, 4096, 7168, True)
+    moved = int4_moe_bytes(w13, active=8, rows=2)
+    weights = 8 * (4096 * 7168 // 2 + 4096 * 224 * 2)
+    assert moved == {"weight_bytes": weights, "bytes": weights + 16 * 7168 * 2 + 16 * 2048 * 2}
+    assert weights == 8 * 4096 * 7168 * 0.5625  # 4.5 bits a weight
+    figures = moe_figures(20e-6, {"weight_bytes": 0, "bytes": 60_000_000}, copy_gb_s=4000.0, nominal_gb_s=4800.0)
+    assert figures["bound_us"] == pytest.approx(15.0)
+    assert figures["of_bound"] == pytest.approx(0.75)
+    assert figures["of_nominal"] == pytest.approx(0.625)
+    assert figures["gb_s"] == pytest.approx(3000.0)
+    assert "of_nominal" not in moe_figures(1.0, {"weight_bytes": 0, "bytes": 1}, 1.0, None)
+    assert nominal_hbm_gb_s("NVIDIA H200") == 4800.0
+    assert nominal_hbm_gb_s("NVIDIA H100 80GB HBM3") == 3350.0
+    assert nominal_hbm_gb_s("NVIDIA H100 PCIe") == 2000.0
+    assert nominal_hbm_gb_s("NVIDIA A10G") is None
+
+
+def test_int4_moe_active_experts_spread_over_the_stack() -> None:
+    from tandem.bench.gpu import active_offsets
+
+    offsets = active_offsets(48, 8, 3)
+    counts = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    assert len(offsets) == 49 and offsets[-1] == 24
+    assert [e for e, c in enumerate(counts) if c] == [0, 6, 12, 18, 24, 30, 36, 42]
+    assert set(counts) == {0, 3}
+    assert active_offsets(4, 4, 1) == [0, 1, 2, 3, 4]

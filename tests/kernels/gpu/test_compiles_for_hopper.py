@@ -91,6 +91,31 @@ def _launch_everything(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv
     silu_mul(torch.randn(3, 2 * 4 * heads * dim).to(dtype))
 
 
+def _launch_int4_moe(dtype: torch.dtype) -> None:
+    """The INT4 MoE GEMM at the block sizes Kimi K2.5's experts get under TP 8 and EP 8 (decode
+    at 1, 32 and 64 rows an expert, split K and not, the fused silu-and-mul; prefill), launched
+    on small tensors: the constexprs are the real launches', the shapes are not."""
+    from tandem.kernels.gpu.int4_moe import int4_moe_config, int4_moe_gemm
+
+    for experts, n, k, silu, max_rows, split_k in [
+        (384, 2 * 256, 7168, True, 1, 4),  # w13 under TP 8, decode: split K, silu fused in the reduce
+        (384, 7168, 256, False, 1, 1),  # w2 under TP 8, decode
+        (48, 2 * 2048, 7168, True, 32, 1),  # w13 under EP 8, 32 rows an expert
+        (48, 7168, 2048, False, 64, 2),  # w2 under EP 8, 64 rows an expert, split
+        (48, 2 * 2048, 7168, True, 4096, 1),  # prefill
+        (48, 7168, 2048, False, 4096, 1),
+    ]:
+        config = int4_moe_config(max_rows, n // 2 if silu else n, k)
+        small_k = 2 * config["BLOCK_K"] * split_k  # K's steps and splits, on fewer inputs
+        packed = torch.full((experts, 2 * config["BLOCK_N"] if silu else config["BLOCK_N"], small_k // 8),
+                            0x88888888 - 2**32, dtype=torch.int32)  # every level 8: weights 0
+        scales = torch.ones(experts, packed.shape[1], small_k // 32).to(dtype)
+        offsets = torch.zeros(experts + 1, dtype=torch.int32)
+        offsets[1:] = 2
+        int4_moe_gemm(torch.randn(2, small_k).to(dtype), offsets, packed, scales, silu_mul=silu,
+                      max_rows=max_rows, split_k=split_k, config=config)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches through the interpreter")
 def test_every_kernel_compiles_for_sm90(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from triton.runtime import interpreter
@@ -108,9 +133,11 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path, monkeypatch: pytest.Monk
     _launch_everything(torch.bfloat16, torch.float8_e4m3fn, 32, 8, 128)  # --kv-cache-dtype fp8
     _launch_everything(torch.bfloat16, torch.bfloat16, 14, 2, 64)  # Qwen2.5-0.5B: GQA 7, head 64
     _launch_everything(torch.float32, torch.float32, 9, 3, 64)  # SmolLM2-135M in fp32
+    _launch_int4_moe(torch.bfloat16)  # Kimi K2.5's INT4 experts
+    _launch_int4_moe(torch.float16)
     names = {launch[1] for launch in launches.values()}
     assert names == {"_decode_kernel", "_combine_kernel", "_write_kv_kernel", "_prefill_kernel", "_rms_norm_kernel",
-                     "_rotary_kernel", "_silu_mul_kernel"}
+                     "_rotary_kernel", "_silu_mul_kernel", "_int4_moe_kernel", "_int4_moe_reduce"}
     recorded = tmp_path / "launches.json"
     recorded.write_text(json.dumps(list(launches.values()), default=str))
     env = os.environ | {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
