@@ -141,6 +141,12 @@ def config_path(name: str) -> Path:
     return shipped
 
 
+def recorded_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line's values for results.json: not the handler and check functions that
+    the parser leaves beside them (json cannot write those)."""
+    return {k: v for k, v in vars(args).items() if not callable(v)}
+
+
 def _cuda_timer(torch: Any, fn: Any, repeats: int) -> float:
     """Median seconds of `fn()` over `repeats`, timed with CUDA events after a warm-up."""
     fn()
@@ -437,8 +443,7 @@ def run_int4_moe_bench(torch: Any, args: argparse.Namespace) -> int:
               f"{entry['max_rel_error']:.1e} of the output's scale")
         results["cases"].append(entry)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results | {"args": {k: v for k, v in vars(args).items()
-                                                                       if k not in ("handler", "check")}}, indent=2))
+    (out / "results.json").write_text(json.dumps(results | {"args": recorded_args(args)}, indent=2))
     print(f"figures: {out / 'results.json'}")
     return 0
 
@@ -530,7 +535,6 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results | {"args": {k: v for k, v in vars(args).items()
-                                                                       if k != "handler"}}, indent=2))
+    (out / "results.json").write_text(json.dumps(results | {"args": recorded_args(args)}, indent=2))
     print(f"figures: {out / 'results.json'}")
     return 0

@@ -118,3 +118,15 @@ def test_int4_moe_active_experts_spread_over_the_stack() -> None:
     assert [e for e, c in enumerate(counts) if c] == [0, 6, 12, 18, 24, 30, 36, 42]
     assert set(counts) == {0, 3}
     assert active_offsets(4, 4, 1) == [0, 1, 2, 3, 4]
+
+
+def test_results_record_the_arguments_as_json() -> None:
+    """results.json gets the parsed flags; the handler and check functions beside them in the
+    namespace would make json.dumps fail at the end of a GPU run."""
+    from tandem.bench.gpu import recorded_args
+    from tandem.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "gpu", "--int4-moe", "--moe-active-experts", "4"])
+    recorded = json.loads(json.dumps(recorded_args(args)))
+    assert recorded["int4_moe"] is True and recorded["moe_active_experts"] == 4
+    assert "handler" not in recorded and "check" not in recorded
