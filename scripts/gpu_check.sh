@@ -30,7 +30,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, log it, r
   timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
   echo "==> $name: exit ${PIPESTATUS[0]} after $((SECONDS - started))s" | tee -a "$LOG"
 }
-wants() { [[ " ${STAGES:-tests bench load} " == *" $1 "* ]]; }
+wants() { [[ " ${STAGES:-tests bench int4 load} " == *" $1 "* ]]; }
 
 stage environment 60 "$PY" -c "
 import torch, triton, transformers
@@ -42,6 +42,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
 
 wants tests && stage tests "${TESTS_LIMIT:-180}" "$PY" -m pytest -q -p no:cacheprovider tests/kernels/gpu/test_on_gpu.py
 wants bench && stage bench "${BENCH_LIMIT:-300}" "$PY" -m tandem bench gpu --profile --output-dir "$DEST"
+# Kimi K2.5's INT4 expert GEMM (Triton W4A16) at 1-64 rows per expert against its packed bytes' copy bound
+wants int4 && stage int4 "${INT4_LIMIT:-240}" "$PY" -m tandem bench gpu --int4-moe --output-dir "$DEST/int4"
 
 # Cold start: a random Llama-3.1-8B checkpoint (16 GB of bf16 safetensors, drawn on the GPU)
 # written to local disk, then loaded onto the GPU through pinned staging, against dd.

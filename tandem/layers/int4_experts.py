@@ -14,8 +14,11 @@ checkpoint's matrix.
 `Int4Experts` holds one layer's experts (this rank's share: its slice of every expert's
 intermediate size under tensor parallelism, its whole experts under expert parallelism) and
 runs them: on the CPU in one C call over all experts that received rows (`tandem_q4_moe`:
-gate/up GEMM, SiLU * up, down GEMM); elsewhere, or without a C compiler, by dequantizing one
-expert at a time for torch (correct, not fast).
+gate/up GEMM, SiLU * up, down GEMM); on a GPU in the checkpoint's own int32 words
+(`use_packed_words`, called as the model is placed on the device: the tensors are made there
+in that layout, nothing is reordered) by the Triton W4A16 grouped GEMM
+(kernels/gpu/int4_moe.py: gate/up with SiLU * up fused, then down); without a C compiler, by
+dequantizing one expert at a time for torch (correct, not fast).
 
 The scales live in int16 buffers holding the bf16 bits, so the model-wide `.to(dtype)` of
 the loader leaves them alone; `scales()` gives them back as bf16.
@@ -88,6 +91,17 @@ class Int4Experts(nn.Module):
         self.register_buffer("w2", torch.empty(num_experts, hidden_size, intermediate // 2, dtype=torch.uint8))
         self.register_buffer("s2", torch.empty(num_experts, hidden_size, intermediate // GROUP, dtype=torch.int16))
         self.kernel: Q4Kernel | None = None  # attached after loading, on the CPU (attach_int4_expert_kernel)
+        self.packed_words = False  # the checkpoint's int32 words instead of the C kernel's nibbles
+
+    def use_packed_words(self, device: torch.device) -> None:
+        """Hold the levels as the checkpoint's int32 words [E, N, K / 8], on `device`, for the
+        Triton kernel: called before loading, in place of the (never touched) nibble buffers."""
+        experts, wide, hidden, inter = self.num_experts, 2 * self.intermediate, self.hidden_size, self.intermediate
+        self.w13 = torch.empty(experts, wide, hidden // PACK, dtype=torch.int32, device=device)
+        self.w2 = torch.empty(experts, hidden, inter // PACK, dtype=torch.int32, device=device)
+        self.s13 = torch.empty(experts, wide, hidden // GROUP, dtype=torch.int16, device=device)
+        self.s2 = torch.empty(experts, hidden, inter // GROUP, dtype=torch.int16, device=device)
+        self.packed_words = True
 
     @property
     def num_experts(self) -> int:
@@ -117,7 +131,7 @@ class Int4Experts(nn.Module):
         part = self.tp.shard(tensor, 1 if projection == "down" else 0)
         if field == "weight_packed":
             target = self.w2[expert] if projection == "down" else self._w13_rows(self.w13[expert], projection)
-            target.copy_(kernel_nibbles(unpack_int32_levels(part)))
+            target.copy_(part if self.packed_words else kernel_nibbles(unpack_int32_levels(part)))
         else:
             if tensor.dtype != torch.bfloat16:
                 raise ValueError(f"{projection}_proj.weight_scale is {tensor.dtype}; INT4 experts take bf16 scales")
@@ -130,8 +144,9 @@ class Int4Experts(nn.Module):
     def init_dummy_(self, generator: torch.Generator) -> None:
         """Random levels and scales of a normal(0, 0.02) matrix's size, for --load-format dummy."""
         for nibbles, scales in ((self.w13, self.s13), (self.w2, self.s2)):
-            nibbles.copy_(torch.randint(0, 256, nibbles.shape, generator=generator, dtype=torch.uint8,
-                                        device=nibbles.device))
+            levels = nibbles.view(torch.uint8)  # int32 words too: any bytes are valid levels
+            levels.copy_(torch.randint(0, 256, levels.shape, generator=generator, dtype=torch.uint8,
+                                       device=nibbles.device))
             # levels -8..7 times 0.02 * 3 / 8: a spread like the dense dummy weights'
             value = torch.full(scales.shape, 0.0075, dtype=torch.bfloat16, device=scales.device)
             scales.view(torch.bfloat16).copy_(value)
@@ -139,11 +154,16 @@ class Int4Experts(nn.Module):
     # --- running ------------------------------------------------------------------------------
     def dequantized(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Local expert `expert`'s (gate/up [2I, H], down [H, I]) as fp32 matrices."""
+        if self.packed_words:
+            return (_dequantize_words(self.w13[expert], self.s13[expert]),
+                    _dequantize_words(self.w2[expert], self.s2[expert]))
         return (_dequantize(self.w13[expert], self.s13[expert]), _dequantize(self.w2[expert], self.s2[expert]))
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each local expert's SwiGLU on its slice of `rows` (sorted by expert, counts[e] rows
         for local expert e)."""
+        if self.packed_words:
+            return self._triton_forward(rows, counts)
         if self.kernel is not None and rows.device.type == "cpu":
             offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
             offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
@@ -162,6 +182,23 @@ class Int4Experts(nn.Module):
         return outputs
 
 
+    def _triton_forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        from tandem.kernels.gpu.int4_moe import int4_moe_gemm
+
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        offsets[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+        offsets = offsets.to(rows.device)
+        most = max(counts, default=0)
+        x = rows.contiguous()
+        hidden = int4_moe_gemm(x, offsets, self.w13, self.s13.view(torch.bfloat16), silu_mul=True, max_rows=most)
+        return int4_moe_gemm(hidden, offsets, self.w2, self.s2.view(torch.bfloat16), max_rows=most)
+
+
+def _dequantize_words(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    levels = unpack_int32_levels(words).float() - 8
+    return levels * scales.view(torch.bfloat16).float().repeat_interleave(GROUP, dim=-1)
+
+
 def _dequantize(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     levels = kernel_levels(nibbles).float() - 8
     scale = scales.view(torch.bfloat16).float().repeat_interleave(GROUP, dim=-1)
@@ -171,7 +208,7 @@ def _dequantize(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def attach_int4_expert_kernel(model: nn.Module, kernel: Q4Kernel | None) -> int:
     """Give every INT4 expert layer the C kernel (None: they keep torch's per-expert path);
     returns the layers found, after checking each stack's layout once."""
-    layers = [module for module in model.modules() if isinstance(module, Int4Experts)]
+    layers = [module for module in model.modules() if isinstance(module, Int4Experts) and not module.packed_words]
     for layer in layers:
         layer.stack().check()
         layer.kernel = kernel

@@ -144,6 +144,9 @@ def place_on_device(model: torch.nn.Module, device: torch.device, dtype: torch.d
     conversion). Buffers (the rotary tables) and small parameters (norm weights, biases: the
     values their constructors set) are copied. A tied parameter stays one tensor.
     """
+    for module in model.modules():
+        if isinstance(module, Int4Experts):  # the Triton kernel's layout, made on the device
+            module.use_packed_words(device)
     placed: dict[int, torch.Tensor] = {}
 
     def place(tensor: torch.Tensor, keep_values: bool) -> torch.Tensor:
