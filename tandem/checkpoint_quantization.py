@@ -3,20 +3,24 @@
 Kimi K2.5 (and K2-Thinking) ship their routed experts as `compressed-tensors` pack-quantized
 INT4: every `Linear` the `config_groups` target is stored as 4-bit levels with one bf16 scale
 per group of 32 inputs, symmetric, except the modules its `ignore` list names (attention,
-shared experts, the dense MLP, the LM head), which stay bf16. The API process reads the model
-config too and must not import torch, which the `compressed-tensors` package needs, so the
-few rules tandem relies on are read here from the JSON; the tests check them against the
-package's own matcher and write their checkpoints with the package.
+shared experts, the dense MLP, the LM head), which stay bf16. The config is parsed, and its
+rules matched as compressed-tensors matches them, by the memory plan's reader
+(`tandem.sizing.quant`, torch-free: the API process reads the model config too and must not
+import torch, which the `compressed-tensors` package needs); the tests check the matching
+against the package's own matcher and write their checkpoints with the package.
 
-Only the scheme tandem's kernels compute is accepted (`SUPPORTED`); anything else is refused
-with what it is, never loaded as something it is not.
+The plan sizes more schemes than the engine computes: only `SUPPORTED` (W4A16 integer
+levels, one scale per 32 inputs, no zero point) loads; anything else is refused here with the
+field that differs, never loaded as something it is not.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from tandem.sizing.errors import PlanError
+from tandem.sizing.quant import CompressedTensors, read_compressed_tensors
 
 COMPRESSED_TENSORS = "compressed-tensors"
 # The scheme tandem computes: W4A16, integer levels, one scale per 32 inputs, no zero point.
@@ -27,11 +31,15 @@ SUPPORTED = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32
 class WeightQuantization:
     """compressed-tensors pack-quantized INT4 weights: which modules, and how."""
 
-    num_bits: int
-    group_size: int
-    symmetric: bool
-    targets: tuple[str, ...]
-    ignore: tuple[str, ...]
+    rules: CompressedTensors
+
+    num_bits = SUPPORTED["num_bits"]
+    group_size = SUPPORTED["group_size"]
+    symmetric = SUPPORTED["symmetric"]
+
+    @property
+    def ignore(self) -> tuple[str, ...]:
+        return self.rules.ignore
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> WeightQuantization | None:
@@ -56,21 +64,17 @@ class WeightQuantization:
                                  f"tandem computes {SUPPORTED}")
         if weights.get("dynamic") or weights.get("actorder"):
             raise ValueError("compressed-tensors dynamic or activation-ordered weights are not supported")
+        if str(weights.get("scale_dtype") or "bfloat16").removeprefix("torch.") != "bfloat16":
+            raise ValueError(f"compressed-tensors scale_dtype {weights.get('scale_dtype')!r} is not supported; "
+                             "tandem keeps bf16 scales")
         if group.get("input_activations") or group.get("output_activations"):
             raise ValueError("compressed-tensors activation quantization is not supported (tandem runs W4A16)")
-        return cls(num_bits=4, group_size=32, symmetric=True, targets=tuple(group.get("targets") or ()),
-                   ignore=tuple(quant.get("ignore") or ()))
+        try:
+            return cls(read_compressed_tensors(quant))
+        except PlanError as error:
+            raise ValueError(str(error)) from None
 
     def quantizes(self, *names: str) -> bool:
-        """Whether the Linear module known by any of `names` (its checkpoint name, and the
-        same without a wrapper's prefix) is stored quantized: targeted (`Linear`, a name, or
-        a `re:` pattern) and not ignored. A name matches a rule as compressed-tensors
-        matches it: `re:` patterns with re.match, other rules by equality."""
-        targeted = any(target == "Linear" or _matches(name, target) for name in names for target in self.targets)
-        return targeted and not any(_matches(name, rule) for name in names for rule in self.ignore)
-
-
-def _matches(name: str, rule: str) -> bool:
-    if rule.startswith("re:"):
-        return re.match(rule[3:], name) is not None
-    return name == rule
+        """Whether the Linear module known by every one of `names` (its checkpoint name, and
+        the same without a wrapper's prefix) is stored quantized: targeted and not ignored."""
+        return all(self.rules.scheme_for(name) is not None for name in names)
