@@ -36,7 +36,7 @@ def _plan(config: EngineConfig, hf_dir: str) -> Any:
         request = PlanRequest(parse_devices(f"{tp * pp}xcpu:{memory}B"),
                               Parallel(tp, pp, parallel.enable_expert_parallel), dtype=config.load.dtype,
                               max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                              max_num_seqs=config.scheduler.max_num_seqs)
+                              max_num_seqs=config.scheduler.max_num_seqs, keep_packed=True)
         return plan_memory(hf_config, request).tandem
     except (PlanError, OSError, ValueError, KeyError):
         return None

@@ -70,6 +70,9 @@ class PlanRequest:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
+    # An explicit dtype still keeps a compressed-tensors checkpoint's packed matmuls packed, as
+    # the engine holds them (Kimi K2.5's INT4 experts); False: plan it unquantised (`--dtype`).
+    keep_packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,9 @@ class MemoryPlan:
     notes: tuple[str, ...]
 
 
-def weight_format(shape: ModelShape, dtype: str) -> WeightFormat:
-    """The weights' storage: the checkpoint's for 'auto', else the --dtype asked for."""
+def weight_format(shape: ModelShape, dtype: str, keep_packed: bool = False) -> WeightFormat:
+    """The weights' storage: the checkpoint's for 'auto', else the --dtype asked for (with the
+    checkpoint's packed integer matmuls kept where `keep_packed`, as the engine runs them)."""
     if dtype not in DTYPE_CHOICES:
         raise PlanError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     if dtype == "auto":
@@ -143,7 +147,7 @@ def weight_format(shape: ModelShape, dtype: str) -> WeightFormat:
     if dtype == "fp8":
         act = shape.dtype if shape.dtype != "float32" else "bfloat16"
         return WeightFormat(act, shape.fp8_block or (128, 128))
-    return WeightFormat(dtype)
+    return WeightFormat(dtype, int_quant=shape.int_quant if keep_packed else None)
 
 
 def kv_dtype(fmt: WeightFormat, requested: str) -> str:
@@ -171,7 +175,7 @@ def plan_memory(config: dict, request: PlanRequest, name: str = "") -> MemoryPla
                         ("--max-num-seqs", request.max_num_seqs)):
         if value < 1:
             raise PlanError(f"{flag} must be at least 1")
-    fmt = weight_format(shape, request.dtype)
+    fmt = weight_format(shape, request.dtype, request.keep_packed)
     kv = kv_dtype(fmt, request.kv_cache_dtype)
     validate(shape, parallel, fmt)
     max_model_len = request.max_model_len or shape.max_position_embeddings

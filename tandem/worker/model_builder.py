@@ -28,7 +28,7 @@ from tandem.kernels.layer_ops import LayerOpsKernel, load_layer_ops
 from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.layers.bounded_greedy import BoundedGreedyHead
 from tandem.layers.fused_ops import attach_gpu_passes, attach_layer_ops
-from tandem.layers.int4_experts import attach_int4_expert_kernel
+from tandem.layers.int4_experts import Int4Experts, attach_int4_expert_kernel
 from tandem.layers.int8 import int8_available
 from tandem.layers.linear import (
     SmallStepWeights,
@@ -197,6 +197,8 @@ def model_bytes(model: torch.nn.Module) -> int:
             if compact is not None:
                 total += compact.nbytes
         tensors += list(getattr(module, "packed_halves", None) or ())
+        if isinstance(module, Int4Experts):  # the packed experts are buffers, not parameters
+            tensors += [module.w13, module.s13, module.w2, module.s2]
     for tensor in tensors:
         if tensor.is_mkldnn:
             total += tensor.element_size() * tensor.numel()

@@ -26,3 +26,34 @@ def test_int4_experts_are_counted_packed_not_in_the_run_dtype(tmp_path: Path) ->
     dense_dir = dense_experts_config(packed_dir)
     dense, _ = planned_bytes(EngineConfig(model=str(dense_dir), load=LoadConfig(dtype="bfloat16")), dense_dir, stage)
     assert 4.5e9 < weights < 5.3e9 and 2.0 < dense / weights < 2.4
+
+
+def test_the_engine_s_memory_report_plans_and_counts_the_packed_experts(tmp_path: Path) -> None:
+    """The start-up line "weights X GiB ... planned: weights Y GiB" for an INT4 checkpoint:
+    the plan keeps the packed experts packed in the run dtype (keep_packed), and the measured
+    side counts the experts' buffers (they are not parameters)."""
+    import json
+
+    import torch
+
+    from tandem.config import ModelConfig
+    from tandem.kernels.torch_attention import TorchAttentionBackend
+    from tandem.loader.model_loader import build_model
+    from tandem.sizing.devices import parse_devices
+    from tandem.sizing.memory import PlanRequest, plan_memory
+    from tandem.worker.model_builder import model_bytes
+
+    hf = json.loads((EXAMPLES_DIR / "kimi-k2.5-mini" / "config.json").read_text())
+    request = dict(devices=parse_devices("1xcpu:64GiB"), dtype="bfloat16")
+    packed = plan_memory(hf, PlanRequest(**request, keep_packed=True)).tandem.stages[0].weight_bytes
+    widened = plan_memory(hf, PlanRequest(**request)).tandem.stages[0].weight_bytes
+    assert 2.0 < widened / packed < 2.4
+    small = {**hf, "text_config": {**hf["text_config"], "hidden_size": 128, "moe_intermediate_size": 64,
+                                   "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                   "q_lora_rank": 32, "kv_lora_rank": 32, "vocab_size": 64, "n_routed_experts": 4,
+                                   "num_experts_per_tok": 2}}
+    model = build_model(ModelConfig.from_hf(small), TorchAttentionBackend(), 64, torch.float32)
+    experts = [m.mlp.int4 for m in model.model.layers if getattr(m.mlp, "int4", None) is not None]
+    packed_bytes = sum(t.numel() * t.element_size() for e in experts for t in (e.w13, e.s13, e.w2, e.s2))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert packed_bytes > 0 and model_bytes(model) == params + packed_bytes
