@@ -29,6 +29,7 @@ from typing import Any
 from tandem.bench.offline_report import METRICS, WORKLOAD_METRICS, _cell, _ratio_cell, ratio
 
 _PART = re.compile(r"^(tp|pp|ep)(\d+)$")
+NO_MATMUL_PATH = 1e9  # FLOP/s: below this a dtype's matmul is an emulation, not a bound
 DENSE_EXPERTS = "dense-experts"
 
 # Report columns of the step breakdown: (label, the phases summed into it).
@@ -200,8 +201,12 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     read = memory_read_bytes_per_s(256 << 20)
     weight_bytes = stored_weight_bytes(hf_dir, dtype)
     per_token = 2 * params.active
+    # A dtype this CPU has no matmul path for (bf16 on an AVX2-only EPYC: ~0.1 GFLOP/s through
+    # torch's fallback) bounds nothing a tuned kernel would meet: the read bound alone is kept.
+    compute_bound = flops >= NO_MATMUL_PATH
     per_prompt_token = per_token - 2 * shape.vocab_size * shape.hidden_size
-    ceilings: dict[str, Any] = {"matmul_flops_per_s": flops, "memory_bytes_per_s": bandwidth,
+    ceilings: dict[str, Any] = {"matmul_flops_per_s": flops, "compute_bound": compute_bound,
+                                "memory_bytes_per_s": bandwidth,
                                 "memory_read_bytes_per_s": read,
                                 "weight_bytes": weight_bytes, "flops_per_token": per_token}
     for name, workload in workloads.items():
@@ -211,7 +216,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
             ceilings[name] = ("prompt_tok_s", flops / per_prompt_token)
         elif name == "decode-heavy":
             batch = len(workload.prompts)
-            step = max(weight_bytes / bandwidth, batch * per_token / flops)
+            step = max(weight_bytes / bandwidth, batch * per_token / flops if compute_bound else 0.0)
             ceilings[name] = ("output_tok_s", batch / step)
     # a layout on another config (+dense-experts) reads other bytes: its own read-bound limits
     by_layout: dict[str, dict[str, float]] = {}
@@ -223,7 +228,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
                 limits[name] = read / other_bytes
             elif name == "decode-heavy":
                 batch = len(workload.prompts)
-                limits[name] = batch / max(other_bytes / bandwidth, batch * per_token / flops)
+                limits[name] = batch / max(other_bytes / bandwidth, batch * per_token / flops if compute_bound else 0.0)
     if by_layout:
         ceilings["by_layout"] = by_layout
     return ceilings
@@ -245,7 +250,10 @@ def stored_weight_bytes(hf_dir: Path, dtype: str) -> int:
 
 def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[str, Any]]], engines: list[str]) -> str:
     read = ceilings.get("memory_read_bytes_per_s")
-    lines = [f"this machine, measured now: {ceilings['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s matmul, "
+    rate = ceilings["matmul_flops_per_s"]
+    matmul = (f"{rate / 1e9:.0f} GFLOP/s matmul" if ceilings.get("compute_bound", True)
+              else f"{rate / 1e9:.2f} GFLOP/s matmul (no fast path for this dtype here: read bounds only)")
+    lines = [f"this machine, measured now: {matmul}, "
              f"{ceilings['memory_bytes_per_s'] / 1e9:.1f} GB/s memory copy"
              + (f", {read / 1e9:.1f} GB/s memory read" if read else "")
              + f"; the model is {ceilings['weight_bytes'] / 1e9:.2f} GB of weights"
