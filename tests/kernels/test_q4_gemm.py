@@ -81,17 +81,23 @@ def test_the_isa_is_named(kernel: Q4Kernel) -> None:
     assert kernel.isa in ("avx512-vnni", "avx2", "portable C")
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-@pytest.mark.parametrize("march, isa", [("x86-64", "portable C"), ("haswell", "avx2")])
-def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path: Path, march: str, isa: str) -> None:
-    """The machines this runs on differ (AVX2-only EPYCs, AVX-512 Xeons): the paths this CPU
-    does not pick by itself are built for an older target and checked against it."""
+def _built_for(march: str, tmp_path: Path) -> Path:
+    """The kernel compiled for `march` (skips the test without a C compiler)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
     library = tmp_path / f"q4-{march}.so"
     subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE),
                     "-o", str(library), "-lm"], check=True, capture_output=True)
+    return library
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("march, isa", [("x86-64", "portable C"), ("haswell", "avx2")])
+def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path: Path, march: str, isa: str) -> None:
+    """The machines this runs on differ (AVX2-only EPYCs, AVX-512 Xeons): the paths this CPU
+    does not pick by itself are built for an older target and checked against it."""
+    library = _built_for(march, tmp_path)
     other = Q4Kernel(library)
     assert other.isa == isa
     torch.manual_seed(2)
@@ -233,12 +239,7 @@ def test_every_instruction_set_path_computes_the_same_symmetric_experts(kernel: 
                                                                         isa: str) -> None:
     """The symmetric and grouped paths, built for each instruction set this CPU can run (an
     AVX2-only CPU cannot run the AVX-512 build: it is compiled, not run, there)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    library = tmp_path / f"q4-{march}.so"
-    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE),
-                    "-o", str(library), "-lm"], check=True, capture_output=True)
+    library = _built_for(march, tmp_path)
     if isa == "avx512-vnni" and kernel.isa != "avx512-vnni":
         return  # built (the source compiles for it); this CPU cannot run it
     other = Q4Kernel(library)

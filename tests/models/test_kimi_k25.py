@@ -24,7 +24,7 @@ from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.int4_experts import Int4Experts, attach_int4_expert_kernel, unpack_int32_levels
 from tandem.layers.moe import FusedMoE
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
-from tests.models.test_parity import _PagedSequences
+from tests.models.test_parity import mixed_schedule_logits
 from tests.support.kimi_k25 import VOCAB, save_tiny_kimi_k25
 
 ENGINE = dict(kv_cache_memory="8MiB", num_threads=1, block_size=4, max_num_batched_tokens=16)
@@ -111,18 +111,7 @@ def test_logits_follow_transformers_on_the_dequantized_weights(checkpoint: tuple
                                                                kernel: Q4Kernel, use_kernel: bool) -> None:
     directory, reference = checkpoint
     model = _loaded(directory, kernel if use_kernel else None)
-    generator = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (23, 17, 9)]
-    paged = _PagedSequences(model, sequences)
-    paged.step({0: (0, 10), 1: (0, 6), 2: (0, 8)})
-    paged.step({2: (8, 1), 0: (10, 7), 1: (6, 5)})
-    paged.step({0: (17, 1), 1: (11, 6)})
-    for position in range(18, 23):
-        paged.step({0: (position, 1)})
-    for index, tokens in enumerate(sequences):
-        with torch.no_grad():
-            expected = reference(torch.tensor([tokens])).logits[0]
-        got = torch.stack([paged.logits[index][p] for p in range(len(tokens))])
+    for got, expected in mixed_schedule_logits(model, reference, VOCAB):
         # the C kernel rounds activations to 16 bits per group of 32 (kernels/q4_gemm.py)
         tolerance = 5e-4 if use_kernel else 1e-4
         torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)

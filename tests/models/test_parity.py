@@ -138,8 +138,16 @@ def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
         _, experts = route(model.model.embed_tokens.weight[:48] @ layer.gate.T, config.moe)
         assert experts.unique().numel() > config.moe.top_k
 
+    for got, expected in mixed_schedule_logits(model, reference, 96):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def mixed_schedule_logits(model: torch.nn.Module, reference: torch.nn.Module,
+                          vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(paged logits, transformers' logits) of three random sequences run through chunked
+    prefill mixed with decodes: the same schedule for every parity test."""
     generator = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (23, 17, 9)]
+    sequences = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (23, 17, 9)]
     paged = _PagedSequences(model, sequences)
     # step 1: seq 0 and 1 start prefill in chunks, seq 2 whole prompt
     paged.step({0: (0, 10), 1: (0, 6), 2: (0, 8)})
@@ -149,9 +157,9 @@ def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
     paged.step({0: (17, 1), 1: (11, 6)})
     for position in range(18, 23):
         paged.step({0: (position, 1)})
-
+    pairs = []
     for index, tokens in enumerate(sequences):
         with torch.no_grad():
             expected = reference(torch.tensor([tokens])).logits[0]
-        got = torch.stack([paged.logits[index][p] for p in range(len(tokens))])
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        pairs.append((torch.stack([paged.logits[index][p] for p in range(len(tokens))]), expected))
+    return pairs
