@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels.layer_ops import LayerOpsKernel
-from tandem.layers.linear import _onednn_linear, _pack, onednn_available
+from tandem.layers.linear import _onednn_linear, _pack, onednn_bf16_available
 
 _U = 2.0**-8  # bf16's unit roundoff (8 significant bits)
 _U32 = 2.0**-24
@@ -46,7 +46,7 @@ class BoundedGreedyHead:
         self.weight = weight  # the fp32 rows the candidates are computed from (shared, not copied)
         self.ops = ops  # the C pass that finds the candidates (else torch ops, ~10x slower)
         half = weight.to(torch.bfloat16)
-        self.packed = _pack(half) if onednn_available() else None
+        self.packed = _pack(half) if onednn_bf16_available() else None
         self.half = None if self.packed is not None else half
         k = weight.shape[1]
         gamma = k * _U32 / (1 - k * _U32)

@@ -75,12 +75,17 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN has a bf16 GEMM for this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): an
+    AVX2-only EPYC has neither, and packing a bf16 matrix there raises."""
+    return onednn_available() and _onednn_bf16()
+
+
 def _packable(weight: torch.Tensor) -> bool:
-    """fp32 always; bf16 where oneDNN has a bf16 GEMM for this CPU (AVX-512 BW/VL/DQ or
-    AVX-NE-CONVERT: an AVX2-only EPYC has neither, and its reorder raises)."""
+    """fp32 always; bf16 where oneDNN has a bf16 GEMM for this CPU."""
     if weight.device.type != "cpu":
         return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _onednn_bf16())
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_bf16_available())
 
 
 @functools.cache
@@ -199,9 +204,9 @@ class LinearWeights:
         """A matrix that 4 bits would spoil (an 8-bit LM head) or that the 4-bit kernels
         cannot read: small steps read a oneDNN-packed bf16 copy instead, half an fp32
         matrix's bytes (SmolLM2's tied LM head: 57 MB instead of 113 MB a token). Without
-        oneDNN it keeps its dense weights (0 bytes added)."""
+        oneDNN's bf16 GEMM it keeps its dense weights (0 bytes added)."""
         weight = self.weight.detach()
-        if not onednn_available() or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if not onednn_bf16_available() or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return 0
         self.small_packed = _pack(weight.to(torch.bfloat16))
         bias = getattr(self, "bias", None)

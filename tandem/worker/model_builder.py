@@ -33,7 +33,7 @@ from tandem.layers.int8 import int8_available
 from tandem.layers.linear import (
     SmallStepWeights,
     attach_small_step_weights,
-    onednn_available,
+    onednn_bf16_available,
     pack_weights_for_cpu,
     quantize_int8,
 )
@@ -166,7 +166,7 @@ class ModelBuilder:
         """--decode-weights float32 (exact fp32, faster kernels): greedy rows read a bf16 copy
         of the LM head and compute only the candidates' fp32 logits (layers/bounded_greedy.py)."""
         head = getattr(model, "lm_head", None)
-        if head is None or head.shard.tp.split or not onednn_available():
+        if head is None or head.shard.tp.split or not onednn_bf16_available():
             return
         dense = getattr(head, "small_dense", None)
         rows = dense.weight if dense is not None else head.weight

@@ -13,6 +13,7 @@ from tandem.layers.linear import (
     SmallStepWeights,
     attach_small_step_weights,
     onednn_available,
+    onednn_bf16_available,
     pack_weights_for_cpu,
 )
 
@@ -148,12 +149,16 @@ def test_int4_small_steps_read_the_4_bit_copy_and_larger_steps_the_dense_weights
 def test_int4_gives_a_matrix_the_kernel_cannot_take_a_bf16_copy() -> None:
     """Half an fp32 matrix's bytes for small steps where 4 bits cannot go; large steps keep
     the exact weights."""
-    if not onednn_available():
-        pytest.skip("this torch build has no oneDNN")
     torch.manual_seed(0)
     layer = Linear(64, 24)  # 24 output rows: not a multiple of 16
     torch.nn.init.normal_(layer.weight)
-    assert attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4")) == 24 * 64 * 2
+    added = attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4"))
+    if not onednn_bf16_available():  # an AVX2-only CPU: no bf16 GEMM, the dense weights stay
+        assert added == 0 and layer.small_step is None
+        x = torch.randn(1, 64)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+        return
+    assert added == 24 * 64 * 2
     assert layer.small_quantized is None and layer.small_packed is not None
     x = torch.randn(1, 64)
     want = torch.nn.functional.linear(x.bfloat16(), layer.weight.bfloat16()).float()
@@ -189,7 +194,7 @@ def test_int4_max_error_keeps_matrices_that_4_bits_would_change() -> None:
     smooth = Linear(64, 32)
     smooth.weight.data.normal_()
     added = attach_small_step_weights(smooth, plan)  # a bf16 copy instead, where oneDNN is
-    assert smooth.small_quantized is None and added == (64 * 32 * 2 if onednn_available() else 0)
+    assert smooth.small_quantized is None and added == (64 * 32 * 2 if onednn_bf16_available() else 0)
     on_grid = Linear(64, 32)
     levels = torch.randint(0, 16, (32, 64)).float()
     levels[:, 0::32], levels[:, 1::32] = 0, 15  # every group spans its range
