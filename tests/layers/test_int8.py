@@ -156,3 +156,19 @@ def test_an_8_bit_mlp_fuses_the_passes_between_its_projections(kernel) -> None:
     torch.testing.assert_close(fused, one_by_one, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(mlp(x, residual), fused)
     assert mlp.gate_up_proj.gated_down(mlp.down_proj, x[:2], residual[:2]) is None  # the decode copies' step
+
+
+@pytest.mark.parametrize("shape", [(64, 576, 1536), (3, 5000, 40), (17, 1024, 8)])
+def test_the_fp32_sliced_integer_gemm_is_torchs_bit_for_bit(monkeypatch: pytest.MonkeyPatch, shape) -> None:
+    """Where torch's int8 GEMM is a scalar loop (AVX2), K-slices of fp32 GEMMs stand in: with
+    every value at the int8 extremes, each slice's partial sums must still be exact."""
+    import tandem.layers.int8 as int8
+
+    m, k, n = shape
+    torch.manual_seed(0)
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    a[0], b[0] = -128, -128  # one product at the largest sum the slices allow: 1024 * 2**14
+    a[1], b[1] = 127, 125 + 2 * torch.randint(0, 2, (k,))  # odd terms, which fp32 rounds past 2**24
+    monkeypatch.setattr(int8, "_native_int_mm", lambda: False)
+    assert torch.equal(int8.int_mm(a, b.t()), torch._int_mm(a, b.t()))
