@@ -87,6 +87,14 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning, sent back as the reply gave it (`reasoning_content`, or
+    # `reasoning` as newer vLLM names it): templates of thinking models (Kimi K2.5, Qwen3,
+    # DeepSeek) render it for the tool-call rounds of the turn in progress.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    def reasoning_text(self) -> str | None:
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def has_cache_breakpoint(self) -> bool:
         return isinstance(self.content, list) and any(p.cache_control is not None for p in self.content)

@@ -15,6 +15,7 @@ as content.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +72,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[
     native = template_supports_tools(template)
     try:
         if native:
-            conversation = [_native_message(m) for m in messages]
+            verbatim = template_takes_string_arguments(template)
+            conversation = [_native_message(m, verbatim) for m in messages]
         else:
             conversation = _rewrite_for_plain_template(messages, parser, tool_dicts)
             tool_dicts = None
@@ -97,15 +99,31 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[
     return ChatPrompt(text, forced, tools_enabled, names)
 
 
-def _native_message(message: ChatMessage) -> dict[str, Any]:
+# `arguments is string` in a template: it writes a string as it is (Kimi K2.5's, Qwen3's).
+_STRING_ARGUMENTS = re.compile(r"arguments\W{0,3}\s+is\s+string")
+
+
+def template_takes_string_arguments(template: str) -> bool:
+    """Whether the template writes a call's arguments string verbatim. Those templates get
+    the exact text the model generated (and the client sent back): parsed and re-serialized
+    by `tojson` it would differ in spacing and key order from what the model wrote, and the
+    turn's prompt would part from the cached one at the first call."""
+    return _STRING_ARGUMENTS.search(template) is not None
+
+
+def _native_message(message: ChatMessage, verbatim_arguments: bool = False) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": message.text()}
     if message.name:
         out["name"] = message.name
+    reasoning = message.reasoning_text()
+    if role == "assistant" and reasoning is not None:
+        out["reasoning_content"] = reasoning
     if message.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+             "function": {"name": c.function.name,
+                          "arguments": c.function.arguments if verbatim_arguments else _json_or_text(c.function.arguments)}}
             for c in message.tool_calls
         ]
     if message.tool_call_id:

@@ -493,6 +493,31 @@ def test_server_rendering_with_chat_template_kwargs_and_kimi_call_ids(tok: Token
     assert (again.id, again.name, json.loads(again.arguments)) == (call.id, call.name, json.loads(call.arguments))
 
 
+
+def test_the_reasoning_and_the_calls_sent_back_render_as_the_model_wrote_them(tok: Tokenizer) -> None:
+    """A thinking turn in progress: the client sends the call round back with its reasoning
+    (`reasoning_content`, or `reasoning`) and the arguments string as generated. The prompt
+    must be the one the model wrote into (THINKING_ON), so the next round continues the
+    cached prefix: the reasoning kept, and the arguments not re-serialized (compact JSON
+    stays compact, where parsing and `tojson` would add a space)."""
+    parser = KimiK2ToolParser()
+    tools = [Tool.model_validate(WEATHER)]
+    for field in ("reasoning_content", "reasoning"):
+        messages = [ChatMessage(role="system", content="You are Kimi."),
+                    ChatMessage(role="user", content="Weather in Zürich?"),
+                    ChatMessage.model_validate({"role": "assistant", "content": None,
+                                                field: "The user wants the weather.",
+                                                "tool_calls": [{"id": CALL_ID, "type": "function", "function": {
+                                                    "name": "get_weather", "arguments": '{"city": "Zürich"}'}}]}),
+                    ChatMessage(role="tool", tool_call_id=CALL_ID, content='{"temp": 9}')]
+        assert render_chat_prompt(tok, messages, tools, "auto", parser).text == THINKING_ON, field
+    compact = [ChatMessage(role="user", content="Weather in Zürich?"),
+               ChatMessage.model_validate({"role": "assistant", "tool_calls": [{"id": CALL_ID, "function": {
+                   "name": "get_weather", "arguments": '{"city":"Zürich"}'}}]})]
+    text = render_chat_prompt(tok, compact, tools, "auto", parser, add_generation_prompt=False).text
+    assert '<|tool_call_argument_begin|>{"city":"Zürich"}<|tool_call_end|>' in text
+
+
 # --- grammar-constrained decoding ---------------------------------------------------------------
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Zürich"]}, "days": {"type": "integer"}},
           "required": ["city", "days"], "additionalProperties": False}

@@ -10,8 +10,9 @@ The request (`MessagesAdapter.to_chat`):
 - messages, with a string or blocks: `text` → text parts (`cache_control` kept); an
   assistant's `tool_use` → a chat `tool_calls` entry (same id, `input` as JSON arguments);
   a user's `tool_result` → a `tool` message with its `tool_call_id` (content a string or
-  text blocks; `is_error` says "Error:" first); `thinking` / `redacted_thinking` in history
-  are dropped; `image` / `document` are a 400 (the model reads text only), as is any other
+  text blocks; `is_error` says "Error:" first); an assistant's `thinking` blocks → its
+  `reasoning_content` (a thinking model's template renders it for the tool-call rounds of
+  the turn in progress), `redacted_thinking` dropped; `image` / `document` are a 400 (the model reads text only), as is any other
   block type. A final assistant message is continued (Anthropic's prefill).
 - `tools` → function tools (`input_schema` → `parameters`); tools of other types
   (Anthropic's server tools: `web_search_20250305`, `bash_20250124`, ...) are dropped and
@@ -50,6 +51,7 @@ from tandem.edge.protocols.anthropic_models import (
     CountTokensRequest,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ToolChoice,
     ToolDefinition,
     ToolResultBlock,
@@ -73,7 +75,7 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 SESSION_HEADER = "x-claude-code-session-id"
 _MAX_SESSION = 256
 _TEXT_ONLY = ("image", "document")
-_DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+_DROPPED_BLOCKS = ("redacted_thinking",)
 
 
 @dataclass
@@ -229,13 +231,16 @@ def _message(role: str, content: str | list[Any], i: int) -> list[dict[str, Any]
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     breakpoint_: dict[str, Any] | None = None
+    reasoning: list[str] = []
     for j, raw in enumerate(content):
         loc = ("messages", i, "content", j)
         kind = block_type(raw, loc)
         if kind == "text":
             parts.append(_part(validated(TextBlock, raw, loc)))
-        elif kind in _DROPPED_BLOCKS:
+        elif kind in _DROPPED_BLOCKS or (kind == "thinking" and role != "assistant"):
             continue
+        elif kind == "thinking":
+            reasoning.append(validated(ThinkingBlock, raw, loc).thinking)
         elif kind in _TEXT_ONLY:
             raise text_only(kind, loc)
         elif kind == "tool_use" and role == "assistant":
@@ -261,6 +266,8 @@ def _message(role: str, content: str | list[Any], i: int) -> list[dict[str, Any]
         out.append({"role": "assistant", "content": parts or None, "tool_calls": calls})
     elif parts:
         out.append({"role": role, "content": parts})
+    if reasoning and out:
+        out[-1]["reasoning_content"] = "\n".join(reasoning)
     return out
 
 

@@ -31,6 +31,13 @@ class TextBlock(AnthropicModel):
     cache_control: CacheControl | None = None
 
 
+class ThinkingBlock(AnthropicModel):
+    """An assistant's reasoning sent back in history (its `signature` is Anthropic's; ignored)."""
+
+    type: Literal["thinking"]
+    thinking: str
+
+
 class ToolUseBlock(AnthropicModel):
     type: Literal["tool_use"]
     id: str = Field(min_length=1, max_length=512)

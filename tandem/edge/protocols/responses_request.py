@@ -41,7 +41,9 @@ from tandem.edge.protocols.base import CHAT_EXTRAS
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image_url", "image", "file")
-# Item types that carry nothing a chat model can read: dropped with a note.
+# A reasoning item with `reasoning_text` parts (what tandem's replies hold) goes back to the
+# model as the next assistant turn's reasoning; one with only a summary or encrypted content
+# carries nothing a chat template renders: dropped with a note.
 _REASONING = "reasoning"
 # Sampling extras passed through as the chat path takes them (vLLM's, through extra_body).
 # tandem's extras (base.CHAT_EXTRAS: ignore_eos, cache_salt, ...) and the chat fields the
@@ -108,6 +110,8 @@ def normalize_input(value: Any, dropped: list[str]) -> list[dict[str, Any]]:
             items.append(_function_call(item, where))
         elif kind == "function_call_output":
             items.append(_function_call_output(item, where))
+        elif kind == _REASONING and (reasoning := _reasoning(item, where)) is not None:
+            items.append(reasoning)
         elif isinstance(kind, str):
             _note(dropped, "reasoning items" if kind == _REASONING else f"input items of type {kind[:40]}")
         else:
@@ -157,6 +161,22 @@ def _string(item: Mapping[str, Any], key: str, where: str, required: bool = True
     return value
 
 
+def _reasoning(item: Mapping[str, Any], where: str) -> dict[str, Any] | None:
+    """A reasoning item's text parts, normalized as `{"type": "reasoning", "text": str}`; None
+    when it has none."""
+    content = item.get("content")
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for index, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "reasoning_text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad(f"'{where}.content[{index}].text' must be a string", f"{where}.content[{index}].text")
+            texts.append(text)
+    return {"type": _REASONING, "text": "\n".join(texts)} if texts else None
+
+
 def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     arguments = item.get("arguments", "")
     if isinstance(arguments, dict):  # an object where a JSON string belongs: taken as meant
@@ -188,8 +208,13 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[d
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn it opens
     for item in items:
         kind = item.get("type") if isinstance(item, dict) else None
+        if kind == _REASONING:
+            text = item.get("text") if isinstance(item.get("text"), str) else _reasoning_text(item.get("content"))
+            reasoning = text or reasoning
+            continue
         if kind == "message" and item.get("role") in _MESSAGE_ROLES:
             messages.append({"role": item["role"], "content": _text_of(item.get("content"))})
         elif kind == "function_call" and _strings(item, "call_id", "name"):
@@ -205,7 +230,20 @@ def to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[d
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output" and _strings(item, "call_id"):
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(item.get("output"))})
+        else:
+            continue
+        if reasoning is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
     return messages
+
+
+def _reasoning_text(content: Any) -> str:
+    """A stored reasoning output item's `reasoning_text` parts."""
+    if not isinstance(content, list):
+        return ""
+    return "\n".join(p["text"] for p in content
+                     if isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str))
 
 
 def _strings(item: Mapping[str, Any], *keys: str) -> bool:

@@ -76,7 +76,7 @@ def test_every_block_type_translates() -> None:
             {"id": "toolu_01", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}},
             {"id": "toolu_02", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
-        ]},
+        ], "reasoning_content": "I should call the tool."},
         {"role": "tool", "tool_call_id": "toolu_01", "content": "21 C"},
         {"role": "tool", "tool_call_id": "toolu_02", "content": "Error:\nno clock\nsorry"},
         {"role": "user", "content": [{"type": "text", "text": "Thanks"}]},

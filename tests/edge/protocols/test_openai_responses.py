@@ -176,6 +176,26 @@ def test_every_input_item_type(adapter: OpenAIResponsesAdapter) -> None:
     assert t.dropped == ["reasoning items", "input items of type web_search_call"]
 
 
+def test_a_reasoning_items_text_goes_back_as_the_next_assistant_turns_reasoning(adapter: OpenAIResponsesAdapter) -> None:
+    """The reasoning items tandem's replies hold (`reasoning_text` parts) are the model's own
+    thinking for the calls after them: a thinking model's template renders them for the turn
+    in progress, so they reach the chat request as that assistant message's reasoning."""
+    body = {"input": [
+        {"role": "user", "content": "List the files."},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "I should call ls."}]},
+        {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+    ]}
+    t = translate(adapter, body)
+    assert t.chat["messages"][1] == {"role": "assistant", "content": None, "reasoning_content": "I should call ls.",
+                                     "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "ls", "arguments": "{}"}}]}
+    assert t.dropped == []
+    junk = {"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 7}]}]}
+    with pytest.raises(APIError, match=r"input\[0\].content\[0\].text"):
+        translate(adapter, junk)
+
 def test_a_codex_request_is_accepted_with_hosted_tools_dropped(adapter: OpenAIResponsesAdapter) -> None:
     t = translate(adapter, codex_body(), {"session-id": "0199a7f0-session", "originator": "codex_cli_rs"})
     assert [tool["function"]["name"] for tool in t.chat["tools"]] == ["shell_command", "mcp__docs__search"]
