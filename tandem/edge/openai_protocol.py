@@ -247,6 +247,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "return_dict", "tokenizer_kwargs", "padding", "truncation",
     "max_length", "return_tensors", "return_assistant_tokens_mask", "sanitize_control_tokens",
+    "tools_ts_str",  # Kimi K2.5's tools in TypeScript: written from `tools` (server/typescript_tools.py)
 })
 _TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _MAX_TEMPLATE_KWARGS = 32

@@ -15,6 +15,7 @@ as content.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ from jinja2 import TemplateError
 from tandem.edge.errors import bad_request
 from tandem.edge.openai_protocol import ChatMessage, NamedToolChoice, Tool
 from tandem.server.tool_parsers import ToolParser, template_supports_tools
+from tandem.server.typescript_tools import UnrenderableSchema, tools_as_typescript
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,11 +86,17 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[
     if continue_final_message and add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message", "invalid_value")
+    extra = dict(template_kwargs or {})
+    if tool_dicts and _TOOLS_AS_TYPESCRIPT.search(template):
+        try:
+            extra["tools_ts_str"] = tools_as_typescript(tool_dicts)
+        except UnrenderableSchema as exc:  # the template's JSON form instead
+            logger.debug("tools declared as JSON, not TypeScript: %s", exc)
     try:
         text = tokenizer.apply_chat_template(
             conversation, tools=tool_dicts, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            **(template_kwargs or {}),
+            **extra,
         )
     except (TemplateError, ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages",
@@ -99,6 +109,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], tools: list[
     return ChatPrompt(text, forced, tools_enabled, names)
 
 
+# A template that reads `tools_ts_str` (Kimi K2.5's) declares the tools in TypeScript when given it.
+_TOOLS_AS_TYPESCRIPT = re.compile(r"\btools_ts_str\b")
 # `arguments is string` in a template: it writes a string as it is (Kimi K2.5's, Qwen3's).
 _STRING_ARGUMENTS = re.compile(r"arguments\W{0,3}\s+is\s+string")
 

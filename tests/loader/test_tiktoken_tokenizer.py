@@ -442,6 +442,15 @@ CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<
         '<|im_assistant|>assistant<|im_middle|>')
 THINKING_ON = HEAD + "<think>The user wants the weather.</think>" + CALL + "<think>"
 THINKING_OFF = HEAD + "<think></think>" + CALL + "<think></think>"
+# The server computes `tools_ts_str` (server/typescript_tools.py), as Moonshot's tokenizer code
+# does: the tools declared as TypeScript function types.
+TS_TOOLS = ("# Tools\n\n## functions\nnamespace functions {\n// Weather for a city, in °C.\n"
+            "type get_weather = (_: {\n  city: string\n}) => any;\n}\n")
+
+
+def served(prompt: str) -> str:
+    """`prompt` as the server renders it: the tools in TypeScript."""
+    return prompt.replace(TOOL_DECLARATION, f"<|im_system|>tool_declare<|im_middle|>{TS_TOOLS}<|im_end|>")
 
 
 def test_chat_template_with_tools_a_call_its_result_and_thinking(tok: Tokenizer) -> None:
@@ -485,9 +494,12 @@ def test_server_rendering_with_chat_template_kwargs_and_kimi_call_ids(tok: Token
                 ChatMessage(role="tool", tool_call_id=call.id, content='{"temp": 9}')]
     tools = [Tool.model_validate(WEATHER)]
     off = render_chat_prompt(tok, messages, tools, "auto", parser, template_kwargs={"thinking": False})
-    assert off.text == THINKING_OFF and off.tools_enabled
+    assert off.text == served(THINKING_OFF) and off.tools_enabled
+    assert off.text == tok.apply_chat_template([m.model_dump(exclude_none=True) for m in messages], tools=[WEATHER],
+                                               tokenize=False, add_generation_prompt=True, thinking=False,
+                                               tools_ts_str=TS_TOOLS)
     on = render_chat_prompt(tok, messages, tools, "auto", parser, template_kwargs=None)
-    assert on.text == HEAD + "<think></think>" + CALL + "<think>"  # the client sent no reasoning back
+    assert on.text == served(HEAD + "<think></think>" + CALL + "<think>")  # the client sent no reasoning back
     section = off.text[off.text.index("<|tool_calls_section_begin|>"): off.text.index("<|im_end|>", len(HEAD))]
     [again] = parser.parse(section).tool_calls
     assert (again.id, again.name, json.loads(again.arguments)) == (call.id, call.name, json.loads(call.arguments))
@@ -510,7 +522,7 @@ def test_the_reasoning_and_the_calls_sent_back_render_as_the_model_wrote_them(to
                                                 "tool_calls": [{"id": CALL_ID, "type": "function", "function": {
                                                     "name": "get_weather", "arguments": '{"city": "Zürich"}'}}]}),
                     ChatMessage(role="tool", tool_call_id=CALL_ID, content='{"temp": 9}')]
-        assert render_chat_prompt(tok, messages, tools, "auto", parser).text == THINKING_ON, field
+        assert render_chat_prompt(tok, messages, tools, "auto", parser).text == served(THINKING_ON), field
     compact = [ChatMessage(role="user", content="Weather in Zürich?"),
                ChatMessage.model_validate({"role": "assistant", "tool_calls": [{"id": CALL_ID, "function": {
                    "name": "get_weather", "arguments": '{"city":"Zürich"}'}}]})]
@@ -639,3 +651,12 @@ def test_ranks_that_are_not_the_ids_are_refused(tmp_path: Path, cache_env: Path)
 def test_reference_reads_the_same_file(kimi_dir: Path, ranks: dict[bytes, int]) -> None:
     """The fixture's file holds what the reference encodes with (tiktoken's own reader)."""
     assert load_tiktoken_bpe(str(kimi_dir / "tiktoken.model")) == ranks
+
+
+def test_tools_the_typescript_form_cannot_write_are_declared_as_json(tok: Tokenizer) -> None:
+    odd = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}
+    prompt = render_chat_prompt(tok, [ChatMessage(role="user", content="Hi")], [Tool.model_validate(odd)], "auto",
+                                KimiK2ToolParser()).text
+    assert prompt.startswith('<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"f"')
+    assert "namespace functions" not in prompt
