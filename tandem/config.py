@@ -247,30 +247,41 @@ class ModelConfig:
     def _names(self, name: str) -> tuple[str, ...]:
         return (self.weight_prefix + name, name) if self.weight_prefix else (name,)
 
+    def int4_linear(self, module: str) -> bool:
+        """Whether checkpoint Linear `module` (e.g. model.layers.0.self_attn.q_proj, without a
+        wrapper's prefix) is stored as INT4 levels (layers/int4_linear.py)."""
+        return self.weight_quantization is not None and self.weight_quantization.quantizes(*self._names(module))
+
     def _check_quantized_modules(self) -> None:
-        """INT4 is computed for the routed experts only: a checkpoint whose scheme also
-        quantizes attention, the dense or shared MLPs or the head is refused by name."""
+        """INT4 is computed for routed experts and for the decoder's linears (attention
+        projections, dense and shared MLPs). Refused by name: an INT4 LM head, MLA's
+        projections (the latent attention reads them as dense matrices, and its rotary rows
+        are reordered on load), and a merged projection (q/k/v, gate/up) only partly INT4."""
         quant = self.weight_quantization
         if quant is None:
             return
-        names = ["lm_head"]
+        refused = ["lm_head"]
+        merged: list[list[str]] = []
         for layer in range(self.num_hidden_layers):
             prefix = f"model.layers.{layer}"
-            attention = (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if self.mla
-                         else ["q_proj", "k_proj", "v_proj", "o_proj"])
-            names += [f"{prefix}.self_attn.{p}" for p in attention]
+            if self.mla:
+                queries = ("q_proj",) if self.mla.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+                refused += [f"{prefix}.self_attn.{p}" for p in (*queries, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+            else:
+                merged.append([f"{prefix}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
             moe_layer = self.moe is not None and self.moe.moe_layers[layer]
             mlp = f"{prefix}.mlp.shared_experts" if moe_layer else f"{prefix}.mlp"
-            if moe_layer and not (self.moe and self.moe.num_shared_experts):
-                continue
-            names += [f"{mlp}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-        quantized = [name for name in names if quant.quantizes(*self._names(name))]
+            if not moe_layer or (self.moe and self.moe.num_shared_experts):
+                merged.append([f"{mlp}.gate_proj", f"{mlp}.up_proj"])
+        quantized = [name for name in refused if self.int4_linear(name)]
         if quantized:
-            raise ValueError(f"this checkpoint's INT4 scheme also quantizes {quantized[0]} (and "
-                             f"{len(quantized) - 1} more); tandem computes INT4 for routed experts only")
-        if not self.int4_experts:
-            raise ValueError("this checkpoint declares compressed-tensors INT4 weights but no routed experts "
-                             "are quantized; tandem computes INT4 for routed experts only")
+            raise ValueError(f"this checkpoint's INT4 scheme quantizes {quantized[0]} (and {len(quantized) - 1} "
+                             "more); tandem computes INT4 for routed experts and the decoder's linears, not for "
+                             "the LM head or MLA's projections")
+        for group in merged:
+            if len({self.int4_linear(name) for name in group}) > 1:
+                raise ValueError(f"this checkpoint's INT4 scheme quantizes some of {', '.join(group)} but not all; "
+                                 "tandem runs them as one merged projection")
 
     @property
     def kv_spec(self) -> KVCacheSpec:

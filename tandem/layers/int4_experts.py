@@ -155,9 +155,9 @@ class Int4Experts(nn.Module):
     def dequantized(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Local expert `expert`'s (gate/up [2I, H], down [H, I]) as fp32 matrices."""
         if self.packed_words:
-            return (_dequantize_words(self.w13[expert], self.s13[expert]),
-                    _dequantize_words(self.w2[expert], self.s2[expert]))
-        return (_dequantize(self.w13[expert], self.s13[expert]), _dequantize(self.w2[expert], self.s2[expert]))
+            return (dequantize_words(self.w13[expert], self.s13[expert]),
+                    dequantize_words(self.w2[expert], self.s2[expert]))
+        return (dequantize_nibbles(self.w13[expert], self.s13[expert]), dequantize_nibbles(self.w2[expert], self.s2[expert]))
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each local expert's SwiGLU on its slice of `rows` (sorted by expert, counts[e] rows
@@ -194,12 +194,12 @@ class Int4Experts(nn.Module):
         return int4_moe_gemm(hidden, offsets, self.w2, self.s2.view(torch.bfloat16), max_rows=most)
 
 
-def _dequantize_words(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def dequantize_words(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     levels = unpack_int32_levels(words).float() - 8
     return levels * scales.view(torch.bfloat16).float().repeat_interleave(GROUP, dim=-1)
 
 
-def _dequantize(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def dequantize_nibbles(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     levels = kernel_levels(nibbles).float() - 8
     scale = scales.view(torch.bfloat16).float().repeat_interleave(GROUP, dim=-1)
     return levels * scale

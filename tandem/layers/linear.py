@@ -21,6 +21,7 @@ from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.int8_rows import Int8RowsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
 from tandem.layers.int4 import Int4Weight, int4_available, int4_fits
+from tandem.layers.int4_linear import INT4_FIELDS, Int4Linear
 from tandem.layers.int8 import Int8Weight, gated_mlp, int8_fits
 
 
@@ -146,12 +147,27 @@ class LinearWeights:
     small_dense: DenseRows | None = None  # float32 plan: the plain fp32 rows for the GEMV kernel
     packed_weight: torch.Tensor | None = None
     int8: Int8Weight | None = None  # --quantization int8: what steps beyond the small copy read
+    @property
+    def int4(self) -> Int4Linear | None:
+        """A W4A16 checkpoint's matrix, kept in 4 bits (every step reads it): a submodule, so
+        its buffers move and count with the model's."""
+        return self._modules.get("int4_weights")  # type: ignore[attr-defined, return-value]
+
+    def _int4_weights(self) -> Int4Linear:
+        """The 4-bit weights, made when the first INT4 tensor of this layer arrives; the dense
+        weight (never written: torch.empty pages) is released."""
+        if self.int4 is None:
+            out_features, in_features = self.weight.shape
+            self.int4_weights = Int4Linear(out_features, in_features, self.weight.device)
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        assert self.int4 is not None
+        return self.int4
 
     def quantize_int8(self, kernel: Int8RowsKernel | None = None) -> bool:
         """Replace the weights that large steps read by an 8-bit copy (W8A8); False where the
         matrix's shape does not fit the integer GEMM, which then keeps its weights."""
         weight = self.weight.detach()
-        if not int8_fits(weight):
+        if self.int4 is not None or not int8_fits(weight):
             return False
         self.int8 = Int8Weight.quantize(weight, kernel)
         return True
@@ -162,6 +178,8 @@ class LinearWeights:
         int4 uses tandem's 4-bit GEMM (`q4_kernel`) where given, else PyTorch's; float32
         needs the GEMV kernel (`dense_kernel`) and fp32 weights, else adds nothing."""
         weight = self.weight.detach()
+        if self.int4 is not None:  # already 4 bits for every step
+            return 0
         if plan.format == "float32":
             return self._attach_dense_rows(plan, dense_kernel)
         if plan.format == "int4":
@@ -220,7 +238,7 @@ class LinearWeights:
         weight = self.weight.detach()
         if self.int8 is not None:
             return self._release_dense() if drop_dense else 0
-        if not _packable(weight):
+        if self.int4 is not None or not _packable(weight):
             return 0
         self.packed_weight = _pack(weight)
         return self._release_dense() if drop_dense else 0
@@ -235,6 +253,9 @@ class LinearWeights:
 
     def linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = getattr(self, "bias", None) if with_bias else None
+        if self.int4 is not None:
+            out = self.int4.matmul(x)
+            return out if bias is None else out + bias
         if self.uses_small_step(x):
             if self.small_dense is not None:
                 return self.small_dense.matmul(x, with_bias)
@@ -267,7 +288,7 @@ class LinearWeights:
                 return self.int8.matmul(x, getattr(self, "bias", None), residual)
             if self.packed_weight is not None:
                 return _onednn_linear_binary(x, residual, self.packed_weight, getattr(self, "bias", None), "add")
-        if x.device.type == "cuda" and x.dim() == 2 and getattr(self, "bias", None) is None:
+        if x.device.type == "cuda" and x.dim() == 2 and getattr(self, "bias", None) is None and self.int4 is None:
             # One cuBLAS call with the add in its epilogue (beta = 1) instead of a GEMM and an
             # add kernel: on a GPU, decode's small kernels cost launches, not bytes. The sum
             # is rounded once, not twice; the CPU keeps transformers' two roundings.
@@ -314,12 +335,20 @@ class Linear(LinearWeights, nn.Module):
         return self.linear(x) if residual is None else self.linear_plus(x, residual)
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if param_name in INT4_FIELDS:
+            return self._int4_weights().load(param_name, tensor, self._whole_int4_shape())
         target = self.weight if param_name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {param_name} this layer was built without")
         if target.shape != tensor.shape:
             raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs layer {tuple(target.shape)}")
         target.data.copy_(tensor)
+        return None
+
+    def _whole_int4_shape(self) -> tuple[int, int]:
+        """The checkpoint matrix's [out, in] (this layer's, unsplit)."""
+        weights = self._int4_weights()
+        return weights.out_features, weights.in_features
 
 
 Part = tuple[int, int]  # (start, length) of this rank's rows or columns in the whole matrix
@@ -335,7 +364,11 @@ class ColumnParallelLinear(Linear):
         self.tp = tp
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        super().load(param_name, self.tp.shard(tensor, 0))
+        if param_name in INT4_FIELDS:
+            weights = self._int4_weights()
+            rows = (self.tp.rank * weights.out_features, weights.out_features)
+            return weights.load(param_name, tensor, (weights.out_features * self.tp.size, weights.in_features), rows)
+        return super().load(param_name, self.tp.shard(tensor, 0))
 
 
 class RowParallelLinear(Linear):
@@ -350,12 +383,17 @@ class RowParallelLinear(Linear):
     ) -> None:
         self.part = part or (tp.rank * tp.divide(in_features, "projection input width"), in_features // tp.size)
         super().__init__(self.part[1], out_features, bias)
+        self.in_features_whole = in_features
         self.tp = tp
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if param_name in INT4_FIELDS:
+            weights = self._int4_weights()
+            whole = (weights.out_features, self.in_features_whole)
+            return weights.load(param_name, tensor, whole, columns=self.part if self.tp.split else None)
         if param_name == "weight" and self.tp.split:
             tensor = tensor.narrow(1, *self.part)
-        super().load(param_name, tensor)
+        return super().load(param_name, tensor)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if not self.tp.split:
@@ -386,6 +424,8 @@ class MergedLinear(Linear):
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if param_name in INT4_FIELDS:
+            return self._load_int4(param_name, tensor, shard)
         if shard is None:
             if not self.tp.split:
                 return super().load(param_name, tensor)
@@ -401,6 +441,20 @@ class MergedLinear(Linear):
         if rows.shape != tensor.shape:
             raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs shard {tuple(rows.shape)}")
         rows.copy_(tensor)
+        return None
+
+    def _load_int4(self, field: str, tensor: torch.Tensor, shard: int | None) -> None:
+        """One projection's INT4 tensor at its rows (`shard`), or a checkpoint's merged one."""
+        weights = self._int4_weights()
+        if shard is None:
+            if field == "weight_shape":
+                return weights.load(field, tensor, (sum(self.whole_sizes), weights.in_features))
+            for index, part in enumerate(tensor.split(self.whole_sizes)):
+                self._load_int4(field, part, index)
+            return None
+        whole = (self.whole_sizes[shard], weights.in_features)
+        rows = self.parts[shard] if self.tp.split else None
+        return weights.load(field, tensor, whole, rows, offset=self.offsets[shard])
 
 
 class SiluMulPass(Protocol):
@@ -434,7 +488,7 @@ class GateUpLinear(MergedLinear):
 
     def pack_for_cpu(self, drop_dense: bool) -> int:
         weight = self.weight.detach()
-        if self.int8 is not None or not _packable(weight):
+        if self.int8 is not None or self.int4 is not None or not _packable(weight):
             return super().pack_for_cpu(drop_dense)
         gate, up = weight.split(self.intermediate)
         self.packed_halves = (_pack(gate), _pack(up))

@@ -29,6 +29,8 @@ from tandem.layers.rotary import RotaryEmbedding
 from tandem.platform.profiling import profiled
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+# The decoder's linears a W4A16 checkpoint may store as INT4 (not a routed expert's)
+_DECODER_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp|mlp\.shared_experts)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 # checkpoint projection name -> (merged module name, shard index)
 STACKED_PROJECTIONS = {
@@ -359,4 +361,18 @@ class LlamaForCausalLM(nn.Module):
                 names.add(f"{prefix}.mlp.{proj}.weight")
                 if cfg.mlp_bias:
                     names.add(f"{prefix}.mlp.{proj}.bias")
-        return names
+        return self._as_stored(names)
+
+    def _as_stored(self, names: set[str]) -> set[str]:
+        """A W4A16 checkpoint's INT4 linears hold their three tensors in place of `weight`."""
+        cfg = self.config
+        if cfg.weight_quantization is None:
+            return names
+        stored = set()
+        for name in names:
+            module = name.removesuffix(".weight")
+            if _DECODER_LINEAR.match(name) and cfg.int4_linear(module):
+                stored |= {f"{module}.{field}" for field in INT4_FIELDS}
+            else:
+                stored.add(name)
+        return stored

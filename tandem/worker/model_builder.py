@@ -29,6 +29,7 @@ from tandem.kernels.q4_gemm import load_q4_kernel
 from tandem.layers.bounded_greedy import BoundedGreedyHead
 from tandem.layers.fused_ops import attach_gpu_passes, attach_layer_ops
 from tandem.layers.int4_experts import Int4Experts, attach_int4_expert_kernel
+from tandem.layers.int4_linear import Int4Linear, attach_int4_linear_kernel
 from tandem.layers.int8 import int8_available
 from tandem.layers.linear import (
     SmallStepWeights,
@@ -87,6 +88,13 @@ class ModelBuilder:
             load_weights(model, hf_dir)
         small_step = self._small_step_weights()
         q4_kernel = dense_kernel = None
+        int4_linears = attach_int4_linear_kernel(model, None)
+        if int4_linears:
+            linear_kernel = load_q4_kernel(self.kernel_cache_dir)
+            attach_int4_linear_kernel(model, linear_kernel)
+            if self.rank == 0:
+                logger.info("INT4 linears: %d projections keep the checkpoint's 4-bit levels, run by %s", int4_linears,
+                            "the 4-bit C kernel" if linear_kernel is not None else "torch on dequantized weights")
         if model_config.int4_experts:
             expert_kernel = load_q4_kernel(self.kernel_cache_dir)
             layers = attach_int4_expert_kernel(model, expert_kernel)
@@ -199,6 +207,8 @@ def model_bytes(model: torch.nn.Module) -> int:
         tensors += list(getattr(module, "packed_halves", None) or ())
         if isinstance(module, Int4Experts):  # the packed experts are buffers, not parameters
             tensors += [module.w13, module.s13, module.w2, module.s2]
+        if isinstance(module, Int4Linear):
+            tensors += [module.packed, module.scales]
     for tensor in tensors:
         if tensor.is_mkldnn:
             total += tensor.element_size() * tensor.numel()

@@ -37,13 +37,13 @@ IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(g
 GROUP = 32
 
 
-def quantization_config() -> dict:
+def quantization_config(ignore: list[str] = IGNORE) -> dict:
     """K2.5's quantization_config, built and dumped by the package's own schema."""
     config = QuantizationConfig.model_validate({
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
             "dynamic": False, "observer": "minmax"}}},
-        "format": "pack-quantized", "ignore": IGNORE, "quantization_status": "compressed",
+        "format": "pack-quantized", "ignore": ignore, "quantization_status": "compressed",
     })
     return config.model_dump(mode="json")
 
@@ -60,10 +60,15 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return packed, scale.squeeze(-1).contiguous(), dense
 
 
-def save_tiny_kimi_k25(directory: Path, with_tokenizer: bool = True, seed: int = 0) -> torch.nn.Module:
-    """Write the checkpoint to `directory`; return the transformers reference (eval, fp32)."""
+def save_tiny_kimi_k25(directory: Path, with_tokenizer: bool = True, seed: int = 0,
+                       int4_mlps: bool = False) -> torch.nn.Module:
+    """Write the checkpoint to `directory`; return the transformers reference (eval, fp32).
+    `int4_mlps`: the shared experts and the dense layer's MLP in INT4 too (a W4A16 recipe that
+    ignores only attention and the head)."""
+    ignore = ["lm_head", "re:.*self_attn.*"] if int4_mlps else IGNORE
     torch.manual_seed(seed)
-    config = transformers.DeepseekV3Config(**TEXT)
+    # INT4 MLPs: the dense layer's intermediate on whole 64-input blocks of the 4-bit kernel
+    config = transformers.DeepseekV3Config(**(TEXT | {"intermediate_size": 128} if int4_mlps else TEXT))
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -78,7 +83,8 @@ def save_tiny_kimi_k25(directory: Path, with_tokenizer: bool = True, seed: int =
         tensors.update(load_file(file))
     state = {}
     for name, tensor in tensors.items():
-        if ".mlp.experts." in name and name.endswith(".weight"):
+        mlp_linear = int4_mlps and ".mlp." in name and name.endswith("_proj.weight")
+        if (".mlp.experts." in name and name.endswith(".weight")) or mlp_linear:
             packed, scale, dense = quantize_int4(tensor)
             stem = "language_model." + name.removesuffix(".weight")
             state[f"{stem}.weight_packed"] = packed
@@ -95,14 +101,14 @@ def save_tiny_kimi_k25(directory: Path, with_tokenizer: bool = True, seed: int =
     with torch.no_grad():
         reference_state = model.state_dict()
         for name, tensor in tensors.items():
-            if ".mlp.experts." in name:
+            if ".mlp.experts." in name or (int4_mlps and ".mlp." in name and name.endswith("_proj.weight")):
                 _assign_expert(model, reference_state, name, tensor)
     text = config.to_dict()
     text["architectures"] = ["DeepseekV3ForCausalLM"]
-    text["quantization_config"] = quantization_config()
+    text["quantization_config"] = quantization_config(ignore)
     wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "media_placeholder_token_id": 95,
-               "quantization_config": quantization_config(), "text_config": text,
+               "quantization_config": quantization_config(ignore), "text_config": text,
                "tie_word_embeddings": False,
                "vision_config": {"vt_hidden_size": 16, "vt_num_hidden_layers": 1, "patch_size": 2,
                                  "mm_hidden_size": 16, "text_hidden_size": 64}}
