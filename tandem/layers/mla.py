@@ -32,7 +32,7 @@ from tandem.config import MLAConfig, RopeConfig, yarn_mscale
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.attention_registry import latent_decoder
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan
-from tandem.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from tandem.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, dense_linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -63,7 +63,7 @@ class LatentUpProjection(nn.Module):
 
     def forward(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decompress [N, latent] into keys' nope part [N, heads, nope] and values [N, heads, v]."""
-        kv = F.linear(latent, self.weight).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        kv = dense_linear(latent, self.weight).view(-1, self.num_heads, self.nope_dim + self.v_dim)
         return kv[..., : self.nope_dim], kv[..., self.nope_dim :]
 
 

@@ -37,7 +37,7 @@ from tandem.config import MoeConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.layers.int4_experts import Int4Experts
-from tandem.layers.linear import GateUpLinear, RowParallelLinear
+from tandem.layers.linear import GateUpLinear, RowParallelLinear, dense_linear
 from tandem.platform.profiling import profiled
 
 
@@ -186,8 +186,8 @@ class FusedMoE(nn.Module):
             if count == 0:
                 continue
             part = rows[start : start + count]
-            gate, up = F.linear(part, self.w13[expert]).split(self.intermediate, dim=-1)
-            outputs[start : start + count] = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = dense_linear(part, self.w13[expert]).split(self.intermediate, dim=-1)
+            outputs[start : start + count] = dense_linear(F.silu(gate) * up, self.w2[expert])
             start += count
         return outputs
 

@@ -11,7 +11,7 @@ from tandem.types import SamplingParams
 
 
 def test_bf16_small_steps_give_the_same_tokens_with_and_without_the_c_passes() -> None:
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompt = "The three primary colors are"
     with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
         model = llm.engine.runner.model
@@ -28,12 +28,19 @@ def test_bf16_small_steps_give_the_same_tokens_with_and_without_the_c_passes() -
                 return _original(*args)
 
             setattr(ops, method, counted)
-        fused = llm.generate([prompt], params)[0].outputs[0].token_ids
+        fused = llm.generate([prompt], params)[0].outputs[0]
         assert all(count > 0 for count in calls.values()), calls
         for module in users:
             module.ops = None
-        plain = llm.generate([prompt], params)[0].outputs[0].token_ids
+        plain = llm.generate([prompt], params)[0].outputs[0]
     # The C norm and silu round bf16 differently from torch's ops in the last bit now and then,
-    # so a long greedy run can flip at a near-tie (seen at token 23 of 24): a broken pass
-    # diverges at once, so the first 16 must agree.
-    assert fused[:16] == plain[:16]
+    # so a long greedy run can flip at a near-tie (seen at tokens 9 and 23 of 24). A broken pass
+    # diverges at once; so the runs agree until a step where the two best tokens were within
+    # two bf16 steps of a logit near 20 (0.25 nats) in both, after the first 4.
+    if fused.token_ids != plain.token_ids:
+        step = next(i for i, (a, b) in enumerate(zip(fused.token_ids, plain.token_ids, strict=True)) if a != b)
+        assert step >= 4, (step, fused.token_ids, plain.token_ids)
+        for run in (fused, plain):
+            best, second = sorted({e.token_id: e for e in run.logprobs[step]}.values(), key=lambda e: e.rank)[:2]
+            assert {best.token_id, second.token_id} == {fused.token_ids[step], plain.token_ids[step]}
+            assert best.logprob - second.logprob <= 0.25, (step, best, second)

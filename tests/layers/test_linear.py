@@ -223,3 +223,30 @@ def test_one_and_two_row_gemms_are_padded_to_four_rows_for_onednn(monkeypatch: p
         assert out.shape == (tokens, 32)
         torch.testing.assert_close(out, exact(x), rtol=1e-5, atol=1e-5)
     assert seen == [4, 4, 4, 5]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 64])
+def test_bf16_without_a_bf16_gemm_is_multiplied_in_fp32_and_rounded_once(monkeypatch: pytest.MonkeyPatch,
+                                                                         rows: int) -> None:
+    """On a CPU whose oneDNN has no bf16 GEMM (AVX2), torch's bf16 GEMM is a slow loop: from 4
+    rows the operands are widened and the fp32 product rounded to bf16 once; fewer rows keep
+    torch's bf16 call (a GEMV, where widening the weights costs more than it saves)."""
+    import tandem.layers.linear as linear
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(rows, 96).bfloat16(), torch.randn(40, 96).bfloat16(), torch.randn(40).bfloat16()
+    widened = F.linear(x.float(), w.float(), b.float()).bfloat16()  # before F.linear is recorded
+    calls: list[torch.dtype] = []
+    plain = F.linear
+
+    def recording(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[1].dtype)
+        return plain(*args)
+
+    monkeypatch.setattr(linear.F, "linear", recording)
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
+    got = linear.dense_linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and calls == [torch.float32 if rows >= 4 else torch.bfloat16]
+    assert torch.equal(got, widened if rows >= 4 else plain(x, w, b))
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)  # where the GEMM exists, torch's call
+    assert torch.equal(linear.dense_linear(x, w, b), plain(x, w, b)) and calls[-1] == torch.bfloat16
