@@ -7,6 +7,10 @@ start to end with independent accumulators and reaches 27-38 GB/s on the same ma
 (ad-hoc, 2 threads, the box drifting between runs). Same fp32 products and sums, in another
 order: `--decode-weights float32` is exact fp32 arithmetic, like oneDNN's.
 
+The same kernel reads bf16 weights (`tandem_bf16w_gemv`, each widened in registers): a bf16
+model's small steps on a CPU whose oneDNN has no bf16 GEMM (an AVX2-only EPYC), where torch's
+bf16 GEMV is a generic loop.
+
 Compiled on first use like the other C kernels (c_library.py); without a compiler the
 caller keeps oneDNN's path.
 """
@@ -33,11 +37,13 @@ class DenseGemvKernel:
     """The loaded C function."""
 
     def __init__(self, library: Path) -> None:
+        signature = (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int])
         functions = bind(library, {
-            "tandem_f32_gemv": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]),
+            "tandem_f32_gemv": signature, "tandem_bf16w_gemv": signature,
             "tandem_f32_gemv_isa": (ctypes.c_char_p, []),
         })
         self._gemv = functions["tandem_f32_gemv"]
+        self._bf16w_gemv = functions["tandem_bf16w_gemv"]
         self.isa: str = functions["tandem_f32_gemv_isa"]().decode()
 
     @classmethod
@@ -51,10 +57,11 @@ class DenseGemvKernel:
     def gemv(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] fp32 @ weight [N, K].T (+ bias [N]) (+ residual [M, N]) -> [M, N] fp32;
-        every tensor fp32 and contiguous."""
+        every tensor contiguous and fp32, but the weight, which may be bf16."""
         rows = x.shape[0]
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-        self._gemv(weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+        entry = self._bf16w_gemv if weight.dtype == torch.bfloat16 else self._gemv
+        entry(weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
                    None if residual is None else residual.data_ptr(), out.data_ptr(), rows, weight.shape[0],
                    weight.shape[1], torch.get_num_threads())
         return out
@@ -71,19 +78,20 @@ def load_dense_gemv_kernel(cache_dir: Path) -> DenseGemvKernel | None:
 
 @dataclass
 class DenseRows:
-    """An fp32 [N, K] matrix kept in its plain row-major layout for the GEMV kernel: the same
-    tensor the checkpoint filled, not a copy, held beside oneDNN's packed one."""
+    """An fp32 (or bf16) [N, K] matrix kept in its plain row-major layout for the GEMV kernel:
+    the same tensor the checkpoint filled, not a copy (held beside oneDNN's packed one)."""
 
-    weight: torch.Tensor  # fp32 [N, K], contiguous
+    weight: torch.Tensor  # fp32 or bf16 [N, K], contiguous
     bias: torch.Tensor | None  # fp32 [N]
     kernel: DenseGemvKernel
 
     def matmul(self, x: torch.Tensor, with_bias: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] fp32 @ W.T (+ bias) (+ residual, x's leading shape by N)."""
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        extra = None if residual is None else residual.reshape(rows.shape[0], -1).contiguous()
+        """x [..., K] @ W.T (+ bias) (+ residual, x's leading shape by N), in x's dtype (fp32
+        arithmetic: a bf16 x is widened and the result rounded once)."""
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        extra = None if residual is None else residual.reshape(rows.shape[0], -1).float().contiguous()
         out = self.kernel.gemv(self.weight, rows, self.bias if with_bias else None, extra)
-        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+        return out.reshape(*x.shape[:-1], self.weight.shape[0]).to(x.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -36,8 +36,9 @@ from torch import nn
 from tandem.config import MoeConfig
 from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
+from tandem.kernels.dense_gemv import DenseGemvKernel
 from tandem.layers.int4_experts import Int4Experts
-from tandem.layers.linear import GateUpLinear, RowParallelLinear, dense_linear
+from tandem.layers.linear import GEMV_MAX_ROWS, GateUpLinear, RowParallelLinear, dense_linear
 from tandem.platform.profiling import profiled
 
 
@@ -106,6 +107,7 @@ class FusedMoE(nn.Module):
         self.intermediate = tp.divide(moe.intermediate_size, "expert intermediate size")
         self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden_size), requires_grad=False)  # the router
         self.int4 = Int4Experts(experts, hidden_size, self.intermediate, tp) if int4_experts else None
+        self.gemv: DenseGemvKernel | None = None  # bf16 experts on a CPU without a bf16 GEMM (attach_bf16_gemv)
         if self.int4 is None:
             self.w13 = nn.Parameter(torch.empty(experts, 2 * self.intermediate, hidden_size), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(experts, hidden_size, self.intermediate), requires_grad=False)
@@ -186,10 +188,17 @@ class FusedMoE(nn.Module):
             if count == 0:
                 continue
             part = rows[start : start + count]
-            gate, up = dense_linear(part, self.w13[expert]).split(self.intermediate, dim=-1)
-            outputs[start : start + count] = dense_linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = self._expert_linear(part, self.w13[expert]).split(self.intermediate, dim=-1)
+            outputs[start : start + count] = self._expert_linear(F.silu(gate) * up, self.w2[expert])
             start += count
         return outputs
+
+    def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One expert's projection: the bf16 GEMV kernel for a few rows where it is given (a
+        CPU without a bf16 GEMM), else `dense_linear`."""
+        if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS and weight.dtype == torch.bfloat16:
+            return self.gemv.gemv(weight, x.float().contiguous()).to(x.dtype)
+        return dense_linear(x, weight)
 
     def _expert_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The experts' and shared experts' outputs for every row of x [T, H] (the same x on
@@ -228,3 +237,12 @@ class FusedMoE(nn.Module):
                 out = out + self.shared_experts(mine)
         with profiled("moe.gather"):
             return ep.all_gather_rows(out, token_counts)
+
+
+def attach_expert_gemv(model: nn.Module, kernel: DenseGemvKernel) -> int:
+    """Give every layer of dense bf16 experts the GEMV kernel for experts that receive a few
+    rows (a CPU without a bf16 GEMM); returns the layers given it."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.int4 is None and m.w13.dtype == torch.bfloat16]
+    for layer in layers:
+        layer.gemv = kernel
+    return len(layers)

@@ -32,12 +32,15 @@ from tandem.layers.int4_experts import Int4Experts, attach_int4_expert_kernel
 from tandem.layers.int4_linear import Int4Linear, attach_int4_linear_kernel
 from tandem.layers.int8 import int8_available
 from tandem.layers.linear import (
+    GEMV_MAX_ROWS,
     SmallStepWeights,
+    attach_bf16_gemv,
     attach_small_step_weights,
     onednn_bf16_available,
     pack_weights_for_cpu,
     quantize_int8,
 )
+from tandem.layers.moe import attach_expert_gemv
 from tandem.loader.model_loader import build_model, init_dummy_weights, load_weights
 from tandem.models.decode_stack import attach_decode_stack
 from tandem.worker.kv_sizing import check_weights_fit
@@ -117,6 +120,8 @@ class ModelBuilder:
                             quantized, small_step.max_tokens if small_step is not None else 0)
         if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
             logger.info("linear weights packed for oneDNN")
+        if self.dtype == torch.bfloat16 and not onednn_bf16_available():
+            self._attach_bf16_gemv(model)
         ops = load_layer_ops(self.kernel_cache_dir)
         if small_step is not None and small_step.format == "float32":
             self._attach_bounded_greedy(model, ops)
@@ -169,6 +174,16 @@ class ModelBuilder:
         # matrices); a draft model's guesses take any (tandem/spec/model_proposers.py).
         return SmallStepWeights(load.decode_weights_max_tokens, choice,
                                 int4_max_error=TARGET_INT4_MAX_ERROR if choice == "int4" else None)
+
+    def _attach_bf16_gemv(self, model: torch.nn.Module) -> None:
+        """bf16 on a CPU whose oneDNN has no bf16 GEMM (AVX2): steps of up to 16 rows read the
+        weights through the GEMV kernel, larger ones widen to fp32 (layers/linear.py)."""
+        kernel = load_dense_gemv_kernel(self.kernel_cache_dir)
+        layers = attach_bf16_gemv(model, kernel) + attach_expert_gemv(model, kernel) if kernel is not None else 0
+        if self.rank == 0:
+            logger.info("bf16 on a CPU without a bf16 GEMM: %s, larger steps multiply in fp32",
+                        f"steps of <= {GEMV_MAX_ROWS} rows read {layers} matrices through the bf16 GEMV kernel"
+                        if layers else "no GEMV kernel built")
 
     def _attach_bounded_greedy(self, model: torch.nn.Module, ops: LayerOpsKernel | None) -> None:
         """--decode-weights float32 (exact fp32, faster kernels): greedy rows read a bf16 copy

@@ -19,7 +19,7 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> DenseGemvKernel:
 
 
 def _reference(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None):
-    out = x.double() @ weight.double().T
+    out = x.double() @ weight.double().T  # a bf16 weight's value exactly
     if bias is not None:
         out = out + bias.double()
     out = out.float()
@@ -28,11 +28,14 @@ def _reference(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
 
 # K: whole unrolled blocks (576, 1536), a single-vector tail (80 = 64 + 16) and a scalar tail
 # (83); N: fewer rows than threads, and odd counts the threads split unevenly.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-weights"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("shape", [(1, 576), (7, 83), (97, 80), (960, 576), (576, 1536)])
-def test_gemv_is_the_fp32_product(kernel: DenseGemvKernel, rows: int, shape: tuple[int, int]) -> None:
+def test_gemv_is_the_fp32_product(kernel: DenseGemvKernel, rows: int, shape: tuple[int, int],
+                                  dtype: torch.dtype) -> None:
+    """bf16 weights are widened exactly: the product is that of their fp32 values."""
     generator = torch.Generator().manual_seed(rows * 100 + shape[1])
-    weight = torch.randn(shape, generator=generator) / 8
+    weight = (torch.randn(shape, generator=generator) / 8).to(dtype)
     x = torch.randn(rows, shape[1], generator=generator)
     got = kernel.gemv(weight, x)
     assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
@@ -85,3 +88,17 @@ def test_every_instruction_set_path_computes_the_same(tmp_path: Path, march: str
     torch.manual_seed(2)
     weight, x = torch.randn(67, 83) / 8, torch.randn(3, 83)  # tails on every path
     torch.testing.assert_close(other.gemv(weight, x), _reference(weight, x, None, None), rtol=1e-5, atol=1e-5)
+    half = weight.bfloat16()
+    torch.testing.assert_close(other.gemv(half, x), _reference(half, x, None, None), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_layer_s_rows_take_bf16_activations_and_round_once(kernel: DenseGemvKernel) -> None:
+    """The bf16 model's small steps (CPUs without a bf16 GEMM): bf16 in and out, fp32 inside."""
+    torch.manual_seed(3)
+    weight, bias = torch.randn(72, 96).bfloat16(), torch.randn(72)
+    x, residual = torch.randn(5, 96).bfloat16(), torch.randn(5, 72).bfloat16()
+    matrix = DenseRows(weight, bias, kernel)
+    got = matrix.matmul(x, residual=residual)
+    assert got.dtype == torch.bfloat16
+    expected = _reference(weight, x.float(), bias, residual.float()).bfloat16()
+    assert (got.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2**-8

@@ -16,6 +16,11 @@
  *   out [M, N] = x [M, K] @ W.T (+ bias [N]) (+ residual [M, N])
  *
  * bias and residual may be NULL (fp32 sums, in whichever order -ffast-math picks).
+ *
+ * `tandem_bf16w_gemv` takes bf16 weights (x, bias, residual and out stay fp32): each weight is
+ * widened in registers (its 16 bits become a float's high half, exactly) and the arithmetic
+ * is the fp32 kernel's. It serves bf16 models on CPUs whose oneDNN has no bf16 GEMM (an
+ * AVX2-only EPYC), where torch's bf16 GEMV streams a matrix at a few GB/s.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -39,6 +44,7 @@ typedef __m512 vec;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VSUM(a) _mm512_reduce_add_ps(a)
+#define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define WIDTH 8
 #define UNROLL 4
@@ -47,6 +53,7 @@ typedef __m256 vec;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm256_add_ps(a, b)
+#define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 static inline float VSUM(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -55,9 +62,20 @@ static inline float VSUM(__m256 a) {
 }
 #endif
 
-/* dots[m] = W[row] . x[m] for `rows` activation rows (a compile-time literal where called). */
-static inline __attribute__((always_inline)) void row_dots(const float *w, const float *x, int64_t k, int rows,
-                                                           float *dots) {
+static inline float widen_bf16(uint16_t x) {
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
+    return bits.f;
+}
+
+/* Weight i of a row: fp32, or bf16 widened (`bf16` is a literal where called). */
+#define WEIGHT(w, i, bf16) ((bf16) ? widen_bf16(((const uint16_t *)(w))[i]) : ((const float *)(w))[i])
+#if defined(WIDTH)
+#define WLOAD(w, i, bf16) ((bf16) ? VLOAD_BF16((const uint16_t *)(w) + (i)) : VLOAD((const float *)(w) + (i)))
+#endif
+
+/* dots[m] = W[row] . x[m] for `rows` activation rows (`rows` and `bf16` literals where called). */
+static inline __attribute__((always_inline)) void row_dots(const void *w, const float *x, int64_t k, int rows,
+                                                           int bf16, float *dots) {
     int64_t i = 0;
 #if defined(WIDTH)
     vec acc[MAX_ROWS][UNROLL];
@@ -66,12 +84,12 @@ static inline __attribute__((always_inline)) void row_dots(const float *w, const
     for (; i + WIDTH * UNROLL <= k; i += WIDTH * UNROLL) {
 #pragma GCC unroll 4
         for (int u = 0; u < UNROLL; u++) {
-            const vec wv = VLOAD(w + i + u * WIDTH);
+            const vec wv = WLOAD(w, i + u * WIDTH, bf16);
             for (int m = 0; m < rows; m++) acc[m][u] = VFMA(wv, VLOAD(x + m * k + i + u * WIDTH), acc[m][u]);
         }
     }
     for (; i + WIDTH <= k; i += WIDTH) {
-        const vec wv = VLOAD(w + i);
+        const vec wv = WLOAD(w, i, bf16);
         for (int m = 0; m < rows; m++) acc[m][0] = VFMA(wv, VLOAD(x + m * k + i), acc[m][0]);
     }
     for (int m = 0; m < rows; m++) dots[m] = VSUM(VADD(VADD(acc[m][0], acc[m][1]), VADD(acc[m][2], acc[m][3])));
@@ -79,20 +97,23 @@ static inline __attribute__((always_inline)) void row_dots(const float *w, const
     for (int m = 0; m < rows; m++) dots[m] = 0.0f;
 #endif
     for (; i < k; i++)
-        for (int m = 0; m < rows; m++) dots[m] += w[i] * x[m * k + i];
+        for (int m = 0; m < rows; m++) dots[m] += WEIGHT(w, i, bf16) * x[m * k + i];
 }
 
 /* Rows [first, last) of W against `rows` activation rows starting at x. */
-static void rows_block(const float *w, const float *bias, const float *x, const float *residual, float *out,
-                       int64_t rows, int64_t n, int64_t k, int64_t first, int64_t last) {
+static inline __attribute__((always_inline)) void rows_block(const void *w, int bf16, const float *bias,
+                                                             const float *x, const float *residual, float *out,
+                                                             int64_t rows, int64_t n, int64_t k, int64_t first,
+                                                             int64_t last) {
     float dots[MAX_ROWS];
+    const size_t row_bytes = (size_t)k * (bf16 ? sizeof(uint16_t) : sizeof(float));
     for (int64_t row = first; row < last; row++) {
-        const float *wr = w + row * k;
+        const void *wr = (const char *)w + (size_t)row * row_bytes;
         switch (rows) { /* literal row counts: the accumulators stay in registers */
-        case 1: row_dots(wr, x, k, 1, dots); break;
-        case 2: row_dots(wr, x, k, 2, dots); break;
-        case 3: row_dots(wr, x, k, 3, dots); break;
-        default: row_dots(wr, x, k, 4, dots); break;
+        case 1: row_dots(wr, x, k, 1, bf16, dots); break;
+        case 2: row_dots(wr, x, k, 2, bf16, dots); break;
+        case 3: row_dots(wr, x, k, 3, bf16, dots); break;
+        default: row_dots(wr, x, k, 4, bf16, dots); break;
         }
         for (int64_t m = 0; m < rows; m++) {
             float value = dots[m];
@@ -103,10 +124,10 @@ static void rows_block(const float *w, const float *bias, const float *x, const 
     }
 }
 
-/* out [m_rows, n] = x [m_rows, k] @ W.T (+ bias) (+ residual), W [n, k] row-major fp32.
- * out must not alias x; it may alias residual (each element is read before it is written). */
-void tandem_f32_gemv(const float *w, const float *bias, const float *x, const float *residual, float *out,
-                     int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+/* The threads split W's rows; each walks the activation rows MAX_ROWS at a time. */
+static inline __attribute__((always_inline)) void gemv(const void *w, int bf16, const float *bias, const float *x,
+                                                       const float *residual, float *out, int64_t m_rows,
+                                                       int64_t n, int64_t k, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     {
 #if defined(_OPENMP)
@@ -118,10 +139,23 @@ void tandem_f32_gemv(const float *w, const float *bias, const float *x, const fl
         const int64_t first = me * share, last = first + share < n ? first + share : n;
         for (int64_t m = 0; m < m_rows && first < last; m += MAX_ROWS) {
             const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
-            rows_block(w, bias, x + m * k, residual == NULL ? NULL : residual + m * n, out + m * n, rows, n, k,
-                       first, last);
+            rows_block(w, bf16, bias, x + m * k, residual == NULL ? NULL : residual + m * n, out + m * n, rows, n,
+                       k, first, last);
         }
     }
+}
+
+/* out [m_rows, n] = x [m_rows, k] @ W.T (+ bias) (+ residual), W [n, k] row-major fp32.
+ * out must not alias x; it may alias residual (each element is read before it is written). */
+void tandem_f32_gemv(const float *w, const float *bias, const float *x, const float *residual, float *out,
+                     int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+    gemv(w, 0, bias, x, residual, out, m_rows, n, k, num_threads);
+}
+
+/* The same with W [n, k] row-major bf16 (the raw 16 bits of each weight). */
+void tandem_bf16w_gemv(const uint16_t *w, const float *bias, const float *x, const float *residual, float *out,
+                       int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+    gemv(w, 1, bias, x, residual, out, m_rows, n, k, num_threads);
 }
 
 /* which vector width this build uses, for the log */
