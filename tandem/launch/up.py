@@ -59,6 +59,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     flags.settle_device(args)  # --dtype auto -> this host's dtype (the CLI did it; direct callers may not)
     from tandem.loader.resolve import resolve_model
+    from tandem.loader.tiktoken_tokenizer import has_tiktoken_model
 
     check_up(args)  # the CLI did it at parse time; direct callers may not
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
@@ -72,7 +73,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Resolve (and, for a GGUF, convert) once here rather than in N workers at once; the
     # router counts prompt tokens with the same tokenizer.json.
     resolved = resolve_model(args.model, args.dtype)
-    tokenizer_dir = resolved.hf_dir if (resolved.hf_dir / "tokenizer.json").is_file() else None
+    tokenizer_dir = (resolved.hf_dir if (resolved.hf_dir / "tokenizer.json").is_file()
+                     or has_tiktoken_model(resolved.hf_dir) else None)
     log_dir = args.log_dir or Path("tandem-logs") / f"up-{dt.datetime.now():%Y%m%d-%H%M%S}"
     args.log_dir = log_dir
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -660,3 +660,14 @@ def test_tools_the_typescript_form_cannot_write_are_declared_as_json(tok: Tokeni
                                 KimiK2ToolParser()).text
     assert prompt.startswith('<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"f"')
     assert "namespace functions" not in prompt
+
+
+def test_the_router_counts_prompts_with_the_same_ids(kimi_dir: Path, ref: tiktoken.Encoding) -> None:
+    """`tandem route --tokenizer DIR` / `tandem up` on a Kimi directory: the router's prompt
+    counts (PD threshold, scoring) are tiktoken's own, not 4 characters a token."""
+    from tandem.router.placement.prompt_tokens import PromptCounter
+
+    counter = PromptCounter(kimi_dir)
+    assert counter.exact
+    for text in ("Weather in Zürich? 天气怎么样", "def add(a, b):\n    return a - b\n" * 20):
+        assert counter.count_text(text) == len(ref.encode(text)) != max(1, len(text) // 4)

@@ -4,7 +4,8 @@ The router does not render chat templates yet, so a chat prompt is the concatena
 texts (plus tool definitions, which templates also inline): an estimate a few tokens short of
 the rendered prompt, which is all scoring and the PD threshold need. With `--tokenizer` the
 texts are counted with the model's `tokenizer.json` (the `tokenizers` package, no
-transformers); without one, 4 characters per token.
+transformers) or Kimi's `tiktoken.model` (converted into the same kind of tokenizer,
+loader/tiktoken_tokenizer.py); without one, 4 characters per token.
 """
 
 from __future__ import annotations
@@ -29,11 +30,17 @@ class PromptCounter:
         if tokenizer_path is not None:
             from tokenizers import Tokenizer
 
+            from tandem.loader.tiktoken_tokenizer import has_tiktoken_model, tiktoken_backend
+
             path = Path(tokenizer_path)
+            if path.is_dir() and not (path / "tokenizer.json").is_file() and has_tiktoken_model(path):
+                self._tokenizer = tiktoken_backend(path)  # Kimi's tiktoken.model, converted (and cached)
+                logger.info("counting prompt tokens with %s/tiktoken.model", path)
+                return
             if path.is_dir():
                 path = path / "tokenizer.json"
             if not path.is_file():
-                raise FileNotFoundError(f"no tokenizer.json at {path}")
+                raise FileNotFoundError(f"no tokenizer.json (or tiktoken.model) at {path}")
             self._tokenizer = Tokenizer.from_file(str(path))
             logger.info("counting prompt tokens with %s", path)
 
