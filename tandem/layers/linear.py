@@ -8,6 +8,7 @@ Tensor-parallel variants will shard these along the same row ranges.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -197,11 +198,14 @@ class LinearWeights:
 
     def _int4_weights(self) -> Int4Linear:
         """The 4-bit weights, made when the first INT4 tensor of this layer arrives; the dense
-        weight (never written: torch.empty pages) is released."""
-        if self.int4 is None:
-            out_features, in_features = self.weight.shape
-            self.int4_weights = Int4Linear(out_features, in_features, self.weight.device)
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        weight (never written: torch.empty pages) is released. The loader's threads may bring
+        two tensors of one layer at once (q_proj's and k_proj's): one lock per layer (dict
+        setdefault is atomic) makes it once, or the second would drop the first's rows."""
+        with self.__dict__.setdefault("_int4_lock", threading.Lock()):
+            if self.int4 is None:
+                out_features, in_features = self.weight.shape
+                self.int4_weights = Int4Linear(out_features, in_features, self.weight.device)
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         assert self.int4 is not None
         return self.int4
 
