@@ -48,7 +48,9 @@ def opencode_config(base_url: str, greedy: bool) -> dict:
             "tandem": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "tandem",
-                "options": {"baseURL": f"{base_url}/v1"},
+                # OpenCode aborts a request after 5 minutes by default; a cold ~7k-token first
+                # turn took 395 s on an AVX2-only 2-core box (README: the timeout option)
+                "options": {"baseURL": f"{base_url}/v1", "timeout": 1_200_000},
                 "models": {MODEL: model},
             }
         },
