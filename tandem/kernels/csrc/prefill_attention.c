@@ -7,11 +7,12 @@
  * AVX-512 box where a bf16 GEMM reaches ~450, and at an 8,000-token prompt attention is 3/4
  * of the time to first token.
  *
- * The shape of the work. A tile is 16 consecutive query tokens of one query head, held
- * transposed: the 16 queries are the 16 lanes of a vector, so every softmax step (max, exp,
- * sum, rescale) is lane-wise, with no horizontal reductions. Keys go by in groups of 16:
- *   S[j] (16 lanes = 16 queries) += Q^T[d] * broadcast(K[j][d])      for each key j, dim d
- *   O^T[d] (16 lanes)            += P[j] * broadcast(V[j][d])
+ * The shape of the work. A tile is LANES consecutive query tokens of one query head (16 with
+ * AVX-512, 8 with AVX2: one machine vector of fp32), held transposed: the queries are the
+ * lanes of a vector, so every softmax step (max, exp, sum, rescale) is lane-wise, with no
+ * horizontal reductions. Keys go by in groups of LANES:
+ *   S[j] (LANES lanes = queries) += Q^T[d] * broadcast(K[j][d])      for each key j, dim d
+ *   O^T[d] (LANES lanes)         += P[j] * broadcast(V[j][d])
  * so K and V are read as rows, straight as the cache stores them. With AVX-512-BF16 both
  * products use vdpbf16ps on pairs: pairs of dims for Q.K (a cached key row already is pairs),
  * pairs of keys for P.V (V is regrouped into key pairs once per call, below).
@@ -37,17 +38,24 @@
 #include <immintrin.h>
 #endif
 
+/* Queries per tile = fp32 lanes of one machine vector: 16 with AVX-512, 8 otherwise. A
+ * 16-lane tile on AVX2 (each vector two ymm halves) needs twice the 16 registers its
+ * accumulators take and spills in every inner loop: 4 GFLOP/s on a 2-core AVX2 EPYC. */
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8
+#endif
 #define MAX_DIM 256
 
-typedef float v16 __attribute__((vector_size(64), aligned(64)));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(64)));
+typedef float vec __attribute__((vector_size(LANES * 4), aligned(LANES * 4)));
+typedef int32_t veci __attribute__((vector_size(LANES * 4), aligned(LANES * 4)));
 
-static inline v16 splat(float x) { return (v16){0} + x; }
+static inline vec splat(float x) { return (vec){0} + x; }
 
-static inline v16 vmax(v16 a, v16 b) {
-    v16i take_a = a > b;
-    return (v16)(((v16i)a & take_a) | ((v16i)b & ~take_a));
+static inline vec vmax(vec a, vec b) {
+    veci take_a = a > b;
+    return (vec)(((veci)a & take_a) | ((veci)b & ~take_a));
 }
 
 static inline float widen(uint16_t x) {
@@ -57,11 +65,11 @@ static inline float widen(uint16_t x) {
 
 /* 2^x for x <= 0, to ~1e-7 relative: x = n + f with n an integer and |f| <= 1/2, 2^f by its
  * Taylor series, 2^n built in the exponent field. Inputs below -126 give ~2^-126. */
-static inline v16 exp2_nonpositive(v16 x) {
+static inline vec exp2_nonpositive(vec x) {
     x = vmax(x, splat(-126.0f));
-    const v16i n = __builtin_convertvector(x - 0.5f, v16i); /* truncates: rounds to nearest */
-    const v16 f = (x - __builtin_convertvector(n, v16)) * 0.69314718f; /* f * ln 2 */
-    v16 p = splat(1.0f / 5040.0f);
+    const veci n = __builtin_convertvector(x - 0.5f, veci); /* truncates: rounds to nearest */
+    const vec f = (x - __builtin_convertvector(n, vec)) * 0.69314718f; /* f * ln 2 */
+    vec p = splat(1.0f / 5040.0f);
     p = p * f + 1.0f / 720.0f;
     p = p * f + 1.0f / 120.0f;
     p = p * f + 1.0f / 24.0f;
@@ -69,11 +77,11 @@ static inline v16 exp2_nonpositive(v16 x) {
     p = p * f + 0.5f;
     p = p * f + 1.0f;
     p = p * f + 1.0f;
-    return p * (v16)((n + 127) << 23);
+    return p * (vec)((n + 127) << 23);
 }
 
-static inline int any_greater(v16 a, v16 b) {
-    v16i greater = a > b;
+static inline int any_greater(vec a, vec b) {
+    veci greater = a > b;
     int any = 0;
     for (int i = 0; i < LANES; i++) any |= greater[i];
     return any;
@@ -136,15 +144,15 @@ typedef struct {
     float log2_scale;   /* softmax scale * log2(e) */
 } Problem;
 
-/* S[j] += Q^T . K[j] for 16 keys, fp32 arithmetic on widened or fp32 keys; eight keys at a
+/* S[j] += Q^T . K[j] for LANES keys, fp32 arithmetic on widened or fp32 keys; eight keys at a
  * time, so eight independent accumulations hide the FMA latency. */
-static inline __attribute__((always_inline)) void scores_fma(const Problem *p, const v16 *qt, const char *k_group,
-                                                             v16 *s, const int kind) {
+static inline __attribute__((always_inline)) void scores_fma(const Problem *p, const vec *qt, const char *k_group,
+                                                             vec *s, const int kind) {
     for (int j0 = 0; j0 < LANES; j0 += 8) {
-        v16 acc[8];
+        vec acc[8];
         for (int j = 0; j < 8; j++) acc[j] = splat(0.0f);
         for (int64_t d = 0; d < p->dim; d++) {
-            const v16 q = qt[d];
+            const vec q = qt[d];
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) acc[j] += q * load_kv(k_group, (int64_t)(j0 + j) * p->dim + d, kind);
         }
@@ -152,11 +160,11 @@ static inline __attribute__((always_inline)) void scores_fma(const Problem *p, c
     }
 }
 
-/* O^T[d] += sum_j P[j] * V[j][d] for 16 keys, V in rows. */
-static inline __attribute__((always_inline)) void values_fma(const Problem *p, const v16 *probs, const char *v_group,
-                                                             v16 *ot, const int kind) {
+/* O^T[d] += sum_j P[j] * V[j][d] for LANES keys, V in rows. */
+static inline __attribute__((always_inline)) void values_fma(const Problem *p, const vec *probs, const char *v_group,
+                                                             vec *ot, const int kind) {
     for (int64_t d0 = 0; d0 < p->dim; d0 += LANES) {
-        v16 acc[LANES];
+        vec acc[LANES];
         for (int i = 0; i < LANES; i++) acc[i] = ot[d0 + i];
         for (int j = 0; j < LANES; j++) {
             const int64_t base = (int64_t)j * p->dim + d0;
@@ -170,7 +178,7 @@ static inline __attribute__((always_inline)) void values_fma(const Problem *p, c
 #if defined(__AVX512BF16__)
 /* S[j] += Q^T . K[j] with vdpbf16ps: qt holds pairs of dims (16 lanes x 2 bf16 each), and a
  * cached key row read as 32-bit words is already pairs of dims. */
-static inline void scores_bf16(const Problem *p, const __m512i *qt_pairs, const char *k_group, v16 *s) {
+static inline void scores_bf16(const Problem *p, const __m512i *qt_pairs, const char *k_group, vec *s) {
     const int64_t pairs = p->dim / 2;
     const uint32_t *k_words = (const uint32_t *)k_group;
     for (int j0 = 0; j0 < LANES; j0 += 8) {
@@ -182,13 +190,13 @@ static inline void scores_bf16(const Problem *p, const __m512i *qt_pairs, const 
             for (int j = 0; j < 8; j++)
                 acc[j] = _mm512_dpbf16_ps(acc[j], q, (__m512bh)_mm512_set1_epi32((int)k_words[(j0 + j) * pairs + w]));
         }
-        for (int j = 0; j < 8; j++) s[j0 + j] = (v16)acc[j];
+        for (int j = 0; j < 8; j++) s[j0 + j] = (vec)acc[j];
     }
 }
 
 /* O^T[d] += sum_j P[j] * V[j][d] with vdpbf16ps over key pairs: P[j], P[j+1] rounded to bf16
  * and interleaved lane by lane; V regrouped into key pairs by gather_head. */
-static inline void values_bf16(const Problem *p, const v16 *probs, const char *v_group, v16 *ot) {
+static inline void values_bf16(const Problem *p, const vec *probs, const char *v_group, vec *ot) {
     /* word i of the result: bf16 of a[i] low, of b[i] high; cvtne2ps puts b in words 0-15 and
      * a in words 16-31 */
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -209,7 +217,7 @@ static inline void values_bf16(const Problem *p, const v16 *probs, const char *v
             for (int i = 0; i < LANES; i++)
                 acc[i] = _mm512_dpbf16_ps(acc[i], pk, (__m512bh)_mm512_set1_epi32((int)row[i]));
         }
-        for (int i = 0; i < LANES; i++) ot[d0 + i] = (v16)acc[i];
+        for (int i = 0; i < LANES; i++) ot[d0 + i] = (vec)acc[i];
     }
 }
 #endif
@@ -218,10 +226,10 @@ static inline void values_bf16(const Problem *p, const v16 *probs, const char *v
 static void attend_tile(const Problem *p, int64_t head, int64_t t0, int64_t rows) {
     const int64_t dim = p->dim, kv_head = head / p->group;
     const size_t element = p->kind == 0 ? 4 : 2;
-    v16 qt[MAX_DIM]; /* Q^T in fp32: [dim] vectors of 16 queries */
-    v16 ot[MAX_DIM]; /* O^T: [dim] vectors */
-    v16 s[LANES];
-    v16i position; /* each lane's query position in the context; padding lanes repeat the last */
+    vec qt[MAX_DIM]; /* Q^T in fp32: [dim] vectors of LANES queries */
+    vec ot[MAX_DIM]; /* O^T: [dim] vectors */
+    vec s[LANES];
+    veci position; /* each lane's query position in the context; padding lanes repeat the last */
     for (int r = 0; r < LANES; r++) position[r] = (int32_t)(p->cached + t0 + (r < rows ? r : rows - 1));
 #if defined(__AVX512BF16__)
     __m512i qt_pairs[MAX_DIM / 2];
@@ -238,7 +246,7 @@ static void attend_tile(const Problem *p, int64_t head, int64_t t0, int64_t rows
         for (int64_t d = 0; d < dim; d++) qt[d][r] = load_kv(row, d, p->kind);
     }
     for (int64_t d = 0; d < dim; d++) ot[d] = splat(0.0f);
-    v16 top = splat(-1e30f), total = splat(0.0f);
+    vec top = splat(-1e30f), total = splat(0.0f);
     const int64_t first = p->cached + t0, last = p->cached + t0 + rows - 1;
     const int64_t groups = last / LANES + 1;
     const size_t head_bytes = (size_t)p->padded * dim * element;
@@ -257,27 +265,27 @@ static void attend_tile(const Problem *p, int64_t head, int64_t t0, int64_t rows
                 scores_fma(p, qt, k_group, s, 1);
         const int64_t key0 = g * LANES;
         const int masked = key0 + LANES - 1 > first;
-        v16 block_top = splat(-1e30f);
+        vec block_top = splat(-1e30f);
         for (int j = 0; j < LANES; j++) {
             s[j] *= p->log2_scale;
             if (masked) {
-                v16i visible = position >= (int32_t)(key0 + j);
-                s[j] = (v16)(((v16i)s[j] & visible) | ((v16i)splat(-1e30f) & ~visible));
+                veci visible = position >= (int32_t)(key0 + j);
+                s[j] = (vec)(((veci)s[j] & visible) | ((veci)splat(-1e30f) & ~visible));
             }
             block_top = vmax(block_top, s[j]);
         }
         if (any_greater(block_top, top)) {
-            const v16 new_top = vmax(top, block_top);
-            const v16 correction = exp2_nonpositive(top - new_top);
+            const vec new_top = vmax(top, block_top);
+            const vec correction = exp2_nonpositive(top - new_top);
             total *= correction;
             for (int64_t d = 0; d < dim; d++) ot[d] *= correction;
             top = new_top;
         }
         for (int j = 0; j < LANES; j++) {
-            v16 prob = exp2_nonpositive(s[j] - top);
+            vec prob = exp2_nonpositive(s[j] - top);
             if (masked) {
-                v16i visible = position >= (int32_t)(key0 + j);
-                prob = (v16)((v16i)prob & visible);
+                veci visible = position >= (int32_t)(key0 + j);
+                prob = (vec)((veci)prob & visible);
             }
             s[j] = prob;
             total += prob;
@@ -292,7 +300,7 @@ static void attend_tile(const Problem *p, int64_t head, int64_t t0, int64_t rows
             else
                 values_fma(p, s, v_group, ot, 1);
     }
-    const v16 inverse = 1.0f / total;
+    const vec inverse = 1.0f / total;
     for (int r = 0; r < rows; r++) {
         char *row = p->out + (size_t)(t0 + r) * p->out_stride * element + (size_t)head * dim * element;
         for (int64_t d = 0; d < dim; d++) {
