@@ -31,7 +31,7 @@ TORCH_SIDE = {"engine", "executor", "worker", "models", "layers", "kernels", "di
               "loader", "llm"}
 TORCH_FREE = {"router", "edge", "trust"}
 # Import no torch at all, directly: packages and single modules.
-NO_TORCH = ("router", "edge", "trust", "sizing", "flags", "launch", "config", "config_checks", "types",
+NO_TORCH = ("router", "edge", "trust", "tokenization", "sizing", "flags", "launch", "config", "config_checks", "types",
             "batch.scheduler_output", "engine.scheduler", "engine.block_pool", "engine.kv_cache_manager",
             "structured")
 

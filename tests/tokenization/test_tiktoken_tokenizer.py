@@ -32,11 +32,11 @@ from tokenizers import models as bpe_models
 
 from tandem.edge.openai_protocol import ChatMessage, Tool
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.loader import tiktoken_tokenizer
 from tandem.loader.tokenizer import Tokenizer, load_tokenizer
 from tandem.server.chat_prompt import render_chat_prompt
 from tandem.server.tool_parsers import KimiK2ToolParser, detect_tool_parser
 from tandem.structured.constraints import GrammarConstraints, TokenizerSource, mask_allows
+from tandem.tokenization import tiktoken_tokenizer
 from tandem.types import GuidedDecoding, Request, SamplingParams
 
 BASE = 163_584  # Kimi's BPE tokens; its special tokens are the 256 ids from here

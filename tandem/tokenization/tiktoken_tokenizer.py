@@ -38,7 +38,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from tandem.loader.tokenizer_files import CONFIG_FILE, read_json
+from tandem.platform.cache_dir import default_cache_dir
+from tandem.tokenization.tokenizer_files import CONFIG_FILE, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -215,8 +216,6 @@ def _warn_if_not_kimi(hf_dir: Path, config: dict[str, Any]) -> None:
 # --- the cache of converted vocabularies ---------------------------------------------------------
 def _cache_root(cache_dir: Path | None) -> Path:
     if cache_dir is None:
-        from tandem.loader.resolve import default_cache_dir
-
         cache_dir = default_cache_dir()
     return Path(cache_dir) / _CACHE_SUBDIR
 
