@@ -70,8 +70,9 @@ def _expected(tandem_server: str, body: dict) -> str:
 
 
 def _idle(server: LiveServer) -> dict:
-    load = server.wait_idle()
-    deadline = time.monotonic() + 10
+    # Generous: a thawed prefill worker finishes its abandoned chunk first, on one thread.
+    load = server.wait_idle(timeout=120)
+    deadline = time.monotonic() + 60
     while load["kv_transfer"].get("held", 0) and time.monotonic() < deadline:
         time.sleep(0.1)
         load = server.load()
@@ -106,20 +107,23 @@ def test_prefill_worker_stalls_mid_prefill(workers: dict[str, LiveServer], tande
     expected = _expected(tandem_server, body)
     result: list = []
     thread = threading.Thread(target=lambda: result.append(_stream(url, body)))
-    started = time.monotonic()
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while prefill.load()["num_requests_in_flight"] == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
     frozen = _tree(prefill)
     for process in frozen:
         os.kill(process.pid, signal.SIGSTOP)
     try:
-        thread.join(60)
+        # Served while the prefill worker is still frozen (no bound in seconds: a loaded 2-core
+        # box takes a while to compute the whole prompt on the decode worker's one thread).
+        thread.join(300)
+        served_while_frozen = not thread.is_alive()
     finally:
         for process in frozen:
             os.kill(process.pid, signal.SIGCONT)
-    assert result == [(expected, [])] and time.monotonic() - started < 30
+    thread.join(120)
+    assert served_while_frozen and result == [(expected, [])], result
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert metric(metrics, "tandem_router_pd_fallbacks_total") == 1  # it was caught mid-prefill
     load = _idle(prefill)
