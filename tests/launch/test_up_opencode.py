@@ -48,9 +48,12 @@ def opencode_config(base_url: str, greedy: bool) -> dict:
             "tandem": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "tandem",
-                # OpenCode aborts a request after 5 minutes by default; a cold ~7k-token first
-                # turn took 395 s on an AVX2-only 2-core box (README: the timeout option)
-                "options": {"baseURL": f"{base_url}/v1", "timeout": 1_200_000},
+                # OpenCode aborts a request after 5 minutes without response headers or
+                # between stream chunks by default, and the router starts a stream once the
+                # prompt is prefilled: a cold ~7k-token first turn took 395-500 s on an
+                # AVX2-only 2-core box (README: the timeout options)
+                "options": {"baseURL": f"{base_url}/v1", "timeout": 1_200_000,
+                            "headerTimeout": 1_200_000, "chunkTimeout": 1_200_000},
                 "models": {MODEL: model},
             }
         },

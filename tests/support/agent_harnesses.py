@@ -56,6 +56,8 @@ def claude_code_env(home: Path, base_url: str, max_output_tokens: int | None = N
         "DISABLE_ERROR_REPORTING": "1",
         "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        # A CPU's cold first turn can take minutes (Claude Code's own limit is 10).
+        "API_TIMEOUT_MS": "1200000",
     }
     if max_output_tokens is not None:
         env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
@@ -111,6 +113,9 @@ name = "tandem"
 base_url = "{base_url}/v1"
 wire_api = "responses"
 env_key = "{CODEX_KEY_ENV}"
+# A CPU's cold first turn can take minutes before its first event: Codex gives up on a
+# stream after 5 silent minutes by default.
+stream_idle_timeout_ms = 1200000
 """
 
 
