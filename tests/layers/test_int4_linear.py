@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
 from tandem.config import ModelConfig
 from tandem.kernels.q4_gemm import Q4Kernel
 from tandem.kernels.torch_attention import TorchAttentionBackend
@@ -25,10 +24,10 @@ from tandem.layers.int4_experts import unpack_int32_levels
 from tandem.layers.int4_linear import Int4Linear, attach_int4_linear_kernel
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
 from tests.models.test_parity import mixed_schedule_logits
+from tests.support.greedy_parity import engine_greedy, reference_greedy
 from tests.support.kimi_k25 import save_tiny_kimi_k25
 from tests.support.w4a16 import VOCAB, save_tiny_w4a16_qwen2
 
-ENGINE = dict(kv_cache_memory="8MiB", num_threads=1, block_size=4, max_num_batched_tokens=16)
 MAX_TOKENS = 8
 
 
@@ -90,28 +89,11 @@ def _prompts() -> list[list[int]]:
 def _reference_greedy(reference: torch.nn.Module) -> list[list[int]]:
     """transformers' greedy continuations, with no near-tie (a top-two gap under 2e-3, twice the
     kernel's logit tolerance) the engine's activation rounding could flip."""
-    reference.generation_config.eos_token_id = None
-    outputs = []
-    for prompt in _prompts():
-        with torch.no_grad():
-            generated = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                           output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        gaps = [float(step[0].topk(2).values.diff().abs()) for step in generated.logits]
-        assert min(gaps) > 2e-3, f"near-tie in the reference's greedy choices for {prompt}: {min(gaps)}"
-        outputs.append(generated.sequences[0, len(prompt):].tolist())
-    return outputs
+    return reference_greedy(reference, _prompts(), MAX_TOKENS, min_gap=2e-3)
 
 
 def _engine_greedy(directory: Path, **mode: int) -> list[list[int]]:
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    prompts = _prompts()
-    with LLM(str(directory), **ENGINE, **mode) as llm:
-        first = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], greedy)]
-        again = llm.generate(prompts[4:], greedy)
-        assert sum(o.num_cached_tokens for o in again) >= 4 * 2  # the repeated prefixes hit the cache
-        pool = llm.engine.block_pool
-        assert pool.num_free_blocks == pool.num_blocks
-    return first + [o.outputs[0].token_ids for o in again]
+    return engine_greedy(directory, _prompts(), first=4, max_tokens=MAX_TOKENS, min_cached=4 * 2, **mode)
 
 
 @pytest.mark.parametrize("mode", [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
 from tandem.config import ModelConfig
 from tandem.kernels.q4_gemm import Q4Kernel
 from tandem.kernels.torch_attention import TorchAttentionBackend
@@ -25,9 +24,9 @@ from tandem.layers.int4_experts import Int4Experts, attach_int4_expert_kernel, u
 from tandem.layers.moe import FusedMoE
 from tandem.loader.model_loader import build_model, load_weights, read_model_config
 from tests.models.test_parity import mixed_schedule_logits
+from tests.support.greedy_parity import engine_greedy, reference_greedy
 from tests.support.kimi_k25 import VOCAB, save_tiny_kimi_k25
 
-ENGINE = dict(kv_cache_memory="8MiB", num_threads=1, block_size=4, max_num_batched_tokens=16)
 MODES = {
     "tp1": {},
     "tp2": dict(tensor_parallel_size=2),
@@ -120,34 +119,16 @@ def test_logits_follow_transformers_on_the_dequantized_weights(checkpoint: tuple
 
 @pytest.fixture(scope="module")
 def transformers_greedy(checkpoint: tuple[Path, torch.nn.Module]) -> list[list[int]]:
-    """transformers' greedy continuations, and a check that none of its choices is a near-tie
-    (a top-two logit gap under 1e-3, twice the logit tolerance above; 1.3e-4 measured) that
-    the kernel's activation rounding could flip: the comparison below is then exact, not lucky."""
+    """transformers' greedy continuations, none of its choices a near-tie (a top-two logit gap
+    under 1e-3, twice the logit tolerance above; 1.3e-4 measured) that the kernel's activation
+    rounding could flip: the comparison below is then exact, not lucky."""
     _, reference = checkpoint
-    reference.generation_config.eos_token_id = None  # as ignore_eos: every one of MAX_TOKENS steps greedy
-    outputs = []
-    for prompt in _prompts():
-        with torch.no_grad():
-            generated = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                           output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        gaps = [float(step[0].topk(2).values.diff().abs()) for step in generated.logits]
-        assert min(gaps) > 1e-3, f"near-tie in the reference's greedy choices for {prompt}: {min(gaps)}"
-        outputs.append(generated.sequences[0, len(prompt):].tolist())
-        assert len(outputs[-1]) == MAX_TOKENS
-    return outputs
+    return reference_greedy(reference, _prompts(), MAX_TOKENS, min_gap=1e-3)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_engine_s_greedy_tokens_equal_transformers(mode: str, checkpoint: tuple[Path, torch.nn.Module],
                                                       transformers_greedy: list[list[int]]) -> None:
     directory, _ = checkpoint
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    prompts = _prompts()
-    with LLM(str(directory), **ENGINE, **MODES[mode]) as llm:
-        first = [o.outputs[0].token_ids for o in llm.generate(prompts[:5], greedy)]
-        again = llm.generate(prompts[5:], greedy)
-        second = [o.outputs[0].token_ids for o in again]
-        assert sum(o.num_cached_tokens for o in again) >= 4 * 4  # the repeated prefixes hit the cache
-        pool = llm.engine.block_pool
-        assert pool.num_free_blocks == pool.num_blocks
-    assert first + second == transformers_greedy
+    tokens = engine_greedy(directory, _prompts(), first=5, max_tokens=MAX_TOKENS, min_cached=4 * 4, **MODES[mode])
+    assert tokens == transformers_greedy
