@@ -32,7 +32,13 @@ from tandem.config import MLAConfig, RopeConfig, yarn_mscale
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.attention_registry import latent_decoder
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan
-from tandem.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, dense_linear
+from tandem.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    dense_einsum,
+    dense_linear,
+)
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -141,12 +147,12 @@ class MultiLatentAttention(nn.Module):
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         w_uk, w_uv = self.kv_b_proj.halves()
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk.to(q_nope.dtype))
+        q_latent = dense_einsum("thn,hnl->thl", q_nope, w_uk)
         query = torch.cat((q_latent, q_rot), dim=-1)  # [T, heads, latent_dim]
         # Keys and values are the same latent entries: one stored plane, read as both.
         both = kv_cache.expand(2, -1, -1, -1, -1)
         attended = self._decode_attention.decode(query, both, meta, self.scale)
-        return torch.einsum("thl,hvl->thv", attended[..., : self.mla.kv_lora_rank], w_uv.to(q_nope.dtype))
+        return dense_einsum("thl,hvl->thv", attended[..., : self.mla.kv_lora_rank], w_uv)
 
     def _decompressed_prefill(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, fresh: torch.Tensor, kv_cache: torch.Tensor,

@@ -250,3 +250,29 @@ def test_bf16_without_a_bf16_gemm_is_multiplied_in_fp32_and_rounded_once(monkeyp
     assert torch.equal(got, widened if rows >= 4 else plain(x, w, b))
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)  # where the GEMM exists, torch's call
     assert torch.equal(linear.dense_linear(x, w, b), plain(x, w, b)) and calls[-1] == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_bf16_einsum_without_a_bf16_gemm_is_multiplied_in_fp32_and_rounded_once(monkeypatch: pytest.MonkeyPatch,
+                                                                               rows: int) -> None:
+    """MLA's absorbed per-head products (activations [T, heads, n] times [heads, n, latent]):
+    widened on a CPU without a bf16 GEMM at any row count, torch's bf16 einsum elsewhere."""
+    import tandem.layers.linear as linear
+
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 4, 64).bfloat16(), torch.randn(4, 64, 48).bfloat16()
+    widened = torch.einsum("thn,hnl->thl", x.float(), w.float()).bfloat16()
+    calls: list[torch.dtype] = []
+    plain = torch.einsum
+
+    def recording(equation: str, *operands: torch.Tensor) -> torch.Tensor:
+        calls.append(operands[1].dtype)
+        return plain(equation, *operands)
+
+    monkeypatch.setattr(torch, "einsum", recording)
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
+    got = linear.dense_einsum("thn,hnl->thl", x, w)
+    assert got.dtype == torch.bfloat16 and calls == [torch.float32] and torch.equal(got, widened)
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)
+    assert torch.equal(linear.dense_einsum("thn,hnl->thl", x, w), plain("thn,hnl->thl", x, w))
+    assert calls[-1] == torch.bfloat16
