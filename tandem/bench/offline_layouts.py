@@ -30,7 +30,6 @@ from tandem.bench.offline_report import METRICS, WORKLOAD_METRICS, _cell, _ratio
 
 _PART = re.compile(r"^(tp|pp|ep)(\d+)$")
 NO_MATMUL_PATH = 1e9  # FLOP/s: below this a dtype's matmul is an emulation, not a bound
-INT16_DOT_SPEEDUP = 2.0  # multiply-adds of vpmaddwd / vpdpwssd per instruction over an fp32 FMA's
 DENSE_EXPERTS = "dense-experts"
 
 # Report columns of the step breakdown: (label, the phases summed into it).
@@ -184,12 +183,12 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     so the ceilings are a little high.
 
     bf16 on a CPU with no bf16 matmul (an AVX2-only EPYC) is computed by tandem's kernels in
-    fp32 (widened in registers or per call), so there the fp32 rate bounds it. A layout whose
-    routed experts are 4-bit (a compressed-tensors INT4 checkpoint) multiplies them by 16-bit
-    integer dot products (`vpmaddwd`, `vpdpwssd`), which do twice an fp32 FMA's multiply-adds
-    per instruction: their FLOPs are counted at twice the fp32 rate. With 16 sequences a step
-    and 8 of 48 experts each, an expert sees ~3 rows: a 2-core AVX2 box cannot multiply as
-    fast as it reads, and the compute bound is the one that holds.
+    fp32 (widened in registers or per call), so there the fp32 rate bounds it. A 4-bit layout's
+    experts are multiplied by 16-bit integer dot products, counted at the same rate: on the
+    2-core AMD EPYC (Zen 1) `vpmaddwd` does 38 G multiply-adds/s against the FMA's 36 (a
+    hand-written loop of each, both cores); Intel cores issue it twice as often, so there the
+    4-bit layout's bound is low. With 16 sequences a step, a 2-core box cannot multiply as fast
+    as it reads: the compute bound holds, and it is the same for 4-bit and bf16 experts.
     """
     import json
 
@@ -217,15 +216,6 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     # torch's fallback) bounds nothing a tuned kernel would meet: the read bound alone is kept.
     compute_bound = flops >= NO_MATMUL_PATH
     per_prompt_token = per_token - 2 * shape.vocab_size * shape.hidden_size
-    # seconds of arithmetic per token: a 4-bit layout's routed experts at twice the rate
-    experts = params.by_part.get("routed experts", 0) * shape.moe.top_k / shape.moe.num_experts if shape.moe else 0
-
-    def token_seconds(int4_experts: bool) -> float:
-        if not int4_experts:
-            return per_token / flops
-        return (per_token - 2 * experts) / flops + 2 * experts / (INT16_DOT_SPEEDUP * flops)
-
-    base_int4 = shape.int_quant is not None and compute_dtype == "float32"
     ceilings: dict[str, Any] = {"matmul_flops_per_s": flops, "compute_bound": compute_bound,
                                 "compute_dtype": compute_dtype,
                                 "memory_bytes_per_s": bandwidth,
@@ -238,7 +228,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
             ceilings[name] = ("prompt_tok_s", flops / per_prompt_token)
         elif name == "decode-heavy":
             batch = len(workload.prompts)
-            step = max(weight_bytes / read, batch * token_seconds(base_int4) if compute_bound else 0.0)
+            step = max(weight_bytes / read, batch * per_token / flops if compute_bound else 0.0)
             ceilings[name] = ("output_tok_s", batch / step)
     # a layout on another config (+dense-experts) reads other bytes: its own read-bound limits
     by_layout: dict[str, dict[str, float]] = {}
@@ -250,7 +240,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
                 limits[name] = read / other_bytes
             elif name == "decode-heavy":
                 batch = len(workload.prompts)
-                limits[name] = batch / max(other_bytes / read, batch * token_seconds(False) if compute_bound else 0.0)
+                limits[name] = batch / max(other_bytes / read, batch * per_token / flops if compute_bound else 0.0)
     if by_layout:
         ceilings["by_layout"] = by_layout
     return ceilings
@@ -275,7 +265,7 @@ def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[
     rate = ceilings["matmul_flops_per_s"]
     widened = ceilings.get("compute_dtype") == "float32"
     matmul = (f"{rate / 1e9:.0f} GFLOP/s matmul" + (" in fp32 (no bf16 matmul here: tandem's kernels widen bf16 "
-                                                    "to fp32; 4-bit experts' integer dot products count double)"
+                                                    "to fp32)"
                                                     if widened else "")
               if ceilings.get("compute_bound", True)
               else f"{rate / 1e9:.2f} GFLOP/s matmul (no fast path for this dtype here: read bounds only)")

@@ -107,34 +107,28 @@ def test_a_dense_experts_layout_needs_dummy_weights() -> None:
         select_runs(args)
 
 
-def test_bf16_without_a_bf16_matmul_is_bounded_by_fp32_and_int4_experts_count_double(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_without_a_bf16_matmul_is_bounded_by_the_fp32_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an AVX2-only CPU torch's bf16 matmul is an emulation (~0.1 GFLOP/s) while tandem's
-    kernels widen bf16 to fp32: the fp32 rate bounds the step. K2.5-mini's INT4 experts are
-    multiplied by int16 dot products at twice that rate, its dense-experts twin at the fp32
-    rate; at 16 sequences a step both are compute-bound, not read-bound."""
-    from tandem.bench.offline_layouts import (
-        INT16_DOT_SPEEDUP,
-        dense_experts_config,
-        format_ceilings,
-        machine_ceilings,
-    )
+    kernels widen bf16 to fp32: the fp32 rate bounds the step, and at 16 sequences a step on
+    such a rate both K2.5-mini layouts are compute-bound (the same FLOPs), not read-bound."""
+    from tandem.bench.offline_layouts import dense_experts_config, format_ceilings, machine_ceilings
     from tandem.bench.offline_workloads import Workload
     from tandem.platform import machine
     from tandem.sizing.examples import EXAMPLES_DIR
 
-    rates = {"bfloat16": 1e8, "float32": 4e10}
+    rates = {"bfloat16": 1e8, "float32": 6e10}
     monkeypatch.setattr(machine, "matmul_flops_per_s", lambda dtype="float32", *args: rates[dtype])
     monkeypatch.setattr(machine, "memory_copy_bytes_per_s", lambda *args: 1e10)
     monkeypatch.setattr(machine, "memory_read_bytes_per_s", lambda *args: 2e10)
     mini = EXAMPLES_DIR / "kimi-k2.5-mini"
     workloads = {"decode-heavy": Workload("decode-heavy", "batch", [[1] * 8] * 16, [1] * 16)}
     ceilings = machine_ceilings(mini, "bfloat16", workloads, {"tp1+dense-experts": dense_experts_config(mini)})
-    assert ceilings["compute_dtype"] == "float32" and ceilings["matmul_flops_per_s"] == 4e10
-    per_token = ceilings["flops_per_token"]
-    dense_limit = ceilings["by_layout"]["tp1+dense-experts"]["decode-heavy"]
-    assert dense_limit == pytest.approx(4e10 / per_token)  # compute-bound: 16 x the FLOPs outlast the bytes
-    int4_limit = ceilings["decode-heavy"][1]
-    # its experts are ~a third of the active FLOPs: counted double, the step is ~18% shorter
-    assert 1.15 * 4e10 / per_token < int4_limit < INT16_DOT_SPEEDUP * 4e10 / per_token
+    assert ceilings["compute_dtype"] == "float32" and ceilings["matmul_flops_per_s"] == 6e10
+    compute = 6e10 / ceilings["flops_per_token"]
+    assert ceilings["decode-heavy"][1] == pytest.approx(compute)
+    assert ceilings["by_layout"]["tp1+dense-experts"]["decode-heavy"] == pytest.approx(compute)
     assert "in fp32" in format_ceilings(ceilings, {}, [])
+    # one sequence a step reads more than it multiplies: the read rate, not the copy rate
+    single = {"decode-heavy": Workload("decode-heavy", "batch", [[1] * 8], [1])}
+    assert machine_ceilings(mini, "bfloat16", single)["decode-heavy"][1] == pytest.approx(
+        2e10 / ceilings["weight_bytes"])
