@@ -178,7 +178,8 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     prefill-heavy (prompt tok/s): every prompt token costs 2 x active parameters of FLOPs,
     less the LM head's share (a prompt's logits are taken at its last token only).
     decode-heavy (output tok/s): a step of B sequences reads the weights once at the read rate
-    (at these batch sizes every expert is chosen by some token) and does B x 2 x active FLOPs; whichever takes
+    (`step_read_bytes`: of a MoE's routed experts, those some token chose) and does B x 2 x
+    active FLOPs; whichever takes
     longer bounds the step. Attention's FLOPs and KV reads are left out (short contexts here),
     so the ceilings are a little high.
 
@@ -206,8 +207,8 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     compute_dtype = dtype
     if flops < NO_MATMUL_PATH and dtype == "bfloat16":  # tandem's kernels widen it to fp32 here
         flops, compute_dtype = matmul_flops_per_s("float32", 2048, 2048, 2048), "float32"
-    # single-stream: read bandwidth / the dtype's weight bytes (a 4-bit mode reads fewer, so
-    # it can pass this ceiling)
+    # single-stream: read bandwidth / the bytes a one-token step reads (a 4-bit mode reads
+    # fewer, so it can pass this ceiling)
     bandwidth = memory_copy_bytes_per_s(256 << 20)
     read = memory_read_bytes_per_s(256 << 20)
     weight_bytes = stored_weight_bytes(hf_dir, dtype)
@@ -223,12 +224,12 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
                                 "weight_bytes": weight_bytes, "flops_per_token": per_token}
     for name, workload in workloads.items():
         if name == "single-stream":  # one token a step: the weights read once a token
-            ceilings[name] = ("decode_tok_s", read / weight_bytes)
+            ceilings[name] = ("decode_tok_s", read / step_read_bytes(hf_dir, dtype, 1))
         elif name == "prefill-heavy":
             ceilings[name] = ("prompt_tok_s", flops / per_prompt_token)
         elif name == "decode-heavy":
             batch = len(workload.prompts)
-            step = max(weight_bytes / read, batch * per_token / flops if compute_bound else 0.0)
+            step = max(step_read_bytes(hf_dir, dtype, batch) / read, batch * per_token / flops if compute_bound else 0.0)
             ceilings[name] = ("output_tok_s", batch / step)
     # a layout on another config (+dense-experts) reads other bytes: its own read-bound limits
     by_layout: dict[str, dict[str, float]] = {}
@@ -237,13 +238,38 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
         limits = by_layout[layout] = {"weight_bytes": other_bytes}
         for name, workload in workloads.items():
             if name == "single-stream":
-                limits[name] = read / other_bytes
+                limits[name] = read / step_read_bytes(other_dir, dtype, 1)
             elif name == "decode-heavy":
                 batch = len(workload.prompts)
-                limits[name] = batch / max(other_bytes / read, batch * per_token / flops if compute_bound else 0.0)
+                limits[name] = batch / max(step_read_bytes(other_dir, dtype, batch) / read,
+                                           batch * per_token / flops if compute_bound else 0.0)
     if by_layout:
         ceilings["by_layout"] = by_layout
     return ceilings
+
+
+def step_read_bytes(hf_dir: Path, dtype: str, batch: int) -> float:
+    """The weight bytes one decode step of `batch` sequences reads, whole model on one rank:
+    every matrix once, except a MoE's routed experts, of which only those some token chose
+    (with top-k of E chosen uniformly, as a dummy checkpoint's random router does, each expert
+    is read with probability 1 - (1 - k/E)^B: 8 of 48 at one sequence, 95% at 16), and an
+    untied input embedding, of which a step reads B rows (left out)."""
+    import json
+
+    from tandem.sizing.shape import read_shape
+    from tandem.sizing.sharding import Parallel, WeightFormat, stages, tensor_bytes
+    from tandem.sizing.tensors import Part
+
+    shape = read_shape(json.loads((Path(hf_dir) / "config.json").read_text()))
+    whole = Parallel(1, 1, False)
+    fmt = WeightFormat(dtype, int_quant=shape.int_quant)
+    chosen = 1 - (1 - shape.moe.top_k / shape.moe.num_experts) ** batch if shape.moe else 1.0
+    total = 0.0
+    for tensor in stages(shape, whole)[0].tensors:
+        if tensor.part is Part.EMBEDDING and not shape.tie_word_embeddings:
+            continue
+        total += tensor_bytes(tensor, whole, fmt) * (chosen if tensor.experts else 1.0)
+    return total
 
 
 def stored_weight_bytes(hf_dir: Path, dtype: str) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tandem.bench.offline_layouts import (
@@ -111,7 +113,12 @@ def test_bf16_without_a_bf16_matmul_is_bounded_by_the_fp32_rate(monkeypatch: pyt
     """On an AVX2-only CPU torch's bf16 matmul is an emulation (~0.1 GFLOP/s) while tandem's
     kernels widen bf16 to fp32: the fp32 rate bounds the step, and at 16 sequences a step on
     such a rate both K2.5-mini layouts are compute-bound (the same FLOPs), not read-bound."""
-    from tandem.bench.offline_layouts import dense_experts_config, format_ceilings, machine_ceilings
+    from tandem.bench.offline_layouts import (
+        dense_experts_config,
+        format_ceilings,
+        machine_ceilings,
+        step_read_bytes,
+    )
     from tandem.bench.offline_workloads import Workload
     from tandem.platform import machine
     from tandem.sizing.examples import EXAMPLES_DIR
@@ -131,4 +138,30 @@ def test_bf16_without_a_bf16_matmul_is_bounded_by_the_fp32_rate(monkeypatch: pyt
     # one sequence a step reads more than it multiplies: the read rate, not the copy rate
     single = {"decode-heavy": Workload("decode-heavy", "batch", [[1] * 8], [1])}
     assert machine_ceilings(mini, "bfloat16", single)["decode-heavy"][1] == pytest.approx(
-        2e10 / ceilings["weight_bytes"])
+        2e10 / step_read_bytes(mini, "bfloat16", 1))
+
+
+def test_a_decode_step_reads_the_experts_its_tokens_chose() -> None:
+    """K2.5-mini, 8 of 48 experts a token: one sequence reads a sixth of the routed experts,
+    16 sequences ~95% of them (uniform choices); the untied input embedding is not read."""
+    from tandem.bench.offline_layouts import (
+        dense_experts_config,
+        step_read_bytes,
+        stored_weight_bytes,
+    )
+    from tandem.sizing.examples import EXAMPLES_DIR
+    from tandem.sizing.shape import read_shape
+
+    mini = EXAMPLES_DIR / "kimi-k2.5-mini"
+    dense = dense_experts_config(mini)
+    shape = read_shape(json.loads((mini / "config.json").read_text()))
+    embedding = shape.vocab_size * shape.hidden_size * 2
+    experts = stored_weight_bytes(dense, "bfloat16") - stored_weight_bytes(mini, "bfloat16")  # 3/4 of bf16's
+    bf16_experts = experts / (1 - 0.5625 / 2)  # packed INT4: half a byte a weight and a bf16 scale per 32
+    rest = stored_weight_bytes(dense, "bfloat16") - bf16_experts - embedding
+    assert step_read_bytes(dense, "bfloat16", 1) == pytest.approx(rest + bf16_experts * 8 / 48, rel=1e-6)
+    chosen = 1 - (40 / 48) ** 16
+    assert 0.94 < chosen < 0.96
+    assert step_read_bytes(dense, "bfloat16", 16) == pytest.approx(rest + bf16_experts * chosen, rel=1e-6)
+    # (the packed tensors carry a few bytes more: their shapes)
+    assert step_read_bytes(mini, "bfloat16", 1) == pytest.approx(rest + bf16_experts * 0.5625 / 2 * 8 / 48, rel=1e-5)
