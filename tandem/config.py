@@ -437,6 +437,9 @@ class KVTransferConfig:
     hold_timeout: float = 60.0  # kept blocks are freed after this if nobody released them
     fetch_timeout: float = 10.0  # a decode worker computes the prompt itself after this
     shared_memory: bool = False  # KV cache in /dev/shm so same-host peers copy it directly
+    # How fetched blocks travel over tcp (kvcache/codec.py): "raw" (the cache's bytes), or
+    # "bfloat16" / "int8" / "int4"; a decode worker asks its source for this codec.
+    transfer_codec: str = "raw"
     # The cluster secret (tandem/trust): peers sign HTTP requests and KV-port frames with it. A
     # worker without one takes no handoff fields and opens no KV port.
     secret: str | None = field(default=None, repr=False)

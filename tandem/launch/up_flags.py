@@ -38,6 +38,12 @@ CLUSTER_FLAGS = FlagTable("cluster", (
         "/dev/shm, the default: all workers share this host) or tcp",
     ),
     Flag(
+        "--kv-transfer-dtype", default="auto", choices=["auto", "bfloat16", "int8", "int4"],
+        help="with --kv-transfer tcp: the prompt KV's bytes on the wire (the decode workers' "
+        "--kv-transfer-dtype: int8 / int4 are 0.53x / 0.28x of bf16's) (default: auto, the "
+        "cache's own)",
+    ),
+    Flag(
         "--netns", switch=True,
         help="run each worker in a network namespace of its own, joined to the router by a "
         "bridge, as if on its own host (Linux, root): a link can then fail without the "

@@ -73,6 +73,10 @@ class _EngineStateCollector(Collector):
                       transfer.get("blocks_sent", 0))
         yield counter("kv_transfer_blocks_received", "KV blocks fetched from prefill workers.",
                       transfer.get("blocks_received", 0))
+        yield counter("kv_transfer_bytes_sent", "KV bytes served to decode workers over tcp (after the codec).",
+                      transfer.get("bytes_sent", 0))
+        yield counter("kv_transfer_bytes_received", "KV bytes fetched from prefill workers (tcp or shared memory).",
+                      transfer.get("bytes_received", 0))
         yield counter("kv_transfer_pull_failures", "Handoffs whose fetch failed (prompt recomputed).",
                       transfer.get("pull_failures", 0))
         yield counter("kv_transfer_pull_seconds", "Time spent fetching KV from prefill workers.",

@@ -209,3 +209,44 @@ def test_corrupted_transfer_and_dead_prefill_worker(workers: tuple[LiveServer, L
     assert reply["choices"][0]["message"]["content"] == alone
     assert _counters(decode)["pull_failures"] == failures + 2
     assert decode.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_the_prompt_kv_travels_in_8_bits_when_the_decode_worker_asks(tmp_path) -> None:  # noqa: ANN001
+    """`--kv-transfer-dtype int8` on the decode worker, over tcp (no shared memory): the prefill
+    worker sends 8-bit blocks with their scales, and both count the bytes (/load, /metrics)."""
+    import re
+
+    import torch
+
+    from tandem.kvcache.codec import KVCodec
+
+    prefill = start_server(tmp_path / "prefill.log", "--role", "prefill", *WORKER_ARGS, secret=TEST_SECRET)
+    try:
+        decode = start_server(tmp_path / "decode.log", "--role", "decode", "--kv-transfer-dtype", "int8",
+                              *WORKER_ARGS, secret=TEST_SECRET)
+    except Exception:
+        stop_server(prefill)
+        raise
+    try:
+        body = {"model": MODEL, "messages": _messages("Tell me about Porto."), "temperature": 0, "max_tokens": 16}
+        handle = _prefill(prefill, body)["kv_transfer_params"]
+        reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                              "emit_first_token": True}})
+        handed = len(handle["block_hashes"])
+        assert reply["kv_transfer_params"]["adopted_blocks"] == handed
+        assert reply["usage"]["completion_tokens"] == 16
+        shape = (30, 2, 3, handed, BLOCK, 64)  # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32
+        int8_bytes = KVCodec("int8").payload_bytes(shape, torch.float32)
+        received, sent = _counters(decode), _counters(prefill)
+        assert received["bytes_received"] == int8_bytes == sent["bytes_sent"]
+        assert received["bytes_per_token_received"] == pytest.approx(int8_bytes / (handed * BLOCK))
+        # a quarter of the fp32 cache's bytes, and a little more for the scales
+        assert int8_bytes / KVCodec("raw").payload_bytes(shape, torch.float32) == pytest.approx((64 + 4) / 256)
+        with decode.client(10) as client:
+            metrics = client.get("/metrics").text
+        found = re.search(r"^tandem:kv_transfer_bytes_received_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
+        assert found and float(found[1]) == int8_bytes
+        assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
+    finally:
+        for server in (prefill, decode):
+            assert not stop_server(server)

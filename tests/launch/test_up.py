@@ -573,3 +573,19 @@ def test_each_worker_gets_its_own_gpu(tmp_path: Path, monkeypatch: pytest.Monkey
         plan_cluster(args, None, free_port=_ports())
     cpu = plan_cluster(_args("--log-dir", str(tmp_path)), None, free_port=_ports())
     assert all("CUDA_VISIBLE_DEVICES" not in w.env or w.env["CUDA_VISIBLE_DEVICES"] == "3" for w in cpu.workers)
+
+
+def test_the_transfer_dtype_goes_to_the_workers_that_fetch() -> None:
+    """`tandem up --kv-transfer tcp --kv-transfer-dtype int4`: the decode workers ask for 4-bit
+    blocks (a prefill worker serves whatever it is asked for); by default nobody is told."""
+    plan = plan_cluster(_args("--kv-transfer", "tcp", "--kv-transfer-dtype", "int4"), None, free_port=_ports())
+    prefill, decode = (list(w.argv) for w in plan.workers)
+    assert decode[decode.index("--kv-transfer-dtype") + 1] == "int4" and "--kv-transfer-dtype" not in prefill
+    assert not any("--kv-transfer-dtype" in w.argv for w in plan_cluster(_args(), None, free_port=_ports()).workers)
+    from tandem.flags.engine import kv_transfer_config
+
+    worker = build_parser().parse_args(["serve", "m", "--role", "decode", "--cluster-secret", "s"])
+    assert kv_transfer_config(worker).transfer_codec == "raw"
+    worker = build_parser().parse_args(["serve", "m", "--role", "decode", "--cluster-secret", "s",
+                                        "--kv-transfer-dtype", "int4"])
+    assert kv_transfer_config(worker).transfer_codec == "int4"

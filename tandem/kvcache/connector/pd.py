@@ -95,8 +95,10 @@ class _Load:
 class PDCounters:
     held: int = 0  # prefill side: leases alive now
     blocks_sent: int = 0
+    bytes_sent: int = 0  # over tcp, after the codec (kvcache/codec.py)
     pulls: int = 0  # decode side: requests that arrived with a handle
     blocks_received: int = 0
+    bytes_received: int = 0
     blocks_already_cached: int = 0
     pull_failures: int = 0  # ... that computed their prompt here instead
     pull_seconds: float = 0.0
@@ -264,8 +266,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def counters(self) -> dict[str, float]:
         counters = asdict(self._counters)
         counters["held"] = len(self._holds)
-        for name in ("blocks_sent", "blocks_received", "pull_seconds"):
+        for name in ("blocks_sent", "blocks_received", "bytes_sent", "bytes_received", "pull_seconds"):
             counters[name] = self._worker_counters.get(name, 0)
+        # what one prompt token's KV (every layer) took on the way: the codec's saving
+        for side in ("sent", "received"):
+            tokens = counters[f"blocks_{side}"] * self.block_size
+            counters[f"bytes_per_token_{side}"] = counters[f"bytes_{side}"] / tokens if tokens else 0.0
         return counters
 
 
@@ -279,7 +285,8 @@ class PDConnectorWorker(KVConnectorWorker):
         self.sink: Any = None
         self.rank = 0
         self._holds_done: set[str] = set()  # ranks without a source end every hold at once
-        self._counters = {"blocks_sent": 0.0, "blocks_received": 0.0, "pull_seconds": 0.0}
+        self._counters = {"blocks_sent": 0.0, "blocks_received": 0.0, "bytes_sent": 0.0, "bytes_received": 0.0,
+                          "pull_seconds": 0.0}
 
     def register_kv_cache(self, kv: KVCacheAccess) -> dict[str, Any]:
         from tandem.kvcache.transfer.sink import KVSink
@@ -295,7 +302,8 @@ class PDConnectorWorker(KVConnectorWorker):
                                    kv.shm_path, kv.num_blocks)
             info = {"host": self.source.host, "port": self.source.port}
         if self.config.fetches_kv:
-            self.sink = KVSink(kv.write_blocks, kv.layout, secret, self.config.fetch_timeout)
+            self.sink = KVSink(kv.write_blocks, kv.layout, secret, self.config.fetch_timeout,
+                               codec=self.config.transfer_codec)
         return info
 
     def start_load_kv(self, metadata: Any) -> None:
@@ -330,6 +338,7 @@ class PDConnectorWorker(KVConnectorWorker):
                 if result.ok:
                     out.finished_loads.add(result.job.request_id)
                     self._counters["blocks_received"] += len(result.job.indices)
+                    self._counters["bytes_received"] += result.nbytes
                 else:
                     out.failed_loads.add(result.job.request_id)
                     if self.rank == 0:
@@ -338,6 +347,7 @@ class PDConnectorWorker(KVConnectorWorker):
         if self.source is not None:
             out.finished_holds.update(self.source.finished())
             self._counters["blocks_sent"] = self.source.blocks_sent
+            self._counters["bytes_sent"] = self.source.bytes_sent
         out.finished_holds |= self._holds_done
         self._holds_done = set()
         out.counters = dict(self._counters)

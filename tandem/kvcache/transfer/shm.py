@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandem.kvcache.codec import RAW, KVCodec
 from tandem.kvcache.transfer import tcp
 from tandem.kvcache.transfer.base import KVLayout, KVTransferError, KVTransferHandle
 from tandem.kvcache.transfer.wire import FETCH, FrameKey
@@ -29,10 +30,11 @@ from tandem.kvcache.transfer.wire import FETCH, FrameKey
 class ShmTransport:
     name = "shm"
 
-    def __init__(self, key: FrameKey, layout: KVLayout) -> None:
+    def __init__(self, key: FrameKey, layout: KVLayout, codec: KVCodec = RAW) -> None:
         self.key = key
         self.layout = layout
-        self.tcp = tcp.TcpTransport(key, layout)
+        self.codec = codec  # for blocks that come over the port instead (a copy here stays raw)
+        self.tcp = tcp.TcpTransport(key, layout, codec)
         self._maps: dict[tuple[str, int], np.ndarray] = {}
         self._remote: set[tuple[str, int]] = set()  # sources whose file is not on this host
         self.itemsize = torch.empty((), dtype=layout.torch_dtype).element_size()
@@ -43,8 +45,10 @@ class ShmTransport:
         self.last_transport = "tcp"
         if handle.address in self._remote:
             return self.tcp.fetch(handle, indices, timeout)
-        receiver = tcp.BlockReceiver(self.layout, len(indices))
-        fields = {"transfer_id": handle.transfer_id, "indices": indices, "shm": True}
+        receiver = tcp.BlockReceiver(self.layout, len(indices), self.codec)
+        fields: dict[str, Any] = {"transfer_id": handle.transfer_id, "indices": indices, "shm": True}
+        if self.codec != RAW:
+            fields["codec"] = self.codec.name
         reply = tcp.request(handle, self.key, FETCH, fields, timeout, receiver)
         if "shm_path" not in reply.header:
             return receiver.blocks(handle, reply, indices)  # no file at the source: it sent the bytes

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kvcache.codec import RAW, KVCodec
 from tandem.kvcache.transfer import tcp
 from tandem.kvcache.transfer.base import KVLayout, KVTransferError, KVTransferHandle
 from tandem.kvcache.transfer.shm import ShmTransport
@@ -43,6 +44,7 @@ class PullResult:
     error: str | None = None
     transport: str = ""
     seconds: float = 0.0
+    nbytes: int = 0  # moved: the codec's payload over tcp, the raw blocks from shared memory
 
     @property
     def ok(self) -> bool:
@@ -51,14 +53,14 @@ class PullResult:
 
 class KVSink:
     def __init__(self, write_blocks: Callable[[list[int], torch.Tensor], None], layout: KVLayout, secret: str,
-                 fetch_timeout: float = 10.0, use_shm: bool = True) -> None:
+                 fetch_timeout: float = 10.0, use_shm: bool = True, codec: str = "raw") -> None:
         if not secret:
             raise ValueError("a KV sink needs the cluster secret: it adopts only blocks its peers sign")
         self.write_blocks = write_blocks
         self.fetch_timeout = fetch_timeout
         self.key = FrameKey(secret)
-        self.shm = ShmTransport(self.key, layout) if use_shm else None
-        self.tcp = TcpTransport(self.key, layout)
+        self.shm = ShmTransport(self.key, layout, KVCodec(codec)) if use_shm else None
+        self.tcp = TcpTransport(self.key, layout, KVCodec(codec))
         self._jobs: queue.Queue[PullJob | None] = queue.Queue()
         self._releases: queue.Queue[KVTransferHandle | None] = queue.Queue()
         self._results: queue.Queue[PullResult] = queue.Queue()
@@ -133,6 +135,8 @@ class KVSink:
         expected = self.tcp.layout.block_shape(len(job.indices))
         if tuple(data.shape) != expected:
             raise KVTransferError(f"fetched shape {tuple(data.shape)}, expected {expected}")
+        codec = RAW if result.transport == "shm" else self.tcp.codec
+        result.nbytes = codec.payload_bytes(expected, self.tcp.layout.torch_dtype)
         return data
 
     def _run_releases(self) -> None:

@@ -9,8 +9,10 @@ request by then.
 
 Requests (each frame signed with the cluster secret, stamped, and addressed to this source as
 `to: host:port`, so that one sent elsewhere cannot be relayed here; one reply each):
-    FETCH   {transfer_id, indices}            → OK {indices, block_hashes, layout, shape,
-                                                     nbytes, digest} + the blocks' bytes
+    FETCH   {transfer_id, indices[, codec]}   → OK {indices, block_hashes, layout, shape, codec,
+                                                     nbytes, digest} + the blocks' bytes, as
+                                                     the codec asked for writes them
+                                                     (kvcache/codec.py; raw if none)
     FETCH   {transfer_id, indices, shm: true} → where this worker's KV cache file holds them
             (only if it has one):               OK {shm_path, shm_num_blocks, block_ids,
                                                      block_hashes, layout}, no body
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from tandem.kvcache.codec import CODECS, RAW, KVCodec
 from tandem.kvcache.transfer.base import KVLayout
 from tandem.kvcache.transfer.wire import (
     CHECK,
@@ -94,6 +97,7 @@ class KVSource:
         self._thread = threading.Thread(target=self._accept, name="kv-source", daemon=True)
         self._thread.start()
         self.blocks_sent = 0
+        self.bytes_sent = 0  # payload bytes served over tcp (after the codec)
         self.refused = 0  # frames without the cluster secret's MAC
         logger.info("KV transfer source listening on tcp://%s:%d%s; peers must sign with the cluster secret",
                     host, self.port, f" (shared memory {shm_path})" if shm_path else "")
@@ -202,6 +206,9 @@ class KVSource:
         if (not isinstance(indices, list) or len(indices) > _MAX_INDICES
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices)):
             return ERR, {"message": "indices must be a list of block indices"}, None
+        codec_name = body.get("codec", RAW.name)
+        if codec_name not in CODECS:
+            return ERR, {"message": f"codec must be one of {', '.join(CODECS)}"}, None
         with self._lock:  # expiry waits for this read, so no block is recycled under it
             self._expire(time.monotonic())
             lease = self._leases.get(lease_id)
@@ -217,12 +224,15 @@ class KVSource:
                 return OK, {"shm_path": self.shm_path, "shm_num_blocks": self.shm_num_blocks,
                             "block_ids": block_ids, "block_hashes": hashes, "layout": asdict(self.layout)}, None
             data = self.read_blocks(block_ids).contiguous()
-        payload = memoryview(data.view(torch.uint8).numpy()).cast("B") if data.numel() else memoryview(b"")
+        encoded = KVCodec(codec_name).encode(data)
+        payload = memoryview(encoded.numpy()).cast("B") if encoded.numel() else memoryview(b"")
         header = {"indices": indices, "block_hashes": hashes, "layout": asdict(self.layout),
-                  "shape": list(data.shape), "nbytes": payload.nbytes, "digest": digest(payload)}
+                  "shape": list(data.shape), "codec": codec_name, "nbytes": payload.nbytes,
+                  "digest": digest(payload)}
         if self.fault == "corrupt" and payload.nbytes:
             corrupted = bytearray(payload)
             corrupted[0] ^= 0xFF
             payload = memoryview(corrupted)
         self.blocks_sent += len(indices)
+        self.bytes_sent += payload.nbytes
         return OK, header, payload

@@ -8,7 +8,6 @@ after its size was checked against the blocks asked for.
 
 from __future__ import annotations
 
-import math
 import secrets
 import socket
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tandem.kvcache.codec import RAW, KVCodec
 from tandem.kvcache.transfer.base import KVLayout, KVTransferError, KVTransferHandle
 from tandem.kvcache.transfer.wire import (
     CHECK,
@@ -82,18 +82,21 @@ def expect_blocks(handle: KVTransferHandle, reply: dict[str, Any], indices: list
 
 
 class BlockReceiver:
-    """Where a FETCH reply's body goes: a buffer exactly the size of the blocks asked for."""
+    """Where a FETCH reply's body goes: a buffer exactly the size of the blocks asked for, in
+    the codec asked for (the reply must name the same one)."""
 
-    def __init__(self, layout: KVLayout, count: int) -> None:
+    def __init__(self, layout: KVLayout, count: int, codec: KVCodec = RAW) -> None:
         self.layout = layout
+        self.codec = codec
         self.shape = layout.block_shape(count)
-        self.nbytes = math.prod(self.shape) * torch.empty((), dtype=layout.torch_dtype).element_size()
+        self.nbytes = codec.payload_bytes(self.shape, layout.torch_dtype)
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
 
     def __call__(self, kind: int, header: dict[str, Any], length: int) -> memoryview:
-        if kind != OK or length != self.nbytes or header.get("shape") != list(self.shape):
-            raise FrameError(f"a {length}-byte body of shape {header.get('shape')}, expected {self.nbytes} "
-                             f"bytes of shape {list(self.shape)}")
+        if (kind != OK or length != self.nbytes or header.get("shape") != list(self.shape)
+                or header.get("codec", RAW.name) != self.codec.name):
+            raise FrameError(f"a {length}-byte {header.get('codec', RAW.name)} body of shape {header.get('shape')}, "
+                             f"expected {self.nbytes} bytes of {self.codec.name} of shape {list(self.shape)}")
         return memoryview(self.buffer.numpy())
 
     def blocks(self, handle: KVTransferHandle, reply: Frame, indices: list[int]) -> torch.Tensor:
@@ -103,18 +106,25 @@ class BlockReceiver:
             raise KVTransferError("the source sent no blocks")
         if reply.body is not None and digest(reply.body) != reply.header.get("digest"):
             raise KVTransferError(f"checksum mismatch on transfer {handle.transfer_id}")
-        return self.buffer.view(self.layout.torch_dtype).reshape(self.shape)
+        dtype = self.layout.torch_dtype
+        return self.codec.decode(self.buffer, self.shape, dtype, dtype)
 
 
 class TcpTransport:
     name = "tcp"
 
-    def __init__(self, key: FrameKey, layout: KVLayout) -> None:
+    def __init__(self, key: FrameKey, layout: KVLayout, codec: KVCodec = RAW) -> None:
         self.key = key  # the cluster secret's KV key (wire.py)
         self.layout = layout  # this worker's cache geometry: what fetched blocks must have
+        self.codec = codec  # how the blocks travel (kvcache/codec.py)
+        self.bytes_received = 0
 
     def fetch(self, handle: KVTransferHandle, indices: list[int], timeout: float) -> torch.Tensor:
-        receiver = BlockReceiver(self.layout, len(indices))
-        fields = {"transfer_id": handle.transfer_id, "indices": indices}
+        receiver = BlockReceiver(self.layout, len(indices), self.codec)
+        fields: dict[str, Any] = {"transfer_id": handle.transfer_id, "indices": indices}
+        if self.codec != RAW:
+            fields["codec"] = self.codec.name
         reply = request(handle, self.key, FETCH, fields, timeout, receiver)
-        return receiver.blocks(handle, reply, indices)
+        blocks = receiver.blocks(handle, reply, indices)
+        self.bytes_received += receiver.nbytes
+        return blocks

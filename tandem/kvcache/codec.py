@@ -1,0 +1,125 @@
+"""KV blocks as bytes for the wire and the tiers: as they are, or in 8 or 4 bits with scales.
+
+A prefill worker hands its prompt's KV to a decode worker, and the tiers keep it in host
+memory, on disk or in a cluster store; both move every layer's keys and values of every
+block, so their bytes are the cache's bytes (a 4,096-token prefix of the 135M default model is
+189 MB in fp32). A codec turns a tensor of blocks ([layers, planes, kv heads, blocks,
+block size, head dim], as `KVLayout.block_shape` orders them) into one flat byte payload and
+back into the reader's cache dtype, so the bytes that travel can be narrower than the cache:
+
+- `raw`: the cache's own bytes (no conversion; the default).
+- `bfloat16`: each value rounded to bf16 (half of an fp32 cache; a bf16 cache unchanged).
+- `int8` / `int4`: each run of `GROUP` values along the head dimension (one token of one
+  head, or a part of it: MLA's 576-wide latent entry is 9 runs) scaled by its own absolute
+  maximum and rounded to signed integers in -127..127 or -7..7, the fp32 scale stored beside
+  them (4 bytes a run); int4 levels are packed two a byte (level + 8, even index in the low
+  nibble). Every value comes back within half a step (scale / 2) of what was written.
+
+Per token and head rather than per block: the cache is written a token at a time, and a
+token's keys can be outliers its block's other tokens are not, so a run's own scale keeps
+each token exact to its own range. Against a bf16 cache the payload is 0.53x (int8) or 0.28x
+(int4) of the raw bytes with head dim 64; against fp32, half that.
+
+The payload is the levels of the whole tensor, then the fp32 scales (row-major, one per run);
+`payload_bytes` says how long it must be, and `decode` refuses any other length, so a header
+that lies about its codec or shape cannot make the reader read past what it received.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 64  # values sharing one scale, along the head dimension
+CODECS = ("raw", "bfloat16", "int8", "int4")
+_LEVELS = {"int8": 127, "int4": 7}
+
+
+class CodecError(ValueError):
+    """A payload that does not match what its codec and shape say it must be."""
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """How a tensor of KV blocks becomes bytes; `name` is one of CODECS."""
+
+    name: str = "raw"
+
+    def __post_init__(self) -> None:
+        if self.name not in CODECS:
+            raise ValueError(f"unknown KV codec {self.name!r}: choose one of {', '.join(CODECS)}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in _LEVELS
+
+    def payload_bytes(self, shape: tuple[int, ...], cache_dtype: torch.dtype) -> int:
+        """The exact payload length for blocks of `shape` written from a `cache_dtype` cache."""
+        count = _numel(shape)
+        if self.name == "raw":
+            return count * torch.empty((), dtype=cache_dtype).element_size()
+        if self.name == "bfloat16":
+            return count * 2
+        runs = count // group_size(shape[-1])
+        levels = count if self.name == "int8" else count // 2
+        return levels + 4 * runs
+
+    def encode(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The blocks as a flat uint8 tensor (contiguous; a view of `blocks` for `raw` when it
+        is contiguous already)."""
+        if self.name == "raw":
+            return blocks.contiguous().view(-1).view(torch.uint8)
+        if self.name == "bfloat16":
+            return blocks.to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
+        group = group_size(blocks.shape[-1])
+        runs = blocks.reshape(-1, group).float()
+        top = _LEVELS[self.name]
+        scales = runs.abs().amax(dim=1) / top
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        levels = torch.round(runs / safe.unsqueeze(1)).clamp_(-top, top).to(torch.int8)
+        if self.name == "int4":
+            nibbles = (levels + 8).to(torch.uint8).view(-1, 2)
+            packed = nibbles[:, 0] | (nibbles[:, 1] << 4)
+        else:
+            packed = levels.view(-1).view(torch.uint8)
+        return torch.cat((packed.view(-1), scales.contiguous().view(torch.uint8)))
+
+    def decode(self, payload: torch.Tensor, shape: tuple[int, ...], cache_dtype: torch.dtype,
+               writer_dtype: torch.dtype) -> torch.Tensor:
+        """Blocks of `shape` in `cache_dtype` from a flat uint8 payload that a `writer_dtype`
+        cache encoded; CodecError when its length is not what the codec and shape give."""
+        expected = self.payload_bytes(shape, writer_dtype)
+        if payload.dtype != torch.uint8 or payload.numel() != expected:
+            raise CodecError(f"a {self.name} payload of {tuple(shape)} is {expected} bytes, got {payload.numel()}")
+        if self.name == "raw":
+            return payload.view(writer_dtype).view(shape).to(cache_dtype)
+        if self.name == "bfloat16":
+            return payload.view(torch.bfloat16).view(shape).to(cache_dtype)
+        count = _numel(shape)
+        group = group_size(shape[-1])
+        split = count if self.name == "int8" else count // 2
+        scales = payload[split:].view(torch.float32).view(-1, 1)
+        if self.name == "int4":
+            packed = payload[:split]
+            levels = torch.stack(((packed & 0x0F), (packed >> 4)), dim=1).view(-1).to(torch.int8) - 8
+        else:
+            levels = payload[:split].view(torch.int8)
+        values = levels.view(-1, group).float() * scales
+        return values.view(shape).to(cache_dtype)
+
+
+RAW = KVCodec("raw")
+
+
+def group_size(head_dim: int) -> int:
+    """Values a scale covers: GROUP where the head dimension is a multiple of it, else the whole
+    head (a head dim of 80 or 96 keeps one scale a token and head)."""
+    return GROUP if head_dim % GROUP == 0 else head_dim
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
