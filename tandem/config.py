@@ -473,6 +473,9 @@ class KVTiersConfig:
     load_timeout: float = 10.0  # a load not done by then: the prompt is computed instead
     writer_queue_chunks: int = 64  # pending slow-tier writes; beyond, new ones are dropped
     cost_model: bool = True  # False: always load when a tier has the chunk
+    # How chunks are kept in every tier (kvcache/codec.py): "raw" (the cache's bytes), or
+    # "bfloat16" / "int8" / "int4"; a reader decodes whatever codec a chunk names.
+    codec: str = "raw"
 
     @property
     def enabled(self) -> bool:

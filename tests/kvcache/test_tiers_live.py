@@ -112,6 +112,36 @@ def test_prefix_comes_back_from_disk(tmp_path: Path, cold_outputs: list[str]) ->
         assert_idle(llm)
 
 
+def test_int4_chunks_take_a_quarter_of_the_bytes_and_any_reader_decodes_them(tmp_path: Path) -> None:
+    """--kv-tier-dtype int4: every chunk on disk is its blocks' 4-bit levels and fp32 scales
+    (0.14x of the fp32 cache's bytes, plus a header), a prefix comes back from it as cached
+    tokens, and an engine that keeps its own chunks raw reads it all the same."""
+    import torch
+
+    from tandem.kvcache.codec import KVCodec
+
+    with tier_llm(disk_path=str(tmp_path), codec="int4") as llm:
+        first, again = serve_twice(llm)
+        assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
+        assert len(again.outputs[0].token_ids) == len(first.outputs[0].token_ids) == 12
+        tiers = llm.engine.core.load().connector("kv_tiers")
+        assert tiers["media"]["disk"]["chunk_hits"] >= 1
+        assert_idle(llm)
+    def packed(blocks: int) -> int:  # blocks of SmolLM2-135M's fp32 cache, in 4 bits
+        return KVCodec("int4").payload_bytes((30, 2, 3, blocks, 16, 64), torch.float32)
+
+    assert packed(4) / (4 * BLOCK_BYTES) == pytest.approx((32 + 4) / 256)
+    files = list(tmp_path.rglob("*.kv"))  # one per chunk (a prompt's tail: fewer blocks)
+    sizes = [(int(f.name.split("-")[1].rstrip("b")), f.stat().st_size) for f in files]
+    assert any(n == 4 for n, _ in sizes)
+    assert all(packed(n) < size < packed(n) + 4096 for n, size in sizes)
+    with tier_llm(disk_path=str(tmp_path)) as raw_reader:  # codec raw: decodes what the chunk says
+        out = raw_reader.generate([PROMPT], GREEDY)[0]
+        assert out.num_cached_tokens >= 64 * (len(out.prompt_token_ids) // 64 - 1)
+        assert raw_reader.engine.scheduler.stats.num_loaded_tokens == out.num_cached_tokens
+        assert_idle(raw_reader)
+
+
 def test_prefix_comes_back_from_redis_and_a_fresh_engine_reads_it(redis_server: RedisServer,
                                                                    cold_outputs: list[str]) -> None:
     _flush(redis_server)

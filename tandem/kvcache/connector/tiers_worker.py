@@ -3,8 +3,9 @@
 Runs in each rank's worker (tandem/kvcache/connector/tiers.py has the design). Three paths:
 
 * saves, after a step's forward pass, on the engine thread: the chunk's blocks are gathered
-  into a new tensor (the blocks may be reused once the step returns) that becomes the CPU
-  tier's copy and, for admitted chunks, goes to the writer's queue;
+  into a new tensor (the blocks may be reused once the step returns) and encoded in the tiers'
+  codec (--kv-tier-dtype: the cache's bytes, or 8 / 4 bits with scales, kvcache/codec.py);
+  that payload is the CPU tier's copy and, for admitted chunks, goes to the writer's queue;
 * one writer thread encodes chunks (header, payload, xxh3-128; tiers/chunk.py) and puts them
   in the disk tier and the cluster store; a full queue drops the write, never the step;
 * loader threads (at most `max_concurrent_loads`) read a request's chunks, verify them against
@@ -25,14 +26,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tandem.config import EngineConfig
+from tandem.kvcache.codec import KVCodec
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorOutput, KVConnectorWorker
 from tandem.kvcache.tiers.chunk import (
     ChunkError,
     ChunkHeader,
     chunk_key,
-    decode_chunk,
     encode_chunk,
     parse_chunk_key,
+    read_chunk,
 )
 from tandem.kvcache.tiers.metadata import ChunkLoad, LoadSpec, TiersMetadata
 from tandem.kvcache.tiers.open import open_stores
@@ -65,7 +67,8 @@ class TiersConnectorWorker(KVConnectorWorker):
         self.config = config.kv_tiers
         self.rank = rank
         self.kv: KVCacheAccess | None = None
-        self.cpu: dict[int, Any] = {}  # chunk hash -> tensor of its blocks (this rank's shard)
+        self._codec = KVCodec(self.config.codec)
+        self.cpu: dict[int, Any] = {}  # chunk hash -> (its encoded blocks: uint8 payload, token ids)
         self.stores: dict[str, ChunkStore] = {}
         self._jobs: dict[str, _LoadJob] = {}
         self._holds_done: set[str] = set()  # tails copied since the last report
@@ -86,10 +89,7 @@ class TiersConnectorWorker(KVConnectorWorker):
         layout = kv.layout
         self._dtype = getattr(torch, layout.dtype)
         self._block_size = layout.block_size
-        itemsize = torch.empty((), dtype=self._dtype).element_size()
-        block_bytes = itemsize
-        for dim in layout.block_shape(1):
-            block_bytes *= dim
+        block_bytes = self._codec.payload_bytes(layout.block_shape(1), self._dtype)  # a chunk's, per block
         self._block_bytes = block_bytes
         chunk_bytes = block_bytes * self.config.chunk_blocks
         self._layout = asdict(layout)
@@ -112,7 +112,7 @@ class TiersConnectorWorker(KVConnectorWorker):
         assert self.kv is not None
         num_blocks = self._blocks(token_ids)
         return ChunkHeader(self.kv.fingerprint, self._layout, tuple(self.kv.layout.block_shape(num_blocks)),
-                           num_blocks, tuple(token_ids), self.kv.rank, self.kv.world_size)
+                           num_blocks, tuple(token_ids), self.kv.rank, self.kv.world_size, self._codec.name)
 
     def _count(self, group: str, name: str, amount: float = 1) -> None:
         """Bump a cumulative counter of a tier ("cpu", "disk", "cluster") or of the "writer"."""
@@ -148,7 +148,8 @@ class TiersConnectorWorker(KVConnectorWorker):
             return
         for save in metadata.saves:
             if save.block_ids:
-                data = self.kv.read_blocks(save.block_ids)  # a copy: the blocks may be reused
+                # a copy (the blocks may be reused), in the tiers' codec
+                data = self._codec.encode(self.kv.read_blocks(save.block_ids))
             else:
                 entry = self.cpu.get(save.chunk_hash)
                 if entry is None:
@@ -237,7 +238,7 @@ class TiersConnectorWorker(KVConnectorWorker):
                 data = self._read_chunk(chunk, result)
                 if data is None:
                     return
-                part = data[:, :, :, chunk.skip : chunk.skip + len(chunk.dest_block_ids)]
+                part = data[:, :, :, chunk.skip : chunk.skip + len(chunk.dest_block_ids)]  # decoded
                 with job.lock:
                     if job.cancelled:
                         return
@@ -269,7 +270,8 @@ class TiersConnectorWorker(KVConnectorWorker):
                 result.error = "not in the CPU tier any more"
                 self._count("cpu", "misses")
                 return None
-            return entry[0]
+            shape = tuple(self.kv.layout.block_shape(self._blocks(chunk.token_ids))) if self.kv else ()
+            return self._codec.decode(entry[0], shape, self._dtype, self._dtype)
         store = self.stores[chunk.medium]
         key = self._key(chunk.chunk_hash, chunk.token_ids)
         value = store.get(key)  # ChunkStoreError propagates: a failed load
@@ -279,9 +281,13 @@ class TiersConnectorWorker(KVConnectorWorker):
             self._count(chunk.medium, "misses")
             return None
         try:
-            header = self._header(chunk.token_ids)
-            payload = decode_chunk(value, header)
-            expected = self._block_bytes * header.num_blocks
+            expected_header = self._header(chunk.token_ids)
+            header, payload = read_chunk(value, expected_header)
+            try:
+                codec = KVCodec(header.codec)  # the writer's: any a reader knows
+            except ValueError as exc:
+                raise ChunkError("header", str(exc)) from exc
+            expected = codec.payload_bytes(header.shape, self._dtype)
             if len(payload) != expected:
                 raise ChunkError("truncated", f"payload of {len(payload)} bytes, expected {expected}")
         except ChunkError as exc:
@@ -295,7 +301,8 @@ class TiersConnectorWorker(KVConnectorWorker):
         self._count(chunk.medium, "bytes_read", len(value))
         with warnings.catch_warnings():  # a bytes value is read-only; it is only read from
             warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(payload, dtype=self._dtype).view(header.shape)
+            raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        return codec.decode(raw, header.shape, self._dtype, self._dtype)
 
     def _write_loop(self) -> None:
         while True:
@@ -304,7 +311,7 @@ class TiersConnectorWorker(KVConnectorWorker):
                 return
             chunk_hash, data, token_ids, media = item
             try:
-                value = encode_chunk(self._header(token_ids), _tensor_bytes(data))
+                value = encode_chunk(self._header(token_ids), _tensor_bytes(data))  # data: the payload
             except Exception as exc:  # noqa: BLE001 - a failed encode is a dropped write, reported
                 logger.warning("KV tier: cannot encode chunk %x: %s", chunk_hash, exc)
                 for medium in media:

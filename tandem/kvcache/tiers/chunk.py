@@ -8,8 +8,11 @@ disk or in a cluster store is, in order:
     magic b"TKVC" | format version (u16) | header length (u32) | header (JSON) | payload | digest
 
 The JSON header names the model fingerprint, the cache layout (layers, KV heads, block size,
-head dim, dtype), the payload's shape and length, the chunk's token ids and the rank that wrote
-it; the digest is xxh3-128 over everything before it. `decode_chunk` checks all of it against
+head dim, dtype), the payload's shape (of the blocks it encodes) and its codec (the cache's
+own bytes, or 8 / 4 bits with scales: tandem/kvcache/codec.py), the chunk's token ids and the
+rank that wrote it; the digest is xxh3-128 over everything before it. A reader takes any
+codec a chunk names (it decodes into its own cache), so workers with different
+--kv-tier-dtype share one store. `decode_chunk` checks all of it against
 what the reader expects and raises `ChunkError` (with a short reason used as a metric label)
 on any mismatch, so a truncated, corrupt, foreign or stale value is a miss and a recompute,
 never wrong KV. Token ids make a hit certain rather than probable: the reader compares them
@@ -53,6 +56,7 @@ class ChunkHeader:
     token_ids: tuple[int, ...]
     rank: int = 0
     world_size: int = 1
+    codec: str = "raw"  # how the payload encodes the blocks (kvcache/codec.py); any is read
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -80,6 +84,9 @@ def parse_chunk_key(key: str) -> tuple[int, int, int, int] | None:
     return (chunk_hash, num_blocks, rank, world_size) if rank < world_size else None
 
 
+_CODEC = re.compile(r"[a-z0-9]{1,16}")  # a codec's name; which ones exist, the reader knows
+
+
 def is_chunk_key(key: str) -> bool:
     """Whether `key` is one `chunk_key` could have made."""
     return parse_chunk_key(key) is not None
@@ -99,6 +106,12 @@ def encode_chunk(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
 def decode_chunk(value: bytes | memoryview, expected: ChunkHeader) -> memoryview:
     """The payload of a stored value, after checking it against what the reader expects
     (fingerprint, layout, shape, token ids); raises ChunkError otherwise."""
+    return read_chunk(value, expected)[1]
+
+
+def read_chunk(value: bytes | memoryview, expected: ChunkHeader) -> tuple[ChunkHeader, memoryview]:
+    """The stored header (its codec is the writer's, whatever `expected` says) and the payload,
+    after the checks of `decode_chunk`."""
     view = memoryview(value)
     if len(view) < _PREAMBLE.size + _DIGEST_BYTES:
         raise ChunkError("truncated", f"{len(view)} bytes")
@@ -117,9 +130,12 @@ def decode_chunk(value: bytes | memoryview, expected: ChunkHeader) -> memoryview
         fields = json.loads(bytes(view[_PREAMBLE.size:head_end]))
         header = ChunkHeader(fields["fingerprint"], fields["layout"], tuple(fields["shape"]),
                              int(fields["num_blocks"]), tuple(fields["token_ids"]),
-                             int(fields.get("rank", 0)), int(fields.get("world_size", 1)))
+                             int(fields.get("rank", 0)), int(fields.get("world_size", 1)),
+                             str(fields.get("codec", "raw")))
     except (ValueError, KeyError, TypeError) as exc:
         raise ChunkError("header", str(exc)) from exc
+    if _CODEC.fullmatch(header.codec) is None:
+        raise ChunkError("header", f"codec {header.codec[:32]!r}")
     if header.fingerprint != expected.fingerprint:
         raise ChunkError("foreign", f"written by model {header.fingerprint}, not {expected.fingerprint}")
     if (header.layout != expected.layout or header.shape != expected.shape
@@ -129,4 +145,4 @@ def decode_chunk(value: bytes | memoryview, expected: ChunkHeader) -> memoryview
                                    f"{expected.layout} shape {expected.shape}")
     if header.token_ids != expected.token_ids:
         raise ChunkError("tokens", "the chunk holds other tokens than the request's (hash collision?)")
-    return view[head_end:body_end]
+    return header, view[head_end:body_end]

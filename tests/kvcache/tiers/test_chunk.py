@@ -48,3 +48,26 @@ def test_values_written_for_something_else_are_refused(field: str, value, reason
     with pytest.raises(ChunkError) as error:
         decode_chunk(encode_chunk(replace(HEADER, **{field: value}), PAYLOAD), HEADER)
     assert error.value.reason == reason
+
+
+def test_the_writer_s_codec_travels_in_the_header_and_any_name_is_read() -> None:
+    """A reader takes the codec the chunk names, whatever its own (it decodes into its cache);
+    an older chunk without the field is raw."""
+    from dataclasses import replace
+
+    from tandem.kvcache.tiers.chunk import read_chunk
+
+    written = replace(HEADER, codec="int4")
+    header, payload = read_chunk(encode_chunk(written, PAYLOAD), HEADER)
+    assert header.codec == "int4" and bytes(payload) == PAYLOAD
+    header, _ = read_chunk(encode_chunk(HEADER, PAYLOAD), written)
+    assert header.codec == "raw"
+
+
+@pytest.mark.parametrize("codec", ["", "INT8", "int8; rm -rf", "x" * 17])
+def test_a_codec_name_no_writer_could_have_written_is_refused(codec: str) -> None:
+    from dataclasses import replace
+
+    with pytest.raises(ChunkError) as error:
+        decode_chunk(encode_chunk(replace(HEADER, codec=codec), PAYLOAD), HEADER)
+    assert error.value.reason == "header"
