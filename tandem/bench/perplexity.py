@@ -15,6 +15,7 @@ import torch
 
 from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.engine.llm_engine import LLMEngine
+from tandem.kvcache.codec import KVCodec
 from tandem.types import Request, SamplingParams
 
 # A fixed English passage (public-domain style prose written for this benchmark).
@@ -51,9 +52,22 @@ def long_text() -> str:
     return "\n\n".join(inspect.getdoc(importlib.import_module(name)) or "" for name in LONG_TEXT_MODULES)
 
 
+def requantize(engine: LLMEngine, block_ids: list[int], codec: KVCodec) -> None:
+    """Replace KV blocks by what `codec` brings back of them: what a decode worker fetching
+    them in that codec, a tier holding them so, or a cache of that dtype would attend to."""
+    blocks = engine.runner.read_blocks(block_ids)
+    restored = codec.decode(codec.encode(blocks), tuple(blocks.shape), blocks.dtype, blocks.dtype)
+    engine.runner.write_blocks(block_ids, restored)
+
+
+def _touched(block_ids: list[int], start: int, count: int, block_size: int) -> list[int]:
+    return block_ids[start // block_size : (start + count - 1) // block_size + 1]
+
+
 @torch.inference_mode()
-def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int) -> float:
-    """exp(mean NLL) of token_ids[1:] given their prefixes, computed `step_tokens` at a time."""
+def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int, kv_codec: KVCodec | None = None) -> float:
+    """exp(mean NLL) of token_ids[1:] given their prefixes, computed `step_tokens` at a time;
+    with `kv_codec`, every step's new KV goes through it before later steps read it."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     request = Request("perplexity", list(token_ids), SamplingParams(max_tokens=1))
@@ -68,6 +82,8 @@ def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int) -> flo
             chunk = ScheduledChunk(request.request_id, token_ids[start : start + count], start, block_ids, True)
             batch = prepare_batch([chunk], kv.block_size)
             hidden = engine.runner.model(batch.input_ids, batch.positions, engine.runner.kv_caches, batch.meta)
+            if kv_codec is not None:
+                requantize(engine, _touched(block_ids, start, count, kv.block_size), kv_codec)
             logprobs = torch.log_softmax(engine.runner.model.compute_logits(hidden), dim=-1)
             targets = torch.tensor(token_ids[start + 1 : start + 1 + count])
             total_nll -= float(logprobs.gather(1, targets.unsqueeze(1)).sum())
@@ -75,3 +91,39 @@ def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int) -> flo
     finally:
         kv.free(request)
 
+
+
+@torch.inference_mode()
+def greedy_tokens(engine: LLMEngine, prompt_ids: list[int], max_tokens: int, kv_codec: KVCodec | None = None,
+                  prompt_only: bool = False, chunk_tokens: int = 64) -> list[int]:
+    """The greedy continuation of a prompt through the engine's paged model path, the prompt in
+    `chunk_tokens` steps, then a token a step. With `kv_codec` the KV goes through it as it is
+    written: all of it (a cache of that dtype), or (`prompt_only`) the prompt's full blocks once
+    the prompt is computed, the rest exact: a prompt handed to a decode worker, or loaded from a
+    tier, in that codec (only full blocks travel; the partial last one is recomputed)."""
+    request = Request("greedy-agreement", list(prompt_ids), SamplingParams(max_tokens=max_tokens))
+    kv = engine.kv_manager
+    if not kv.allocate_slots(request, len(prompt_ids) + max_tokens):
+        raise ValueError("the KV cache is too small for the agreement prompt")
+    try:
+        block_ids = kv.block_ids_of(request.request_id)
+        tokens, out, start = list(prompt_ids), [], 0
+        while len(out) < max_tokens:
+            count = min(chunk_tokens, len(tokens) - start)
+            chunk = ScheduledChunk(request.request_id, tokens[start : start + count], start, block_ids, True)
+            batch = prepare_batch([chunk], kv.block_size)
+            hidden = engine.runner.model(batch.input_ids, batch.positions, engine.runner.kv_caches, batch.meta)
+            if kv_codec is not None and not prompt_only:
+                requantize(engine, _touched(block_ids, start, count, kv.block_size), kv_codec)
+            elif kv_codec is not None and start < len(prompt_ids) <= start + count:
+                full = len(prompt_ids) // kv.block_size
+                if full:
+                    requantize(engine, block_ids[:full], kv_codec)
+            start += count
+            if start == len(tokens):
+                token = int(engine.runner.model.compute_logits(hidden)[-1].argmax())
+                out.append(token)
+                tokens.append(token)
+        return out
+    finally:
+        kv.free(request)

