@@ -695,6 +695,65 @@ class RequestLimits:
             raise ValueError("--max-messages must be >= 1 and --max-tools >= 0")
 
 
+# What --override-generation-config may set, with the range each takes (vLLM's flag; its
+# max_new_tokens is the max_tokens of a request that names none).
+_GENERATION_BOUNDS: dict[str, tuple[type, float, float, bool]] = {
+    # name: (type, low, high, low is exclusive)
+    "temperature": (float, 0.0, math.inf, False),
+    "top_p": (float, 0.0, 1.0, True),
+    "top_k": (int, -1, math.inf, False),
+    "min_p": (float, 0.0, 1.0, False),
+    "repetition_penalty": (float, 0.0, math.inf, True),
+    "presence_penalty": (float, -2.0, 2.0, False),
+    "frequency_penalty": (float, -2.0, 2.0, False),
+    "max_new_tokens": (int, 1, math.inf, False),
+}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The server's sampling defaults for a request that leaves a field out
+    (--override-generation-config, vLLM's flag). Agent harnesses send no temperature (Codex,
+    OpenCode) and no max_output_tokens (Codex): without these they sample at 1.0 until the
+    context is full, which a small model sometimes does, one rambling turn at a time."""
+
+    values: tuple[tuple[str, float | int], ...] = ()
+
+    @classmethod
+    def from_json(cls, text: str | None) -> GenerationDefaults:
+        """Parsed and range-checked: an unknown key or a bad value is a ValueError naming it."""
+        if not text:
+            return cls()
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--override-generation-config is not JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError("--override-generation-config must be a JSON object, e.g. "
+                             "'{\"temperature\": 0.7, \"max_new_tokens\": 2048}'")
+        values = []
+        for name, value in raw.items():
+            if name not in _GENERATION_BOUNDS:
+                raise ValueError(f"--override-generation-config: {name!r} is not one of "
+                                 f"{', '.join(_GENERATION_BOUNDS)}")
+            kind, low, high, exclusive = _GENERATION_BOUNDS[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    kind is int and not isinstance(value, int)):
+                raise ValueError(f"--override-generation-config: {name} must be a{'n integer' if kind is int else ' number'}")
+            if not (low < value if exclusive else low <= value) or value > high or math.isnan(value):
+                raise ValueError(f"--override-generation-config: {name} {value} is out of range")
+            values.append((name, kind(value)))
+        return cls(tuple(values))
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return int(dict(self.values)["max_new_tokens"]) if "max_new_tokens" in dict(self.values) else None
+
+    def sampling_fields(self) -> dict[str, float | int]:
+        """The request fields these set (all but max_new_tokens, which bounds max_tokens)."""
+        return {name: value for name, value in self.values if name != "max_new_tokens"}
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI server around one engine (`tandem serve`)."""
@@ -718,6 +777,7 @@ class ServerConfig:
     log_level: str = "info"
     limits: RequestLimits = field(default_factory=RequestLimits)
     shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long at most (tandem/edge/drain.py)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
         if self.max_tokens_policy not in ("cap", "reject"):

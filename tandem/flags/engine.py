@@ -23,6 +23,7 @@ from tandem.config import (
     DECODE_WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
+    GenerationDefaults,
     KVTiersConfig,
     KVTransferConfig,
     LoadConfig,
@@ -322,6 +323,12 @@ SERVER_FLAGS = FlagTable("server", (
          "far; the applied and requested values in the x-tandem-max-tokens-applied and "
          "-requested response headers); reject answers 400, as vLLM does (default: cap)", "cap",
          choices=["cap", "reject"]),
+    Flag("--override-generation-config",
+         "sampling defaults for requests that leave a field out, as JSON (vLLM's flag): "
+         "temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
+         "frequency_penalty, and max_new_tokens for a request that names no max_tokens, e.g. "
+         "'{\"temperature\": 0.7, \"max_new_tokens\": 2048}' (default: 1.0, no cut-off, "
+         "and the context's rest)", metavar="JSON"),
     Flag("--tool-call-parser",
          "tool-call format (default: chosen from the chat template; hermes when it has none)",
          choices=["hermes", "qwen", "llama3_json", "kimi_k2", "deepseek_v3", "deepseek_v31", "qwen3_coder"]),
@@ -383,6 +390,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_waiting_tokens=getattr(args, "max_waiting_tokens", None),
         max_tokens_policy=args.max_tokens_policy, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, log_level=args.log_level.lower(),
         limits=request_limits(args), shutdown_timeout_s=args.shutdown_timeout,
+        generation_defaults=GenerationDefaults.from_json(getattr(args, "override_generation_config", None)),
     )
     if config.max_waiting < 0 or (config.max_waiting_tokens or 0) < 0:
         raise ValueError("--max-waiting and --max-waiting-tokens must be >= 0")

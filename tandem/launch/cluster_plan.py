@@ -151,6 +151,8 @@ def plan_cluster(
             argv += ["--kv-transfer-port", str(distinct_port())]
             if network:
                 argv += ["--kv-transfer-host", host]
+        if getattr(args, "override_generation_config", None):
+            argv += ["--override-generation-config", args.override_generation_config]
         if role != "prefill" and getattr(args, "kv_transfer_dtype", "auto") != "auto":
             argv += ["--kv-transfer-dtype", args.kv_transfer_dtype]  # the fetching side asks for it
         if role != "decode" and args.kv_transfer != "tcp":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tandem.config import GenerationDefaults
 from tandem.flags.limits import REQUEST_LIMIT_FLAGS, request_limit_argv
 from tandem.flags.table import Flag, FlagTable
 from tandem.router.accounting.flags import UP_ACCOUNTING_FLAGS, accounting_config, check_accounting
@@ -42,6 +43,11 @@ CLUSTER_FLAGS = FlagTable("cluster", (
         help="with --kv-transfer tcp: the prompt KV's bytes on the wire (the decode workers' "
         "--kv-transfer-dtype: int8 / int4 are 0.53x / 0.28x of bf16's) (default: auto, the "
         "cache's own)",
+    ),
+    Flag(
+        "--override-generation-config", metavar="JSON",
+        help="every worker's sampling defaults for requests that leave a field out (tandem "
+        "serve's flag, vLLM's): e.g. '{\"temperature\": 0.7, \"max_new_tokens\": 2048}'",
     ),
     Flag(
         "--netns", switch=True,
@@ -122,6 +128,7 @@ def check_up(args: argparse.Namespace) -> None:
     policy_argv(args)
     resilience_argv(args)
     request_limit_argv(args)
+    GenerationDefaults.from_json(args.override_generation_config)
     check_accounting(accounting_config(args))  # bad price / key files, an unusable ledger
     if args.netns and args.kv_store:
         raise ValueError("--netns does not reach a --kv-store: the namespaces see only "

@@ -101,8 +101,9 @@ class ServingState:
             self.client.reserve(request_id, sequences_each, count)
 
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None, param: str) -> int:
-        """The max_tokens to run with: the request's, or what is left of the context (also
-        when the request asked for more, under --max-tokens-policy cap)."""
+        """The max_tokens to run with: the request's (capped at what is left of the context
+        under --max-tokens-policy cap), or for a request that names none the server's
+        max_new_tokens default, at most the context's rest."""
         if not prompt_token_ids:
             raise bad_request("the prompt is empty", param, "empty_prompt")
         vocab = self.client.info.vocab_size
@@ -116,6 +117,9 @@ class ServingState:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens, and the prompt has {prompt_len}: "
                 "no room is left for a completion. Please shorten the prompt.", param, "context_length_exceeded")
+        if max_tokens is None:  # the server's default (--override-generation-config), or the context's rest
+            default = self.config.generation_defaults.max_new_tokens
+            return min(default, limit - prompt_len) if default else limit - prompt_len
         if max_tokens is not None and prompt_len + max_tokens > limit and self.config.max_tokens_policy == "cap":
             return limit - prompt_len
         if prompt_len + (max_tokens or 1) > limit:
@@ -124,7 +128,7 @@ class ServingState:
                 f"{prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the prompt, {max_tokens or 0} "
                 "in the completion). Please reduce the length of the prompt or the completion.",
                 param, "context_length_exceeded")
-        return max_tokens if max_tokens is not None else limit - prompt_len
+        return max_tokens
 
     @staticmethod
     def max_tokens_headers(requested: int | None, applied: int) -> dict[str, str]:
@@ -138,6 +142,10 @@ class ServingState:
         stop_token_ids): a 400 naming the field for anything out of range."""
         if request.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
+        defaults = {name: value for name, value in self.config.generation_defaults.sampling_fields().items()
+                    if name not in request.model_fields_set}
+        if defaults:  # only what the request left out
+            request = request.model_copy(update=defaults)
         try:
             return request.sampling_params(max_tokens, logprobs, vocab_size=self.client.info.vocab_size)
         except ValueError as exc:

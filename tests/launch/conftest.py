@@ -18,6 +18,9 @@ import pytest
 
 from tests.support.up_cluster import AGENT_GGUF, AGENT_MODEL, RouterLog, Up, start_up
 
+AGENT_SAMPLING = ('{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, '
+                  '"max_new_tokens": 1024}')
+
 
 @pytest.fixture(scope="package")
 def agent_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
@@ -26,8 +29,13 @@ def agent_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     # Two threads a worker, not a core each: one session's turn is one prefill, then one decode,
     # so the busy worker gets both cores (an agent's 4-10k-token first prompt took 285-500 s on
     # one core of an AVX2-only EPYC).
+    # Codex and OpenCode send no temperature and Codex no max_output_tokens: the server's
+    # defaults are Qwen2.5's recommended sampling, and a turn is cut at 1,024 tokens. At 1.0
+    # and no cut-off the 0.5B model sometimes rambled until the context was full (~25 minutes
+    # on a CPU), and the harness gave up on the turn.
     up = start_up(tmp_path_factory.mktemp("agent-up"), AGENT_MODEL, "--prefill-workers", "2",
-                  "--decode-workers", "1", "--kv-cache-memory", "1GiB", "--threads", "2", timeout=400)
+                  "--decode-workers", "1", "--kv-cache-memory", "1GiB", "--threads", "2",
+                  "--override-generation-config", AGENT_SAMPLING, timeout=400)
     try:
         yield up
     finally:

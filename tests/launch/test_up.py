@@ -589,3 +589,19 @@ def test_the_transfer_dtype_goes_to_the_workers_that_fetch() -> None:
     worker = build_parser().parse_args(["serve", "m", "--role", "decode", "--cluster-secret", "s",
                                         "--kv-transfer-dtype", "int4"])
     assert kv_transfer_config(worker).transfer_codec == "int4"
+
+
+def test_the_generation_defaults_go_to_every_worker() -> None:
+    """`tandem up --override-generation-config JSON` hands the same defaults to each worker (the
+    decode worker samples; a colocated one does both); bad JSON fails before anything starts."""
+    defaults = '{"temperature": 0.7, "max_new_tokens": 512}'
+    plan = plan_cluster(_args("--override-generation-config", defaults), None, free_port=_ports())
+    assert [w.argv[list(w.argv).index("--override-generation-config") + 1] for w in plan.workers] == [defaults] * 2
+    assert not any("--override-generation-config" in w.argv for w in plan_cluster(_args(), None, free_port=_ports()).workers)
+    from tandem.launch.up_flags import check_up
+
+    with pytest.raises(ValueError, match="'seed' is not one of"):
+        check_up(_args("--override-generation-config", '{"seed": 1}'))
+    result = subprocess.run([sys.executable, "-m", "tandem", "up", "--override-generation-config", "{bad"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "is not JSON" in result.stderr

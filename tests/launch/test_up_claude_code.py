@@ -54,7 +54,7 @@ from tests.support.up_cluster import AGENT_MODEL, RouterLog, Up
 TASK = "Read calc.py with the Read tool, then fix the bug in the add function with the Edit tool."
 FOLLOW_UP = "In one sentence: what was wrong with add?"
 MAX_OUTPUT_TOKENS = 512
-RUN_TIMEOUT = 1500  # seconds per invocation: a cold first turn took 5-12 min on an AVX2-only 2-core box
+RUN_TIMEOUT = 900  # seconds per invocation: 2-4 minutes on an AVX2-only 2-core box
 SESSION_HEADER = "x-claude-code-session-id"
 
 

@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 OPENCODE = Path(os.environ.get("TANDEM_OPENCODE_DIR", REPO_ROOT / ".opencode-ai")) / "node_modules/.bin/opencode"
 MODEL = AGENT_MODEL
 BLOCK = 16  # tandem's default KV block size: prefix caching works in whole blocks
-RUN_TIMEOUT = 1500  # the whole run: a cold ~10k-token first turn is minutes on an AVX2-only 2-core box
+RUN_TIMEOUT = 900  # the whole run: about 4 minutes on an AVX2-only 2-core box
 
 
 def opencode_config(base_url: str, greedy: bool) -> dict:
