@@ -740,7 +740,7 @@ class GenerationDefaults:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (
                     kind is int and not isinstance(value, int)):
                 raise ValueError(f"--override-generation-config: {name} must be a{'n integer' if kind is int else ' number'}")
-            if not (low < value if exclusive else low <= value) or value > high or math.isnan(value):
+            if not math.isfinite(value) or not (low < value if exclusive else low <= value) or value > high:
                 raise ValueError(f"--override-generation-config: {name} {value} is out of range")
             values.append((name, kind(value)))
         return cls(tuple(values))

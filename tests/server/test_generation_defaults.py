@@ -72,6 +72,8 @@ def test_a_responses_request_without_max_output_tokens_is_cut_at_the_default(ser
 @pytest.mark.parametrize(("text", "message"), [
     ('{"temperature": -1}', "temperature -1 is out of range"),
     ('{"top_p": 0}', "top_p 0 is out of range"),
+    ('{"temperature": Infinity}', "temperature inf is out of range"),
+    ('{"min_p": NaN}', "min_p nan is out of range"),
     ('{"max_new_tokens": 0}', "max_new_tokens 0 is out of range"),
     ('{"max_new_tokens": 2.5}', "max_new_tokens must be an integer"),
     ('{"temperature": true}', "temperature must be a number"),
