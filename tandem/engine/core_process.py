@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 
 import zmq
@@ -166,5 +167,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         inputs.close(linger=0)
         outputs.close()
         context.term()
-    if exit_code:
-        raise SystemExit(exit_code)
+    # Everything this process owns is closed above. Skip the interpreter's teardown (freeing
+    # every tensor and module one by one took ~1.2 s of a 2.2 s stop of the default model):
+    # the server waits for this process to end before it exits itself.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

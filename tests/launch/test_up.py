@@ -22,6 +22,7 @@ from tandem.cli.main import build_parser
 from tandem.launch.cluster_plan import banner, default_threads, engine_argv, plan_cluster
 from tandem.launch.netns import WorkerNetwork
 from tests.support.netns_hosts import needs_netns
+from tests.support.processes import wait_ended
 from tests.support.up_cluster import Up, start_up
 
 SMALL = ["--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8"]
@@ -278,7 +279,7 @@ def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
     assert out.startswith("tandem up: 1 prefill + 1 decode worker(s) serving smollm2-135m; "
                           f"OpenAI endpoint {url}/v1\n")
     assert out.rstrip().endswith("Ctrl-C stops the cluster.")
-    _, alive = psutil.wait_procs(children, timeout=10)
+    alive = wait_ended(children, timeout=10)
     assert not alive, [p.pid for p in alive]
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == ["decode-0.log", "prefill-0.log", "router.log"]
@@ -298,7 +299,7 @@ def test_a_dying_worker_stops_the_cluster(tmp_path: Path) -> None:
             process.kill()
     assert code == 1
     assert "worker-0 exited with -9, its 1st crash in 300 s; giving up" in up.stderr.read_text()
-    _, alive = psutil.wait_procs(children, timeout=10)
+    alive = wait_ended(children, timeout=10)
     assert not alive, [p.pid for p in alive]
 
 

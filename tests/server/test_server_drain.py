@@ -13,6 +13,7 @@ import httpx
 import psutil
 
 from tests.support.live_server import start_server
+from tests.support.processes import wait_ended
 
 STORY = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a long story."}],
          "max_tokens": 120, "ignore_eos": True, "temperature": 0, "stream": True,
@@ -61,5 +62,5 @@ def test_sigterm_drains_running_streams_and_refuses_new_requests(tmp_path: Path)
     log = server.log()
     assert "SIGTERM: draining; 1 request(s) in flight" in log
     assert "drained: nothing in flight; stopping" in log
-    _, alive = psutil.wait_procs(children, timeout=10)
+    alive = wait_ended(children, timeout=10)
     assert not alive

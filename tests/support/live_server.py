@@ -24,6 +24,7 @@ import psutil
 from tandem.platform.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 from tandem.trust.peer import peer_client
+from tests.support.processes import wait_ended
 
 _START_TIMEOUT = 240.0
 
@@ -114,7 +115,7 @@ def stop_server(server: LiveServer, sig: signal.Signals = signal.SIGINT) -> list
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait()
-    _, alive = psutil.wait_procs(children, timeout=15)
+    alive = wait_ended(children, timeout=15)
     for process in alive:
         process.kill()
     return [p.pid for p in alive]
