@@ -15,7 +15,9 @@ with no tier. Each trial, for a distinct seeded prompt of `--prefix-tokens` toke
 Reported per tier: median TTFT, its ratio to recomputing (the goals: CPU <= 0.15x,
 disk <= 0.3x, Redis on loopback <= 0.5x), cached tokens, and the load's distance from this
 machine's limits: the KV bytes moved over a measured memory-copy bandwidth, and the prefill's
-FLOPs over a measured matmul rate. Writes JSON, a table and a PNG to
+FLOPs over a measured matmul rate. With `--kv-tier-dtypes auto,int8,int4` each tier runs once
+per chunk dtype (`--kv-tier-dtype`), and the table adds the tier's bytes per token and their
+share of bf16's (goals: int8 <= 0.55x, int4 <= 0.3x). Writes JSON, a table and a PNG to
 `<output-dir>/kv-tiers-<timestamp>/`.
 """
 
@@ -63,6 +65,11 @@ KV_TIERS_FLAGS = FlagTable(None, (
         help="comma-separated: recompute, cpu, disk, disk-cold, redis, mooncake "
         "(default: all; disk-cold needs root, mooncake its package)",
     ),
+    Flag(
+        "--kv-tier-dtypes", default="auto", metavar="LIST",
+        help="comma-separated --kv-tier-dtype values each tier is measured with: auto (the "
+        "cache's own bytes), bfloat16, int8, int4 (default: auto)",
+    ),
     Flag("--kv-cache-memory", default="1GiB", help="device KV budget (default: 1GiB)"),
     Flag("--threads", type=int, help="torch threads of the server"),
     Flag("--output-dir", default=Path("bench-results"), type=Path),
@@ -75,7 +82,7 @@ def add_kv_tiers_parser(subparsers: argparse._SubParsersAction) -> None:
         "kv-tiers", help="TTFT of a long prefix from each KV tier vs recomputing it",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     KV_TIERS_FLAGS.add_to(parser)
-    Command(cmd_kv_tiers).install(parser)
+    Command(cmd_kv_tiers, lambda args: tier_dtypes(args.kv_tier_dtypes)).install(parser)
 
 
 @dataclass
@@ -84,7 +91,18 @@ class TierResult:
     ttft_s: list[float] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
+    dtype: str = "auto"
+    block_bytes: int | None = None  # one block of KV as the tier keeps it (/load kv_tiers)
+    block_size: int | None = None
     error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.tier if self.dtype == "auto" else f"{self.tier}/{self.dtype}"
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return self.block_bytes / self.block_size if self.block_bytes and self.block_size else None
 
     @property
     def median_ttft(self) -> float | None:
@@ -151,23 +169,30 @@ def _ttft(client: httpx.Client, model: str, prompt: str | list[int]) -> tuple[fl
 
 
 def run_tier(tier: str, args: argparse.Namespace, prompts: list[tuple[list[int], list[int], list[int]]],
-             log_dir: Path, workdir: Path, store_url: str | None) -> TierResult:
-    result = TierResult(tier)
+             log_dir: Path, workdir: Path, store_url: str | None, dtype: str = "auto") -> TierResult:
+    result = TierResult(tier, dtype=dtype)
     port = free_port()
     cmd = [sys.executable, "-m", "tandem", "serve", args.model, "--port", str(port), "--no-access-log",
-           "--kv-cache-memory", args.kv_cache_memory, *_server_flags(tier, workdir, store_url)]
+           "--kv-cache-memory", args.kv_cache_memory, *_server_flags(tier, workdir / dtype, store_url)]
+    if tier != "recompute" and dtype != "auto":
+        cmd += ["--kv-tier-dtype", dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    server = LaunchedServer(f"tier-{tier}", cmd, dict(os.environ), log_dir / f"tier-{tier}.log", port)
+    name = result.label.replace("/", "-")
+    server = LaunchedServer(f"tier-{name}", cmd, dict(os.environ), log_dir / f"tier-{name}.log", port)
     server.start()
     try:
         server.wait_ready(600)
         # Signed when a cluster secret is in the environment: the worker then serves peers only.
         with peer_client(secret_from_env(), base_url=server.base_url, timeout=600) as client:
             _ttft(client, args.model, "warm up the model " * 8)
+            load = client.get("/load").json()
+            result.block_size = int(load.get("block_size") or 0) or None
             for n, (prefix, first, second) in enumerate(prompts):
                 _ttft(client, args.model, prefix + first)
                 _wait_writes(client)
+                if result.block_bytes is None:
+                    result.block_bytes = int((client.get("/load").json().get("kv_tiers") or {}).get("block_bytes") or 0) or None
                 assert client.post("/reset_prefix_cache").json()["reset"]
                 if tier == "disk-cold" and not _drop_page_cache():
                     raise PermissionError("dropping the page cache needs root")
@@ -175,11 +200,11 @@ def run_tier(tier: str, args: argparse.Namespace, prompts: list[tuple[list[int],
                 result.ttft_s.append(ttft)
                 result.cached_tokens.append(cached)
                 result.prompt_tokens.append(prompt_tokens)
-                logger.info("%-9s trial %d: TTFT %.3f s, %d of %d prompt tokens cached", tier, n, ttft, cached,
+                logger.info("%-9s trial %d: TTFT %.3f s, %d of %d prompt tokens cached", result.label, n, ttft, cached,
                             prompt_tokens)
     except Exception as exc:  # noqa: BLE001 - one tier failing must not lose the others
         result.error = f"{type(exc).__name__}: {exc}"
-        logger.error("%s: %s (log: %s)", tier, result.error, server.log_path)
+        logger.error("%s: %s (log: %s)", result.label, result.error, server.log_path)
     finally:
         server.stop()
     return result
@@ -195,9 +220,25 @@ def machine_limits(kv_bytes_per_token: int, params: int, tokens: int) -> dict[st
             "ideal_load_s": kv_bytes / copy_bps, "ideal_prefill_s": 2 * params * tokens / flops}
 
 
+TIER_DTYPES = ("auto", "bfloat16", "int8", "int4")
+# The tier bytes a chunk may take, as a share of bf16's, for each narrower dtype.
+BYTES_GOALS = {"int8": 0.55, "int4": 0.3}
+
+
+def tier_dtypes(text: str) -> list[str]:
+    """--kv-tier-dtypes as a list, each a --kv-tier-dtype choice (ValueError naming a bad one)."""
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in TIER_DTYPES]
+    if bad or not dtypes:
+        raise ValueError(f"--kv-tier-dtypes takes {', '.join(TIER_DTYPES)}, not {text!r}")
+    return dtypes
+
+
 def report(results: list[TierResult], limits: dict[str, float]) -> tuple[str, dict[str, Any]]:
     base = next((r.median_ttft for r in results if r.tier == "recompute"), None)
-    lines = [f"{'tier':<10} {'TTFT p50':>10} {'x recompute':>12} {'goal':>7} {'cached':>14}  verdict"]
+    bf16 = limits.get("bf16_bytes_per_token")
+    lines = [f"{'tier':<15} {'TTFT p50':>10} {'x recompute':>12} {'goal':>7} {'cached':>14} "
+             f"{'B/token':>9} {'x bf16':>7}  verdict"]
     rows = []
     for r in results:
         ttft = r.median_ttft
@@ -207,10 +248,17 @@ def report(results: list[TierResult], limits: dict[str, float]) -> tuple[str, di
             "-" if goal is None or ratio is None else ("met" if ratio <= goal else "MISSED"))
         cached = f"{statistics.median(r.cached_tokens):.0f}/{statistics.median(r.prompt_tokens):.0f}" \
             if r.cached_tokens else "-"
-        lines.append(f"{r.tier:<10} {_fmt(ttft, ' s'):>10} {_fmt(ratio, 'x'):>12} "
-                     f"{('<=' + str(goal)) if goal else '':>7} {cached:>14}  {verdict}")
-        rows.append({**asdict(r), "median_ttft_s": ttft, "ratio_to_recompute": ratio, "goal": goal,
-                     "verdict": verdict})
+        per_token = r.bytes_per_token
+        bytes_ratio = per_token / bf16 if per_token and bf16 else None
+        bytes_goal = BYTES_GOALS.get(r.dtype)
+        if bytes_goal is not None and bytes_ratio is not None and not r.error:
+            verdict += "; bytes " + ("met" if bytes_ratio <= bytes_goal else "MISSED") + f" (<={bytes_goal}x bf16)"
+        lines.append(f"{r.label:<15} {_fmt(ttft, ' s'):>10} {_fmt(ratio, 'x'):>12} "
+                     f"{('<=' + str(goal)) if goal else '':>7} {cached:>14} "
+                     f"{f'{per_token:.0f}' if per_token else '-':>9} {_fmt(bytes_ratio, 'x'):>7}  {verdict}")
+        rows.append({**asdict(r), "label": r.label, "median_ttft_s": ttft, "ratio_to_recompute": ratio,
+                     "goal": goal, "bytes_per_token": per_token, "bytes_ratio_to_bf16": bytes_ratio,
+                     "bytes_goal": bytes_goal, "verdict": verdict})
     lines.append("")
     lines.append(f"machine limits: the prefix's KV is {limits['kv_bytes'] / 1e6:.0f} MB; a memory copy of it "
                  f"takes {limits['ideal_load_s'] * 1000:.0f} ms at {limits['memcpy_bytes_per_s'] / 1e9:.1f} GB/s; "
@@ -233,7 +281,7 @@ def plot(results: list[TierResult], path: Path) -> None:
 
     shown = [r for r in results if r.median_ttft is not None]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar([r.tier for r in shown], [r.median_ttft for r in shown],
+    ax.bar([r.label for r in shown], [r.median_ttft for r in shown],
            color=["#888" if r.tier == "recompute" else "#3a7" for r in shown])
     ax.set_ylabel("TTFT p50 (s)")
     ax.set_title("TTFT of a long prefix by KV tier")
@@ -249,6 +297,7 @@ def cmd_kv_tiers(args: argparse.Namespace) -> int:
     out_dir = args.output_dir / f"kv-tiers-{dt.datetime.now():%Y%m%d-%H%M%S}"
     out_dir.mkdir(parents=True, exist_ok=True)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    dtypes = tier_dtypes(args.kv_tier_dtypes)
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="tandem-kv-tiers-"))
     # Prompts are made once, with the model's tokenizer, and shared by every tier.
@@ -276,7 +325,8 @@ def cmd_kv_tiers(args: argparse.Namespace) -> int:
             results.append(TierResult(tier, error=f"{type(exc).__name__}: {exc}"))
             continue
         try:
-            results.append(run_tier(tier, args, prompts, out_dir, workdir, store_url))
+            for dtype in (["auto"] if tier == "recompute" else dtypes):
+                results.append(run_tier(tier, args, prompts, out_dir, workdir, store_url, dtype))
         finally:
             if store is not None:
                 store.stop()
@@ -287,6 +337,7 @@ def cmd_kv_tiers(args: argparse.Namespace) -> int:
     kv_per_token = config.kv_spec.values_per_token(config.num_hidden_layers) * 4
     params = _num_params(config)
     limits = machine_limits(kv_per_token, params, args.prefix_tokens)
+    limits["bf16_bytes_per_token"] = kv_per_token / 2
     table, data = report(results, limits)
     print(table)
     data["args"] = {k: str(v) for k, v in vars(args).items() if k != "handler"}
