@@ -13,7 +13,7 @@ has the int8 GEMM, whether the weights fit this host's memory, the model's own l
 
 from __future__ import annotations
 
-from tandem.config import DECODE_WEIGHT_FORMATS, DTYPES, EngineConfig
+from tandem.config import DECODE_WEIGHT_FORMATS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 
 def check_engine_config(config: EngineConfig) -> None:
@@ -49,21 +49,27 @@ def _check_parallel(config: EngineConfig) -> None:
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
     """float8 e4m3 KV (--kv-cache-dtype fp8) only the Triton kernels read (they widen each block
-    as they load it), and no connector moves yet (their layouts and stores assume the model's
-    dtype)."""
+    as they load it); int8 rows with their scales (tandem/kernels/kv_format.py) only the CPU
+    backends (the C decode kernel and the torch path). Neither moves through a connector yet:
+    the handoff's and the tiers' codecs read and write the model's dtype."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return
-    if choice != "fp8":
-        raise ValueError(f"--kv-cache-dtype must be auto or fp8, not {choice!r}")
+    if choice not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {choice!r}")
     backend = config.load.attention_backend
-    if not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
+    if choice == "int8":
+        if config.load.device != "cpu" or backend not in ("auto", "cpu", "torch"):
+            raise ValueError("--kv-cache-dtype int8 runs on the CPU attention backends (cpu, torch); "
+                             "on a GPU use fp8")
+    elif not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
         raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "
                          "--attention-backend triton under TRITON_INTERPRET=1)")
     if (config.kv_transfer.role != "both" or config.kv_tiers.enabled or config.kv_transfer.shared_memory
             or config.speculative.method):
-        raise ValueError("--kv-cache-dtype fp8 does not yet work with --role prefill/decode, the KV tiers, "
-                         "a shared-memory KV cache or speculative decoding")
+        raise ValueError(f"--kv-cache-dtype {choice} does not yet work with --role prefill/decode, the KV tiers, "
+                         "a shared-memory KV cache or speculative decoding (--kv-transfer-dtype and "
+                         "--kv-tier-dtype narrow what they move and store)")
 
 
 def _check_decode_weights(config: EngineConfig) -> None:

@@ -12,6 +12,7 @@ import argparse
 from tandem.flags.table import Command, Flag, FlagTable
 
 KV_DTYPES = ("bfloat16", "int8", "int4")  # kvcache/codec.py's, but the cache's own bytes
+KV_CACHE_DTYPES_MEASURED = ("int8",)  # --kv-cache-dtype values a CPU run can measure
 
 # key -> (label, LLM keywords); the first is the baseline every other is compared with.
 MODES: dict[str, tuple[str, dict[str, str]]] = {
@@ -41,6 +42,13 @@ PERPLEXITY_FLAGS = FlagTable(None, (
         "through the codec, and greedy agreement (prompts whose continuation is token for token "
         "the exact cache's) with the prompt's KV through it (a handoff or a tier load) and with "
         "all of it (a cache of that dtype), on the model's own dtype",
+    ),
+    Flag(
+        "--kv-cache-dtypes", metavar="KEYS",
+        help=f"with --kv-dtypes: also the cache itself in these dtypes (comma-separated of "
+        f"{','.join(KV_CACHE_DTYPES_MEASURED)}; default: int8; 'none' for none): perplexity through "
+        "the engine, and greedy agreement of `generate` against the model's-dtype cache's",
+        default="int8",
     ),
     Flag("--agreement-prompts", "prompts for the greedy agreement (default: 16)", 16, type=int, metavar="N"),
     Flag("--agreement-tokens", "tokens each continuation runs for (default: 256)", 256, type=int, metavar="N"),
@@ -81,9 +89,19 @@ def _chosen_kv_dtypes(keys: str) -> list[str]:
     return wanted
 
 
+def _chosen_cache_dtypes(keys: str) -> list[str]:
+    wanted = [key.strip() for key in keys.split(",") if key.strip() and key.strip() != "none"]
+    unknown = [key for key in wanted if key not in KV_CACHE_DTYPES_MEASURED]
+    if unknown:
+        raise ValueError(f"--kv-cache-dtypes: unknown cache dtype {', '.join(unknown)}; choose from "
+                         f"{', '.join(KV_CACHE_DTYPES_MEASURED)} or none")
+    return wanted
+
+
 def check_perplexity(args: argparse.Namespace) -> None:
     """An unknown --modes or --kv-dtypes key fails at parse time, before any model loads."""
     _chosen_modes(args.modes)
+    _chosen_cache_dtypes(args.kv_cache_dtypes)
     if args.kv_dtypes is not None:
         _chosen_kv_dtypes(args.kv_dtypes)
         if args.modes is not None:
@@ -163,6 +181,7 @@ def run_kv_quality(args: argparse.Namespace) -> int:
         rows.append((name, nbytes / bf16_bytes, ppl, _agreement(base_outs, handoff_outs), _agreement(base_outs, all_outs)))
     bar.close()
     assert base_ppl is not None
+    cache_rows = _measure_cache_dtypes(args, tokens, prompts, steps, cache.shape[-1])
     print(f"{args.model or 'smollm2-135m'} ({cache.dtype}), {len(tokens)} tokens of standard-library docstrings in "
           f"64-token chunks; greedy agreement: {count} prompts of {prompt_len} tokens, {steps} tokens each")
     print(f"  {'KV':<9} {'bytes vs bf16':>13} {'perplexity':>20} {'agreement, prompt KV':>22} "
@@ -171,10 +190,52 @@ def run_kv_quality(args: argparse.Namespace) -> int:
     for name, ratio, ppl, handoff, whole in rows:
         print(f"  {name:<9} {ratio:12.3f}x {ppl:9.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}%) "
               f"{handoff[0] * 100:8.1f}% (first miss {handoff[1]:5.1f}) {whole[0] * 100:6.1f}% ({whole[1]:5.1f})")
+    for name, ratio, ppl, base_cache_ppl, agreement in cache_rows:
+        print(f"  {name + ' cache':<9} {ratio:12.3f}x {ppl:9.4f} ({(ppl / base_cache_ppl - 1) * 100:+6.2f}%) "
+              f"{'':>22} {agreement[0] * 100:6.1f}% ({agreement[1]:5.1f})")
     print("  agreement: share of continuations token for token the exact cache's; first miss: the mean "
           "position of the first differing token (the run's length where none differs)")
+    if cache_rows:
+        print("  a '... cache' row is --kv-cache-dtype itself: perplexity through the engine beside the "
+              "model's-dtype cache's, greedy agreement of generate() against generate() on that cache")
     llm.shutdown()
     return 0
+
+
+def _measure_cache_dtypes(args: argparse.Namespace, tokens: list[int], prompts: list[list[int]], steps: int,
+                          head_dim: int) -> list[tuple[str, float, float, float, tuple[float, float]]]:
+    """Each --kv-cache-dtypes cache measured whole, through the engine's own paths: perplexity
+    in 64-token chunks, and greedy `generate` (the scheduler, the C decode kernel) against the
+    same on the model's-dtype cache. (name, bytes vs bf16, perplexity, the base's, agreement)."""
+    names = _chosen_cache_dtypes(args.kv_cache_dtypes)
+    if not names:
+        return []
+    import torch
+
+    from tandem.bench.perplexity import perplexity
+    from tandem.kernels.kv_format import stored_row_width
+    from tandem.llm import LLM
+    from tandem.types import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+
+    def run(kv_cache_dtype: str) -> tuple[float, list[list[int]]]:
+        llm = LLM(args.model, kv_cache_memory="512MiB", kv_cache_dtype=kv_cache_dtype)
+        try:
+            value = perplexity(llm.engine, tokens, step_tokens=64)
+            outs = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+        return value, outs
+
+    base_ppl, base_outs = run("auto")
+    rows = []
+    for name in names:
+        ppl, outs = run(name)
+        ratio = stored_row_width(head_dim, torch.uint8) / (2 * head_dim)  # int8 rows + scale vs bf16 rows
+        rows.append((name, ratio, ppl, base_ppl, _agreement(base_outs, outs)))
+    return rows
 
 
 def _agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, float]:

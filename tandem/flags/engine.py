@@ -21,6 +21,7 @@ from typing import Any
 
 from tandem.config import (
     DECODE_WEIGHT_FORMATS,
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     GenerationDefaults,
@@ -54,8 +55,9 @@ ENGINE_FLAGS = FlagTable("engine", (
     Flag("--block-size", "tokens per KV block (default: 16)", 16, type=int),
     Flag("--kv-cache-memory", "KV cache budget, e.g. 2GiB (default: 25%% of free RAM, at most 4GiB)",
          metavar="SIZE"),
-    Flag("--kv-cache-dtype", "auto = the model's dtype; fp8 = float8 e4m3 (scale 1.0): half the bytes, "
-         "twice the tokens; GPU (Triton backend) only (default: auto)", "auto", choices=("auto", "fp8")),
+    Flag("--kv-cache-dtype", "auto = the model's dtype; int8 = 8-bit rows with a scale each (CPU): "
+         "0.53x bf16's bytes for 64-wide heads; fp8 = float8 e4m3 (scale 1.0), GPU (Triton backend) only "
+         "(default: auto)", "auto", choices=KV_CACHE_DTYPES),
     Flag("--max-num-seqs", "most sequences per step (default: 128)", 128, type=int),
     Flag("--max-num-batched-tokens",
          "token budget per step, shared by decodes and prefill chunks (default: 2048)", 2048, type=int),

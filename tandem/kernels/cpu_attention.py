@@ -7,7 +7,7 @@ attention is half the step. The kernel in `csrc/paged_decode_attention.c` walks 
 tables instead and reads each cached key and value once, with no padding, in one call per
 layer instead of ~15 ops.
 
-The C sources are compiled on first use (c_library.py). Where there is no compiler, or the build fails, or the cache is neither fp32 nor bf16, the
+The C sources are compiled on first use (c_library.py). Where there is no compiler, or the build fails, or the cache is not fp32, bf16 or int8, the
 torch path runs and the log says why. A bf16 cache is read by the kernel's bf16 variant (q and
 out stay fp32 inside it): the torch path's gather + SDPA took ~0.9 ms a layer at a 700-token
 context for Qwen2.5-Coder in bf16, most of it overhead, ~20 ms of a 0.5B draft's forward.
@@ -30,6 +30,9 @@ from tandem.kernels.torch_attention import TorchAttentionBackend
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+# The cache element kinds the C kernel reads (kv_kind in paged_decode_attention.c); uint8 is
+# an int8 cache's rows with their scales (tandem/kernels/kv_format.py).
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _INT = ctypes.c_int
@@ -43,10 +46,12 @@ class PagedDecodeKernel:
             "tandem_decode_attention": (ctypes.c_int, [_PTR, _INT, _I64, _PTR, _INT, _PTR, _PTR, _PTR,
                                                        *[_I64] * 8, ctypes.c_float, _INT]),
             "tandem_write_kv": (None, [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _INT]),
+            "tandem_write_kv_i8": (None, [_PTR, _PTR, _INT, _PTR, _PTR, *[_I64] * 6, _INT]),
             "tandem_decode_attention_isa": (ctypes.c_char_p, []),
         })
         self._attend = functions["tandem_decode_attention"]
         self._write = functions["tandem_write_kv"]
+        self._write_i8 = functions["tandem_write_kv_i8"]
         self.isa: str = functions["tandem_decode_attention_isa"]().decode()  # for bf16 steps
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
@@ -58,13 +63,21 @@ class PagedDecodeKernel:
 
     @staticmethod
     def reads(kv_cache: torch.Tensor) -> bool:
-        """Whether the kernel takes this cache (fp32 or bf16, contiguous)."""
-        return kv_cache.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
+        """Whether the kernel takes this cache (fp32, bf16 or int8 rows, contiguous)."""
+        return kv_cache.dtype in _KV_KINDS and kv_cache.is_contiguous()
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """key/value [tokens, kv_heads, dim] in the cache's dtype with rows of one token contiguous."""
+        """key/value [tokens, kv_heads, dim] in the cache's dtype (fp32 or bf16 into an int8
+        cache, quantized here) with rows of one token contiguous."""
         num_tokens, num_kv_heads, head_dim = key.shape
         _, _, num_blocks, block_size, _ = kv_cache.shape
+        if kv_cache.dtype == torch.uint8:
+            self._write_i8(
+                key.data_ptr(), value.data_ptr(), key.dtype == torch.bfloat16, kv_cache.data_ptr(), slots.data_ptr(),
+                num_tokens, key.stride(0), value.stride(0), num_kv_heads, head_dim, num_blocks * block_size,
+                torch.get_num_threads(),
+            )
+            return
         self._write(
             key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), num_tokens,
             key.stride(0), value.stride(0), num_kv_heads, head_dim, num_blocks * block_size,
@@ -83,7 +96,7 @@ class PagedDecodeKernel:
         context_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
         """q [seqs, heads, dim] (`takes_query`) -> out [seqs, heads, dim] in q's dtype,
-        contiguous, from an fp32 or bf16 cache; tables and lengths contiguous."""
+        contiguous, from an fp32, bf16 or int8 cache; tables and lengths contiguous."""
         num_seqs, num_heads, head_dim = q.shape
         _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
         group = num_heads // num_kv_heads
@@ -94,7 +107,7 @@ class PagedDecodeKernel:
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype)
         status = self._attend(
             q.data_ptr(), q.dtype == torch.bfloat16, q.stride(0), kv_cache.data_ptr(),
-            kv_cache.dtype == torch.bfloat16, block_tables.data_ptr(), context_lens.data_ptr(),
+            _KV_KINDS[kv_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
             block_tables.shape[1], heads_per_item, scale, threads,
         )
@@ -116,7 +129,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        same = kv_cache.dtype == key.dtype == value.dtype
+        same = kv_cache.dtype == key.dtype == value.dtype or (
+            kv_cache.dtype == torch.uint8 and key.dtype == value.dtype and key.dtype in (torch.float32, torch.bfloat16))
         if same and self.kernel.reads(kv_cache) and _rows_contiguous(key) and _rows_contiguous(value):
             self.kernel.write_kv(key, value, kv_cache, meta.slot_mapping)
         else:

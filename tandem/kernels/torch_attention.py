@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.base import AttentionCapabilities, AttentionMetadata
+from tandem.kernels.kv_format import is_int8_cache, quantize_rows, widen
 
 # Split a decode batch in two when it has at least this many sequences and the shorter half
 # needs at most 1/this-factor of the blocks of the longest (i.e. saves >= 20% of its copy).
@@ -35,8 +36,9 @@ def _prefill_after_prefix(q: torch.Tensor, kv_cache: torch.Tensor, span, scale: 
     kv_heads = kv_cache.shape[1]
     group = heads // kv_heads
     cached = span.context_len - q_len
-    keys = kv_cache[0][:, span.block_ids].reshape(kv_heads, -1, dim)[:, : span.context_len].to(q.dtype)
-    values = kv_cache[1][:, span.block_ids].reshape(kv_heads, -1, dim)[:, : span.context_len].to(q.dtype)
+    width = kv_cache.shape[-1]  # the stored row: head_dim, or head_dim + its scale (int8)
+    keys = widen(kv_cache[0][:, span.block_ids].reshape(kv_heads, -1, width)[:, : span.context_len], q.dtype)
+    values = widen(kv_cache[1][:, span.block_ids].reshape(kv_heads, -1, width)[:, : span.context_len], q.dtype)
     by_group = q.reshape(q_len, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * q_len, dim)
     old, old_lse = _FLASH_WITH_LSE(by_group, keys[None, :, :cached], values[None, :, :cached], 0.0, False,
                                    scale=scale)[:2]
@@ -60,8 +62,10 @@ class TorchAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        _, heads, num_blocks, block_size, dim = kv_cache.shape
-        flat = kv_cache.view(2, heads, num_blocks * block_size, dim)
+        _, heads, num_blocks, block_size, width = kv_cache.shape
+        flat = kv_cache.view(2, heads, num_blocks * block_size, width)
+        if is_int8_cache(kv_cache):
+            key, value = quantize_rows(key), quantize_rows(value)
         flat[0].index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
         flat[1].index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
 
@@ -88,13 +92,15 @@ class TorchAttentionBackend:
             return _prefill_after_prefix(q, kv_cache, span, scale)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
         if cached > 0:
-            _, heads, _, _, dim = kv_cache.shape
-            k = kv_cache[0][:, span.block_ids].reshape(heads, -1, dim)[:, : span.context_len].unsqueeze(0)
-            v = kv_cache[1][:, span.block_ids].reshape(heads, -1, dim)[:, : span.context_len].unsqueeze(0)
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            _, heads, _, _, width = kv_cache.shape
+            k = kv_cache[0][:, span.block_ids].reshape(heads, -1, width)[:, : span.context_len].unsqueeze(0)
+            v = kv_cache[1][:, span.block_ids].reshape(heads, -1, width)[:, : span.context_len].unsqueeze(0)
+            k, v = widen(k, q.dtype), widen(v, q.dtype)
             query_pos = torch.arange(cached, span.context_len).unsqueeze(1)
             mask = torch.arange(span.context_len).unsqueeze(0) <= query_pos
         else:
+            if is_int8_cache(kv_cache):  # attend to what the cache holds, as a prefix-cache hit will
+                k, v = widen(quantize_rows(k), q.dtype), widen(quantize_rows(v), q.dtype)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             mask = None
         out = F.scaled_dot_product_attention(
@@ -104,7 +110,7 @@ class TorchAttentionBackend:
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         num_seqs, heads, dim = q.shape
-        kv_heads = kv_cache.shape[1]
+        kv_heads, width = kv_cache.shape[1], kv_cache.shape[-1]
         max_blocks = -(-meta.decode_max_context_len // meta.block_size)
         tables = meta.decode_block_tables[:, :max_blocks]
         length = max_blocks * meta.block_size
@@ -112,10 +118,10 @@ class TorchAttentionBackend:
             # A single stream has no padding to mask: one SDPA call instead of ~15 small ops,
             # which is what a one-token step's time goes to once the GEMVs are fast.
             context = meta.decode_max_context_len
-            keys = kv_cache[0][:, tables[0]].view(1, kv_heads, length, dim)[:, :, :context]
-            values = kv_cache[1][:, tables[0]].view(1, kv_heads, length, dim)[:, :, :context]
+            keys = kv_cache[0][:, tables[0]].view(1, kv_heads, length, width)[:, :, :context]
+            values = kv_cache[1][:, tables[0]].view(1, kv_heads, length, width)[:, :, :context]
             out = F.scaled_dot_product_attention(
-                q.view(1, heads, 1, dim), keys.to(q.dtype), values.to(q.dtype), scale=scale, enable_gqa=True
+                q.view(1, heads, 1, dim), widen(keys, q.dtype), widen(values, q.dtype), scale=scale, enable_gqa=True
             )
             return out.view(1, heads, dim)
         lens = meta.decode_context_lens
@@ -135,12 +141,12 @@ class TorchAttentionBackend:
     def _decode_padded(q, kv_cache, tables, lens, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Decode attention for sequences padded to `tables.shape[1]` blocks."""
         num_seqs, heads, dim = q.shape
-        kv_heads = kv_cache.shape[1]
+        kv_heads, width = kv_cache.shape[1], kv_cache.shape[-1]
         group = heads // kv_heads
         length = tables.shape[1] * meta.block_size
         # [kv_heads, seqs, max_blocks, block, dim] -> [kv_heads * seqs, length, dim], contiguous
-        keys = kv_cache[0][:, tables].view(kv_heads * num_seqs, length, dim).to(q.dtype)
-        values = kv_cache[1][:, tables].view(kv_heads * num_seqs, length, dim).to(q.dtype)
+        keys = widen(kv_cache[0][:, tables].view(kv_heads * num_seqs, length, width), q.dtype)
+        values = widen(kv_cache[1][:, tables].view(kv_heads * num_seqs, length, width), q.dtype)
         grouped = q.view(num_seqs, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads * num_seqs, group, dim)
         scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * scale  # [kvh * S, g, L]
         pad = torch.arange(length).unsqueeze(0) >= lens.unsqueeze(1)  # [S, L]

@@ -32,6 +32,7 @@ from tandem.config import MLAConfig, RopeConfig, yarn_mscale
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.attention_registry import latent_decoder
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan
+from tandem.kernels.kv_format import is_int8_cache, quantize_rows, widen
 from tandem.layers.linear import (
     ColumnParallelLinear,
     Linear,
@@ -141,6 +142,8 @@ class MultiLatentAttention(nn.Module):
     @staticmethod
     def _write(entry: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         flat = kv_cache.view(-1, kv_cache.shape[-1])
+        if is_int8_cache(kv_cache):  # --kv-cache-dtype int8: the latent row and its scale
+            entry = quantize_rows(entry)
         flat.index_copy_(0, meta.slot_mapping, entry.to(kv_cache.dtype))
 
     def _absorbed_decode(
@@ -161,7 +164,10 @@ class MultiLatentAttention(nn.Module):
         mla = self.mla
         cached = span.context_len - span.q_len
         if cached > 0:
-            context = kv_cache[0, 0][span.block_ids].reshape(-1, mla.latent_dim)[: span.context_len].to(q_nope.dtype)
+            rows = kv_cache[0, 0][span.block_ids].reshape(-1, kv_cache.shape[-1])[: span.context_len]
+            context = widen(rows, q_nope.dtype)
+        elif is_int8_cache(kv_cache):  # what the cache holds, as a prefix-cache hit will read it
+            context = widen(quantize_rows(fresh), fresh.dtype)
         else:
             context = fresh
         latent, k_rot = context.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)

@@ -166,6 +166,11 @@ def _tier_metrics(model_name: str, tiers: dict[str, Any]) -> Iterable[Metric]:
     for medium, stats in media.items():
         blocks.add_metric([model_name, medium], stats.get("blocks", 0))
     yield blocks
+    per_token = GaugeMetricFamily("tandem:kv_tier_bytes_per_token",
+                                  "Bytes one token's KV takes in every tier, after --kv-tier-dtype's codec.",
+                                  labels=["model_name", "codec"])
+    per_token.add_metric([model_name, str(tiers.get("codec", "raw"))], tiers.get("bytes_per_token", 0.0))
+    yield per_token
     for name, doc in _TIER_COUNTERS.items():
         metric = CounterMetricFamily(f"tandem:kv_tier_{name}", doc, labels=labels)
         for medium, stats in media.items():

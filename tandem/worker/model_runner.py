@@ -26,6 +26,7 @@ from tandem.config import KVCacheSpec, ModelConfig
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, kv_cache_shape
+from tandem.kernels.kv_format import stored_row_width
 from tandem.layers.rejection_sampler import DraftedRequest, RejectionSampler
 from tandem.layers.sampler import Sampler, SamplingRow
 from tandem.layers.token_mask import apply_token_masks
@@ -53,8 +54,9 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
     from the same budget; the engine takes the smallest count over the stages."""
     largest = TensorParallel(0, tp_size)
     layers = config.num_hidden_layers if num_layers is None else num_layers
-    per_token = rank_kv_spec(config, largest).values_per_token(layers)
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    spec = rank_kv_spec(config, largest)
+    rows_per_token = spec.values_per_token(layers) // spec.head_dim  # an int8 row also holds its scale
+    return rows_per_token * stored_row_width(spec.head_dim, dtype) * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 class ModelRunner:
@@ -81,10 +83,11 @@ class ModelRunner:
         self.dtype = dtype
         self.stage = stage = stage or PipelineStage.whole(config.num_hidden_layers)
         spec = rank_kv_spec(config, tp)
-        shape = kv_cache_shape(num_blocks, block_size, spec.num_heads, spec.head_dim, spec.num_planes)
+        cache_dtype = kv_dtype or dtype  # float8 or int8 rows (uint8) under --kv-cache-dtype; the model keeps its own
+        shape = kv_cache_shape(num_blocks, block_size, spec.num_heads, stored_row_width(spec.head_dim, cache_dtype),
+                               spec.num_planes)
         full_shape = (stage.num_layers, *shape)  # this stage's layers only
         self.kv_shm_path = kv_shm_path
-        cache_dtype = kv_dtype or dtype  # float8 under --kv-cache-dtype fp8; the model keeps its own
         if device.type != "cpu":
             if kv_shm_path:
                 raise ValueError("a KV cache in shared host memory needs --device cpu")

@@ -165,11 +165,13 @@ class Worker:
         return self._info
 
     def _kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype: the model's, or float8 e4m3 under --kv-cache-dtype fp8 (which
-        settings it works with is checked with the config, tandem/config_checks.py)."""
-        if self.config.cache.kv_cache_dtype == "auto":
+        """The KV cache's dtype: the model's, float8 e4m3 under --kv-cache-dtype fp8, or uint8
+        rows of int8 values and their scale under int8 (tandem/kernels/kv_format.py; which
+        settings each works with is checked with the config, tandem/config_checks.py)."""
+        choice = self.config.cache.kv_cache_dtype
+        if choice == "auto":
             return self.dtype
-        return torch.float8_e4m3fn
+        return torch.uint8 if choice == "int8" else torch.float8_e4m3fn
 
     def _pipeline_stage(self, num_layers: int) -> PipelineStage:
         """This rank's stage: its layers, and the peers it receives from and sends to."""

@@ -109,6 +109,7 @@ def test_prefix_comes_back_from_disk(tmp_path: Path, cold_outputs: list[str]) ->
         assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
         tiers = llm.engine.core.load().connector("kv_tiers")
         assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["media"]["disk"]["blocks"] > 0
+        assert tiers["codec"] == "raw" and tiers["bytes_per_token"] == BLOCK_BYTES / 16  # the fp32 cache's
         assert_idle(llm)
 
 
@@ -126,6 +127,9 @@ def test_int4_chunks_take_a_quarter_of_the_bytes_and_any_reader_decodes_them(tmp
         assert len(again.outputs[0].token_ids) == len(first.outputs[0].token_ids) == 12
         tiers = llm.engine.core.load().connector("kv_tiers")
         assert tiers["media"]["disk"]["chunk_hits"] >= 1
+        # /load and /metrics report what a token costs in the tiers: 30 layers x K,V x 3 heads
+        # x (32 bytes of nibbles + a 4-byte scale per 64 values)
+        assert tiers["codec"] == "int4" and tiers["bytes_per_token"] == 30 * 2 * 3 * 36
         assert_idle(llm)
     def packed(blocks: int) -> int:  # blocks of SmolLM2-135M's fp32 cache, in 4 bits
         return KVCodec("int4").payload_bytes((30, 2, 3, blocks, 16, 64), torch.float32)

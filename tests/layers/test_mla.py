@@ -17,6 +17,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.config import MLAConfig, ModelConfig, RopeConfig
 from tandem.kernels.base import AttentionBackend, AttentionCapabilities, kv_cache_shape
+from tandem.kernels.kv_format import stored_row_width
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.mla import MultiLatentAttention
 from tandem.layers.rotary import RotaryEmbedding, inverse_frequencies, rotary_magnitude
@@ -67,11 +68,14 @@ def _hf_forward(reference: torch.nn.Module, hf_rotary: torch.nn.Module, hidden: 
     return out[0]
 
 
-def _run(ours: MultiLatentAttention, hiddens: list[torch.Tensor], steps: list[dict[int, tuple[int, int]]]) -> list[dict]:
-    """Feed each sequence's hidden states through the paged path in the planned chunks."""
+def _run(ours: MultiLatentAttention, hiddens: list[torch.Tensor], steps: list[dict[int, tuple[int, int]]],
+         cache_dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Feed each sequence's hidden states through the paged path in the planned chunks
+    (`cache_dtype` uint8: --kv-cache-dtype int8's rows, the latent and its scale)."""
     blocks_each = -(-max(h.shape[0] for h in hiddens) // BLOCK)
     block_ids = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(hiddens))]
-    cache = torch.zeros(kv_cache_shape(blocks_each * len(hiddens), BLOCK, 1, ours.mla.latent_dim, num_planes=1))
+    width = stored_row_width(ours.mla.latent_dim, cache_dtype)
+    cache = torch.zeros(kv_cache_shape(blocks_each * len(hiddens), BLOCK, 1, width, num_planes=1), dtype=cache_dtype)
     outputs: list[dict[int, torch.Tensor]] = [{} for _ in hiddens]
     for plan in steps:
         chunks = [ScheduledChunk(f"s{i}", [0] * count, start, block_ids[i], True) for i, (start, count) in plan.items()]
@@ -117,6 +121,25 @@ def test_absorbed_decode_equals_decompressed_attention() -> None:
     as_chunk = _run(ours, [hidden], [{0: (0, 6)}, {0: (6, 4)}])[0]
     for position in range(6, 10):
         torch.testing.assert_close(as_decodes[position], as_chunk[position], rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_latent_cache_reads_alike_in_both_paths_and_near_the_exact_one() -> None:
+    """--kv-cache-dtype int8 on a latent cache: each latent row and its scale. The absorbed
+    decodes and the decompressed chunk read the same quantized rows (and a first chunk with
+    no cached context attends to them too), so they agree as on an exact cache; the outputs
+    stay within the rounding of 8 bits of the exact cache's."""
+    _, _, ours = _pair(12, YARN)
+    hidden = torch.randn(10, 48, generator=torch.Generator().manual_seed(2))
+    as_decodes = _run(ours, [hidden], [{0: (0, 6)}] + [{0: (p, 1)} for p in range(6, 10)], torch.uint8)[0]
+    as_chunk = _run(ours, [hidden], [{0: (0, 6)}, {0: (6, 4)}], torch.uint8)[0]
+    in_one = _run(ours, [hidden], [{0: (0, 10)}], torch.uint8)[0]
+    exact = _run(ours, [hidden], [{0: (0, 10)}])[0]
+    for position in range(10):
+        if position >= 6:
+            torch.testing.assert_close(as_decodes[position], as_chunk[position], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(in_one[position], as_chunk[position], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(in_one[position], exact[position], rtol=0.05, atol=0.05)
+    assert any(not torch.equal(in_one[p], exact[p]) for p in range(10))  # the int8 rows were read
 
 
 class CountingBackend(TorchAttentionBackend):

@@ -9,6 +9,12 @@
  * cache is fp32 or bf16 (`_bf16` entry points: each cached value widened to fp32 as it is
  * read, which is exact), q and out are fp32 either way.
  *
+ * An int8 cache (`_i8`, --kv-cache-dtype int8, tandem/kernels/kv_format.py) stores each row
+ * as head_dim int8 values and then the row's fp32 scale, head_dim + 4 bytes: a dot product
+ * sums q * value in fp32 and multiplies by the key's scale once; a value row is added with
+ * its probability times its scale. It takes the portable path on every CPU for now (the
+ * AVX-512 paths read float and bf16 rows only).
+ *
  * Layout (tandem/kernels/base.py): one layer's cache is [2, kv_heads, num_blocks,
  * block_size, head_dim]; q and out are [num_seqs, num_heads, head_dim]; query head h reads
  * kv head h / (num_heads / num_kv_heads). Work items are (sequence, kv head, slice of its
@@ -38,6 +44,26 @@ static void axpy(float *restrict y, float alpha, const float *restrict x, int n)
     for (int i = 0; i < n; i++) y[i] += alpha * x[i];
 }
 
+/* An int8 row's scale: the fp32 after its n values (unaligned: memcpy). */
+static inline float row_scale(const int8_t *row, int n) {
+    float scale;
+    memcpy(&scale, row + n, sizeof scale);
+    return scale;
+}
+
+static float dot_i8(const float *restrict a, const int8_t *restrict b, int n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < n; i++) acc += a[i] * (float)b[i];
+    return acc * row_scale(b, n);
+}
+
+static void axpy_i8(float *restrict y, float alpha, const int8_t *restrict x, int n) {
+    const float weight = alpha * row_scale(x, n);
+#pragma omp simd
+    for (int i = 0; i < n; i++) y[i] += weight * (float)x[i];
+}
+
 static float dot_bf16(const float *restrict a, const uint16_t *restrict b, int n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -59,14 +85,16 @@ static void prefetch_block(const void *block, int64_t bytes) {
 /* One work item: `heads` query heads (rows of q/out) over one kv head of one sequence.
  * Inlined with head_dim a literal where it is a common size, so the dot products and
  * accumulations unroll into whole vector registers. Written once for each cache element
- * type (KV_T: float or uint16_t holding bf16; DOT and AXPY read that type). */
-#define DEFINE_ATTEND(SUFFIX, KV_T, DOT, AXPY)                                                    \
+ * type (KV_T: float, uint16_t holding bf16, or int8_t; DOT and AXPY read that type; a row is
+ * head_dim + EXTRA elements: EXTRA is an int8 row's 4 scale bytes, else 0). */
+#define DEFINE_ATTEND(SUFFIX, KV_T, DOT, AXPY, EXTRA)                                             \
 static inline __attribute__((always_inline)) void attend_item##SUFFIX(                           \
     const float *q_rows, float *out_rows, const KV_T *k_head, const KV_T *v_head,                \
     const int64_t *table, int64_t len, int64_t heads, const int64_t head_dim,                    \
     int64_t block_size, float scale, float *scores) {                                            \
     const int64_t used_blocks = (len + block_size - 1) / block_size;                             \
-    const int64_t block_values = block_size * head_dim;                                          \
+    const int64_t row_values = head_dim + (EXTRA);                                               \
+    const int64_t block_values = block_size * row_values;                                        \
     const int64_t block_bytes = block_values * (int64_t)sizeof(KV_T);                            \
     for (int64_t b = 0; b < used_blocks; b++) {                                                  \
         if (b + 1 < used_blocks) prefetch_block(k_head + table[b + 1] * block_values, block_bytes); \
@@ -74,7 +102,7 @@ static inline __attribute__((always_inline)) void attend_item##SUFFIX(          
         const KV_T *k_block = k_head + table[b] * block_values;                                  \
         const int64_t end = (b + 1) * block_size < len ? (b + 1) * block_size : len;             \
         for (int64_t t = b * block_size; t < end; t++) {                                         \
-            const KV_T *k = k_block + (t - b * block_size) * head_dim;                           \
+            const KV_T *k = k_block + (t - b * block_size) * row_values;                         \
             for (int64_t g = 0; g < heads; g++)                                                  \
                 scores[g * len + t] = DOT(q_rows + g * head_dim, k, (int)head_dim) * scale;      \
         }                                                                                        \
@@ -96,15 +124,16 @@ static inline __attribute__((always_inline)) void attend_item##SUFFIX(          
         const KV_T *v_block = v_head + table[b] * block_values;                                  \
         const int64_t end = (b + 1) * block_size < len ? (b + 1) * block_size : len;             \
         for (int64_t t = b * block_size; t < end; t++) {                                         \
-            const KV_T *v = v_block + (t - b * block_size) * head_dim;                           \
+            const KV_T *v = v_block + (t - b * block_size) * row_values;                         \
             for (int64_t g = 0; g < heads; g++)                                                  \
                 AXPY(out_rows + g * head_dim, scores[g * len + t], v, (int)head_dim);            \
         }                                                                                        \
     }                                                                                            \
 }
 
-DEFINE_ATTEND(, float, dot, axpy)
-DEFINE_ATTEND(_bf16, uint16_t, dot_bf16, axpy_bf16)
+DEFINE_ATTEND(, float, dot, axpy, 0)
+DEFINE_ATTEND(_bf16, uint16_t, dot_bf16, axpy_bf16, 0)
+DEFINE_ATTEND(_i8, int8_t, dot_i8, axpy_i8, 4)
 
 
 #if defined(__AVX512F__)
@@ -418,9 +447,10 @@ static void paged_decode_attention_dp(
 #define attend_vector(...) ((void)0)
 #define attend_vector_bf16(...) ((void)0)
 #endif
+#define attend_vector_i8(...) ((void)0) /* int8 rows: the portable path (EXTRA below) */
 
 /* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
-#define DEFINE_ENTRY(SUFFIX, KV_T)                                                               \
+#define DEFINE_ENTRY(SUFFIX, KV_T, EXTRA)                                                        \
 int tandem_paged_decode_attention##SUFFIX(                                                       \
     const float *q, const KV_T *kv_cache, const int64_t *block_tables,                           \
     const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,                \
@@ -429,7 +459,7 @@ int tandem_paged_decode_attention##SUFFIX(                                      
     const int64_t group = num_heads / num_kv_heads;                                              \
     const int64_t slices = group / heads_per_item;                                               \
     const int64_t items = num_seqs * num_kv_heads * slices;                                      \
-    const int64_t head_stride = num_blocks * block_size * head_dim; /* one kv head's blocks */   \
+    const int64_t head_stride = num_blocks * block_size * (head_dim + (EXTRA)); /* a kv head's */ \
     const KV_T *k_base = kv_cache;                                                               \
     const KV_T *v_base = kv_cache + num_kv_heads * head_stride;                                  \
     int failed = 0;                                                                              \
@@ -444,7 +474,7 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reductio
         const KV_T *v_head = v_base + kv_head * head_stride;                                     \
         const float *q_rows = q + (seq * num_heads + first_head) * head_dim;                     \
         float *out_rows = out + (seq * num_heads + first_head) * head_dim;                       \
-        if (HAS_VECTOR_PATH && head_dim % 16 == 0 && head_dim <= 256 && heads_per_item <= 16) {  \
+        if (HAS_VECTOR_PATH && (EXTRA) == 0 && head_dim % 16 == 0 && head_dim <= 256 && heads_per_item <= 16) { \
             attend_vector##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item,  \
                                   head_dim, block_size, scale);                                  \
             continue;                                                                            \
@@ -472,8 +502,9 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reductio
     return failed ? -1 : 0;                                                                      \
 }
 
-DEFINE_ENTRY(, float)
-DEFINE_ENTRY(_bf16, uint16_t)
+DEFINE_ENTRY(, float, 0)
+DEFINE_ENTRY(_bf16, uint16_t, 0)
+DEFINE_ENTRY(_i8, int8_t, 4)
 
 /* Which path a decode step of bf16 queries over a bf16 cache takes here (logged at start). */
 const char *tandem_decode_attention_isa(void) {
@@ -524,16 +555,18 @@ static inline uint16_t float_to_bf16(float x) { /* round to nearest even, as tor
 
 /* The decode attention as the model calls it: q [seqs, heads, head_dim] fp32 or bf16
  * (`q_bf16`), its sequences `q_stride` elements apart (a view into the fused qkv projection),
- * out [seqs, heads, head_dim] contiguous in q's dtype, from an fp32 or bf16 cache
- * (`kv_bf16`). q is widened and out narrowed here, in one pass each, instead of a torch cast
+ * out [seqs, heads, head_dim] contiguous in q's dtype, from an fp32, bf16 or int8 cache
+ * (`kv_kind` 0, 1 or 2: KV_FP32, KV_BF16, KV_INT8). q is widened and out narrowed here, in one pass each, instead of a torch cast
  * and copy on either side of the call. Returns 0, or -1 when an allocation failed. */
+enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
+
 int tandem_decode_attention(
-    const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_bf16, const int64_t *block_tables,
+    const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_kind, const int64_t *block_tables,
     const int64_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_stride, int64_t heads_per_item,
     float scale, int num_threads) {
 #ifdef HAS_DP_PATH
-    if (q_bf16 && kv_bf16 && head_dim % 32 == 0 && head_dim <= 256 && heads_per_item <= MAX_GROUP) {
+    if (q_bf16 && kv_kind == KV_BF16 && head_dim % 32 == 0 && head_dim <= 256 && heads_per_item <= MAX_GROUP) {
         paged_decode_attention_dp(q, q_stride, kv_cache, block_tables, context_lens, out, num_seqs, num_heads,
                                   num_kv_heads, head_dim, block_size, num_blocks, table_stride, heads_per_item,
                                   scale, num_threads);
@@ -556,7 +589,12 @@ int tandem_decode_attention(
                 }
             }
         }
-        status = kv_bf16
+        if (kv_kind == KV_INT8)
+            status = tandem_paged_decode_attention_i8(q32, kv_cache, block_tables, context_lens, out32, num_seqs,
+                                                      num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                                                      table_stride, heads_per_item, scale, num_threads);
+        else
+        status = kv_kind == KV_BF16
             ? tandem_paged_decode_attention_bf16(q32, kv_cache, block_tables, context_lens, out32, num_seqs, num_heads,
                                                  num_kv_heads, head_dim, block_size, num_blocks, table_stride,
                                                  heads_per_item, scale, num_threads)
@@ -569,4 +607,46 @@ int tandem_decode_attention(
     if (!dense_fp32) free(q32);
     if (q_bf16) free(out32);
     return status;
+}
+
+/* Store this step's keys and values into an int8 cache (kv_format.py's quantize_rows, the
+ * same arithmetic in the same order: the same int8 values, the scale within one unit in its
+ * last place, as -ffast-math may divide by a multiply): each
+ * (token, kv head) row of fp32 or bf16 (`src_bf16`) values is scaled by 127 over its largest
+ * magnitude, rounded to nearest even, and followed by its fp32 scale (largest / 127). Rows
+ * of the cache are head_dim + 4 bytes; strides as tandem_write_kv's, in source elements. */
+void tandem_write_kv_i8(
+    const void *key, const void *value, int src_bf16, uint8_t *kv_cache, const int64_t *slots,
+    int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
+    int64_t head_dim, int64_t num_slots, int num_threads) {
+    const int64_t row_bytes = head_dim + 4;
+    uint8_t *v_base = kv_cache + num_kv_heads * num_slots * row_bytes;
+#pragma omp parallel for schedule(static) num_threads(num_tokens >= 16 ? num_threads : 1)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float row[head_dim];
+        for (int plane = 0; plane < 2; plane++) {
+            const int64_t stride = plane ? value_stride : key_stride;
+            const void *source = plane ? value : key;
+            uint8_t *base = plane ? v_base : kv_cache;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t first = t * stride + h * head_dim;
+                float top = 0.0f;
+                for (int64_t i = 0; i < head_dim; i++) {
+                    row[i] = src_bf16 ? bf16_to_float(((const uint16_t *)source)[first + i])
+                                      : ((const float *)source)[first + i];
+                    const float magnitude = fabsf(row[i]);
+                    top = magnitude > top ? magnitude : top;
+                }
+                const float scale = top / 127.0f;
+                const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+                uint8_t *target = base + (h * num_slots + slots[t]) * row_bytes;
+                for (int64_t i = 0; i < head_dim; i++) {
+                    float rounded = nearbyintf(row[i] * inverse);
+                    rounded = rounded > 127.0f ? 127.0f : (rounded < -127.0f ? -127.0f : rounded);
+                    ((int8_t *)target)[i] = (int8_t)rounded;
+                }
+                memcpy(target + head_dim, &scale, sizeof scale);
+            }
+        }
+    }
 }

@@ -557,6 +557,8 @@ class TiersConnectorScheduler(KVConnectorScheduler):
         writer["pending"] = len(self._pending)
         return {
             "chunk_blocks": self.chunk_blocks, "block_bytes": self._block_bytes,
+            # what one token costs in every tier, after --kv-tier-dtype's codec
+            "bytes_per_token": self._block_bytes / self.block_size, "codec": self.config.codec,
             "media": media, "writer": writer,
             "lookups": c.lookups, "chunk_misses": c.chunk_misses, "loads": c.loads,
             "loads_failed": c.loads_failed, "loads_timed_out": c.loads_timed_out,

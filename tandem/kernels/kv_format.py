@@ -1,0 +1,68 @@
+"""How a KV cache row is stored: in a float dtype as is, or as 8-bit integers with their scale.
+
+`--kv-cache-dtype int8` keeps each (token, kv head) row of keys or values as `head_dim` int8
+values rounded against the row's largest magnitude, followed by that row's fp32 scale: one
+row is `head_dim + 4` bytes (68 for a 64-wide head, against 128 in bf16 and 256 in fp32). The
+scale sits inside the row, not in a tensor beside the cache, so everything that moves or
+copies whole blocks (the prefix cache, the KV connectors, the tiers) moves the scales with
+them without knowing about them, and a kernel reading a row finds its scale at a fixed offset.
+
+A per-row scale follows the values as they are written, one token at a time: nothing is
+calibrated and nothing is re-quantized when a block fills (KIVI and vLLM's per-token
+quantization take the same unit for keys' and values' rows on CPUs).
+
+The cache tensor is uint8 of shape [planes, kv_heads, num_blocks, block_size, head_dim + 4]
+(tandem/kernels/base.py: kv_cache_shape with the stored row width).
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_SCALE_BYTES = 4  # one fp32 per row
+_INT8_MAX = 127.0
+
+
+def is_int8_cache(kv_cache: torch.Tensor) -> bool:
+    """Whether `kv_cache` holds int8 rows with inline scales (its dtype is uint8)."""
+    return kv_cache.dtype == torch.uint8
+
+
+def stored_row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Elements of `kv_dtype` one cached row takes: the head size, plus the scale's bytes for
+    an int8 cache."""
+    return head_dim + INT8_SCALE_BYTES if kv_dtype == torch.uint8 else head_dim
+
+
+def head_dim_of(kv_cache: torch.Tensor) -> int:
+    """The head size a cache's rows hold (its last dimension, less an int8 row's scale)."""
+    width = kv_cache.shape[-1]
+    return width - INT8_SCALE_BYTES if is_int8_cache(kv_cache) else width
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows [..., head_dim] of any float dtype -> uint8 rows [..., head_dim + 4]: int8 values
+    rounded to nearest against the row's absolute maximum (which maps to 127), then the
+    row's fp32 scale (0 for an all-zero row, which then reads back as zeros)."""
+    x = x.float()
+    top = x.abs().amax(dim=-1, keepdim=True)
+    scale = top / _INT8_MAX
+    inverse = torch.where(top > 0, _INT8_MAX / top, torch.zeros_like(top))
+    values = (x * inverse).round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    rows = torch.empty(*x.shape[:-1], x.shape[-1] + INT8_SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    rows[..., : x.shape[-1]] = values.view(torch.uint8)
+    rows[..., x.shape[-1]:] = scale.contiguous().view(torch.uint8)
+    return rows
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 rows [..., head_dim + 4] (quantize_rows) -> [..., head_dim] in `dtype`."""
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    values = rows[..., :head_dim].contiguous().view(torch.int8).float()
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (values * scale).to(dtype)
+
+
+def widen(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows as `dtype` for attention: dequantized from int8, else a cast (or nothing)."""
+    return dequantize_rows(rows, dtype) if rows.dtype == torch.uint8 else rows.to(dtype)

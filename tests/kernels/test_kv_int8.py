@@ -1,0 +1,146 @@
+"""--kv-cache-dtype int8: rows of int8 values and their fp32 scale, written by the C kernel
+and the torch path alike and read by the C decode kernel, the torch decode and the torch
+prefill paths, each against a dense reference over the dequantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels import cpu_attention
+from tandem.kernels.base import AttentionMetadata, PrefillSpan, kv_cache_shape
+from tandem.kernels.c_library import build_kernel_library
+from tandem.kernels.cpu_attention import CpuAttentionBackend, PagedDecodeKernel
+from tandem.kernels.kv_format import (
+    INT8_SCALE_BYTES,
+    dequantize_rows,
+    head_dim_of,
+    quantize_rows,
+    stored_row_width,
+)
+from tandem.kernels.torch_attention import TorchAttentionBackend
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> PagedDecodeKernel:
+    return PagedDecodeKernel(build_kernel_library(tmp_path_factory.mktemp("cache"), cpu_attention.SOURCE))
+
+
+def test_a_row_keeps_its_scale_and_rounds_to_half_a_step() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 64, generator=generator) * torch.tensor([0.01, 1.0, 300.0]).view(1, 3, 1)
+    rows = quantize_rows(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (5, 3, 64 + INT8_SCALE_BYTES)
+    back = dequantize_rows(rows, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert (back - x).abs().le(step / 2 + 1e-6 * step).all()  # each value within half a step
+    assert (rows[..., :64].view(torch.int8).abs().amax(-1) == 127).all()  # the largest maps to 127
+    zeros = dequantize_rows(quantize_rows(torch.zeros(2, 8)), torch.bfloat16)
+    assert zeros.dtype == torch.bfloat16 and not zeros.any()
+    assert stored_row_width(64, torch.uint8) == 68 and stored_row_width(64, torch.bfloat16) == 64
+    assert head_dim_of(torch.empty(kv_cache_shape(2, 4, 1, 68), dtype=torch.uint8)) == 64
+
+
+def _int8_cache(num_blocks, block, kv_heads, dim, generator) -> torch.Tensor:
+    values = torch.randn(kv_cache_shape(num_blocks, block, kv_heads, dim), generator=generator)
+    return quantize_rows(values)
+
+
+def _tables(lengths, block, generator):
+    per_seq = [-(-n // block) for n in lengths]
+    num_blocks = sum(per_seq) + 3
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.long)
+    used = 0
+    for row, count in enumerate(per_seq):
+        tables[row, :count] = order[used : used + count]
+        used += count
+    return tables, num_blocks
+
+
+def _reference(q, cache, table, length, kv_heads, dim, scale) -> torch.Tensor:
+    """One query [H, D] over the dequantized context of one sequence."""
+    widened = dequantize_rows(cache, torch.float32)
+    keys = widened[0][:, table].reshape(kv_heads, -1, dim)[:, :length]  # [kv_heads, L, D]
+    values = widened[1][:, table].reshape(kv_heads, -1, dim)[:, :length]
+    group = q.shape[0] // kv_heads
+    k, v = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    probs = torch.softmax((q.unsqueeze(1) @ k.transpose(1, 2)) * scale, dim=-1)
+    return (probs @ v).squeeze(1)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "dim", "block"),
+    [
+        ([1], 9, 3, 64, 16),  # one token of context
+        ([5, 200, 17, 64, 3, 90], 9, 3, 64, 16),  # partial last blocks, a query head per item
+        ([40] * 70, 9, 3, 64, 16),  # many sequences: a kv head's query heads per item
+        ([7, 33, 12], 8, 8, 32, 4),  # no grouping (MHA), small blocks
+        ([300, 129], 16, 2, 128, 32),  # wide heads, 8 query heads per kv head
+    ],
+)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kernel_reads_int8_rows_as_the_dequantized_reference(kernel, lengths, heads, kv_heads, dim, block,
+                                                                   query_dtype) -> None:
+    generator = torch.Generator().manual_seed(len(lengths) + heads + dim)
+    tables, num_blocks = _tables(lengths, block, generator)
+    cache = _int8_cache(num_blocks, block, kv_heads, dim, generator)
+    queries = torch.randn(len(lengths), heads, dim, generator=generator).to(query_dtype)
+    got = kernel(queries, cache, tables, torch.tensor(lengths), dim**-0.5)
+    assert got.dtype == query_dtype
+    for row, length in enumerate(lengths):
+        want = _reference(queries[row].float(), cache, tables[row], length, kv_heads, dim, dim**-0.5)
+        if query_dtype == torch.float32:
+            torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got[row].float(), want.bfloat16().float(), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_writer_leaves_the_values_the_torch_writer_does(kernel, dtype) -> None:
+    """Keys and values as views into a fused projection, written into scattered slots: the
+    same int8 values, and scales at most one unit in the last place apart (the C library is
+    built with -ffast-math, which may divide by 127 as a multiply)."""
+    generator = torch.Generator().manual_seed(3)
+    tokens, kv_heads, dim, block, num_blocks = 21, 3, 64, 16, 6
+    fused = (torch.randn(tokens, 5 * kv_heads * dim, generator=generator) * 4).to(dtype)
+    key = fused[:, : kv_heads * dim].view(tokens, kv_heads, dim)
+    value = fused[:, 2 * kv_heads * dim : 3 * kv_heads * dim].view(tokens, kv_heads, dim)
+    slots = torch.randperm(num_blocks * block, generator=generator)[:tokens]
+    meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0, [],
+                             block)
+    shape = kv_cache_shape(num_blocks, block, kv_heads, stored_row_width(dim, torch.uint8))
+    by_c, by_torch = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+    CpuAttentionBackend(kernel).write_kv(key, value, by_c, meta)
+    TorchAttentionBackend().write_kv(key, value, by_torch, meta)
+    assert torch.equal(by_c[..., :dim], by_torch[..., :dim])
+    assert by_c[..., :dim].any()
+    scales_c = by_c[..., dim:].contiguous().view(torch.float32)
+    scales_torch = by_torch[..., dim:].contiguous().view(torch.float32)
+    torch.testing.assert_close(scales_c, scales_torch, rtol=2**-23, atol=0)
+
+
+def test_the_torch_paths_read_int8_rows_as_the_dequantized_reference(kernel) -> None:
+    """The torch backend's decode (one stream, a padded batch, a split batch) and its prefill
+    over a cached prefix, on an int8 cache, equal the same backend on the dequantized cache;
+    the C backend's decode agrees with both."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block = 6, 2, 32, 8
+    lengths = [3, 8, 9, 12, 17, 25, 30, 33, 40]  # the runner orders decodes by context length
+    tables, num_blocks = _tables(lengths, block, generator)
+    cache = _int8_cache(num_blocks, block, kv_heads, dim, generator)
+    widened = dequantize_rows(cache, torch.float32)
+    backend, kernel_backend = TorchAttentionBackend(), CpuAttentionBackend(kernel)
+    for rows in (slice(0, 1), slice(0, 3), slice(0, 9)):
+        lens = torch.tensor(lengths[rows])
+        meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables[rows], lens, int(lens.max()), [],
+                                 block)
+        q = torch.randn(len(lens), heads, dim, generator=generator)
+        want = backend._decode(q, widened, meta, 0.2)
+        torch.testing.assert_close(backend._decode(q, cache, meta, 0.2), want)
+        torch.testing.assert_close(kernel_backend._decode(q, cache, meta, 0.2), want, rtol=1e-5, atol=1e-5)
+    # A 12-token chunk after 28 cached tokens of the last sequence (its keys already written).
+    span = PrefillSpan(0, 12, 40, tables[8, :5])
+    q = torch.randn(12, heads, dim, generator=generator)
+    k, v = torch.randn(12, kv_heads, dim), torch.randn(12, kv_heads, dim)
+    torch.testing.assert_close(backend._prefill(q, k, v, cache, span, 0.2), backend._prefill(q, k, v, widened, span, 0.2))
