@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
 TEXT_BACKBONES = {"KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.")}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # the cache's rows: the model's dtype, float8 e4m3, int8 + a scale
+KV_INT8_SCALE_BYTES = 4  # an int8 cache row's fp32 scale, after its values (kernels/kv_format.py)
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -49,9 +49,10 @@ def _check_parallel(config: EngineConfig) -> None:
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
     """float8 e4m3 KV (--kv-cache-dtype fp8) only the Triton kernels read (they widen each block
-    as they load it); int8 rows with their scales (tandem/kernels/kv_format.py) only the CPU
-    backends (the C decode kernel and the torch path). Neither moves through a connector yet:
-    the handoff's and the tiers' codecs read and write the model's dtype."""
+    as they load it), and no connector moves it yet (their codecs read float caches); int8 rows
+    with their scales (tandem/kernels/kv_format.py) only the CPU backends read (the C decode
+    kernel and the torch path); the PD handoff over tcp and the tiers move them (both sides
+    keep int8 caches: the layouts must match), not yet a shared-memory cache or a draft."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return
@@ -62,14 +63,17 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
         if config.load.device != "cpu" or backend not in ("auto", "cpu", "torch"):
             raise ValueError("--kv-cache-dtype int8 runs on the CPU attention backends (cpu, torch); "
                              "on a GPU use fp8")
-    elif not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
+        if config.kv_transfer.shared_memory or config.speculative.method:
+            raise ValueError("--kv-cache-dtype int8 does not yet work with a shared-memory KV cache or "
+                             "speculative decoding")
+        return
+    if not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
         raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "
                          "--attention-backend triton under TRITON_INTERPRET=1)")
     if (config.kv_transfer.role != "both" or config.kv_tiers.enabled or config.kv_transfer.shared_memory
             or config.speculative.method):
-        raise ValueError(f"--kv-cache-dtype {choice} does not yet work with --role prefill/decode, the KV tiers, "
-                         "a shared-memory KV cache or speculative decoding (--kv-transfer-dtype and "
-                         "--kv-tier-dtype narrow what they move and store)")
+        raise ValueError("--kv-cache-dtype fp8 does not yet work with --role prefill/decode, the KV tiers, "
+                         "a shared-memory KV cache or speculative decoding")
 
 
 def _check_decode_weights(config: EngineConfig) -> None:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-INT8_SCALE_BYTES = 4  # one fp32 per row
+from tandem.config import KV_INT8_SCALE_BYTES
+
+INT8_SCALE_BYTES = KV_INT8_SCALE_BYTES  # one fp32 per row
 _INT8_MAX = 127.0
 
 

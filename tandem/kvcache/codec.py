@@ -22,6 +22,11 @@ token's keys can be outliers its block's other tokens are not, so a run's own sc
 each token exact to its own range. Against a bf16 cache the payload is 0.53x (int8) or 0.28x
 (int4) of the raw bytes with head dim 64; against fp32, half that.
 
+An int8 cache (--kv-cache-dtype int8: uint8 rows of int8 values ending in their fp32 scale,
+kernels/kv_format.py) moves as it is under `raw`; the other codecs encode its dequantized
+values (the last dimension less the scale's bytes) and quantize them again into the reader's
+rows, so an int8 cache can hand off and store 4-bit chunks.
+
 The payload is the levels of the whole tensor, then the fp32 scales (row-major, one per run);
 `payload_bytes` says how long it must be, and `decode` refuses any other length, so a header
 that lies about its codec or shape cannot make the reader read past what it received.
@@ -32,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tandem.kernels.kv_format import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
 
 GROUP = 64  # values sharing one scale, along the head dimension
 CODECS = ("raw", "bfloat16", "int8", "int4")
@@ -58,12 +65,12 @@ class KVCodec:
 
     def payload_bytes(self, shape: tuple[int, ...], cache_dtype: torch.dtype) -> int:
         """The exact payload length for blocks of `shape` written from a `cache_dtype` cache."""
-        count = _numel(shape)
         if self.name == "raw":
-            return count * torch.empty((), dtype=cache_dtype).element_size()
+            return _numel(shape) * torch.empty((), dtype=cache_dtype).element_size()
+        count = _numel(_value_shape(shape, cache_dtype))
         if self.name == "bfloat16":
             return count * 2
-        runs = count // group_size(shape[-1])
+        runs = count // group_size(_value_shape(shape, cache_dtype)[-1])
         levels = count if self.name == "int8" else count // 2
         return levels + 4 * runs
 
@@ -72,6 +79,8 @@ class KVCodec:
         is contiguous already)."""
         if self.name == "raw":
             return blocks.contiguous().view(-1).view(torch.uint8)
+        if blocks.dtype == torch.uint8:  # an int8 cache's rows: their values
+            blocks = dequantize_rows(blocks, torch.float32)
         if self.name == "bfloat16":
             return blocks.to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
         group = group_size(blocks.shape[-1])
@@ -96,10 +105,11 @@ class KVCodec:
             raise CodecError(f"a {self.name} payload of {tuple(shape)} is {expected} bytes, got {payload.numel()}")
         if self.name == "raw":
             return payload.view(writer_dtype).view(shape).to(cache_dtype)
+        values_shape = _value_shape(shape, writer_dtype)
         if self.name == "bfloat16":
-            return payload.view(torch.bfloat16).view(shape).to(cache_dtype)
-        count = _numel(shape)
-        group = group_size(shape[-1])
+            return _to_cache(payload.view(torch.bfloat16).view(values_shape), cache_dtype)
+        count = _numel(values_shape)
+        group = group_size(values_shape[-1])
         split = count if self.name == "int8" else count // 2
         scales = payload[split:].view(torch.float32).view(-1, 1)
         if self.name == "int4":
@@ -108,10 +118,22 @@ class KVCodec:
         else:
             levels = payload[:split].view(torch.int8)
         values = rotate(levels.view(-1, group).float() * scales)
-        return values.view(shape).to(cache_dtype)
+        return _to_cache(values.view(values_shape), cache_dtype)
 
 
 RAW = KVCodec("raw")
+
+
+def _value_shape(shape: tuple[int, ...], cache_dtype: torch.dtype) -> tuple[int, ...]:
+    """The values blocks of `shape` hold: an int8 cache's rows less their scale's bytes."""
+    if cache_dtype != torch.uint8:
+        return tuple(shape)
+    return (*shape[:-1], shape[-1] - INT8_SCALE_BYTES)
+
+
+def _to_cache(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Decoded values in the reader's cache dtype: rounded into int8 rows for an int8 cache."""
+    return quantize_rows(values) if cache_dtype == torch.uint8 else values.to(cache_dtype)
 
 
 def group_size(head_dim: int) -> int:

@@ -105,3 +105,28 @@ def test_an_unknown_codec_is_refused_by_name() -> None:
 
 def test_the_group_is_the_head_when_it_does_not_divide() -> None:
     assert group_size(64) == group_size(576) == GROUP and group_size(80) == 80
+
+
+@pytest.mark.parametrize("name", ["raw", "bfloat16", "int8", "int4"])
+def test_an_int8_caches_rows_travel_in_every_codec(name: str) -> None:
+    """--kv-cache-dtype int8: uint8 rows of 64 values and a 4-byte scale. `raw` moves the rows
+    as they are; the other codecs encode their values (no scale bytes among them) and round
+    them into rows again for the reader, within the reader's own rounding of the codec's."""
+    from tandem.kernels.kv_format import dequantize_rows, quantize_rows
+
+    values = torch.randn(2, 2, 3, 4, 16, 64, generator=torch.Generator().manual_seed(9))
+    rows = quantize_rows(values)  # what the cache holds
+    codec = KVCodec(name)
+    payload = codec.encode(rows)
+    assert payload.numel() == codec.payload_bytes(tuple(rows.shape), torch.uint8)
+    if name != "raw":
+        assert payload.numel() == codec.payload_bytes(tuple(values.shape), torch.float32)  # the values' payload
+    back = codec.decode(payload, tuple(rows.shape), torch.uint8, torch.uint8)
+    assert back.dtype == torch.uint8 and back.shape == rows.shape
+    if name == "raw":
+        assert torch.equal(back, rows)
+        return
+    exact = dequantize_rows(rows, torch.float32)
+    error = (dequantize_rows(back, torch.float32) - exact).abs().amax()
+    bound = {"bfloat16": 0.05, "int8": 0.06, "int4": 0.9}[name]  # std-normal values, |x| < ~5
+    assert 0 < error < bound

@@ -250,3 +250,33 @@ def test_the_prompt_kv_travels_in_8_bits_when_the_decode_worker_asks(tmp_path) -
     finally:
         for server in (prefill, decode):
             assert not stop_server(server)
+
+
+def test_int8_caches_hand_off_their_prompt_in_4_bits(tmp_path) -> None:  # noqa: ANN001
+    """`--kv-cache-dtype int8` on both workers (the layouts must match) and `--kv-transfer-dtype
+    int4` on the decode worker: the prefill worker encodes its rows' values (not their scale
+    bytes) in 4 bits, 36 bytes a row of 64 against the cache's 68, and the decode worker rounds
+    them into rows again and goes on from them."""
+    int8 = ("--kv-cache-dtype", "int8", *WORKER_ARGS)
+    prefill = start_server(tmp_path / "prefill.log", "--role", "prefill", *int8, secret=TEST_SECRET)
+    try:
+        decode = start_server(tmp_path / "decode.log", "--role", "decode", "--kv-transfer-dtype", "int4", *int8,
+                              secret=TEST_SECRET)
+    except Exception:
+        stop_server(prefill)
+        raise
+    try:
+        body = {"model": MODEL, "messages": _messages("Tell me about Lisbon."), "temperature": 0, "max_tokens": 16}
+        handle = _prefill(prefill, body)["kv_transfer_params"]
+        reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                              "emit_first_token": True}})
+        handed = len(handle["block_hashes"])
+        assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
+        assert reply["usage"]["completion_tokens"] == 16
+        rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
+        received, sent = _counters(decode), _counters(prefill)
+        assert received["bytes_received"] == sent["bytes_sent"] == rows * (32 + 4)
+        assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
+    finally:
+        for server in (prefill, decode):
+            assert not stop_server(server)

@@ -86,8 +86,8 @@ def evict_from_device(llm: LLM) -> None:
     assert llm.engine.core.reset_prefix_cache()
 
 
-def tier_llm(**tiers) -> LLM:
-    return LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512,
+def tier_llm(kv_cache_dtype: str = "auto", **tiers) -> LLM:
+    return LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype,
                kv_tiers=KVTiersConfig(chunk_blocks=4, admit_after=1, **tiers))
 
 
@@ -144,6 +144,27 @@ def test_int4_chunks_take_a_quarter_of_the_bytes_and_any_reader_decodes_them(tmp
         assert out.num_cached_tokens >= 64 * (len(out.prompt_token_ids) // 64 - 1)
         assert raw_reader.engine.scheduler.stats.num_loaded_tokens == out.num_cached_tokens
         assert_idle(raw_reader)
+
+
+def test_an_int8_cache_stores_its_rows_and_4_bit_chunks(tmp_path: Path) -> None:
+    """--kv-cache-dtype int8 with the tiers: chunks of its rows (values and scales) come back
+    byte for byte, so the answer is the one the int8 cache computed; with --kv-tier-dtype int4
+    the chunks hold 4-bit values (no scale rows among them) that a reader rounds into rows
+    again, at 36 bytes a row of 64 against the cache's 68."""
+    with tier_llm("int8", disk_path=str(tmp_path / "raw")) as llm:
+        first, again = serve_twice(llm)
+        assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
+        assert again.outputs[0].text == first.outputs[0].text
+        tiers = llm.engine.core.load().connector("kv_tiers")
+        assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["bytes_per_token"] == 30 * 2 * 3 * 68
+        assert_idle(llm)
+    with tier_llm("int8", disk_path=str(tmp_path / "int4"), codec="int4") as llm:
+        first, again = serve_twice(llm)
+        assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
+        assert len(again.outputs[0].token_ids) == 12
+        tiers = llm.engine.core.load().connector("kv_tiers")
+        assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["bytes_per_token"] == 30 * 2 * 3 * 36
+        assert_idle(llm)
 
 
 def test_prefix_comes_back_from_redis_and_a_fresh_engine_reads_it(redis_server: RedisServer,

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tandem.config import KV_INT8_SCALE_BYTES
+
 if TYPE_CHECKING:  # the scheduler side builds handles and layouts without torch
     import torch
 
@@ -50,8 +52,10 @@ class KVLayout:
     num_planes: int = 2  # keys and values; 1 for a latent cache (MLA), see config.KVCacheSpec
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of `num_blocks` blocks as the cache indexes them (blocks on dimension 3)."""
-        return (self.num_layers, self.num_planes, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+        """Shape of `num_blocks` blocks as the cache indexes them (blocks on dimension 3); an
+        int8 cache's rows (dtype uint8) end in their scale's bytes."""
+        width = self.head_dim + KV_INT8_SCALE_BYTES if self.dtype == "uint8" else self.head_dim
+        return (self.num_layers, self.num_planes, self.num_kv_heads, num_blocks, self.block_size, width)
 
     @property
     def torch_dtype(self) -> torch.dtype:
