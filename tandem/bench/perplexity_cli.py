@@ -184,14 +184,14 @@ def run_kv_quality(args: argparse.Namespace) -> int:
     cache_rows = _measure_cache_dtypes(args, tokens, prompts, steps, cache.shape[-1])
     print(f"{args.model or 'smollm2-135m'} ({cache.dtype}), {len(tokens)} tokens of standard-library docstrings in "
           f"64-token chunks; greedy agreement: {count} prompts of {prompt_len} tokens, {steps} tokens each")
-    print(f"  {'KV':<9} {'bytes vs bf16':>13} {'perplexity':>20} {'agreement, prompt KV':>22} "
+    print(f"  {'KV':<11} {'bytes vs bf16':>13} {'perplexity':>20} {'agreement, prompt KV':>22} "
           f"{'agreement, all KV':>19}")
-    print(f"  {'exact':<9} {'':>13} {base_ppl:9.4f}{'':>11}")
+    print(f"  {'exact':<11} {'':>13} {base_ppl:9.4f}{'':>11}")
     for name, ratio, ppl, handoff, whole in rows:
-        print(f"  {name:<9} {ratio:12.3f}x {ppl:9.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}%) "
+        print(f"  {name:<11} {ratio:12.3f}x {ppl:9.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}%) "
               f"{handoff[0] * 100:8.1f}% (first miss {handoff[1]:5.1f}) {whole[0] * 100:6.1f}% ({whole[1]:5.1f})")
     for name, ratio, ppl, base_cache_ppl, agreement in cache_rows:
-        print(f"  {name + ' cache':<9} {ratio:12.3f}x {ppl:9.4f} ({(ppl / base_cache_ppl - 1) * 100:+6.2f}%) "
+        print(f"  {name + ' cache':<11} {ratio:12.3f}x {ppl:9.4f} ({(ppl / base_cache_ppl - 1) * 100:+6.2f}%) "
               f"{'':>22} {agreement[0] * 100:6.1f}% ({agreement[1]:5.1f})")
     print("  agreement: share of continuations token for token the exact cache's; first miss: the mean "
           "position of the first differing token (the run's length where none differs)")

@@ -109,7 +109,8 @@ class EngineCore:
         self.startup_seconds = time.perf_counter() - started
         logger.info(
             "KV cache: %d blocks = %d tokens (%.2f GiB, %s); max model len %d; %s attention; %s; ready in %.1f s",
-            num_blocks, num_blocks * block_size, num_blocks * info.block_bytes / (1 << 30), config.load.dtype,
+            num_blocks, num_blocks * block_size, num_blocks * info.block_bytes / (1 << 30),
+            config.load.dtype if config.cache.kv_cache_dtype == "auto" else f"{config.cache.kv_cache_dtype} rows",
             self.max_model_len, info.attention_backend,
             "1 rank" if len(infos) == 1 else f"{len(infos)} ranks", self.startup_seconds,
         )
