@@ -78,8 +78,12 @@ install_sglang_router() {
   [ -x "$SGLANG_ROUTER_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_ROUTER_VENV"
   "$SGLANG_ROUTER_VENV/bin/python" -m pip install --disable-pip-version-check --quiet sglang-router==0.3.2
 }
-npm_install() {  # DIR BINARY PACKAGE@VERSION: skipped when the binary is there
-  [ -x "$1/node_modules/.bin/$2" ] || npm install --silent --no-audit --no-fund --prefix "$1" "$3"
+npm_install() {  # DIR BINARY PACKAGE@VERSION: skipped when the binary is there; tried twice
+  # (an install once failed with no message while another npm process shared the cache)
+  [ -x "$1/node_modules/.bin/$2" ] && return 0
+  npm install --no-audit --no-fund --loglevel=error --prefix "$1" "$3" \
+    || { echo "npm install $3 failed; trying once more" >&2; sleep 5; \
+         npm install --no-audit --no-fund --loglevel=error --prefix "$1" "$3"; }
 }
 
 if [ "${TANDEM_SKIP_GUIDELLM:-0}" != "1" ]; then
