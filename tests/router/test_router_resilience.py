@@ -177,6 +177,9 @@ def test_sigterm_drains_the_router(fake_workers: FakeFactory, tmp_path) -> None:
 
     worker, worker_url = fake_workers("slow")
     worker.behaviour.tokens = tuple(f" w{i}" for i in range(40))
+    # 8 s of stream: the checks below must run while it is still going (at 10 ms a token it
+    # could end, and the router exit, before a loaded box had sent the /health probe)
+    worker.behaviour.token_gap_s = 0.2
     port = free_port()
     log = tmp_path / "router.log"
     with log.open("wb") as out:

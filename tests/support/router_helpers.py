@@ -88,6 +88,7 @@ class Behaviour:
     decode_cached: int = 48
     hang_s: float = 4.0
     queue_s: float = 0.0  # a stream's first token waits this long after its role chunk
+    token_gap_s: float = 0.01  # and each later token this long after the one before
     waiting_prefill_tokens: int = 0
     running_kv_tokens: int = 0
 
@@ -277,7 +278,7 @@ class FakeWorker:
                 if first_id is not None:
                     choice["token_ids"] = [first_id + i]
                 yield sse({**base, "choices": [choice]})
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(self.behaviour.token_gap_s)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
