@@ -13,23 +13,36 @@ on every rank.
 
 Pipeline parallelism divides by layers: a stage caches only its own layers.
 
+An int8 cache (`--kv-cache-dtype int8`, CPU backends) keeps each row (one head's key or value,
+or MLA's latent) as int8 values followed by its fp32 scale: head_dim + 4 bytes a row, 68 for a
+64-wide head against 128 in bf16 (0.53x).
+
 Llama 4's chunked-attention layers (3 of every 4) could cap their cache at
 attention_chunk_size tokens per sequence; the plan counts every layer in full, an upper bound.
 """
 
 from __future__ import annotations
 
+from tandem.config import KV_INT8_SCALE_BYTES
 from tandem.sizing.shape import DTYPE_BYTES, ModelShape
+
+
+def kv_rows_per_token_per_layer(shape: ModelShape, tp: int) -> int:
+    """Cached rows per token per layer on the rank with the most KV heads (rank 0, when tp
+    does not divide them): a key and a value per head, or MLA's one latent."""
+    return 1 if shape.mla is not None else 2 * -(-shape.num_kv_heads // tp)
 
 
 def kv_values_per_token_per_layer(shape: ModelShape, tp: int) -> int:
     """Cached values per token per layer on one rank."""
     if shape.mla is not None:
         return shape.mla.kv_lora_rank + shape.mla.qk_rope_head_dim
-    kv_heads = max(shape.num_kv_heads // tp, 1)
-    return 2 * kv_heads * shape.head_dim
+    return kv_rows_per_token_per_layer(shape, tp) * shape.head_dim
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int, layers: int, kv_dtype: str) -> int:
     """KV bytes per token on one rank holding `layers` layers."""
-    return kv_values_per_token_per_layer(shape, tp) * layers * DTYPE_BYTES[kv_dtype]
+    values = kv_values_per_token_per_layer(shape, tp)
+    if kv_dtype == "int8":
+        return (values + kv_rows_per_token_per_layer(shape, tp) * KV_INT8_SCALE_BYTES) * layers
+    return values * layers * DTYPE_BYTES[kv_dtype]

@@ -55,7 +55,7 @@ DEFAULT_MEMORY_UTILIZATION = 0.92
 VLLM_MEMORY_UTILIZATION = 0.9
 BLOCK_SIZE = 16
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8")
-KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8")
+KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,8 @@ def plan_memory(config: dict, request: PlanRequest, name: str = "") -> MemoryPla
             raise PlanError(f"{flag} must be at least 1")
     fmt = weight_format(shape, request.dtype, request.keep_packed)
     kv = kv_dtype(fmt, request.kv_cache_dtype)
+    if kv == "int8" and request.devices.kind.gpu:  # as the engine refuses it (config_checks.py)
+        raise PlanError("--kv-cache-dtype int8 runs on the CPU backends; on a GPU use fp8")
     validate(shape, parallel, fmt)
     max_model_len = request.max_model_len or shape.max_position_embeddings
     if max_model_len < 1:

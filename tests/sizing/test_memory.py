@@ -234,3 +234,19 @@ def test_bad_plans_say_why(args: tuple, message: str) -> None:
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(PlanError, match="supported: LlamaForCausalLM.*DeepseekV3ForCausalLM"):
         read_shape({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_an_int8_cache_plans_its_rows_and_their_scales() -> None:
+    """--kv-cache-dtype int8: head_dim int8 values and a 4-byte scale per cached row, as
+    kernels/kv_format.py stores them; a GPU is refused, as the engine refuses it there."""
+    llama = read_shape(LLAMA_8B)
+    assert kv_bytes_per_token(llama, 1, 32, "int8") == 32 * 2 * 8 * (128 + 4)
+    assert kv_bytes_per_token(llama, 4, 32, "int8") == 32 * 2 * 2 * (128 + 4)
+    kimi = read_shape(load_config("kimi-k2")[1])
+    assert kv_bytes_per_token(kimi, 8, 61, "int8") == 61 * (576 + 4)  # one latent row a layer
+    bf16 = plan(LLAMA_8B, "cpu:24GiB", max_model_len=8192, kv_cache_dtype="bfloat16")
+    int8 = plan(LLAMA_8B, "cpu:24GiB", max_model_len=8192, kv_cache_dtype="int8")
+    assert int8.kv_cache_dtype == "int8"
+    assert int8.tandem.kv_tokens / bf16.tandem.kv_tokens == pytest.approx(256 / 132, rel=0.01)
+    with pytest.raises(PlanError, match="on a GPU use fp8"):
+        plan(LLAMA_8B, "1xH100", kv_cache_dtype="int8")

@@ -57,3 +57,29 @@ def test_the_engine_s_memory_report_plans_and_counts_the_packed_experts(tmp_path
     packed_bytes = sum(t.numel() * t.element_size() for e in experts for t in (e.w13, e.s13, e.w2, e.s2))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert packed_bytes > 0 and model_bytes(model) == params + packed_bytes
+
+
+def test_the_plan_s_kv_bytes_per_token_are_the_engine_s_for_every_cache_dtype() -> None:
+    """`tandem plan memory --kv-cache-dtype` counts a token's KV as the engine allocates it
+    (model_runner.kv_bytes_per_block): GQA and MLA, float caches and int8 rows with their
+    scales, at tp 1 and 2."""
+    import json
+
+    import torch
+
+    from tandem.config import ModelConfig
+    from tandem.sizing.kv import kv_bytes_per_token
+    from tandem.sizing.shape import read_shape
+    from tandem.worker.model_runner import kv_bytes_per_block
+
+    gqa = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
+           "hidden_size": 576, "intermediate_size": 64, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+    mla = json.loads((EXAMPLES_DIR / "kimi-k2.5-mini" / "config.json").read_text())
+    for hf in (gqa, mla):
+        shape, model = read_shape(hf), ModelConfig.from_hf(hf)
+        layers = model.num_hidden_layers
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.uint8)):
+            for tp in (1, 2) if hf is gqa else (1,):
+                engine = kv_bytes_per_block(model, 16, dtype, tp, layers) // 16
+                assert kv_bytes_per_token(shape, tp, layers, name) == engine, (hf["architectures"], name, tp)
