@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import subprocess
@@ -107,6 +108,29 @@ def check_serve_args(args: argparse.Namespace) -> None:
 # --- targets -------------------------------------------------------------------------------
 
 
+TIER_DTYPES = ("auto", "bfloat16", "int8", "int4")  # `tandem up --kv-tier-dtype`
+
+
+@dataclass(frozen=True)
+class TierSet:
+    """One --kv-tier-sets item: the tiers, and optionally the dtype their chunks are kept in
+    and this set's own CPU-tier size (to compare, e.g., raw chunks in 240MiB with int8 chunks
+    in half of it, in one run)."""
+
+    tiers: tuple[str, ...] = ()
+    dtype: str | None = None  # None: --kv-tier-dtype's default (the cache's own bytes)
+    cpu_bytes: str | None = None  # None: --kv-tier-cpu-bytes
+
+    @property
+    def label(self) -> str:
+        text = "+".join(self.tiers) or "off"
+        if self.dtype:
+            text += f"@{self.dtype}"
+        if self.cpu_bytes:
+            text += f":{self.cpu_bytes}"
+        return text
+
+
 @dataclass(frozen=True)
 class Target:
     """A server to measure: running at ``url``, or to be launched (``launch`` = engine).
@@ -120,31 +144,45 @@ class Target:
     launch: str | None = None
     policy: str | None = None
     session_header: bool | None = None  # None: the --session-header flag
-    kv_tiers: tuple[str, ...] = ()  # policy targets: the KV tiers below the device pool
+    kv_tiers: TierSet = TierSet()  # policy targets: the KV tiers below the device pool
     protocol: str = "chat"  # the wire protocol its turns are sent in (protocol_wire.py)
 
 
-def parse_tier_sets(text: str) -> list[tuple[str, ...]]:
-    """"off,cpu,cpu+disk+cluster" -> [(), ("cpu",), ("cpu", "disk", "cluster")]."""
+def parse_tier_sets(text: str) -> list[TierSet]:
+    """"off,cpu,cpu@int8:120MiB" -> [TierSet(), TierSet(("cpu",)), TierSet(("cpu",), "int8", "120MiB")].
+
+    An item is TIERS[@DTYPE][:CPU_BYTES]: tiers joined by +, the chunks' dtype, the CPU tier's
+    size for this set alone."""
+    from tandem.config import parse_memory_size
+
     sets = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
-        tiers = () if item == "off" else tuple(item.split("+"))
+        rest, _, cpu_bytes = item.partition(":")
+        names, _, dtype = rest.partition("@")
+        tiers = () if names == "off" else tuple(names.split("+"))
         bad = [t for t in tiers if t not in KV_TIERS]
-        if bad:
-            raise ValueError(f"--kv-tier-sets {item!r}: tiers are off or {', '.join(KV_TIERS)} joined by +")
-        sets.append(tiers)
-    return sets or [()]
+        if bad or not tiers and (dtype or cpu_bytes):
+            raise ValueError(f"--kv-tier-sets {item!r}: tiers are off or {', '.join(KV_TIERS)} joined by +, "
+                             "then optionally @DTYPE and :CPU_BYTES")
+        if dtype and dtype not in TIER_DTYPES:
+            raise ValueError(f"--kv-tier-sets {item!r}: the dtype after @ is one of {', '.join(TIER_DTYPES)}")
+        if cpu_bytes:
+            if "cpu" not in tiers:
+                raise ValueError(f"--kv-tier-sets {item!r}: :CPU_BYTES sizes the cpu tier, which this set lacks")
+            parse_memory_size(cpu_bytes)  # refused here, not by a cluster that fails to start
+        sets.append(TierSet(tiers, dtype or None, cpu_bytes or None))
+    return sets or [TierSet()]
 
 
-def plan_policy_targets(policies: list[str], tier_sets: list[tuple[str, ...]] = ((),)) -> list[Target]:
+def plan_policy_targets(policies: list[str], tier_sets: list[TierSet] = (TierSet(),)) -> list[Target]:
     wanted = [x.strip() for item in policies for x in item.split(",") if x.strip()]
     bad = [p for p in wanted if p not in POLICY_TARGETS]
     if bad:
         raise ValueError(f"--policies {', '.join(bad)}: choose from {', '.join(POLICY_TARGETS)}")
-    named = len(tier_sets) > 1 or tier_sets[0] != ()
-    return [Target(f"{name}/{'+'.join(tiers) or 'off'}" if named else name, launch="policy",
+    named = len(tier_sets) > 1 or tier_sets[0] != TierSet()
+    return [Target(f"{name}/{tiers.label}" if named else name, launch="policy",
                    policy=POLICY_TARGETS[name][0], session_header=POLICY_TARGETS[name][1], kv_tiers=tiers)
             for tiers in tier_sets for name in wanted]
 
@@ -161,7 +199,7 @@ def parse_url_target(text: str) -> Target:
 
 
 def plan_targets(urls: list[str], launches: list[str], policies: list[str] = (),
-                 tier_sets: list[tuple[str, ...]] = ((),)) -> list[Target]:
+                 tier_sets: list[TierSet] = (TierSet(),)) -> list[Target]:
     """Launched targets first (tandem before vllm: tandem is the reference), then the URLs."""
     wanted = {x.strip() for item in launches for x in item.split(",") if x.strip()}
     bad = wanted - set(LAUNCHABLE)
@@ -260,11 +298,14 @@ def tandem_command(args: argparse.Namespace, port: int) -> list[str]:
     return cmd + ["--no-access-log", *shlex.split(args.tandem_args)]
 
 
-def tier_flags(args: argparse.Namespace, tiers: tuple[str, ...], disk_dir: Path) -> list[str]:
+def tier_flags(args: argparse.Namespace, tier_set: TierSet, disk_dir: Path) -> list[str]:
     """`tandem up` flags for a KV tier set (each worker gets its own part of the disk tier)."""
     flags: list[str] = []
+    tiers = tier_set.tiers
     if "cpu" in tiers:
-        flags += ["--kv-offload-cpu-bytes", str(args.kv_tier_cpu_bytes)]
+        flags += ["--kv-offload-cpu-bytes", str(tier_set.cpu_bytes or args.kv_tier_cpu_bytes)]
+    if tier_set.dtype:
+        flags += ["--kv-tier-dtype", tier_set.dtype]
     if "disk" in tiers:
         flags += ["--kv-offload-disk-path", str(disk_dir)]
     if "cluster" in tiers:
@@ -403,7 +444,7 @@ def build_server(
     target: Target, args: argparse.Namespace, ctx: LaunchContext, log_dir: Path
 ) -> LaunchedServer:
     port = free_port()
-    safe = target.name.replace("/", "-").replace("+", "-")  # for file names
+    safe = re.sub(r"[^A-Za-z0-9._-]", "-", target.name)  # for file names
     if target.launch in ("tandem", "policy", *CLUSTERS):
         if target.launch == "tandem":
             cmd = tandem_command(args, port)

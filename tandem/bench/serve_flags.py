@@ -55,7 +55,8 @@ TARGET_FLAGS = FlagTable("targets", (
         "--kv-tier-sets", default="off", metavar="SETS",
         help="run each --policies target once per KV tier set: off, cpu, cpu+disk, "
         "cpu+disk+cluster (the cluster store is a redis-server `tandem up` starts), "
-        "comma-separated (default: off)",
+        "comma-separated; a set may add @DTYPE (the chunks' --kv-tier-dtype: bfloat16, int8, "
+        "int4) and :SIZE (its own CPU tier), e.g. cpu:240MiB,cpu@int8:120MiB (default: off)",
     ),
     Flag(
         "--kv-tier-cpu-bytes", default="2GiB", metavar="SIZE",

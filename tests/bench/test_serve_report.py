@@ -439,9 +439,11 @@ def test_kv_tier_sets_multiply_policy_targets(tmp_path: Path) -> None:
     from tandem.bench.serve import LaunchContext, build_server, parse_tier_sets
 
     sets = parse_tier_sets("off,cpu,cpu+disk+cluster")
-    assert sets == [(), ("cpu",), ("cpu", "disk", "cluster")]
-    with pytest.raises(ValueError):
-        parse_tier_sets("cpu+tape")
+    assert [s.tiers for s in sets] == [(), ("cpu",), ("cpu", "disk", "cluster")]
+    assert {(s.dtype, s.cpu_bytes) for s in sets} == {(None, None)}
+    for bad in ("cpu+tape", "cpu@int3", "off@int8", "disk:1GiB", "cpu:lots"):
+        with pytest.raises(ValueError):
+            parse_tier_sets(bad)
     targets = plan_targets([], [], ["kv_aware,round_robin"], sets)
     assert [t.name for t in targets] == ["kv_aware/off", "round_robin/off", "kv_aware/cpu", "round_robin/cpu",
                                          "kv_aware/cpu+disk+cluster", "round_robin/cpu+disk+cluster"]
@@ -455,4 +457,19 @@ def test_kv_tier_sets_multiply_policy_targets(tmp_path: Path) -> None:
     assert cmd[cmd.index("--kv-offload-disk-path") + 1] == str(tmp_path / "kv_aware-cpu-disk-cluster-disk")
     assert server.log_path == tmp_path / "kv_aware-cpu-disk-cluster.log"
     plain = build_server(plan_targets([], [], ["kv_aware"])[0], args, LaunchContext(), tmp_path)
-    assert "--kv-store" not in plain.command
+    assert "--kv-store" not in plain.command and "--kv-tier-dtype" not in server.command
+
+
+def test_a_tier_set_can_keep_its_chunks_in_int8_in_a_cpu_tier_of_its_own_size(tmp_path: Path) -> None:
+    """`cpu:240MiB,cpu@int8:120MiB`: one run compares raw chunks with int8 ones in half the memory."""
+    from tandem.bench.serve import LaunchContext, build_server, parse_tier_sets
+
+    raw, coded = parse_tier_sets("cpu:240MiB,cpu@int8:120MiB")
+    targets = plan_targets([], [], ["kv_aware"], [raw, coded])
+    assert [t.name for t in targets] == ["kv_aware/cpu:240MiB", "kv_aware/cpu@int8:120MiB"]
+    args = _args("--policies", "kv_aware", "--kv-tier-cpu-bytes", "2GiB")
+    commands = [build_server(t, args, LaunchContext(), tmp_path).command for t in targets]
+    assert [c[c.index("--kv-offload-cpu-bytes") + 1] for c in commands] == ["240MiB", "120MiB"]
+    assert "--kv-tier-dtype" not in commands[0]
+    assert commands[1][commands[1].index("--kv-tier-dtype") + 1] == "int8"
+    assert commands[1][commands[1].index("--log-dir") + 1] == str(tmp_path / "kv_aware-cpu-int8-120MiB")
