@@ -51,8 +51,9 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
     """float8 e4m3 KV (--kv-cache-dtype fp8) only the Triton kernels read (they widen each block
     as they load it), and no connector moves it yet (their codecs read float caches); int8 rows
     with their scales (tandem/kernels/kv_format.py) only the CPU backends read (the C decode
-    kernel and the torch path); the PD handoff over tcp and the tiers move them (both sides
-    keep int8 caches: the layouts must match), not yet a shared-memory cache or a draft."""
+    kernel and the torch path); the PD handoff over tcp and the tiers move them (to and from
+    caches of any dtype: the reader rounds what it receives into its rows), not yet a
+    shared-memory cache or a draft."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return

@@ -27,6 +27,10 @@ kernels/kv_format.py) moves as it is under `raw`; the other codecs encode its de
 values (the last dimension less the scale's bytes) and quantize them again into the reader's
 rows, so an int8 cache can hand off and store 4-bit chunks.
 
+A reader's cache may have another dtype than the writer's (an fp32 prefill worker and an int8
+decode worker, a tier chunk an int8 worker wrote and a bf16 worker reads): `decode` is told
+both, and rounds what it decoded into the reader's rows (`raw` included).
+
 The payload is the levels of the whole tensor, then the fp32 scales (row-major, one per run);
 `payload_bytes` says how long it must be, and `decode` refuses any other length, so a header
 that lies about its codec or shape cannot make the reader read past what it received.
@@ -104,7 +108,12 @@ class KVCodec:
         if payload.dtype != torch.uint8 or payload.numel() != expected:
             raise CodecError(f"a {self.name} payload of {tuple(shape)} is {expected} bytes, got {payload.numel()}")
         if self.name == "raw":
-            return payload.view(writer_dtype).view(shape).to(cache_dtype)
+            rows = payload.view(writer_dtype).view(shape)
+            if writer_dtype == cache_dtype:
+                return rows
+            if writer_dtype == torch.uint8:  # another cache's int8 rows: their values
+                rows = dequantize_rows(rows, torch.float32)
+            return _to_cache(rows, cache_dtype)
         values_shape = _value_shape(shape, writer_dtype)
         if self.name == "bfloat16":
             return _to_cache(payload.view(torch.bfloat16).view(values_shape), cache_dtype)

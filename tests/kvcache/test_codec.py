@@ -130,3 +130,27 @@ def test_an_int8_caches_rows_travel_in_every_codec(name: str) -> None:
     error = (dequantize_rows(back, torch.float32) - exact).abs().amax()
     bound = {"bfloat16": 0.05, "int8": 0.06, "int4": 0.9}[name]  # std-normal values, |x| < ~5
     assert 0 < error < bound
+
+
+@pytest.mark.parametrize("name", ["raw", "bfloat16", "int8", "int4"])
+def test_rows_cross_between_an_int8_cache_and_a_float_one(name: str) -> None:
+    """A reader whose cache dtype is not the writer's (an fp32 prefill worker and an int8
+    decode worker, or the other way): every codec, `raw` included, rounds what it decoded into
+    the reader's rows; an int8 reader's rows equal what its own writer makes of the values."""
+    from tandem.kernels.kv_format import dequantize_rows, quantize_rows
+
+    values = torch.randn(2, 2, 3, 4, 16, 64, generator=torch.Generator().manual_seed(11))
+    codec = KVCodec(name)
+    into_int8 = codec.decode(codec.encode(values), tuple(values.shape), torch.uint8, torch.float32)
+    assert into_int8.dtype == torch.uint8 and into_int8.shape == (2, 2, 3, 4, 16, 68)
+    if name in ("raw", "bfloat16"):  # the values as they were (bf16: rounded first)
+        sent = values if name == "raw" else values.to(torch.bfloat16).float()
+        assert torch.equal(into_int8, quantize_rows(sent))
+    rows = quantize_rows(values)
+    into_fp32 = codec.decode(codec.encode(rows), tuple(rows.shape), torch.float32, torch.uint8)
+    assert into_fp32.dtype == torch.float32 and into_fp32.shape == values.shape
+    exact = dequantize_rows(rows, torch.float32)
+    if name == "raw":
+        assert torch.equal(into_fp32, exact)
+    else:
+        assert (into_fp32 - exact).abs().amax() < {"bfloat16": 0.05, "int8": 0.06, "int4": 0.9}[name]

@@ -280,3 +280,30 @@ def test_int8_caches_hand_off_their_prompt_in_4_bits(tmp_path) -> None:  # noqa:
     finally:
         for server in (prefill, decode):
             assert not stop_server(server)
+
+
+def test_an_fp32_prefill_worker_hands_off_to_an_int8_decode_worker(tmp_path) -> None:  # noqa: ANN001
+    """Cache dtypes may differ across the handoff: the prefill worker keeps fp32 rows and sends
+    them raw (256 bytes a row of 64), the decode worker keeps int8 rows (68 bytes) and rounds
+    what it received into them, adopting every block instead of recomputing the prompt."""
+    prefill = start_server(tmp_path / "prefill.log", "--role", "prefill", *WORKER_ARGS, secret=TEST_SECRET)
+    try:
+        decode = start_server(tmp_path / "decode.log", "--role", "decode", "--kv-cache-dtype", "int8",
+                              *WORKER_ARGS, secret=TEST_SECRET)
+    except Exception:
+        stop_server(prefill)
+        raise
+    try:
+        body = {"model": MODEL, "messages": _messages("Tell me about Porto."), "temperature": 0, "max_tokens": 16}
+        handle = _prefill(prefill, body)["kv_transfer_params"]
+        reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                              "emit_first_token": True}})
+        handed = len(handle["block_hashes"])
+        assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
+        assert reply["usage"]["completion_tokens"] == 16
+        rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
+        assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == rows * 64 * 4
+        assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
+    finally:
+        for server in (prefill, decode):
+            assert not stop_server(server)

@@ -150,7 +150,8 @@ def test_an_int8_cache_stores_its_rows_and_4_bit_chunks(tmp_path: Path) -> None:
     """--kv-cache-dtype int8 with the tiers: chunks of its rows (values and scales) come back
     byte for byte, so the answer is the one the int8 cache computed; with --kv-tier-dtype int4
     the chunks hold 4-bit values (no scale rows among them) that a reader rounds into rows
-    again, at 36 bytes a row of 64 against the cache's 68."""
+    again, at 36 bytes a row of 64 against the cache's 68. A worker with an fp32 cache reads
+    the int8 chunks too: the same key, its own rows made of theirs."""
     with tier_llm("int8", disk_path=str(tmp_path / "raw")) as llm:
         first, again = serve_twice(llm)
         assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
@@ -158,6 +159,13 @@ def test_an_int8_cache_stores_its_rows_and_4_bit_chunks(tmp_path: Path) -> None:
         tiers = llm.engine.core.load().connector("kv_tiers")
         assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["bytes_per_token"] == 30 * 2 * 3 * 68
         assert_idle(llm)
+    with tier_llm(disk_path=str(tmp_path / "raw")) as fresh:  # an fp32 cache reads the int8 rows
+        out = fresh.generate([PROMPT], GREEDY)[0]
+        assert out.num_cached_tokens >= 64 * (len(out.prompt_token_ids) // 64 - 1)
+        assert fresh.engine.scheduler.stats.num_loaded_tokens == out.num_cached_tokens
+        disk = fresh.engine.core.load().connector("kv_tiers")["media"]["disk"]
+        assert disk["chunk_hits"] >= 1 and not disk.get("corrupt"), disk
+        assert_idle(fresh)
     with tier_llm("int8", disk_path=str(tmp_path / "int4"), codec="int4") as llm:
         first, again = serve_twice(llm)
         assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)

@@ -4,6 +4,7 @@ asks for is what travels, decoded into its cache's dtype; the bytes are counted.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -92,9 +93,29 @@ def test_a_reply_in_another_codec_than_asked_is_not_read() -> None:
     of an older build answering raw bytes) is refused before its body is read."""
     layout = KVLayout(num_layers=1, num_kv_heads=1, block_size=4, head_dim=64, dtype="float32")
     receiver = tcp.BlockReceiver(layout, 1, KVCodec("int8"))
+    shape, sent = list(layout.block_shape(1)), asdict(layout)
     raw = KVCodec("raw").payload_bytes(layout.block_shape(1), torch.float32)
+    int8 = KVCodec("int8").payload_bytes(layout.block_shape(1), torch.float32)
     with pytest.raises(tcp.FrameError):
-        receiver(0x80, {"shape": list(layout.block_shape(1))}, raw)  # no codec named: raw
+        receiver(0x80, {"shape": shape, "layout": sent}, raw)  # no codec named: raw
     with pytest.raises(tcp.FrameError):
-        receiver(0x80, {"shape": list(layout.block_shape(1)), "codec": "int4"}, receiver.nbytes)
-    assert receiver(0x80, {"shape": list(layout.block_shape(1)), "codec": "int8"}, receiver.nbytes) is not None
+        receiver(0x80, {"shape": shape, "layout": sent, "codec": "int4"}, int8)
+    with pytest.raises(tcp.FrameError):  # no layout: the reader cannot know the rows' dtype
+        receiver(0x80, {"shape": shape, "codec": "int8"}, int8)
+    assert receiver(0x80, {"shape": shape, "layout": sent, "codec": "int8"}, int8) is not None
+    assert receiver.nbytes == int8
+
+
+def test_a_reply_from_a_cache_of_another_dtype_is_sized_by_its_layout() -> None:
+    """An int8 cache's rows (uint8, the scale's 4 bytes after 64 values) sent raw to an fp32
+    reader: the body is read at the writer's size and shape; another geometry, or a dtype
+    that is not a cache's, is refused before the body is read."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, block_size=4, head_dim=64, dtype="float32")
+    writer = KVLayout(num_layers=1, num_kv_heads=1, block_size=4, head_dim=64, dtype="uint8")
+    receiver = tcp.BlockReceiver(layout, 2, KVCodec("raw"))
+    assert receiver(0x80, {"shape": list(writer.block_shape(2)), "layout": asdict(writer)}, 2 * 2 * 4 * 68)
+    assert receiver.shape == (1, 2, 1, 2, 4, 68) and receiver.nbytes == 2 * 2 * 4 * 68
+    for bad in ({**asdict(writer), "head_dim": 32}, {**asdict(writer), "dtype": "int64"},
+                {**asdict(writer), "extra": 1}):
+        with pytest.raises(tcp.FrameError):
+            tcp.BlockReceiver(layout, 2)(0x80, {"shape": list(writer.block_shape(2)), "layout": bad}, 2 * 2 * 4 * 68)

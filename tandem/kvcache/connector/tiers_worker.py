@@ -287,7 +287,8 @@ class TiersConnectorWorker(KVConnectorWorker):
                 codec = KVCodec(header.codec)  # the writer's: any a reader knows
             except ValueError as exc:
                 raise ChunkError("header", str(exc)) from exc
-            expected = codec.payload_bytes(header.shape, self._dtype)
+            writer_dtype = getattr(torch, header.layout["dtype"])  # a cache dtype: read_chunk checked it
+            expected = codec.payload_bytes(header.shape, writer_dtype)
             if len(payload) != expected:
                 raise ChunkError("truncated", f"payload of {len(payload)} bytes, expected {expected}")
         except ChunkError as exc:
@@ -302,7 +303,7 @@ class TiersConnectorWorker(KVConnectorWorker):
         with warnings.catch_warnings():  # a bytes value is read-only; it is only read from
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-        return codec.decode(raw, header.shape, self._dtype, self._dtype)
+        return codec.decode(raw, header.shape, self._dtype, writer_dtype)
 
     def _write_loop(self) -> None:
         while True:

@@ -11,8 +11,8 @@ The JSON header names the model fingerprint, the cache layout (layers, KV heads,
 head dim, dtype), the payload's shape (of the blocks it encodes) and its codec (the cache's
 own bytes, or 8 / 4 bits with scales: tandem/kvcache/codec.py), the chunk's token ids and the
 rank that wrote it; the digest is xxh3-128 over everything before it. A reader takes any
-codec a chunk names (it decodes into its own cache), so workers with different
---kv-tier-dtype share one store. `decode_chunk` checks all of it against
+codec a chunk names, and rows of any cache dtype (it decodes them into its own cache), so
+workers with different --kv-tier-dtype or --kv-cache-dtype share one store. `decode_chunk` checks all of it against
 what the reader expects and raises `ChunkError` (with a short reason used as a metric label)
 on any mismatch, so a truncated, corrupt, foreign or stale value is a miss and a recompute,
 never wrong KV. Token ids make a hit certain rather than probable: the reader compares them
@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import xxhash
+
+from tandem.kvcache.transfer.base import writer_layout
 
 MAGIC = b"TKVC"
 FORMAT_VERSION = 1
@@ -138,8 +140,10 @@ def read_chunk(value: bytes | memoryview, expected: ChunkHeader) -> tuple[ChunkH
         raise ChunkError("header", f"codec {header.codec[:32]!r}")
     if header.fingerprint != expected.fingerprint:
         raise ChunkError("foreign", f"written by model {header.fingerprint}, not {expected.fingerprint}")
-    if (header.layout != expected.layout or header.shape != expected.shape
-            or header.num_blocks != expected.num_blocks
+    # The reader's geometry, in rows of any cache dtype: the codec rounds them into its own.
+    writer = writer_layout(expected.layout, header.layout)
+    if (writer is None or header.num_blocks != expected.num_blocks
+            or header.shape != writer.block_shape(expected.num_blocks)
             or (header.rank, header.world_size) != (expected.rank, expected.world_size)):
         raise ChunkError("layout", f"layout {header.layout} shape {header.shape}, expected "
                                    f"{expected.layout} shape {expected.shape}")

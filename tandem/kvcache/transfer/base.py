@@ -35,6 +35,8 @@ from tandem.config import KV_INT8_SCALE_BYTES
 if TYPE_CHECKING:  # the scheduler side builds handles and layouts without torch
     import torch
 
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "uint8")  # a KV cache's rows; uint8: int8 + scale
+
 
 class KVTransferError(RuntimeError):
     """A fetch failed: unreachable source, unknown or expired transfer, checksum mismatch."""
@@ -62,6 +64,23 @@ class KVLayout:
         import torch
 
         return getattr(torch, self.dtype)
+
+    def writer(self, sent: Any) -> KVLayout | None:
+        """The layout a source or a chunk declares (untrusted), when its blocks can become
+        this cache's: the same geometry, rows of any cache dtype (a codec converts fp32,
+        bf16, fp16 and int8 rows into this cache's dtype); None otherwise."""
+        return writer_layout(self.__dict__, sent)
+
+
+def writer_layout(expected: dict[str, Any], sent: Any) -> KVLayout | None:
+    """`sent` as a KVLayout when it has `expected`'s fields and values but for the dtype, which
+    may be any cache dtype; None otherwise (a chunk header written before a field existed
+    lacks it in both)."""
+    if not isinstance(sent, dict) or set(sent) != set(expected) or sent.get("dtype") not in CACHE_DTYPES:
+        return None
+    if any(sent[name] != value for name, value in expected.items() if name != "dtype"):
+        return None
+    return KVLayout(**sent)
 
 
 _MAX_TRANSFER_ID = 128

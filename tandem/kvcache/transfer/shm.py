@@ -39,24 +39,27 @@ class ShmTransport:
         self._remote: set[tuple[str, int]] = set()  # sources whose file is not on this host
         self.itemsize = torch.empty((), dtype=layout.torch_dtype).element_size()
         self.last_transport = ""  # of the last fetch: shm, or tcp when the bytes came over the port
+        self.last_nbytes = 0  # and the bytes it copied or received
 
     def fetch(self, handle: KVTransferHandle, indices: list[int], timeout: float) -> torch.Tensor:
         """The blocks, copied from the source's file when it is on this host, else over TCP."""
         self.last_transport = "tcp"
         if handle.address in self._remote:
-            return self.tcp.fetch(handle, indices, timeout)
+            return self._over_tcp(handle, indices, timeout)
         receiver = tcp.BlockReceiver(self.layout, len(indices), self.codec)
         fields: dict[str, Any] = {"transfer_id": handle.transfer_id, "indices": indices, "shm": True}
         if self.codec != RAW:
             fields["codec"] = self.codec.name
         reply = tcp.request(handle, self.key, FETCH, fields, timeout, receiver)
-        if "shm_path" not in reply.header:
-            return receiver.blocks(handle, reply, indices)  # no file at the source: it sent the bytes
-        tcp.expect_blocks(handle, reply.header, indices, self.layout)
+        if "shm_path" not in reply.header:  # no file at the source: it sent the bytes
+            blocks = receiver.blocks(handle, reply, indices)
+            self.last_nbytes = receiver.nbytes
+            return blocks
+        tcp.expect_blocks(handle, reply.header, indices, self.layout, same_dtype=True)  # its rows, as they are
         source = self._mapping(reply.header)
         if source is None:
             self._remote.add(handle.address)
-            return self.tcp.fetch(handle, indices, timeout)
+            return self._over_tcp(handle, indices, timeout)
         block_ids = reply.header.get("block_ids")
         if (not isinstance(block_ids, list) or len(block_ids) != len(indices)
                 or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < source.shape[3]
@@ -66,7 +69,13 @@ class ShmTransport:
         data = raw.view(self.layout.torch_dtype)
         tcp.check(handle, self.key, timeout=min(5.0, timeout))
         self.last_transport = "shm"
+        self.last_nbytes = data.numel() * self.itemsize
         return data
+
+    def _over_tcp(self, handle: KVTransferHandle, indices: list[int], timeout: float) -> torch.Tensor:
+        blocks = self.tcp.fetch(handle, indices, timeout)
+        self.last_nbytes = self.tcp.last_nbytes
+        return blocks
 
     def _mapping(self, header: dict[str, Any]) -> np.ndarray | None:
         """The source's cache file mapped read-only, as bytes per element row, or None when the

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kvcache.codec import RAW, KVCodec
+from tandem.kvcache.codec import KVCodec
 from tandem.kvcache.transfer import tcp
 from tandem.kvcache.transfer.base import KVLayout, KVTransferError, KVTransferHandle
 from tandem.kvcache.transfer.shm import ShmTransport
@@ -128,15 +128,14 @@ class KVSink:
             return None
         if self.shm is not None:
             data = self.shm.fetch(job.handle, job.indices, self.fetch_timeout)
-            result.transport = self.shm.last_transport
+            result.transport, result.nbytes = self.shm.last_transport, self.shm.last_nbytes
         else:
             data = self.tcp.fetch(job.handle, job.indices, self.fetch_timeout)
-            result.transport = self.tcp.name
+            result.transport, result.nbytes = self.tcp.name, self.tcp.last_nbytes
         expected = self.tcp.layout.block_shape(len(job.indices))
-        if tuple(data.shape) != expected:
-            raise KVTransferError(f"fetched shape {tuple(data.shape)}, expected {expected}")
-        codec = RAW if result.transport == "shm" else self.tcp.codec
-        result.nbytes = codec.payload_bytes(expected, self.tcp.layout.torch_dtype)
+        if tuple(data.shape) != expected or data.dtype != self.tcp.layout.torch_dtype:
+            raise KVTransferError(f"fetched {data.dtype} blocks of shape {tuple(data.shape)}, expected "
+                                  f"{self.tcp.layout.torch_dtype} of {expected}")
         return data
 
     def _run_releases(self) -> None:

@@ -73,41 +73,56 @@ def check(handle: KVTransferHandle, key: FrameKey, timeout: float = 5.0) -> None
     request(handle, key, CHECK, {"transfer_id": handle.transfer_id}, timeout)
 
 
-def expect_blocks(handle: KVTransferHandle, reply: dict[str, Any], indices: list[int], layout: KVLayout) -> None:
-    """The reply describes the blocks asked for, with this reader's layout (KVTransferError if not)."""
-    if reply.get("layout") != layout.__dict__:
+def expect_blocks(handle: KVTransferHandle, reply: dict[str, Any], indices: list[int], layout: KVLayout,
+                  same_dtype: bool = False) -> KVLayout:
+    """The layout the reply's blocks have, once it describes the blocks asked for in this
+    reader's geometry (rows of any cache dtype, unless `same_dtype`); KVTransferError if not."""
+    writer = layout.writer(reply.get("layout"))
+    if writer is None or (same_dtype and writer != layout):
         raise KVTransferError(f"layout mismatch: the source has {reply.get('layout')}, this worker {layout.__dict__}")
     if reply.get("block_hashes") != [handle.block_hashes[i] for i in indices]:
         raise KVTransferError("the source sent blocks for other hashes")
+    return writer
 
 
 class BlockReceiver:
     """Where a FETCH reply's body goes: a buffer exactly the size of the blocks asked for, in
-    the codec asked for (the reply must name the same one)."""
+    the codec asked for (the reply must name the same one) and the cache dtype the source
+    declares (its rows become this reader's dtype in `blocks`)."""
 
     def __init__(self, layout: KVLayout, count: int, codec: KVCodec = RAW) -> None:
         self.layout = layout
         self.codec = codec
+        self.count = count
+        self.writer = layout  # until the reply says otherwise
         self.shape = layout.block_shape(count)
-        self.nbytes = codec.payload_bytes(self.shape, layout.torch_dtype)
-        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.nbytes = 0
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def __call__(self, kind: int, header: dict[str, Any], length: int) -> memoryview:
-        if (kind != OK or length != self.nbytes or header.get("shape") != list(self.shape)
+        writer = self.layout.writer(header.get("layout")) if kind == OK else None
+        if writer is not None:
+            self.writer, self.shape = writer, writer.block_shape(self.count)
+            self.nbytes = self.codec.payload_bytes(self.shape, writer.torch_dtype)
+        if (writer is None or length != self.nbytes or header.get("shape") != list(self.shape)
                 or header.get("codec", RAW.name) != self.codec.name):
-            raise FrameError(f"a {length}-byte {header.get('codec', RAW.name)} body of shape {header.get('shape')}, "
-                             f"expected {self.nbytes} bytes of {self.codec.name} of shape {list(self.shape)}")
+            raise FrameError(f"a {length}-byte {header.get('codec', RAW.name)} body of shape {header.get('shape')} "
+                             f"and layout {header.get('layout')}, expected {self.codec.name} blocks of "
+                             f"{self.layout.__dict__} (rows of any cache dtype)")
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
         return memoryview(self.buffer.numpy())
 
     def blocks(self, handle: KVTransferHandle, reply: Frame, indices: list[int]) -> torch.Tensor:
-        """The received blocks, once the reply's hashes, layout and digest check out."""
-        expect_blocks(handle, reply.header, indices, self.layout)
-        if reply.body is None and self.nbytes:
+        """The received blocks in this reader's cache dtype, once the reply's hashes, layout and
+        digest check out."""
+        writer = expect_blocks(handle, reply.header, indices, self.layout)
+        if writer != self.writer:
+            raise KVTransferError("the reply's layout is not the one its body was read for")
+        if reply.body is None and self.codec.payload_bytes(writer.block_shape(self.count), writer.torch_dtype):
             raise KVTransferError("the source sent no blocks")
         if reply.body is not None and digest(reply.body) != reply.header.get("digest"):
             raise KVTransferError(f"checksum mismatch on transfer {handle.transfer_id}")
-        dtype = self.layout.torch_dtype
-        return self.codec.decode(self.buffer, self.shape, dtype, dtype)
+        return self.codec.decode(self.buffer, self.shape, self.layout.torch_dtype, writer.torch_dtype)
 
 
 class TcpTransport:
@@ -118,6 +133,7 @@ class TcpTransport:
         self.layout = layout  # this worker's cache geometry: what fetched blocks must have
         self.codec = codec  # how the blocks travel (kvcache/codec.py)
         self.bytes_received = 0
+        self.last_nbytes = 0  # the last fetch's payload: what crossed the wire
 
     def fetch(self, handle: KVTransferHandle, indices: list[int], timeout: float) -> torch.Tensor:
         receiver = BlockReceiver(self.layout, len(indices), self.codec)
@@ -127,4 +143,5 @@ class TcpTransport:
         reply = request(handle, self.key, FETCH, fields, timeout, receiver)
         blocks = receiver.blocks(handle, reply, indices)
         self.bytes_received += receiver.nbytes
+        self.last_nbytes = receiver.nbytes
         return blocks

@@ -37,7 +37,9 @@ def test_damaged_values_are_refused(mutate, reason: str) -> None:
 
 @pytest.mark.parametrize(("field", "value", "reason"), [
     ("fingerprint", "Llama/float32/other-revision", "foreign"),
-    ("layout", {**LAYOUT, "dtype": "bfloat16"}, "layout"),
+    ("layout", {**LAYOUT, "num_kv_heads": 2}, "layout"),
+    ("layout", {**LAYOUT, "dtype": "int64"}, "layout"),  # not a cache's rows
+    ("layout", {**LAYOUT, "num_planes": 2}, "layout"),  # a field this reader's layout lacks
     ("shape", (2, 2, 1, 2, 4, 4), "layout"),
     ("token_ids", tuple(range(1, 9)), "tokens"),
     ("rank", 1, "layout"),
@@ -71,3 +73,19 @@ def test_a_codec_name_no_writer_could_have_written_is_refused(codec: str) -> Non
     with pytest.raises(ChunkError) as error:
         decode_chunk(encode_chunk(replace(HEADER, codec=codec), PAYLOAD), HEADER)
     assert error.value.reason == "header"
+
+
+def test_rows_of_another_cache_dtype_are_read_at_their_own_shape() -> None:
+    """A chunk an int8-cache worker wrote (uint8 rows: 8 values and a 4-byte scale) reaches an
+    fp32 reader as it is; the codec turns its rows into the reader's. Its shape must be the
+    one its own layout gives."""
+    from dataclasses import replace
+
+    from tandem.kvcache.tiers.chunk import read_chunk
+
+    int8 = replace(HEADER, layout={**LAYOUT, "dtype": "uint8"}, shape=(2, 2, 1, 2, 4, 12))
+    header, payload = read_chunk(encode_chunk(int8, PAYLOAD), HEADER)
+    assert header.layout["dtype"] == "uint8" and bytes(payload) == PAYLOAD
+    with pytest.raises(ChunkError) as error:
+        decode_chunk(encode_chunk(replace(int8, shape=HEADER.shape), PAYLOAD), HEADER)
+    assert error.value.reason == "layout"
