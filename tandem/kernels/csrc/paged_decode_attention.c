@@ -12,8 +12,9 @@
  * An int8 cache (`_i8`, --kv-cache-dtype int8, tandem/kernels/kv_format.py) stores each row
  * as head_dim int8 values and then the row's fp32 scale, head_dim + 4 bytes: a dot product
  * sums q * value in fp32 and multiplies by the key's scale once; a value row is added with
- * its probability times its scale. It takes the portable path on every CPU for now (the
- * AVX-512 paths read float and bf16 rows only).
+ * its probability times its scale. With AVX-512 it takes the vector path below: each row's
+ * 16-value pieces widened from int8 (one instruction each), the key's dot products and the
+ * value's weight multiplied by the row's scale.
  *
  * Layout (tandem/kernels/base.py): one layer's cache is [2, kv_heads, num_blocks,
  * block_size, head_dim]; q and out are [num_seqs, num_heads, head_dim]; query head h reads
@@ -155,6 +156,9 @@ static inline __m512 load16(const float *x) { return _mm512_loadu_ps(x); }
 static inline __m512 load16_bf16(const uint16_t *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
 }
+static inline __m512 load16_i8(const int8_t *x) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x)));
+}
 
 /* Sum each of 16 vectors down to one lane: lane t of the result is the sum of v[t]'s lanes. */
 static inline __m512 transpose_sum16(__m512 v[16]) {
@@ -190,10 +194,10 @@ static inline __m512 transpose_sum16(__m512 v[16]) {
  * (and 423 -> 392 for the dot-product path below). One group ahead at locality 1 beat two
  * groups ahead (397) and locality 0 or 3 (442, 429). */
 static inline __attribute__((always_inline)) int64_t locate_group(
-    const char *k_head, const char *v_head, int64_t element_bytes, const int64_t *table, int64_t t0, int64_t len,
-    int64_t block_size, int64_t head_dim, const char *keys[16], const char *values[16]) {
+    const char *k_head, const char *v_head, int64_t row_bytes, const int64_t *table, int64_t t0, int64_t len,
+    int64_t block_size, const char *keys[16], const char *values[16]) {
     const int64_t count = len - t0 < 16 ? len - t0 : 16;
-    const int64_t row_bytes = head_dim * element_bytes, block_bytes = block_size * row_bytes;
+    const int64_t block_bytes = block_size * row_bytes;
     const int64_t t = t0 + 16; /* the next group */
     if (block_size % 16 == 0) { /* the group lies in one block: one lookup, rows in a run */
         const int64_t base = table[t0 / block_size] * block_bytes + (t0 % block_size) * row_bytes;
@@ -252,12 +256,15 @@ static inline __attribute__((always_inline)) void softmax_group(
     }
 }
 
-#define DEFINE_ATTEND_VEC(SUFFIX, KV_T, LOAD)                                                    \
+/* EXTRA: bytes after a row's values (an int8 row's fp32 scale, which its products and its
+ * weight are multiplied by; 0 for float and bf16 rows, and the multiplications compile away). */
+#define DEFINE_ATTEND_VEC(SUFFIX, KV_T, LOAD, EXTRA)                                             \
 static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(                       \
     const float *q_rows, float *out_rows, const KV_T *k_head, const KV_T *v_head,                \
     const int64_t *table, int64_t len, int64_t heads, int64_t head_dim, int64_t block_size,      \
     float scale) {                                                                               \
     const int64_t chunks = head_dim / 16;                                                        \
+    const int64_t row_bytes = head_dim * (int64_t)sizeof(KV_T) + (EXTRA);                        \
     __m512 acc[MAX_GROUP][16];                                                                   \
     float top[MAX_GROUP], total[MAX_GROUP], rescale[MAX_GROUP];                                  \
     float probs[MAX_GROUP][16] __attribute__((aligned(64)));                                     \
@@ -269,11 +276,11 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
     for (int64_t t0 = 0; t0 < len; t0 += 16) {                                                   \
         const int64_t count = len - t0 < 16 ? len - t0 : 16;                                     \
         const char *key_rows[16], *value_rows[16];                                               \
-        const int64_t next = locate_group((const char *)k_head, (const char *)v_head, sizeof(KV_T), \
-                                          table, t0, len, block_size, head_dim, key_rows, value_rows); \
+        const int64_t next = locate_group((const char *)k_head, (const char *)v_head, row_bytes,  \
+                                          table, t0, len, block_size, key_rows, value_rows);     \
         __m512 partial[MAX_GROUP][16];                                                           \
         for (int j = 0; j < 16; j++) { /* each key row widened once, for every head */           \
-            prefetch_row((const char *)k_head, (const char *)v_head, next, j, head_dim * (int64_t)sizeof(KV_T)); \
+            prefetch_row((const char *)k_head, (const char *)v_head, next, j, row_bytes);         \
             const KV_T *key = (const KV_T *)key_rows[j];                                         \
             __m512 k[16];                                                                        \
             for (int64_t c = 0; c < chunks; c++) k[c] = LOAD(key + 16 * c);                      \
@@ -281,7 +288,7 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
                 const float *q = q_rows + g * head_dim;                                          \
                 __m512 sum = _mm512_mul_ps(load16(q), k[0]);                                     \
                 for (int64_t c = 1; c < chunks; c++) sum = _mm512_fmadd_ps(load16(q + 16 * c), k[c], sum); \
-                partial[g][j] = sum;                                                             \
+                partial[g][j] = (EXTRA) ? _mm512_mul_ps(sum, _mm512_set1_ps(extra_scale(key_rows[j], head_dim))) : sum; \
             }                                                                                    \
         }                                                                                        \
         softmax_group(partial, heads, (__mmask16)((1u << count) - 1u), scale, top, total, probs, rescale); \
@@ -290,10 +297,12 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
                 for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale[g])); \
         for (int64_t j = 0; j < count; j++) {                                                    \
             const KV_T *value = (const KV_T *)value_rows[j];                                     \
+            const float weight = (EXTRA) ? extra_scale(value_rows[j], head_dim) : 1.0f;          \
             for (int64_t c = 0; c < chunks; c++) {                                               \
                 const __m512 v = LOAD(value + 16 * c);                                           \
                 for (int64_t g = 0; g < heads; g++)                                              \
-                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][j]), v, acc[g][c]);      \
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps((EXTRA) ? probs[g][j] * weight : probs[g][j]), \
+                                                v, acc[g][c]);                                   \
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
@@ -304,8 +313,16 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
     }                                                                                            \
 }
 
-DEFINE_ATTEND_VEC(, float, load16)
-DEFINE_ATTEND_VEC(_bf16, uint16_t, load16_bf16)
+/* An int8 row's scale, after its head_dim values (a byte pointer to the row). */
+static inline float extra_scale(const char *row, int64_t head_dim) {
+    float scale;
+    memcpy(&scale, row + head_dim, sizeof scale);
+    return scale;
+}
+
+DEFINE_ATTEND_VEC(, float, load16, 0)
+DEFINE_ATTEND_VEC(_bf16, uint16_t, load16_bf16, 0)
+DEFINE_ATTEND_VEC(_i8, int8_t, load16_i8, 4)
 
 /* With the head size a literal where it is a common one, so the per-chunk loops unroll and
  * the accumulators stay in registers. */
@@ -324,6 +341,7 @@ static void attend_vector##SUFFIX(const float *q_rows, float *out_rows, const KV
 }
 DEFINE_DISPATCH_VEC(, float)
 DEFINE_DISPATCH_VEC(_bf16, uint16_t)
+DEFINE_DISPATCH_VEC(_i8, int8_t)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /*
@@ -363,8 +381,8 @@ static inline __attribute__((always_inline)) void attend_item_dp(
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t count = len - t0 < 16 ? len - t0 : 16;
         const char *key_rows[16], *value_rows[16];
-        const int64_t next = locate_group((const char *)k_head, (const char *)v_head, 2, table, t0, len, block_size,
-                                          head_dim, key_rows, value_rows);
+        const int64_t next = locate_group((const char *)k_head, (const char *)v_head, head_dim * 2, table, t0, len,
+                                          block_size, key_rows, value_rows);
         __m512 partial[MAX_GROUP][16];
         for (int j = 0; j < 16; j++) {
             prefetch_row((const char *)k_head, (const char *)v_head, next, j, head_dim * 2);
@@ -446,8 +464,8 @@ static void paged_decode_attention_dp(
 #define HAS_VECTOR_PATH 0
 #define attend_vector(...) ((void)0)
 #define attend_vector_bf16(...) ((void)0)
+#define attend_vector_i8(...) ((void)0)
 #endif
-#define attend_vector_i8(...) ((void)0) /* int8 rows: the portable path (EXTRA below) */
 
 /* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
 #define DEFINE_ENTRY(SUFFIX, KV_T, EXTRA)                                                        \
@@ -474,7 +492,7 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reductio
         const KV_T *v_head = v_base + kv_head * head_stride;                                     \
         const float *q_rows = q + (seq * num_heads + first_head) * head_dim;                     \
         float *out_rows = out + (seq * num_heads + first_head) * head_dim;                       \
-        if (HAS_VECTOR_PATH && (EXTRA) == 0 && head_dim % 16 == 0 && head_dim <= 256 && heads_per_item <= 16) { \
+        if (HAS_VECTOR_PATH && head_dim % 16 == 0 && head_dim <= 256 && heads_per_item <= 16) {  \
             attend_vector##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item,  \
                                   head_dim, block_size, scale);                                  \
             continue;                                                                            \
