@@ -4,7 +4,8 @@ The client sees only ``cached_tokens``; a tier set's result is explained by the 
 counters: how many prompt tokens each found on its device pool, how many it loaded from a
 lower tier (and from which), and why it computed the rest where a tier might have served it
 (a chunk in no tier, a load the cost model skipped, one that timed out or failed, a write the
-writer dropped). ``snapshot_workers`` asks the router for its workers and each worker for its
+writer dropped). A PD cluster's decode workers also say what the handoff moved: pulls,
+tokens, bytes a token (the --kv-transfer-dtype codec's) and time a pull. ``snapshot_workers`` asks the router for its workers and each worker for its
 ``/load``; ``summarize`` adds them up. Only launched clusters are asked: a URL target may be
 anything.
 """
@@ -45,6 +46,7 @@ def summarize(snapshot: list[dict[str, Any]]) -> dict[str, Any]:
         "loaded_tokens": 0, "chunk_hits": dict.fromkeys(_TIER_MEDIA, 0), "chunk_misses": 0,
         "loads": 0, "loads_skipped_by_cost": 0, "loads_timed_out": 0, "loads_failed": 0,
         "probe_errors": 0, "writes_dropped": 0, "corrupt": 0,
+        "handoff": {"pulls": 0, "tokens_received": 0, "bytes_received": 0, "pull_seconds": 0.0},
     }
     for worker in snapshot:
         load = worker.get("load")
@@ -54,6 +56,13 @@ def summarize(snapshot: list[dict[str, Any]]) -> dict[str, Any]:
         total["prompt_tokens"] += int(load.get("prefix_cache_queries", 0))
         total["device_hit_tokens"] += int(load.get("prefix_cache_hits", 0))
         total["loaded_tokens"] += int(load.get("connector_loaded_tokens", 0))
+        transfer = load.get("kv_transfer") or {}
+        if transfer.get("bytes_received"):  # a decode worker's pulls (prefill workers send)
+            handoff, per_token = total["handoff"], float(transfer.get("bytes_per_token_received") or 0)
+            handoff["pulls"] += int(transfer.get("pulls", 0))
+            handoff["bytes_received"] += int(transfer["bytes_received"])
+            handoff["tokens_received"] += round(transfer["bytes_received"] / per_token) if per_token else 0
+            handoff["pull_seconds"] += float(transfer.get("pull_seconds", 0.0))
         tiers = load.get("kv_tiers") or {}
         for key in ("chunk_misses", "loads", "loads_skipped_by_cost", "loads_timed_out", "loads_failed",
                     "probe_errors"):
@@ -82,4 +91,14 @@ def describe(summary: dict[str, Any]) -> str:
             f"{100 * summary['loaded_tokens'] / prompt:.1f}% of {prompt} prompt tokens"
             + (f"; chunk loads: {hits}" if hits else "")
             + (f"; requests that loaded nothing: {', '.join(computed)}" if computed else "")
-            + (f"; {', '.join(faults)}" if faults else ""))
+            + (f"; {', '.join(faults)}" if faults else "")
+            + describe_handoff(summary.get("handoff") or {}))
+
+
+def describe_handoff(handoff: dict[str, Any]) -> str:
+    """"; handoff: N pulls of T tokens, B bytes a token, M ms a pull" for a PD cluster."""
+    pulls, tokens = handoff.get("pulls", 0), handoff.get("tokens_received", 0)
+    if not pulls or not tokens:
+        return ""
+    return (f"; handoff: {pulls} pulls of {tokens} tokens, {handoff['bytes_received'] / tokens:,.0f} bytes a "
+            f"token ({handoff['bytes_received'] / 2**20:,.1f} MiB), {1000 * handoff['pull_seconds'] / pulls:.0f} ms a pull")

@@ -145,6 +145,7 @@ class Target:
     policy: str | None = None
     session_header: bool | None = None  # None: the --session-header flag
     kv_tiers: TierSet = TierSet()  # policy targets: the KV tiers below the device pool
+    kv_transfer_dtype: str | None = None  # the pd target: its workers' --kv-transfer-dtype
     protocol: str = "chat"  # the wire protocol its turns are sent in (protocol_wire.py)
 
 
@@ -198,14 +199,32 @@ def parse_url_target(text: str) -> Target:
     return Target(name or parsed.netloc, url=url.rstrip("/"))
 
 
+TRANSFER_DTYPES = ("auto", "bfloat16", "int8", "int4")  # `tandem up --kv-transfer-dtype`
+
+
+def parse_transfer_dtypes(text: str) -> list[str | None]:
+    """"auto,int8" -> [None, "int8"]: the pd target once per codec (None: the cache's bytes)."""
+    wanted = [x.strip() for x in text.split(",") if x.strip()] or ["auto"]
+    bad = [x for x in wanted if x not in TRANSFER_DTYPES]
+    if bad or len(set(wanted)) != len(wanted):
+        raise ValueError(f"--kv-transfer-dtypes {text!r}: distinct values of {', '.join(TRANSFER_DTYPES)}")
+    return [None if x == "auto" else x for x in wanted]
+
+
 def plan_targets(urls: list[str], launches: list[str], policies: list[str] = (),
-                 tier_sets: list[TierSet] = (TierSet(),)) -> list[Target]:
+                 tier_sets: list[TierSet] = (TierSet(),), transfer_dtypes: list[str | None] = (None,)) -> list[Target]:
     """Launched targets first (tandem before vllm: tandem is the reference), then the URLs."""
     wanted = {x.strip() for item in launches for x in item.split(",") if x.strip()}
     bad = wanted - set(LAUNCHABLE)
     if bad:
         raise ValueError(f"--launch {', '.join(sorted(bad))}: choose from {', '.join(LAUNCHABLE)}")
-    targets = [Target(engine, launch=engine) for engine in LAUNCHABLE if engine in wanted]
+    if list(transfer_dtypes) != [None] and "pd" not in wanted:
+        raise ValueError("--kv-transfer-dtypes measures the pd target's handoff: add --launch pd")
+    targets = []
+    for engine in (e for e in LAUNCHABLE if e in wanted):
+        dtypes = transfer_dtypes if engine == "pd" else [None]
+        targets += [Target(f"{engine}@{dtype}" if dtype else engine, launch=engine, kv_transfer_dtype=dtype)
+                    for dtype in dtypes]
     targets += [parse_url_target(u) for u in urls]
     targets += plan_policy_targets(policies, tier_sets)
     if not targets:
@@ -451,6 +470,8 @@ def build_server(
         else:
             cmd = cluster_command(args, port, target.launch, target.policy)
             cmd += tier_flags(args, target.kv_tiers, log_dir / f"{safe}-disk")
+            if target.kv_transfer_dtype:
+                cmd += ["--kv-transfer-dtype", target.kv_transfer_dtype]
             # The router's usage ledger goes with the run's logs, not into the working directory.
             cmd += ["--ledger", str(log_dir / f"{safe}-usage.sqlite3"), "--log-dir", str(log_dir / safe)]
         env = dict(os.environ)
@@ -632,7 +653,7 @@ def tier_lines(outcomes: list[TargetOutcome]) -> list[str]:
     """For tier-set targets: where each one's cached prompt tokens came from."""
     lines = []
     for outcome in outcomes:
-        if outcome.workers and "/" in outcome.name:
+        if outcome.workers and ("/" in outcome.name or outcome.name.startswith("pd")):
             lines.append(f"{outcome.name}: {describe_cluster(summarize_cluster(outcome.workers))}")
     return lines
 
@@ -649,7 +670,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # httpx logs every request at INFO: thousands of lines that would bury the progress bar
     httpx_logger = logging.getLogger("httpx")
     httpx_logger.setLevel(max(httpx_logger.getEffectiveLevel(), logging.WARNING))
-    planned = plan_targets(args.url, args.launch, args.policies, parse_tier_sets(args.kv_tier_sets))
+    planned = plan_targets(args.url, args.launch, args.policies, parse_tier_sets(args.kv_tier_sets),
+                           parse_transfer_dtypes(args.kv_transfer_dtypes))
     protocols = parse_protocols(args.protocol)
     interleaved = args.interleave_protocols and len(protocols) > 1
     # Interleaved: each target runs once with every protocol in it, and is reported as if

@@ -59,6 +59,13 @@ TARGET_FLAGS = FlagTable("targets", (
         "int4) and :SIZE (its own CPU tier), e.g. cpu:240MiB,cpu@int8:120MiB (default: off)",
     ),
     Flag(
+        "--kv-transfer-dtypes", default="auto", metavar="LIST",
+        help="run the --launch pd target once per PD handoff codec (its workers' "
+        "--kv-transfer-dtype): auto (the cache's own bytes), bfloat16, int8, int4, "
+        "comma-separated; each target's report line says the handoff's bytes a token and "
+        "time a pull (default: auto)",
+    ),
+    Flag(
         "--kv-tier-cpu-bytes", default="2GiB", metavar="SIZE",
         help="CPU-memory tier per worker in tier sets with cpu (default: 2GiB)",
     ),

@@ -473,3 +473,32 @@ def test_a_tier_set_can_keep_its_chunks_in_int8_in_a_cpu_tier_of_its_own_size(tm
     assert "--kv-tier-dtype" not in commands[0]
     assert commands[1][commands[1].index("--kv-tier-dtype") + 1] == "int8"
     assert commands[1][commands[1].index("--log-dir") + 1] == str(tmp_path / "kv_aware-cpu-int8-120MiB")
+
+
+def test_the_pd_target_runs_once_per_handoff_codec_and_reports_its_bytes(tmp_path: Path) -> None:
+    """--launch pd --kv-transfer-dtypes auto,int8,int4: three pd clusters, each started with its
+    codec, and the report line of each says what its decode worker's pulls moved."""
+    from tandem.bench.cluster_stats import describe, summarize
+    from tandem.bench.serve import LaunchContext, build_server, parse_transfer_dtypes
+
+    dtypes = parse_transfer_dtypes("auto,int8,int4")
+    assert dtypes == [None, "int8", "int4"]
+    for bad in ("int3", "int8,int8"):
+        with pytest.raises(ValueError):
+            parse_transfer_dtypes(bad)
+    with pytest.raises(ValueError, match="--launch pd"):
+        plan_targets([], ["colocated"], [], transfer_dtypes=dtypes)
+    targets = plan_targets([], ["colocated,pd"], [], transfer_dtypes=dtypes)
+    assert [t.name for t in targets] == ["colocated", "pd", "pd@int8", "pd@int4"]
+    args = _args("--launch", "pd")
+    commands = [build_server(t, args, LaunchContext(), tmp_path).command for t in targets]
+    assert ["--kv-transfer-dtype" in c for c in commands] == [False, False, True, True]
+    assert commands[3][commands[3].index("--kv-transfer-dtype") + 1] == "int4"
+
+    decode = {"prefix_cache_queries": 1000, "prefix_cache_hits": 0, "connector_loaded_tokens": 0,
+              "kv_transfer": {"pulls": 4, "bytes_received": 640 * 12240, "bytes_per_token_received": 12240.0,
+                              "pull_seconds": 0.2}}
+    prefill = {"prefix_cache_queries": 1000, "kv_transfer": {"bytes_sent": 640 * 12240, "pulls": 0}}
+    line = describe(summarize([{"url": "d", "load": decode}, {"url": "p", "load": prefill}]))
+    assert line.endswith("; handoff: 4 pulls of 640 tokens, 12,240 bytes a token (7.5 MiB), 50 ms a pull")
+    assert "handoff" not in describe(summarize([{"url": "p", "load": prefill}]))
