@@ -87,12 +87,14 @@ def describe(summary: dict[str, Any]) -> str:
     faults = [f"{summary[k]} {label}" for k, label in (
         ("writes_dropped", "writes dropped"), ("corrupt", "corrupt chunks"),
         ("probe_errors", "probe errors"), ("unreachable", "workers unreachable")) if summary[k]]
-    return (f"device {100 * summary['device_hit_tokens'] / prompt:.1f}% + tiers "
+    handoff = summary.get("handoff") or {}
+    loaded = "handoff" if handoff.get("pulls") and not any(summary["chunk_hits"].values()) else "tiers"
+    return (f"device {100 * summary['device_hit_tokens'] / prompt:.1f}% + {loaded} "
             f"{100 * summary['loaded_tokens'] / prompt:.1f}% of {prompt} prompt tokens"
             + (f"; chunk loads: {hits}" if hits else "")
             + (f"; requests that loaded nothing: {', '.join(computed)}" if computed else "")
             + (f"; {', '.join(faults)}" if faults else "")
-            + describe_handoff(summary.get("handoff") or {}))
+            + describe_handoff(handoff))
 
 
 def describe_handoff(handoff: dict[str, Any]) -> str:

@@ -221,9 +221,11 @@ def plan_targets(urls: list[str], launches: list[str], policies: list[str] = (),
     if list(transfer_dtypes) != [None] and "pd" not in wanted:
         raise ValueError("--kv-transfer-dtypes measures the pd target's handoff: add --launch pd")
     targets = []
+    compared = list(transfer_dtypes) != [None]  # then every pd target hands off over tcp
     for engine in (e for e in LAUNCHABLE if e in wanted):
         dtypes = transfer_dtypes if engine == "pd" else [None]
-        targets += [Target(f"{engine}@{dtype}" if dtype else engine, launch=engine, kv_transfer_dtype=dtype)
+        targets += [Target(f"{engine}@{dtype}" if dtype else engine, launch=engine,
+                           kv_transfer_dtype=(dtype or "auto") if compared and engine == "pd" else None)
                     for dtype in dtypes]
     targets += [parse_url_target(u) for u in urls]
     targets += plan_policy_targets(policies, tier_sets)
@@ -470,8 +472,10 @@ def build_server(
         else:
             cmd = cluster_command(args, port, target.launch, target.policy)
             cmd += tier_flags(args, target.kv_tiers, log_dir / f"{safe}-disk")
-            if target.kv_transfer_dtype:
-                cmd += ["--kv-transfer-dtype", target.kv_transfer_dtype]
+            if target.kv_transfer_dtype:  # a codec shapes the bytes that cross a socket: one
+                cmd += ["--kv-transfer", "tcp"]  # host's shared-memory copy is always raw
+                if target.kv_transfer_dtype != "auto":
+                    cmd += ["--kv-transfer-dtype", target.kv_transfer_dtype]
             # The router's usage ledger goes with the run's logs, not into the working directory.
             cmd += ["--ledger", str(log_dir / f"{safe}-usage.sqlite3"), "--log-dir", str(log_dir / safe)]
         env = dict(os.environ)

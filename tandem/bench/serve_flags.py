@@ -62,8 +62,9 @@ TARGET_FLAGS = FlagTable("targets", (
         "--kv-transfer-dtypes", default="auto", metavar="LIST",
         help="run the --launch pd target once per PD handoff codec (its workers' "
         "--kv-transfer-dtype): auto (the cache's own bytes), bfloat16, int8, int4, "
-        "comma-separated; each target's report line says the handoff's bytes a token and "
-        "time a pull (default: auto)",
+        "comma-separated; these pd clusters hand off over tcp (a shared-memory copy is "
+        "always raw), and each one's report line says the handoff's bytes a token and time a "
+        "pull (default: auto)",
     ),
     Flag(
         "--kv-tier-cpu-bytes", default="2GiB", metavar="SIZE",

@@ -494,6 +494,9 @@ def test_the_pd_target_runs_once_per_handoff_codec_and_reports_its_bytes(tmp_pat
     commands = [build_server(t, args, LaunchContext(), tmp_path).command for t in targets]
     assert ["--kv-transfer-dtype" in c for c in commands] == [False, False, True, True]
     assert commands[3][commands[3].index("--kv-transfer-dtype") + 1] == "int4"
+    assert ["--kv-transfer" in c for c in commands] == [False, True, True, True]  # tcp: shm is raw
+    plain = build_server(plan_targets([], ["pd"])[0], args, LaunchContext(), tmp_path).command
+    assert "--kv-transfer" not in plain
 
     decode = {"prefix_cache_queries": 1000, "prefix_cache_hits": 0, "connector_loaded_tokens": 0,
               "kv_transfer": {"pulls": 4, "bytes_received": 640 * 12240, "bytes_per_token_received": 12240.0,
@@ -501,4 +504,5 @@ def test_the_pd_target_runs_once_per_handoff_codec_and_reports_its_bytes(tmp_pat
     prefill = {"prefix_cache_queries": 1000, "kv_transfer": {"bytes_sent": 640 * 12240, "pulls": 0}}
     line = describe(summarize([{"url": "d", "load": decode}, {"url": "p", "load": prefill}]))
     assert line.endswith("; handoff: 4 pulls of 640 tokens, 12,240 bytes a token (7.5 MiB), 50 ms a pull")
+    assert line.startswith("device 0.0% + handoff 0.0%")
     assert "handoff" not in describe(summarize([{"url": "p", "load": prefill}]))
