@@ -14,6 +14,7 @@ from typing import Any
 from tandem.checkpoint_quantization import WeightQuantization
 from tandem.platform.device import resolve_device, resolve_dtype
 from tandem.sizing.experts import expert_layout
+from tandem.sizing.kv import KV_INT8_SCALE_BYTES  # noqa: F401 - the int8 row's scale, for the engine
 from tandem.sizing.shape import MLAShape, read_decoder_dims
 from tandem.sizing.units import parse_memory_size  # noqa: F401 - the config's size flags parse with it
 
@@ -32,7 +33,6 @@ SUPPORTED_ARCHITECTURES = (
 TEXT_BACKBONES = {"KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.")}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # the cache's rows: the model's dtype, float8 e4m3, int8 + a scale
-KV_INT8_SCALE_BYTES = 4  # an int8 cache row's fp32 scale, after its values (kernels/kv_format.py)
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -23,8 +23,9 @@ attention_chunk_size tokens per sequence; the plan counts every layer in full, a
 
 from __future__ import annotations
 
-from tandem.config import KV_INT8_SCALE_BYTES
 from tandem.sizing.shape import DTYPE_BYTES, ModelShape
+
+KV_INT8_SCALE_BYTES = 4  # an int8 cache row's fp32 scale, after its values (kernels/kv_format.py)
 
 
 def kv_rows_per_token_per_layer(shape: ModelShape, tp: int) -> int:
