@@ -13,6 +13,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -211,6 +212,32 @@ def test_corrupted_transfer_and_dead_prefill_worker(workers: tuple[LiveServer, L
     assert decode.wait_idle()["kv_blocks_used"] == 0
 
 
+@contextmanager
+def _pd_pair(tmp_path, prefill_args: tuple[str, ...],  # noqa: ANN001
+             decode_args: tuple[str, ...]) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """A prefill and a decode worker of their own (tcp handoff), stopped cleanly afterwards."""
+    prefill = start_server(tmp_path / "prefill.log", "--role", "prefill", *prefill_args, secret=TEST_SECRET)
+    try:
+        decode = start_server(tmp_path / "decode.log", "--role", "decode", *decode_args, secret=TEST_SECRET)
+    except Exception:
+        stop_server(prefill)
+        raise
+    try:
+        yield prefill, decode
+    finally:
+        for server in (prefill, decode):
+            assert not stop_server(server)
+
+
+def _hand_off(prefill: LiveServer, decode: LiveServer, question: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A greedy 16-token chat prefilled on one worker and decoded on the other: (handle, reply)."""
+    body = {"model": MODEL, "messages": _messages(question), "temperature": 0, "max_tokens": 16}
+    handle = _prefill(prefill, body)["kv_transfer_params"]
+    reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
+                                                          "emit_first_token": True}})
+    return handle, reply
+
+
 def test_the_prompt_kv_travels_in_8_bits_when_the_decode_worker_asks(tmp_path) -> None:  # noqa: ANN001
     """`--kv-transfer-dtype int8` on the decode worker, over tcp (no shared memory): the prefill
     worker sends 8-bit blocks with their scales, and both count the bytes (/load, /metrics)."""
@@ -220,18 +247,8 @@ def test_the_prompt_kv_travels_in_8_bits_when_the_decode_worker_asks(tmp_path) -
 
     from tandem.kvcache.codec import KVCodec
 
-    prefill = start_server(tmp_path / "prefill.log", "--role", "prefill", *WORKER_ARGS, secret=TEST_SECRET)
-    try:
-        decode = start_server(tmp_path / "decode.log", "--role", "decode", "--kv-transfer-dtype", "int8",
-                              *WORKER_ARGS, secret=TEST_SECRET)
-    except Exception:
-        stop_server(prefill)
-        raise
-    try:
-        body = {"model": MODEL, "messages": _messages("Tell me about Porto."), "temperature": 0, "max_tokens": 16}
-        handle = _prefill(prefill, body)["kv_transfer_params"]
-        reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
-                                                              "emit_first_token": True}})
+    with _pd_pair(tmp_path, WORKER_ARGS, ("--kv-transfer-dtype", "int8", *WORKER_ARGS)) as (prefill, decode):
+        handle, reply = _hand_off(prefill, decode, "Tell me about Porto.")
         handed = len(handle["block_hashes"])
         assert reply["kv_transfer_params"]["adopted_blocks"] == handed
         assert reply["usage"]["completion_tokens"] == 16
@@ -247,29 +264,16 @@ def test_the_prompt_kv_travels_in_8_bits_when_the_decode_worker_asks(tmp_path) -
         found = re.search(r"^tandem:kv_transfer_bytes_received_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
         assert found and float(found[1]) == int8_bytes
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
-    finally:
-        for server in (prefill, decode):
-            assert not stop_server(server)
 
 
 def test_int8_caches_hand_off_their_prompt_in_4_bits(tmp_path) -> None:  # noqa: ANN001
-    """`--kv-cache-dtype int8` on both workers (the layouts must match) and `--kv-transfer-dtype
+    """`--kv-cache-dtype int8` on both workers and `--kv-transfer-dtype
     int4` on the decode worker: the prefill worker encodes its rows' values (not their scale
     bytes) in 4 bits, 36 bytes a row of 64 against the cache's 68, and the decode worker rounds
     them into rows again and goes on from them."""
     int8 = ("--kv-cache-dtype", "int8", *WORKER_ARGS)
-    prefill = start_server(tmp_path / "prefill.log", "--role", "prefill", *int8, secret=TEST_SECRET)
-    try:
-        decode = start_server(tmp_path / "decode.log", "--role", "decode", "--kv-transfer-dtype", "int4", *int8,
-                              secret=TEST_SECRET)
-    except Exception:
-        stop_server(prefill)
-        raise
-    try:
-        body = {"model": MODEL, "messages": _messages("Tell me about Lisbon."), "temperature": 0, "max_tokens": 16}
-        handle = _prefill(prefill, body)["kv_transfer_params"]
-        reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
-                                                              "emit_first_token": True}})
+    with _pd_pair(tmp_path, int8, ("--kv-transfer-dtype", "int4", *int8)) as (prefill, decode):
+        handle, reply = _hand_off(prefill, decode, "Tell me about Lisbon.")
         handed = len(handle["block_hashes"])
         assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
         assert reply["usage"]["completion_tokens"] == 16
@@ -277,33 +281,17 @@ def test_int8_caches_hand_off_their_prompt_in_4_bits(tmp_path) -> None:  # noqa:
         received, sent = _counters(decode), _counters(prefill)
         assert received["bytes_received"] == sent["bytes_sent"] == rows * (32 + 4)
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
-    finally:
-        for server in (prefill, decode):
-            assert not stop_server(server)
 
 
 def test_an_fp32_prefill_worker_hands_off_to_an_int8_decode_worker(tmp_path) -> None:  # noqa: ANN001
     """Cache dtypes may differ across the handoff: the prefill worker keeps fp32 rows and sends
     them raw (256 bytes a row of 64), the decode worker keeps int8 rows (68 bytes) and rounds
     what it received into them, adopting every block instead of recomputing the prompt."""
-    prefill = start_server(tmp_path / "prefill.log", "--role", "prefill", *WORKER_ARGS, secret=TEST_SECRET)
-    try:
-        decode = start_server(tmp_path / "decode.log", "--role", "decode", "--kv-cache-dtype", "int8",
-                              *WORKER_ARGS, secret=TEST_SECRET)
-    except Exception:
-        stop_server(prefill)
-        raise
-    try:
-        body = {"model": MODEL, "messages": _messages("Tell me about Porto."), "temperature": 0, "max_tokens": 16}
-        handle = _prefill(prefill, body)["kv_transfer_params"]
-        reply = _post(decode, {**body, "kv_transfer_params": {**handle, "do_remote_prefill": True,
-                                                              "emit_first_token": True}})
+    with _pd_pair(tmp_path, WORKER_ARGS, ("--kv-cache-dtype", "int8", *WORKER_ARGS)) as (prefill, decode):
+        handle, reply = _hand_off(prefill, decode, "Tell me about Porto.")
         handed = len(handle["block_hashes"])
         assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
         assert reply["usage"]["completion_tokens"] == 16
         rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
         assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == rows * 64 * 4
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
-    finally:
-        for server in (prefill, decode):
-            assert not stop_server(server)
