@@ -42,9 +42,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.kv_format import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
+from tandem.kernels.kv_format import (
+    INT8_SCALE_BYTES,
+    ROTATION_GROUP,
+    dequantize_rows,
+    quantize_rows,
+    rotate_runs,
+)
 
-GROUP = 64  # values sharing one scale, along the head dimension
+GROUP = ROTATION_GROUP  # values sharing one scale (and rotated together), along the head dimension
 CODECS = ("raw", "bfloat16", "int8", "int4")
 _LEVELS = {"int8": 127, "int4": 7}
 
@@ -152,28 +158,14 @@ def group_size(head_dim: int) -> int:
 
 
 def rotate(runs: torch.Tensor) -> torch.Tensor:
-    """Each run (last dimension) times the normalized Sylvester-Hadamard matrix of its length,
-    its own inverse, where the length is a power of two: an orthonormal rotation that spreads
-    a few large channels over all of a run's values, so that one scale fits them. On the
-    default model, 4-bit KV through every cached value cost +5.15% perplexity without it and
-    +1.62% with it; 8 bits +0.03% / +0.02%. Other lengths are left as they are."""
+    """Each run (last dimension) rotated by the normalized Hadamard matrix of its length, its
+    own inverse, where the length is a power of two (kernels/kv_format.py, which the int8 cache
+    shares): an orthonormal rotation that spreads a few large channels over all of a run's
+    values, so that one scale fits them. On the default model, 4-bit KV through every cached
+    value cost +5.15% perplexity without it and +1.62% with it; 8 bits +0.03% / +0.02%. Other
+    lengths are left as they are."""
     size = runs.shape[-1]
-    if size & (size - 1):
-        return runs
-    return runs @ _hadamard(size)
-
-
-_HADAMARD: dict[int, torch.Tensor] = {}
-
-
-def _hadamard(size: int) -> torch.Tensor:
-    matrix = _HADAMARD.get(size)
-    if matrix is None:
-        matrix = torch.ones(1, 1)
-        while matrix.shape[0] < size:
-            matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
-        matrix = _HADAMARD.setdefault(size, matrix / size**0.5)
-    return matrix
+    return runs if size & (size - 1) else rotate_runs(runs)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

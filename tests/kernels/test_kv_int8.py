@@ -14,8 +14,12 @@ from tandem.kernels.cpu_attention import CpuAttentionBackend, PagedDecodeKernel
 from tandem.kernels.kv_format import (
     INT8_SCALE_BYTES,
     dequantize_rows,
+    hadamard,
     head_dim_of,
     quantize_rows,
+    rotate_rows,
+    rotated_values,
+    rotation_size,
     stored_row_width,
 )
 from tandem.kernels.torch_attention import TorchAttentionBackend
@@ -50,18 +54,47 @@ def isa_kernel(request: pytest.FixtureRequest, kernel: PagedDecodeKernel,
 
 
 def test_a_row_keeps_its_scale_and_rounds_to_half_a_step() -> None:
+    """In the rotated domain the rows are stored in: each value within half a step of the
+    rotated row's, the largest at 127; a zero row reads back as zeros."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 64, generator=generator) * torch.tensor([0.01, 1.0, 300.0]).view(1, 3, 1)
     rows = quantize_rows(x)
     assert rows.dtype == torch.uint8 and rows.shape == (5, 3, 64 + INT8_SCALE_BYTES)
-    back = dequantize_rows(rows, torch.float32)
-    step = x.abs().amax(-1, keepdim=True) / 127
-    assert (back - x).abs().le(step / 2 + 1e-6 * step).all()  # each value within half a step
+    rotated = rotate_rows(x)
+    step = rotated.abs().amax(-1, keepdim=True) / 127
+    assert (rotated_values(rows) - rotated).abs().le(step / 2 + 1e-5 * step).all()
     assert (rows[..., :64].view(torch.int8).abs().amax(-1) == 127).all()  # the largest maps to 127
+    # The rotation is its own inverse, so reading back is within the same error's length.
+    back = dequantize_rows(rows, torch.float32)
+    assert ((back - x).norm(dim=-1) <= (step.squeeze(-1) / 2) * 64**0.5 * (1 + 1e-5)).all()
     zeros = dequantize_rows(quantize_rows(torch.zeros(2, 8)), torch.bfloat16)
     assert zeros.dtype == torch.bfloat16 and not zeros.any()
     assert stored_row_width(64, torch.uint8) == 68 and stored_row_width(64, torch.bfloat16) == 64
     assert head_dim_of(torch.empty(kv_cache_shape(2, 4, 1, 68), dtype=torch.uint8)) == 64
+
+
+def test_an_outlier_channel_does_not_take_the_row_s_scale() -> None:
+    """Qwen2.5's keys have a few channels ~50x the rest. Unrotated, such a channel sets the
+    row's scale and the others round to a few levels; rotated, its weight is spread over the
+    run of 64, and the other channels come back several times closer."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 2, 128, generator=generator)
+    x[..., 5] *= 50.0
+    x[..., 70] *= -40.0
+    others = torch.ones(128, dtype=torch.bool)
+    others[[5, 70]] = False
+    error = (dequantize_rows(quantize_rows(x), torch.float32) - x)[..., others].pow(2).mean().sqrt()
+    top = x.abs().amax(-1, keepdim=True)
+    unrotated = ((x * 127 / top).round() * top / 127 - x)[..., others].pow(2).mean().sqrt()
+    assert error < unrotated / 3, (float(error), float(unrotated))
+
+
+def test_rotation_sizes() -> None:
+    assert [rotation_size(d) for d in (64, 128, 192, 576, 32, 16, 80, 96)] == [64, 64, 64, 64, 32, 16, 0, 0]
+    x = torch.randn(3, 96)  # no rotation: rows round as they are
+    assert torch.equal(rotate_rows(x), x)
+    h = hadamard(64)
+    torch.testing.assert_close(h @ h, torch.eye(64), rtol=0, atol=1e-6)
 
 
 def _int8_cache(num_blocks, block, kv_heads, dim, generator) -> torch.Tensor:

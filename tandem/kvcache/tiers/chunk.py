@@ -34,7 +34,9 @@ import xxhash
 from tandem.kvcache.transfer.base import writer_layout
 
 MAGIC = b"TKVC"
-FORMAT_VERSION = 1
+# 2: an int8 cache's rows hold their values rotated (kernels/kv_format.py); a version-1 chunk
+# of int8 rows would read back as other values, so it is refused as any older format is.
+FORMAT_VERSION = 2
 _PREAMBLE = struct.Struct("<4sHI")  # magic, version, header length
 _DIGEST_BYTES = 16
 
