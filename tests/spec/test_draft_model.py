@@ -71,6 +71,17 @@ def test_the_target_drafting_for_itself_is_accepted_and_changes_nothing(plain: l
     assert stats.acceptance_rate > 0.9  # a draft reading stale or misplaced KV would miss far more
 
 
+def test_a_draft_keeps_its_own_cache_beside_an_int8_target_s() -> None:
+    """The target's cache is int8 rows; the draft's is in its model's dtype, so the draft runs
+    as it would beside a float target and the tokens are the int8 target's own."""
+    with LLM(kv_cache_memory="128MiB", kv_cache_dtype="int8") as llm:
+        want = chat(llm)
+    with LLM(kv_cache_memory="128MiB", kv_cache_dtype="int8", speculative_config=draft("smollm2-135m")) as llm:
+        assert chat(llm) == want
+        stats = llm.engine.core.speculator.stats
+    assert stats.num_draft_tokens > 40 and stats.acceptance_rate > 0.8
+
+
 @pytest.mark.parametrize("weights, least", [("none", 0.97), ("int4", 0.6)])
 def test_a_decode_catches_up_only_on_what_its_guesses_did_not_write(plain: list[list[int]], weights: str,
                                                                      least: float) -> None:
