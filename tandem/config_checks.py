@@ -52,9 +52,10 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
     as they load it), and no connector moves it yet (their codecs read float caches); int8 rows
     with their scales (tandem/kernels/kv_format.py) only the CPU backends read (the C decode
     kernel and the torch path); the PD handoff over tcp and the tiers move them (to and from
-    caches of any dtype: the reader rounds what it receives into its rows), not yet a
-    shared-memory cache. Speculative decoding takes it: the target's cache is int8, a draft
-    model or Eagle head keeps its own cache in the model's dtype."""
+    caches of any dtype: the reader rounds what it receives into its rows; a shared-memory
+    copy only between two int8 caches, a float reader asks over the port). Speculative
+    decoding takes it: the target's cache is int8, a draft model or Eagle head keeps its own
+    cache in the model's dtype."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return
@@ -65,8 +66,6 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
         if config.load.device != "cpu" or backend not in ("auto", "cpu", "torch"):
             raise ValueError("--kv-cache-dtype int8 runs on the CPU attention backends (cpu, torch); "
                              "on a GPU use fp8")
-        if config.kv_transfer.shared_memory:
-            raise ValueError("--kv-cache-dtype int8 does not yet work with a shared-memory KV cache")
         return
     if not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
         raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "

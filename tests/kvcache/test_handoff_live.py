@@ -295,3 +295,34 @@ def test_an_fp32_prefill_worker_hands_off_to_an_int8_decode_worker(tmp_path) -> 
         rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
         assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == rows * 64 * 4
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_int8_caches_hand_off_through_shared_memory(tmp_path) -> None:  # noqa: ANN001
+    """Both workers keep int8 rows and the prefill worker's cache is a shared-memory file: the
+    decode worker copies the rows, scales and all, 68 bytes a row of 64, from the file."""
+    int8 = ("--kv-cache-dtype", "int8", *WORKER_ARGS)
+    with _pd_pair(tmp_path, ("--kv-transfer-shm", *int8), int8) as (prefill, decode):
+        handle, reply = _hand_off(prefill, decode, "Tell me about Braga.")
+        handed = len(handle["block_hashes"])
+        assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
+        assert reply["usage"]["completion_tokens"] == 16
+        rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
+        assert _counters(decode)["bytes_received"] == rows * 68
+        assert _counters(prefill)["bytes_sent"] == 0  # copied from the file, not sent over the port
+        assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_caches_of_two_dtypes_on_one_host_hand_off_over_the_port(tmp_path) -> None:  # noqa: ANN001
+    """A shared-memory copy is the source's rows as they are, so an fp32 decode worker does not
+    copy an int8 prefill worker's file: it asks for the blocks over the port, which turns them
+    into its rows (256 bytes a row of 64), and adopts every one."""
+    with _pd_pair(tmp_path, ("--kv-transfer-shm", "--kv-cache-dtype", "int8", *WORKER_ARGS), WORKER_ARGS) as (
+            prefill, decode):
+        handle, reply = _hand_off(prefill, decode, "Tell me about Faro.")
+        handed = len(handle["block_hashes"])
+        assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
+        assert reply["usage"]["completion_tokens"] == 16
+        rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
+        assert _counters(decode)["pull_failures"] == 0
+        assert _counters(prefill)["bytes_sent"] == rows * 68  # the int8 rows, over the port
+        assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0

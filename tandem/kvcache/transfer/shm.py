@@ -9,7 +9,9 @@ source frees leased blocks only after the lease ended, so if it still lives afte
 the copy is the leased data; if it ended (expired), the blocks may have been reused and the
 copy is thrown away. A source with no file (started without --kv-transfer-shm) answers with
 the bytes instead, as TCP would; a file that is not on this host (the source is elsewhere)
-makes this reader use TCP with that source from then on.
+makes this reader use TCP with that source from then on. A file whose rows are of another
+cache dtype (an int8 prefill worker, an fp32 decode worker) is not copied: those blocks come
+over the port, which rounds them into this reader's rows.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class ShmTransport:
             blocks = receiver.blocks(handle, reply, indices)
             self.last_nbytes = receiver.nbytes
             return blocks
-        tcp.expect_blocks(handle, reply.header, indices, self.layout, same_dtype=True)  # its rows, as they are
+        writer = tcp.expect_blocks(handle, reply.header, indices, self.layout)
+        if writer != self.layout:  # its rows are of another cache dtype: a copy would not be ours
+            return self._over_tcp(handle, indices, timeout)  # the port converts them
         source = self._mapping(reply.header)
         if source is None:
             self._remote.add(handle.address)
