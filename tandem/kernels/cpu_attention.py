@@ -25,7 +25,6 @@ import torch
 from tandem.kernels.base import AttentionMetadata
 from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
 from tandem.kernels.cpu_prefill import PrefillAttentionKernel
-from tandem.kernels.kv_format import rotate_rows
 from tandem.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -72,11 +71,9 @@ class PagedDecodeKernel:
         cache, quantized here) with rows of one token contiguous."""
         num_tokens, num_kv_heads, head_dim = key.shape
         _, _, num_blocks, block_size, _ = kv_cache.shape
-        if kv_cache.dtype == torch.uint8:
-            # The kernel rounds rows as it is given them: give it the rows rotated (kv_format.py).
-            key, value = rotate_rows(key.float()), rotate_rows(value.float())
+        if kv_cache.dtype == torch.uint8:  # rotated and rounded in C (kv_format.py)
             self._write_i8(
-                key.data_ptr(), value.data_ptr(), False, kv_cache.data_ptr(), slots.data_ptr(),
+                key.data_ptr(), value.data_ptr(), key.dtype == torch.bfloat16, kv_cache.data_ptr(), slots.data_ptr(),
                 num_tokens, key.stride(0), value.stride(0), num_kv_heads, head_dim, num_blocks * block_size,
                 torch.get_num_threads(),
             )
@@ -99,19 +96,8 @@ class PagedDecodeKernel:
         context_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
         """q [seqs, heads, dim] (`takes_query`) -> out [seqs, heads, dim] in q's dtype,
-        contiguous, from an fp32, bf16 or int8 cache; tables and lengths contiguous."""
-        if kv_cache.dtype == torch.uint8:
-            # The rows hold rotated keys and values: a rotated query meets them, and the output,
-            # a weighted sum of rotated values, is rotated back (kv_format.py).
-            out = self._attend_rows(rotate_rows(q.float()), kv_cache, block_tables, context_lens, scale)
-            return rotate_rows(out).to(q.dtype)
-        return self._attend_rows(q, kv_cache, block_tables, context_lens, scale)
-
-    def _attend_rows(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-        context_lens: torch.Tensor, scale: float,
-    ) -> torch.Tensor:
-        """The kernel itself: `__call__` on rows as they are stored."""
+        contiguous, from an fp32, bf16 or int8 cache (whose rotated rows the kernel meets with
+        a rotated query, kv_format.py); tables and lengths contiguous."""
         num_seqs, num_heads, head_dim = q.shape
         _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
         group = num_heads // num_kv_heads

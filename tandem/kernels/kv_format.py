@@ -17,8 +17,10 @@ which Qwen2.5's keys have, would otherwise take the row's scale and round every 
 to a handful of levels. Rotated, their weight is spread over the run. On Qwen2.5-Coder-0.5B
 this took the int8 cache from +2.90% perplexity to +0.64% (SmolLM2: +0.12% to +0.06%). The
 stored values stay rotated: `dequantize_rows` rotates back (the matrix is its own inverse), and
-the C decode kernel reads them as they are, given a rotated query, since q.k = Rq.Rk, and its
-output, a weighted sum of rotated values, is rotated back after it.
+the C decode kernel reads them as they are with a rotated query, since q.k = Rq.Rk, and
+rotates its output, a weighted sum of rotated values, back after it. The C kernel and writer
+rotate with butterflies (csrc/paged_decode_attention.c), torch with a matmul: the same
+rotation to a few units in the last place.
 
 The cache tensor is uint8 of shape [planes, kv_heads, num_blocks, block_size, head_dim + 4]
 (tandem/kernels/base.py: kv_cache_shape with the stored row width).

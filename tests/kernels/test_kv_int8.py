@@ -156,8 +156,10 @@ def test_the_c_kernel_reads_int8_rows_as_the_dequantized_reference(isa_kernel, l
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_writer_leaves_the_values_the_torch_writer_does(kernel, dtype) -> None:
     """Keys and values as views into a fused projection, written into scattered slots: the
-    same int8 values, and scales at most one unit in the last place apart (the C library is
-    built with -ffast-math, which may divide by 127 as a multiply)."""
+    same rotated rows to a few units in the last place (the C writer's butterflies sum in
+    another order than the torch writer's matmul, and -ffast-math may divide by 127 as a
+    multiply), so scales within 4 units and int8 values equal but where one lay on a rounding
+    boundary (then one step apart)."""
     generator = torch.Generator().manual_seed(3)
     tokens, kv_heads, dim, block, num_blocks = 21, 3, 64, 16, 6
     fused = (torch.randn(tokens, 5 * kv_heads * dim, generator=generator) * 4).to(dtype)
@@ -170,11 +172,13 @@ def test_the_c_writer_leaves_the_values_the_torch_writer_does(kernel, dtype) -> 
     by_c, by_torch = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
     CpuAttentionBackend(kernel).write_kv(key, value, by_c, meta)
     TorchAttentionBackend().write_kv(key, value, by_torch, meta)
-    assert torch.equal(by_c[..., :dim], by_torch[..., :dim])
-    assert by_c[..., :dim].any()
+    values_c = by_c[..., :dim].view(torch.int8).int()
+    steps = (values_c - by_torch[..., :dim].view(torch.int8).int()).abs()
+    assert steps.max() <= 1 and steps.count_nonzero() <= steps.numel() // 1000
+    assert values_c.abs().max() == 127
     scales_c = by_c[..., dim:].contiguous().view(torch.float32)
     scales_torch = by_torch[..., dim:].contiguous().view(torch.float32)
-    torch.testing.assert_close(scales_c, scales_torch, rtol=2**-23, atol=0)
+    torch.testing.assert_close(scales_c, scales_torch, rtol=2**-21, atol=0)
 
 
 def test_the_torch_paths_read_int8_rows_as_the_dequantized_reference(kernel) -> None:

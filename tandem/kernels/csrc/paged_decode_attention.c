@@ -14,7 +14,10 @@
  * sums q * value in fp32 and multiplies by the key's scale once; a value row is added with
  * its probability times its scale. With AVX-512 it takes the vector path below: each row's
  * 16-value pieces widened from int8 (one instruction each), the key's dot products and the
- * value's weight multiplied by the row's scale.
+ * value's weight multiplied by the row's scale. The rows hold Hadamard-rotated keys and values
+ * (kv_format.py): each work item rotates its query rows before reading them (q.k = Rq.Rk) and
+ * its output rows after (a weighted sum of rotated values), and the int8 writer rotates a row
+ * before rounding it, with the butterflies of `rotate_runs`, so nothing runs around the call.
  *
  * Layout (tandem/kernels/base.py): one layer's cache is [2, kv_heads, num_blocks,
  * block_size, head_dim]; q and out are [num_seqs, num_heads, head_dim]; query head h reads
@@ -26,6 +29,70 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The values an int8 cache rotates together along a row: kv_format.py's rotation_size (64
+ * where the head size is a multiple of it, else the whole head where that is a power of two,
+ * else none). */
+static int64_t int8_rotation(int64_t head_dim) {
+    if (head_dim % 64 == 0) return 64;
+    return (head_dim & (head_dim - 1)) == 0 ? head_dim : 0;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* One butterfly stage inside a vector: lanes whose bit `high` is clear take v + partner,
+ * the others partner - v (partner: the lane `swapped` brings them). */
+static inline __m512 butterfly(__m512 v, __m512 swapped, __mmask16 high) {
+    return _mm512_mask_sub_ps(_mm512_add_ps(v, swapped), high, swapped, v);
+}
+
+/* The four stages of a 16-point Walsh-Hadamard transform, partners 1, 2, 4 and 8 lanes away. */
+static inline __m512 hadamard16(__m512 v) {
+    v = butterfly(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);
+    v = butterfly(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);
+    v = butterfly(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);
+    return butterfly(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);
+}
+
+/* 64 values times the normalized 64-point Hadamard matrix: four vectors of 16, then the two
+ * stages between vectors, then 1/8 (exact). */
+static inline void hadamard64(float *x) {
+    const __m512 r0 = hadamard16(_mm512_loadu_ps(x)), r1 = hadamard16(_mm512_loadu_ps(x + 16));
+    const __m512 r2 = hadamard16(_mm512_loadu_ps(x + 32)), r3 = hadamard16(_mm512_loadu_ps(x + 48));
+    const __m512 s0 = _mm512_add_ps(r0, r1), s1 = _mm512_sub_ps(r0, r1);
+    const __m512 s2 = _mm512_add_ps(r2, r3), s3 = _mm512_sub_ps(r2, r3);
+    const __m512 eighth = _mm512_set1_ps(0.125f);
+    _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_add_ps(s0, s2), eighth));
+    _mm512_storeu_ps(x + 16, _mm512_mul_ps(_mm512_add_ps(s1, s3), eighth));
+    _mm512_storeu_ps(x + 32, _mm512_mul_ps(_mm512_sub_ps(s0, s2), eighth));
+    _mm512_storeu_ps(x + 48, _mm512_mul_ps(_mm512_sub_ps(s1, s3), eighth));
+}
+#endif
+
+/* Each run of `size` values (a power of two) of x[n] times the normalized Sylvester-Hadamard
+ * matrix, in place: log2(size) stages of butterflies (a, b) -> (a + b, a - b), then
+ * 1/sqrt(size). The same rotation as kv_format.py's matmul, summed in another order (so equal
+ * to a few units in the last place, not bitwise). */
+static void rotate_runs(float *x, int64_t n, int64_t size) {
+#if defined(__AVX512F__)
+    if (size == 64) {
+        for (int64_t start = 0; start < n; start += 64) hadamard64(x + start);
+        return;
+    }
+#endif
+    const float norm = 1.0f / sqrtf((float)size);
+    for (int64_t start = 0; start < n; start += size) {
+        float *run = x + start;
+        for (int64_t h = 1; h < size; h *= 2)
+            for (int64_t i = 0; i < size; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = run[j], b = run[j + h];
+                    run[j] = a + b;
+                    run[j + h] = a - b;
+                }
+        for (int64_t i = 0; i < size; i++) run[i] *= norm;
+    }
+}
 
 /* bf16 is the top half of an fp32: widening is a shift. */
 static inline float widen(uint16_t x) {
@@ -467,57 +534,68 @@ static void paged_decode_attention_dp(
 #define attend_vector_i8(...) ((void)0)
 #endif
 
-/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
-#define DEFINE_ENTRY(SUFFIX, KV_T, EXTRA)                                                        \
-int tandem_paged_decode_attention##SUFFIX(                                                       \
-    const float *q, const KV_T *kv_cache, const int64_t *block_tables,                           \
-    const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,                \
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,              \
-    int64_t table_stride, int64_t heads_per_item, float scale, int num_threads) {                \
-    const int64_t group = num_heads / num_kv_heads;                                              \
-    const int64_t slices = group / heads_per_item;                                               \
-    const int64_t items = num_seqs * num_kv_heads * slices;                                      \
-    const int64_t head_stride = num_blocks * block_size * (head_dim + (EXTRA)); /* a kv head's */ \
-    const KV_T *k_base = kv_cache;                                                               \
-    const KV_T *v_base = kv_cache + num_kv_heads * head_stride;                                  \
-    int failed = 0;                                                                              \
-_Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)") \
-    for (int64_t item = 0; item < items; item++) {                                               \
-        const int64_t seq = item / (num_kv_heads * slices);                                      \
-        const int64_t kv_head = (item / slices) % num_kv_heads;                                  \
-        const int64_t first_head = kv_head * group + (item % slices) * heads_per_item;           \
-        const int64_t len = context_lens[seq];                                                   \
-        const int64_t *table = block_tables + seq * table_stride;                                \
-        const KV_T *k_head = k_base + kv_head * head_stride;                                     \
-        const KV_T *v_head = v_base + kv_head * head_stride;                                     \
-        const float *q_rows = q + (seq * num_heads + first_head) * head_dim;                     \
-        float *out_rows = out + (seq * num_heads + first_head) * head_dim;                       \
-        if (HAS_VECTOR_PATH && head_dim % 16 == 0 && head_dim <= 256 && heads_per_item <= 16) {  \
-            attend_vector##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item,  \
-                                  head_dim, block_size, scale);                                  \
-            continue;                                                                            \
-        }                                                                                        \
-        float *scores = malloc(sizeof(float) * (size_t)(heads_per_item * (len > 0 ? len : 1)));  \
-        if (scores == NULL) {                                                                    \
-            failed = 1;                                                                          \
-            continue;                                                                            \
-        }                                                                                        \
-        switch (head_dim) {                                                                      \
-        case 64:                                                                                 \
-            attend_item##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, 64, \
-                                block_size, scale, scores);                                      \
-            break;                                                                               \
-        case 128:                                                                                \
-            attend_item##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, 128, \
-                                block_size, scale, scores);                                      \
-            break;                                                                               \
-        default:                                                                                 \
-            attend_item##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item,    \
-                                head_dim, block_size, scale, scores);                            \
-        }                                                                                        \
-        free(scores);                                                                            \
-    }                                                                                            \
-    return failed ? -1 : 0;                                                                      \
+/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). An int8 cache's
+ * rows are rotated (EXTRA: its scale bytes): each item reads a rotated copy of its query rows
+ * and rotates its output rows back in place. */
+#define DEFINE_ENTRY(SUFFIX, KV_T, EXTRA)                                                          \
+int tandem_paged_decode_attention##SUFFIX(                                                         \
+    const float *q, const KV_T *kv_cache, const int64_t *block_tables,                             \
+    const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,                  \
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,                \
+    int64_t table_stride, int64_t heads_per_item, float scale, int num_threads) {                  \
+    const int64_t group = num_heads / num_kv_heads;                                                \
+    const int64_t slices = group / heads_per_item;                                                 \
+    const int64_t items = num_seqs * num_kv_heads * slices;                                        \
+    const int64_t head_stride = num_blocks * block_size * (head_dim + (EXTRA)); /* a kv head's */  \
+    const int64_t rotation = (EXTRA) ? int8_rotation(head_dim) : 0;                                \
+    const int64_t item_values = heads_per_item * head_dim;                                         \
+    const KV_T *k_base = kv_cache;                                                                 \
+    const KV_T *v_base = kv_cache + num_kv_heads * head_stride;                                    \
+    int failed = 0;                                                                                \
+_Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)")    \
+    for (int64_t item = 0; item < items; item++) {                                                 \
+        const int64_t seq = item / (num_kv_heads * slices);                                        \
+        const int64_t kv_head = (item / slices) % num_kv_heads;                                    \
+        const int64_t first_head = kv_head * group + (item % slices) * heads_per_item;             \
+        const int64_t len = context_lens[seq];                                                     \
+        const int64_t *table = block_tables + seq * table_stride;                                  \
+        const KV_T *k_head = k_base + kv_head * head_stride;                                       \
+        const KV_T *v_head = v_base + kv_head * head_stride;                                       \
+        const float *q_rows = q + (seq * num_heads + first_head) * head_dim;                       \
+        float *out_rows = out + (seq * num_heads + first_head) * head_dim;                         \
+        float rotated_q[rotation ? item_values : 1];                                               \
+        if (rotation) {                                                                            \
+            memcpy(rotated_q, q_rows, sizeof(float) * (size_t)item_values);                        \
+            rotate_runs(rotated_q, item_values, rotation);                                         \
+            q_rows = rotated_q;                                                                    \
+        }                                                                                          \
+        if (HAS_VECTOR_PATH && head_dim % 16 == 0 && head_dim <= 256 && heads_per_item <= 16) {    \
+            attend_vector##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item,    \
+                                  head_dim, block_size, scale);                                    \
+        } else {                                                                                   \
+            float *scores = malloc(sizeof(float) * (size_t)(heads_per_item * (len > 0 ? len : 1)));\
+            if (scores == NULL) {                                                                  \
+                failed = 1;                                                                        \
+                continue;                                                                          \
+            }                                                                                      \
+            switch (head_dim) {                                                                    \
+            case 64:                                                                               \
+                attend_item##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, 64,\
+                                    block_size, scale, scores);                                    \
+                break;                                                                             \
+            case 128:                                                                              \
+                attend_item##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item, 128,\
+                                    block_size, scale, scores);                                    \
+                break;                                                                             \
+            default:                                                                               \
+                attend_item##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item,  \
+                                    head_dim, block_size, scale, scores);                          \
+            }                                                                                      \
+            free(scores);                                                                          \
+        }                                                                                          \
+        if (rotation) rotate_runs(out_rows, item_values, rotation);                                \
+    }                                                                                              \
+    return failed ? -1 : 0;                                                                        \
 }
 
 DEFINE_ENTRY(, float, 0)
@@ -627,17 +705,19 @@ int tandem_decode_attention(
     return status;
 }
 
-/* Store this step's keys and values into an int8 cache (kv_format.py's quantize_rows, the
- * same arithmetic in the same order: the same int8 values, the scale within one unit in its
- * last place, as -ffast-math may divide by a multiply): each
- * (token, kv head) row of fp32 or bf16 (`src_bf16`) values is scaled by 127 over its largest
- * magnitude, rounded to nearest even, and followed by its fp32 scale (largest / 127). Rows
- * of the cache are head_dim + 4 bytes; strides as tandem_write_kv's, in source elements. */
+/* Store this step's keys and values into an int8 cache (kv_format.py's quantize_rows): each
+ * (token, kv head) row of fp32 or bf16 (`src_bf16`) values is rotated (rotate_runs), scaled by
+ * 127 over its largest magnitude, rounded to nearest even, and followed by its fp32 scale
+ * (largest / 127). The rotation's butterflies sum in another order than quantize_rows's
+ * matmul, so a value lying within a few units in the last place of a rounding boundary may
+ * round the other way. Rows of the cache are head_dim + 4 bytes; strides as tandem_write_kv's,
+ * in source elements. */
 void tandem_write_kv_i8(
     const void *key, const void *value, int src_bf16, uint8_t *kv_cache, const int64_t *slots,
     int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_slots, int num_threads) {
     const int64_t row_bytes = head_dim + 4;
+    const int64_t rotation = int8_rotation(head_dim);
     uint8_t *v_base = kv_cache + num_kv_heads * num_slots * row_bytes;
 #pragma omp parallel for schedule(static) num_threads(num_tokens >= 16 ? num_threads : 1)
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -648,10 +728,12 @@ void tandem_write_kv_i8(
             uint8_t *base = plane ? v_base : kv_cache;
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t first = t * stride + h * head_dim;
-                float top = 0.0f;
-                for (int64_t i = 0; i < head_dim; i++) {
+                for (int64_t i = 0; i < head_dim; i++)
                     row[i] = src_bf16 ? bf16_to_float(((const uint16_t *)source)[first + i])
                                       : ((const float *)source)[first + i];
+                if (rotation) rotate_runs(row, head_dim, rotation);
+                float top = 0.0f;
+                for (int64_t i = 0; i < head_dim; i++) {
                     const float magnitude = fabsf(row[i]);
                     top = magnitude > top ? magnitude : top;
                 }
