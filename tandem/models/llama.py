@@ -193,6 +193,9 @@ class LlamaForCausalLM(nn.Module):
         # each forward then leaves them, concatenated, in `aux_hidden` [T, len * hidden].
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
+        # The digest of the key divisors folded into the weights at load ("": none), which the
+        # KV layout declares (models/key_divisors.py).
+        self.key_divisors = ""
         # Small decode steps through every layer in one C call, where the worker attached it
         # (tandem/models/decode_stack.py).
         self.decode_stack: LayerStack | None = None

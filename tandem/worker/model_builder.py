@@ -43,6 +43,7 @@ from tandem.layers.linear import (
 from tandem.layers.moe import attach_expert_gemv
 from tandem.loader.model_loader import build_model, init_dummy_weights, load_weights
 from tandem.models.decode_stack import attach_decode_stack
+from tandem.models.key_divisors import fold_key_divisors
 from tandem.worker.kv_sizing import check_weights_fit
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class ModelBuilder:
             init_dummy_weights(model, load.seed)
         else:
             load_weights(model, hf_dir)
+        self._fold_key_divisors(model)
         small_step = self._small_step_weights()
         q4_kernel = dense_kernel = None
         int4_linears = attach_int4_linear_kernel(model, None)
@@ -148,6 +150,7 @@ class ModelBuilder:
             staged = None
         else:
             staged = load_weights(model, hf_dir, device=self.device)
+        self._fold_key_divisors(model)
         if backend.capabilities.gpu_layer_passes:
             from tandem.kernels.gpu.rms_norm import TritonNorm
             from tandem.kernels.gpu.rotary import TritonRotary
@@ -162,6 +165,14 @@ class ModelBuilder:
             moved = f", {staged / 1e9:.2f} GB through pinned staging at {staged / 1e9 / seconds:.2f} GB/s" if staged else ""
             logger.info("model on %s in %s: %.2f s%s", self.device, load.dtype, seconds, moved)
         return model
+
+    def _fold_key_divisors(self, model: torch.nn.Module) -> None:
+        """Power-of-two key divisors into the query and key rows (models/key_divisors.py),
+        before anything copies the weights; their digest goes into the KV layout."""
+        model.key_divisors = fold_key_divisors(model)
+        if model.key_divisors and self.rank == 0:
+            logger.info("key divisors folded into the query/key projections (exact; cached keys are k/s, digest %s)",
+                        model.key_divisors)
 
     def _small_step_weights(self) -> SmallStepWeights | None:
         """--decode-weights as the layers take it (its value is checked with the config,

@@ -226,7 +226,8 @@ class Worker:
         spec = rank_kv_spec(model, self.tp)  # what this rank's cache holds, and moves
         assert self.stage is not None
         layout = KVLayout(self.stage.num_layers, spec.num_heads, config.cache.block_size,
-                          spec.head_dim, str(self.kv_dtype).removeprefix("torch."), spec.num_planes)
+                          spec.head_dim, str(self.kv_dtype).removeprefix("torch."), spec.num_planes,
+                          self._model.key_divisors)
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
                                self.rank, self.world_size, self.kv_shm_path, self._info.fingerprint)
         return self.connector.register_kv_cache(access)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import struct
@@ -91,6 +92,17 @@ def test_a_bfloat16_cache_travels_over_tcp_and_shared_memory() -> None:
     finally:
         source.close()
         os.unlink(path)
+
+
+def test_a_reader_whose_keys_hold_other_divisors_refuses_the_blocks(source: KVSource) -> None:
+    """A source's cache holds k/s for its model's key divisors (models/key_divisors.py): a
+    reader that folded other ones (or none) would misread every key, so it fetches nothing."""
+    handle = _held(source, [1, 2])
+    other = dataclasses.replace(LAYOUT, key_divisors="0123456789abcdef")
+    with pytest.raises(KVTransferError, match="layout"):
+        TcpTransport(KEY, other).fetch(handle, [0, 1], timeout=5)
+    assert LAYOUT.writer(other.__dict__) is None
+    assert LAYOUT.writer(dataclasses.replace(LAYOUT, dtype="uint8").__dict__) is not None
 
 
 def test_unknown_lease_and_bad_index_are_refused(source: KVSource) -> None:

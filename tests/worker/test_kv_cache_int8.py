@@ -1,11 +1,13 @@
 """--kv-cache-dtype int8 through the engine on the default model: the same budget holds 256/68
 times the fp32 blocks, perplexity stays within the issue's 0.5% of the exact cache's, greedy
-answers start as the exact engine's, and a prefix-cache hit reads back what a miss computed.
+answers are the exact engine's but at near-ties, and a prefix-cache hit reads back what a miss
+computed.
 
-What was measured on the 2-core EPYC (AVX2): perplexity of 1,024 and 2,048 tokens in 64-token
-chunks +0.17% and +0.08%; of 8 prompts x 32 greedy tokens, 4 identical to the exact cache's,
-the first difference at token 8 at the earliest (SmolLM2-135M has many near-ties; `tandem bench
-perplexity --kv-dtypes int8` reports the agreement over 256 tokens).
+What was measured on the 2-core Xeon (AVX-512, rotated rows, key divisors): perplexity of
+1,024 tokens in 64-token chunks +0.15%; of 8 prompts x 32 greedy tokens, 6 identical to the
+exact cache's, the other two departing where the exact model's two best tokens were 0.009 and
+0.024 nats apart (SmolLM2-135M has many near-ties; `tandem bench perplexity --kv-dtypes int8`
+reports the agreement over 256 tokens).
 """
 
 from __future__ import annotations
@@ -23,24 +25,34 @@ PROMPTS = [PREAMBLE + p for p in ("The capital of France is", "def fibonacci(n):
                                   "Once upon a time, in a small village,", "List three colors:",
                                   "The quick brown fox", "import numpy as np\n", "Water boils at",
                                   "My favourite book is")]
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+NEAR_TIE = 0.05  # nats between the exact model's two best tokens where a continuation may depart
 
 
-def _measure(kv_cache_dtype: str) -> tuple[int, int, float, list[list[int]], list[list[int]]]:
+def _measure(kv_cache_dtype: str) -> tuple[int, int, float, list[list[int]], list[list[int]], list[list[float]]]:
     llm = LLM(kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype)
     try:
         tokens = llm.tokenizer.encode(long_text())[:1024]
         value = perplexity(llm.engine, tokens, step_tokens=64)
-        first = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        first = [list(o.outputs[0].token_ids) for o in outputs]
+        margins = [[_margin(step) for step in o.outputs[0].logprobs] for o in outputs]
         repeated = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert all(o.num_cached_tokens >= 16 for o in repeated)  # whole blocks of the prompt came from the cache
         again = [list(o.outputs[0].token_ids) for o in repeated]
         pool = llm.engine.block_pool
         assert pool.num_free_blocks == pool.num_blocks
         core = llm.engine.core
-        return core.num_blocks, core.worker_info.block_bytes, value, first, again
+        return core.num_blocks, core.worker_info.block_bytes, value, first, again, margins
     finally:
         llm.shutdown()
+
+
+def _margin(step) -> float:
+    """Nats between a step's best and second-best tokens (its entries: the chosen token, then
+    the top two by rank)."""
+    best = sorted({entry.token_id: entry.logprob for entry in step}.values(), reverse=True)
+    return best[0] - best[1]
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +73,13 @@ def test_the_budget_holds_256_over_68_times_the_fp32_blocks(exact, int8) -> None
     assert int8_blocks > 3.7 * blocks
 
 
-def test_perplexity_within_half_a_percent_and_greedy_answers_start_alike(exact, int8) -> None:
+def test_perplexity_within_half_a_percent_and_greedy_answers_depart_only_at_near_ties(exact, int8) -> None:
     assert int8[2] == pytest.approx(exact[2], rel=0.005)
     assert int8[2] != exact[2]  # the int8 rows were read, not the model's dtype
-    for ours, reference in zip(int8[3], exact[3], strict=True):
-        assert ours[:4] == reference[:4]
-    assert sum(ours == reference for ours, reference in zip(int8[3], exact[3], strict=True)) >= 2
+    for ours, reference, margins in zip(int8[3], exact[3], exact[5], strict=True):
+        departs = next((i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b), None)
+        assert departs is None or margins[departs] < NEAR_TIE, (departs, margins[departs])
+    assert sum(ours == reference for ours, reference in zip(int8[3], exact[3], strict=True)) >= 5
 
 
 def test_a_prefix_cache_hit_reads_back_what_the_miss_computed(int8) -> None:

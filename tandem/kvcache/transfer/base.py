@@ -52,6 +52,7 @@ class KVLayout:
     head_dim: int
     dtype: str  # torch dtype name, e.g. "float32"
     num_planes: int = 2  # keys and values; 1 for a latent cache (MLA), see config.KVCacheSpec
+    key_divisors: str = ""  # the digest of the divisors the cached keys hold k/s by ("": none; models/key_divisors.py)
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of `num_blocks` blocks as the cache indexes them (blocks on dimension 3); an
