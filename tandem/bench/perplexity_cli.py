@@ -170,14 +170,14 @@ def run_kv_quality(args: argparse.Namespace) -> int:
 
     base_ppl, base_outs = measure(None, False)
     cache = engine.runner.kv_cache
-    block = tuple(cache.shape[1:4]) + (1,) + tuple(cache.shape[5:])
-    bf16_bytes = KVCodec("raw").payload_bytes(block, torch.bfloat16) * cache.shape[0]
+    chunk = (*cache.shape[:3], 16, *cache.shape[4:])  # a tier chunk's 16 blocks (int4 keys group tokens)
+    bf16_bytes = KVCodec("raw").payload_bytes(chunk, torch.bfloat16)
     rows = []
     for name in names:
         codec = KVCodec(name)
         ppl, all_outs = measure(codec, False)
         _, handoff_outs = measure(codec, True)
-        nbytes = codec.payload_bytes(block, cache.dtype) * cache.shape[0]
+        nbytes = codec.payload_bytes(chunk, cache.dtype)
         rows.append((name, nbytes / bf16_bytes, ppl, _agreement(base_outs, handoff_outs), _agreement(base_outs, all_outs)))
     bar.close()
     assert base_ppl is not None

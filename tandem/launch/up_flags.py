@@ -41,7 +41,7 @@ CLUSTER_FLAGS = FlagTable("cluster", (
     Flag(
         "--kv-transfer-dtype", default="auto", choices=["auto", "bfloat16", "int8", "int4"],
         help="with --kv-transfer tcp: the prompt KV's bytes on the wire (the decode workers' "
-        "--kv-transfer-dtype: int8 / int4 are 0.53x / 0.28x of bf16's) (default: auto, the "
+        "--kv-transfer-dtype: int8 / int4 are 0.53x / 0.29x of bf16's) (default: auto, the "
         "cache's own)",
     ),
     Flag(

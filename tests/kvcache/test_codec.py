@@ -5,11 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kvcache.codec import CODECS, GROUP, CodecError, KVCodec, group_size, rotate
+from tandem.kvcache.codec import (
+    CODECS,
+    GROUP,
+    KEY_GROUP_TOKENS,
+    CodecError,
+    KVCodec,
+    group_size,
+    rotate,
+)
 
 # [layers, planes, kv heads, blocks, block size, head dim]
 SHAPES = {"gqa": (2, 2, 3, 4, 16, 64), "wide heads": (1, 2, 2, 3, 16, 128), "mla latent": (2, 1, 1, 3, 16, 576),
-          "head dim 80": (1, 2, 2, 2, 16, 80)}
+          "head dim 80": (1, 2, 2, 2, 16, 80), "a group and a tail": (1, 2, 2, 5, 16, 64)}
 
 
 def _blocks(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -38,9 +46,12 @@ def test_raw_and_bfloat16_are_the_casts(writer: torch.dtype, reader: torch.dtype
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 def test_quantized_values_come_back_within_half_a_step(name: str, levels: int, shape: tuple[int, ...]) -> None:
     """Within half a step in the rotated run (exact in the plain one where the run's length is
-    no power of two), so a run's error is at most sqrt(length) half-steps long."""
+    no power of two), so a run's error is at most sqrt(length) half-steps long; for int4, of
+    the values (its keys go per channel: the next test)."""
     blocks = _blocks(shape, torch.float32, seed=len(name))
     got = _roundtrip(KVCodec(name), blocks, torch.float32)
+    if name == "int4" and shape[1] == 2:
+        blocks, got = blocks[:, 1], got[:, 1]
     group = group_size(shape[-1])
     runs, back = rotate(blocks.reshape(-1, group)), rotate(got.reshape(-1, group))
     step = runs.abs().amax(dim=1, keepdim=True) / levels
@@ -49,6 +60,39 @@ def test_quantized_values_come_back_within_half_a_step(name: str, levels: int, s
     assert error.max() > 0  # it is quantized, not passed through
     plain = (got.reshape(-1, group) - blocks.reshape(-1, group)).norm(dim=1)
     assert bool((plain <= step.squeeze(1) / 2 * group**0.5 * (1 + 1e-4) + 1e-6).all())
+
+
+def _channel_steps(keys: torch.Tensor) -> torch.Tensor:
+    """Each key's step: a fifteenth of its channel's range over its group of tokens, from
+    keys [layers, heads, blocks, block size, head dim]."""
+    flat = keys.flatten(2, 3)
+    steps = torch.cat([(part.amax(dim=2, keepdim=True) - part.amin(dim=2, keepdim=True)).expand_as(part) / 15
+                       for part in flat.split(KEY_GROUP_TOKENS, dim=2)], dim=2)
+    return steps.view(keys.shape)
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES.values() if s[1] == 2], ids=[k for k, s in SHAPES.items() if s[1] == 2])
+def test_int4_keys_come_back_within_half_a_step_of_their_channel_group(shape: tuple[int, ...]) -> None:
+    """Each key channel of each head, over each KEY_GROUP_TOKENS tokens (the last group
+    shorter), has its own minimum and a fifteenth of its range as its step; every key comes
+    back within half of it (the step is stored in fp16: a little more)."""
+    blocks = _blocks(shape, torch.float32, seed=3)
+    keys, got = blocks[:, 0], _roundtrip(KVCodec("int4"), blocks, torch.float32)[:, 0]
+    error = (got - keys).abs()
+    assert bool((error <= _channel_steps(keys) * (0.5 + 1e-2) + 1e-6).all())
+    assert error.max() > 0
+
+
+def test_a_key_channels_constant_offset_costs_int4_nothing() -> None:
+    """Qwen2.5's keys: a few channels hold a large, nearly constant offset on every token (its
+    key bias). Per channel, the offset is the group's minimum and the levels spend all their
+    steps on what varies; one scale a token would spend them on the offset."""
+    blocks = _blocks(SHAPES["gqa"], torch.float32)
+    blocks[:, 0, :, :, :, 5] += 300.0
+    got = _roundtrip(KVCodec("int4"), blocks, torch.float32)
+    error = (got[:, 0] - blocks[:, 0]).abs()
+    assert error.amax() <= _channel_steps(blocks[:, 0]).amax() * 0.51 + 1e-3  # the offset adds no error
+    assert error.amax() < 2.0  # std-normal values times up to 4; a step of 300 / 7 per token otherwise
 
 
 def test_the_rotation_is_its_own_inverse_and_keeps_lengths() -> None:
@@ -60,16 +104,29 @@ def test_the_rotation_is_its_own_inverse_and_keeps_lengths() -> None:
     assert torch.equal(rotate(odd), odd)  # no Hadamard matrix of 80: left as it is
 
 
-def test_each_token_and_head_has_its_own_scale() -> None:
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_each_tokens_values_have_their_own_scale(name: str) -> None:
     """An outlier token (1,000x) coarsens only its own run, not its block's other tokens."""
     blocks = _blocks(SHAPES["gqa"], torch.float32)
-    calm = _roundtrip(KVCodec("int4"), blocks, torch.float32)
+    calm = _roundtrip(KVCodec(name), blocks, torch.float32)
     blocks_outlier = blocks.clone()
-    blocks_outlier[0, 0, 0, 0, 3] *= 1000
-    loud = _roundtrip(KVCodec("int4"), blocks_outlier, torch.float32)
+    blocks_outlier[0, 1, 0, 0, 3] *= 1000
+    loud = _roundtrip(KVCodec(name), blocks_outlier, torch.float32)
     others = torch.ones(blocks.shape[:-1], dtype=torch.bool)
-    others[0, 0, 0, 0, 3] = False
+    others[0, 1, 0, 0, 3] = False
     assert torch.equal(loud[others], calm[others])
+
+
+def test_an_int4_key_outlier_coarsens_only_its_channel_group() -> None:
+    """A key outlier (1,000x in one channel) widens that channel's step over its own group of
+    tokens only: other channels, heads, layers and groups come back as they did."""
+    shape = (2, 2, 3, 8, 16, 64)  # 128 tokens: two groups
+    blocks = _blocks(shape, torch.float32)
+    calm = _roundtrip(KVCodec("int4"), blocks, torch.float32)
+    blocks[1, 0, 2, 1, 3, 7] *= 1000  # layer 1, head 2, token 19 (group 0), channel 7
+    loud = _roundtrip(KVCodec("int4"), blocks, torch.float32)
+    changed = (loud != calm).nonzero().tolist()
+    assert changed and all(c[:3] == [1, 0, 2] and c[3] < 4 and c[5] == 7 for c in changed)
 
 
 def test_the_bytes_against_a_bf16_cache_meet_the_goals() -> None:
@@ -77,7 +134,10 @@ def test_the_bytes_against_a_bf16_cache_meet_the_goals() -> None:
     shape = SHAPES["gqa"]
     bf16 = KVCodec("raw").payload_bytes(shape, torch.bfloat16)
     assert KVCodec("int8").payload_bytes(shape, torch.bfloat16) / bf16 == pytest.approx((64 + 4) / 128)
-    assert KVCodec("int4").payload_bytes(shape, torch.bfloat16) / bf16 == pytest.approx((32 + 4) / 128)
+    # int4: values 32 bytes of levels and a 4-byte scale a token and head; keys 32 bytes of
+    # levels and a 6-byte minimum and step a channel per 64 tokens (this shape's 64 tokens)
+    assert KVCodec("int4").payload_bytes(shape, torch.bfloat16) / bf16 == pytest.approx((32 + 4 + 32 + 6) / 256)
+    assert KVCodec("int4").payload_bytes(shape, torch.bfloat16) / bf16 <= 0.3
     assert KVCodec("int4").payload_bytes(shape, torch.float32) == KVCodec("int4").payload_bytes(shape, torch.bfloat16)
 
 

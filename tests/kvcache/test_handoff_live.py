@@ -269,17 +269,25 @@ def test_the_prompt_kv_travels_in_8_bits_when_the_decode_worker_asks(tmp_path) -
 def test_int8_caches_hand_off_their_prompt_in_4_bits(tmp_path) -> None:  # noqa: ANN001
     """`--kv-cache-dtype int8` on both workers and `--kv-transfer-dtype
     int4` on the decode worker: the prefill worker encodes its rows' values (not their scale
-    bytes) in 4 bits, 36 bytes a row of 64 against the cache's 68, and the decode worker rounds
-    them into rows again and goes on from them."""
+    bytes) in 4 bits, 36 bytes a value row of 64 against the cache's 68 (keys: 32 and a minimum
+    and step per channel over 64 tokens), and the decode worker rounds them into rows again
+    and goes on from them."""
+    import torch
+
+    from tandem.kvcache.codec import KVCodec
+
     int8 = ("--kv-cache-dtype", "int8", *WORKER_ARGS)
     with _pd_pair(tmp_path, int8, ("--kv-transfer-dtype", "int4", *int8)) as (prefill, decode):
         handle, reply = _hand_off(prefill, decode, "Tell me about Lisbon.")
         handed = len(handle["block_hashes"])
         assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
         assert reply["usage"]["completion_tokens"] == 16
-        rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
+        rows = 30 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, 3 KV heads of 64; keys and values each
         received, sent = _counters(decode), _counters(prefill)
-        assert received["bytes_received"] == sent["bytes_sent"] == rows * (32 + 4)
+        int4_bytes = KVCodec("int4").payload_bytes((30, 2, 3, handed, BLOCK, 68), torch.uint8)  # one pull
+        assert received["bytes_received"] == sent["bytes_sent"] == int4_bytes
+        groups = -(-handed * BLOCK // 64)
+        assert int4_bytes == rows * (32 + 4) + rows * 32 + 30 * 3 * groups * 64 * 6
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
 
 

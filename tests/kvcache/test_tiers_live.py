@@ -114,9 +114,10 @@ def test_prefix_comes_back_from_disk(tmp_path: Path, cold_outputs: list[str]) ->
 
 
 def test_int4_chunks_take_a_quarter_of_the_bytes_and_any_reader_decodes_them(tmp_path: Path) -> None:
-    """--kv-tier-dtype int4: every chunk on disk is its blocks' 4-bit levels and fp32 scales
-    (0.14x of the fp32 cache's bytes, plus a header), a prefix comes back from it as cached
-    tokens, and an engine that keeps its own chunks raw reads it all the same."""
+    """--kv-tier-dtype int4: every chunk on disk is its blocks' 4-bit levels, the values' fp32
+    scales and the keys' channel minima and steps (0.14x of the fp32 cache's bytes, plus a
+    header), a prefix comes back from it as cached tokens, and an engine that keeps its own
+    chunks raw reads it all the same."""
     import torch
 
     from tandem.kvcache.codec import KVCodec
@@ -127,14 +128,15 @@ def test_int4_chunks_take_a_quarter_of_the_bytes_and_any_reader_decodes_them(tmp
         assert len(again.outputs[0].token_ids) == len(first.outputs[0].token_ids) == 12
         tiers = llm.engine.core.load().connector("kv_tiers")
         assert tiers["media"]["disk"]["chunk_hits"] >= 1
-        # /load and /metrics report what a token costs in the tiers: 30 layers x K,V x 3 heads
-        # x (32 bytes of nibbles + a 4-byte scale per 64 values)
-        assert tiers["codec"] == "int4" and tiers["bytes_per_token"] == 30 * 2 * 3 * 36
+        # /load and /metrics report what a token costs in the tiers: 30 layers x 3 heads x
+        # (values: 32 bytes of nibbles + a 4-byte scale; keys: 32 bytes of nibbles + a 6-byte
+        # minimum and step per channel, shared by the chunk's 64 tokens)
+        assert tiers["codec"] == "int4" and tiers["bytes_per_token"] == 30 * 3 * (32 + 4 + 32 + 6)
         assert_idle(llm)
     def packed(blocks: int) -> int:  # blocks of SmolLM2-135M's fp32 cache, in 4 bits
         return KVCodec("int4").payload_bytes((30, 2, 3, blocks, 16, 64), torch.float32)
 
-    assert packed(4) / (4 * BLOCK_BYTES) == pytest.approx((32 + 4) / 256)
+    assert packed(4) / (4 * BLOCK_BYTES) == pytest.approx((32 + 4 + 32 + 6) / 512)
     files = list(tmp_path.rglob("*.kv"))  # one per chunk (a prompt's tail: fewer blocks)
     sizes = [(int(f.name.split("-")[1].rstrip("b")), f.stat().st_size) for f in files]
     assert any(n == 4 for n, _ in sizes)
@@ -150,7 +152,7 @@ def test_an_int8_cache_stores_its_rows_and_4_bit_chunks(tmp_path: Path) -> None:
     """--kv-cache-dtype int8 with the tiers: chunks of its rows (values and scales) come back
     byte for byte, so the answer is the one the int8 cache computed; with --kv-tier-dtype int4
     the chunks hold 4-bit values (no scale rows among them) that a reader rounds into rows
-    again, at 36 bytes a row of 64 against the cache's 68. A worker with an fp32 cache reads
+    again, at 36 (values) or 38 (keys) bytes a row of 64 against the cache's 68. A worker with an fp32 cache reads
     the int8 chunks too: the same key, its own rows made of theirs."""
     with tier_llm("int8", disk_path=str(tmp_path / "raw")) as llm:
         first, again = serve_twice(llm)
@@ -171,7 +173,7 @@ def test_an_int8_cache_stores_its_rows_and_4_bit_chunks(tmp_path: Path) -> None:
         assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
         assert len(again.outputs[0].token_ids) == 12
         tiers = llm.engine.core.load().connector("kv_tiers")
-        assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["bytes_per_token"] == 30 * 2 * 3 * 36
+        assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["bytes_per_token"] == 30 * 3 * (36 + 38)
         assert_idle(llm)
 
 

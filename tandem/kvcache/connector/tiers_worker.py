@@ -89,9 +89,10 @@ class TiersConnectorWorker(KVConnectorWorker):
         layout = kv.layout
         self._dtype = getattr(torch, layout.dtype)
         self._block_size = layout.block_size
-        block_bytes = self._codec.payload_bytes(layout.block_shape(1), self._dtype)  # a chunk's, per block
-        self._block_bytes = block_bytes
-        chunk_bytes = block_bytes * self.config.chunk_blocks
+        # a whole chunk's bytes, and per block its share (int4 keys share a step over 64 tokens,
+        # so a block's bytes depend on the blocks beside it)
+        chunk_bytes = self._codec.payload_bytes(layout.block_shape(self.config.chunk_blocks), self._dtype)
+        self._block_bytes = -(-chunk_bytes // self.config.chunk_blocks)
         self._layout = asdict(layout)
         self.stores = open_stores(self.engine_config, role="worker", rank=kv.rank)
         self._pool = ThreadPoolExecutor(max(1, self.config.max_concurrent_loads), thread_name_prefix="kv-tier-load")

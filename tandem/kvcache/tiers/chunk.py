@@ -36,7 +36,8 @@ from tandem.kvcache.transfer.base import writer_layout
 MAGIC = b"TKVC"
 # 2: an int8 cache's rows hold their values rotated (kernels/kv_format.py); a version-1 chunk
 # of int8 rows would read back as other values, so it is refused as any older format is.
-FORMAT_VERSION = 2
+# 3: an int4 chunk's keys are levels per channel group (kvcache/codec.py), not per token.
+FORMAT_VERSION = 3
 _PREAMBLE = struct.Struct("<4sHI")  # magic, version, header length
 _DIGEST_BYTES = 16
 
