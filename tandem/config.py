@@ -15,6 +15,7 @@ from tandem.checkpoint_quantization import WeightQuantization
 from tandem.platform.device import resolve_device, resolve_dtype
 from tandem.sizing.experts import expert_layout
 from tandem.sizing.kv import KV_INT8_SCALE_BYTES  # noqa: F401 - the int8 row's scale, for the engine
+from tandem.sizing.memory import DEFAULT_MEMORY_UTILIZATION
 from tandem.sizing.shape import MLAShape, read_decoder_dims
 from tandem.sizing.units import parse_memory_size  # noqa: F401 - the config's size flags parse with it
 
@@ -367,9 +368,13 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None: derived from free memory at start
     enable_prefix_caching: bool = True
-    # "auto": the model's dtype; "fp8": float8 e4m3 with a scale of 1.0, as vLLM's default fp8
-    # cache (the Triton backend only: it widens as it reads). Half the bytes: twice the tokens.
+    # "auto": the model's dtype; "fp8": float8 e4m3 with per-layer power-of-two scales measured
+    # at start (worker/kv_scales.py; the Triton backend only: it widens as it reads). Half the
+    # bytes: twice the tokens.
     kv_cache_dtype: str = "auto"
+    # GPU: the share of each device the weights and KV cache may take; the activation peak and
+    # the CUDA context must fit in the rest (worker/kv_sizing.py, as `tandem plan memory`).
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
 
 
 @dataclass(frozen=True)

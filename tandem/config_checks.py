@@ -23,6 +23,8 @@ def check_engine_config(config: EngineConfig) -> None:
     if load.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
     _check_kv_cache_dtype(config)
+    if not 0 < config.cache.memory_utilization <= 1:
+        raise ValueError(f"--memory-utilization must be in (0, 1], not {config.cache.memory_utilization!r}")
     if load.quantization not in ("none", "int8"):
         raise ValueError(f"--quantization must be none or int8, not {load.quantization!r}")
     if load.device == "cuda":

@@ -19,6 +19,7 @@ from tandem.config import (
 )
 from tandem.engine.llm_engine import LLMEngine
 from tandem.loader.tokenizer import render_chat
+from tandem.sizing.memory import DEFAULT_MEMORY_UTILIZATION
 from tandem.types import RequestOutput, SamplingParams
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -35,6 +36,7 @@ class LLM:
         kv_cache_memory: str | int | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
+        memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
@@ -77,6 +79,7 @@ class LLM:
                 kv_cache_memory_bytes=None if kv_cache_memory is None else parse_memory_size(kv_cache_memory),
                 enable_prefix_caching=enable_prefix_caching,
                 kv_cache_dtype=kv_cache_dtype,
+                memory_utilization=memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

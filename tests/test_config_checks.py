@@ -36,6 +36,8 @@ TP2 = ParallelConfig.of(2, 2, "mp")
     ({"cache": CacheConfig(kv_cache_dtype="fp8"), "load": LoadConfig(device="cpu", attention_backend="triton"),
       "kv_transfer": KVTransferConfig(shared_memory=True)}, "--kv-cache-dtype fp8 does not yet work with"),
     ({"load": LoadConfig(device="cpu", quantization="int4")}, "--quantization must be none or int8, not 'int4'"),
+    ({"cache": CacheConfig(memory_utilization=1.2)}, "--memory-utilization must be in (0, 1], not 1.2"),
+    ({"cache": CacheConfig(memory_utilization=0.0)}, "--memory-utilization must be in (0, 1], not 0.0"),
     ({"load": LoadConfig(device="cpu", decode_weights="float8")}, "decode weights must be none or one of"),
     ({"load": LoadConfig(device="cpu", dtype="bfloat16", decode_weights="float32")},
      "--decode-weights float32 keeps an fp32 model's own rows; this model runs in bfloat16"),

@@ -14,7 +14,7 @@ from typing import Any
 from tandem.sizing.errors import PlanError
 
 EXAMPLES_DIR = Path(__file__).resolve().parent / "configs"
-EXAMPLE_NAMES = ("kimi-k2", "kimi-k2.5", "deepseek-v3", "llama-3.1-70b", "llama-4-scout",
+EXAMPLE_NAMES = ("kimi-k2", "kimi-k2.5", "deepseek-v3", "llama-3.1-8b", "llama-3.1-70b", "llama-4-scout",
                  "qwen3-235b-a22b")
 
 

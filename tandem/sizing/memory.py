@@ -216,6 +216,15 @@ def vision_weight_bytes(shape: ModelShape, fmt: WeightFormat) -> int:
     return vision.params * DTYPE_BYTES[fmt.dtype] if vision is not None and vision.loaded_by_vllm else 0
 
 
+def kv_left_bytes(memory: int, utilization: float, weights: int, activation: int, reserved: int) -> int:
+    """tandem's policy: weights + KV cache within `utilization` of the device's `memory`, and
+    the activation peak and what is `reserved` (CUDA context, NCCL, anything already in use)
+    within the rest; the KV cache gives way where they do not fit. Negative: the weights do
+    not fit. The plan calls it with the device's figures, a GPU rank at start with what it
+    measures (worker/kv_sizing.py), so the two agree."""
+    return min(int(utilization * memory), memory - activation - reserved) - weights
+
+
 def _engine_plan(engine: str, shape: ModelShape, pipeline: list[Stage], request: PlanRequest,
                  fmt: WeightFormat, kv: str, utilization: float, tokens: int, seqs: int,
                  activation_in_budget: bool, vision_bytes: int = 0) -> EnginePlan:
@@ -231,7 +240,7 @@ def _engine_plan(engine: str, shape: ModelShape, pipeline: list[Stage], request:
         if activation_in_budget:
             kv_bytes = budget - weights - activation - reserved
         else:
-            kv_bytes = min(budget, memory - activation - reserved) - weights
+            kv_bytes = kv_left_bytes(memory, utilization, weights, activation, reserved)
         per_token = kv_bytes_per_token(shape, parallel.tp, len(stage.layers), kv)
         block = per_token * BLOCK_SIZE
         kv_tokens = max(kv_bytes, 0) // block * BLOCK_SIZE

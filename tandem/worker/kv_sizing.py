@@ -4,8 +4,10 @@ Decided before the model is built, so from the memory model (`tandem.sizing`: th
 weight bytes and one step's activation peak, read from config.json). The KV budget:
 
 - `--kv-cache-memory` given: that.
-- On a GPU, as vLLM sizes it: --gpu-memory-utilization's 90% of the device, less what is in
-  use now, the weights and one step's activation peak.
+- On a GPU, the memory plan's policy (`tandem.sizing.memory.kv_left_bytes`, the convention of
+  SGLang's mem_fraction_static): the weights and the KV cache within --memory-utilization (92%)
+  of the device, and one step's activation peak and what is in use now (the CUDA context,
+  NCCL, other processes) within the rest. `tandem plan memory` prints the same figure.
 - On the CPU: 25% of the memory available now, at most 4 GiB, shared by this host's ranks.
 """
 
@@ -21,11 +23,10 @@ from tandem.config import EngineConfig
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.sizing.activation import activation_peak_bytes
 from tandem.sizing.errors import PlanError
+from tandem.sizing.memory import kv_left_bytes
 from tandem.sizing.shape import ModelShape, read_shape
 from tandem.sizing.sharding import Parallel, WeightFormat, stage_weight_bytes, stages
 
-# The share of a GPU the engine may use (vLLM's --gpu-memory-utilization default).
-GPU_MEMORY_UTILIZATION = 0.9
 _DEFAULT_KV_FRACTION = 0.25
 _DEFAULT_KV_CAP = 4 << 30
 
@@ -57,19 +58,27 @@ def kv_blocks(budget: int, block_bytes: int) -> int:
 
 
 def gpu_kv_budget(config: EngineConfig, device: torch.device, hf_dir: Path, stage: PipelineStage) -> int:
-    """KV bytes on a GPU, as vLLM sizes them: --gpu-memory-utilization's 90% of the device,
-    less what is in use now, the weights and one step's activation peak (both from the
-    memory plan, since the model is not built yet)."""
+    """KV bytes on a GPU under the plan's policy (module docstring), with the weights and the
+    activation peak from the memory plan (the model is not built yet) and what is in use on
+    the device measured now."""
     free, total = torch.cuda.mem_get_info(device)
     try:
         weights, activation = planned_bytes(config, hf_dir, stage)
     except (PlanError, OSError, ValueError, KeyError, IndexError) as error:
         raise ValueError(f"cannot plan this model's memory on {device} ({error}); give the KV cache's "
                          "size with --kv-cache-memory") from error
-    budget = int(free - (1 - GPU_MEMORY_UTILIZATION) * total) - weights - activation
+    return gpu_budget_from(free, total, weights, activation, config.cache.memory_utilization, str(device))
+
+
+def gpu_budget_from(free: int, total: int, weights: int, activation: int, utilization: float, device: str) -> int:
+    """The KV bytes of a device with `free` of `total` bytes free before this rank allocates;
+    ValueError when the weights and one step's activations leave none."""
+    budget = kv_left_bytes(total, utilization, weights, activation, total - free)
     if budget <= 0:
-        raise ValueError(f"{device} has {free / (1 << 30):.1f} GiB free; the weights ({weights / (1 << 30):.1f} "
-                         f"GiB) and one step's activations ({activation / (1 << 30):.1f} GiB) leave no room for KV")
+        gib = 1 << 30
+        raise ValueError(f"{device} has {free / gib:.1f} of {total / gib:.1f} GiB free; the weights "
+                         f"({weights / gib:.1f} GiB) within --memory-utilization {utilization:g} of it and one "
+                         f"step's activations ({activation / gib:.1f} GiB) beside them leave no room for KV")
     return budget
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+
+import pytest
 
 from tandem.config import EngineConfig, LoadConfig
 from tandem.distributed.pipeline_parallel import PipelineStage
@@ -83,3 +86,47 @@ def test_the_plan_s_kv_bytes_per_token_are_the_engine_s_for_every_cache_dtype() 
             for tp in (1, 2) if hf is gqa else (1,):
                 engine = kv_bytes_per_block(model, 16, dtype, tp, layers) // 16
                 assert kv_bytes_per_token(shape, tp, layers, name) == engine, (hf["architectures"], name, tp)
+
+
+@pytest.mark.parametrize(("name", "devices", "tp"), [
+    ("llama-3.1-8b", "1xH100", 1), ("llama-3.1-8b", "1xH200", 1), ("llama-4-scout", "2xH200", 2),
+    ("kimi-k2.5", "8xH100", 8),
+])
+@pytest.mark.parametrize("utilization", [0.92, 0.95])
+def test_a_gpu_rank_gives_its_kv_cache_what_the_plan_prints(tmp_path: Path, name: str, devices: str, tp: int,
+                                                           utilization: float) -> None:
+    """`tandem plan memory` is the promise: a GPU rank that finds the device as the plan
+    assumes (its total, less the CUDA context and NCCL in use) sizes its KV cache to the plan's
+    figure, byte for byte, under the same --memory-utilization."""
+    from tandem.config import CacheConfig, ParallelConfig
+    from tandem.sizing.devices import parse_devices
+    from tandem.sizing.memory import PlanRequest, plan_memory
+    from tandem.sizing.sharding import Parallel
+    from tandem.worker.kv_sizing import gpu_budget_from
+
+    model_dir = tmp_path / name
+    model_dir.mkdir()
+    shutil.copy(EXAMPLES_DIR / name / "config.json", model_dir / "config.json")
+    hf = json.loads((model_dir / "config.json").read_text())
+    plan = plan_memory(hf, PlanRequest(parse_devices(devices), Parallel(tp, 1), dtype="bfloat16", keep_packed=True,
+                                       memory_utilization=utilization))
+    planned = plan.tandem.stages[0]
+    config = EngineConfig(model=str(model_dir), load=LoadConfig(dtype="bfloat16"),
+                          cache=CacheConfig(memory_utilization=utilization), parallel=ParallelConfig.of(tp, tp))
+    num_layers = (hf.get("text_config") or hf)["num_hidden_layers"]
+    weights, activation = planned_bytes(config, model_dir, PipelineStage.whole(num_layers))
+    assert (weights, activation) == (planned.weight_bytes, planned.activation_bytes)
+    total = planned.device_bytes
+    budget = gpu_budget_from(total - planned.reserved_bytes, total, weights, activation, utilization, "cuda:0")
+    assert budget == planned.kv_bytes > 0
+
+
+def test_a_gpu_rank_whose_weights_leave_no_kv_room_says_so() -> None:
+    from tandem.worker.kv_sizing import gpu_budget_from
+
+    gib = 1 << 30
+    with pytest.raises(ValueError, match="--memory-utilization 0.9 .* leave no room for KV"):
+        gpu_budget_from(79 * gib, 80 * gib, 72 * gib, gib, 0.9, "cuda:0")
+    # the activation peak and what is in use come out of the rest first: a busy device gives way
+    assert gpu_budget_from(70 * gib, 80 * gib, 10 * gib, gib, 0.9, "cuda:0") == 59 * gib
+    assert gpu_budget_from(79 * gib, 80 * gib, 10 * gib, gib, 0.9, "cuda:0") == 62 * gib
