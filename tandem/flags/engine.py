@@ -39,6 +39,7 @@ from tandem.flags.limits import REQUEST_LIMIT_FLAGS, request_limits
 from tandem.flags.table import Flag, FlagTable
 from tandem.loader.resolve import DEFAULT_MODEL
 from tandem.platform.device import DEVICES, resolve_device, resolve_dtype
+from tandem.sizing.memory import DEFAULT_MEMORY_UTILIZATION
 from tandem.trust.keys import CLUSTER_SECRET_ENV, admin_key_from_env, secret_from_env
 
 # Names follow `vllm serve`. Order is the --help order and the order of `engine_argv`.
@@ -55,8 +56,13 @@ ENGINE_FLAGS = FlagTable("engine", (
     Flag("--block-size", "tokens per KV block (default: 16)", 16, type=int),
     Flag("--kv-cache-memory", "KV cache budget, e.g. 2GiB (default: 25%% of free RAM, at most 4GiB)",
          metavar="SIZE"),
+    Flag("--memory-utilization", "GPU: the share of each device the weights and KV cache may take; one "
+         "step's activations and the CUDA context must fit in the rest, else the KV cache gives way "
+         "(SGLang's --mem-fraction-static; vLLM's --gpu-memory-utilization caps activations too). "
+         f"`tandem plan memory` prints what it leaves (default: {DEFAULT_MEMORY_UTILIZATION})", DEFAULT_MEMORY_UTILIZATION,
+         type=float, metavar="FRACTION"),
     Flag("--kv-cache-dtype", "auto = the model's dtype; int8 = 8-bit rows with a scale each (CPU): "
-         "0.53x bf16's bytes for 64-wide heads, perplexity within 0.2%% on SmolLM2 and Qwen2.5; fp8 = float8 e4m3 (scale 1.0), GPU (Triton backend) only "
+         "0.53x bf16's bytes for 64-wide heads, perplexity within 0.2%% on SmolLM2 and Qwen2.5; fp8 = float8 e4m3 with per-layer scales measured at start, GPU (Triton backend) only "
          "(default: auto)", "auto", choices=KV_CACHE_DTYPES),
     Flag("--max-num-seqs", "most sequences per step (default: 128)", 128, type=int),
     Flag("--max-num-batched-tokens",
@@ -145,9 +151,9 @@ ENGINE_FLAGS = FlagTable("engine", (
          "prompts out (default: 2; 1 = every chunk)", 2, type=int, metavar="N"),
     Flag("--kv-tier-dtype",
          "how chunks are kept in the tiers (CPU memory, disk, cluster store): auto = the cache's "
-         "own bytes; bfloat16; int8 or int4 = 8 or 4 bits a value with an fp32 scale per 64 "
-         "(0.53x / 0.28x of bf16's bytes: more chunks in the same budget, each value within half "
-         "a step); a reader decodes whatever a chunk holds (default: auto)", "auto",
+         "own bytes; bfloat16; int8 = 8 bits a value, an fp32 scale per 64 of a token; int4 = 4 "
+         "bits, values so, keys per channel over 64 tokens (0.53x / 0.29x of bf16's bytes: more "
+         "chunks in the same budget); a reader decodes whatever a chunk holds (default: auto)", "auto",
          choices=["auto", "bfloat16", "int8", "int4"]),
 ))
 
@@ -217,6 +223,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_memory_size(args.kv_cache_memory),
             enable_prefix_caching=not args.no_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
+            memory_utilization=args.memory_utilization,
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -268,6 +275,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": not args.no_prefix_caching,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "memory_utilization": args.memory_utilization,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
@@ -369,9 +377,9 @@ PD_FLAGS = FlagTable("prefill/decode disaggregation", (
          "keep the KV cache in /dev/shm so decode workers on this host copy it directly", switch=True),
     Flag("--kv-transfer-dtype",
          "how a decode worker asks for prompt KV over tcp: auto = the cache's own bytes; "
-         "bfloat16; int8 or int4 = 8 or 4 bits a value with an fp32 scale per 64 (0.53x / "
-         "0.28x of bf16's bytes, each value within half a step; a same-host shm copy stays "
-         "raw) (default: auto)", "auto", choices=["auto", "bfloat16", "int8", "int4"]),
+         "bfloat16; int8 = 8 bits a value, an fp32 scale per 64 of a token; int4 = 4 bits, "
+         "values so, keys per channel over 64 tokens (0.53x / 0.29x of bf16's bytes; a "
+         "same-host shm copy stays raw) (default: auto)", "auto", choices=["auto", "bfloat16", "int8", "int4"]),
 ))
 
 

@@ -41,6 +41,7 @@ from tandem.loader.model_loader import read_model_config
 from tandem.loader.resolve import default_cache_dir, resolve_model
 from tandem.platform.profiling import step_breakdown
 from tandem.spec.model_proposers import ModelProposerLoader, model_proposer_loader
+from tandem.worker.kv_scales import CALIBRATION_TEXT, calibrate_kv_scales, describe
 from tandem.worker.kv_sizing import kv_blocks, kv_budget_bytes
 from tandem.worker.model_builder import ModelBuilder, model_bytes
 from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block, rank_kv_spec
@@ -215,6 +216,8 @@ class Worker:
                                   tp=self.tp, stage=self.stage, device=self.device, kv_dtype=self.kv_dtype)
         if self._proposer is not None:
             self.runner.drafter = self._proposer.proposer(num_blocks, config.cache.block_size)
+        if self.kv_dtype == torch.float8_e4m3fn:  # before CUDA graphs: they keep the scales they saw
+            self._calibrate_fp8_scales(num_blocks)
         if self.device.type == "cuda" and not config.load.enforce_eager:  # after the drafter: it keeps steps eager
             self.runner.capture_decode_graphs(config.load.max_cudagraph_batch, self._info.max_model_len)
         self.connector = make_connector_worker(config, self.rank)
@@ -231,6 +234,28 @@ class Worker:
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
                                self.rank, self.world_size, self.kv_shm_path, self._info.fingerprint)
         return self.connector.register_kv_cache(access)
+
+    def _calibrate_fp8_scales(self, num_blocks: int) -> None:
+        """Each attention layer's key and value scales for the fp8 cache (worker/kv_scales.py),
+        from the built-in text; 1.0 where they cannot be measured, said in the log."""
+        assert self.stage is not None and self._info is not None
+        if self.stage.split:
+            logger.info("fp8 KV cache: scales 1.0 (a pipeline stage cannot run the calibration text alone)")
+            return
+        from tandem.loader.tokenizer import load_tokenizer
+
+        try:
+            token_ids = load_tokenizer(Path(self._info.hf_dir)).encode(CALIBRATION_TEXT)
+        except FileNotFoundError as error:
+            logger.warning("fp8 KV cache: scales 1.0 (no tokenizer for the calibration text: %s)", error)
+            return
+        block_size = self.config.cache.block_size
+        token_ids = token_ids[: min(num_blocks, self._info.max_model_len // block_size) * block_size]
+        started = time.perf_counter()
+        scales = calibrate_kv_scales(self.runner.model, self.runner.kv_caches, block_size, self.device, token_ids)
+        if scales:
+            logger.info("fp8 KV cache: per-layer scales from %d tokens of built-in text in %.1f s: %s",
+                        len(token_ids), time.perf_counter() - started, describe(scales))
 
     def weights_checksum(self) -> float:
         """A cheap digest of the loaded weights, for the ranks of a stage to confirm they hold

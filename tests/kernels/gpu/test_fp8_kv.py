@@ -5,9 +5,15 @@ prompt as the exact engine does (here the Triton kernels run interpreted on the 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tandem.batch.prepared import ScheduledChunk, prepare_batch
+from tandem.kernels.base import kv_cache_shape
+from tandem.kernels.gpu.backend import TritonAttentionBackend
+from tandem.layers.attention import PagedAttention
 from tandem.llm import LLM
 from tandem.types import SamplingParams
+from tandem.worker.kv_scales import power_of_two_scale
 
 pytestmark = pytest.mark.slow
 
@@ -32,3 +38,60 @@ def test_fp8_cache_holds_four_times_the_fp32_blocks_and_answers_alike() -> None:
 def test_fp8_needs_the_triton_backend() -> None:
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs the Triton attention backend"):
         LLM("smollm2-135m", attention_backend="cpu", kv_cache_memory="32MiB", kv_cache_dtype="fp8")
+
+
+def _attend_steps(layer, cache: torch.Tensor, magnitude: float) -> list[torch.Tensor]:  # noqa: ANN001
+    """A 40-token prefill in two chunks, then a decode step, through `layer`: each output."""
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(41, 4, 16, generator=generator)
+    k = torch.randn(41, 2, 16, generator=generator) * magnitude
+    v = torch.randn(41, 2, 16, generator=generator) * magnitude
+    outputs = []
+    for start, count in ((0, 24), (24, 16), (40, 1)):
+        chunk = ScheduledChunk("r", list(range(start, start + count)), start, [2, 0, 3], True)
+        meta = prepare_batch([chunk], 16).meta
+        rows = slice(start, start + count)
+        outputs.append(layer(q[rows], k[rows], v[rows], cache, meta))
+    return outputs
+
+
+def test_a_layer_beyond_e4m3s_range_keeps_its_values_with_a_measured_scale() -> None:
+    """Keys and values a thousand strong: an fp8 cache at scale 1.0 clamps them at 448 (the
+    output comes back about half as large as it should); with the scales the worker measures
+    (a power of two over 4x the largest, worker/kv_scales.py) they keep e4m3's three mantissa
+    bits, and the output is within a few percent of the float cache's."""
+    backend = TritonAttentionBackend()
+    exact = _attend_steps(PagedAttention(4, 2, 16, backend), torch.zeros(kv_cache_shape(4, 16, 2, 16)), 1000.0)
+    largest = 1000.0 * 4.5  # above any of the 41 x 2 x 16 normal draws times 1000
+    plain = PagedAttention(4, 2, 16, backend)
+    scaled = PagedAttention(4, 2, 16, backend)
+    scaled.k_scale = scaled.v_scale = power_of_two_scale(largest)
+    assert scaled.k_scale == 64.0
+    fp8 = torch.float8_e4m3fn
+    clamped = _attend_steps(plain, torch.zeros(kv_cache_shape(4, 16, 2, 16), dtype=fp8), 1000.0)
+    kept = _attend_steps(scaled, torch.zeros(kv_cache_shape(4, 16, 2, 16), dtype=fp8), 1000.0)
+    for want, bad, good in zip(exact, clamped, kept, strict=True):
+        scale = want.abs().mean()
+        assert (good - want).abs().mean() < 0.1 * scale
+        assert (bad - want).abs().mean() > 0.3 * scale
+
+
+def test_the_engine_measures_each_layers_scales_at_start() -> None:
+    """--kv-cache-dtype fp8: before it serves, the worker runs the built-in text through the
+    model (its first 64 tokens here: the context) and gives every attention layer a
+    power-of-two scale for its keys and values."""
+    import math
+
+    from tandem.worker.kv_scales import attention_layers
+
+    llm = LLM("smollm2-135m", attention_backend="triton", kv_cache_memory="32MiB", max_model_len=64,
+              kv_cache_dtype="fp8")
+    try:
+        layers = attention_layers(llm.engine.runner.model)
+        scales = [(layer.k_scale, layer.v_scale) for layer in layers]
+        assert len(scales) == 30 and all(layer.observed is None for layer in layers)
+        assert all(math.log2(s).is_integer() for pair in scales for s in pair)
+        assert any(pair != (1.0, 1.0) for pair in scales)  # measured, not left at 1.0
+        assert not llm.engine.runner.kv_cache.float().abs().sum()  # the calibration's blocks zeroed
+    finally:
+        llm.shutdown()
