@@ -10,6 +10,7 @@ this module imports torch and the engine, which building the CLI parser must not
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -52,12 +53,50 @@ def long_text() -> str:
     return "\n\n".join(inspect.getdoc(importlib.import_module(name)) or "" for name in LONG_TEXT_MODULES)
 
 
-def requantize(engine: LLMEngine, block_ids: list[int], codec: KVCodec) -> None:
+@dataclass(frozen=True)
+class Fp8Rounding:
+    """What an fp8 cache (--kv-cache-dtype fp8) holds of each value, on a cache the CPU
+    backends read: each layer's keys and values divided by its scales (worker/kv_scales.py,
+    measured on this engine's model), rounded to float8 e4m3 (clamped to +-448, as the Triton
+    backend's write is) and multiplied back. Exact for what the fp8 kernels see, since they
+    widen each value and the layer folds the scales out (layers/attention.py)."""
+
+    scales: tuple[tuple[float, float], ...]  # (k_scale, v_scale) per layer
+    name: str = "fp8"
+
+    def payload_bytes(self, shape: tuple[int, ...], cache_dtype: torch.dtype) -> int:
+        return math.prod(shape)  # a byte a value
+
+    def roundtrip(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks [layers, 2, kv heads, blocks, block size, head dim] as an fp8 cache keeps them."""
+        scales = torch.tensor(self.scales, dtype=torch.float32).view(-1, 2, 1, 1, 1, 1)
+        fp8 = torch.float8_e4m3fn
+        limit = torch.finfo(fp8).max
+        return ((blocks.float() / scales).clamp(-limit, limit).to(fp8).float() * scales).to(blocks.dtype)
+
+
+def requantize(engine: LLMEngine, block_ids: list[int], codec: KVCodec | Fp8Rounding) -> None:
     """Replace KV blocks by what `codec` brings back of them: what a decode worker fetching
     them in that codec, a tier holding them so, or a cache of that dtype would attend to."""
     blocks = engine.runner.read_blocks(block_ids)
-    restored = codec.decode(codec.encode(blocks), tuple(blocks.shape), blocks.dtype, blocks.dtype)
+    if isinstance(codec, Fp8Rounding):
+        restored = codec.roundtrip(blocks)
+    else:
+        restored = codec.decode(codec.encode(blocks), tuple(blocks.shape), blocks.dtype, blocks.dtype)
     engine.runner.write_blocks(block_ids, restored)
+
+
+def measured_fp8_scales(engine: LLMEngine, token_ids: list[int]) -> Fp8Rounding:
+    """The per-layer scales an fp8 cache of this model would take (the worker's calibration
+    on this engine's model and cache, then the layers set back to 1.0 for the float cache)."""
+    from tandem.worker.kv_scales import CALIBRATION_TEXT, attention_layers, calibrate_kv_scales
+
+    runner = engine.runner
+    ids = list(token_ids) or engine.tokenizer.encode(CALIBRATION_TEXT)
+    scales = calibrate_kv_scales(runner.model, runner.kv_caches, runner.block_size, runner.device, ids)
+    for layer in attention_layers(runner.model):
+        layer.k_scale = layer.v_scale = 1.0
+    return Fp8Rounding(tuple(scales))
 
 
 def _touched(block_ids: list[int], start: int, count: int, block_size: int) -> list[int]:
@@ -65,7 +104,8 @@ def _touched(block_ids: list[int], start: int, count: int, block_size: int) -> l
 
 
 @torch.inference_mode()
-def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int, kv_codec: KVCodec | None = None) -> float:
+def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int,
+               kv_codec: KVCodec | Fp8Rounding | None = None) -> float:
     """exp(mean NLL) of token_ids[1:] given their prefixes, computed `step_tokens` at a time;
     with `kv_codec`, every step's new KV goes through it before later steps read it."""
     if len(token_ids) < 2:
@@ -94,7 +134,8 @@ def perplexity(engine: LLMEngine, token_ids: list[int], step_tokens: int, kv_cod
 
 
 @torch.inference_mode()
-def greedy_tokens(engine: LLMEngine, prompt_ids: list[int], max_tokens: int, kv_codec: KVCodec | None = None,
+def greedy_tokens(engine: LLMEngine, prompt_ids: list[int], max_tokens: int,
+                  kv_codec: KVCodec | Fp8Rounding | None = None,
                   prompt_only: bool = False, chunk_tokens: int = 64) -> list[int]:
     """The greedy continuation of a prompt through the engine's paged model path, the prompt in
     `chunk_tokens` steps, then a token a step. With `kv_codec` the KV goes through it as it is

@@ -11,7 +11,9 @@ import argparse
 
 from tandem.flags.table import Command, Flag, FlagTable
 
-KV_DTYPES = ("bfloat16", "int8", "int4")  # kvcache/codec.py's, but the cache's own bytes
+# kvcache/codec.py's, but the cache's own bytes; and fp8, the fp8 cache's rounding (the GPU
+# backend's), applied to this engine's cache since the CPU backends do not read fp8
+KV_DTYPES = ("bfloat16", "int8", "int4", "fp8")
 KV_CACHE_DTYPES_MEASURED = ("int8",)  # --kv-cache-dtype values a CPU run can measure
 
 # key -> (label, LLM keywords); the first is the baseline every other is compared with.
@@ -37,7 +39,8 @@ PERPLEXITY_FLAGS = FlagTable(None, (
     ),
     Flag(
         "--kv-dtypes", metavar="KEYS",
-        help="instead of the weight modes, the KV codecs of the transfer and tier flags "
+        help="instead of the weight modes, the KV codecs of the transfer and tier flags, and fp8, "
+        "an fp8 cache's rounding with the per-layer scales the worker measures "
         f"(comma-separated of {','.join(KV_DTYPES)}): perplexity with every cached value "
         "through the codec, and greedy agreement (prompts whose continuation is token for token "
         "the exact cache's) with the prompt's KV through it (a handoff or a tier load) and with "
@@ -143,7 +146,13 @@ def run_kv_quality(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from tandem.bench.perplexity import greedy_tokens, long_text, perplexity
+    from tandem.bench.perplexity import (
+        Fp8Rounding,
+        greedy_tokens,
+        long_text,
+        measured_fp8_scales,
+        perplexity,
+    )
     from tandem.kvcache.codec import KVCodec
     from tandem.llm import LLM
 
@@ -157,7 +166,9 @@ def run_kv_quality(args: argparse.Namespace) -> int:
     runs = 1 + 2 * len(names)
     bar = tqdm(total=runs * (count + 1), desc="kv quality", unit="run")
 
-    def measure(codec: KVCodec | None, prompt_only: bool) -> tuple[float | None, list[list[int]]]:
+    fp8 = measured_fp8_scales(engine, []) if "fp8" in names else None
+
+    def measure(codec: KVCodec | Fp8Rounding | None, prompt_only: bool) -> tuple[float | None, list[list[int]]]:
         value = None
         if not prompt_only:
             value = perplexity(engine, tokens, step_tokens=64, kv_codec=codec)
@@ -174,7 +185,7 @@ def run_kv_quality(args: argparse.Namespace) -> int:
     bf16_bytes = KVCodec("raw").payload_bytes(chunk, torch.bfloat16)
     rows = []
     for name in names:
-        codec = KVCodec(name)
+        codec = fp8 if name == "fp8" and fp8 is not None else KVCodec(name)  # fp8 is set when named
         ppl, all_outs = measure(codec, False)
         _, handoff_outs = measure(codec, True)
         nbytes = codec.payload_bytes(chunk, cache.dtype)
@@ -193,6 +204,11 @@ def run_kv_quality(args: argparse.Namespace) -> int:
     for name, ratio, ppl, base_cache_ppl, agreement in cache_rows:
         print(f"  {name + ' cache':<11} {ratio:12.3f}x {ppl:9.4f} ({(ppl / base_cache_ppl - 1) * 100:+6.2f}%) "
               f"{'':>22} {agreement[0] * 100:6.1f}% ({agreement[1]:5.1f})")
+    if fp8 is not None:
+        from tandem.worker.kv_scales import describe
+
+        print(f"  fp8: float8 e4m3 rounding with the worker's per-layer scales ({describe(list(fp8.scales))}), "
+              "on this cache (the fp8 cache itself runs on the GPU backend)")
     print("  agreement: share of continuations token for token the exact cache's; first miss: the mean "
           "position of the first differing token (the run's length where none differs)")
     if cache_rows:

@@ -13,9 +13,10 @@ saturates, and the scale is exact to divide by (layers/attention.py folds it int
 scale and the output, so the kernels are unchanged). The same checkpoint gives the same scales
 on every host unless a largest magnitude sits at a power of two.
 
-What it buys on the models this project measures: nothing measurable. Neither SmolLM2 nor
-Qwen2.5-Coder (with key divisors) has a layer outside e4m3's range; their fp8 loss is the three
-mantissa bits (docs/performance.md). It is there for checkpoints whose activations are not.
+What it buys on the models this project measures: little. Neither SmolLM2 nor Qwen2.5-Coder
+(with key divisors) has a layer outside e4m3's range; their fp8 loss is the three mantissa
+bits (`tandem bench perplexity --kv-dtypes fp8`: +0.34% and +1.13% with these scales, +0.43%
+and +1.19% at 1.0). It is there for checkpoints whose activations are not.
 
 An fp8 cache never leaves its worker (config_checks.py refuses it with the PD handoff and the
 tiers), so no other worker needs the scales; a connector that moves fp8 blocks must carry them.

@@ -87,3 +87,26 @@ def test_an_unknown_mode_fails_at_parse_time(capsys) -> None:
         main(["bench", "perplexity", "--modes", "bf16,fp8"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.startswith("tandem: error: --modes: unknown mode fp8; choose from")
+
+
+def test_the_fp8_rounding_divides_by_each_layers_scales_before_it_rounds() -> None:
+    """`--kv-dtypes fp8`: what an fp8 cache keeps of each value. A layer scaled by 8 keeps
+    values up to 2,000 (e4m3 tops out at 448 unscaled); every value comes back within e4m3's relative step
+    (2^-4 of it) or half its subnormal step, both times the layer's scale."""
+    import torch
+
+    from tandem.bench.perplexity import Fp8Rounding
+
+    blocks = torch.randn(2, 2, 3, 4, 16, 64, generator=torch.Generator().manual_seed(0))
+    blocks[1, 1] *= 500.0
+    rounding = Fp8Rounding(((1.0, 1.0), (0.5, 8.0)))
+    back = rounding.roundtrip(blocks)
+    assert back.dtype == blocks.dtype and back.shape == blocks.shape
+    assert not torch.equal(back, blocks)
+    error = (back - blocks).abs()
+    subnormal = torch.tensor(rounding.scales).view(2, 2, 1, 1, 1, 1) * 2**-10  # half of e4m3's 2^-9, scaled
+    assert bool((error <= blocks.abs() * 2**-4 + subnormal).all())
+    assert blocks[1, 1].abs().max() > 448 and (back[1, 1] - blocks[1, 1]).abs().max() < 100
+    clamped = Fp8Rounding(((1.0, 1.0), (1.0, 1.0))).roundtrip(blocks)
+    assert clamped[1, 1].abs().max() == 448  # scale 1.0 saturates the same values
+    assert rounding.payload_bytes((2, 2, 3, 4, 16, 64), torch.float32) == 2 * 2 * 3 * 4 * 16 * 64
