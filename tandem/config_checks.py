@@ -52,8 +52,8 @@ def _check_parallel(config: EngineConfig) -> None:
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
     """float8 e4m3 KV (--kv-cache-dtype fp8) only the Triton kernels read (they widen each block
     as they load it), and no connector moves it yet (their codecs read float caches); int8 rows
-    with their scales (tandem/kernels/kv_format.py) only the CPU backends read (the C decode
-    kernel and the torch path); the PD handoff over tcp and the tiers move them (to and from
+    with their scales (tandem/kernels/kv_format.py) every backend reads (the C decode kernel,
+    the torch path, the Triton kernels); the PD handoff over tcp and the tiers move them (to and from
     caches of any dtype: the reader rounds what it receives into its rows; a shared-memory
     copy only between two int8 caches, a float reader asks over the port). Speculative
     decoding takes it: the target's cache is int8, a draft model or Eagle head keeps its own
@@ -65,9 +65,6 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {choice!r}")
     backend = config.load.attention_backend
     if choice == "int8":
-        if config.load.device != "cpu" or backend not in ("auto", "cpu", "torch"):
-            raise ValueError("--kv-cache-dtype int8 runs on the CPU attention backends (cpu, torch); "
-                             "on a GPU use fp8")
         return
     if not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
         raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "

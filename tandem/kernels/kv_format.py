@@ -67,7 +67,7 @@ def rotation_size(head_dim: int) -> int:
 def rotate_runs(runs: torch.Tensor) -> torch.Tensor:
     """Each run (the last dimension, a power of two long) times the normalized
     Sylvester-Hadamard matrix of its length: orthonormal and its own inverse."""
-    return runs @ hadamard(runs.shape[-1], runs.dtype)
+    return runs @ hadamard(runs.shape[-1], runs.dtype, runs.device)
 
 
 def rotate_rows(x: torch.Tensor) -> torch.Tensor:
@@ -80,13 +80,14 @@ def rotate_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=16)
-def hadamard(size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The normalized Sylvester-Hadamard matrix of a power-of-two `size` (built once a size and
-    dtype: it is taken twice a layer a step; callers must not write into it)."""
+def hadamard(size: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalized Sylvester-Hadamard matrix of a power-of-two `size` (built once a size,
+    dtype and device: it is taken twice a layer a step, and on a GPU the first step, before
+    any CUDA graph is captured, builds it; callers must not write into it)."""
     matrix = torch.ones(1, 1, dtype=torch.float64)
     while matrix.shape[0] < size:
         matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
-    return (matrix / size**0.5).to(dtype)
+    return (matrix / size**0.5).to(device=device, dtype=dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:

@@ -177,8 +177,6 @@ def plan_memory(config: dict, request: PlanRequest, name: str = "") -> MemoryPla
             raise PlanError(f"{flag} must be at least 1")
     fmt = weight_format(shape, request.dtype, request.keep_packed)
     kv = kv_dtype(fmt, request.kv_cache_dtype)
-    if kv == "int8" and request.devices.kind.gpu:  # as the engine refuses it (config_checks.py)
-        raise PlanError("--kv-cache-dtype int8 runs on the CPU backends; on a GPU use fp8")
     validate(shape, parallel, fmt)
     max_model_len = request.max_model_len or shape.max_position_embeddings
     if max_model_len < 1:
@@ -187,7 +185,7 @@ def plan_memory(config: dict, request: PlanRequest, name: str = "") -> MemoryPla
     tandem = _engine_plan("tandem", shape, pipeline, request, fmt, kv, request.memory_utilization,
                           request.max_num_batched_tokens, request.max_num_seqs, activation_in_budget=False)
     vllm = None
-    if request.devices.kind.gpu:
+    if request.devices.kind.gpu and kv != "int8":  # vLLM has no int8 KV cache to set beside it
         tokens, seqs = vllm_batch_defaults(request.devices)
         vllm = _engine_plan("vLLM", shape, pipeline, request, fmt, kv, VLLM_MEMORY_UTILIZATION,
                             tokens, seqs, activation_in_budget=True, vision_bytes=vision_weight_bytes(shape, fmt))
@@ -197,7 +195,7 @@ def plan_memory(config: dict, request: PlanRequest, name: str = "") -> MemoryPla
         model=shape.name or shape.architecture, architecture=shape.architecture,
         params=count_params(shape), weights=describe_weights(shape, fmt), kv_cache_dtype=kv,
         devices=request.devices, parallel=parallel, max_model_len=max_model_len,
-        tandem=tandem, vllm=vllm, notes=_notes(shape, fmt, tandem, vllm, max_model_len))
+        tandem=tandem, vllm=vllm, notes=_notes(shape, fmt, tandem, vllm, max_model_len, kv, request.devices.kind.gpu))
 
 
 def describe_weights(shape: ModelShape, fmt: WeightFormat) -> str:
@@ -276,8 +274,11 @@ def _no_fit_message(plan: EnginePlan, request: PlanRequest, quantized: object) -
 
 
 def _notes(shape: ModelShape, fmt: WeightFormat, plan: EnginePlan, vllm: EnginePlan | None,
-           max_model_len: int) -> tuple[str, ...]:
+           max_model_len: int, kv: str, gpu: bool) -> tuple[str, ...]:
     notes = []
+    if gpu and kv == "int8":
+        notes.append("vLLM has no int8 KV cache: no vLLM column (its nearest is --kv-cache-dtype fp8, "
+                     "the same bytes less the row scales)")
     vision = shape.vision
     if vision is not None and vision.loaded_by_vllm:
         loaded = vllm.stages[0].vision_bytes if vllm is not None else vision_weight_bytes(shape, fmt)

@@ -4,6 +4,11 @@ Per step the runner's metadata is turned into the kernels' tensors once (the chu
 lengths, contexts and one padded block table) and kept in `meta.scratch` for every layer.
 The step's keys and values are written into the cache first, so a prefill chunk reads its
 whole context, cached prefix and fresh tokens alike, from the cache.
+
+Under --kv-cache-dtype int8 (rows of int8 values and their scale, tandem/kernels/kv_format.py)
+torch rounds the step's keys and values into rows, the same function every CPU path and
+connector uses, and the write kernel stores those bytes; the attention kernels read the rows
+as stored (rotated) and this backend rotates the query before them and the output after.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from tandem.kernels.gpu import TRITON_CAPABILITIES, available
 from tandem.kernels.gpu.cache_write import write_kv
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.prefill_attention import prefill_attention
+from tandem.kernels.kv_format import is_int8_cache, quantize_rows, rotate_rows
 
 _SCRATCH_KEY = "triton"
 FP8 = torch.float8_e4m3fn
@@ -59,16 +65,27 @@ class TritonAttentionBackend:
             # are. Triton's own cast is the GPU's, but its CPU interpreter rounds some values
             # just under a power of two down a whole binade, and CI can only test that one.
             key, value = (x.clamp(-FP8_MAX, FP8_MAX).to(FP8) for x in (key, value))
+        elif is_int8_cache(kv_cache) and key.dtype != torch.uint8:
+            key, value = quantize_rows(key), quantize_rows(value)
         write_kv(key, value, kv_cache, meta.slot_mapping)
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
+        return _in_stored_rotation(self._attend, query, kv_cache, meta, scale)
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """The step's decode rows alone (MLA's absorbed decode calls this on its latent plane)."""
+        return _in_stored_rotation(self._decode, query, kv_cache, meta, scale)
+
+    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         decodes = meta.num_decode_tokens
         decoded = None
         if decodes:
-            decoded = self.decode(query[:decodes], kv_cache, meta, scale)
+            decoded = self._decode(query[:decodes], kv_cache, meta, scale)
             if not meta.prefills:
                 return decoded  # a decode-only step: no copy into a step-wide output
         out = torch.empty_like(query)
@@ -80,8 +97,8 @@ class TritonAttentionBackend:
                               chunks.tables, chunks.max_len, scale, out)
         return out
 
-    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         decodes = query.shape[0]
         max_blocks = -(-meta.decode_max_context_len // meta.block_size)
         splits = decode_splits(decodes, kv_cache.shape[1], max_blocks, self.target_programs)
@@ -108,3 +125,14 @@ class TritonAttentionBackend:
             )
             meta.scratch[_SCRATCH_KEY] = cached
         return cached
+
+
+def _in_stored_rotation(attend, query: torch.Tensor, kv_cache: torch.Tensor,  # noqa: ANN001
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`attend(query, kv_cache, meta, scale)`, where an int8 cache's rows are stored rotated
+    (kv_format.py): with the query rotated the same way before (q.k = Rq.Rk) and the output,
+    a weighted sum of rotated values, rotated back after; a float cache's as it is."""
+    if not is_int8_cache(kv_cache):
+        return attend(query, kv_cache, meta, scale)
+    rotated = attend(rotate_rows(query.float()).to(query.dtype), kv_cache, meta, scale)
+    return rotate_rows(rotated.float()).to(query.dtype)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.gpu.online_softmax import TILE, attend_block, tile_offsets
+from tandem.kernels.gpu.online_softmax import TILE, attend_block, tile_rows
 
 
 @triton.jit
@@ -28,7 +28,8 @@ def _decode_kernel(
     stride_pt, stride_ph, stride_ps,
     stride_lt, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, INT8: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -53,10 +54,9 @@ def _decode_kernel(
     for start in range(first * BLOCK_SIZE, end, BLOCK_N):
         key_pos = start + n
         valid = key_pos < end
-        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        where = tile_offsets(tables_ptr + row * stride_tt, key_pos, valid, d, stride_cb, stride_ct, BLOCK_SIZE)
-        m, total, acc = attend_block(q, keys, values, where, kv_mask, valid[None, :], scale, m, total, acc,
-                                     PRECISION)
+        rows = tile_rows(tables_ptr + row * stride_tt, key_pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
+        m, total, acc = attend_block(q, keys, values, rows, valid, d, valid[None, :], scale, m, total, acc,
+                                     HEAD_DIM, INT8, PRECISION)
 
     seen = total > 0  # a split past the row's context saw nothing
     out = acc / tl.where(seen, total, 1.0)[:, None]
@@ -107,7 +107,9 @@ def paged_decode_attention(
     context_lens: torch.Tensor, max_context_len: int, scale: float, num_splits: int = 1,
 ) -> torch.Tensor:
     """query [rows, heads, head_dim] → out (same shape); row i attends to context_lens[i]
-    tokens found through block_tables[i] in kv_cache [2, kv_heads, blocks, block_size, dim]."""
+    tokens found through block_tables[i] in kv_cache [2, kv_heads, blocks, block_size, width]
+    (width: head_dim, or head_dim + 4 for an int8 cache, whose rows the query must already be
+    rotated for)."""
     rows, heads, head_dim = query.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
     group = heads // kv_heads
@@ -135,7 +137,7 @@ def paged_decode_attention(
         part.stride(0), part.stride(1), part.stride(2) if split else 0,
         lse.stride(0), lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=TILE, SPLIT=split,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=TILE, SPLIT=split, INT8=kv_cache.dtype == torch.uint8,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     if split:

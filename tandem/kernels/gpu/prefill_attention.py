@@ -26,7 +26,7 @@ def _prefill_kernel(
     stride_tt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
@@ -56,11 +56,10 @@ def _prefill_kernel(
         for j in range(0, tl.cdiv(end, BLOCK_SIZE)):
             block = tl.load(tables_ptr + chunk * stride_tt + j)
             key_pos = j * BLOCK_SIZE + t
-            kv_mask = (key_pos[:, None] < context) & (d[None, :] < HEAD_DIM)
-            where = block * stride_cb + t[:, None] * stride_ct + d[None, :]
+            rows = block * stride_cb + t * stride_ct
             visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < context)
-            m, total, acc = attend_block(q, keys, values, where, kv_mask, visible, scale, m, total, acc,
-                                         PRECISION)
+            m, total, acc = attend_block(q, keys, values, rows, key_pos < context, d, visible, scale, m, total,
+                                         acc, HEAD_DIM, INT8, PRECISION)
         out = acc / total[:, None]
         tl.store(out_ptr + (q_start + r)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -88,6 +87,6 @@ def prefill_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, INT8=kv_cache.dtype == torch.uint8,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )

@@ -12,6 +12,7 @@ from tandem.kernels.gpu.backend import TritonAttentionBackend
 from tandem.kernels.gpu.cache_write import write_kv
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.rms_norm import rms_norm
+from tandem.kernels.kv_format import quantize_rows
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.norm import RMSNorm
 
@@ -97,17 +98,20 @@ def test_decode_splits_fill_the_device_but_keep_a_few_blocks_each() -> None:
     assert decode_splits(rows=1, kv_heads=1, max_blocks=8192, target_programs=10_000) == 64
 
 
-@pytest.mark.parametrize(("dtype", "fp8"), [(torch.float32, False), (torch.float16, False),
-                                           (torch.float32, True), (torch.float16, True)])
+@pytest.mark.parametrize(("dtype", "kv"), [(torch.float32, "auto"), (torch.float16, "auto"),
+                                          (torch.float32, "fp8"), (torch.float16, "fp8"),
+                                          (torch.float32, "int8"), (torch.float16, "int8")])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_a_mixed_batch_matches_the_torch_backend(dtype: torch.dtype, fp8: bool, heads: int, kv_heads: int,
+def test_a_mixed_batch_matches_the_torch_backend(dtype: torch.dtype, kv: str, heads: int, kv_heads: int,
                                                  dim: int, block_size: int) -> None:
     """Two decodes, then three prefill chunks: a fresh prompt, a chunk after a cached prefix
     that ends mid-block, and a one-token chunk; the step's K/V written by the backend. With
     `fp8` the cache is float8 e4m3 (--kv-cache-dtype fp8): the kernels store each key and value
     rounded to it and widen what they read, so the reference attends over the same rounded
-    values in fp32."""
+    values in fp32. With `int8` the cache holds rotated int8 rows and their scales: both
+    backends store the same bytes, and the reference (the torch backend over that cache, in
+    fp32) attends over the dequantized rows."""
     generator = torch.Generator().manual_seed(7)
     torch.manual_seed(dim + block_size)
     decode_contexts = [block_size + 3, 2]
@@ -132,18 +136,20 @@ def test_a_mixed_batch_matches_the_torch_backend(dtype: torch.dtype, fp8: bool, 
     meta = AttentionMetadata(torch.tensor(slots), len(decode_contexts), tables[:2], torch.tensor(decode_contexts),
                              max(decode_contexts), spans, block_size)
     scale = dim ** -0.5
-    if fp8:
+    if kv == "fp8":
         cache = cache.to(torch.float8_e4m3fn)
-    reference_cache = cache.float().clone()
+    elif kv == "int8":
+        cache = quantize_rows(cache)
+    reference_cache = cache.clone() if kv == "int8" else cache.float().clone()
     triton_backend = TritonAttentionBackend(target_programs=16)  # splits the 2 decodes too
     triton_backend.check(cache)
     triton_backend.write_kv(key, value, cache, meta)
     got = triton_backend.attend(query, key, value, cache, meta, scale)
     torch_backend = TorchAttentionBackend()
-    stored = (lambda x: x.to(cache.dtype).float()) if fp8 else (lambda x: x.float())
+    stored = (lambda x: x.to(cache.dtype).float()) if kv == "fp8" else (lambda x: x.float())
     torch_backend.write_kv(stored(key), stored(value), reference_cache, meta)
     want = torch_backend.attend(query.float(), stored(key), stored(value), reference_cache, meta, scale)
-    torch.testing.assert_close(cache.float(), reference_cache, atol=0, rtol=0)
+    torch.testing.assert_close(cache if kv == "int8" else cache.float(), reference_cache, atol=0, rtol=0)
     torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
