@@ -121,6 +121,8 @@ class KVCodec:
             raise CodecError(f"a {self.name} payload of {tuple(shape)} is {expected} bytes, got {payload.numel()}")
         if self.name == "raw":
             rows = payload.view(writer_dtype).view(shape)
+            if writer_dtype == torch.uint8:
+                _check_finite(rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32), "row scale")
             if writer_dtype == cache_dtype:
                 return rows
             if writer_dtype == torch.uint8:  # another cache's int8 rows: their values
@@ -190,6 +192,7 @@ def _decode_runs(payload: torch.Tensor, shape: tuple[int, ...], name: str) -> to
     count = _numel(shape)
     split = count if name == "int8" else count // 2
     scales = payload[split:].view(torch.float32).view(-1, 1)
+    _check_finite(scales, "scale")
     if name == "int4":
         levels = _unpack_nibbles(payload[:split]).to(torch.int8) - 8
     else:
@@ -241,8 +244,19 @@ def _decode_key_channels(payload: torch.Tensor, shape: tuple[int, ...]) -> torch
     levels = _unpack_nibbles(payload[:split]).view(layers, heads, tokens, head_dim).float()
     lows = payload[split : split + 4 * params].view(torch.float32).view(layers, heads, -1, head_dim)
     steps = payload[split + 4 * params :].view(torch.float16).view(layers, heads, -1, head_dim).float()
+    _check_finite(lows, "key minimum")
+    _check_finite(steps, "key step")
     keys = _per_token(lows, tokens) + levels * _per_token(steps, tokens)
     return keys.view(shape)
+
+
+def _check_finite(params: torch.Tensor, what: str) -> None:
+    """A quantized payload's scales, minima or steps must be finite: a NaN or infinite one
+    (a corrupt or forged chunk; the encoders never write one) would decode into NaN keys or
+    values that poison every attention read of the sequence, so the payload is refused and
+    the prefix recomputed. Float payloads' values are data, passed as they are."""
+    if not bool(torch.isfinite(params).all()):
+        raise CodecError(f"a payload holds a non-finite {what}")
 
 
 def _value_shape(shape: tuple[int, ...], cache_dtype: torch.dtype) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ from tandem.kvcache.codec import (
     CODECS,
     GROUP,
     KEY_GROUP_TOKENS,
+    RAW,
     CodecError,
     KVCodec,
     group_size,
@@ -214,3 +215,42 @@ def test_rows_cross_between_an_int8_cache_and_a_float_one(name: str) -> None:
         assert torch.equal(into_fp32, exact)
     else:
         assert (into_fp32 - exact).abs().amax() < {"bfloat16": 0.05, "int8": 0.06, "int4": 0.9}[name]
+
+
+def _poisoned(payload: torch.Tensor, offset: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of `payload` with the `dtype` number at byte `offset` set to `value`."""
+    poisoned = payload.clone()
+    width = torch.empty((), dtype=dtype).element_size()
+    poisoned[offset : offset + width] = torch.tensor([value], dtype=dtype).view(torch.uint8)
+    return poisoned
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_scale_minimum_or_step_is_refused(bad: float) -> None:
+    """A forged or corrupt chunk whose scale, key minimum or key step is NaN or infinite would
+    decode into NaN KV that poisons every later read of the sequence: it is refused, as a
+    payload of the wrong length is, and the reader recomputes the prefix."""
+    from tandem.kernels.kv_format import quantize_rows
+
+    shape = SHAPES["gqa"]
+    layers, _, heads, blocks, block_size, dim = shape
+    blocks_ = _blocks(shape, torch.float32)
+    key_levels = layers * heads * blocks * block_size * dim // 2
+    key_params = layers * heads * 1 * dim  # one group of 64 tokens per layer and head
+    cases = [
+        ("int8", -4, torch.float32),  # the last run's scale
+        ("int4", -4, torch.float32),  # the last value run's scale
+        ("int4", key_levels, torch.float32),  # the first key channel's minimum
+        ("int4", key_levels + 4 * key_params, torch.float16),  # its step
+    ]
+    for name, offset, dtype in cases:
+        codec = KVCodec(name)
+        payload = codec.encode(blocks_)
+        codec.decode(payload, shape, torch.float32, torch.float32)  # as written: accepted
+        with pytest.raises(CodecError, match="non-finite"):
+            codec.decode(_poisoned(payload, offset % payload.numel(), bad, dtype), shape, torch.float32, torch.float32)
+    rows = quantize_rows(blocks_)  # an int8 cache's rows under `raw`: each row's scale
+    payload = RAW.encode(rows)
+    for reader in (torch.uint8, torch.float32):
+        with pytest.raises(CodecError, match="non-finite row scale"):
+            RAW.decode(_poisoned(payload, payload.numel() - 4, bad, torch.float32), tuple(rows.shape), reader, torch.uint8)

@@ -266,6 +266,39 @@ def test_corrupt_bytes_on_disk_are_a_recompute(tmp_path: Path, cold_outputs: lis
         assert_idle(llm)
 
 
+def test_a_chunk_with_a_nan_scale_and_a_valid_digest_is_a_recompute(tmp_path: Path,
+                                                                   cold_outputs: list[str]) -> None:
+    """A well-formed int8 chunk, digest and all, whose last scale is NaN (what a forger or a
+    bad writer could store): its blocks would read back as NaN keys and values, so the reader
+    refuses it as corrupt ('values'), deletes it and recomputes the prefix."""
+    import json
+    import struct
+
+    from tandem.kvcache.tiers.chunk import ChunkHeader, encode_chunk
+
+    with tier_llm(disk_path=str(tmp_path), codec="int8") as llm:
+        llm.generate([PROMPT], GREEDY)
+        drain_writes(llm)
+        files = sorted(tmp_path.rglob("*.kv"))
+        assert files
+        for path in files:
+            value = path.read_bytes()
+            _, _, head_len = struct.unpack_from("<4sHI", value)
+            head = json.loads(value[10:10 + head_len])
+            assert head["codec"] == "int8"
+            payload = bytearray(value[10 + head_len:-16])
+            payload[-4:] = struct.pack("<f", float("nan"))
+            header = ChunkHeader(**{**head, "shape": tuple(head["shape"]), "token_ids": tuple(head["token_ids"])})
+            path.write_bytes(encode_chunk(header, bytes(payload)))
+        evict_from_device(llm)
+        again = llm.generate([PROMPT], GREEDY)[0]
+        assert again.outputs[0].text == cold_outputs[0]
+        assert again.num_cached_tokens == 0
+        disk = llm.engine.core.load().connector("kv_tiers")["media"]["disk"]
+        assert disk.get("corrupt_values", 0) >= 1, disk
+        assert_idle(llm)
+
+
 def test_corrupt_and_foreign_values_in_redis_are_a_recompute(redis_server: RedisServer,
                                                             cold_outputs: list[str]) -> None:
     import redis

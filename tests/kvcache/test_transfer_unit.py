@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tandem.bench.hostile import Listener
+from tandem.kvcache.codec import KVCodec
 from tandem.kvcache.transfer import KVLayout, KVTransferError, KVTransferHandle, tcp
 from tandem.kvcache.transfer.shm import ShmTransport
 from tandem.kvcache.transfer.sink import KVSink, PullJob
@@ -120,6 +121,22 @@ def test_corrupted_payload_fails_the_checksum(source: KVSource) -> None:
     source.fault = "corrupt"
     with pytest.raises(KVTransferError, match="checksum"):
         TcpTransport(KEY, LAYOUT).fetch(handle, [0, 1], timeout=5)
+
+
+def test_a_payload_with_a_non_finite_scale_is_a_failed_pull() -> None:
+    """A source whose blocks hold a NaN sends an int8 payload whose scale is NaN under a
+    matching digest: the reader refuses it (it would decode into NaN keys and values) as a
+    failed pull, which the decode worker answers with a local prefill."""
+    cache = _cache(0)
+    cache[0, 0, 0, 2, 1, 0] = float("nan")  # layer 0's keys, head 0, block 2, row 1
+    src = KVSource(_reader(cache), LAYOUT, SECRET)
+    try:
+        handle = _held(src, [2, 3])
+        with pytest.raises(KVTransferError, match="non-finite scale"):
+            TcpTransport(KEY, LAYOUT, KVCodec("int8")).fetch(handle, [0, 1], timeout=5)
+        assert TcpTransport(KEY, LAYOUT).fetch(handle, [0, 1], timeout=5).isnan().sum() == 1  # raw: data
+    finally:
+        src.close()
 
 
 def test_unreachable_source_times_out() -> None:

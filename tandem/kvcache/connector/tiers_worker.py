@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.kvcache.codec import KVCodec
+from tandem.kvcache.codec import CodecError, KVCodec
 from tandem.kvcache.connector.base import KVCacheAccess, KVConnectorOutput, KVConnectorWorker
 from tandem.kvcache.tiers.chunk import (
     ChunkError,
@@ -292,6 +292,13 @@ class TiersConnectorWorker(KVConnectorWorker):
             expected = codec.payload_bytes(header.shape, writer_dtype)
             if len(payload) != expected:
                 raise ChunkError("truncated", f"payload of {len(payload)} bytes, expected {expected}")
+            with warnings.catch_warnings():  # a bytes value is read-only; it is only read from
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+            try:
+                blocks = codec.decode(raw, header.shape, self._dtype, writer_dtype)
+            except CodecError as exc:  # e.g. a NaN scale: the checksum matched, the numbers are wrong
+                raise ChunkError("values", str(exc)) from exc
         except ChunkError as exc:
             result.error = f"chunk {key} in the {chunk.medium} tier is unusable ({exc})"
             result.gone.append((chunk.chunk_hash, chunk.medium))
@@ -301,10 +308,7 @@ class TiersConnectorWorker(KVConnectorWorker):
                 store.delete(key)
             return None
         self._count(chunk.medium, "bytes_read", len(value))
-        with warnings.catch_warnings():  # a bytes value is read-only; it is only read from
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-        return codec.decode(raw, header.shape, self._dtype, writer_dtype)
+        return blocks
 
     def _write_loop(self) -> None:
         while True:

@@ -45,7 +45,7 @@ _DIGEST_BYTES = 16
 class ChunkError(ValueError):
     """A stored value that must not be used; `reason` is one of REASONS."""
 
-    REASONS = ("truncated", "magic", "version", "checksum", "header", "foreign", "layout", "tokens")
+    REASONS = ("truncated", "magic", "version", "checksum", "header", "foreign", "layout", "tokens", "values")
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")

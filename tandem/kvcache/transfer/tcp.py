@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tandem.kvcache.codec import RAW, KVCodec
+from tandem.kvcache.codec import RAW, CodecError, KVCodec
 from tandem.kvcache.transfer.base import KVLayout, KVTransferError, KVTransferHandle
 from tandem.kvcache.transfer.wire import (
     CHECK,
@@ -122,7 +122,10 @@ class BlockReceiver:
             raise KVTransferError("the source sent no blocks")
         if reply.body is not None and digest(reply.body) != reply.header.get("digest"):
             raise KVTransferError(f"checksum mismatch on transfer {handle.transfer_id}")
-        return self.codec.decode(self.buffer, self.shape, self.layout.torch_dtype, writer.torch_dtype)
+        try:
+            return self.codec.decode(self.buffer, self.shape, self.layout.torch_dtype, writer.torch_dtype)
+        except CodecError as exc:  # e.g. a NaN scale under a matching digest: a failed pull
+            raise KVTransferError(f"unusable blocks on transfer {handle.transfer_id}: {exc}") from None
 
 
 class TcpTransport:
