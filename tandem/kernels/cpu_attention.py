@@ -179,6 +179,7 @@ def build_cpu_backend(cache_dir: Path, required: bool) -> TorchAttentionBackend:
             raise
         logger.warning("CPU attention kernels unavailable (%s); using the torch backend", error)
         return TorchAttentionBackend()
-    logger.info("CPU attention kernels: paged decode (bf16 with %s); prefill with %s", backend.kernel.isa,
-                backend.prefill.isa)
+    logger.info("CPU attention kernels: paged decode (bf16 with %s); prefill with %s%s", backend.kernel.isa,
+                backend.prefill.isa, "" if torch.bfloat16 in backend.prefill.dtypes
+                else " in fp32, bf16 by PyTorch's flash attention (AMX tiles)")
     return backend

@@ -99,6 +99,21 @@ def test_what_the_kernel_does_not_take(kernel) -> None:
     assert not kernel.takes(torch.zeros(3, 64, 2).transpose(1, 2), cache)  # dims not dense
 
 
+@pytest.mark.parametrize(("flags", "bf16"), [("avx512f avx512bw avx512_bf16", True),
+                                            ("avx512f avx512bw avx512_bf16 amx_tile amx_bf16 amx_int8", False)])
+def test_bf16_is_left_to_pytorch_where_amx_multiplies_it(cache_dir, monkeypatch: pytest.MonkeyPatch, flags: str,
+                                                        bf16: bool) -> None:
+    """With AMX, PyTorch's flash attention (oneDNN on AMX's bf16 tiles) is 2.4-3.4x this
+    kernel in bf16; fp32 stays here."""
+    from tandem.platform.cpu_modes import CpuFeatures
+
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls, *a: cls.from_flags(flags.split())))
+    fresh = PrefillAttentionKernel.build(cache_dir)
+    cache = torch.zeros(kv_cache_shape(2, 16, 1, 64))
+    assert fresh.takes(torch.zeros(3, 2, 64), cache)
+    assert fresh.takes(torch.zeros(3, 2, 64, dtype=torch.bfloat16), cache.bfloat16()) is bf16
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_prefill_agrees_with_the_torch_backend(cache_dir, kernel, dtype) -> None:
     """A mixed step through the CPU backend: two decodes, a fresh prompt and a chunk after a
