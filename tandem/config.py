@@ -12,6 +12,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.checkpoint_quantization import WeightQuantization
+from tandem.platform.cpu_modes import (
+    EXACT_NOTE,
+    CpuFeatures,
+    choose_cpu_mode,
+    exact_requested,
+    is_quantized_checkpoint,
+)
 from tandem.platform.device import resolve_device, resolve_dtype
 from tandem.sizing.experts import expert_layout
 from tandem.sizing.kv import KV_INT8_SCALE_BYTES  # noqa: F401 - the int8 row's scale, for the engine
@@ -396,20 +403,28 @@ class LoadConfig:
     """How the model's weights are loaded and run: dtype, device, threads, weight formats,
     attention backend, CUDA graphs. (The benches' traffic is bench.load_client.TrafficConfig.)"""
 
-    # "auto": bfloat16 on a GPU, float32 on the CPU (tandem/platform/device.py); settled at construction.
+    # "auto": bfloat16 on a GPU; on a CPU the fastest dtype measured inside the quality bar on
+    # its instructions (tandem/platform/cpu_modes.py), float32 with `exact`. Settled at construction.
     dtype: str = "auto"
     load_format: str = "auto"  # auto | dummy
     seed: int = 0
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
     num_threads: int | None = None
-    # Fast mode: steps of at most `decode_weights_max_tokens` tokens read a compact copy of
-    # the weights (see layers/linear.py SmallStepWeights). "none": exact.
-    decode_weights: str = "none"  # none | float16 | bfloat16 | int4 | float32
+    # Steps of at most `decode_weights_max_tokens` tokens read a compact copy of the weights
+    # (see layers/linear.py SmallStepWeights). "none": exact. "auto": what the CPU's default
+    # mode takes (platform/cpu_modes.py), settled with the model by EngineConfig.
+    decode_weights: str = "auto"  # auto | none | float16 | bfloat16 | int4 | float32
     decode_weights_max_tokens: int = 2
     # Steps larger than the small-step copy's reach: "int8" multiplies 8-bit weights by 8-bit
     # activations (W8A8, layers/int8.py), twice bf16's multiply-adds per instruction; "none":
-    # the run dtype's weights.
-    quantization: str = "none"  # none | int8
+    # the run dtype's weights; "auto" as for decode_weights.
+    quantization: str = "auto"  # auto | none | int8
+    # --exact: every "auto" above means the token-identical fp32 path (float32, none, none).
+    exact: bool = False
+    # Which of dtype / quantization / decode_weights were "auto" (for the start-up line), and
+    # what the default mode said of them; both set while settling.
+    settled_auto: tuple[str, ...] = field(default=(), compare=False)
+    mode_note: str = field(default="", compare=False)
     # Reorder weights into oneDNN's layout on CPU (same arithmetic, faster kernels).
     pack_weights: bool = True
     # Decode attention: "cpu" = the C kernel over the paged cache (kernels/cpu_attention.py),
@@ -423,9 +438,45 @@ class LoadConfig:
     max_cudagraph_batch: int = 128
 
     def __post_init__(self) -> None:
+        if self.exact and (self.dtype not in ("auto", "float32") or self.quantization not in ("auto", "none")
+                           or self.decode_weights not in ("auto", "none")):
+            raise ValueError("--exact is the fp32 path with the checkpoint's weights: drop --dtype, "
+                             "--quantization and --decode-weights, or --exact")
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        if self.dtype == "auto":
+            object.__setattr__(self, "settled_auto", (*self.settled_auto, "dtype"))
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device, self.exact))
+
+    def mode_line(self) -> str:
+        """What runs and why, for the start-up log: the default mode's own words when it chose
+        everything, else the settings as given (each `auto` one marked)."""
+        if self.mode_note:
+            return self.mode_note
+        if self.device == "cpu" and self.dtype == "float32" and self.quantization == self.decode_weights == "none":
+            return EXACT_NOTE + ("" if self.exact else " (as set)")
+
+        def shown(name: str, value: str) -> str:
+            return f"{value}{' (auto)' if name in self.settled_auto else ''}"
+
+        return (f"{shown('dtype', self.dtype)}, quantization {shown('quantization', self.quantization)}, "
+                f"decode weights {shown('decode_weights', self.decode_weights)}")
+
+    def settled_for(self, model: str, one_rank: bool) -> LoadConfig:
+        """This config with `auto` weight modes replaced by what the default mode takes for
+        `model` on this host (platform/cpu_modes.py; none on a GPU, which runs its dtype)."""
+        autos = [name for name in ("quantization", "decode_weights") if getattr(self, name) == "auto"]
+        if not autos:
+            return self
+        if self.device != "cpu":  # a GPU runs its dtype
+            return replace(self, settled_auto=(*self.settled_auto, *autos), **dict.fromkeys(autos, "none"))
+        mode = choose_cpu_mode(CpuFeatures.detect(), is_quantized_checkpoint(model), one_rank,
+                               self.exact or exact_requested())
+        settled = {name: getattr(mode, name) for name in autos}
+        # The mode's own words where all of it runs (a CLI settles --dtype auto into argv, so
+        # a worker may see the mode's dtype given explicitly).
+        note = mode.note if self.dtype == mode.dtype and len(autos) == 2 else ""
+        return replace(self, settled_auto=(*self.settled_auto, *autos), mode_note=note, **settled)
 
 
 ROLES = ("both", "prefill", "decode")
@@ -684,6 +735,11 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     kv_tiers: KVTiersConfig = KVTiersConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    def __post_init__(self) -> None:
+        # The weight modes' `auto` depends on the model (a quantized checkpoint) and the layout.
+        one_rank = not self.parallel.splits_model
+        object.__setattr__(self, "load", self.load.settled_for(self.model, one_rank))
 
 
 @dataclass(frozen=True)

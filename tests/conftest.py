@@ -3,6 +3,11 @@
 Triton's kernels run on the CPU here, in its interpreter, and Triton reads TRITON_INTERPRET
 when it is first imported, which transformers and torch may do while any test module is
 collected: so it is set here, before every test module, not only in tests/kernels/gpu.
+
+TANDEM_DEFAULT_MODE=exact: `auto` means the token-identical fp32 path in every engine and
+server the tests start (most hold greedy tokens equal to transformers', and CI's CPU decides
+what the fast default would be). The default mode itself is tested with the variable unset
+(tests/platform/test_cpu_modes.py, tests/engine/test_default_mode.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from tandem.launch.redis_server import find_redis_server
 from tests.support.live_server import LiveServer, start_server, stop_server
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TANDEM_DEFAULT_MODE", "exact")
 
 
 @pytest.fixture(scope="session")

@@ -16,17 +16,26 @@ from tandem.flags.table import Command, Flag, FlagTable
 KV_DTYPES = ("bfloat16", "int8", "int4", "fp8")
 KV_CACHE_DTYPES_MEASURED = ("int8",)  # --kv-cache-dtype values a CPU run can measure
 
-# key -> (label, LLM keywords); the first is the baseline every other is compared with.
+# key -> (label, LLM keywords); the first is the baseline every other is compared with. Every
+# mode names all three settings, so none takes the CPU's default mode's `auto`; "default" is
+# that mode itself (platform/cpu_modes.py), whatever this CPU makes of it.
+def _mode(dtype: str, decode_weights: str = "none", quantization: str = "none") -> dict[str, str]:
+    return {"dtype": dtype, "decode_weights": decode_weights, "quantization": quantization}
+
+
 MODES: dict[str, tuple[str, dict[str, str]]] = {
-    "fp32": ("fp32 (exact)", {"dtype": "float32", "decode_weights": "none"}),
-    "fp32+fp16": ("fp32 + fp16 decode weights", {"dtype": "float32", "decode_weights": "float16"}),
-    "fp32+bf16": ("fp32 + bf16 decode weights", {"dtype": "float32", "decode_weights": "bfloat16"}),
-    "fp32+int4": ("fp32 + int4 decode weights", {"dtype": "float32", "decode_weights": "int4"}),
-    "fp32+fp32": ("fp32 + fp32 decode weights", {"dtype": "float32", "decode_weights": "float32"}),
-    "bf16": ("bf16", {"dtype": "bfloat16"}),
-    "bf16+int4": ("bf16 + int4 decode weights", {"dtype": "bfloat16", "decode_weights": "int4"}),
-    "fp32+int8": ("fp32 + int8 (W8A8)", {"dtype": "float32", "quantization": "int8"}),
-    "bf16+int8": ("bf16 + int8 (W8A8)", {"dtype": "bfloat16", "quantization": "int8"}),
+    "fp32": ("fp32 (exact)", _mode("float32")),
+    "fp32+fp16": ("fp32 + fp16 decode weights", _mode("float32", "float16")),
+    "fp32+bf16": ("fp32 + bf16 decode weights", _mode("float32", "bfloat16")),
+    "fp32+int4": ("fp32 + int4 decode weights", _mode("float32", "int4")),
+    "fp32+fp32": ("fp32 + fp32 decode weights", _mode("float32", "float32")),
+    "bf16": ("bf16", _mode("bfloat16")),
+    "bf16+int4": ("bf16 + int4 decode weights", _mode("bfloat16", "int4")),
+    "fp32+int8": ("fp32 + int8 (W8A8)", _mode("float32", quantization="int8")),
+    "bf16+int8": ("bf16 + int8 (W8A8)", _mode("bfloat16", quantization="int8")),
+    "fp32+int8+int4": ("fp32 + int8 + int4 decode", _mode("float32", "int4", "int8")),
+    "bf16+int8+int4": ("bf16 + int8 + int4 decode", _mode("bfloat16", "int4", "int8")),
+    "default": ("this CPU's default mode", {}),
 }
 
 
@@ -66,8 +75,9 @@ def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> None:
         "step (the decode path, which --decode-weights copies serve) and in 64-token chunks (the "
         "prefill path), in exact fp32, with fp16, bf16, int4 and fp32-GEMV decode weights, in bf16 "
         "(alone and with int4 decode weights) and with 8-bit weights and activations "
-        "(--quantization int8). Every mode beside exact fp32. Takes about fifteen minutes on two "
-        "cores for all of them.",
+        "(--quantization int8), those combined, and this CPU's default mode: every mode beside "
+        "exact fp32, with the share of greedy continuations (one prompt at a time) identical to "
+        "exact fp32's. Takes about half an hour on two cores for all of them.",
     )
     PERPLEXITY_FLAGS.add_to(parser)
     Command(run_perplexity, check_perplexity).install(parser)
@@ -120,25 +130,44 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
     from tandem.bench.perplexity import long_text, perplexity
     from tandem.llm import LLM
+    from tandem.types import SamplingParams
 
     modes = _chosen_modes(args.modes)
     # The 272-token passage this used to decode could not resolve 1%: its perplexity moved by
     # up to 3% with unrelated last-bit changes. Both paths now read the same long text.
-    results = []
+    results, outs = [], []
+    params = SamplingParams(temperature=0, max_tokens=args.agreement_tokens, ignore_eos=True)
     for label, kwargs in tqdm(modes, desc="perplexity", unit="mode"):
         llm = LLM(args.model, kv_cache_memory="256MiB", **kwargs)
-        tokens = llm.tokenizer.encode(long_text())[:4000]
-        results.append((label, perplexity(llm.engine, tokens, step_tokens=1),
-                        perplexity(llm.engine, tokens, step_tokens=64)))
-        del llm
-    base, chunked_base = results[0][1], results[0][2]
+        try:
+            tokens = llm.tokenizer.encode(long_text())[:4000]
+            prompts = _agreement_prompts(tokens, args.agreement_prompts)
+            load = llm.engine.config.load
+            results.append((label, load.mode_line() if not kwargs else "", perplexity(llm.engine, tokens, step_tokens=1),
+                            perplexity(llm.engine, tokens, step_tokens=64)))
+            # One prompt at a time: a single stream's steps, which the decode weights serve.
+            outs.append([list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+                         for p in prompts])
+        finally:
+            llm.shutdown()
+    base, chunked_base = results[0][2], results[0][3]
     print(f"perplexity of {len(tokens)} tokens of standard-library docstrings, one token per step (the "
-          "decode path) and in 64-token chunks (the prefill path)")
-    print(f"  {'mode':<30} {'one token per step':>20}   {'64-token chunks':>20}")
-    for label, value, chunked in results:
+          "decode path) and in 64-token chunks (the prefill path); greedy agreement with exact fp32: "
+          f"{args.agreement_prompts} prompts of 192 tokens, {args.agreement_tokens} tokens each, one at a time")
+    print(f"  {'mode':<30} {'one token per step':>20}   {'64-token chunks':>20}   {'agreement (first miss)':>22}")
+    for (label, line, value, chunked), mine in zip(results, outs, strict=True):
+        same, first = _agreement(outs[0], mine)
         print(f"  {label:<30} {value:9.4f} ({(value / base - 1) * 100:+6.2f}%)   "
-              f"{chunked:9.4f} ({(chunked / chunked_base - 1) * 100:+6.2f}%)")
+              f"{chunked:9.4f} ({(chunked / chunked_base - 1) * 100:+6.2f}%)   {same * 100:12.1f}% ({first:5.1f})")
+        if line:
+            print(f"  {'':<30} {line}")
     return 0
+
+
+def _agreement_prompts(tokens: list[int], count: int, prompt_len: int = 192) -> list[list[int]]:
+    """`count` prompts of `prompt_len` tokens spread over the text."""
+    stride = max(1, (len(tokens) - prompt_len) // count)
+    return [tokens[i * stride : i * stride + prompt_len] for i in range(count)]
 
 
 def run_kv_quality(args: argparse.Namespace) -> int:
@@ -157,12 +186,11 @@ def run_kv_quality(args: argparse.Namespace) -> int:
     from tandem.llm import LLM
 
     names = _chosen_kv_dtypes(args.kv_dtypes)
-    llm = LLM(args.model, kv_cache_memory="512MiB")
+    llm = LLM(args.model, kv_cache_memory="512MiB", exact=True)  # the KV's loss alone, on exact fp32
     engine = llm.engine
     tokens = llm.tokenizer.encode(long_text())[:4000]
     prompt_len, count, steps = 192, args.agreement_prompts, args.agreement_tokens
-    stride = max(1, (len(tokens) - prompt_len) // count)
-    prompts = [tokens[i * stride : i * stride + prompt_len] for i in range(count)]
+    prompts = _agreement_prompts(tokens, count, prompt_len)
     runs = 1 + 2 * len(names)
     bar = tqdm(total=runs * (count + 1), desc="kv quality", unit="run")
 
@@ -237,7 +265,7 @@ def _measure_cache_dtypes(args: argparse.Namespace, tokens: list[int], prompts: 
     batch = [{"prompt_token_ids": p} for p in prompts]
 
     def run(kv_cache_dtype: str) -> tuple[float, list[list[int]]]:
-        llm = LLM(args.model, kv_cache_memory="512MiB", kv_cache_dtype=kv_cache_dtype)
+        llm = LLM(args.model, kv_cache_memory="512MiB", kv_cache_dtype=kv_cache_dtype, exact=True)
         try:
             value = perplexity(llm.engine, tokens, step_tokens=64)
             outs = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]

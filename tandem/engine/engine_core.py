@@ -115,6 +115,7 @@ class EngineCore:
             "1 rank" if len(infos) == 1 else f"{len(infos)} ranks", self.startup_seconds,
         )
         log_memory_split(logger, config, infos, num_blocks)
+        logger.info("mode: %s", config.load.mode_line())
 
     @property
     def root_hash(self) -> int:

@@ -44,9 +44,13 @@ from tandem.trust.keys import CLUSTER_SECRET_ENV, admin_key_from_env, secret_fro
 
 # Names follow `vllm serve`. Order is the --help order and the order of `engine_argv`.
 ENGINE_FLAGS = FlagTable("engine", (
-    Flag("--dtype", "weight and activation dtype; auto = bfloat16 on a GPU, float32 on the CPU (exact "
-         "greedy parity with transformers) (default: auto)", "auto",
+    Flag("--dtype", "weight and activation dtype; auto = bfloat16 on a GPU; on a CPU the default mode's: "
+         "bfloat16 where the CPU multiplies it natively (AMX, AVX-512-BF16), else float32 (default: auto)", "auto",
          choices=("auto", "float32", "bfloat16", "float16")),
+    Flag("--exact", "the token-identical fp32 path: float32 with the checkpoint's own weights everywhere "
+         "(greedy tokens equal transformers'), instead of the CPU's default mode (--dtype, --quantization "
+         "and --decode-weights auto: the fastest mode measured within 1%% perplexity of fp32)", False,
+         switch=True),
     Flag("--device", "where the model runs: cuda (one GPU per rank), cpu, or auto = cuda when this "
          "torch sees a GPU, else cpu (default: auto)", "auto", choices=DEVICES),
     Flag("--enforce-eager", "GPU: run every step eagerly; by default decode-only steps of up to "
@@ -81,8 +85,9 @@ ENGINE_FLAGS = FlagTable("engine", (
          "weights: half precision, or int4 (4-bit, a scale and zero per 32 columns; 8-bit where "
          "4 bits would spoil a matrix; perplexity +0.02%% on the default model); float32 "
          "(an fp32 model) keeps the plain fp32 rows beside the packed ones for tandem's GEMV "
-         "kernel: exact fp32, the layers' weights held twice (default: none, exact)", "none",
-         choices=("none", *DECODE_WEIGHT_FORMATS)),
+         "kernel: exact fp32, the layers' weights held twice; auto = int4 on a CPU with AVX2 or "
+         "AVX-512 and one rank (the CPU's default mode), else none (default: auto)", "auto",
+         choices=("auto", "none", *DECODE_WEIGHT_FORMATS)),
     Flag("--decode-weights-max-tokens",
          "largest step, in tokens, that reads the --decode-weights copy (default: 2)", 2, type=int,
          metavar="N"),
@@ -91,7 +96,8 @@ ENGINE_FLAGS = FlagTable("engine", (
          "8-bit activations (a scale per token, its 4 largest values kept exact) with integer dot "
          "products, about twice bf16's rate on prefill and batched decode; perplexity within 0.6%% "
          "of fp32 on the default model; the LM head and any --decode-weights steps keep their "
-         "weights (default: none)", "none", choices=("none", "int8")),
+         "weights; auto = int8 in the CPU's default mode (--dtype auto) for a quantized (GGUF) "
+         "checkpoint on a CPU with AMX or AVX-512-VNNI and one rank, else none (default: auto)", "auto", choices=("auto", "none", "int8")),
     Flag("--no-weight-packing", "keep weights dense for F.linear instead of oneDNN's packed layout",
          False, switch=True),
     Flag("--attention-backend",
@@ -198,7 +204,7 @@ def settle_device(args: argparse.Namespace) -> None:
     the engine will run in. `--device` stays as given: each engine settles it the same way. A
     command without the engine flags is left alone."""
     if hasattr(args, "device") and hasattr(args, "dtype") and args.device in DEVICES:
-        args.dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+        args.dtype = resolve_dtype(args.dtype, resolve_device(args.device), getattr(args, "exact", False))
 
 
 def engine_argv(args: argparse.Namespace, exclude: Collection[str] = ()) -> list[str]:
@@ -215,7 +221,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load=LoadConfig(dtype=args.dtype, load_format=args.load_format, seed=args.seed,
                         num_threads=args.threads, decode_weights=args.decode_weights,
                         decode_weights_max_tokens=args.decode_weights_max_tokens,
-                        quantization=args.quantization, pack_weights=not args.no_weight_packing,
+                        quantization=args.quantization, exact=args.exact, pack_weights=not args.no_weight_packing,
                         attention_backend=args.attention_backend, device=args.device,
                         enforce_eager=args.enforce_eager, max_cudagraph_batch=args.max_cudagraph_batch),
         cache=CacheConfig(
@@ -286,6 +292,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "decode_weights": args.decode_weights,
         "decode_weights_max_tokens": args.decode_weights_max_tokens,
         "quantization": args.quantization,
+        "exact": args.exact,
         "pack_weights": not args.no_weight_packing,
         "attention_backend": args.attention_backend,
         "device": args.device,

@@ -61,6 +61,8 @@ def _parts_alias(part_set: PartSet) -> Callable[[Path], Path]:
 
 
 # alias -> (cache directory -> local .gguf path); an alias may fetch its file into the cache.
+# Every alias is a GGUF file: the CPU's default mode counts an alias as a quantized checkpoint
+# (platform/cpu_modes.py is_quantized_checkpoint).
 ALIASES: dict[str, Callable[[Path], Path]] = {
     "smollm2-135m": lambda _cache_dir: _smollm2_gguf(),
     **{alias: _parts_alias(part_set) for alias, part_set in QWEN_CODER_PARTS.items()},

@@ -1,8 +1,9 @@
 """Which device an engine runs on, decided without importing torch.
 
 `--device auto` means a GPU when there is one this torch can drive, else the CPU; `--dtype
-auto` means bfloat16 on a GPU (what vLLM and SGLang serve in) and float32 on the CPU (exact
-greedy parity with transformers). Both are settled when the config is made, in whichever
+auto` means bfloat16 on a GPU (what vLLM and SGLang serve in) and on the CPU the default mode's
+dtype (platform/cpu_modes.py: bfloat16 where the CPU multiplies it natively, else float32;
+float32 under --exact, whose greedy tokens equal transformers'). Both are settled when the config is made, in whichever
 process parses the flags, and that may be the API process, which never imports torch
 (docs/architecture.md). So the probe reads what torch was built for from its `version.py` (a CPU wheel
 says `cuda = None`) and whether the NVIDIA driver's device nodes exist. The worker checks
@@ -15,6 +16,8 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+
+from tandem.platform.cpu_modes import CpuFeatures, choose_cpu_mode, exact_requested
 
 DEVICES = ("auto", "cpu", "cuda")
 _NVIDIA_CONTROL = Path("/dev/nvidiactl")
@@ -59,8 +62,12 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-def resolve_dtype(choice: str, device: str) -> str:
-    """`auto`: bfloat16 on a GPU, float32 on the CPU; anything else as given."""
+def resolve_dtype(choice: str, device: str, exact: bool = False) -> str:
+    """`auto`: bfloat16 on a GPU; on the CPU the default mode's dtype (platform/cpu_modes.py:
+    bfloat16 where the CPU multiplies it natively), float32 when `exact` or when the process
+    tree asked for the exact path; anything else as given."""
     if choice != "auto":
         return choice
-    return "bfloat16" if device == "cuda" else "float32"
+    if device == "cuda":
+        return "bfloat16"
+    return choose_cpu_mode(CpuFeatures.detect(), False, exact=exact or exact_requested()).dtype

@@ -1,0 +1,124 @@
+"""The CPU's default mode, table-driven: what `--dtype`, `--quantization` and `--decode-weights
+auto` become for each instruction set, checkpoint and layout, and `--exact`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tandem.config import EngineConfig, LoadConfig, ParallelConfig
+from tandem.platform.cpu_modes import (
+    DEFAULT_MODE_ENV,
+    CpuFeatures,
+    choose_cpu_mode,
+    is_quantized_checkpoint,
+)
+
+AVX2 = "fpu sse2 avx avx2 fma f16c"
+AVX512 = f"{AVX2} avx512f avx512bw avx512vl"
+SAPPHIRE_RAPIDS = f"{AVX512} avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"
+ZEN4 = f"{AVX512} avx512_vnni avx512_bf16"
+CASCADE_LAKE = f"{AVX512} avx512_vnni"
+SKYLAKE = AVX512
+NONE = "fpu sse2"
+
+# flags, quantized checkpoint -> (dtype, quantization, decode weights)
+TABLE = [
+    (SAPPHIRE_RAPIDS, True, ("bfloat16", "none", "int4")),  # AMX's bf16 tiles beat its int8 path
+    (SAPPHIRE_RAPIDS, False, ("bfloat16", "none", "int4")),
+    (ZEN4, True, ("bfloat16", "int8", "int4")),
+    (ZEN4, False, ("bfloat16", "none", "int4")),
+    (CASCADE_LAKE, True, ("float32", "int8", "int4")),
+    (SKYLAKE, True, ("float32", "none", "int4")),
+    (AVX2, True, ("float32", "none", "int4")),
+    (NONE, True, ("float32", "none", "none")),
+]
+
+
+@pytest.mark.parametrize(("flags", "quantized", "want"), TABLE)
+def test_each_cpu_gets_the_parts_its_instructions_run(flags: str, quantized: bool, want: tuple[str, ...]) -> None:
+    mode = choose_cpu_mode(CpuFeatures.from_flags(flags.split()), quantized)
+    assert (mode.dtype, mode.quantization, mode.decode_weights) == want
+    assert "--exact" in mode.note and mode.dtype in mode.note
+
+
+@pytest.mark.parametrize(("flags", "quantized", "want"), TABLE)
+def test_exact_and_split_models_take_no_compact_weights(flags: str, quantized: bool, want: tuple[str, ...]) -> None:
+    features = CpuFeatures.from_flags(flags.split())
+    exact = choose_cpu_mode(features, quantized, exact=True)
+    assert (exact.dtype, exact.quantization, exact.decode_weights) == ("float32", "none", "none")
+    split = choose_cpu_mode(features, quantized, one_rank=False)
+    assert (split.dtype, split.quantization, split.decode_weights) == (want[0], "none", "none")
+
+
+def test_features_come_from_the_cpuinfo_flags_line(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: {SAPPHIRE_RAPIDS}\n\nprocessor\t: 1\n")
+    features = CpuFeatures.detect(cpuinfo)
+    assert features.amx and features.native_bf16 and not features.int8_fastest and features.describe() == "AMX"
+    assert CpuFeatures.detect(tmp_path / "absent") == CpuFeatures()
+    assert CpuFeatures.from_flags(CASCADE_LAKE.split()).describe() == "AVX-512 (VNNI)"
+    assert CpuFeatures.from_flags(AVX2.split()).describe() == "AVX2"
+
+
+def test_a_gguf_checkpoint_its_conversion_or_an_alias_counts_as_quantized(tmp_path: Path) -> None:
+    from tandem.loader.resolve import ALIASES
+
+    assert ALIASES and all(is_quantized_checkpoint(alias) for alias in ALIASES)  # each names a GGUF file
+    gguf = tmp_path / "model.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert is_quantized_checkpoint(str(gguf))
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    assert not is_quantized_checkpoint(str(converted))  # an HF directory of full-precision weights
+    (converted / "tandem_source.json").write_text("{}")
+    assert is_quantized_checkpoint(str(converted))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert not is_quantized_checkpoint(str(tmp_path / "model.safetensors"))
+
+
+def _settled(monkeypatch: pytest.MonkeyPatch, flags: str, load: LoadConfig | None = None,
+             parallel: ParallelConfig | None = None) -> LoadConfig:
+    monkeypatch.delenv(DEFAULT_MODE_ENV, raising=False)
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls, *a: cls.from_flags(flags.split())))
+    config = EngineConfig("smollm2-135m", load=load or LoadConfig(device="cpu"), parallel=parallel or ParallelConfig())
+    return config.load
+
+
+def test_the_engine_config_settles_auto_and_keeps_what_was_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    load = _settled(monkeypatch, ZEN4)
+    assert (load.dtype, load.quantization, load.decode_weights) == ("bfloat16", "int8", "int4")
+    assert load.mode_line().startswith("bfloat16 + int8 GEMMs + int4 decode weights (AVX-512 (BF16+VNNI);")
+    given = _settled(monkeypatch, ZEN4, LoadConfig(device="cpu", dtype="bfloat16"))  # as a CLI settles auto
+    assert (given.dtype, given.quantization, given.decode_weights) == ("bfloat16", "int8", "int4")
+    assert given.mode_line() == load.mode_line()
+    fp32 = _settled(monkeypatch, ZEN4, LoadConfig(device="cpu", dtype="float32"))
+    assert (fp32.dtype, fp32.quantization, fp32.decode_weights) == ("float32", "int8", "int4")
+    assert fp32.mode_line() == "float32, quantization int8 (auto), decode weights int4 (auto)"
+    plain = _settled(monkeypatch, ZEN4, LoadConfig(device="cpu", dtype="float32", quantization="none",
+                                                   decode_weights="none"))
+    assert plain.mode_line() == "exact fp32 (token-identical to transformers) (as set)"
+    mixed = _settled(monkeypatch, ZEN4, LoadConfig(device="cpu", decode_weights="bfloat16"))
+    assert (mixed.dtype, mixed.quantization, mixed.decode_weights) == ("bfloat16", "int8", "bfloat16")
+    assert mixed.mode_line() == "bfloat16 (auto), quantization int8 (auto), decode weights bfloat16"
+    exact = _settled(monkeypatch, SAPPHIRE_RAPIDS, LoadConfig(device="cpu", exact=True))
+    assert (exact.dtype, exact.quantization, exact.decode_weights) == ("float32", "none", "none")
+    assert exact.mode_line() == "exact fp32 (token-identical to transformers)"
+    tp2 = _settled(monkeypatch, ZEN4, parallel=ParallelConfig.of(2, 2, "mp"))
+    assert (tp2.quantization, tp2.decode_weights) == ("none", "none")
+    assert replace(load).quantization == "int8"  # settled once; a copy stays settled
+
+
+def test_the_exact_environment_makes_auto_the_exact_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    _settled(monkeypatch, SAPPHIRE_RAPIDS)
+    monkeypatch.setenv(DEFAULT_MODE_ENV, "exact")
+    load = EngineConfig("smollm2-135m", load=LoadConfig(device="cpu")).load
+    assert (load.dtype, load.quantization, load.decode_weights) == ("float32", "none", "none")
+
+
+def test_exact_refuses_a_lossy_setting_beside_it() -> None:
+    for change in ({"dtype": "bfloat16"}, {"quantization": "int8"}, {"decode_weights": "int4"}):
+        with pytest.raises(ValueError, match="--exact is the fp32 path"):
+            LoadConfig(device="cpu", exact=True, **change)
