@@ -462,16 +462,17 @@ class LoadConfig:
         return (f"{shown('dtype', self.dtype)}, quantization {shown('quantization', self.quantization)}, "
                 f"decode weights {shown('decode_weights', self.decode_weights)}")
 
-    def settled_for(self, model: str, one_rank: bool) -> LoadConfig:
+    def settled_for(self, model: str, one_rank: bool, decodes: bool = True) -> LoadConfig:
         """This config with `auto` weight modes replaced by what the default mode takes for
-        `model` on this host (platform/cpu_modes.py; none on a GPU, which runs its dtype)."""
+        `model` on this host (platform/cpu_modes.py; none on a GPU, which runs its dtype).
+        `decodes`: False for a prefill-only worker, which takes no decode copy."""
         autos = [name for name in ("quantization", "decode_weights") if getattr(self, name) == "auto"]
         if not autos:
             return self
         if self.device != "cpu":  # a GPU runs its dtype
             return replace(self, settled_auto=(*self.settled_auto, *autos), **dict.fromkeys(autos, "none"))
         mode = choose_cpu_mode(CpuFeatures.detect(), is_quantized_checkpoint(model), one_rank,
-                               self.exact or exact_requested())
+                               self.exact or exact_requested(), decodes)
         settled = {name: getattr(mode, name) for name in autos}
         # The mode's own words where all of it runs (a CLI settles --dtype auto into argv, so
         # a worker may see the mode's dtype given explicitly).
@@ -739,7 +740,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # The weight modes' `auto` depends on the model (a quantized checkpoint) and the layout.
         one_rank = not self.parallel.splits_model
-        object.__setattr__(self, "load", self.load.settled_for(self.model, one_rank))
+        decodes = self.kv_transfer.role != "prefill"
+        object.__setattr__(self, "load", self.load.settled_for(self.model, one_rank, decodes))
 
 
 @dataclass(frozen=True)

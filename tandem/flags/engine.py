@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Collection
-from dataclasses import replace
 from typing import Any
 
 from tandem.config import (
@@ -213,9 +212,10 @@ def engine_argv(args: argparse.Namespace, exclude: Collection[str] = ()) -> list
     return ENGINE_FLAGS.argv(args, exclude)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, kv_transfer: KVTransferConfig | None = None) -> EngineConfig:
     """The engine's config; a ValueError (one line, exit 2) for flags that cannot work together,
-    before any process starts."""
+    before any process starts. `kv_transfer`: a worker's role, given here, not replaced after,
+    because the default mode depends on it (a prefill worker takes no decode copy)."""
     config = EngineConfig(
         model=args.model,
         load=LoadConfig(dtype=args.dtype, load_format=args.load_format, seed=args.seed,
@@ -237,6 +237,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         parallel=parallel_config(args),
         kv_tiers=kv_tiers_config(args),
         speculative=SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
+        kv_transfer=kv_transfer or KVTransferConfig(),
     )
     check_engine_config(config)
     return config
@@ -433,6 +434,4 @@ def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
 
 def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     """A worker's engine: the engine flags plus its KV-transfer role."""
-    config = replace(engine_config(args), kv_transfer=kv_transfer_config(args))
-    check_engine_config(config)  # again: some settings do not work with a role
-    return config
+    return engine_config(args, kv_transfer_config(args))

@@ -365,6 +365,21 @@ def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights, q4_kerne
                for m in model.modules() if isinstance(m, LinearWeights))
 
 
+def small_step_census(model: nn.Module) -> dict[str, int]:
+    """How many matrices each kind of small-step copy holds ("4-bit", "8-bit", "bf16"): an
+    int4 plan keeps 8 bits or bf16 where 4 bits would spoil a matrix (a Q5_0 or Q6_K GGUF
+    tensor re-rounded to 4 bits is ~8% off), and the start-up log says how many did."""
+    census: dict[str, int] = {}
+    for layer in model.modules():
+        if not isinstance(layer, LinearWeights) or getattr(layer, "small_step", None) is None:
+            continue
+        compact = getattr(layer, "small_quantized", None)
+        kind = ("8-bit" if isinstance(compact, Q8Matrix) else "4-bit" if compact is not None
+                else "bf16" if getattr(layer, "small_packed", None) is not None else "dense")
+        census[kind] = census.get(kind, 0) + 1
+    return census
+
+
 def quantize_int8(model: nn.Module, kernel: Int8RowsKernel | None = None) -> int:
     """--quantization int8: every projection of the decoder layers and the LM head (not the
     experts' fused weights) gets its 8-bit copy. Returns the number of matrices quantized.

@@ -24,6 +24,9 @@ fp32 (`tandem bench perplexity`, docs/performance.md):
   itself quantized (a GGUF file), the checkpoints it was measured on (SmolLM2 +0.14-0.22%);
   a full-precision checkpoint keeps its weights.
 - One rank only: a tensor- or pipeline-parallel engine takes these modes by flag.
+- No decode copy on a prefill worker (`--kv-role prefill`): its steps are whole prompts, which
+  read the dense weights, so a 4-bit copy would cost memory and start-up time (three workers
+  of Qwen2.5-Coder-0.5B building theirs on two cores took 47 s, not 9) and never be read.
 
 The weight modes' `auto` follows the CPU whatever the dtype: `--dtype float32` alone runs fp32
 with the 4-bit decode copy on an AVX2 CPU (+0.00% on SmolLM2). A dtype's own weights alone
@@ -113,20 +116,21 @@ def exact_requested() -> bool:
 
 
 def choose_cpu_mode(features: CpuFeatures, quantized_checkpoint: bool, one_rank: bool = True,
-                    exact: bool = False) -> CpuMode:
+                    exact: bool = False, decodes: bool = True) -> CpuMode:
     """The fastest mode inside the quality bar for `features` (the module's docstring says
-    why each part is on where it is)."""
+    why each part is on where it is). `decodes`: False for a prefill-only worker."""
     if exact:
         return CpuMode("float32", "none", "none", EXACT_NOTE)
     dtype = "bfloat16" if features.native_bf16 else "float32"
-    int4 = one_rank and (features.avx2_fma or features.avx512)
+    int4 = one_rank and decodes and (features.avx2_fma or features.avx512)
     int8 = one_rank and quantized_checkpoint and features.int8_fastest
     parts = [dtype]
     if int8:
         parts.append("int8 GEMMs")
     if int4:
         parts.append("int4 decode weights")
-    why = f"{features.describe()}" + ("" if quantized_checkpoint else "; a full-precision checkpoint keeps its weights")
+    why = (f"{features.describe()}" + ("" if quantized_checkpoint else "; a full-precision checkpoint keeps its weights")
+           + ("" if decodes else "; a prefill worker reads no decode copy"))
     return CpuMode(dtype, "int8" if int8 else "none", "int4" if int4 else "none",
                    f"{' + '.join(parts)} ({why}; within 1% perplexity of fp32; --exact for token-identical fp32)")
 

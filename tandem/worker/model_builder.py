@@ -39,6 +39,7 @@ from tandem.layers.linear import (
     onednn_bf16_available,
     pack_weights_for_cpu,
     quantize_int8,
+    small_step_census,
 )
 from tandem.layers.moe import attach_expert_gemv
 from tandem.loader.model_loader import build_model, init_dummy_weights, load_weights
@@ -113,8 +114,11 @@ class ModelBuilder:
             if self.rank == 0:
                 what = ("plain fp32 rows kept beside the packed weights, read by the fp32 GEMV"
                         if small_step.format == "float32" else "small-step weight copy")
-                logger.info("%s %s for steps of <= %d tokens (+%.0f MiB)", small_step.format, what,
-                            small_step.max_tokens, added / (1 << 20))
+                kinds = small_step_census(model) if small_step.format == "int4" else {}
+                census = (": " + ", ".join(f"{count} matrices {kind}" for kind, count in sorted(kinds.items()))
+                          + (" (4 bits would be more than 1% off)" if set(kinds) - {"4-bit"} else "")) if kinds else ""
+                logger.info("%s %s for steps of <= %d tokens (+%.0f MiB)%s", small_step.format, what,
+                            small_step.max_tokens, added / (1 << 20), census)
         if load.quantization == "int8":
             quantized = quantize_int8(model, load_int8_rows_kernel(self.kernel_cache_dir))
             if self.rank == 0:

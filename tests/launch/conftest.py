@@ -35,7 +35,7 @@ def agent_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     # on a CPU), and the harness gave up on the turn.
     up = start_up(tmp_path_factory.mktemp("agent-up"), AGENT_MODEL, "--prefill-workers", "2",
                   "--decode-workers", "1", "--kv-cache-memory", "1GiB", "--threads", "2",
-                  "--override-generation-config", AGENT_SAMPLING, timeout=400)
+                  "--override-generation-config", AGENT_SAMPLING, timeout=400, default_mode=True)
     try:
         yield up
     finally:

@@ -276,3 +276,22 @@ def test_bf16_einsum_without_a_bf16_gemm_is_multiplied_in_fp32_and_rounded_once(
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)
     assert torch.equal(linear.dense_einsum("thn,hnl->thl", x, w), plain("thn,hnl->thl", x, w))
     assert calls[-1] == torch.bfloat16
+
+
+def test_the_census_counts_each_kind_of_small_step_copy(tmp_path) -> None:
+    """What the start-up log reports: a matrix on the 4-bit grid in 4 bits, a smooth one in 8."""
+    from tandem.kernels.q4_gemm import Q4Kernel
+    from tandem.layers.linear import small_step_census
+
+    kernel = Q4Kernel.build(tmp_path)
+    torch.manual_seed(3)
+    plan = SmallStepWeights(max_tokens=2, format="int4", int4_max_error=0.01)
+    smooth, on_grid, untouched = Linear(64, 32), Linear(64, 32), Linear(64, 32)
+    smooth.weight.data.normal_()
+    levels = torch.randint(0, 16, (32, 64)).float()
+    levels[:, 0::32], levels[:, 1::32] = 0, 15
+    on_grid.weight.data.copy_(levels / 16 - 0.5)
+    model = torch.nn.ModuleList([smooth, on_grid, untouched])
+    for layer in (smooth, on_grid):
+        attach_small_step_weights(layer, plan, kernel)
+    assert small_step_census(model) == {"8-bit": 1, "4-bit": 1}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config import EngineConfig, LoadConfig, ParallelConfig
+from tandem.config import EngineConfig, KVTransferConfig, LoadConfig, ParallelConfig
 from tandem.platform.cpu_modes import (
     DEFAULT_MODE_ENV,
     CpuFeatures,
@@ -80,10 +80,11 @@ def test_a_gguf_checkpoint_its_conversion_or_an_alias_counts_as_quantized(tmp_pa
 
 
 def _settled(monkeypatch: pytest.MonkeyPatch, flags: str, load: LoadConfig | None = None,
-             parallel: ParallelConfig | None = None) -> LoadConfig:
+             parallel: ParallelConfig | None = None, role: str = "both") -> LoadConfig:
     monkeypatch.delenv(DEFAULT_MODE_ENV, raising=False)
     monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls, *a: cls.from_flags(flags.split())))
-    config = EngineConfig("smollm2-135m", load=load or LoadConfig(device="cpu"), parallel=parallel or ParallelConfig())
+    config = EngineConfig("smollm2-135m", load=load or LoadConfig(device="cpu"), parallel=parallel or ParallelConfig(),
+                          kv_transfer=KVTransferConfig(role=role))
     return config.load
 
 
@@ -111,6 +112,23 @@ def test_the_engine_config_settles_auto_and_keeps_what_was_set(monkeypatch: pyte
     assert replace(load).quantization == "int8"  # settled once; a copy stays settled
 
 
+@pytest.mark.parametrize(("flags", "quantized", "want"), TABLE)
+def test_a_prefill_worker_takes_no_decode_copy(flags: str, quantized: bool, want: tuple[str, ...]) -> None:
+    """Its steps are whole prompts: a 4-bit copy would be built and never read."""
+    prefill = choose_cpu_mode(CpuFeatures.from_flags(flags.split()), quantized, decodes=False)
+    assert (prefill.dtype, prefill.quantization, prefill.decode_weights) == (*want[:2], "none")
+
+
+def test_the_engine_config_of_a_prefill_worker_settles_no_decode_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    prefill = _settled(monkeypatch, ZEN4, role="prefill")
+    assert (prefill.dtype, prefill.quantization, prefill.decode_weights) == ("bfloat16", "int8", "none")
+    assert "a prefill worker reads no decode copy" in prefill.mode_line()
+    decode = _settled(monkeypatch, ZEN4, role="decode")
+    assert decode.decode_weights == "int4"
+    given = _settled(monkeypatch, ZEN4, LoadConfig(device="cpu", decode_weights="int4"), role="prefill")
+    assert given.decode_weights == "int4"  # a flag is kept
+
+
 def test_the_exact_environment_makes_auto_the_exact_path(monkeypatch: pytest.MonkeyPatch) -> None:
     _settled(monkeypatch, SAPPHIRE_RAPIDS)
     monkeypatch.setenv(DEFAULT_MODE_ENV, "exact")
@@ -122,3 +140,18 @@ def test_exact_refuses_a_lossy_setting_beside_it() -> None:
     for change in ({"dtype": "bfloat16"}, {"quantization": "int8"}, {"decode_weights": "int4"}):
         with pytest.raises(ValueError, match="--exact is the fp32 path"):
             LoadConfig(device="cpu", exact=True, **change)
+
+
+def test_tandem_serve_with_the_prefill_role_settles_no_decode_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The role reaches the default mode through the command line (tandem up's workers)."""
+    from tandem.cli.main import build_parser
+    from tandem.flags.engine import serve_engine_config
+    from tandem.trust.keys import CLUSTER_SECRET_ENV
+
+    monkeypatch.delenv(DEFAULT_MODE_ENV, raising=False)
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, "a-test-secret")
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls, *a: cls.from_flags(ZEN4.split())))
+    for role, decode_weights in (("prefill", "none"), ("decode", "int4"), ("both", "int4")):
+        argv = ["serve", "smollm2-135m", "--role", role, "--device", "cpu"]
+        config = serve_engine_config(build_parser(argv).parse_args(argv))
+        assert (config.kv_transfer.role, config.load.decode_weights) == (role, decode_weights)

@@ -11,9 +11,11 @@ from tandem.router.http.app import build_app
 from tests.support.live_server import TEST_SECRET
 from tests.support.router_helpers import FakeWorker, ThreadServer
 
-# Quick reactions, so fault tests take seconds.
+# Quick reactions, so fault tests take seconds. The hop limits are not quick: a fake worker's
+# reply is milliseconds, but on a loaded CI box one took over a second, which a 1 s limit turned
+# into a failed hop. A test of a limit (a hung worker) sets its own.
 FAST_HEALTH = HealthPolicy(interval_s=0.1, timeout_s=1.0, failures_to_down=3, successes_to_up=2)
-FAST_TIMEOUTS = Timeouts(connect_s=1.0, first_byte_s=1.0, idle_s=1.0)
+FAST_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=10.0, idle_s=10.0)
 FAST_RETRY = RetryPolicy(max_attempts=3, backoff_s=0.01)
 
 

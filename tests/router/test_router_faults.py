@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.router.config import BreakerPolicy, HealthPolicy, WorkerSpec
+from tandem.router.config import BreakerPolicy, HealthPolicy, Timeouts, WorkerSpec
 from tests.support.live_server import TEST_SECRET
 from tests.support.router_helpers import (
     PROMPT_TOKENS,
@@ -195,14 +195,15 @@ def test_hung_worker_times_out_and_the_request_moves(
     hung.behaviour.mode = "hang"
     hung.behaviour.waiting_prefill_tokens = 0
     good.behaviour.running_kv_tokens = 10  # the hung one looks idler: it is tried first
-    url = start_router([WorkerSpec(hung_url, "decode"), WorkerSpec(good_url, "decode")])
+    hung.behaviour.hang_s = 60.0
+    url = start_router([WorkerSpec(hung_url, "decode"), WorkerSpec(good_url, "decode")],
+                       timeouts=Timeouts(connect_s=5.0, first_byte_s=3.0, idle_s=10.0))
     time.sleep(0.3)  # a poll has seen both loads
     started = time.monotonic()
-    reply = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+    reply = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=90)
     assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == FULL
-    assert (
-        len(hung.requests) == 1 and 1.0 <= time.monotonic() - started < 4.0
-    )  # first-byte limit 1 s
+    # The first-byte limit (3 s) cut the hung hop, long before its 60 s were up.
+    assert len(hung.requests) == 1 and 3.0 <= time.monotonic() - started < 30.0
 
 
 def test_stream_cut_in_the_middle_ends_with_an_error_event_without_migration(
@@ -294,7 +295,6 @@ def test_a_stream_queued_on_its_worker_longer_than_the_idle_timeout_is_not_broke
     """A busy worker sends a chat stream's role chunk at once and its first token after the
     request's wait in its queue: the first-byte timeout bounds that wait, the idle timeout
     only the gaps after the first token."""
-    from tandem.router.config import Timeouts
 
     worker, worker_url = fake_workers("busy")
     worker.behaviour.queue_s = 1.5

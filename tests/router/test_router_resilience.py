@@ -16,7 +16,8 @@ ADMIN = {"Authorization": f"Bearer {TEST_SECRET}"}  # the router fixture's clust
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}
 FULL = "Hello there, friend."
 ROUND_ROBIN = PolicyConfig(name="round_robin")
-QUICK_BREAKER = BreakerPolicy(failures=3, window_s=10.0, cooldown_s=1.0, max_cooldown_s=4.0)
+# Cool-downs long enough that four fake replies fit inside one on a loaded box.
+QUICK_BREAKER = BreakerPolicy(failures=3, window_s=30.0, cooldown_s=2.0, max_cooldown_s=8.0)
 
 
 def _chat(url: str) -> httpx.Response:
@@ -50,12 +51,12 @@ def test_a_failing_worker_is_cut_off_by_its_breaker_then_tried_again(
     metrics = httpx.get(f"{url}/metrics").text
     assert metric(metrics, "tandem_router_worker_breaker_state", worker=bad_url) == 1
     assert metric(metrics, "tandem_router_worker_breaker_trips_total", worker=bad_url) == 1
-    time.sleep(1.1)  # the cool-down: one trial, which fails and doubles it
+    time.sleep(2.1)  # the cool-down: one trial, which fails and doubles it
     for _ in range(4):
         assert _chat(url).status_code == 200
     assert len(bad.requests) == 4 and _worker(url, bad_url)["breaker"] == "open"
     bad.behaviour.mode = "ok"
-    time.sleep(2.1)
+    time.sleep(4.1)
     for _ in range(4):
         assert _chat(url).status_code == 200
     assert _worker(url, bad_url)["breaker"] == "closed" and len(bad.requests) >= 6

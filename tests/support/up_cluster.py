@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tandem.loader.resolve import default_cache_dir
+from tandem.platform.cpu_modes import DEFAULT_MODE_ENV
 from tandem.platform.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 from tandem.trust.peer import peer_client
@@ -56,17 +57,20 @@ class Up:
         return dict(rows)
 
 
-def start_up(tmp_path: Path, *argv: str, timeout: float = _START_TIMEOUT) -> Up:
-    """`tandem up *argv` on a free port, logs and ledger under `tmp_path`."""
+def start_up(tmp_path: Path, *argv: str, timeout: float = _START_TIMEOUT, default_mode: bool = False) -> Up:
+    """`tandem up *argv` on a free port, logs and ledger under `tmp_path`. `default_mode`: the
+    CPU's fast default, not the exact fp32 that tests/conftest.py makes `auto` mean."""
     port = free_port()
     stdout, stderr = tmp_path / "up.stdout", tmp_path / "up.stderr"
     log_dir = tmp_path / "logs"
     command = [sys.executable, "-m", "tandem", "up", "--port", str(port), "--log-dir", str(log_dir),
                "--ledger", str(tmp_path / "usage.sqlite3"), *argv]
     secret = f"up-test-{uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{CLUSTER_SECRET_ENV: secret})
+    if default_mode:
+        env.pop(DEFAULT_MODE_ENV, None)
     with stdout.open("wb") as out, stderr.open("wb") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **{CLUSTER_SECRET_ENV: secret}))
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
