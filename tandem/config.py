@@ -439,9 +439,9 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         if self.exact and (self.dtype not in ("auto", "float32") or self.quantization not in ("auto", "none")
-                           or self.decode_weights not in ("auto", "none")):
+                           or self.decode_weights not in ("auto", "none", "float32")):
             raise ValueError("--exact is the fp32 path with the checkpoint's weights: drop --dtype, "
-                             "--quantization and --decode-weights, or --exact")
+                             "--quantization and --decode-weights (or give none or float32), or --exact")
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         if self.dtype == "auto":
@@ -453,7 +453,8 @@ class LoadConfig:
         everything, else the settings as given (each `auto` one marked)."""
         if self.mode_note:
             return self.mode_note
-        if self.device == "cpu" and self.dtype == "float32" and self.quantization == self.decode_weights == "none":
+        if (self.device == "cpu" and self.dtype == "float32" and self.quantization == "none"
+                and self.decode_weights in ("none", "float32")):  # the fp32 rows are the checkpoint's own
             return EXACT_NOTE + ("" if self.exact else " (as set)")
 
         def shown(name: str, value: str) -> str:
@@ -474,6 +475,8 @@ class LoadConfig:
         mode = choose_cpu_mode(CpuFeatures.detect(), is_quantized_checkpoint(model), one_rank,
                                self.exact or exact_requested(), decodes)
         settled = {name: getattr(mode, name) for name in autos}
+        if settled.get("decode_weights") == "float32" and self.dtype != "float32":
+            settled["decode_weights"] = "none"  # exact's fp32 rows are an fp32 model's own
         # The mode's own words where all of it runs (a CLI settles --dtype auto into argv, so
         # a worker may see the mode's dtype given explicitly).
         note = mode.note if self.dtype == mode.dtype and len(autos) == 2 else ""

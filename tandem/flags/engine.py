@@ -48,7 +48,9 @@ ENGINE_FLAGS = FlagTable("engine", (
          choices=("auto", "float32", "bfloat16", "float16")),
     Flag("--exact", "the token-identical fp32 path: float32 with the checkpoint's own weights everywhere "
          "(greedy tokens equal transformers'), instead of the CPU's default mode (--dtype, --quantization "
-         "and --decode-weights auto: the fastest mode measured within 1%% perplexity of fp32)", False,
+         "and --decode-weights auto: the fastest mode measured within 1%% perplexity of fp32). One-token "
+         "steps read the plain fp32 rows through tandem's GEMV kernel, kept beside the packed ones "
+         "(--decode-weights none: one copy)", False,
          switch=True),
     Flag("--device", "where the model runs: cuda (one GPU per rank), cpu, or auto = cuda when this "
          "torch sees a GPU, else cpu (default: auto)", "auto", choices=DEVICES),

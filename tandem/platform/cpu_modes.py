@@ -24,6 +24,14 @@ fp32 (`tandem bench perplexity`, docs/performance.md):
   itself quantized (a GGUF file), the checkpoints it was measured on (SmolLM2 +0.14-0.22%);
   a full-precision checkpoint keeps its weights.
 - One rank only: a tensor- or pipeline-parallel engine takes these modes by flag.
+- `--exact` is fp32 with no rounding of its own: steps of one or two tokens read the checkpoint's
+  plain fp32 rows through tandem's GEMV kernel (`--decode-weights float32`, and the C decode
+  stack) where AVX2 or AVX-512 runs it, larger steps oneDNN's packed copy, so the linear
+  layers' weights are held twice (+0.42 GiB on SmolLM2). A one-token step read the weights at
+  16.9 GB/s packed and faster from the plain rows; SmolLM2 at batch 1 decoded 41.8 tok/s this
+  way against 23.1 tok/s packed, and vLLM's fp32 30.0 (the 2-core Xeon with AMX). Its greedy
+  tokens equal transformers' in the suite's tests as the packed path's did. `--exact
+  --decode-weights none` keeps one copy.
 - No decode copy on a prefill worker (`--kv-role prefill`): its steps are whole prompts, which
   read the dense weights, so a 4-bit copy would cost memory and start-up time (three workers
   of Qwen2.5-Coder-0.5B building theirs on two cores took 47 s, not 9) and never be read.
@@ -119,10 +127,11 @@ def choose_cpu_mode(features: CpuFeatures, quantized_checkpoint: bool, one_rank:
                     exact: bool = False, decodes: bool = True) -> CpuMode:
     """The fastest mode inside the quality bar for `features` (the module's docstring says
     why each part is on where it is). `decodes`: False for a prefill-only worker."""
-    if exact:
-        return CpuMode("float32", "none", "none", EXACT_NOTE)
+    vector = features.avx2_fma or features.avx512
+    if exact:  # the fp32 rows are the checkpoint's own: exact arithmetic, faster at one token
+        return CpuMode("float32", "none", "float32" if one_rank and decodes and vector else "none", EXACT_NOTE)
     dtype = "bfloat16" if features.native_bf16 else "float32"
-    int4 = one_rank and decodes and (features.avx2_fma or features.avx512)
+    int4 = one_rank and decodes and vector
     int8 = one_rank and quantized_checkpoint and features.int8_fastest
     parts = [dtype]
     if int8:

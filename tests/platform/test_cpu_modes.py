@@ -46,9 +46,15 @@ def test_each_cpu_gets_the_parts_its_instructions_run(flags: str, quantized: boo
 
 @pytest.mark.parametrize(("flags", "quantized", "want"), TABLE)
 def test_exact_and_split_models_take_no_compact_weights(flags: str, quantized: bool, want: tuple[str, ...]) -> None:
+    """--exact reads the checkpoint's own fp32 rows at one token where the GEMV kernel's vector
+    path runs (no rounding: not a compact copy); a split model or a prefill worker none."""
     features = CpuFeatures.from_flags(flags.split())
     exact = choose_cpu_mode(features, quantized, exact=True)
-    assert (exact.dtype, exact.quantization, exact.decode_weights) == ("float32", "none", "none")
+    rows = "float32" if flags != NONE else "none"
+    assert (exact.dtype, exact.quantization, exact.decode_weights) == ("float32", "none", rows)
+    for apart in ({"one_rank": False}, {"decodes": False}):
+        exact_apart = choose_cpu_mode(features, quantized, exact=True, **apart)
+        assert (exact_apart.dtype, exact_apart.quantization, exact_apart.decode_weights) == ("float32", "none", "none")
     split = choose_cpu_mode(features, quantized, one_rank=False)
     assert (split.dtype, split.quantization, split.decode_weights) == (want[0], "none", "none")
 
@@ -105,8 +111,10 @@ def test_the_engine_config_settles_auto_and_keeps_what_was_set(monkeypatch: pyte
     assert (mixed.dtype, mixed.quantization, mixed.decode_weights) == ("bfloat16", "int8", "bfloat16")
     assert mixed.mode_line() == "bfloat16 (auto), quantization int8 (auto), decode weights bfloat16"
     exact = _settled(monkeypatch, SAPPHIRE_RAPIDS, LoadConfig(device="cpu", exact=True))
-    assert (exact.dtype, exact.quantization, exact.decode_weights) == ("float32", "none", "none")
+    assert (exact.dtype, exact.quantization, exact.decode_weights) == ("float32", "none", "float32")
     assert exact.mode_line() == "exact fp32 (token-identical to transformers)"
+    one_copy = _settled(monkeypatch, SAPPHIRE_RAPIDS, LoadConfig(device="cpu", exact=True, decode_weights="none"))
+    assert one_copy.decode_weights == "none" and one_copy.mode_line() == exact.mode_line()
     tp2 = _settled(monkeypatch, ZEN4, parallel=ParallelConfig.of(2, 2, "mp"))
     assert (tp2.quantization, tp2.decode_weights) == ("none", "none")
     assert replace(load).quantization == "int8"  # settled once; a copy stays settled
@@ -133,7 +141,7 @@ def test_the_exact_environment_makes_auto_the_exact_path(monkeypatch: pytest.Mon
     _settled(monkeypatch, SAPPHIRE_RAPIDS)
     monkeypatch.setenv(DEFAULT_MODE_ENV, "exact")
     load = EngineConfig("smollm2-135m", load=LoadConfig(device="cpu")).load
-    assert (load.dtype, load.quantization, load.decode_weights) == ("float32", "none", "none")
+    assert (load.dtype, load.quantization, load.decode_weights) == ("float32", "none", "float32")
 
 
 def test_exact_refuses_a_lossy_setting_beside_it() -> None:
