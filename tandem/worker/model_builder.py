@@ -115,7 +115,7 @@ class ModelBuilder:
                 what = ("plain fp32 rows kept beside the packed weights, read by the fp32 GEMV"
                         if small_step.format == "float32" else "small-step weight copy")
                 kinds = small_step_census(model) if small_step.format == "int4" else {}
-                census = (": " + ", ".join(f"{count} matrices {kind}" for kind, count in sorted(kinds.items()))
+                census = (": " + ", ".join(f"{count} {'matrix' if count == 1 else 'matrices'} {kind}" for kind, count in sorted(kinds.items()))
                           + (" (4 bits would be more than 1% off)" if set(kinds) - {"4-bit"} else "")) if kinds else ""
                 logger.info("%s %s for steps of <= %d tokens (+%.0f MiB)%s", small_step.format, what,
                             small_step.max_tokens, added / (1 << 20), census)
