@@ -11,7 +11,8 @@ Targets:
   127.0.0.1, waits for ``GET /health``, runs the workload, and stops it before the next
   target starts: targets never share the machine. tandem runs ``tandem serve`` with this
   interpreter; vLLM runs its OpenAI server from ``--vllm-python`` (a venv with vllm) on the
-  HF directory tandem converts the model into, float32, prefix caching on, with the same KV
+  HF directory tandem converts the model into, in ``--vllm-dtype`` (by default the dtype of
+  tandem's default mode on this CPU), prefix caching on, with the same KV
   budget and scheduler limits. Server logs go into the results directory.
 
 The first target is the reference of the ratio columns (tandem when launched). With a
@@ -71,6 +72,7 @@ from tandem.bench.serve_workloads import (
 )
 from tandem.flags.table import Command
 from tandem.launch import supervisor
+from tandem.platform.device import resolve_dtype
 from tandem.platform.ports import free_port
 from tandem.trust.keys import CLUSTER_SECRET_ENV
 
@@ -375,7 +377,7 @@ def vllm_command(
         "--port",
         str(port),
         "--dtype",
-        "float32",
+        resolve_dtype(args.vllm_dtype, "cpu"),
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--kv-cache-memory-bytes",

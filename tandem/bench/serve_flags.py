@@ -198,6 +198,12 @@ LAUNCH_FLAGS = FlagTable("launched servers", (
         help="extra flags for `tandem serve`, one quoted string",
     ),
     Flag(
+        "--vllm-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+        help="vLLM's dtype; auto: the dtype tandem's default mode runs in on this CPU (bfloat16 where "
+             "the CPU multiplies it natively), so a launched tandem without flags meets vLLM in its "
+             "own best mode (default: auto)",
+    ),
+    Flag(
         "--vllm-args", default="", metavar="ARGS",
         help="extra flags for vLLM's OpenAI server, one quoted string",
     ),

@@ -278,6 +278,23 @@ def test_targets() -> None:
             plan_targets(urls, launches)
 
 
+def test_vllm_runs_in_the_dtype_of_tandems_default_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: what `tandem serve` runs without flags on this CPU, so the peer is in its best mode."""
+    from tandem.platform.cpu_modes import DEFAULT_MODE_ENV, CpuFeatures
+
+    def dtype(*extra: str) -> str:
+        cmd = vllm_command(_args("--launch", "vllm", "--vllm-python", "/v/bin/python", *extra), 99, Path("/hf"),
+                           "smollm2-135m", 1 << 30)
+        return cmd[cmd.index("--dtype") + 1]
+
+    monkeypatch.delenv(DEFAULT_MODE_ENV, raising=False)
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls, *a: cls.from_flags(
+        ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"])))
+    assert dtype() == "bfloat16" and dtype("--vllm-dtype", "float32") == "float32"
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls, *a: cls.from_flags(["avx2", "fma"])))
+    assert dtype() == "float32"
+
+
 def test_server_commands() -> None:
     args = _args(
         "--launch",
