@@ -27,12 +27,12 @@ fp32 (`tandem bench perplexity`, docs/performance.md):
 - `--exact` is fp32 with no rounding of its own: steps of one or two tokens read the checkpoint's
   plain fp32 rows through tandem's GEMV kernel (`--decode-weights float32`, and the C decode
   stack) where AVX2 or AVX-512 runs it, larger steps oneDNN's packed copy, so the linear
-  layers' weights are held twice (+0.42 GiB on SmolLM2). A one-token step read the weights at
-  16.9 GB/s packed and faster from the plain rows; SmolLM2 at batch 1 decoded 41.8 tok/s this
-  way against 23.1 tok/s packed, and vLLM's fp32 30.0 (the 2-core Xeon with AMX). Its greedy
-  tokens equal transformers' in the suite's tests as the packed path's did. `--exact
-  --decode-weights none` keeps one copy.
-- No decode copy on a prefill worker (`--kv-role prefill`): its steps are whole prompts, which
+  layers' weights are held twice (+0.42 GiB on SmolLM2). On the 2-core Xeon with AMX, oneDNN's
+  packed fp32 one-row GEMM read SmolLM2's layers at 16.9 GB/s; `tandem bench offline --exact`
+  decoded one stream at 43.0-44.5 tok/s this way against 25.6 before (vLLM's fp32: 33.4).
+  Its greedy tokens equal transformers' in the suite's tests as the packed path's did.
+  `--exact --decode-weights none` keeps one copy.
+- No decode copy on a prefill worker (`--role prefill`): its steps are whole prompts, which
   read the dense weights, so a 4-bit copy would cost memory and start-up time (three workers
   of Qwen2.5-Coder-0.5B building theirs on two cores took 47 s, not 9) and never be read.
 

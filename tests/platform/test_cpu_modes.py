@@ -144,6 +144,16 @@ def test_the_exact_environment_makes_auto_the_exact_path(monkeypatch: pytest.Mon
     assert (load.dtype, load.quantization, load.decode_weights) == ("float32", "none", "float32")
 
 
+def test_exact_rows_are_an_fp32_models_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `auto` meaning exact (the test suite's environment), a model given another dtype
+    takes no fp32 rows (--decode-weights float32 keeps an fp32 model's own)."""
+    _settled(monkeypatch, SAPPHIRE_RAPIDS)
+    monkeypatch.setenv(DEFAULT_MODE_ENV, "exact")
+    for dtype, rows in (("bfloat16", "none"), ("float32", "float32")):
+        load = EngineConfig("smollm2-135m", load=LoadConfig(device="cpu", dtype=dtype)).load
+        assert (load.dtype, load.decode_weights) == (dtype, rows)
+
+
 def test_exact_refuses_a_lossy_setting_beside_it() -> None:
     for change in ({"dtype": "bfloat16"}, {"quantization": "int8"}, {"decode_weights": "int4"}):
         with pytest.raises(ValueError, match="--exact is the fp32 path"):
