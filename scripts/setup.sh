@@ -7,6 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${TANDEM_VENV:-.venv}"
+# No pip wheel cache: every wheel is installed once per venv, and on a small CI disk the cache's
+# second copy of each download (torch, triton, the peers' venvs, installed side by side) is what
+# ran out of room (one CI run failed at "No space left on device" 56 s in). When a step fails,
+# say how much room there was, so such a failure names its cause.
+export PIP_NO_CACHE_DIR=1
+trap 'echo "==> setup failed; free disk space:" >&2; df -h . "${TMPDIR:-/tmp}" >&2' ERR
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 
 # System packages: redis-server for the cluster KV tier (`tandem up --kv-store redis` and its

@@ -85,8 +85,9 @@ ENGINE_FLAGS = FlagTable("engine", (
          "fast mode: small (decode) steps, bound by weight bandwidth, read a compact copy of the "
          "weights: half precision, or int4 (4-bit, a scale and zero per 32 columns; 8-bit where "
          "4 bits would spoil a matrix; perplexity +0.02%% on the default model); float32 "
-         "(an fp32 model) keeps the plain fp32 rows beside the packed ones for tandem's GEMV "
-         "kernel: exact fp32, the layers' weights held twice; auto = int4 on a CPU with AVX2 or "
+         "(an fp32 model), or bfloat16 in a bf16 model, keeps the model's own plain rows beside "
+         "the packed ones for tandem's GEMV kernel: no rounding of its own, the layers' weights "
+         "held twice; auto = int4 on a CPU with AVX2 or "
          "AVX-512 and one rank (the CPU's default mode), else none (default: auto)", "auto",
          choices=("auto", "none", *DECODE_WEIGHT_FORMATS)),
     Flag("--decode-weights-max-tokens",

@@ -29,8 +29,8 @@ def _address(function: object) -> int:
 
 
 class Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "gemv32", "rms_norm", "rotary", "silu_mul", "write_kv",
-                                          "attend")]
+    _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
+                                          "write_kv", "attend")]
 
 
 class Matrix(ctypes.Structure):
@@ -38,8 +38,9 @@ class Matrix(ctypes.Structure):
 
     @classmethod
     def of(cls, matrix: Q4Matrix | DenseRows) -> Matrix:
-        if isinstance(matrix, DenseRows):  # bits 32: plain fp32 rows, `levels` pointing at them
-            return cls(matrix.weight.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1], 32)
+        if isinstance(matrix, DenseRows):  # bits 32 / 16: plain fp32 / bf16 rows, `levels` pointing at them
+            return cls(matrix.weight.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1],
+                       8 * matrix.weight.element_size())
         return cls(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
                    matrix.out_features, matrix.in_features, matrix.bits)
 
@@ -59,13 +60,16 @@ class Step(ctypes.Structure):
 
 class DecodeStackKernel:
     """The loaded sequencer and the kernels it calls for one row dtype: bf16 rows with the
-    4/8-bit GEMMs (`q4`), or fp32 rows with the fp32 GEMV (`gemv`). Their libraries stay
-    loaded: the objects holding them are kept here."""
+    4/8-bit GEMMs (`q4`) and/or the bf16 GEMV on plain bf16 weights (`gemv`), or fp32 rows
+    with the fp32 GEMV (`gemv`). Their libraries stay loaded: the objects holding them are
+    kept here."""
 
     def __init__(self, library: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
                  q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None) -> None:
-        if (dtype, q4 is None, gemv is None) not in ((torch.bfloat16, False, True), (torch.float32, True, False)):
-            raise ValueError("a decode stack runs bf16 rows with the 4-bit GEMMs or fp32 rows with the fp32 GEMV")
+        if not ((dtype == torch.bfloat16 and (q4 is not None or gemv is not None))
+                or (dtype == torch.float32 and q4 is None and gemv is not None)):
+            raise ValueError("a decode stack runs bf16 rows with the 4-bit GEMMs or the bf16 GEMV, or fp32 rows with "
+                             "the fp32 GEMV")
         self._run = bind(library, {
             "tandem_decode_stack": (ctypes.c_int, [_PTR, _PTR, _I64, _PTR, _PTR]),
         })["tandem_decode_stack"]
@@ -73,7 +77,8 @@ class DecodeStackKernel:
         self._holds = (q4, gemv, ops, attention)
         self.kernels = Kernels(
             _address(q4.gemm_entry(4, dtype)) if q4 else None, _address(q4.gemm_entry(8, dtype)) if q4 else None,
-            _address(gemv.gemv_entry()) if gemv else None,
+            _address(gemv.gemv_entry(torch.float32)) if gemv and dtype == torch.float32 else None,
+            _address(gemv.gemv_entry(torch.bfloat16)) if gemv and dtype == torch.bfloat16 else None,
             _address(ops.rms_norm_entry(dtype)), _address(ops.rotary_entry(dtype)),
             _address(ops.silu_mul_entry(dtype)), _address(attention.write_kv_entry()),
             _address(attention.attend_entry()),

@@ -9,7 +9,9 @@ order: `--decode-weights float32` is exact fp32 arithmetic, like oneDNN's.
 
 The same kernel reads bf16 weights (`tandem_bf16w_gemv`, each widened in registers): a bf16
 model's small steps on a CPU whose oneDNN has no bf16 GEMM (an AVX2-only EPYC), where torch's
-bf16 GEMV is a generic loop.
+bf16 GEMV is a generic loop; and a bf16 model's own rows under `--decode-weights bfloat16`
+(`tandem_bf16_gemv`, bf16 in and out), where oneDNN's packed bf16 one-row GEMM is the slow
+part of a one-token step as its fp32 one is in fp32.
 
 Compiled on first use like the other C kernels (c_library.py); without a compiler the
 caller keeps oneDNN's path.
@@ -40,19 +42,21 @@ class DenseGemvKernel:
         signature = (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int])
         functions = bind(library, {
             "tandem_f32_gemv": signature, "tandem_bf16w_gemv": signature,
+            "tandem_bf16_gemv": (ctypes.c_int, signature[1]),
             "tandem_f32_gemv_isa": (ctypes.c_char_p, []),
         })
         self._gemv = functions["tandem_f32_gemv"]
         self._bf16w_gemv = functions["tandem_bf16w_gemv"]
+        self._bf16_gemv = functions["tandem_bf16_gemv"]
         self.isa: str = functions["tandem_f32_gemv_isa"]().decode()
 
     @classmethod
     def build(cls, cache_dir: Path) -> DenseGemvKernel:
         return cls(build_kernel_library(cache_dir, SOURCE))
 
-    def gemv_entry(self) -> object:
-        """The C function (for callers in C)."""
-        return self._gemv
+    def gemv_entry(self, dtype: torch.dtype = torch.float32) -> object:
+        """The C function for rows of `dtype`, fp32 or bf16 throughout (for callers in C)."""
+        return self._bf16_gemv if dtype == torch.bfloat16 else self._gemv
 
     def gemv(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,6 +68,19 @@ class DenseGemvKernel:
         entry(weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
                    None if residual is None else residual.data_ptr(), out.data_ptr(), rows, weight.shape[0],
                    weight.shape[1], torch.get_num_threads())
+        return out
+
+    def gemv_bf16(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] bf16 @ weight [N, K].T bf16 (+ bias [N] fp32) (+ residual [M, N] bf16) ->
+        [M, N] bf16: fp32 arithmetic, each output rounded once."""
+        rows = x.shape[0]
+        out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
+        status = self._bf16_gemv(weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+                                 None if residual is None else residual.data_ptr(), out.data_ptr(), rows,
+                                 weight.shape[0], weight.shape[1], torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the bf16 GEMV could not allocate its scratch memory")
         return out
 
 
@@ -88,6 +105,11 @@ class DenseRows:
     def matmul(self, x: torch.Tensor, with_bias: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ W.T (+ bias) (+ residual, x's leading shape by N), in x's dtype (fp32
         arithmetic: a bf16 x is widened and the result rounded once)."""
+        if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:  # all bf16: one C call
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            extra = None if residual is None else residual.reshape(flat.shape[0], -1).to(torch.bfloat16).contiguous()
+            out = self.kernel.gemv_bf16(self.weight, flat, self.bias if with_bias else None, extra)
+            return out.reshape(*x.shape[:-1], self.weight.shape[0])
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         extra = None if residual is None else residual.reshape(rows.shape[0], -1).float().contiguous()
         out = self.kernel.gemv(self.weight, rows, self.bias if with_bias else None, extra)

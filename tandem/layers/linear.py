@@ -45,6 +45,8 @@ class SmallStepWeights:
     plain row-major matrices stay beside oneDNN's packed ones, and tandem's GEMV kernel
     (tandem/kernels/dense_gemv.py) streams them at 1.3-1.9x oneDNN's one-row rate. Exact fp32
     arithmetic like the packed path, at the cost of holding the layers' weights twice.
+    `bfloat16` in a bf16 model is the same: its own bf16 rows, no rounding beyond the dtype's
+    (in an fp32 model it is a rounded copy).
     """
 
     max_tokens: int
@@ -238,7 +240,8 @@ class LinearWeights:
         weight = self.weight.detach()
         if self.int4 is not None:  # already 4 bits for every step
             return 0
-        if plan.format == "float32":
+        if plan.format == "float32" or (plan.format == "bfloat16" and weight.dtype == torch.bfloat16
+                                        and dense_kernel is not None):
             return self._attach_dense_rows(plan, dense_kernel)
         if plan.format == "int4":
             int4: Q4Matrix | Int4Weight
@@ -266,10 +269,11 @@ class LinearWeights:
         return self.small_weight.numel() * self.small_weight.element_size()
 
     def _attach_dense_rows(self, plan: SmallStepWeights, kernel: DenseGemvKernel | None) -> int:
-        """Keep the plain fp32 rows for the GEMV kernel. The bytes added are those packing
-        would otherwise release; a tied head keeps them anyway (the embedding reads them)."""
+        """Keep the model's own plain rows (fp32 under `float32`, bf16 under `bfloat16` in a
+        bf16 model) for the GEMV kernel. The bytes added are those packing would otherwise
+        release; a tied head keeps them anyway (the embedding reads them)."""
         weight = self.weight.detach()
-        if kernel is None or weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        if kernel is None or weight.dtype != plan.dtype or weight.dim() != 2 or weight.device.type != "cpu":
             return 0
         bias = getattr(self, "bias", None)
         self.small_dense = DenseRows(weight.contiguous(), None if bias is None else bias.detach().float(), kernel)

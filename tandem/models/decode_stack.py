@@ -6,9 +6,9 @@ some 15 module calls, views and ctypes calls a layer. `DecodeStack` hands the wh
 loop to csrc/decode_stack.c, which calls the same kernels in the same order, so the hidden
 states come out bit-identical to the layer-by-layer path (tested). It applies where every
 piece of a layer has a C kernel: 4- or 8-bit copies of all four projections without bias
-(`--decode-weights int4`) in bf16, or their plain fp32 rows (`--decode-weights float32`) in
-fp32; the C norm and rotary, the C decode attention, no tensor or pipeline split, no q/k
-norms; and to steps of decode tokens only, no larger than the small-step copies serve.
+(`--decode-weights int4`) in bf16, or the model's own plain rows (`--decode-weights float32`
+in fp32, `--decode-weights bfloat16` in bf16); the C norm and rotary, the C decode
+attention, no tensor or pipeline split, no q/k norms; and to steps of decode tokens only, no larger than the small-step copies serve.
 Anything else keeps the module path. In fp32 the stack's norm is the C one, where the module
 path runs torch's: the two sum the mean of squares in different orders, so fp32 hidden
 states agree to rounding rather than bit for bit (greedy tokens are tested against
@@ -50,7 +50,7 @@ class DecodeStack:
             record.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             for name, projection in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                      ("down", mlp.down_proj)):
-                setattr(record, name, Matrix.of(_small_matrix(projection, kernel.dtype)))
+                setattr(record, name, Matrix.of(_small_matrix(projection)))
         first = layers[0]
         cfg = model.config
         self._step = Step(hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
@@ -87,15 +87,22 @@ class DecodeStack:
         return hidden
 
 
-def _small_matrix(projection: Linear, dtype: torch.dtype) -> Q4Matrix | DenseRows | None:
-    """What a small step of `dtype` rows reads for `projection` in the stack: its 4/8-bit copy
-    (bf16) or its plain fp32 rows (fp32)."""
-    return projection.small_quantized if dtype == torch.bfloat16 else projection.small_dense
+def _small_matrix(projection: Linear) -> Q4Matrix | DenseRows | None:
+    """What a small step reads for `projection` in the stack: its 4/8-bit copy, or the
+    model's own plain rows (fp32, or bf16 under `--decode-weights bfloat16`)."""
+    return projection.small_quantized if projection.small_quantized is not None else projection.small_dense
+
+
+def _fits(matrix: object, dtype: torch.dtype) -> bool:
+    """A matrix the stack's kernels read for `dtype` rows: 4/8-bit copies in bf16, plain rows
+    of the rows' own dtype in either."""
+    if isinstance(matrix, DenseRows):
+        return matrix.weight.dtype == dtype
+    return isinstance(matrix, Q4Matrix) and dtype == torch.bfloat16
 
 
 def _projections_fit(projections: list[Linear], dtype: torch.dtype) -> bool:
-    kind = Q4Matrix if dtype == torch.bfloat16 else DenseRows
-    return all(isinstance(_small_matrix(p, dtype), kind) and getattr(p, "bias", None) is None
+    return all(_fits(_small_matrix(p), dtype) and getattr(p, "bias", None) is None
                and p.small_step is not None for p in projections)
 
 
@@ -122,18 +129,26 @@ def _stack_layers(model: nn.Module, backend: AttentionBackend, dtype: torch.dtyp
 
 def attach_decode_stack(model: nn.Module, backend: AttentionBackend, cache_dir: Path, q4: Q4Kernel | None,
                         ops: LayerOpsKernel | None, gemv: DenseGemvKernel | None = None) -> bool:
-    """Give `model` a `DecodeStack` where it qualifies: bf16 with the 4-bit GEMMs (`q4`), or
-    fp32 with the fp32 GEMV (`gemv`). Returns whether it did."""
-    dtype = torch.bfloat16 if q4 is not None else torch.float32 if gemv is not None else None
-    if dtype is None or ops is None:
+    """Give `model` a `DecodeStack` where it qualifies: bf16 with the 4-bit GEMMs (`q4`) or
+    the bf16 GEMV on its own rows (`gemv`), or fp32 with the fp32 GEMV (`gemv`). Returns
+    whether it did."""
+    cos = getattr(getattr(model, "rotary", None), "cos", None)
+    dtype = cos.dtype if isinstance(cos, torch.Tensor) else None
+    if dtype not in (torch.bfloat16, torch.float32) or ops is None:
         return False
     layers = _stack_layers(model, backend, dtype)
     if layers is None:
         return False
     assert isinstance(model, LlamaForCausalLM) and isinstance(backend, CpuAttentionBackend)
+    matrices = [_small_matrix(p) for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    needs_q4 = any(isinstance(m, Q4Matrix) for m in matrices)
+    needs_gemv = any(isinstance(m, DenseRows) for m in matrices)
+    if (needs_q4 and q4 is None) or (needs_gemv and gemv is None):
+        return False
     try:
-        kernel = DecodeStackKernel.build(cache_dir, dtype, ops, backend.kernel, q4=q4 if dtype == torch.bfloat16
-                                         else None, gemv=gemv if dtype == torch.float32 else None)
+        kernel = DecodeStackKernel.build(cache_dir, dtype, ops, backend.kernel, q4=q4 if needs_q4 else None,
+                                         gemv=gemv if needs_gemv else None)
     except KernelBuildError as error:
         logger.warning("decode stack unavailable (%s); small steps run layer by layer", error)
         return False

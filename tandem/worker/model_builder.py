@@ -109,15 +109,18 @@ class ModelBuilder:
                             "the 4-bit C kernel" if expert_kernel is not None else "torch, one expert at a time")
         if small_step is not None:
             q4_kernel = load_q4_kernel(self.kernel_cache_dir) if small_step.format == "int4" else None
-            dense_kernel = load_dense_gemv_kernel(self.kernel_cache_dir) if small_step.format == "float32" else None
+            own_rows = small_step.format == "float32" or (small_step.format == "bfloat16"
+                                                          and self.dtype == torch.bfloat16)
+            dense_kernel = load_dense_gemv_kernel(self.kernel_cache_dir) if own_rows else None
             added = attach_small_step_weights(model, small_step, q4_kernel, dense_kernel)
             if self.rank == 0:
-                what = ("plain fp32 rows kept beside the packed weights, read by the fp32 GEMV"
-                        if small_step.format == "float32" else "small-step weight copy")
+                what = (f"the model's own plain {small_step.format} rows kept beside the packed weights, read by "
+                        "the GEMV kernel" if own_rows and dense_kernel is not None
+                        else f"{small_step.format} small-step weight copy")
                 kinds = small_step_census(model) if small_step.format == "int4" else {}
                 census = (": " + ", ".join(f"{count} {'matrix' if count == 1 else 'matrices'} {kind}" for kind, count in sorted(kinds.items()))
                           + (" (4 bits would be more than 1% off)" if set(kinds) - {"4-bit"} else "")) if kinds else ""
-                logger.info("%s %s for steps of <= %d tokens (+%.0f MiB)%s", small_step.format, what,
+                logger.info("%s for steps of <= %d tokens (+%.0f MiB)%s", what,
                             small_step.max_tokens, added / (1 << 20), census)
         if load.quantization == "int8":
             quantized = quantize_int8(model, load_int8_rows_kernel(self.kernel_cache_dir))

@@ -90,6 +90,7 @@ def test_every_instruction_set_path_computes_the_same(tmp_path: Path, march: str
     torch.testing.assert_close(other.gemv(weight, x), _reference(weight, x, None, None), rtol=1e-5, atol=1e-5)
     half = weight.bfloat16()
     torch.testing.assert_close(other.gemv(half, x), _reference(half, x, None, None), rtol=1e-5, atol=1e-5)
+    assert torch.equal(other.gemv_bf16(half, x.bfloat16()), other.gemv(half, x.bfloat16().float()).bfloat16())
 
 
 def test_a_bf16_layer_s_rows_take_bf16_activations_and_round_once(kernel: DenseGemvKernel) -> None:
@@ -102,3 +103,22 @@ def test_a_bf16_layer_s_rows_take_bf16_activations_and_round_once(kernel: DenseG
     assert got.dtype == torch.bfloat16
     expected = _reference(weight, x.float(), bias, residual.float()).bfloat16()
     assert (got.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2**-8
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_the_all_bf16_entry_rounds_the_fp32_kernel_s_result_once(kernel: DenseGemvKernel, rows: int) -> None:
+    """`--decode-weights bfloat16` in a bf16 model: bf16 x, residual and out, one C call, the
+    same bits as widening x and the residual, the fp32-activation kernel, then rounding (so
+    the decode stack and the layer path agree bit for bit)."""
+    torch.manual_seed(rows + 10)
+    weight, bias = torch.randn(130, 200).bfloat16(), torch.randn(130)
+    x, residual = torch.randn(rows, 200).bfloat16(), torch.randn(rows, 130).bfloat16()
+    for b, r in ((None, None), (bias, None), (bias, residual)):
+        got = kernel.gemv_bf16(weight, x, b, r)
+        widened = kernel.gemv(weight, x.float(), b, None if r is None else r.float())
+        assert got.dtype == torch.bfloat16 and torch.equal(got, widened.bfloat16())
+    # in place on the residual, as the decode stack calls it
+    inplace = residual.clone()
+    kernel._bf16_gemv(weight.data_ptr(), None, x.data_ptr(), inplace.data_ptr(), inplace.data_ptr(), rows, 130, 200,
+                      torch.get_num_threads())
+    assert torch.equal(inplace, kernel.gemv_bf16(weight, x, None, residual))

@@ -158,8 +158,8 @@ def test_the_c_writer_leaves_the_values_the_torch_writer_does(kernel, dtype) -> 
     """Keys and values as views into a fused projection, written into scattered slots: the
     same rotated rows to a few units in the last place (the C writer's butterflies sum in
     another order than the torch writer's matmul, and -ffast-math may divide by 127 as a
-    multiply), so scales within 4 units and int8 values equal but where one lay on a rounding
-    boundary (then one step apart)."""
+    multiply), so scales within 8 units (5 seen on a Zen AVX-512 EPYC, 4 on a Xeon) and int8
+    values equal but where one lay on a rounding boundary (then one step apart)."""
     generator = torch.Generator().manual_seed(3)
     tokens, kv_heads, dim, block, num_blocks = 21, 3, 64, 16, 6
     fused = (torch.randn(tokens, 5 * kv_heads * dim, generator=generator) * 4).to(dtype)
@@ -178,7 +178,7 @@ def test_the_c_writer_leaves_the_values_the_torch_writer_does(kernel, dtype) -> 
     assert values_c.abs().max() == 127
     scales_c = by_c[..., dim:].contiguous().view(torch.float32)
     scales_torch = by_torch[..., dim:].contiguous().view(torch.float32)
-    torch.testing.assert_close(scales_c, scales_torch, rtol=2**-21, atol=0)
+    torch.testing.assert_close(scales_c, scales_torch, rtol=2**-20, atol=0)
 
 
 def test_the_torch_paths_read_int8_rows_as_the_dequantized_reference(kernel) -> None:

@@ -74,11 +74,28 @@ def test_the_fp32_stack_gives_the_module_paths_tokens(prompts: list[str]) -> Non
         assert ours is not None and abs(ours - theirs) <= 1e-3
 
 
+def test_a_bf16_model_s_own_rows_go_through_the_stack_with_the_module_paths_bits() -> None:
+    """`--dtype bfloat16 --decode-weights bfloat16`: the model's plain bf16 rows, read by the
+    bf16 GEMV in the stack and on the module path alike, no rounding beyond bf16's."""
+    with LLM(dtype="bfloat16", decode_weights="bfloat16", quantization="none", kv_cache_memory="64MiB",
+             enable_prefix_caching=False) as llm:
+        model = llm.engine.runner.model
+        stack = model.decode_stack
+        assert isinstance(stack, DecodeStack) and stack.kernel.dtype == torch.bfloat16
+        assert model.model.layers[0].mlp.down_proj.small_dense.weight.dtype == torch.bfloat16
+        calls = _count_calls(stack)
+        stacked = _generate(llm, PROMPTS)
+        assert calls == [len(PROMPTS)] * 23
+        model.decode_stack = None
+        layered = _generate(llm, PROMPTS)
+    assert stacked == layered
+
+
 @pytest.mark.parametrize("kwargs", [
     {"dtype": "float32", "decode_weights": "int4"},  # the 4-bit stack runs bf16 rows
     {"dtype": "bfloat16", "decode_weights": "none"},  # no 4-bit copies to read
-    {"dtype": "bfloat16", "decode_weights": "bfloat16"},
-], ids=["fp32", "no copies", "bf16 copies"])
+    {"dtype": "float32", "decode_weights": "bfloat16"},  # a rounded bf16 copy under fp32 rows
+], ids=["fp32", "no copies", "bf16 copy of fp32"])
 def test_models_without_a_c_kernel_for_every_piece_keep_the_module_path(kwargs: dict) -> None:
     with LLM(kv_cache_memory="64MiB", **kwargs) as llm:
         assert llm.engine.runner.model.decode_stack is None

@@ -11,7 +11,8 @@
  * in the order the Python layer calls them and with the same arguments: in bf16 the result
  * is bit-identical to the layer-by-layer path, and no kernel is written twice. fp32 runs the
  * same sequence on fp32 rows with the fp32 GEMV and the C fp32 norm (the layer path's norm
- * is torch's, summed in another order).
+ * is torch's, summed in another order). A bf16 model's own plain rows (`--decode-weights
+ * bfloat16`) go through the bf16 GEMV, which rounds as the layer path's call of it does.
  *
  * Per layer, for T tokens with hidden size H (elements of `element_bytes` each):
  *   normed = rms_norm(hidden)                     input_layernorm
@@ -32,6 +33,8 @@ typedef int (*gemm_fn)(const uint8_t *levels, const uint16_t *scales, const uint
                        const void *residual, void *out, int64_t m_rows, int64_t n, int64_t k, int num_threads);
 typedef void (*gemv_fn)(const float *w, const float *bias, const float *x, const float *residual, float *out,
                         int64_t m_rows, int64_t n, int64_t k, int num_threads);
+typedef int (*gemv16_fn)(const uint16_t *w, const float *bias, const uint16_t *x, const uint16_t *residual,
+                         uint16_t *out, int64_t m_rows, int64_t n, int64_t k, int num_threads);
 typedef void (*norm_fn)(const void *x, int64_t x_stride, const void *weight, void *out, int64_t rows,
                         int64_t hidden, float eps, int num_threads);
 typedef void (*rotary_fn)(void *x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_dim,
@@ -50,6 +53,7 @@ typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void
 struct Kernels {
     gemm_fn gemm4, gemm8; /* tandem_q4_gemm_bf16, tandem_q8_gemm_bf16 (bf16 rows) */
     gemv_fn gemv32;       /* tandem_f32_gemv (fp32 rows) */
+    gemv16_fn gemv16;     /* tandem_bf16_gemv (bf16 rows) */
     norm_fn rms_norm;
     rotary_fn rotary;
     silu_mul_fn silu_mul;
@@ -57,10 +61,10 @@ struct Kernels {
     attend_fn attend;
 };
 
-/* A matrix in q4_gemm.c's layout, [n, k] at 4 or 8 bits a level, or (bits 32) plain fp32
- * rows for dense_gemv.c. */
+/* A matrix in q4_gemm.c's layout, [n, k] at 4 or 8 bits a level, or (bits 32 / 16) plain
+ * fp32 / bf16 rows for dense_gemv.c. */
 struct Matrix {
-    const uint8_t *levels; /* bits 32: the fp32 [n, k] rows */
+    const uint8_t *levels; /* bits 32 / 16: the fp32 / bf16 [n, k] rows */
     const uint16_t *scales, *mins;
     int64_t n, k, bits;
 };
@@ -89,6 +93,9 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
                         num_threads);
         return 0;
     }
+    if (matrix->bits == 16)
+        return kernels->gemv16((const uint16_t *)matrix->levels, NULL, x, residual, out, rows, matrix->n,
+                               matrix->k, num_threads);
     const gemm_fn entry = matrix->bits == 4 ? kernels->gemm4 : kernels->gemm8;
     return entry(matrix->levels, matrix->scales, matrix->mins, x, residual, out, rows, matrix->n, matrix->k,
                  num_threads);

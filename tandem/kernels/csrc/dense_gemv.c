@@ -21,9 +21,13 @@
  * widened in registers (its 16 bits become a float's high half, exactly) and the arithmetic
  * is the fp32 kernel's. It serves bf16 models on CPUs whose oneDNN has no bf16 GEMM (an
  * AVX2-only EPYC), where torch's bf16 GEMV streams a matrix at a few GB/s.
+ *
+ * `tandem_bf16_gemv` is the all-bf16 step (x, residual and out bf16 too) of a bf16 model with
+ * `--decode-weights bfloat16`: its own plain rows, read by the decode stack (decode_stack.c).
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -156,6 +160,32 @@ void tandem_f32_gemv(const float *w, const float *bias, const float *x, const fl
 void tandem_bf16w_gemv(const uint16_t *w, const float *bias, const float *x, const float *residual, float *out,
                        int64_t m_rows, int64_t n, int64_t k, int num_threads) {
     gemv(w, 1, bias, x, residual, out, m_rows, n, k, num_threads);
+}
+
+/* bf16 rounded to nearest even, as torch's .to(torch.bfloat16) rounds (NaN stays a NaN). */
+static inline uint16_t round_bf16(float value) {
+    union { float f; uint32_t u; } bits = {.f = value};
+    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits.u >> 16) | 0x40u);
+    return (uint16_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
+}
+
+/* A bf16 model's small step: x, residual and out bf16, W [n, k] bf16, bias fp32 (or NULL).
+ * The arithmetic is tandem_bf16w_gemv's on x widened (exactly) to fp32, and each output is
+ * rounded to bf16 once, after the bias and the residual: the same bits as DenseRows.matmul
+ * gives on the module path (x.float(), this kernel's fp32 sibling, .to(bf16)), so the decode
+ * stack's C loop and the layer-by-layer path agree bit for bit. Returns 0, or -1 when its
+ * fp32 scratch (x and out, a few KB) cannot be allocated. out may alias residual. */
+int tandem_bf16_gemv(const uint16_t *w, const float *bias, const uint16_t *x, const uint16_t *residual,
+                     uint16_t *out, int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+    float *wide = malloc(sizeof(float) * (size_t)(m_rows * k + m_rows * n));
+    if (wide == NULL) return -1;
+    float *sums = wide + m_rows * k;
+    for (int64_t i = 0; i < m_rows * k; i++) wide[i] = widen_bf16(x[i]);
+    gemv(w, 1, bias, wide, NULL, sums, m_rows, n, k, num_threads);
+    for (int64_t i = 0; i < m_rows * n; i++)
+        out[i] = round_bf16(residual == NULL ? sums[i] : widen_bf16(residual[i]) + sums[i]);
+    free(wide);
+    return 0;
 }
 
 /* which vector width this build uses, for the log */
