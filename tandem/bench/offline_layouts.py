@@ -218,7 +218,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     compute_bound = flops >= NO_MATMUL_PATH
     per_prompt_token = per_token - 2 * shape.vocab_size * shape.hidden_size
     ceilings: dict[str, Any] = {"matmul_flops_per_s": flops, "compute_bound": compute_bound,
-                                "compute_dtype": compute_dtype,
+                                "compute_dtype": compute_dtype, "widened": compute_dtype != dtype,
                                 "memory_bytes_per_s": bandwidth,
                                 "memory_read_bytes_per_s": read,
                                 "weight_bytes": weight_bytes, "flops_per_token": per_token}
@@ -289,10 +289,11 @@ def stored_weight_bytes(hf_dir: Path, dtype: str) -> int:
 def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[str, Any]]], engines: list[str]) -> str:
     read = ceilings.get("memory_read_bytes_per_s")
     rate = ceilings["matmul_flops_per_s"]
-    widened = ceilings.get("compute_dtype") == "float32"
+    widened = ceilings.get("widened", False)  # a bf16 run on a CPU without a bf16 matmul
     matmul = (f"{rate / 1e9:.0f} GFLOP/s matmul" + (" in fp32 (no bf16 matmul here: tandem's kernels widen bf16 "
-                                                    "to fp32)"
-                                                    if widened else "")
+                                                    "to fp32)" if widened
+                                                    else " in fp32" if ceilings.get("compute_dtype") == "float32"
+                                                    else "")
               if ceilings.get("compute_bound", True)
               else f"{rate / 1e9:.2f} GFLOP/s matmul (no fast path for this dtype here: read bounds only)")
     lines = [f"this machine, measured now: {matmul}, "

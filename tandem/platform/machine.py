@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,13 @@ def memory_read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def matmul_flops_per_s(dtype: str = "float32", m: int = 2048, k: int = 576, n: int = 1536, repeats: int = 5) -> float:
-    """FLOP/s of a [m, k] x [k, n] matmul in `dtype` with torch's threads. A dtype this CPU
-    has no fast path for (bf16 on an AVX2-only EPYC: ~0.1 GFLOP/s, a 2048^3 product takes
-    minutes) is measured on a 64-row probe instead of the whole repeated product."""
+    """FLOP/s of a [m, k] x [k, n] matmul in `dtype` with torch's threads: the faster of
+    torch.mm and oneDNN's packed linear (what tandem's and vLLM's CPU linears call). The two
+    differ by CPU: on the 2-core AMD EPYC with AVX-512, torch.mm's fp32 (MKL) ran at 230
+    GFLOP/s and the packed linear at 540, so a ceiling from torch.mm alone read 126% reached.
+    A dtype this CPU has no fast path for (bf16 on an AVX2-only EPYC: ~0.1 GFLOP/s, a 2048^3
+    product takes minutes) is measured on a 64-row probe instead of the whole repeated
+    product."""
     import torch
 
     a = torch.randn(m, k).to(getattr(torch, dtype))
@@ -56,11 +61,31 @@ def matmul_flops_per_s(dtype: str = "float32", m: int = 2048, k: int = 576, n: i
     probe_rate = 2 * probe_rows * k * n / (time.perf_counter() - started)
     if repeats * 2 * m * k * n / probe_rate > 10.0:
         return probe_rate
-    torch.mm(a, b)
+    return max(_rate(lambda: torch.mm(a, b), 2 * m * k * n, repeats), _onednn_packed_rate(a, b, repeats))
+
+
+def _rate(multiply: Callable[[], object], flops: int, repeats: int) -> float:
+    multiply()
     started = time.perf_counter()
     for _ in range(repeats):
-        torch.mm(a, b)
-    return repeats * 2 * m * k * n / (time.perf_counter() - started)
+        multiply()
+    return repeats * flops / (time.perf_counter() - started)
+
+
+def _onednn_packed_rate(a: Any, b: Any, repeats: int) -> float:
+    """a @ b through oneDNN's packed linear, or 0.0 where this torch or CPU has none for the
+    dtype (bf16 without a oneDNN bf16 GEMM)."""
+    import torch
+
+    mkldnn = torch.ops.mkldnn
+    try:
+        if a.dtype == torch.bfloat16 and not mkldnn._is_mkldnn_bf16_supported():
+            return 0.0
+        packed = mkldnn._reorder_linear_weight(b.t().contiguous(), a.shape[0])
+        return _rate(lambda: mkldnn._linear_pointwise(a, packed, None, "none", [], ""), 2 * a.shape[0] * a.shape[1]
+                     * b.shape[1], repeats)
+    except (AttributeError, RuntimeError):
+        return 0.0
 
 
 def host_info() -> dict[str, Any]:

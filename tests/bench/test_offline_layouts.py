@@ -134,7 +134,10 @@ def test_bf16_without_a_bf16_matmul_is_bounded_by_the_fp32_rate(monkeypatch: pyt
     compute = 6e10 / ceilings["flops_per_token"]
     assert ceilings["decode-heavy"][1] == pytest.approx(compute)
     assert ceilings["by_layout"]["tp1+dense-experts"]["decode-heavy"] == pytest.approx(compute)
-    assert "in fp32" in format_ceilings(ceilings, {}, [])
+    assert "no bf16 matmul here" in format_ceilings(ceilings, {}, [])
+    # an fp32 run says its rate is fp32's, not that bf16 was widened
+    fp32_run = machine_ceilings(mini, "float32", workloads)
+    assert "in fp32" in format_ceilings(fp32_run, {}, []) and "no bf16" not in format_ceilings(fp32_run, {}, [])
     # one sequence a step reads more than it multiplies: the read rate, not the copy rate
     single = {"decode-heavy": Workload("decode-heavy", "batch", [[1] * 8], [1])}
     assert machine_ceilings(mini, "bfloat16", single)["decode-heavy"][1] == pytest.approx(
