@@ -98,9 +98,17 @@ class TorchAttentionBackend:
             k, v = widen(k, q.dtype), widen(v, q.dtype)
             query_pos = torch.arange(cached, span.context_len).unsqueeze(1)
             mask = torch.arange(span.context_len).unsqueeze(0) <= query_pos
+        elif is_int8_cache(kv_cache):
+            # Attend to the rows the cache holds (write_kv ran first), as a prefix-cache hit
+            # will. Quantizing k and v again here is not the same: the C writer's butterflies
+            # and torch's rotation sum in other orders, so a value on a rounding boundary can
+            # land one step apart, and on a Zen EPYC 2 of 8 greedy continuations then left the
+            # hit's.
+            _, kv_heads, _, _, width = kv_cache.shape
+            k = widen(kv_cache[0][:, span.block_ids].reshape(kv_heads, -1, width)[:, : span.context_len], q.dtype)
+            v = widen(kv_cache[1][:, span.block_ids].reshape(kv_heads, -1, width)[:, : span.context_len], q.dtype)
+            k, v, mask = k.unsqueeze(0), v.unsqueeze(0), None
         else:
-            if is_int8_cache(kv_cache):  # attend to what the cache holds, as a prefix-cache hit will
-                k, v = widen(quantize_rows(k), q.dtype), widen(quantize_rows(v), q.dtype)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             mask = None
         out = F.scaled_dot_product_attention(

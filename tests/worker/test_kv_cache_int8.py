@@ -84,5 +84,13 @@ def test_perplexity_within_half_a_percent_and_greedy_answers_depart_only_at_near
 
 def test_a_prefix_cache_hit_reads_back_what_the_miss_computed(int8) -> None:
     """The second pass over the same prompts is served from cached int8 blocks; a first
-    prefill attends to the quantized rows too, so both passes give the same tokens."""
-    assert int8[4] == int8[3]
+    prefill attends to the rows the cache holds too, so both passes read the same keys and
+    values. They still add them up in other orders (one causal attention over the prompt on
+    a miss; the cached prefix and the new tokens merged on a hit; GEMMs of other row counts),
+    so a continuation may depart at a near-tie: on a Zen EPYC 7 of 8 were identical, the
+    other departing at 0.013 nats (before the miss read the cache's rows: 6 of 8, one at
+    0.065). A hit that read other values would depart early and far from a tie."""
+    for again, first, margins in zip(int8[4], int8[3], int8[5], strict=True):
+        departs = next((i for i, (a, b) in enumerate(zip(again, first, strict=True)) if a != b), None)
+        assert departs is None or margins[departs] < NEAR_TIE, (departs, margins[departs])
+    assert sum(again == first for again, first in zip(int8[4], int8[3], strict=True)) >= 6
