@@ -8,7 +8,8 @@ states come out bit-identical to the layer-by-layer path (tested). It applies wh
 piece of a layer has a C kernel: 4- or 8-bit copies of all four projections without bias
 (`--decode-weights int4`) in bf16, or the model's own plain rows (`--decode-weights float32`
 in fp32, `--decode-weights bfloat16` in bf16); the C norm and rotary, the C decode
-attention, no tensor or pipeline split, no q/k norms; and to steps of decode tokens only, no larger than the small-step copies serve.
+attention, no tensor or pipeline split, no q/k norms; and to steps of decode tokens only, no
+larger than the small-step copies serve.
 Anything else keeps the module path. In fp32 the stack's norm is the C one, where the module
 path runs torch's: the two sum the mean of squares in different orders, so fp32 hidden
 states agree to rounding rather than bit for bit (greedy tokens are tested against

@@ -33,18 +33,25 @@ def _count_calls(stack: DecodeStack) -> list[int]:
     return calls
 
 
+def _stacked_then_layered(llm: LLM, prompts: list[str], dtype: torch.dtype) -> tuple[list, list]:
+    """The same greedy requests through the model's decode stack of `dtype` rows, every decode
+    step going through it (the prompt's step does not: it is a prefill), then with the stack
+    detached (the layer-by-layer module path)."""
+    model = llm.engine.runner.model
+    stack = model.decode_stack
+    assert isinstance(stack, DecodeStack) and stack.kernel.dtype == dtype
+    calls = _count_calls(stack)
+    stacked = _generate(llm, prompts)
+    assert calls == [len(prompts)] * 23
+    model.decode_stack = None
+    return stacked, _generate(llm, prompts)
+
+
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-token steps", "two-token steps"])
 def test_the_stack_gives_the_module_paths_bits(prompts: list[str]) -> None:
     with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
-        model = llm.engine.runner.model
-        stack = model.decode_stack
-        assert isinstance(stack, DecodeStack) and stack.max_tokens == 2
-        calls = _count_calls(stack)
-        stacked = _generate(llm, prompts)
-        # every decode step went through it (the prompt's step did not: it is a prefill)
-        assert calls == [len(prompts)] * 23
-        model.decode_stack = None
-        layered = _generate(llm, prompts)
+        assert llm.engine.runner.model.decode_stack.max_tokens == 2
+        stacked, layered = _stacked_then_layered(llm, prompts, torch.bfloat16)
     assert stacked == layered
     assert all(logprob is not None for _, logprob in stacked)
 
@@ -61,14 +68,7 @@ def test_steps_larger_than_the_small_step_copies_take_the_module_path() -> None:
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-token steps", "two-token steps"])
 def test_the_fp32_stack_gives_the_module_paths_tokens(prompts: list[str]) -> None:
     with LLM(decode_weights="float32", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
-        model = llm.engine.runner.model
-        stack = model.decode_stack
-        assert isinstance(stack, DecodeStack) and stack.kernel.dtype == torch.float32
-        calls = _count_calls(stack)
-        stacked = _generate(llm, prompts)
-        assert calls == [len(prompts)] * 23
-        model.decode_stack = None
-        layered = _generate(llm, prompts)
+        stacked, layered = _stacked_then_layered(llm, prompts, torch.float32)
     assert [tokens for tokens, _ in stacked] == [tokens for tokens, _ in layered]
     for (_, ours), (_, theirs) in zip(stacked, layered, strict=True):
         assert ours is not None and abs(ours - theirs) <= 1e-3
@@ -79,15 +79,8 @@ def test_a_bf16_model_s_own_rows_go_through_the_stack_with_the_module_paths_bits
     bf16 GEMV in the stack and on the module path alike, no rounding beyond bf16's."""
     with LLM(dtype="bfloat16", decode_weights="bfloat16", quantization="none", kv_cache_memory="64MiB",
              enable_prefix_caching=False) as llm:
-        model = llm.engine.runner.model
-        stack = model.decode_stack
-        assert isinstance(stack, DecodeStack) and stack.kernel.dtype == torch.bfloat16
-        assert model.model.layers[0].mlp.down_proj.small_dense.weight.dtype == torch.bfloat16
-        calls = _count_calls(stack)
-        stacked = _generate(llm, PROMPTS)
-        assert calls == [len(PROMPTS)] * 23
-        model.decode_stack = None
-        layered = _generate(llm, PROMPTS)
+        assert llm.engine.runner.model.model.layers[0].mlp.down_proj.small_dense.weight.dtype == torch.bfloat16
+        stacked, layered = _stacked_then_layered(llm, PROMPTS, torch.bfloat16)
     assert stacked == layered
 
 
