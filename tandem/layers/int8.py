@@ -20,6 +20,10 @@ Four per row bring the mode within 0.6% of fp32 (README, Performance).
 The passes around the GEMM (quantizing the input, dequantizing with the bias and the
 residual add folded in) run in C (kernels/int8_rows.py) where it
 builds; the torch ops below do the same arithmetic where it does not.
+
+The GEMM itself: tandem's own over weights packed once (kernels/int8_gemm.py) where the CPU
+has VNNI and no AMX and the C passes run, else `torch._int_mm`. Both give the same int32
+products, so the two are interchangeable bit for bit.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels.int8_gemm import Int8GemmKernel, PackedInt8
 from tandem.kernels.int8_rows import Int8RowsKernel, QuantizedRows
 
 _EPSILON = 1e-12
@@ -95,27 +100,40 @@ def quantize_rows_with_outliers(x: torch.Tensor, outliers: int) -> QuantizedRows
 
 @dataclass
 class Int8Weight:
-    """A [out, in] matrix as int8 with one fp32 scale per output row, kept transposed.
+    """A [out, in] matrix as int8 with one fp32 scale per output row.
 
-    The int8 matrix is stored once, as `columns` [in, out], contiguous: it is the layout
-    oneDNN's integer GEMM reads fastest (`torch._int_mm` with a contiguous right-hand side ran
-    SmolLM2's 121 projections of a 64-sequence step in 15.1 ms against 18.3 ms for the
-    transposed [out, in] view, the same integers; 20-25% faster at 8-32 rows, even from 512
-    rows up, on the 2-core AVX-512 EPYC), and its rows are the columns an input row's outliers
-    meet, read one row each."""
+    `columns`, the matrix as [in, out], contiguous, is always kept: its rows are the ones an
+    input row's outliers meet (read by the dequantize passes, 4 rows a token), and it is the
+    layout `torch._int_mm` reads fastest (SmolLM2's 121 projections of a 64-sequence step:
+    15.1 ms against 18.3 ms through the transposed [out, in] matrix, the same integers; 20-25%
+    faster at 8-32 rows, even from 512 rows up, on the 2-core AVX-512 EPYC).
+
+    `packed`, where tandem's GEMM runs (kernels/int8_gemm.py: VNNI without AMX) and the C
+    passes too: the same matrix in that GEMM's blocks, which the products then come from. The
+    passes still read the outliers' rows from `columns`: read from the blocks, where a row's
+    16-column pieces lie a panel apart, they took longer than the GEMM saved (64 sequences of
+    SmolLM2: 5.7-6.4 s for a decode-heavy run became 6.9 s).
+    """
 
     columns: torch.Tensor  # int8 [in, out], contiguous
     scales: torch.Tensor  # fp32 [out]
     kernel: Int8RowsKernel | None = None
     outliers: int = OUTLIER_CHANNELS  # each input row's largest magnitudes kept exact
+    packed: PackedInt8 | None = None
+    gemm: Int8GemmKernel | None = None  # set with `packed`
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kernel: Int8RowsKernel | None = None,
-                 outliers: int = OUTLIER_CHANNELS) -> Int8Weight:
+                 outliers: int = OUTLIER_CHANNELS, gemm: Int8GemmKernel | None = None) -> Int8Weight:
+        """`weight` [out, in] rounded to int8 per output row; packed for `gemm` too where it
+        and the C passes (`kernel`) take the shape."""
         if not int8_fits(weight):
             raise ValueError(f"int8 needs a CPU [out, in] matrix with both sizes multiples of 8, got {tuple(weight.shape)}")
         values, scales = quantize_rows(weight.detach())
-        return cls(values.t().contiguous(), scales.squeeze(1).contiguous(), kernel, outliers)
+        columns = values.t().contiguous()
+        use_gemm = gemm is not None and kernel is not None and gemm.fits(*columns.shape)
+        return cls(columns, scales.squeeze(1).contiguous(), kernel, outliers,
+                   gemm.pack(columns) if use_gemm else None, gemm if use_gemm else None)
 
     @property
     def out_features(self) -> int:
@@ -123,11 +141,20 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.columns.numel() + self.scales.numel() * 4
+        packed = 0 if self.packed is None else self.packed.values.numel() + self.packed.compensation.numel() * 4
+        return self.columns.numel() + packed + self.scales.numel() * 4
 
     def dequantize(self) -> torch.Tensor:
         """The matrix as fp32 [out, in]."""
         return self.columns.t().float() * self.scales.unsqueeze(1)
+
+    def products(self, values: torch.Tensor) -> torch.Tensor:
+        """int8 rows [M, in] @ the int8 matrix -> int32 [M, out], from the packed GEMM where
+        this matrix has it (the same integers)."""
+        if self.packed is not None:
+            assert self.gemm is not None, "a packed matrix comes with its GEMM"
+            return self.gemm.matmul(values, self.packed)
+        return int_mm(values, self.columns)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -138,7 +165,7 @@ class Int8Weight:
         if kernel is not None and kernel.takes(x, self.out_features) and dtype in (torch.float32, x.dtype):
             return self.matmul_rows(kernel.quantize_rows(x, self.outliers), dtype, bias, residual)
         rows = quantize_rows_with_outliers(x, self.outliers)
-        out = int_mm(rows.values, self.columns).float() * rows.scales
+        out = self.products(rows.values).float() * rows.scales
         if self.outliers:
             met = self.columns[rows.outlier_index.long()].float()  # [M, outliers, out]
             out = out + torch.einsum("mj,mjn->mn", rows.outlier_value, met)
@@ -151,8 +178,8 @@ class Int8Weight:
         """`matmul` of rows already quantized (with this matrix's outlier count), through the
         kernel: [M, out] in dtype."""
         assert self.kernel is not None, "quantized rows come from the C kernel"
-        products = int_mm(rows.values, self.columns)
-        return self.kernel.dequantize(products, rows, self.scales, self.columns, dtype, bias, residual)
+        return self.kernel.dequantize(self.products(rows.values), rows, self.scales, self.columns, dtype, bias,
+                                      residual)
 
 
 def gated_mlp(gate_up: Int8Weight, down: Int8Weight, x: torch.Tensor, residual: torch.Tensor | None,
@@ -169,6 +196,6 @@ def gated_mlp(gate_up: Int8Weight, down: Int8Weight, x: torch.Tensor, residual: 
             or not kernel.takes(x, gate_up.out_features)):
         return None
     rows = kernel.quantize_rows(x, gate_up.outliers)
-    products = int_mm(rows.values, gate_up.columns)
-    middle = kernel.gated_quantize(products, rows, gate_up.scales, gate_up.columns, x.dtype, down.outliers)
+    middle = kernel.gated_quantize(gate_up.products(rows.values), rows, gate_up.scales, gate_up.columns, x.dtype,
+                                   down.outliers)
     return down.matmul_rows(middle, x.dtype, down_bias, residual)

@@ -19,6 +19,7 @@ from torch import nn
 from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
+from tandem.kernels.int8_gemm import Int8GemmKernel
 from tandem.kernels.int8_rows import Int8RowsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
 from tandem.layers.int4 import Int4Weight, int4_available, int4_fits
@@ -223,13 +224,14 @@ class LinearWeights:
         assert self.int4 is not None
         return self.int4
 
-    def quantize_int8(self, kernel: Int8RowsKernel | None = None) -> bool:
-        """Replace the weights that large steps read by an 8-bit copy (W8A8); False where the
-        matrix's shape does not fit the integer GEMM, which then keeps its weights."""
+    def quantize_int8(self, kernel: Int8RowsKernel | None = None, gemm: Int8GemmKernel | None = None) -> bool:
+        """Replace the weights that large steps read by an 8-bit copy (W8A8), packed for
+        tandem's int8 GEMM where `gemm` is given; False where the matrix's shape does not fit
+        the integer GEMM, which then keeps its weights."""
         weight = self.weight.detach()
         if self.int4 is not None or not int8_fits(weight):
             return False
-        self.int8 = Int8Weight.quantize(weight, kernel)
+        self.int8 = Int8Weight.quantize(weight, kernel, gemm=gemm)
         return True
 
     def attach_small_step_weights(self, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None,
@@ -384,14 +386,15 @@ def small_step_census(model: nn.Module) -> dict[str, int]:
     return census
 
 
-def quantize_int8(model: nn.Module, kernel: Int8RowsKernel | None = None) -> int:
+def quantize_int8(model: nn.Module, kernel: Int8RowsKernel | None = None, gemm: Int8GemmKernel | None = None) -> int:
     """--quantization int8: every projection of the decoder layers and the LM head (not the
     experts' fused weights) gets its 8-bit copy. Returns the number of matrices quantized.
 
     The head is the largest matrix a decode step of many sequences reads (SmolLM2's 49,152 x
     576 took 9.9 ms of a 64-sequence step in bf16, 7.5 ms in W8A8); `tandem bench perplexity`
-    reports what 8 bits cost with it."""
-    return sum(m.quantize_int8(kernel) for m in model.modules() if isinstance(m, LinearWeights))
+    reports what 8 bits cost with it. `gemm`: tandem's packed int8 GEMM, where it is the
+    faster one (worker/model_builder.py)."""
+    return sum(m.quantize_int8(kernel, gemm) for m in model.modules() if isinstance(m, LinearWeights))
 
 
 def pack_weights_for_cpu(model: nn.Module) -> int:

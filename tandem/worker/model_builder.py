@@ -23,6 +23,7 @@ from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import TensorParallel
 from tandem.kernels.base import AttentionBackend
 from tandem.kernels.dense_gemv import load_dense_gemv_kernel
+from tandem.kernels.int8_gemm import Int8GemmKernel, load_int8_gemm_kernel
 from tandem.kernels.int8_rows import load_int8_rows_kernel
 from tandem.kernels.layer_ops import LayerOpsKernel, load_layer_ops
 from tandem.kernels.q4_gemm import load_q4_kernel
@@ -45,6 +46,7 @@ from tandem.layers.moe import attach_expert_gemv
 from tandem.loader.model_loader import build_model, init_dummy_weights, load_weights
 from tandem.models.decode_stack import attach_decode_stack
 from tandem.models.key_divisors import fold_key_divisors
+from tandem.platform.cpu_modes import CpuFeatures
 from tandem.worker.kv_sizing import check_weights_fit
 
 logger = logging.getLogger(__name__)
@@ -123,10 +125,12 @@ class ModelBuilder:
                 logger.info("%s for steps of <= %d tokens (+%.0f MiB)%s", what,
                             small_step.max_tokens, added / (1 << 20), census)
         if load.quantization == "int8":
-            quantized = quantize_int8(model, load_int8_rows_kernel(self.kernel_cache_dir))
+            gemm = self._int8_gemm()
+            quantized = quantize_int8(model, load_int8_rows_kernel(self.kernel_cache_dir), gemm)
             if self.rank == 0:
-                logger.info("--quantization int8: %d projections hold 8-bit weights for steps of more than %s tokens",
-                            quantized, small_step.max_tokens if small_step is not None else 0)
+                logger.info("--quantization int8: %d projections hold 8-bit weights for steps of more than %s tokens, "
+                            "multiplied by %s", quantized, small_step.max_tokens if small_step is not None else 0,
+                            "tandem's packed int8 GEMM (VNNI)" if gemm is not None else "torch._int_mm (oneDNN)")
         if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
             logger.info("linear weights packed for oneDNN")
         if self.dtype == torch.bfloat16 and not onednn_bf16_available():
@@ -192,6 +196,13 @@ class ModelBuilder:
         # matrices); a draft model's guesses take any (tandem/spec/model_proposers.py).
         return SmallStepWeights(load.decode_weights_max_tokens, choice,
                                 int4_max_error=TARGET_INT4_MAX_ERROR if choice == "int4" else None)
+
+    def _int8_gemm(self) -> Int8GemmKernel | None:
+        """tandem's packed int8 GEMM where VNNI is this CPU's fastest multiply (no AMX: with
+        AMX, oneDNN's `torch._int_mm` runs int8 on the tiles, which the kernel does not)."""
+        if not CpuFeatures.detect().int8_fastest:
+            return None
+        return load_int8_gemm_kernel(self.kernel_cache_dir)
 
     def _attach_bf16_gemv(self, model: torch.nn.Module) -> None:
         """bf16 on a CPU whose oneDNN has no bf16 GEMM (AVX2): steps of up to 16 rows read the

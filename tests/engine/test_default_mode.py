@@ -56,6 +56,8 @@ def test_the_default_mode_is_this_cpus_and_agrees_with_exact_fp32(monkeypatch: p
     settled = (load.dtype, load.quantization, load.decode_weights)
     assert settled == (mode.dtype, mode.quantization, mode.decode_weights)
     assert f"mode: {mode.note}" in caplog.text
+    if load.quantization == "int8":  # VNNI without AMX: tandem's packed GEMM, not torch._int_mm
+        assert ("tandem's packed int8 GEMM" in caplog.text) == features.int8_fastest
     same = sum(a == b for a, b in zip(want, got, strict=True))
     first_miss = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), TOKENS)
                      for a, b in zip(want, got, strict=True)) / PROMPTS

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.kernels.int8_gemm import Int8GemmKernel, load_int8_gemm_kernel
 from tandem.kernels.int8_rows import Int8RowsKernel
-from tandem.layers.int8 import Int8Weight, int8_fits, quantize_rows_with_outliers
+from tandem.layers.int8 import Int8Weight, gated_mlp, int8_fits, quantize_rows_with_outliers
 from tandem.layers.linear import (
     GateUpLinear,
     Linear,
@@ -156,6 +157,46 @@ def test_an_8_bit_mlp_fuses_the_passes_between_its_projections(kernel) -> None:
     torch.testing.assert_close(fused, one_by_one, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(mlp(x, residual), fused)
     assert mlp.gate_up_proj.gated_down(mlp.down_proj, x[:2], residual[:2]) is None  # the decode copies' step
+
+
+@pytest.fixture(scope="module")
+def gemm(tmp_path_factory: pytest.TempPathFactory) -> Int8GemmKernel:
+    kernel = load_int8_gemm_kernel(tmp_path_factory.mktemp("gemm"))
+    if kernel is None:
+        pytest.skip("no packed int8 GEMM on this CPU (it needs AVX-512-VNNI)")
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_matrix_computes_the_columns_bits(kernel, gemm, dtype) -> None:
+    """The packed GEMM against torch._int_mm on the [in, out] columns: the same integers, so
+    the very same outputs, with outliers, a bias, a residual, fp32 logits, rows torch's path
+    takes (fp16: the C passes do not) and the fused MLP middle."""
+    generator = torch.Generator().manual_seed(8)
+    matrix = torch.randn(160, 96, generator=generator) / 8
+    packed = Int8Weight.quantize(matrix, kernel, gemm=gemm)
+    columns = Int8Weight.quantize(matrix, kernel)
+    assert packed.packed is not None and columns.packed is None
+    assert torch.equal(packed.packed.columns(), columns.columns)
+    assert packed.nbytes == columns.nbytes + 160 * 96 + 160 * 4  # + the blocks and their compensation
+    x = torch.randn(70, 96, generator=generator).to(dtype)
+    x[:, [3, 50]] *= 40  # outlier channels, at k % 4 = 3 and 2
+    bias = torch.randn(160, generator=generator).to(dtype)
+    residual = torch.randn(70, 160, generator=generator).to(dtype)
+    assert torch.equal(packed.matmul(x, bias, residual), columns.matmul(x, bias, residual))
+    assert torch.equal(packed.matmul(x, dtype=torch.float32), columns.matmul(x, dtype=torch.float32))
+    half = x.half()
+    assert torch.equal(packed.matmul(half, bias.half()), columns.matmul(half, bias.half()))
+    down = torch.randn(96, 80, generator=generator) / 8
+    fused = [gated_mlp(w, Int8Weight.quantize(down, kernel, gemm=g), x, x)
+             for w, g in ((packed, gemm), (columns, None))]
+    if kernel.isa == "avx512":
+        assert torch.equal(fused[0], fused[1])
+
+
+def test_a_shape_the_packed_gemm_cannot_take_keeps_columns(kernel, gemm) -> None:
+    assert Int8Weight.quantize(torch.randn(40, 64), kernel, gemm=gemm).packed is None  # 40: not a multiple of 16
+    assert Int8Weight.quantize(torch.randn(48, 64), None, gemm=gemm).packed is None  # no C passes to read it
 
 
 @pytest.mark.parametrize("shape", [(64, 576, 1536), (3, 5000, 40), (17, 1024, 8)])

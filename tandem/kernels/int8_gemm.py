@@ -1,0 +1,110 @@
+"""tandem's 8-bit GEMM over weights packed once at load (csrc/int8_gemm.c), for CPUs with
+AVX-512-VNNI and no AMX.
+
+`torch._int_mm` (oneDNN) repacks the weight matrix on every call; a 64-sequence decode step
+of the default model spent a quarter of its time there. Packed once, the same integers come
+out 1.3x faster at 64 rows, 1.7x at 16 and 1.4x in prefill chunks on the 2-core AVX-512 EPYC
+(the source's header has the figures). With AMX, oneDNN multiplies int8 on the tiles, which
+this kernel does not, so there `torch._int_mm` stays (the loader's caller decides, from
+`CpuFeatures.int8_fastest`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from tandem.kernels.c_library import bind, build_kernel_library, build_or_none
+
+SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.c"
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_PTR = ctypes.c_void_p
+BLOCK_COLUMNS = 16  # output columns a packed block holds
+K_GROUP = 4  # consecutive k a vpdpbusd lane sums
+
+
+class PackedInt8(NamedTuple):
+    """An int8 [in, out] matrix in the kernel's layout, and 128 x each column's sum."""
+
+    values: torch.Tensor  # int8 [out / 16, in / 4, 16, 4]
+    compensation: torch.Tensor  # int32 [out]
+
+    @property
+    def in_features(self) -> int:
+        return self.values.shape[1] * K_GROUP
+
+    @property
+    def out_features(self) -> int:
+        return self.values.shape[0] * BLOCK_COLUMNS
+
+    def columns(self) -> torch.Tensor:
+        """The matrix back as int8 [in, out] (torch ops; for tests and rare fallbacks)."""
+        blocks, quads = self.values.shape[:2]
+        return self.values.permute(1, 3, 0, 2).reshape(quads * K_GROUP, blocks * BLOCK_COLUMNS)
+
+
+class Int8GemmKernel:
+    """The loaded C functions, called on tensors' data pointers."""
+
+    def __init__(self, library: Path) -> None:
+        functions = bind(library, {
+            "tandem_int8_pack": (None, [_PTR, _I64, _I64, _PTR, _PTR, _INT]),
+            "tandem_int8_gemm": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
+            "tandem_int8_gemm_isa": (ctypes.c_char_p, []),
+            "tandem_int8_gemm_max_inner": (_INT, []),
+        })
+        self._pack = functions["tandem_int8_pack"]
+        self._gemm = functions["tandem_int8_gemm"]
+        self.isa: str = functions["tandem_int8_gemm_isa"]().decode()  # "avx512-vnni" or "none"
+        self.max_inner: int = functions["tandem_int8_gemm_max_inner"]()
+
+    @classmethod
+    def build(cls, cache_dir: Path) -> Int8GemmKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE))
+
+    def fits(self, in_features: int, out_features: int) -> bool:
+        """Whether a matrix of this shape can be packed and multiplied here."""
+        return (self.isa != "none" and in_features % K_GROUP == 0 and out_features % BLOCK_COLUMNS == 0
+                and 0 < in_features <= self.max_inner and out_features > 0)
+
+    def pack(self, columns: torch.Tensor) -> PackedInt8:
+        """int8 [in, out] (contiguous) -> the packed matrix."""
+        in_features, out_features = columns.shape
+        if columns.dtype != torch.int8 or not self.fits(in_features, out_features):
+            raise ValueError(f"the int8 GEMM packs int8 [in, out] matrices with in % 4 == 0 and out % 16 == 0 "
+                             f"(in <= {self.max_inner}) on an AVX-512-VNNI build, got {tuple(columns.shape)} "
+                             f"{columns.dtype} ({self.isa})")
+        columns = columns.contiguous()
+        values = torch.empty(out_features // BLOCK_COLUMNS, in_features // K_GROUP, BLOCK_COLUMNS, K_GROUP,
+                             dtype=torch.int8)
+        compensation = torch.empty(out_features, dtype=torch.int32)
+        self._pack(columns.data_ptr(), in_features, out_features, values.data_ptr(), compensation.data_ptr(),
+                   torch.get_num_threads())
+        return PackedInt8(values, compensation)
+
+    def matmul(self, a: torch.Tensor, packed: PackedInt8) -> torch.Tensor:
+        """a int8 [M, in] (rows dense, any row stride) @ the packed matrix -> int32 [M, out]."""
+        rows, in_features = a.shape
+        if a.dtype != torch.int8 or a.stride(1) != 1 or in_features != packed.in_features:
+            raise ValueError(f"int8 rows [M, {packed.in_features}] with a dense last dimension expected, "
+                             f"got {tuple(a.shape)} {a.dtype} strides {a.stride()}")
+        out = torch.empty(rows, packed.out_features, dtype=torch.int32)
+        status = self._gemm(a.data_ptr(), a.stride(0), rows, in_features, packed.values.data_ptr(),
+                            packed.compensation.data_ptr(), out.data_ptr(), packed.out_features,
+                            torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"the int8 GEMM refused a [{rows}, {in_features}] x {tuple(packed.columns().shape)} "
+                               f"product ({self.isa} build)")
+        return out
+
+
+def load_int8_gemm_kernel(cache_dir: Path) -> Int8GemmKernel | None:
+    """The kernel where it builds with its VNNI path, else None (a warning says why where the
+    build fails; a build without VNNI is no error: torch._int_mm serves)."""
+    kernel = build_or_none(Int8GemmKernel.build, cache_dir, "the packed int8 GEMM",
+                           "--quantization int8 multiplies through torch._int_mm")
+    return kernel if kernel is not None and kernel.isa != "none" else None

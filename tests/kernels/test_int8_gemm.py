@@ -1,0 +1,127 @@
+"""tandem's packed int8 GEMM (csrc/int8_gemm.c): the integers torch._int_mm gives, for every
+tile shape and thread split, and a build without VNNI that refuses rather than guesses."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.kernels.int8_gemm import SOURCE, Int8GemmKernel, PackedInt8, load_int8_gemm_kernel
+from tandem.layers.int8 import int_mm
+from tandem.platform.cpu_modes import CpuFeatures
+
+VNNI = CpuFeatures.detect().avx512_vnni
+needs_vnni = pytest.mark.skipif(not VNNI, reason="the packed GEMM's only path needs AVX-512-VNNI")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Int8GemmKernel:
+    return Int8GemmKernel.build(tmp_path_factory.mktemp("cache"))
+
+
+def _reference(a: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """int64 products summed exactly, as int32."""
+    return (a.long() @ columns.long()).to(torch.int32)
+
+
+def test_the_isa_follows_the_cpu(kernel) -> None:
+    assert kernel.isa == ("avx512-vnni" if VNNI else "none")
+
+
+def test_packing_keeps_every_value_and_the_column_sums(kernel) -> None:
+    if not VNNI:
+        pytest.skip("packing needs the VNNI build")
+    generator = torch.Generator().manual_seed(1)
+    columns = torch.randint(-128, 128, (40, 48), generator=generator, dtype=torch.int8)
+    packed = kernel.pack(columns)
+    assert packed.in_features == 40 and packed.out_features == 48
+    assert torch.equal(packed.columns(), columns)
+    assert torch.equal(packed.values[1, 3, 5], columns[12:16, 16 + 5])  # element (k, n) at [n/16, k/4, n%16, k%4]
+    assert torch.equal(packed.compensation, 128 * columns.int().sum(0))
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 131])
+@pytest.mark.parametrize("in_features, out_features", [(8, 16), (96, 80), (576, 960), (1536, 64)])
+def test_products_are_torch_int_mms(kernel, rows, in_features, out_features) -> None:
+    """Tiles of 1-6 rows and 1-4 column blocks (80 = a panel and one block), rows split between
+    the threads or not, against torch._int_mm and an exact int64 sum."""
+    generator = torch.Generator().manual_seed(rows * 7 + in_features)
+    columns = torch.randint(-128, 128, (in_features, out_features), generator=generator, dtype=torch.int8)
+    a = torch.randint(-128, 128, (rows, in_features), generator=generator, dtype=torch.int8)
+    got = kernel.matmul(a, kernel.pack(columns))
+    assert got.dtype == torch.int32 and got.shape == (rows, out_features)
+    assert torch.equal(got, _reference(a, columns))
+    if in_features >= 16 and rows > 16:  # torch._int_mm takes more than 16 rows
+        assert torch.equal(got, int_mm(a, columns))
+
+
+@needs_vnni
+def test_extremes_and_a_row_strided_view(kernel) -> None:
+    """-128 and 127 everywhere (the +128 flip and its compensation at their limits), and rows
+    read through a view whose rows lie further apart than their length."""
+    columns = torch.full((1536, 32), -128, dtype=torch.int8)
+    columns[:, 16:] = 127
+    wide = torch.full((12, 1600), 7, dtype=torch.int8)
+    wide[:, :1536] = -128
+    wide[::2, :1536] = 127
+    a = wide[:, :1536]
+    assert a.stride(0) == 1600
+    got = kernel.matmul(a, kernel.pack(columns))
+    assert torch.equal(got, _reference(a.contiguous(), columns))
+
+
+@needs_vnni
+def test_the_thread_split_does_not_change_the_products(kernel) -> None:
+    generator = torch.Generator().manual_seed(3)
+    columns = torch.randint(-128, 128, (64, 576), generator=generator, dtype=torch.int8)
+    a = torch.randint(-128, 128, (64, 64), generator=generator, dtype=torch.int8)
+    packed = kernel.pack(columns)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.matmul(a, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, kernel.matmul(a, packed))
+
+
+def test_shapes_it_refuses(kernel) -> None:
+    assert not kernel.fits(96, 40)  # columns not a multiple of 16
+    assert not kernel.fits(6, 16)  # inner size not a multiple of 4
+    assert not kernel.fits(kernel.max_inner + 4, 16)
+    with pytest.raises(ValueError, match="in % 4 == 0 and out % 16 == 0"):
+        kernel.pack(torch.zeros(96, 40, dtype=torch.int8))
+    if VNNI:
+        packed = kernel.pack(torch.zeros(96, 32, dtype=torch.int8))
+        with pytest.raises(ValueError, match="dense last dimension"):
+            kernel.matmul(torch.zeros(4, 95, dtype=torch.int8), packed)
+        with pytest.raises(ValueError, match="dense last dimension"):
+            kernel.matmul(torch.zeros(96, 4, dtype=torch.int8).t(), packed)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_a_build_without_vnni_refuses_every_product(tmp_path: Path) -> None:
+    """An AVX2 box (or an older target): the library builds, says it has no path, and the
+    GEMM returns an error instead of writing anything; the loader gives None."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / "int8-gemm-haswell.so"
+    subprocess.run([compiler, "-O3", "-march=haswell", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE),
+                    "-o", str(library)], check=True, capture_output=True)
+    plain = Int8GemmKernel(library)
+    assert plain.isa == "none" and not plain.fits(96, 32)
+    fake = PackedInt8(torch.zeros(2, 24, 16, 4, dtype=torch.int8), torch.zeros(32, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="refused"):
+        plain.matmul(torch.zeros(4, 96, dtype=torch.int8), fake)
+
+
+def test_the_loader_gives_the_kernel_only_with_its_vnni_path(tmp_path: Path) -> None:
+    loaded = load_int8_gemm_kernel(tmp_path)
+    assert (loaded is not None) == VNNI
