@@ -18,6 +18,7 @@ from torch import nn
 
 from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
+from tandem.kernels.dense_gemm import DenseGemmKernel, PackedDense
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.int8_gemm import Int8GemmKernel
 from tandem.kernels.int8_rows import Int8RowsKernel
@@ -202,6 +203,8 @@ class LinearWeights:
     small_packed: torch.Tensor | None = None  # int4 plan, a matrix 4 bits would spoil: packed bf16
     small_dense: DenseRows | None = None  # float32 plan: the plain fp32 rows for the GEMV kernel
     packed_weight: torch.Tensor | None = None
+    dense_packed: PackedDense | None = None  # tandem's packed GEMM's layout, instead of oneDNN's
+    dense_gemm: DenseGemmKernel | None = None
     int8: Int8Weight | None = None  # --quantization int8: what steps beyond the small copy read
     gemv_rows: DenseRows | None = None  # a bf16 matrix on a CPU without a bf16 GEMM: small steps' GEMV
 
@@ -296,16 +299,33 @@ class LinearWeights:
         self.small_step = plan
         return weight.numel() * 2
 
-    def pack_for_cpu(self, drop_dense: bool) -> int:
-        """Reorder the weight for oneDNN; returns the bytes of dense weight released. An int8
-        layer has nothing to pack: it only drops its dense weight."""
+    def pack_for_cpu(self, drop_dense: bool, dense_gemm: DenseGemmKernel | None = None) -> int:
+        """Reorder the weight for tandem's packed GEMM where `dense_gemm` takes it, else for
+        oneDNN; returns the bytes of dense weight released. An int8 layer has nothing to pack:
+        it only drops its dense weight."""
         weight = self.weight.detach()
         if self.int8 is not None:
             return self._release_dense() if drop_dense else 0
-        if self.int4 is not None or not _packable(weight):
+        if self.int4 is not None:
             return 0
-        self.packed_weight = _pack(weight)
+        if dense_gemm is not None and dense_gemm.fits(weight):
+            self.dense_packed, self.dense_gemm = dense_gemm.pack(weight), dense_gemm
+        elif _packable(weight):
+            self.packed_weight = _pack(weight)
+        else:
+            return 0
         return self._release_dense() if drop_dense else 0
+
+    def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] through tandem's packed GEMM (+ bias) (+ residual), one rounding."""
+        assert self.dense_gemm is not None and self.dense_packed is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        flat_residual = None if residual is None else residual.reshape(rows.shape[0], -1)
+        out = self.dense_gemm.matmul(rows, self.dense_packed, bias, flat_residual)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _release_dense(self) -> int:
         weight = self.weight.detach()
@@ -335,6 +355,8 @@ class LinearWeights:
             return self.gemv_rows.matmul(x, with_bias)
         if self.int8 is not None:
             return self.int8.matmul(x, bias)
+        if self.dense_packed is not None:
+            return self._dense_matmul(x, bias)
         if self.packed_weight is not None:
             return _onednn_linear(x, self.packed_weight, bias)
         return dense_linear(x, self.weight, bias)
@@ -354,6 +376,8 @@ class LinearWeights:
                 return self.gemv_rows.matmul(x, residual=residual)
             if self.int8 is not None:
                 return self.int8.matmul(x, getattr(self, "bias", None), residual)
+            if self.dense_packed is not None:
+                return self._dense_matmul(x, getattr(self, "bias", None), residual)
             if self.packed_weight is not None:
                 return _onednn_linear_binary(x, residual, self.packed_weight, getattr(self, "bias", None), "add")
         if x.device.type == "cuda" and x.dim() == 2 and getattr(self, "bias", None) is None and self.int4 is None:
@@ -397,15 +421,16 @@ def quantize_int8(model: nn.Module, kernel: Int8RowsKernel | None = None, gemm: 
     return sum(m.quantize_int8(kernel, gemm) for m in model.modules() if isinstance(m, LinearWeights))
 
 
-def pack_weights_for_cpu(model: nn.Module) -> int:
-    """oneDNN-pack every linear layer and the LM head, dropping their dense copies, except a
-    head tied to the embedding (the embedding reads it). Returns the layers packed; 0 when
-    oneDNN is not available."""
-    if not onednn_available():
+def pack_weights_for_cpu(model: nn.Module, dense_gemm: DenseGemmKernel | None = None) -> int:
+    """Pack every linear layer and the LM head, for tandem's packed GEMM where `dense_gemm` is
+    given and takes the matrix, else for oneDNN, dropping their dense copies, except a head
+    tied to the embedding (the embedding reads it). Returns the layers packed; 0 when neither
+    is available."""
+    if dense_gemm is None and not onednn_available():
         return 0
     layers = [m for m in model.modules() if isinstance(m, LinearWeights)]
     for layer in layers:
-        layer.pack_for_cpu(drop_dense=not getattr(layer, "tied", False))
+        layer.pack_for_cpu(drop_dense=not getattr(layer, "tied", False), dense_gemm=dense_gemm)
     return len(layers)
 
 
@@ -570,7 +595,10 @@ class GateUpLinear(MergedLinear):
         super().__init__(in_features, [intermediate, intermediate], bias, tp)
         self.intermediate = self.out_sizes[0]
 
-    def pack_for_cpu(self, drop_dense: bool) -> int:
+    def pack_for_cpu(self, drop_dense: bool, dense_gemm: DenseGemmKernel | None = None) -> int:
+        """oneDNN's two halves with silu and mul as post-ops, whatever `dense_gemm` is: tandem's
+        packed GEMM has no silu epilogue yet, and a separate silu-mul pass over its product
+        would cost more than its GEMM saves at a prefill chunk."""
         weight = self.weight.detach()
         if self.int8 is not None or self.int4 is not None or not _packable(weight):
             return super().pack_for_cpu(drop_dense)

@@ -26,8 +26,8 @@ fp32 (`tandem bench perplexity`, docs/performance.md):
 - One rank only: a tensor- or pipeline-parallel engine takes these modes by flag.
 - `--exact` is fp32 with no rounding of its own: steps of one or two tokens read the checkpoint's
   plain fp32 rows through tandem's GEMV kernel (`--decode-weights float32`, and the C decode
-  stack) where AVX2 or AVX-512 runs it, larger steps oneDNN's packed copy, so the linear
-  layers' weights are held twice (+0.42 GiB on SmolLM2). On the 2-core Xeon with AMX, oneDNN's
+  stack) where AVX2 or AVX-512 runs it, larger steps a packed copy (tandem's GEMM's or
+  oneDNN's), so the linear layers' weights are held twice (+0.42 GiB on SmolLM2). On the 2-core Xeon with AMX, oneDNN's
   packed fp32 one-row GEMM read SmolLM2's layers at 16.9 GB/s; `tandem bench offline --exact`
   decoded one stream at 43.0-44.5 tok/s this way against 25.6 before (vLLM's fp32: 33.4).
   Its greedy tokens equal transformers' in the suite's tests as the packed path's did.

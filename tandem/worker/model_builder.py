@@ -22,6 +22,7 @@ from tandem.distributed.expert_parallel import ExpertParallel
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import TensorParallel
 from tandem.kernels.base import AttentionBackend
+from tandem.kernels.dense_gemm import DenseGemmKernel, load_dense_gemm_kernel
 from tandem.kernels.dense_gemv import load_dense_gemv_kernel
 from tandem.kernels.int8_gemm import Int8GemmKernel, load_int8_gemm_kernel
 from tandem.kernels.int8_rows import load_int8_rows_kernel
@@ -131,8 +132,9 @@ class ModelBuilder:
                 logger.info("--quantization int8: %d projections hold 8-bit weights for steps of more than %s tokens, "
                             "multiplied by %s", quantized, small_step.max_tokens if small_step is not None else 0,
                             "tandem's packed int8 GEMM (VNNI)" if gemm is not None else "torch._int_mm (oneDNN)")
-        if load.pack_weights and pack_weights_for_cpu(model) and self.rank == 0:
-            logger.info("linear weights packed for oneDNN")
+        dense_gemm = self._dense_gemm() if load.pack_weights else None
+        if load.pack_weights and pack_weights_for_cpu(model, dense_gemm) and self.rank == 0:
+            logger.info("linear weights packed for %s", "tandem's packed GEMM" if dense_gemm is not None else "oneDNN")
         if self.dtype == torch.bfloat16 and not onednn_bf16_available():
             self._attach_bf16_gemv(model)
         ops = load_layer_ops(self.kernel_cache_dir)
@@ -197,6 +199,15 @@ class ModelBuilder:
         return SmallStepWeights(load.decode_weights_max_tokens, choice,
                                 int4_max_error=TARGET_INT4_MAX_ERROR if choice == "int4" else None)
 
+    def _dense_gemm(self) -> DenseGemmKernel | None:
+        """tandem's packed fp32 / bf16 GEMM where the CPU has AVX-512 and no AMX (with AMX,
+        oneDNN multiplies bf16 on the tiles, which the kernel does not). The matrices it does
+        not take (a dtype it has no path for, a width not a multiple of 16) stay oneDNN's."""
+        features = CpuFeatures.detect()
+        if not features.avx512 or features.amx or self.device.type != "cpu":
+            return None
+        return load_dense_gemm_kernel(self.kernel_cache_dir)
+
     def _int8_gemm(self) -> Int8GemmKernel | None:
         """tandem's packed int8 GEMM where VNNI is this CPU's fastest multiply (no AMX: with
         AMX, oneDNN's `torch._int_mm` runs int8 on the tiles, which the kernel does not)."""
@@ -241,6 +252,9 @@ def model_bytes(model: torch.nn.Module) -> int:
             extra = getattr(module, name, None)
             if isinstance(extra, torch.Tensor):
                 tensors.append(extra)
+        dense_packed = getattr(module, "dense_packed", None)  # tandem's packed GEMM's layout
+        if dense_packed is not None:
+            tensors.append(dense_packed.values)
         dense = getattr(module, "small_dense", None)  # --decode-weights float32: the plain rows kept
         if dense is not None:
             tensors.append(dense.weight)

@@ -58,6 +58,8 @@ def test_the_default_mode_is_this_cpus_and_agrees_with_exact_fp32(monkeypatch: p
     assert f"mode: {mode.note}" in caplog.text
     if load.quantization == "int8":  # VNNI without AMX: tandem's packed GEMM, not torch._int_mm
         assert ("tandem's packed int8 GEMM" in caplog.text) == features.int8_fastest
+    if features.avx512 and not features.amx:  # what int8 does not hold: tandem's fp32/bf16 GEMM
+        assert "linear weights packed for tandem's packed GEMM" in caplog.text
     same = sum(a == b for a, b in zip(want, got, strict=True))
     first_miss = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), TOKENS)
                      for a, b in zip(want, got, strict=True)) / PROMPTS

@@ -4,8 +4,6 @@ tile shape and thread split, and a build without VNNI that refuses rather than g
 from __future__ import annotations
 
 import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 from tandem.kernels.int8_gemm import SOURCE, Int8GemmKernel, PackedInt8, load_int8_gemm_kernel
 from tandem.layers.int8 import int_mm
 from tandem.platform.cpu_modes import CpuFeatures
+from tests.support.kernel_builds import build_for
 
 VNNI = CpuFeatures.detect().avx512_vnni
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the packed GEMM's only path needs AVX-512-VNNI")
@@ -109,12 +108,7 @@ def test_shapes_it_refuses(kernel) -> None:
 def test_a_build_without_vnni_refuses_every_product(tmp_path: Path) -> None:
     """An AVX2 box (or an older target): the library builds, says it has no path, and the
     GEMM returns an error instead of writing anything; the loader gives None."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    library = tmp_path / "int8-gemm-haswell.so"
-    subprocess.run([compiler, "-O3", "-march=haswell", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE),
-                    "-o", str(library)], check=True, capture_output=True)
+    library = build_for(SOURCE, "haswell", tmp_path)
     plain = Int8GemmKernel(library)
     assert plain.isa == "none" and not plain.fits(96, 32)
     fake = PackedInt8(torch.zeros(2, 24, 16, 4, dtype=torch.int8), torch.zeros(32, dtype=torch.int32))

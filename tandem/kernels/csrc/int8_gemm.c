@@ -25,6 +25,8 @@
  */
 #include <stdint.h>
 
+#include "gemm_split.h"
+
 #define MAX_INNER 65536
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -109,23 +111,9 @@ int tandem_int8_gemm(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, co
     if (!HAS_VNNI || K % 4 != 0 || N % 16 != 0 || K > MAX_INNER || M < 0) return -1;
 #if HAS_VNNI
     const int64_t blocks = N / 16, quads = K / 4;
-    const int64_t panels = (blocks + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
-    const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
-    int64_t groups = 1; /* row groups a panel is split into: 8 items a thread where it can */
-    while (groups < tiles && panels * groups < 8 * num_threads) groups *= 2;
-    if (groups > tiles) groups = tiles > 0 ? tiles : 1;
-    const int64_t group_rows = (tiles + groups - 1) / groups * TILE_ROWS;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t item = 0; item < panels * groups; item++) {
-        const int64_t block = item / groups * PANEL_BLOCKS, first = item % groups * group_rows;
-        const int64_t width = blocks - block < PANEL_BLOCKS ? blocks - block : PANEL_BLOCKS;
-        const int64_t end = first + group_rows < M ? first + group_rows : M;
-        for (int64_t m = first; m < end; m += TILE_ROWS) {
-            const int64_t rows = end - m < TILE_ROWS ? end - m : TILE_ROWS;
-            TILES[width - 1][rows - 1](a + m * a_stride, a_stride, quads, packed + block * quads * 64,
-                                       compensation + block * 16, c + m * N + block * 16, N);
-        }
-    }
+    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS,
+                       TILES[width - 1][rows - 1](a + m * a_stride, a_stride, quads, packed + block * quads * 64,
+                                                  compensation + block * 16, c + m * N + block * 16, N));
 #endif
     return 0;
 }

@@ -1,0 +1,168 @@
+/*
+ * fp32 or bf16 rows [M, K] times a weight matrix packed once at load -> [M, N] in the same
+ * dtype, with the bias and a residual added before the one rounding: what oneDNN's packed
+ * linear (`_linear_pointwise`, and its binary "add" form) computes, summed in another order.
+ *
+ * Why: at 16-128 rows (a decode batch) oneDNN's packed fp32 and bf16 GEMMs run well under
+ * their large-M rate on the 2-core AVX-512 EPYC, as its int8 GEMM did (csrc/int8_gemm.c has
+ * the same structure and the figures that led here).
+ *
+ * Layout (`tandem_dense_pack`): blocks of 16 output columns; within a block one 64-byte
+ * vector per step of k: fp32, 16 columns at one k ([N/16][K][16]); bf16, 16 columns' pairs of
+ * consecutive k ([N/16][K/2][16][2], a vdpbf16ps operand). Each activation step (an fp32
+ * value, or a pair of bf16 values) is broadcast to the 16 lanes.
+ *
+ * Tiles: 6 rows x 4 blocks (64 columns), 24 accumulators in registers (GCC's PRE would spill
+ * half: the tiles turn it off, as csrc/int8_gemm.c's do).
+ */
+#include <stdint.h>
+
+#include "gemm_split.h"
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAS_F32 1
+#if defined(__AVX512BF16__)
+#define HAS_BF16 1
+#else
+#define HAS_BF16 0
+#endif
+#define PANEL_BLOCKS 4
+#define TILE_ROWS 6
+#define TILE_ATTRIBUTES __attribute__((optimize("no-tree-pre", "no-gcse")))
+
+static inline __m512 widen16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+/* 16 fp32 -> bf16, rounded to nearest even (a NaN stays a NaN: its quiet bit is set first). */
+static inline __m256i narrow16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    bits = _mm512_mask_or_epi32(bits, nan, bits, _mm512_set1_epi32(0x400000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    const __m512i kept = _mm512_mask_mov_epi32(rounded, nan, bits);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(kept, 16));
+}
+
+/* The epilogue of one 16-column chunk: acc (+ bias) (+ residual), stored once in the kind. */
+static inline void store_chunk(__m512 acc, int kind, const void *bias, const void *residual, void *out, int64_t n,
+                               int64_t at) {
+    if (kind == 0) {
+        if (bias != NULL) acc = _mm512_add_ps(acc, _mm512_loadu_ps((const float *)bias + n));
+        if (residual != NULL) acc = _mm512_add_ps(_mm512_loadu_ps((const float *)residual + at), acc);
+        _mm512_storeu_ps((float *)out + at, acc);
+        return;
+    }
+    if (bias != NULL) acc = _mm512_add_ps(acc, widen16((const uint16_t *)bias + n));
+    if (residual != NULL) acc = _mm512_add_ps(widen16((const uint16_t *)residual + at), acc);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), narrow16(acc));
+}
+
+static inline __m512 broadcast_step(const char *p) {
+    float value;
+    memcpy(&value, p, 4);
+    return _mm512_set1_ps(value);
+}
+
+static inline __m512 multiply_add_f32(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+#if HAS_BF16
+static inline __m512 multiply_add_bf16(__m512 acc, __m512 a, __m512 b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+#endif
+
+/* a: this tile's first row; a step is 4 bytes of a row (one fp32, or two bf16). */
+#define DEFINE_TILE(KIND, MULTIPLY_ADD, ROWS, BLOCKS)                                                 \
+TILE_ATTRIBUTES static void tile_##KIND##_##ROWS##_##BLOCKS(                                         \
+    const char *a, int64_t a_stride, int64_t steps, const char *panel, int kind, const void *bias,    \
+    const void *residual, void *out, int64_t m, int64_t n, int64_t n_total) {                          \
+    __m512 acc[ROWS][BLOCKS];                                                                         \
+    _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                            \
+        _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++) acc[i][j] = _mm512_setzero_ps();     \
+    for (int64_t q = 0; q < steps; q++) {                                                             \
+        __m512 b[BLOCKS];                                                                             \
+        _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                      \
+            b[j] = _mm512_loadu_ps((const float *)(panel + (j * steps + q) * 64));                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++) {                                      \
+            const __m512 word = broadcast_step(a + i * a_stride + 4 * q);                             \
+            _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                  \
+                acc[i][j] = MULTIPLY_ADD(acc[i][j], word, b[j]);                                      \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int i = 0; i < ROWS; i++)                                                                    \
+        for (int j = 0; j < BLOCKS; j++)                                                              \
+            store_chunk(acc[i][j], kind, bias, residual, out, n + 16 * j, (m + i) * n_total + n + 16 * j);\
+}
+#define DEFINE_TILES_OF(KIND, MULTIPLY_ADD, BLOCKS)                                                   \
+    DEFINE_TILE(KIND, MULTIPLY_ADD, 1, BLOCKS) DEFINE_TILE(KIND, MULTIPLY_ADD, 2, BLOCKS)             \
+    DEFINE_TILE(KIND, MULTIPLY_ADD, 3, BLOCKS) DEFINE_TILE(KIND, MULTIPLY_ADD, 4, BLOCKS)             \
+    DEFINE_TILE(KIND, MULTIPLY_ADD, 5, BLOCKS) DEFINE_TILE(KIND, MULTIPLY_ADD, 6, BLOCKS)
+#define DEFINE_KIND(KIND, MULTIPLY_ADD) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 1) \
+    DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 2) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 3) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 4)
+
+typedef void (*tile_fn)(const char *, int64_t, int64_t, const char *, int, const void *, const void *, void *,
+                        int64_t, int64_t, int64_t);
+#define TILE_ROW(KIND, BLOCKS) {tile_##KIND##_1_##BLOCKS, tile_##KIND##_2_##BLOCKS, tile_##KIND##_3_##BLOCKS, \
+                                tile_##KIND##_4_##BLOCKS, tile_##KIND##_5_##BLOCKS, tile_##KIND##_6_##BLOCKS}
+DEFINE_KIND(f32, multiply_add_f32)
+static const tile_fn F32_TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(f32, 1), TILE_ROW(f32, 2), TILE_ROW(f32, 3),
+                                                           TILE_ROW(f32, 4)};
+#if HAS_BF16
+DEFINE_KIND(bf16, multiply_add_bf16)
+static const tile_fn BF16_TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(bf16, 1), TILE_ROW(bf16, 2), TILE_ROW(bf16, 3),
+                                                            TILE_ROW(bf16, 4)};
+#endif
+#else
+#define HAS_F32 0
+#define HAS_BF16 0
+#endif
+
+/* Which kinds this build multiplies: "avx512-bf16" (fp32 and bf16), "avx512" (fp32), "none". */
+const char *tandem_dense_gemm_isa(void) { return HAS_BF16 ? "avx512-bf16" : HAS_F32 ? "avx512" : "none"; }
+
+/* w [N, K] (row-major; kind 0 fp32, 1 bf16) -> packed in the layout above. N a multiple of 16,
+ * K (bf16) even. */
+void tandem_dense_pack(const void *w, int kind, int64_t N, int64_t K, void *packed, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t block = 0; block < N / 16; block++) {
+        if (kind == 0) {
+            const float *source = (const float *)w;
+            float *target = (float *)packed + block * K * 16;
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t lane = 0; lane < 16; lane++) target[k * 16 + lane] = source[(block * 16 + lane) * K + k];
+        } else {
+            const uint16_t *source = (const uint16_t *)w;
+            uint16_t *target = (uint16_t *)packed + block * K * 16;
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t lane = 0; lane < 16; lane++)
+                    target[(k / 2) * 32 + lane * 2 + k % 2] = source[(block * 16 + lane) * K + k];
+        }
+    }
+}
+
+/* out [M, N] = x [M, K] (row stride x_stride elements) @ packed^T (+ bias [N]) (+ residual
+ * [M, N]); all in the kind (0 fp32, 1 bf16). Returns 0, or -1 where this build cannot (out
+ * untouched). out may alias residual: each element is read before it is written. */
+int tandem_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int kind,
+                      const void *bias, const void *residual, void *out, int64_t N, int num_threads) {
+    if (N % 16 != 0 || M < 0 || (kind == 1 && K % 2 != 0) || (kind == 0 && !HAS_F32) || (kind == 1 && !HAS_BF16)
+        || kind < 0 || kind > 1)
+        return -1;
+#if HAS_F32
+    const int64_t element = kind == 0 ? 4 : 2, steps = kind == 0 ? K : K / 2;
+    const int64_t blocks = N / 16;
+#if HAS_BF16
+    const tile_fn(*table)[TILE_ROWS] = kind == 0 ? F32_TILES : BF16_TILES;
+#else
+    const tile_fn(*table)[TILE_ROWS] = F32_TILES;
+#endif
+    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS,
+                       table[width - 1][rows - 1]((const char *)x + m * x_stride * element, x_stride * element, steps,
+                                                  (const char *)packed + block * steps * 64, kind, bias, residual, out,
+                                                  m, block * 16, N));
+#endif
+    return 0;
+}

@@ -1,0 +1,113 @@
+"""tandem's fp32 and bf16 GEMM over weights packed once at load (csrc/dense_gemm.c), for
+steps of many rows on CPUs with AVX-512 and no AMX.
+
+oneDNN's packed fp32 and bf16 GEMMs, which both tandem's and vLLM's CPU linears call, run at
+16-128 rows well under their large-step rate on the 2-core AVX-512 EPYC; the kernel keeps a
+6-row by 64-column tile's accumulators in registers over the whole inner dimension, as the
+packed int8 GEMM does (kernels/int8_gemm.py). With AMX, oneDNN multiplies bf16 on the tiles,
+which this kernel does not, so there oneDNN stays (the caller decides).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from tandem.kernels.c_library import bind, build_kernel_library, build_or_none
+
+SOURCE = Path(__file__).parent / "csrc" / "dense_gemm.c"
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_PTR = ctypes.c_void_p
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+BLOCK_COLUMNS = 16  # output columns a packed block holds
+
+
+def _pointer(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+class PackedDense(NamedTuple):
+    """An [out, in] matrix in the kernel's blocks (fp32: [out/16, in, 16]; bf16: [out/16,
+    in/2, 16, 2])."""
+
+    values: torch.Tensor
+    in_features: int
+    out_features: int
+
+    def weight(self) -> torch.Tensor:
+        """The matrix back as [out, in] (torch ops; for tests)."""
+        blocks = self.out_features // BLOCK_COLUMNS
+        if self.values.dtype == torch.float32:
+            return self.values.reshape(blocks, self.in_features, BLOCK_COLUMNS).permute(0, 2, 1).reshape(
+                self.out_features, self.in_features)
+        pairs = self.values.reshape(blocks, self.in_features // 2, BLOCK_COLUMNS, 2)
+        return pairs.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+
+
+class DenseGemmKernel:
+    """The loaded C functions, called on tensors' data pointers."""
+
+    def __init__(self, library: Path) -> None:
+        functions = bind(library, {
+            "tandem_dense_pack": (None, [_PTR, _INT, _I64, _I64, _PTR, _INT]),
+            "tandem_dense_gemm": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _I64, _INT]),
+            "tandem_dense_gemm_isa": (ctypes.c_char_p, []),
+        })
+        self._pack = functions["tandem_dense_pack"]
+        self._gemm = functions["tandem_dense_gemm"]
+        self.isa: str = functions["tandem_dense_gemm_isa"]().decode()  # "avx512-bf16", "avx512" or "none"
+
+    @classmethod
+    def build(cls, cache_dir: Path) -> DenseGemmKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE))
+
+    def multiplies(self, dtype: torch.dtype) -> bool:
+        return (dtype == torch.float32 and self.isa != "none") or (dtype == torch.bfloat16 and self.isa == "avx512-bf16")
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        """Whether this [out, in] matrix can be packed and multiplied here."""
+        out_features, in_features = weight.shape
+        return (weight.dim() == 2 and weight.device.type == "cpu" and self.multiplies(weight.dtype)
+                and out_features % BLOCK_COLUMNS == 0 and out_features > 0 and in_features > 0
+                and (weight.dtype == torch.float32 or in_features % 2 == 0))
+
+    def pack(self, weight: torch.Tensor) -> PackedDense:
+        """[out, in] fp32 or bf16 -> the packed matrix (the same dtype)."""
+        if not self.fits(weight):
+            raise ValueError(f"the dense GEMM packs CPU [out, in] matrices with out % 16 == 0 (in even for bf16) in "
+                             f"a dtype it multiplies ({self.isa} build), got {tuple(weight.shape)} {weight.dtype}")
+        weight = weight.detach().contiguous()
+        values = torch.empty_like(weight)
+        self._pack(weight.data_ptr(), _KINDS[weight.dtype], weight.shape[0], weight.shape[1], values.data_ptr(),
+                   torch.get_num_threads())
+        return PackedDense(values, weight.shape[1], weight.shape[0])
+
+    def matmul(self, x: torch.Tensor, packed: PackedDense, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] (rows dense) @ W.T (+ bias) (+ residual) -> [M, out], all in the weight's
+        dtype, rounded once at the end."""
+        dtype = packed.values.dtype
+        rows, in_features = x.shape
+        if x.dtype != dtype or x.stride(1) != 1 or in_features != packed.in_features:
+            raise ValueError(f"{dtype} rows [M, {packed.in_features}] with a dense last dimension expected, got "
+                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        bias = None if bias is None else bias.to(dtype).contiguous()
+        residual = None if residual is None else residual.to(dtype).contiguous()
+        out = torch.empty(rows, packed.out_features, dtype=dtype)
+        status = self._gemm(x.data_ptr(), x.stride(0), rows, in_features, packed.values.data_ptr(), _KINDS[dtype],
+                            _pointer(bias), _pointer(residual), out.data_ptr(), packed.out_features,
+                            torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"the dense GEMM refused a [{rows}, {in_features}] {dtype} product ({self.isa} build)")
+        return out
+
+
+def load_dense_gemm_kernel(cache_dir: Path) -> DenseGemmKernel | None:
+    """The kernel where it builds with a vector path, else None."""
+    kernel = build_or_none(DenseGemmKernel.build, cache_dir, "the packed dense GEMM",
+                           "linear layers multiply through oneDNN's packed GEMM")
+    return kernel if kernel is not None and kernel.isa != "none" else None

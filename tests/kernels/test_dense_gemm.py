@@ -1,0 +1,96 @@
+"""tandem's packed fp32 / bf16 GEMM (csrc/dense_gemm.c): the products, bias and residual of
+F.linear, summed in another order and rounded once, for every tile shape."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.kernels.dense_gemm import SOURCE, DenseGemmKernel, load_dense_gemm_kernel
+from tandem.platform.cpu_modes import CpuFeatures
+from tests.support.kernel_builds import build_for
+
+FEATURES = CpuFeatures.detect()
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> DenseGemmKernel:
+    built = DenseGemmKernel.build(tmp_path_factory.mktemp("cache"))
+    if not built.multiplies(torch.float32):
+        pytest.skip("the packed dense GEMM needs AVX-512")
+    return built
+
+
+def _dtypes(kernel: DenseGemmKernel) -> list[torch.dtype]:
+    return [d for d in (torch.float32, torch.bfloat16) if kernel.multiplies(d)]
+
+
+def test_the_isa_follows_the_cpu(tmp_path: Path) -> None:
+    built = DenseGemmKernel.build(tmp_path)
+    want = "avx512-bf16" if FEATURES.avx512_bf16 else "avx512" if FEATURES.avx512 else "none"
+    assert built.isa == want
+    assert (load_dense_gemm_kernel(tmp_path) is None) == (want == "none")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("in_features, out_features", [(2, 16), (96, 80), (576, 960), (1536, 64)])
+def test_products_bias_and_residual_are_f_linears(kernel, rows, in_features, out_features) -> None:
+    """Against F.linear in fp64: fp32 to fp32 rounding, bf16 within one bf16 step of the
+    fp64 result rounded once (the kernel sums in fp32, then rounds once)."""
+    generator = torch.Generator().manual_seed(rows + in_features)
+    for dtype in _dtypes(kernel):
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        packed = kernel.pack(weight)
+        assert torch.equal(packed.weight(), weight)
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype)
+        residual = torch.randn(rows, out_features, generator=generator).to(dtype)
+        exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double()) + residual.double()
+        for got, want in ((kernel.matmul(x, packed, bias, residual), exact),
+                          (kernel.matmul(x, packed), x.double() @ weight.double().t())):
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+            else:
+                step = want.abs().clamp_min(1e-3) * 2.0 ** -7  # one bf16 step
+                assert ((got.double() - want).abs() <= step + 1e-4 * in_features ** 0.5).all()
+
+
+def test_a_row_strided_view_and_the_thread_split(kernel) -> None:
+    generator = torch.Generator().manual_seed(5)
+    for dtype in _dtypes(kernel):
+        weight = torch.randn(576, 64, generator=generator).to(dtype)
+        packed = kernel.pack(weight)
+        wide = torch.randn(40, 80, generator=generator).to(dtype)
+        x = wide[:, :64]
+        assert x.stride(0) == 80
+        got = kernel.matmul(x, packed)
+        assert torch.equal(got, kernel.matmul(x.contiguous(), packed))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(kernel.matmul(x, packed), got)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_shapes_and_rows_it_refuses(kernel) -> None:
+    assert not kernel.fits(torch.zeros(40, 64))  # not a multiple of 16 outputs
+    assert not kernel.fits(torch.zeros(32, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out % 16 == 0"):
+        kernel.pack(torch.zeros(40, 64))
+    packed = kernel.pack(torch.zeros(32, 64))
+    with pytest.raises(ValueError, match="dense last dimension"):
+        kernel.matmul(torch.zeros(4, 63), packed)
+    with pytest.raises(ValueError, match="dense last dimension"):
+        kernel.matmul(torch.zeros(4, 64, dtype=torch.float64), packed)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_a_build_without_avx512_refuses_every_product(tmp_path: Path) -> None:
+    library = build_for(SOURCE, "haswell", tmp_path)
+    plain = DenseGemmKernel(library)
+    assert plain.isa == "none" and not plain.fits(torch.zeros(32, 64))
