@@ -90,8 +90,9 @@ def test_greedy_matches_transformers(llm: LLM, reference: torch.nn.Module) -> No
 
 
 def test_single_stream_matches_transformers(llm: LLM, reference: torch.nn.Module) -> None:
-    """One sequence at a time: every step is a GEMV through the oneDNN-packed weights."""
-    assert llm.engine.runner.model.lm_head.packed_weight is not None
+    """One sequence at a time: every step is a GEMV through the packed weights (tandem's
+    packed GEMM's on AVX-512 without AMX, else oneDNN's)."""
+    assert llm.engine.runner.model.lm_head.packed
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     outputs = [llm.generate([prompt], params)[0] for prompt in PROMPTS[:3]]
     assert _assert_matches_reference(outputs, reference) <= 1
@@ -283,8 +284,7 @@ def test_float32_decode_weights_match_transformers(reference: torch.nn.Module) -
     with LLM(kv_cache_memory="64MiB", decode_weights="float32") as llm:
         model = llm.engine.core.executor.worker.runner.model
         layers = model.model.layers
-        assert all(layer.mlp.down_proj.small_dense is not None and layer.mlp.down_proj.packed_weight is not None
-                   for layer in layers)
+        assert all(layer.mlp.down_proj.small_dense is not None and layer.mlp.down_proj.packed for layer in layers)
         # the tied head reads the embedding's own tensor: nothing held twice
         assert model.lm_head.small_dense.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         assert model.decode_stack is not None

@@ -316,6 +316,11 @@ class LinearWeights:
             return 0
         return self._release_dense() if drop_dense else 0
 
+    @property
+    def packed(self) -> bool:
+        """Whether larger steps read a packed copy (tandem's GEMM's or oneDNN's)."""
+        return self.dense_packed is not None or self.packed_weight is not None
+
     def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] through tandem's packed GEMM (+ bias) (+ residual), one rounding."""
