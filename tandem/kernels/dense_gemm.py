@@ -55,8 +55,10 @@ class DenseGemmKernel:
         functions = bind(library, {
             "tandem_dense_pack": (None, [_PTR, _INT, _I64, _I64, _PTR, _INT]),
             "tandem_dense_gemm": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _I64, _INT]),
+            "tandem_dense_gemm_silu_mul": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _INT]),
             "tandem_dense_gemm_isa": (ctypes.c_char_p, []),
         })
+        self._silu_mul = functions["tandem_dense_gemm_silu_mul"]
         self._pack = functions["tandem_dense_pack"]
         self._gemm = functions["tandem_dense_gemm"]
         self.isa: str = functions["tandem_dense_gemm_isa"]().decode()  # "avx512-bf16", "avx512" or "none"
@@ -86,15 +88,44 @@ class DenseGemmKernel:
                    torch.get_num_threads())
         return PackedDense(values, weight.shape[1], weight.shape[0])
 
+    def pack_gated(self, gate_up: torch.Tensor) -> PackedDense:
+        """A gated MLP's [2 x intermediate, in] gate-then-up matrix -> packed with its blocks
+        alternating gate and up (the same 16 intermediate columns each pair), for
+        `silu_mul`. `out_features` is 2 x intermediate; `weight()` gives the interleaved rows."""
+        rows, in_features = gate_up.shape
+        if rows % (2 * BLOCK_COLUMNS) != 0:
+            raise ValueError(f"a gate/up matrix of 2 x intermediate rows, intermediate % 16 == 0, got {rows}")
+        halves = gate_up.detach().reshape(2, rows // (2 * BLOCK_COLUMNS), BLOCK_COLUMNS, in_features)
+        return self.pack(halves.transpose(0, 1).reshape(rows, in_features))
+
+    def silu_mul(self, x: torch.Tensor, packed: PackedDense, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(x @ gate.T (+ gate bias)) * (x @ up.T (+ up bias)) -> [M, intermediate] from a
+        `pack_gated` matrix, in its dtype, computed in fp32 and rounded once. `bias` is the
+        layer's [2 x intermediate] (gate's then up's)."""
+        dtype = self._check_rows(x, packed)
+        bias = None if bias is None else bias.to(dtype).contiguous()
+        intermediate = packed.out_features // 2
+        out = torch.empty(x.shape[0], intermediate, dtype=dtype)
+        status = self._silu_mul(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.values.data_ptr(),
+                                _KINDS[dtype], _pointer(bias), out.data_ptr(), intermediate, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"the gated dense GEMM refused a {tuple(x.shape)} {dtype} product ({self.isa} build)")
+        return out
+
+    @staticmethod
+    def _check_rows(x: torch.Tensor, packed: PackedDense) -> torch.dtype:
+        dtype = packed.values.dtype
+        if x.dim() != 2 or x.dtype != dtype or x.stride(1) != 1 or x.shape[1] != packed.in_features:
+            raise ValueError(f"{dtype} rows [M, {packed.in_features}] with a dense last dimension expected, got "
+                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        return dtype
+
     def matmul(self, x: torch.Tensor, packed: PackedDense, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] (rows dense) @ W.T (+ bias) (+ residual) -> [M, out], all in the weight's
         dtype, rounded once at the end."""
-        dtype = packed.values.dtype
+        dtype = self._check_rows(x, packed)
         rows, in_features = x.shape
-        if x.dtype != dtype or x.stride(1) != 1 or in_features != packed.in_features:
-            raise ValueError(f"{dtype} rows [M, {packed.in_features}] with a dense last dimension expected, got "
-                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
         bias = None if bias is None else bias.to(dtype).contiguous()
         residual = None if residual is None else residual.to(dtype).contiguous()
         out = torch.empty(rows, packed.out_features, dtype=dtype)

@@ -18,7 +18,7 @@ from torch import nn
 
 from tandem.config import DECODE_WEIGHT_FORMATS
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
-from tandem.kernels.dense_gemm import DenseGemmKernel, PackedDense
+from tandem.kernels.dense_gemm import BLOCK_COLUMNS, DenseGemmKernel, PackedDense
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.int8_gemm import Int8GemmKernel
 from tandem.kernels.int8_rows import Int8RowsKernel
@@ -586,14 +586,17 @@ class SiluMulPass(Protocol):
 class GateUpLinear(MergedLinear):
     """The gate and up projections of a gated MLP, producing `silu(gate) * up` directly.
 
-    On CPU with packed weights, each half is packed on its own: the gate GEMM applies silu as
-    a oneDNN post-op and the up GEMM multiplies by the gate as another, so the [tokens,
-    2 x intermediate] product is never written and re-read by separate silu and mul passes
-    (12% of the MLP's time at 2048 tokens, 16% at 64, on a 2-core AVX2 CPU; the same at 1).
-    Elsewhere (small-step copies, unpacked weights) it is one merged GEMM and two torch ops.
+    On CPU with packed weights the [tokens, 2 x intermediate] product is never written and
+    re-read by separate silu and mul passes (12% of the MLP's time at 2048 tokens, 16% at 64,
+    on a 2-core AVX2 CPU): tandem's packed GEMM takes the gate and up blocks side by side and
+    writes silu(gate) * up from its registers, where the CPU has it (kernels/dense_gemm.py);
+    elsewhere each half is packed for oneDNN, the gate GEMM applying silu as a post-op and the
+    up GEMM multiplying by the gate as another. Small-step copies and unpacked weights run one
+    merged GEMM and the silu-mul pass or two torch ops.
     """
 
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+    gated_packed: PackedDense | None = None  # gate and up blocks alternating, for dense_gemm's silu_mul
     ops: SiluMulPass | None = None  # silu-and-mul in one pass: C for small steps, Triton on a GPU
 
     def __init__(self, in_features: int, intermediate: int, bias: bool = False, tp: TensorParallel = SINGLE_RANK) -> None:
@@ -601,15 +604,24 @@ class GateUpLinear(MergedLinear):
         self.intermediate = self.out_sizes[0]
 
     def pack_for_cpu(self, drop_dense: bool, dense_gemm: DenseGemmKernel | None = None) -> int:
-        """oneDNN's two halves with silu and mul as post-ops, whatever `dense_gemm` is: tandem's
-        packed GEMM has no silu epilogue yet, and a separate silu-mul pass over its product
-        would cost more than its GEMM saves at a prefill chunk."""
+        """tandem's packed GEMM with the silu-mul epilogue where `dense_gemm` takes the matrix,
+        else oneDNN's two halves with silu and mul as post-ops. Either way the result is
+        rounded once from fp32 and does not depend on which small-step passes are attached."""
         weight = self.weight.detach()
-        if self.int8 is not None or self.int4 is not None or not _packable(weight):
+        if self.int8 is not None or self.int4 is not None:
             return super().pack_for_cpu(drop_dense)
-        gate, up = weight.split(self.intermediate)
-        self.packed_halves = (_pack(gate), _pack(up))
+        if dense_gemm is not None and dense_gemm.fits(weight) and self.intermediate % BLOCK_COLUMNS == 0:
+            self.gated_packed, self.dense_gemm = dense_gemm.pack_gated(weight), dense_gemm
+        elif _packable(weight):
+            gate, up = weight.split(self.intermediate)
+            self.packed_halves = (_pack(gate), _pack(up))
+        else:
+            return 0
         return self._release_dense() if drop_dense else 0
+
+    @property
+    def packed(self) -> bool:
+        return super().packed or self.gated_packed is not None or self.packed_halves is not None
 
     def gated_down(self, down: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """residual + down(silu(gate) * up) with the middle in one C pass, where both
@@ -625,6 +637,12 @@ class GateUpLinear(MergedLinear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if residual is not None:
             raise ValueError("a gate/up projection takes no residual")
+        if self.gated_packed is not None and not self.uses_small_step(x):
+            assert self.dense_gemm is not None
+            rows = x.reshape(-1, x.shape[-1])
+            out = self.dense_gemm.silu_mul(rows if rows.stride(-1) == 1 else rows.contiguous(), self.gated_packed,
+                                           self.bias)
+            return out.reshape(*x.shape[:-1], self.intermediate)
         if self.packed_halves is not None and not self.uses_small_step(x):
             gate_bias, up_bias = (None, None) if self.bias is None else self.bias.split(self.intermediate)
             gate = _onednn_linear(x, self.packed_halves[0], gate_bias, "swish")

@@ -252,9 +252,10 @@ def model_bytes(model: torch.nn.Module) -> int:
             extra = getattr(module, name, None)
             if isinstance(extra, torch.Tensor):
                 tensors.append(extra)
-        dense_packed = getattr(module, "dense_packed", None)  # tandem's packed GEMM's layout
-        if dense_packed is not None:
-            tensors.append(dense_packed.values)
+        for name in ("dense_packed", "gated_packed"):  # tandem's packed GEMM's layouts
+            packed = getattr(module, name, None)
+            if packed is not None:
+                tensors.append(packed.values)
         dense = getattr(module, "small_dense", None)  # --decode-weights float32: the plain rows kept
         if dense is not None:
             tensors.append(dense.weight)

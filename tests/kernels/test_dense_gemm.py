@@ -1,5 +1,6 @@
 """tandem's packed fp32 / bf16 GEMM (csrc/dense_gemm.c): the products, bias and residual of
-F.linear, summed in another order and rounded once, for every tile shape."""
+F.linear, summed in another order and rounded once, for every tile shape; and the gated form,
+silu(gate) * up of a gate/up matrix from the same tiles."""
 
 from __future__ import annotations
 
@@ -59,6 +60,62 @@ def test_products_bias_and_residual_are_f_linears(kernel, rows, in_features, out
                 assert ((got.double() - want).abs() <= step + 1e-4 * in_features ** 0.5).all()
 
 
+def _gated_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    gate_up = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("in_features, intermediate", [(2, 16), (96, 48), (576, 64), (64, 1536)])
+def test_gated_products_are_silu_of_gate_times_up(kernel, rows, in_features, intermediate) -> None:
+    """Every tile (1-6 rows; a panel of one gate/up pair or two) against fp64: fp32 to fp32
+    rounding, bf16 within one bf16 step of the fp64 result rounded once."""
+    generator = torch.Generator().manual_seed(rows * intermediate + in_features)
+    for dtype in _dtypes(kernel):
+        weight = (torch.randn(2 * intermediate, in_features, generator=generator) / in_features ** 0.5).to(dtype)
+        packed = kernel.pack_gated(weight)
+        pairs = weight.reshape(2, intermediate // 16, 16, in_features).transpose(0, 1)
+        assert torch.equal(packed.weight(), pairs.reshape(2 * intermediate, in_features))  # gate, up, gate, ...
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        bias = torch.randn(2 * intermediate, generator=generator).to(dtype)
+        for with_bias in (bias, None):
+            got, want = kernel.silu_mul(x, packed, with_bias), _gated_reference(x, weight, with_bias)
+            assert got.dtype == dtype and got.shape == (rows, intermediate)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+            else:
+                step = want.abs().clamp_min(1e-3) * 2.0 ** -7
+                assert ((got.double() - want).abs() <= step + 1e-3).all()
+
+
+def test_gated_silu_at_the_extremes(kernel) -> None:
+    """silu(g) for g far below and above zero (-0 and g itself, exp's overflow and underflow
+    handled), a NaN stays a NaN, the thread split and a row-strided view change no bit."""
+    intermediate, in_features = 32, 8
+    weight = torch.zeros(2 * intermediate, in_features)
+    weight[:intermediate, 0] = torch.linspace(-300, 300, intermediate)  # gate = a column of x[:, 0]
+    weight[intermediate:, 1] = 1.0  # up = x[:, 1]
+    x = torch.zeros(3, in_features)
+    x[:, 0], x[:, 1] = torch.tensor([1.0, 0.5, float("nan")]), 2.0
+    for dtype in _dtypes(kernel):
+        packed = kernel.pack_gated(weight.to(dtype))
+        got = kernel.silu_mul(x.to(dtype), packed).double()
+        want = _gated_reference(x[:2].to(dtype), weight.to(dtype), None)
+        torch.testing.assert_close(got[:2], want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-30)
+        assert got[0, 0] == 0 and got[0, -1] == 600  # silu(-300) * 2, silu(300) * 2
+        assert got[2].isnan().all()
+        wide = torch.randn(40, in_features + 3).to(dtype)
+        view = wide[:, :in_features]
+        reference = kernel.silu_mul(view.contiguous(), packed)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(kernel.silu_mul(view, packed), reference)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_a_row_strided_view_and_the_thread_split(kernel) -> None:
     generator = torch.Generator().manual_seed(5)
     for dtype in _dtypes(kernel):
@@ -87,6 +144,10 @@ def test_shapes_and_rows_it_refuses(kernel) -> None:
         kernel.matmul(torch.zeros(4, 63), packed)
     with pytest.raises(ValueError, match="dense last dimension"):
         kernel.matmul(torch.zeros(4, 64, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match="intermediate % 16 == 0"):
+        kernel.pack_gated(torch.zeros(48, 64))  # 24 intermediate columns
+    with pytest.raises(ValueError, match="dense last dimension"):
+        kernel.silu_mul(torch.zeros(4, 63), kernel.pack_gated(torch.zeros(64, 64)))
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")

@@ -51,9 +51,9 @@ def test_packed_weights_compute_the_same_linear(bias: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weights_packed_for_tandems_gemm_compute_the_same_linear(tmp_path, dtype) -> None:
-    """With tandem's packed GEMM given, a linear and the LM head pack for it instead of oneDNN
-    (one copy, the dense one released) and compute F.linear's result (+ bias, + residual,
-    3-D input) to rounding; a gate/up projection keeps oneDNN's halves and their post-ops."""
+    """With tandem's packed GEMM given, a linear, the LM head and a gate/up projection pack for
+    it instead of oneDNN (one copy, the dense one released) and compute F.linear's result
+    (+ bias, + residual, 3-D input), and silu(gate) * up, to rounding."""
     from tandem.kernels.dense_gemm import load_dense_gemm_kernel
 
     gemm = load_dense_gemm_kernel(tmp_path)
@@ -61,16 +61,20 @@ def test_weights_packed_for_tandems_gemm_compute_the_same_linear(tmp_path, dtype
         pytest.skip(f"no packed {dtype} GEMM on this CPU")
     layer, exact = _random_pair()
     layer, exact = layer.to(dtype), exact.to(dtype)
-    mlp = GateUpLinear(64, 48).to(dtype)
+    mlp, mlp_weight, mlp_bias = _gate_up(bias=True)
+    mlp = mlp.to(dtype)
+    mlp_weight, mlp_bias = mlp.weight.detach().clone(), mlp.bias.detach().clone()
     assert pack_weights_for_cpu(torch.nn.ModuleDict({"proj": layer, "mlp": mlp}), gemm) == 2
     assert layer.dense_packed is not None and layer.packed_weight is None and layer.weight.numel() == 0
-    assert mlp.dense_packed is None
+    assert mlp.gated_packed is not None and mlp.packed_halves is None and mlp.weight.numel() == 0 and mlp.packed
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     for shape in ((1, 64), (70, 64), (2, 9, 64)):
         x = torch.randn(shape).to(dtype)
         residual = torch.randn(*shape[:-1], 32).to(dtype)
         torch.testing.assert_close(layer(x), exact(x), **tolerance)
         torch.testing.assert_close(layer(x, residual), exact(x) + residual, **tolerance)
+        gated = _silu_mul(x.double(), mlp_weight.double(), mlp_bias.double()).to(dtype)
+        torch.testing.assert_close(mlp(x), gated, **tolerance)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [("float16", 0.02), ("bfloat16", 0.05)])

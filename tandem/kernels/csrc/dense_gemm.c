@@ -14,9 +14,16 @@
  *
  * Tiles: 6 rows x 4 blocks (64 columns), 24 accumulators in registers (GCC's PRE would spill
  * half: the tiles turn it off, as csrc/int8_gemm.c's do).
+ *
+ * A gated MLP's gate and up projections (`tandem_dense_gemm_silu_mul`) pack as one matrix whose
+ * blocks alternate gate, up, gate, up (each pair the same 16 intermediate columns), so a tile
+ * holds both halves of its columns and its epilogue writes silu(gate) * up, computed in fp32
+ * and rounded once: the [M, 2 x intermediate] product is never stored, and no separate pass
+ * (whose rounding would depend on which pass runs) reads it back.
  */
 #include <stdint.h>
 
+#include "avx512_math.h"
 #include "gemm_split.h"
 #include <string.h>
 
@@ -61,6 +68,27 @@ static inline void store_chunk(__m512 acc, int kind, const void *bias, const voi
     _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), narrow16(acc));
 }
 
+/* The gated epilogue of one 16-column chunk: silu(gate (+ its bias)) * (up (+ its bias)), in
+ * fp32, stored once; bias is [2 x intermediate], the gate's then the up's. */
+static inline void store_gated_chunk(__m512 gate, __m512 up, int kind, const void *bias, void *out, int64_t n,
+                                     int64_t intermediate, int64_t at) {
+    if (bias != NULL) {
+        if (kind == 0) {
+            gate = _mm512_add_ps(gate, _mm512_loadu_ps((const float *)bias + n));
+            up = _mm512_add_ps(up, _mm512_loadu_ps((const float *)bias + intermediate + n));
+        } else {
+            gate = _mm512_add_ps(gate, widen16((const uint16_t *)bias + n));
+            up = _mm512_add_ps(up, widen16((const uint16_t *)bias + intermediate + n));
+        }
+    }
+    const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+    const __m512 value = _mm512_mul_ps(silu, up);
+    if (kind == 0)
+        _mm512_storeu_ps((float *)out + at, value);
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), narrow16(value));
+}
+
 static inline __m512 broadcast_step(const char *p) {
     float value;
     memcpy(&value, p, 4);
@@ -75,8 +103,8 @@ static inline __m512 multiply_add_bf16(__m512 acc, __m512 a, __m512 b) {
 #endif
 
 /* a: this tile's first row; a step is 4 bytes of a row (one fp32, or two bf16). */
-#define DEFINE_TILE(KIND, MULTIPLY_ADD, ROWS, BLOCKS)                                                 \
-TILE_ATTRIBUTES static void tile_##KIND##_##ROWS##_##BLOCKS(                                         \
+#define DEFINE_TILE(KIND, MULTIPLY_ADD, ROWS, BLOCKS, EPILOGUE)                                       \
+TILE_ATTRIBUTES static void tile_##KIND##_##ROWS##_##BLOCKS##EPILOGUE(                               \
     const char *a, int64_t a_stride, int64_t steps, const char *panel, int kind, const void *bias,    \
     const void *residual, void *out, int64_t m, int64_t n, int64_t n_total) {                          \
     __m512 acc[ROWS][BLOCKS];                                                                         \
@@ -92,28 +120,46 @@ TILE_ATTRIBUTES static void tile_##KIND##_##ROWS##_##BLOCKS(                    
                 acc[i][j] = MULTIPLY_ADD(acc[i][j], word, b[j]);                                      \
         }                                                                                             \
     }                                                                                                 \
+    EPILOGUE(ROWS, BLOCKS)                                                                            \
+}
+/* Each chunk + bias + residual (n_total: out's row length). */
+#define PLAIN(ROWS, BLOCKS)                                                                           \
     for (int i = 0; i < ROWS; i++)                                                                    \
         for (int j = 0; j < BLOCKS; j++)                                                              \
-            store_chunk(acc[i][j], kind, bias, residual, out, n + 16 * j, (m + i) * n_total + n + 16 * j);\
-}
-#define DEFINE_TILES_OF(KIND, MULTIPLY_ADD, BLOCKS)                                                   \
-    DEFINE_TILE(KIND, MULTIPLY_ADD, 1, BLOCKS) DEFINE_TILE(KIND, MULTIPLY_ADD, 2, BLOCKS)             \
-    DEFINE_TILE(KIND, MULTIPLY_ADD, 3, BLOCKS) DEFINE_TILE(KIND, MULTIPLY_ADD, 4, BLOCKS)             \
-    DEFINE_TILE(KIND, MULTIPLY_ADD, 5, BLOCKS) DEFINE_TILE(KIND, MULTIPLY_ADD, 6, BLOCKS)
-#define DEFINE_KIND(KIND, MULTIPLY_ADD) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 1) \
-    DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 2) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 3) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 4)
+            store_chunk(acc[i][j], kind, bias, residual, out, n + 16 * j, (m + i) * n_total + n + 16 * j);
+/* Blocks j, j + 1 are one chunk's gate and up (n_total: the packed matrix's columns, twice
+ * out's row length; residual unused). */
+#define GATED(ROWS, BLOCKS)                                                                           \
+    for (int i = 0; i < ROWS; i++)                                                                    \
+        for (int j = 0; j + 1 < BLOCKS; j += 2)                                                       \
+            store_gated_chunk(acc[i][j], acc[i][j + 1], kind, bias, out, n / 2 + 8 * j, n_total / 2,   \
+                              (m + i) * (n_total / 2) + n / 2 + 8 * j);
+#define DEFINE_TILES_OF(KIND, MULTIPLY_ADD, BLOCKS, EPILOGUE)                                         \
+    DEFINE_TILE(KIND, MULTIPLY_ADD, 1, BLOCKS, EPILOGUE) DEFINE_TILE(KIND, MULTIPLY_ADD, 2, BLOCKS, EPILOGUE) \
+    DEFINE_TILE(KIND, MULTIPLY_ADD, 3, BLOCKS, EPILOGUE) DEFINE_TILE(KIND, MULTIPLY_ADD, 4, BLOCKS, EPILOGUE) \
+    DEFINE_TILE(KIND, MULTIPLY_ADD, 5, BLOCKS, EPILOGUE) DEFINE_TILE(KIND, MULTIPLY_ADD, 6, BLOCKS, EPILOGUE)
+/* Plain tiles of 1-4 blocks; gated tiles of 2 and 4 (a gate/up pair each, a panel always
+ * holds whole pairs: panels start at a multiple of 4 blocks and the matrix's count is even). */
+#define DEFINE_KIND(KIND, MULTIPLY_ADD) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 1, PLAIN)                   \
+    DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 2, PLAIN) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 3, PLAIN)        \
+    DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 4, PLAIN) DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 2, GATED)        \
+    DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 4, GATED)
 
 typedef void (*tile_fn)(const char *, int64_t, int64_t, const char *, int, const void *, const void *, void *,
                         int64_t, int64_t, int64_t);
-#define TILE_ROW(KIND, BLOCKS) {tile_##KIND##_1_##BLOCKS, tile_##KIND##_2_##BLOCKS, tile_##KIND##_3_##BLOCKS, \
-                                tile_##KIND##_4_##BLOCKS, tile_##KIND##_5_##BLOCKS, tile_##KIND##_6_##BLOCKS}
+#define TILE_ROW(KIND, BLOCKS, EPILOGUE)                                                              \
+    {tile_##KIND##_1_##BLOCKS##EPILOGUE, tile_##KIND##_2_##BLOCKS##EPILOGUE, tile_##KIND##_3_##BLOCKS##EPILOGUE, \
+     tile_##KIND##_4_##BLOCKS##EPILOGUE, tile_##KIND##_5_##BLOCKS##EPILOGUE, tile_##KIND##_6_##BLOCKS##EPILOGUE}
+/* [width - 1][rows - 1] for the plain tiles, [width / 2 - 1][rows - 1] for the gated. */
 DEFINE_KIND(f32, multiply_add_f32)
-static const tile_fn F32_TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(f32, 1), TILE_ROW(f32, 2), TILE_ROW(f32, 3),
-                                                           TILE_ROW(f32, 4)};
+static const tile_fn F32_TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(f32, 1, PLAIN), TILE_ROW(f32, 2, PLAIN),
+                                                           TILE_ROW(f32, 3, PLAIN), TILE_ROW(f32, 4, PLAIN)};
+static const tile_fn F32_GATED[PANEL_BLOCKS / 2][TILE_ROWS] = {TILE_ROW(f32, 2, GATED), TILE_ROW(f32, 4, GATED)};
 #if HAS_BF16
 DEFINE_KIND(bf16, multiply_add_bf16)
-static const tile_fn BF16_TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(bf16, 1), TILE_ROW(bf16, 2), TILE_ROW(bf16, 3),
-                                                            TILE_ROW(bf16, 4)};
+static const tile_fn BF16_TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(bf16, 1, PLAIN), TILE_ROW(bf16, 2, PLAIN),
+                                                            TILE_ROW(bf16, 3, PLAIN), TILE_ROW(bf16, 4, PLAIN)};
+static const tile_fn BF16_GATED[PANEL_BLOCKS / 2][TILE_ROWS] = {TILE_ROW(bf16, 2, GATED), TILE_ROW(bf16, 4, GATED)};
 #endif
 #else
 #define HAS_F32 0
@@ -163,6 +209,31 @@ int tandem_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, con
                        table[width - 1][rows - 1]((const char *)x + m * x_stride * element, x_stride * element, steps,
                                                   (const char *)packed + block * steps * 64, kind, bias, residual, out,
                                                   m, block * 16, N));
+#endif
+    return 0;
+}
+
+/* out [M, intermediate] = silu(x @ gate^T (+ gate bias)) * (x @ up^T (+ up bias)), from a
+ * matrix packed from the [2 x intermediate, K] rows gate 0-15, up 0-15, gate 16-31, ... (the
+ * caller interleaves before `tandem_dense_pack`); bias [2 x intermediate], gate's then up's,
+ * or NULL. intermediate a multiple of 16. Returns 0, or -1 where this build cannot. */
+int tandem_dense_gemm_silu_mul(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int kind,
+                               const void *bias, void *out, int64_t intermediate, int num_threads) {
+    if (intermediate % 16 != 0 || M < 0 || (kind == 1 && K % 2 != 0) || (kind == 0 && !HAS_F32)
+        || (kind == 1 && !HAS_BF16) || kind < 0 || kind > 1)
+        return -1;
+#if HAS_F32
+    const int64_t element = kind == 0 ? 4 : 2, steps = kind == 0 ? K : K / 2;
+    const int64_t blocks = 2 * intermediate / 16;
+#if HAS_BF16
+    const tile_fn(*table)[TILE_ROWS] = kind == 0 ? F32_GATED : BF16_GATED;
+#else
+    const tile_fn(*table)[TILE_ROWS] = F32_GATED;
+#endif
+    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS,
+                       table[width / 2 - 1][rows - 1]((const char *)x + m * x_stride * element, x_stride * element,
+                                                      steps, (const char *)packed + block * steps * 64, kind, bias,
+                                                      NULL, out, m, block * 16, 2 * intermediate));
 #endif
     return 0;
 }
