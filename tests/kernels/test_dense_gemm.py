@@ -4,7 +4,9 @@ silu(gate) * up of a gate/up matrix from the same tiles."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,16 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> DenseGemmKernel:
     if not built.multiplies(torch.float32):
         pytest.skip("the packed dense GEMM needs AVX-512")
     return built
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _dtypes(kernel: DenseGemmKernel) -> list[torch.dtype]:
@@ -108,12 +120,8 @@ def test_gated_silu_at_the_extremes(kernel) -> None:
         wide = torch.randn(40, in_features + 3).to(dtype)
         view = wide[:, :in_features]
         reference = kernel.silu_mul(view.contiguous(), packed)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
+        with _one_thread():
             assert torch.equal(kernel.silu_mul(view, packed), reference)
-        finally:
-            torch.set_num_threads(threads)
 
 
 def test_a_row_strided_view_and_the_thread_split(kernel) -> None:
@@ -126,12 +134,8 @@ def test_a_row_strided_view_and_the_thread_split(kernel) -> None:
         assert x.stride(0) == 80
         got = kernel.matmul(x, packed)
         assert torch.equal(got, kernel.matmul(x.contiguous(), packed))
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
+        with _one_thread():
             assert torch.equal(kernel.matmul(x, packed), got)
-        finally:
-            torch.set_num_threads(threads)
 
 
 def test_shapes_and_rows_it_refuses(kernel) -> None:
