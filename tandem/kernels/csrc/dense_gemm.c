@@ -95,6 +95,12 @@ static inline __m512 broadcast_step(const char *p) {
     return _mm512_set1_ps(value);
 }
 
+/* At step q of a tile's `steps`, prefetch into L2 the lines q, q + steps, ... of its share of
+ * the next panel (gemm_split.h), so the share is spread over the tile's steps. */
+#define PREFETCH_AHEAD(q, steps)                                                                      \
+    for (int64_t line_ = (q); line_ < ahead_lines; line_ += (steps))                                  \
+        _mm_prefetch(ahead + line_ * 64, _MM_HINT_T0);
+
 static inline __m512 multiply_add_f32(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
 #if HAS_BF16
 static inline __m512 multiply_add_bf16(__m512 acc, __m512 a, __m512 b) {
@@ -106,7 +112,8 @@ static inline __m512 multiply_add_bf16(__m512 acc, __m512 a, __m512 b) {
 #define DEFINE_TILE(KIND, MULTIPLY_ADD, ROWS, BLOCKS, EPILOGUE)                                       \
 TILE_ATTRIBUTES static void tile_##KIND##_##ROWS##_##BLOCKS##EPILOGUE(                               \
     const char *a, int64_t a_stride, int64_t steps, const char *panel, int kind, const void *bias,    \
-    const void *residual, void *out, int64_t m, int64_t n, int64_t n_total) {                          \
+    const void *residual, void *out, int64_t m, int64_t n, int64_t n_total, const char *ahead,        \
+    int64_t ahead_lines) {                                                                            \
     __m512 acc[ROWS][BLOCKS];                                                                         \
     _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                            \
         _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++) acc[i][j] = _mm512_setzero_ps();     \
@@ -114,6 +121,7 @@ TILE_ATTRIBUTES static void tile_##KIND##_##ROWS##_##BLOCKS##EPILOGUE(          
         __m512 b[BLOCKS];                                                                             \
         _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                      \
             b[j] = _mm512_loadu_ps((const float *)(panel + (j * steps + q) * 64));                    \
+        PREFETCH_AHEAD(q, steps)                                                                      \
         _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++) {                                      \
             const __m512 word = broadcast_step(a + i * a_stride + 4 * q);                             \
             _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                  \
@@ -146,7 +154,7 @@ TILE_ATTRIBUTES static void tile_##KIND##_##ROWS##_##BLOCKS##EPILOGUE(          
     DEFINE_TILES_OF(KIND, MULTIPLY_ADD, 4, GATED)
 
 typedef void (*tile_fn)(const char *, int64_t, int64_t, const char *, int, const void *, const void *, void *,
-                        int64_t, int64_t, int64_t);
+                        int64_t, int64_t, int64_t, const char *, int64_t);
 #define TILE_ROW(KIND, BLOCKS, EPILOGUE)                                                              \
     {tile_##KIND##_1_##BLOCKS##EPILOGUE, tile_##KIND##_2_##BLOCKS##EPILOGUE, tile_##KIND##_3_##BLOCKS##EPILOGUE, \
      tile_##KIND##_4_##BLOCKS##EPILOGUE, tile_##KIND##_5_##BLOCKS##EPILOGUE, tile_##KIND##_6_##BLOCKS##EPILOGUE}
@@ -205,10 +213,10 @@ int tandem_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, con
 #else
     const tile_fn(*table)[TILE_ROWS] = F32_TILES;
 #endif
-    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS,
+    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS, packed, steps * 64,
                        table[width - 1][rows - 1]((const char *)x + m * x_stride * element, x_stride * element, steps,
                                                   (const char *)packed + block * steps * 64, kind, bias, residual, out,
-                                                  m, block * 16, N));
+                                                  m, block * 16, N, ahead, ahead_lines));
 #endif
     return 0;
 }
@@ -230,10 +238,10 @@ int tandem_dense_gemm_silu_mul(const void *x, int64_t x_stride, int64_t M, int64
 #else
     const tile_fn(*table)[TILE_ROWS] = F32_GATED;
 #endif
-    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS,
+    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS, packed, steps * 64,
                        table[width / 2 - 1][rows - 1]((const char *)x + m * x_stride * element, x_stride * element,
                                                       steps, (const char *)packed + block * steps * 64, kind, bias,
-                                                      NULL, out, m, block * 16, 2 * intermediate));
+                                                      NULL, out, m, block * 16, 2 * intermediate, ahead, ahead_lines));
 #endif
     return 0;
 }

@@ -23,8 +23,14 @@ static inline GemmSplit gemm_split(int64_t rows, int64_t blocks, int64_t panel_b
 }
 /* BODY once for every tile of the product, the items spread over `num_threads` threads (a
  * variable of the caller's); BODY sees m (the tile's first row), rows (its rows), block (its
- * first column block) and width (its blocks). */
-#define GEMM_FOR_EACH_TILE(M, BLOCKS, PANEL_BLOCKS, TILE_ROWS, BODY)                                     \
+ * first column block) and width (its blocks), and `ahead` / `ahead_lines`: this tile's share
+ * of the next panel's 64-byte lines (PACKED: the packed matrix, BLOCK_BYTES: one block's
+ * bytes), which the tile prefetches while it multiplies. Why: the first tile over a panel
+ * otherwise streams it from memory at a fraction of the rate the later tiles multiply at
+ * (the panel is then in L2); spread over the previous panel's tiles, the stream overlaps
+ * their arithmetic. A thread's static share of the items is consecutive, so its next item
+ * is the next panel (or the same panel's next row group, where the lines are already in). */
+#define GEMM_FOR_EACH_TILE(M, BLOCKS, PANEL_BLOCKS, TILE_ROWS, PACKED, BLOCK_BYTES, BODY)                \
     do {                                                                                                  \
         const GemmSplit split_ = gemm_split((M), (BLOCKS), (PANEL_BLOCKS), (TILE_ROWS), num_threads);     \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
@@ -33,8 +39,17 @@ static inline GemmSplit gemm_split(int64_t rows, int64_t blocks, int64_t panel_b
             const int64_t first_ = item_ % split_.groups * split_.group_rows;                             \
             const int64_t width = (BLOCKS) - block < (PANEL_BLOCKS) ? (BLOCKS) - block : (PANEL_BLOCKS);  \
             const int64_t end_ = first_ + split_.group_rows < (M) ? first_ + split_.group_rows : (M);     \
+            const int64_t next_ = block + (PANEL_BLOCKS);                                                 \
+            const int64_t next_lines_ = next_ < (BLOCKS) && split_.groups == 1                            \
+                ? ((BLOCKS) - next_ < (PANEL_BLOCKS) ? (BLOCKS) - next_ : (PANEL_BLOCKS)) * (BLOCK_BYTES) / 64 : 0; \
+            const int64_t tiles_ = (end_ - first_ + (TILE_ROWS) - 1) / (TILE_ROWS);                       \
+            const int64_t share_ = tiles_ > 0 ? (next_lines_ + tiles_ - 1) / tiles_ : 0;                  \
             for (int64_t m = first_; m < end_; m += (TILE_ROWS)) {                                        \
                 const int64_t rows = end_ - m < (TILE_ROWS) ? end_ - m : (TILE_ROWS);                     \
+                const int64_t done_ = (m - first_) / (TILE_ROWS) * share_;                                \
+                const int64_t ahead_lines = done_ >= next_lines_ ? 0                                      \
+                    : (next_lines_ - done_ < share_ ? next_lines_ - done_ : share_);                      \
+                const char *ahead = (const char *)(PACKED) + next_ * (BLOCK_BYTES) + done_ * 64;          \
                 BODY;                                                                                     \
             }                                                                                             \
         }                                                                                                 \

@@ -43,7 +43,7 @@
 #define DEFINE_TILE(ROWS, BLOCKS)                                                                     \
 TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                                                   \
     const int8_t *a, int64_t a_stride, int64_t quads, const int8_t *panel, const int32_t *compensation,\
-    int32_t *c, int64_t c_stride) {                                                                   \
+    int32_t *c, int64_t c_stride, const char *ahead, int64_t ahead_lines) {                           \
     __m512i acc[ROWS][BLOCKS];                                                                        \
     _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                            \
         _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++) acc[i][j] = _mm512_setzero_si512();  \
@@ -52,6 +52,8 @@ TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                             
         __m512i b[BLOCKS];                                                                            \
         _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                      \
             b[j] = _mm512_loadu_si512(panel + (j * quads + q) * 64);                                  \
+        /* this tile's share of the next panel, into L2 (gemm_split.h) */                             \
+        for (int64_t line = q; line < ahead_lines; line += quads) _mm_prefetch(ahead + line * 64, _MM_HINT_T0); \
         _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++) {                                      \
             int32_t bytes;                                                                            \
             __builtin_memcpy(&bytes, a + i * a_stride + 4 * q, 4);                                    \
@@ -72,7 +74,8 @@ DEFINE_TILES(2)
 DEFINE_TILES(3)
 DEFINE_TILES(4)
 
-typedef void (*tile_fn)(const int8_t *, int64_t, int64_t, const int8_t *, const int32_t *, int32_t *, int64_t);
+typedef void (*tile_fn)(const int8_t *, int64_t, int64_t, const int8_t *, const int32_t *, int32_t *, int64_t,
+                        const char *, int64_t);
 #define TILE_ROW(BLOCKS) \
     {tile_1_##BLOCKS, tile_2_##BLOCKS, tile_3_##BLOCKS, tile_4_##BLOCKS, tile_5_##BLOCKS, tile_6_##BLOCKS}
 static const tile_fn TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(1), TILE_ROW(2), TILE_ROW(3), TILE_ROW(4)};
@@ -111,9 +114,10 @@ int tandem_int8_gemm(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, co
     if (!HAS_VNNI || K % 4 != 0 || N % 16 != 0 || K > MAX_INNER || M < 0) return -1;
 #if HAS_VNNI
     const int64_t blocks = N / 16, quads = K / 4;
-    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS,
+    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS, packed, quads * 64,
                        TILES[width - 1][rows - 1](a + m * a_stride, a_stride, quads, packed + block * quads * 64,
-                                                  compensation + block * 16, c + m * N + block * 16, N));
+                                                  compensation + block * 16, c + m * N + block * 16, N, ahead,
+                                                  ahead_lines));
 #endif
     return 0;
 }
