@@ -23,6 +23,7 @@ SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.c"
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _PTR = ctypes.c_void_p
+_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # csrc/int8_dequantize.h's kind
 BLOCK_COLUMNS = 16  # output columns a packed block holds
 K_GROUP = 4  # consecutive k a vpdpbusd lane sums
 
@@ -54,11 +55,14 @@ class Int8GemmKernel:
         functions = bind(library, {
             "tandem_int8_pack": (None, [_PTR, _I64, _I64, _PTR, _PTR, _INT]),
             "tandem_int8_gemm": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
+            "tandem_int8_gemm_dequantize": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR,
+                                                   _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT]),
             "tandem_int8_gemm_isa": (ctypes.c_char_p, []),
             "tandem_int8_gemm_max_inner": (_INT, []),
         })
         self._pack = functions["tandem_int8_pack"]
         self._gemm = functions["tandem_int8_gemm"]
+        self._gemm_dequantize = functions["tandem_int8_gemm_dequantize"]
         self.isa: str = functions["tandem_int8_gemm_isa"]().decode()  # "avx512-vnni" or "none"
         self.max_inner: int = functions["tandem_int8_gemm_max_inner"]()
 
@@ -86,16 +90,50 @@ class Int8GemmKernel:
                    torch.get_num_threads())
         return PackedInt8(values, compensation)
 
-    def matmul(self, a: torch.Tensor, packed: PackedInt8) -> torch.Tensor:
-        """a int8 [M, in] (rows dense, any row stride) @ the packed matrix -> int32 [M, out]."""
-        rows, in_features = a.shape
-        if a.dtype != torch.int8 or a.stride(1) != 1 or in_features != packed.in_features:
+    @staticmethod
+    def _check_rows(a: torch.Tensor, packed: PackedInt8) -> None:
+        if a.dim() != 2 or a.dtype != torch.int8 or a.stride(1) != 1 or a.shape[1] != packed.in_features:
             raise ValueError(f"int8 rows [M, {packed.in_features}] with a dense last dimension expected, "
                              f"got {tuple(a.shape)} {a.dtype} strides {a.stride()}")
+
+    def matmul(self, a: torch.Tensor, packed: PackedInt8) -> torch.Tensor:
+        """a int8 [M, in] (rows dense, any row stride) @ the packed matrix -> int32 [M, out]."""
+        self._check_rows(a, packed)
+        rows, in_features = a.shape
         out = torch.empty(rows, packed.out_features, dtype=torch.int32)
         status = self._gemm(a.data_ptr(), a.stride(0), rows, in_features, packed.values.data_ptr(),
                             packed.compensation.data_ptr(), out.data_ptr(), packed.out_features,
                             torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"the int8 GEMM refused a [{rows}, {in_features}] x {tuple(packed.columns().shape)} "
+                               f"product ({self.isa} build)")
+        return out
+
+
+    def matmul_dequantize(self, a: torch.Tensor, packed: PackedInt8, row_scales: torch.Tensor,
+                          col_scales: torch.Tensor, outlier_index: torch.Tensor, outlier_value: torch.Tensor,
+                          weight_t: torch.Tensor | None, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                          residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`matmul`'s products turned into [M, out] fp32 or bf16 in the tiles' epilogue, the
+        arithmetic of the separate dequantize pass (kernels/int8_rows.py `dequantize`, the
+        same arguments): (products * row scale + the rows' outliers times their rows of
+        `weight_t` [in, out]) * column scales (+ bias) (+ residual)."""
+        self._check_rows(a, packed)
+        if dtype not in _OUT_KINDS:
+            raise ValueError(f"the dequantizing int8 GEMM writes fp32 or bf16, not {dtype}")
+        rows, in_features = a.shape
+        outliers = outlier_index.shape[1]
+        if outliers and weight_t is None:
+            raise ValueError("rows with outliers need the transposed weight")
+        bias = None if bias is None else bias.to(dtype).contiguous()
+        residual = None if residual is None else residual.to(dtype).contiguous()
+        out = torch.empty(rows, packed.out_features, dtype=dtype)
+        status = self._gemm_dequantize(
+            a.data_ptr(), a.stride(0), rows, in_features, packed.values.data_ptr(), packed.compensation.data_ptr(),
+            packed.out_features, row_scales.data_ptr(), col_scales.data_ptr(), outliers, outlier_index.data_ptr(),
+            outlier_value.data_ptr(), None if weight_t is None else weight_t.data_ptr(),
+            None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+            out.data_ptr(), _OUT_KINDS[dtype], torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"the int8 GEMM refused a [{rows}, {in_features}] x {tuple(packed.columns().shape)} "
                                f"product ({self.isa} build)")

@@ -178,6 +178,10 @@ class Int8Weight:
         """`matmul` of rows already quantized (with this matrix's outlier count), through the
         kernel: [M, out] in dtype."""
         assert self.kernel is not None, "quantized rows come from the C kernel"
+        if self.packed is not None:  # the dequantize step in the GEMM's epilogue: the same bits
+            assert self.gemm is not None, "a packed matrix comes with its GEMM"
+            return self.gemm.matmul_dequantize(rows.values, self.packed, rows.scales, self.scales, rows.outlier_index,
+                                               rows.outlier_value, self.columns, dtype, bias, residual)
         return self.kernel.dequantize(self.products(rows.values), rows, self.scales, self.columns, dtype, bias,
                                       residual)
 

@@ -1,5 +1,6 @@
 """tandem's packed int8 GEMM (csrc/int8_gemm.c): the integers torch._int_mm gives, for every
-tile shape and thread split, and a build without VNNI that refuses rather than guesses."""
+tile shape and thread split; the dequantizing form, the separate dequantize pass's bits; and a
+build without VNNI that refuses rather than guesses."""
 
 from __future__ import annotations
 
@@ -104,6 +105,53 @@ def test_shapes_it_refuses(kernel) -> None:
             kernel.matmul(torch.zeros(96, 4, dtype=torch.int8).t(), packed)
 
 
+@pytest.fixture(scope="module")
+def rows_kernel(tmp_path_factory: pytest.TempPathFactory):
+    from tandem.kernels.int8_rows import load_int8_rows_kernel
+
+    loaded = load_int8_rows_kernel(tmp_path_factory.mktemp("rows"))
+    if loaded is None or loaded.isa != "avx512":
+        pytest.skip("the separate pass's vector build is the reference")
+    return loaded
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("in_features, out_features", [(8, 16), (96, 48), (576, 160)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dequantizing_gemm_gives_the_separate_passs_bits(kernel, rows_kernel, rows, in_features, out_features,
+                                                              dtype) -> None:
+    """Every tile shape, with and without outliers, bias and residual: the epilogue's output
+    equals the int32 products dequantized by int8_rows.c's pass, bit for bit."""
+    generator = torch.Generator().manual_seed(rows * out_features + in_features)
+    columns = torch.randint(-127, 128, (in_features, out_features), generator=generator, dtype=torch.int8)
+    packed = kernel.pack(columns)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    col_scales = torch.rand(out_features, generator=generator) / 100
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    residual = torch.randn(rows, out_features, generator=generator).to(dtype)
+    for outliers in (0, 4):
+        quantized = rows_kernel.quantize_rows(x, min(outliers, in_features))
+        products = kernel.matmul(quantized.values, packed)
+        for extra in ((None, None), (bias, residual)):
+            want = rows_kernel.dequantize(products, quantized, col_scales, columns, dtype, *extra)
+            got = kernel.matmul_dequantize(quantized.values, packed, quantized.scales, col_scales,
+                                           quantized.outlier_index, quantized.outlier_value, columns, dtype, *extra)
+            assert got.dtype == dtype and torch.equal(got, want), (outliers, extra[0] is not None)
+
+
+@needs_vnni
+def test_the_dequantizing_gemm_refuses_what_it_cannot_write(kernel) -> None:
+    packed = kernel.pack(torch.zeros(32, 16, dtype=torch.int8))
+    a, scales = torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1)
+    no_outliers = (torch.zeros(2, 0, dtype=torch.int32), torch.zeros(2, 0))
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernel.matmul_dequantize(a, packed, scales, torch.ones(16), *no_outliers, None, torch.float16)
+    with pytest.raises(ValueError, match="transposed weight"):
+        kernel.matmul_dequantize(a, packed, scales, torch.ones(16), torch.zeros(2, 1, dtype=torch.int32),
+                                 torch.ones(2, 1), None, torch.float32)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 def test_a_build_without_vnni_refuses_every_product(tmp_path: Path) -> None:
     """An AVX2 box (or an older target): the library builds, says it has no path, and the
@@ -114,6 +162,9 @@ def test_a_build_without_vnni_refuses_every_product(tmp_path: Path) -> None:
     fake = PackedInt8(torch.zeros(2, 24, 16, 4, dtype=torch.int8), torch.zeros(32, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="refused"):
         plain.matmul(torch.zeros(4, 96, dtype=torch.int8), fake)
+    with pytest.raises(RuntimeError, match="refused"):
+        plain.matmul_dequantize(torch.zeros(4, 96, dtype=torch.int8), fake, torch.ones(4, 1), torch.ones(32),
+                                torch.zeros(4, 0, dtype=torch.int32), torch.zeros(4, 0), None, torch.float32)
 
 
 def test_the_loader_gives_the_kernel_only_with_its_vnni_path(tmp_path: Path) -> None:

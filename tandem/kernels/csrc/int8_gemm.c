@@ -22,15 +22,23 @@
  * Tiles: 6 rows x 4 column blocks (64 columns) = 24 accumulators, 4 weight vectors a k step,
  * all in registers. Work items are panels of 64 columns, split by rows too when there are
  * too few panels to share between the threads.
+ *
+ * `tandem_int8_gemm_dequantize` turns the products into the run dtype in the tiles' epilogue
+ * (int8_dequantize.h, the same step as int8_rows.c's separate pass, so the same bits): the
+ * [M, N] int32 products are never written and read back. On the 2-core AVX-512 EPYC the
+ * separate pass was 9% of a 64-sequence decode step in the default mode.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "gemm_split.h"
 
 #define MAX_INNER 65536
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "int8_dequantize.h"
 #define HAS_VNNI 1
 #define PANEL_BLOCKS 4
 #define TILE_ROWS 6
@@ -40,14 +48,29 @@
  * at 64 rows); without it all 24 stay in registers. */
 #define TILE_ATTRIBUTES __attribute__((optimize("no-tree-pre", "no-gcse")))
 
+/* The weight rows the epilogue will add for these rows' outliers, at this tile's columns:
+ * each a line or two of a row of the [in, out] matrix, one per (row, outlier), scattered, so
+ * asked for before the k loop, which is long enough to hide them (in the epilogue unasked,
+ * they made the fused dequantize slower than the separate pass, which streams along rows). */
+static inline void prefetch_outliers(const Int8Dequantize *dq, int64_t m, int rows, int64_t n, int64_t width) {
+    for (int i = 0; i < rows; i++)
+        for (int64_t j = 0; j < dq->outliers; j++) {
+            const int8_t *line = dq->weight_t + (int64_t)dq->outlier_index[(m + i) * dq->outliers + j] * dq->cols + n;
+            _mm_prefetch((const char *)line, _MM_HINT_T0);
+            _mm_prefetch((const char *)line + width - 1, _MM_HINT_T0);
+        }
+}
+
 #define DEFINE_TILE(ROWS, BLOCKS)                                                                     \
 TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                                                   \
     const int8_t *a, int64_t a_stride, int64_t quads, const int8_t *panel, const int32_t *compensation,\
-    int32_t *c, int64_t c_stride, const char *ahead, int64_t ahead_lines) {                           \
+    int32_t *c, int64_t c_stride, const char *ahead, int64_t ahead_lines, const Int8Dequantize *dq,   \
+    int64_t m, int64_t n) {                                                                           \
     __m512i acc[ROWS][BLOCKS];                                                                        \
     _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                            \
         _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++) acc[i][j] = _mm512_setzero_si512();  \
     const __m512i flip = _mm512_set1_epi32((int)0x80808080u);                                         \
+    if (dq != NULL) prefetch_outliers(dq, m, ROWS, n, 16 * BLOCKS);                                   \
     for (int64_t q = 0; q < quads; q++) {                                                             \
         __m512i b[BLOCKS];                                                                            \
         _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                      \
@@ -62,10 +85,15 @@ TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                             
                 acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], word, b[j]);                               \
         }                                                                                             \
     }                                                                                                 \
+    /* the int32 products (c), or the output they dequantize to (dq; c unused) */                   \
     _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                            \
-        _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                      \
-            _mm512_storeu_si512(c + i * c_stride + 16 * j,                                            \
-                                _mm512_sub_epi32(acc[i][j], _mm512_loadu_si512(compensation + 16 * j)));\
+        _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++) {                                    \
+            const __m512i products = _mm512_sub_epi32(acc[i][j], _mm512_loadu_si512(compensation + 16 * j)); \
+            if (dq == NULL)                                                                           \
+                _mm512_storeu_si512(c + i * c_stride + 16 * j, products);                             \
+            else                                                                                      \
+                dequantize_chunk(dq, products, m + i, n + 16 * j, (__mmask16)0xFFFF);                 \
+        }                                                                                             \
 }
 #define DEFINE_TILES(BLOCKS) DEFINE_TILE(1, BLOCKS) DEFINE_TILE(2, BLOCKS) DEFINE_TILE(3, BLOCKS) \
     DEFINE_TILE(4, BLOCKS) DEFINE_TILE(5, BLOCKS) DEFINE_TILE(6, BLOCKS)
@@ -75,7 +103,7 @@ DEFINE_TILES(3)
 DEFINE_TILES(4)
 
 typedef void (*tile_fn)(const int8_t *, int64_t, int64_t, const int8_t *, const int32_t *, int32_t *, int64_t,
-                        const char *, int64_t);
+                        const char *, int64_t, const Int8Dequantize *, int64_t, int64_t);
 #define TILE_ROW(BLOCKS) \
     {tile_1_##BLOCKS, tile_2_##BLOCKS, tile_3_##BLOCKS, tile_4_##BLOCKS, tile_5_##BLOCKS, tile_6_##BLOCKS}
 static const tile_fn TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(1), TILE_ROW(2), TILE_ROW(3), TILE_ROW(4)};
@@ -107,17 +135,44 @@ void tandem_int8_pack(const int8_t *columns, int64_t K, int64_t N, int8_t *packe
     }
 }
 
-/* c [M, N] (row stride N) = a [M, K] (row stride a_stride) @ the packed matrix. Returns 0, or
- * -1 where this build has no VNNI path or the shape is not one it takes (c untouched). */
-int tandem_int8_gemm(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, const int8_t *packed,
-                     const int32_t *compensation, int32_t *c, int64_t N, int num_threads) {
+/* c [M, N] (row stride N) = a [M, K] (row stride a_stride) @ the packed matrix, or (dq not
+ * NULL) those products dequantized into dq->out; c is then unused. */
+static int int8_gemm(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, const int8_t *packed,
+                     const int32_t *compensation, int32_t *c, int64_t N, const void *dq, int num_threads) {
     if (!HAS_VNNI || K % 4 != 0 || N % 16 != 0 || K > MAX_INNER || M < 0) return -1;
 #if HAS_VNNI
     const int64_t blocks = N / 16, quads = K / 4;
     GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS, packed, quads * 64,
                        TILES[width - 1][rows - 1](a + m * a_stride, a_stride, quads, packed + block * quads * 64,
-                                                  compensation + block * 16, c + m * N + block * 16, N, ahead,
-                                                  ahead_lines));
+                                                  compensation + block * 16, c == NULL ? NULL : c + m * N + block * 16,
+                                                  N, ahead, ahead_lines, (const Int8Dequantize *)dq, m, block * 16));
 #endif
     return 0;
+}
+
+/* c [M, N] (row stride N) = a [M, K] (row stride a_stride) @ the packed matrix. Returns 0, or
+ * -1 where this build has no VNNI path or the shape is not one it takes (c untouched). */
+int tandem_int8_gemm(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, const int8_t *packed,
+                     const int32_t *compensation, int32_t *c, int64_t N, int num_threads) {
+    return int8_gemm(a, a_stride, M, K, packed, compensation, c, N, NULL, num_threads);
+}
+
+/* out [M, N] in `kind` (0 fp32, 1 bf16) = the products above dequantized as int8_rows.c's
+ * `tandem_dequantize` does (its arguments, the same meaning), in the tiles' epilogue. */
+int tandem_int8_gemm_dequantize(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, const int8_t *packed,
+                                const int32_t *compensation, int64_t N, const float *row_scales,
+                                const float *col_scales, int64_t outliers, const int32_t *outlier_index,
+                                const float *outlier_value, const int8_t *weight_t, const void *bias,
+                                const void *residual, void *out, int kind, int num_threads) {
+    if (kind < 0 || kind > 1 || (outliers > 0 && weight_t == NULL)) return -1;
+#if HAS_VNNI
+    const Int8Dequantize dq = {row_scales, col_scales, outliers, outlier_index, outlier_value, weight_t, bias,
+                               residual, out, kind, N};
+    return int8_gemm(a, a_stride, M, K, packed, compensation, NULL, N, &dq, num_threads);
+#else
+    (void)a, (void)a_stride, (void)M, (void)K, (void)packed, (void)compensation, (void)N, (void)row_scales;
+    (void)col_scales, (void)outlier_index, (void)outlier_value, (void)bias, (void)residual, (void)out;
+    (void)num_threads;
+    return -1;
+#endif
 }

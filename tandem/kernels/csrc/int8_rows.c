@@ -65,30 +65,8 @@ static inline void store_row(void *out, int kind, int64_t m, int64_t cols, const
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include "avx512_math.h"
+#include "int8_dequantize.h" /* tail_mask, load16, store16 and the dequantize step */
 #define VECTOR_ROWS 1
-
-/* The lanes of a 16-wide chunk that lie inside a row with `remaining` values left. */
-static inline __mmask16 tail_mask(int64_t remaining) {
-    return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1u);
-}
-
-/* 16 values of x from `offset` as fp32 (masked lanes 0). */
-static inline __m512 load16(const void *x, int kind, int64_t offset, __mmask16 mask) {
-    if (kind == 0) return _mm512_maskz_loadu_ps(mask, (const float *)x + offset);
-    const __m256i half = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + offset);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-/* 16 fp32 values stored in the output's kind, bf16 rounded to nearest even as narrow(). */
-static inline void store16(void *out, int kind, int64_t offset, __m512 v, __mmask16 mask) {
-    if (kind == 0) {
-        _mm512_mask_storeu_ps((float *)out + offset, mask, v);
-        return;
-    }
-    const __m512i bits = _mm512_srli_epi32(bf16_rounded_bits(v), 16);
-    _mm256_mask_storeu_epi16((uint16_t *)out + offset, mask, _mm512_cvtepi32_epi16(bits));
-}
 #else
 #define VECTOR_ROWS 0
 #endif
@@ -299,26 +277,18 @@ static void dequantize_row_plain(const int32_t *source, int64_t cols, float row_
 
 #if VECTOR_ROWS
 /* One output row, AVX-512, in one pass: 16 products at a time scaled, their outlier
- * columns added, scaled again, bias and residual added, stored. */
+ * columns added, scaled again, bias and residual added, stored (int8_dequantize.h). */
 static void dequantize_row_vector(const int32_t *source, int64_t cols, float row_scale, const float *col_scales,
                                   int64_t outliers, const int32_t *index, const float *value, const int8_t *weight_t,
                                   const void *bias, const void *residual, void *out, int kind, int64_t m) {
-    const __m512 scale = _mm512_set1_ps(row_scale);
+    /* the row's own scale and outliers, as row 0 of a one-row view; out and residual at row m */
+    const int64_t at = m * cols;
+    const Int8Dequantize d = {&row_scale, col_scales, outliers, index, value, weight_t, bias,
+                              residual == NULL ? NULL : (const char *)residual + at * (kind == 0 ? 4 : 2),
+                              (char *)out + at * (kind == 0 ? 4 : 2), kind, cols};
     for (int64_t n = 0; n < cols; n += 16) {
         const __mmask16 mask = tail_mask(cols - n);
-        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, source + n)), scale);
-        if (outliers > 0) {
-            __m512 extra = _mm512_setzero_ps();
-            for (int64_t j = 0; j < outliers; j++) {
-                const __m128i column = _mm_maskz_loadu_epi8(mask, weight_t + (int64_t)index[j] * cols + n);
-                extra = _mm512_fmadd_ps(_mm512_set1_ps(value[j]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(column)), extra);
-            }
-            p = _mm512_add_ps(p, extra);
-        }
-        p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, col_scales + n));
-        if (bias != NULL) p = _mm512_add_ps(p, load16(bias, kind, n, mask));
-        if (residual != NULL) p = _mm512_add_ps(p, load16(residual, kind, m * cols + n, mask));
-        store16(out, kind, m * cols + n, p, mask);
+        dequantize_chunk(&d, _mm512_maskz_loadu_epi32(mask, source + n), 0, n, mask);
     }
 }
 #define DEQUANTIZE_ROW dequantize_row_vector

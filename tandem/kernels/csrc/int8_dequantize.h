@@ -1,0 +1,76 @@
+/*
+ * The dequantize step of an 8-bit GEMM's int32 products (tandem/layers/int8.py), 16 output
+ * columns at a time, shared by the separate pass (int8_rows.c `tandem_dequantize`) and the
+ * packed int8 GEMM's epilogue (int8_gemm.c `tandem_int8_gemm_dequantize`). One definition, so
+ * the two compute the same bits: p * row scale, + the row's outliers times their int8 weight
+ * columns, * the column scales, + bias, + residual, stored in the output's kind (0 fp32, 1
+ * bf16 rounded to nearest even).
+ */
+#ifndef TANDEM_INT8_DEQUANTIZE_H
+#define TANDEM_INT8_DEQUANTIZE_H
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <stdint.h>
+
+#include "avx512_math.h"
+
+/* The lanes of a 16-wide chunk that lie inside a row with `remaining` values left. */
+static inline __mmask16 tail_mask(int64_t remaining) {
+    return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1u);
+}
+
+/* 16 values of x from `offset` as fp32 (masked lanes 0). */
+static inline __m512 load16(const void *x, int kind, int64_t offset, __mmask16 mask) {
+    if (kind == 0) return _mm512_maskz_loadu_ps(mask, (const float *)x + offset);
+    const __m256i half = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + offset);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* 16 fp32 values stored in the output's kind, bf16 rounded to nearest even. */
+static inline void store16(void *out, int kind, int64_t offset, __m512 v, __mmask16 mask) {
+    if (kind == 0) {
+        _mm512_mask_storeu_ps((float *)out + offset, mask, v);
+        return;
+    }
+    const __m512i bits = _mm512_srli_epi32(bf16_rounded_bits(v), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)out + offset, mask, _mm512_cvtepi32_epi16(bits));
+}
+
+/* What turns products into the output: the rows' scales and outliers ([rows, outliers] index
+ * into weight_t's rows, and their values), the matrix's column scales and transposed int8
+ * weight [in, cols], bias [cols] and residual [rows, cols] in the output's kind or NULL, out
+ * [rows, cols]. */
+typedef struct {
+    const float *row_scales, *col_scales;
+    int64_t outliers;
+    const int32_t *outlier_index;
+    const float *outlier_value;
+    const int8_t *weight_t;
+    const void *bias, *residual;
+    void *out;
+    int kind;
+    int64_t cols;
+} Int8Dequantize;
+
+/* Row m's products at columns n .. n + 15 (lanes past `mask` unused) into the output. */
+static inline void dequantize_chunk(const Int8Dequantize *d, __m512i products, int64_t m, int64_t n,
+                                    __mmask16 mask) {
+    const int64_t cols = d->cols;
+    __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(products), _mm512_set1_ps(d->row_scales[m]));
+    if (d->outliers > 0) {
+        const int32_t *index = d->outlier_index + m * d->outliers;
+        const float *value = d->outlier_value + m * d->outliers;
+        __m512 extra = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d->outliers; j++) {
+            const __m128i column = _mm_maskz_loadu_epi8(mask, d->weight_t + (int64_t)index[j] * cols + n);
+            extra = _mm512_fmadd_ps(_mm512_set1_ps(value[j]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(column)), extra);
+        }
+        p = _mm512_add_ps(p, extra);
+    }
+    p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, d->col_scales + n));
+    if (d->bias != NULL) p = _mm512_add_ps(p, load16(d->bias, d->kind, n, mask));
+    if (d->residual != NULL) p = _mm512_add_ps(p, load16(d->residual, d->kind, m * cols + n, mask));
+    store16(d->out, d->kind, m * cols + n, p, mask);
+}
+
+#endif
+#endif
