@@ -57,12 +57,15 @@ class Int8GemmKernel:
             "tandem_int8_gemm": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
             "tandem_int8_gemm_dequantize": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR,
                                                    _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT]),
+            "tandem_int8_gemm_gated": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR,
+                                              _PTR, _PTR, _INT, _INT]),
             "tandem_int8_gemm_isa": (ctypes.c_char_p, []),
             "tandem_int8_gemm_max_inner": (_INT, []),
         })
         self._pack = functions["tandem_int8_pack"]
         self._gemm = functions["tandem_int8_gemm"]
         self._gemm_dequantize = functions["tandem_int8_gemm_dequantize"]
+        self._gemm_gated = functions["tandem_int8_gemm_gated"]
         self.isa: str = functions["tandem_int8_gemm_isa"]().decode()  # "avx512-vnni" or "none"
         self.max_inner: int = functions["tandem_int8_gemm_max_inner"]()
 
@@ -89,6 +92,16 @@ class Int8GemmKernel:
         self._pack(columns.data_ptr(), in_features, out_features, values.data_ptr(), compensation.data_ptr(),
                    torch.get_num_threads())
         return PackedInt8(values, compensation)
+
+    def pack_gate_up(self, columns: torch.Tensor) -> PackedInt8:
+        """A gated MLP's int8 [in, 2 x intermediate] columns (gate then up) -> packed with its
+        blocks alternating gate and up, the same 16 intermediate columns a pair, for `gated`
+        (its products are in that order: `matmul` on it is not the plain product)."""
+        in_features, out_features = columns.shape
+        if out_features % (2 * BLOCK_COLUMNS) != 0:
+            raise ValueError(f"a gate/up matrix has 2 x intermediate columns, intermediate % 16 == 0, got {out_features}")
+        halves = columns.reshape(in_features, 2, out_features // (2 * BLOCK_COLUMNS), BLOCK_COLUMNS)
+        return self.pack(halves.transpose(1, 2).reshape(in_features, out_features))
 
     @staticmethod
     def _check_rows(a: torch.Tensor, packed: PackedInt8) -> None:
@@ -138,6 +151,33 @@ class Int8GemmKernel:
             raise RuntimeError(f"the int8 GEMM refused a [{rows}, {in_features}] x {tuple(packed.columns().shape)} "
                                f"product ({self.isa} build)")
         return out
+
+
+    def gated(self, a: torch.Tensor, packed: PackedInt8, row_scales: torch.Tensor, col_scales: torch.Tensor,
+              outlier_index: torch.Tensor, outlier_value: torch.Tensor, weight_t: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+        """A gated MLP's middle: silu(gate) * up [M, intermediate] as fp32 holding `dtype`'s
+        roundings, from a `pack_gate_up` matrix, computed in the tiles' epilogue as the
+        separate passes do (kernels/int8_rows.py `gated_quantize` before its quantize step).
+        col_scales, weight_t [in, 2 x intermediate] and the outliers are the unpacked
+        matrix's (gate then up)."""
+        self._check_rows(a, packed)
+        if dtype not in _OUT_KINDS:
+            raise ValueError(f"the gated int8 GEMM rounds as fp32 or bf16, not {dtype}")
+        rows, in_features = a.shape
+        outliers = outlier_index.shape[1]
+        if outliers and weight_t is None:
+            raise ValueError("rows with outliers need the transposed weight")
+        h = torch.empty(rows, packed.out_features // 2, dtype=torch.float32)
+        status = self._gemm_gated(
+            a.data_ptr(), a.stride(0), rows, in_features, packed.values.data_ptr(), packed.compensation.data_ptr(),
+            packed.out_features, row_scales.data_ptr(), col_scales.data_ptr(), outliers, outlier_index.data_ptr(),
+            outlier_value.data_ptr(), None if weight_t is None else weight_t.data_ptr(), h.data_ptr(),
+            _OUT_KINDS[dtype], torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"the gated int8 GEMM refused a [{rows}, {in_features}] x {packed.out_features} product "
+                               f"({self.isa} build)")
+        return h
 
 
 def load_int8_gemm_kernel(cache_dir: Path) -> Int8GemmKernel | None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.int8_gemm import Int8GemmKernel, PackedInt8
+from tandem.kernels.int8_gemm import BLOCK_COLUMNS, Int8GemmKernel, PackedInt8
 from tandem.kernels.int8_rows import Int8RowsKernel, QuantizedRows
 
 _EPSILON = 1e-12
@@ -121,19 +121,28 @@ class Int8Weight:
     outliers: int = OUTLIER_CHANNELS  # each input row's largest magnitudes kept exact
     packed: PackedInt8 | None = None
     gemm: Int8GemmKernel | None = None  # set with `packed`
+    # `packed` holds a gated MLP's gate and up blocks alternating (Int8GemmKernel.pack_gate_up):
+    # only `gated_mlp` multiplies by it; the plain products come from `columns`.
+    gate_up_pairs: bool = False
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kernel: Int8RowsKernel | None = None,
-                 outliers: int = OUTLIER_CHANNELS, gemm: Int8GemmKernel | None = None) -> Int8Weight:
+                 outliers: int = OUTLIER_CHANNELS, gemm: Int8GemmKernel | None = None,
+                 gate_up: bool = False) -> Int8Weight:
         """`weight` [out, in] rounded to int8 per output row; packed for `gemm` too where it
-        and the C passes (`kernel`) take the shape."""
+        and the C passes (`kernel`) take the shape. `gate_up`: a gated MLP's gate then up
+        rows, packed as pairs for `gated_mlp` where the GEMM and the passes' vector build take
+        them (a projection with no bias and no tensor-parallel split: what gated_mlp runs)."""
         if not int8_fits(weight):
             raise ValueError(f"int8 needs a CPU [out, in] matrix with both sizes multiples of 8, got {tuple(weight.shape)}")
         values, scales = quantize_rows(weight.detach())
         columns = values.t().contiguous()
         use_gemm = gemm is not None and kernel is not None and gemm.fits(*columns.shape)
-        return cls(columns, scales.squeeze(1).contiguous(), kernel, outliers,
-                   gemm.pack(columns) if use_gemm else None, gemm if use_gemm else None)
+        pairs = (use_gemm and gate_up and kernel is not None and kernel.isa == "avx512"
+                 and columns.shape[1] % (2 * BLOCK_COLUMNS) == 0)
+        packed = None if not use_gemm else gemm.pack_gate_up(columns) if pairs else gemm.pack(columns)
+        return cls(columns, scales.squeeze(1).contiguous(), kernel, outliers, packed, gemm if use_gemm else None,
+                   pairs)
 
     @property
     def out_features(self) -> int:
@@ -151,7 +160,7 @@ class Int8Weight:
     def products(self, values: torch.Tensor) -> torch.Tensor:
         """int8 rows [M, in] @ the int8 matrix -> int32 [M, out], from the packed GEMM where
         this matrix has it (the same integers)."""
-        if self.packed is not None:
+        if self.packed is not None and not self.gate_up_pairs:
             assert self.gemm is not None, "a packed matrix comes with its GEMM"
             return self.gemm.matmul(values, self.packed)
         return int_mm(values, self.columns)
@@ -178,7 +187,7 @@ class Int8Weight:
         """`matmul` of rows already quantized (with this matrix's outlier count), through the
         kernel: [M, out] in dtype."""
         assert self.kernel is not None, "quantized rows come from the C kernel"
-        if self.packed is not None:  # the dequantize step in the GEMM's epilogue: the same bits
+        if self.packed is not None and not self.gate_up_pairs:  # the dequantize step in the GEMM's epilogue
             assert self.gemm is not None, "a packed matrix comes with its GEMM"
             return self.gemm.matmul_dequantize(rows.values, self.packed, rows.scales, self.scales, rows.outlier_index,
                                                rows.outlier_value, self.columns, dtype, bias, residual)
@@ -200,6 +209,12 @@ def gated_mlp(gate_up: Int8Weight, down: Int8Weight, x: torch.Tensor, residual: 
             or not kernel.takes(x, gate_up.out_features)):
         return None
     rows = kernel.quantize_rows(x, gate_up.outliers)
-    middle = kernel.gated_quantize(gate_up.products(rows.values), rows, gate_up.scales, gate_up.columns, x.dtype,
-                                   down.outliers)
+    if gate_up.gate_up_pairs:  # the middle in the GEMM's epilogue, then quantized: the same bits
+        assert gate_up.gemm is not None and gate_up.packed is not None
+        h = gate_up.gemm.gated(rows.values, gate_up.packed, rows.scales, gate_up.scales, rows.outlier_index,
+                               rows.outlier_value, gate_up.columns, x.dtype)
+        middle = kernel.quantize_rows(h, down.outliers)
+    else:
+        middle = kernel.gated_quantize(gate_up.products(rows.values), rows, gate_up.scales, gate_up.columns,
+                                       x.dtype, down.outliers)
     return down.matmul_rows(middle, x.dtype, down_bias, residual)

@@ -234,8 +234,12 @@ class LinearWeights:
         weight = self.weight.detach()
         if self.int4 is not None or not int8_fits(weight):
             return False
-        self.int8 = Int8Weight.quantize(weight, kernel, gemm=gemm)
+        self.int8 = Int8Weight.quantize(weight, kernel, gemm=gemm, gate_up=self._int8_gate_up_pairs())
         return True
+
+    def _int8_gate_up_pairs(self) -> bool:
+        """Whether the 8-bit copy packs as a gated MLP's gate/up pairs (GateUpLinear)."""
+        return False
 
     def attach_small_step_weights(self, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None,
                                   dense_kernel: DenseGemvKernel | None = None) -> int:
@@ -622,6 +626,11 @@ class GateUpLinear(MergedLinear):
     @property
     def packed(self) -> bool:
         return super().packed or self.gated_packed is not None or self.packed_halves is not None
+
+    def _int8_gate_up_pairs(self) -> bool:
+        """Pack the 8-bit copy in gate/up pairs where `gated_down` will run it (no bias, no
+        tensor-parallel split): the GEMM's epilogue then writes the middle."""
+        return self.bias is None and not self.tp.split
 
     def gated_down(self, down: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """residual + down(silu(gate) * up) with the middle in one C pass, where both

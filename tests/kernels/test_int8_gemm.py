@@ -141,6 +141,36 @@ def test_the_dequantizing_gemm_gives_the_separate_passs_bits(kernel, rows_kernel
 
 
 @needs_vnni
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64])
+@pytest.mark.parametrize("intermediate", [16, 48, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_gemm_gives_the_separate_passs_middle(kernel, rows_kernel, rows, intermediate, dtype) -> None:
+    """A gate/up matrix packed in pairs: silu(gate) * up from the epilogue, quantized for the
+    down projection, is the separate pass's (dequantize, silu-mul, quantize) bit for bit, with
+    and without outliers; panels of one pair and of two."""
+    generator = torch.Generator().manual_seed(rows * intermediate)
+    in_features = 96
+    columns = torch.randint(-127, 128, (in_features, 2 * intermediate), generator=generator, dtype=torch.int8)
+    packed = kernel.pack_gate_up(columns)
+    pairs = columns.reshape(in_features, 2, intermediate // 16, 16).transpose(1, 2).reshape(in_features, -1)
+    assert torch.equal(packed.columns(), pairs)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype) * 4
+    col_scales = torch.rand(2 * intermediate, generator=generator) / 100
+    for outliers in (0, 4):
+        quantized = rows_kernel.quantize_rows(x, outliers)
+        want = rows_kernel.gated_quantize(kernel.matmul(quantized.values, kernel.pack(columns)), quantized,
+                                          col_scales, columns, dtype, outliers)
+        h = kernel.gated(quantized.values, packed, quantized.scales, col_scales, quantized.outlier_index,
+                         quantized.outlier_value, columns, dtype)
+        assert h.shape == (rows, intermediate) and h.dtype == torch.float32
+        if dtype == torch.bfloat16:
+            assert torch.equal(h, h.to(torch.bfloat16).float())  # bf16's roundings held in fp32
+        got = rows_kernel.quantize_rows(h, outliers)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), outliers
+
+
+@needs_vnni
 def test_the_dequantizing_gemm_refuses_what_it_cannot_write(kernel) -> None:
     packed = kernel.pack(torch.zeros(32, 16, dtype=torch.int8))
     a, scales = torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1)
@@ -150,6 +180,11 @@ def test_the_dequantizing_gemm_refuses_what_it_cannot_write(kernel) -> None:
     with pytest.raises(ValueError, match="transposed weight"):
         kernel.matmul_dequantize(a, packed, scales, torch.ones(16), torch.zeros(2, 1, dtype=torch.int32),
                                  torch.ones(2, 1), None, torch.float32)
+    with pytest.raises(ValueError, match="intermediate % 16 == 0"):
+        kernel.pack_gate_up(torch.zeros(32, 48, dtype=torch.int8))
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernel.gated(a, kernel.pack_gate_up(torch.zeros(32, 32, dtype=torch.int8)), scales, torch.ones(32),
+                     *no_outliers, None, torch.float16)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
@@ -165,6 +200,9 @@ def test_a_build_without_vnni_refuses_every_product(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="refused"):
         plain.matmul_dequantize(torch.zeros(4, 96, dtype=torch.int8), fake, torch.ones(4, 1), torch.ones(32),
                                 torch.zeros(4, 0, dtype=torch.int32), torch.zeros(4, 0), None, torch.float32)
+    with pytest.raises(RuntimeError, match="refused"):
+        plain.gated(torch.zeros(4, 96, dtype=torch.int8), fake, torch.ones(4, 1), torch.ones(32),
+                    torch.zeros(4, 0, dtype=torch.int32), torch.zeros(4, 0), None, torch.float32)
 
 
 def test_the_loader_gives_the_kernel_only_with_its_vnni_path(tmp_path: Path) -> None:

@@ -188,10 +188,14 @@ def test_a_packed_matrix_computes_the_columns_bits(kernel, gemm, dtype) -> None:
     half = x.half()
     assert torch.equal(packed.matmul(half, bias.half()), columns.matmul(half, bias.half()))
     down = torch.randn(96, 80, generator=generator) / 8
+    pairs = Int8Weight.quantize(matrix, kernel, gemm=gemm, gate_up=True)  # 80 gate rows, then 80 up
+    assert pairs.gate_up_pairs == (kernel.isa == "avx512") and torch.equal(pairs.columns, columns.columns)
+    # a pairs matrix's plain product comes from its columns, not its interleaved blocks
+    assert torch.equal(pairs.matmul(x, bias, residual), columns.matmul(x, bias, residual))
     fused = [gated_mlp(w, Int8Weight.quantize(down, kernel, gemm=g), x, x)
-             for w, g in ((packed, gemm), (columns, None))]
+             for w, g in ((packed, gemm), (columns, None), (pairs, gemm))]
     if kernel.isa == "avx512":
-        assert torch.equal(fused[0], fused[1])
+        assert torch.equal(fused[0], fused[1]) and torch.equal(fused[2], fused[1])
 
 
 def test_a_shape_the_packed_gemm_cannot_take_keeps_columns(kernel, gemm) -> None:

@@ -38,7 +38,9 @@ static inline void store16(void *out, int kind, int64_t offset, __m512 v, __mmas
 /* What turns products into the output: the rows' scales and outliers ([rows, outliers] index
  * into weight_t's rows, and their values), the matrix's column scales and transposed int8
  * weight [in, cols], bias [cols] and residual [rows, cols] in the output's kind or NULL, out
- * [rows, cols]. */
+ * [rows, cols]. `gated`: the columns are a gated MLP's gate then up halves (cols / 2 each),
+ * and out is silu(gate) * up [rows, cols / 2] in fp32 holding `kind`'s roundings (the
+ * separate passes' `gate_up` row, then gated_chunk), no bias or residual. */
 typedef struct {
     const float *row_scales, *col_scales;
     int64_t outliers;
@@ -49,27 +51,53 @@ typedef struct {
     void *out;
     int kind;
     int64_t cols;
+    int gated;
 } Int8Dequantize;
 
-/* Row m's products at columns n .. n + 15 (lanes past `mask` unused) into the output. */
-static inline void dequantize_chunk(const Int8Dequantize *d, __m512i products, int64_t m, int64_t n,
-                                    __mmask16 mask) {
-    const int64_t cols = d->cols;
+/* Row m's products at columns n .. n + 15 (lanes past `mask` 0) scaled, their outliers
+ * added, scaled by the columns' scales: fp32, before bias, residual and rounding. */
+static inline __m512 dequantize_value(const Int8Dequantize *d, __m512i products, int64_t m, int64_t n,
+                                      __mmask16 mask) {
     __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(products), _mm512_set1_ps(d->row_scales[m]));
     if (d->outliers > 0) {
         const int32_t *index = d->outlier_index + m * d->outliers;
         const float *value = d->outlier_value + m * d->outliers;
         __m512 extra = _mm512_setzero_ps();
         for (int64_t j = 0; j < d->outliers; j++) {
-            const __m128i column = _mm_maskz_loadu_epi8(mask, d->weight_t + (int64_t)index[j] * cols + n);
+            const __m128i column = _mm_maskz_loadu_epi8(mask, d->weight_t + (int64_t)index[j] * d->cols + n);
             extra = _mm512_fmadd_ps(_mm512_set1_ps(value[j]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(column)), extra);
         }
         p = _mm512_add_ps(p, extra);
     }
-    p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, d->col_scales + n));
+    return _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, d->col_scales + n));
+}
+
+/* Row m's products at columns n .. n + 15 (lanes past `mask` unused) into the output. */
+static inline void dequantize_chunk(const Int8Dequantize *d, __m512i products, int64_t m, int64_t n,
+                                    __mmask16 mask) {
+    __m512 p = dequantize_value(d, products, m, n, mask);
     if (d->bias != NULL) p = _mm512_add_ps(p, load16(d->bias, d->kind, n, mask));
-    if (d->residual != NULL) p = _mm512_add_ps(p, load16(d->residual, d->kind, m * cols + n, mask));
-    store16(d->out, d->kind, m * cols + n, p, mask);
+    if (d->residual != NULL) p = _mm512_add_ps(p, load16(d->residual, d->kind, m * d->cols + n, mask));
+    store16(d->out, d->kind, m * d->cols + n, p, mask);
+}
+
+/* A value rounded to bf16 and widened back, 16 lanes. */
+static inline __m512 round_bf16x16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* silu(g) * u for 16 dequantized gate and up values, with the roundings the separate passes
+ * make in `kind` (bf16: gate and up as the dequantize pass stores them, silu's result as
+ * torch's bf16 silu, and the product; fp32: none), as fp32. */
+static inline __m512 gated_chunk(__m512 g, __m512 u, int kind) {
+    if (kind == 1) {
+        g = round_bf16x16(g);
+        u = round_bf16x16(u);
+    }
+    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    if (kind == 1) s = round_bf16x16(s);
+    const __m512 product = _mm512_mul_ps(s, u);
+    return kind == 1 ? round_bf16x16(product) : product;
 }
 
 #endif

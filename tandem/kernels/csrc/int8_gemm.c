@@ -61,6 +61,15 @@ static inline void prefetch_outliers(const Int8Dequantize *dq, int64_t m, int ro
         }
 }
 
+/* One gate/up pair's 16 output columns (column `at` of silu(gate) * up, gate column `at`,
+ * up column cols / 2 + at of the unpacked matrix) into dq->out, fp32 [M, cols / 2]. */
+static inline void gated_pair(const Int8Dequantize *dq, __m512i gate, __m512i up, int64_t m, int64_t at) {
+    const int64_t half = dq->cols / 2;
+    const __m512 g = dequantize_value(dq, gate, m, at, (__mmask16)0xFFFF);
+    const __m512 u = dequantize_value(dq, up, m, half + at, (__mmask16)0xFFFF);
+    _mm512_storeu_ps((float *)dq->out + m * half + at, gated_chunk(g, u, dq->kind));
+}
+
 #define DEFINE_TILE(ROWS, BLOCKS)                                                                     \
 TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                                                   \
     const int8_t *a, int64_t a_stride, int64_t quads, const int8_t *panel, const int32_t *compensation,\
@@ -70,7 +79,11 @@ TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                             
     _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                            \
         _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++) acc[i][j] = _mm512_setzero_si512();  \
     const __m512i flip = _mm512_set1_epi32((int)0x80808080u);                                         \
-    if (dq != NULL) prefetch_outliers(dq, m, ROWS, n, 16 * BLOCKS);                                   \
+    if (dq != NULL && !dq->gated) prefetch_outliers(dq, m, ROWS, n, 16 * BLOCKS);                     \
+    if (dq != NULL && dq->gated) { /* the gate's and the up's columns of these pairs */               \
+        prefetch_outliers(dq, m, ROWS, n / 2, 8 * BLOCKS);                                            \
+        prefetch_outliers(dq, m, ROWS, dq->cols / 2 + n / 2, 8 * BLOCKS);                             \
+    }                                                                                                 \
     for (int64_t q = 0; q < quads; q++) {                                                             \
         __m512i b[BLOCKS];                                                                            \
         _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                      \
@@ -87,13 +100,19 @@ TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                             
     }                                                                                                 \
     /* the int32 products (c), or the output they dequantize to (dq; c unused) */                   \
     _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                            \
-        _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++) {                                    \
-            const __m512i products = _mm512_sub_epi32(acc[i][j], _mm512_loadu_si512(compensation + 16 * j)); \
-            if (dq == NULL)                                                                           \
-                _mm512_storeu_si512(c + i * c_stride + 16 * j, products);                             \
-            else                                                                                      \
-                dequantize_chunk(dq, products, m + i, n + 16 * j, (__mmask16)0xFFFF);                 \
-        }                                                                                             \
+        _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                      \
+            acc[i][j] = _mm512_sub_epi32(acc[i][j], _mm512_loadu_si512(compensation + 16 * j));      \
+    if (dq == NULL) {                                                                                 \
+        _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                        \
+            _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                  \
+                _mm512_storeu_si512(c + i * c_stride + 16 * j, acc[i][j]);                            \
+    } else if (!dq->gated) {                                                                          \
+        for (int i = 0; i < ROWS; i++)                                                                \
+            for (int j = 0; j < BLOCKS; j++) dequantize_chunk(dq, acc[i][j], m + i, n + 16 * j, (__mmask16)0xFFFF); \
+    } else { /* blocks j, j + 1: a gate/up pair (a gated panel holds whole pairs) */                  \
+        for (int i = 0; i < ROWS; i++)                                                                \
+            for (int j = 0; j + 1 < BLOCKS; j += 2) gated_pair(dq, acc[i][j], acc[i][j + 1], m + i, n / 2 + 8 * j); \
+    }                                                                                                 \
 }
 #define DEFINE_TILES(BLOCKS) DEFINE_TILE(1, BLOCKS) DEFINE_TILE(2, BLOCKS) DEFINE_TILE(3, BLOCKS) \
     DEFINE_TILE(4, BLOCKS) DEFINE_TILE(5, BLOCKS) DEFINE_TILE(6, BLOCKS)
@@ -167,12 +186,34 @@ int tandem_int8_gemm_dequantize(const int8_t *a, int64_t a_stride, int64_t M, in
     if (kind < 0 || kind > 1 || (outliers > 0 && weight_t == NULL)) return -1;
 #if HAS_VNNI
     const Int8Dequantize dq = {row_scales, col_scales, outliers, outlier_index, outlier_value, weight_t, bias,
-                               residual, out, kind, N};
+                               residual, out, kind, N, 0};
     return int8_gemm(a, a_stride, M, K, packed, compensation, NULL, N, &dq, num_threads);
 #else
     (void)a, (void)a_stride, (void)M, (void)K, (void)packed, (void)compensation, (void)N, (void)row_scales;
     (void)col_scales, (void)outlier_index, (void)outlier_value, (void)bias, (void)residual, (void)out;
     (void)num_threads;
+    return -1;
+#endif
+}
+
+/* A gated MLP's middle from its gate/up projection: h [M, N / 2] fp32 = silu(gate) * up of
+ * the products dequantized, with `kind`'s roundings (int8_dequantize.h gated_chunk), the
+ * separate passes' bits (int8_rows.c tandem_gated_quantize before its quantize step). The
+ * packed matrix's blocks alternate gate and up (the caller interleaves the [K, N] columns,
+ * gate then up, 16 at a time, before packing); weight_t, col_scales and the outliers are the
+ * unpacked matrix's. N a multiple of 32. */
+int tandem_int8_gemm_gated(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, const int8_t *packed,
+                           const int32_t *compensation, int64_t N, const float *row_scales, const float *col_scales,
+                           int64_t outliers, const int32_t *outlier_index, const float *outlier_value,
+                           const int8_t *weight_t, float *h, int kind, int num_threads) {
+    if (kind < 0 || kind > 1 || N % 32 != 0 || (outliers > 0 && weight_t == NULL)) return -1;
+#if HAS_VNNI
+    const Int8Dequantize dq = {row_scales, col_scales, outliers, outlier_index, outlier_value, weight_t, NULL,
+                               NULL, h, kind, N, 1};
+    return int8_gemm(a, a_stride, M, K, packed, compensation, NULL, N, &dq, num_threads);
+#else
+    (void)a, (void)a_stride, (void)M, (void)K, (void)packed, (void)compensation, (void)row_scales;
+    (void)col_scales, (void)outlier_index, (void)outlier_value, (void)h, (void)num_threads;
     return -1;
 #endif
 }

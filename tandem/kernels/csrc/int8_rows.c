@@ -285,7 +285,7 @@ static void dequantize_row_vector(const int32_t *source, int64_t cols, float row
     const int64_t at = m * cols;
     const Int8Dequantize d = {&row_scale, col_scales, outliers, index, value, weight_t, bias,
                               residual == NULL ? NULL : (const char *)residual + at * (kind == 0 ? 4 : 2),
-                              (char *)out + at * (kind == 0 ? 4 : 2), kind, cols};
+                              (char *)out + at * (kind == 0 ? 4 : 2), kind, cols, 0};
     for (int64_t n = 0; n < cols; n += 16) {
         const __mmask16 mask = tail_mask(cols - n);
         dequantize_chunk(&d, _mm512_maskz_loadu_epi32(mask, source + n), 0, n, mask);
@@ -330,26 +330,11 @@ static void gated_row_plain(const float *restrict gate_up, float *restrict h, in
 }
 
 #if VECTOR_ROWS
-/* A value rounded to bf16 and widened back, 16 lanes (narrow() then widen()). */
-static inline __m512 round_bf16x16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
 static void gated_row_vector(const float *restrict gate_up, float *restrict h, int64_t inter, int kind) {
-    const float *restrict up = gate_up + inter;
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t n = 0; n < inter; n += 16) {
         const __mmask16 mask = tail_mask(inter - n);
-        __m512 g = _mm512_maskz_loadu_ps(mask, gate_up + n), u = _mm512_maskz_loadu_ps(mask, up + n);
-        if (kind == 1) {
-            g = round_bf16x16(g);
-            u = round_bf16x16(u);
-        }
-        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        if (kind == 1) s = round_bf16x16(s);
-        __m512 product = _mm512_mul_ps(s, u);
-        if (kind == 1) product = round_bf16x16(product);
-        _mm512_mask_storeu_ps(h + n, mask, product);
+        const __m512 g = _mm512_maskz_loadu_ps(mask, gate_up + n), u = _mm512_maskz_loadu_ps(mask, gate_up + inter + n);
+        _mm512_mask_storeu_ps(h + n, mask, gated_chunk(g, u, kind)); /* int8_dequantize.h */
     }
 }
 #define GATED_ROW gated_row_vector
