@@ -123,6 +123,25 @@ class Int8GemmKernel:
         return out
 
 
+    def _epilogue_arguments(self, a: torch.Tensor, packed: PackedInt8, row_scales: torch.Tensor,
+                            col_scales: torch.Tensor, outlier_index: torch.Tensor, outlier_value: torch.Tensor,
+                            weight_t: torch.Tensor | None, dtype: torch.dtype) -> list:
+        """The arguments the dequantizing entry points share, checked: rows, products and
+        the dequantize step's inputs (csrc/int8_dequantize.h)."""
+        self._check_rows(a, packed)
+        if dtype not in _OUT_KINDS:
+            raise ValueError(f"the int8 GEMM's epilogue writes fp32 or bf16 roundings, not {dtype}")
+        outliers = outlier_index.shape[1]
+        if outliers and weight_t is None:
+            raise ValueError("rows with outliers need the transposed weight")
+        return [a.data_ptr(), a.stride(0), a.shape[0], a.shape[1], packed.values.data_ptr(),
+                packed.compensation.data_ptr(), packed.out_features, row_scales.data_ptr(), col_scales.data_ptr(),
+                outliers, outlier_index.data_ptr(), outlier_value.data_ptr(),
+                None if weight_t is None else weight_t.data_ptr()]
+
+    def _refused(self, what: str, a: torch.Tensor, packed: PackedInt8) -> RuntimeError:
+        return RuntimeError(f"the {what} refused a {tuple(a.shape)} x {packed.out_features} product ({self.isa} build)")
+
     def matmul_dequantize(self, a: torch.Tensor, packed: PackedInt8, row_scales: torch.Tensor,
                           col_scales: torch.Tensor, outlier_index: torch.Tensor, outlier_value: torch.Tensor,
                           weight_t: torch.Tensor | None, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -131,27 +150,16 @@ class Int8GemmKernel:
         arithmetic of the separate dequantize pass (kernels/int8_rows.py `dequantize`, the
         same arguments): (products * row scale + the rows' outliers times their rows of
         `weight_t` [in, out]) * column scales (+ bias) (+ residual)."""
-        self._check_rows(a, packed)
-        if dtype not in _OUT_KINDS:
-            raise ValueError(f"the dequantizing int8 GEMM writes fp32 or bf16, not {dtype}")
-        rows, in_features = a.shape
-        outliers = outlier_index.shape[1]
-        if outliers and weight_t is None:
-            raise ValueError("rows with outliers need the transposed weight")
+        arguments = self._epilogue_arguments(a, packed, row_scales, col_scales, outlier_index, outlier_value,
+                                             weight_t, dtype)
         bias = None if bias is None else bias.to(dtype).contiguous()
         residual = None if residual is None else residual.to(dtype).contiguous()
-        out = torch.empty(rows, packed.out_features, dtype=dtype)
-        status = self._gemm_dequantize(
-            a.data_ptr(), a.stride(0), rows, in_features, packed.values.data_ptr(), packed.compensation.data_ptr(),
-            packed.out_features, row_scales.data_ptr(), col_scales.data_ptr(), outliers, outlier_index.data_ptr(),
-            outlier_value.data_ptr(), None if weight_t is None else weight_t.data_ptr(),
-            None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
-            out.data_ptr(), _OUT_KINDS[dtype], torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"the int8 GEMM refused a [{rows}, {in_features}] x {tuple(packed.columns().shape)} "
-                               f"product ({self.isa} build)")
+        out = torch.empty(a.shape[0], packed.out_features, dtype=dtype)
+        if self._gemm_dequantize(*arguments, None if bias is None else bias.data_ptr(),
+                                 None if residual is None else residual.data_ptr(), out.data_ptr(), _OUT_KINDS[dtype],
+                                 torch.get_num_threads()) != 0:
+            raise self._refused("int8 GEMM", a, packed)
         return out
-
 
     def gated(self, a: torch.Tensor, packed: PackedInt8, row_scales: torch.Tensor, col_scales: torch.Tensor,
               outlier_index: torch.Tensor, outlier_value: torch.Tensor, weight_t: torch.Tensor | None,
@@ -161,22 +169,11 @@ class Int8GemmKernel:
         separate passes do (kernels/int8_rows.py `gated_quantize` before its quantize step).
         col_scales, weight_t [in, 2 x intermediate] and the outliers are the unpacked
         matrix's (gate then up)."""
-        self._check_rows(a, packed)
-        if dtype not in _OUT_KINDS:
-            raise ValueError(f"the gated int8 GEMM rounds as fp32 or bf16, not {dtype}")
-        rows, in_features = a.shape
-        outliers = outlier_index.shape[1]
-        if outliers and weight_t is None:
-            raise ValueError("rows with outliers need the transposed weight")
-        h = torch.empty(rows, packed.out_features // 2, dtype=torch.float32)
-        status = self._gemm_gated(
-            a.data_ptr(), a.stride(0), rows, in_features, packed.values.data_ptr(), packed.compensation.data_ptr(),
-            packed.out_features, row_scales.data_ptr(), col_scales.data_ptr(), outliers, outlier_index.data_ptr(),
-            outlier_value.data_ptr(), None if weight_t is None else weight_t.data_ptr(), h.data_ptr(),
-            _OUT_KINDS[dtype], torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"the gated int8 GEMM refused a [{rows}, {in_features}] x {packed.out_features} product "
-                               f"({self.isa} build)")
+        arguments = self._epilogue_arguments(a, packed, row_scales, col_scales, outlier_index, outlier_value,
+                                             weight_t, dtype)
+        h = torch.empty(a.shape[0], packed.out_features // 2, dtype=torch.float32)
+        if self._gemm_gated(*arguments, h.data_ptr(), _OUT_KINDS[dtype], torch.get_num_threads()) != 0:
+            raise self._refused("gated int8 GEMM", a, packed)
         return h
 
 
