@@ -39,6 +39,7 @@ from tandem.kvcache.connector.factory import make_connector_worker
 from tandem.loader.fingerprint import model_fingerprint
 from tandem.loader.model_loader import read_model_config
 from tandem.loader.resolve import default_cache_dir, resolve_model
+from tandem.platform.allocator import MallocThresholds, keep_freed_memory
 from tandem.platform.profiling import step_breakdown
 from tandem.spec.model_proposers import ModelProposerLoader, model_proposer_loader
 from tandem.worker.kv_scales import CALIBRATION_TEXT, calibrate_kv_scales, describe
@@ -123,6 +124,9 @@ class Worker:
         config, load = self.config, self.config.load
         if load.num_threads:
             torch.set_num_threads(load.num_threads)
+        if self.device.type == "cpu" and keep_freed_memory() and self.rank == 0:
+            logger.info("malloc keeps freed blocks up to %d MiB in the process (activations reused, not refaulted)",
+                        MallocThresholds().mmap >> 20)
         resolved = resolve_model(config.model, load.dtype, load.cache_dir)
         model_config = read_model_config(resolved.hf_dir)
         self.stage = self._pipeline_stage(model_config.num_hidden_layers)
