@@ -197,28 +197,40 @@ void tandem_dense_pack(const void *w, int kind, int64_t N, int64_t K, void *pack
     }
 }
 
+#if HAS_F32
+/* The tile for a panel `width` blocks wide and `rows` rows tall, plain or gated. */
+static inline tile_fn pick_tile(int kind, int gated, int64_t width, int64_t rows) {
+#if HAS_BF16
+    if (kind == 1) return gated ? BF16_GATED[width / 2 - 1][rows - 1] : BF16_TILES[width - 1][rows - 1];
+#endif
+    return gated ? F32_GATED[width / 2 - 1][rows - 1] : F32_TILES[width - 1][rows - 1];
+}
+#endif
+
+/* Both entry points: the refusals, then every tile of out [M, N] over the packed matrix's N
+ * columns (gated: N = 2 x intermediate, and the tiles write N / 2 columns). */
+static int dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int kind,
+                      const void *bias, const void *residual, void *out, int64_t N, int gated, int num_threads) {
+    if (N % (gated ? 32 : 16) != 0 || M < 0 || (kind == 1 && K % 2 != 0) || (kind == 0 && !HAS_F32)
+        || (kind == 1 && !HAS_BF16) || kind < 0 || kind > 1)
+        return -1;
+#if HAS_F32
+    const int64_t element = kind == 0 ? 4 : 2, steps = kind == 0 ? K : K / 2;
+    GEMM_FOR_EACH_TILE(M, N / 16, PANEL_BLOCKS, TILE_ROWS, packed, steps * 64,
+                       pick_tile(kind, gated, width, rows)((const char *)x + m * x_stride * element,
+                                                           x_stride * element, steps,
+                                                           (const char *)packed + block * steps * 64, kind, bias,
+                                                           residual, out, m, block * 16, N, ahead, ahead_lines));
+#endif
+    return 0;
+}
+
 /* out [M, N] = x [M, K] (row stride x_stride elements) @ packed^T (+ bias [N]) (+ residual
  * [M, N]); all in the kind (0 fp32, 1 bf16). Returns 0, or -1 where this build cannot (out
  * untouched). out may alias residual: each element is read before it is written. */
 int tandem_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int kind,
                       const void *bias, const void *residual, void *out, int64_t N, int num_threads) {
-    if (N % 16 != 0 || M < 0 || (kind == 1 && K % 2 != 0) || (kind == 0 && !HAS_F32) || (kind == 1 && !HAS_BF16)
-        || kind < 0 || kind > 1)
-        return -1;
-#if HAS_F32
-    const int64_t element = kind == 0 ? 4 : 2, steps = kind == 0 ? K : K / 2;
-    const int64_t blocks = N / 16;
-#if HAS_BF16
-    const tile_fn(*table)[TILE_ROWS] = kind == 0 ? F32_TILES : BF16_TILES;
-#else
-    const tile_fn(*table)[TILE_ROWS] = F32_TILES;
-#endif
-    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS, packed, steps * 64,
-                       table[width - 1][rows - 1]((const char *)x + m * x_stride * element, x_stride * element, steps,
-                                                  (const char *)packed + block * steps * 64, kind, bias, residual, out,
-                                                  m, block * 16, N, ahead, ahead_lines));
-#endif
-    return 0;
+    return dense_gemm(x, x_stride, M, K, packed, kind, bias, residual, out, N, 0, num_threads);
 }
 
 /* out [M, intermediate] = silu(x @ gate^T (+ gate bias)) * (x @ up^T (+ up bias)), from a
@@ -227,21 +239,5 @@ int tandem_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, con
  * or NULL. intermediate a multiple of 16. Returns 0, or -1 where this build cannot. */
 int tandem_dense_gemm_silu_mul(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int kind,
                                const void *bias, void *out, int64_t intermediate, int num_threads) {
-    if (intermediate % 16 != 0 || M < 0 || (kind == 1 && K % 2 != 0) || (kind == 0 && !HAS_F32)
-        || (kind == 1 && !HAS_BF16) || kind < 0 || kind > 1)
-        return -1;
-#if HAS_F32
-    const int64_t element = kind == 0 ? 4 : 2, steps = kind == 0 ? K : K / 2;
-    const int64_t blocks = 2 * intermediate / 16;
-#if HAS_BF16
-    const tile_fn(*table)[TILE_ROWS] = kind == 0 ? F32_GATED : BF16_GATED;
-#else
-    const tile_fn(*table)[TILE_ROWS] = F32_GATED;
-#endif
-    GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS, packed, steps * 64,
-                       table[width / 2 - 1][rows - 1]((const char *)x + m * x_stride * element, x_stride * element,
-                                                      steps, (const char *)packed + block * steps * 64, kind, bias,
-                                                      NULL, out, m, block * 16, 2 * intermediate, ahead, ahead_lines));
-#endif
-    return 0;
+    return dense_gemm(x, x_stride, M, K, packed, kind, bias, NULL, out, 2 * intermediate, 1, num_threads);
 }
