@@ -1,8 +1,8 @@
-"""Every decoder layer of a small bf16 or fp32 decode step in one C call (csrc/decode_stack.c).
+"""Every decoder layer of a bf16 or fp32 decode step in one C call (csrc/decode_stack.c).
 
-The C side only sequences kernels tandem already has (the 4-bit GEMMs or the fp32 GEMV, the
-layer passes and decode attention), called through their function pointers, so this module's job is to lay
-out what they read: a `Layer` record per decoder layer, made once, and a `Step` record per
+The C side only sequences kernels tandem already has (the 4-bit GEMMs or the GEMVs for small
+steps, the packed dense GEMM for larger ones, the layer passes and decode attention), called
+through their function pointers, so this module's job is to lay out what they read: a `Layer` record per decoder layer, made once, and a `Step` record per
 call. Which models and steps qualify is the model's business (tandem/models/decode_stack.py).
 """
 
@@ -15,6 +15,7 @@ import torch
 
 from tandem.kernels.c_library import bind, build_kernel_library
 from tandem.kernels.cpu_attention import PagedDecodeKernel
+from tandem.kernels.dense_gemm import DenseGemmKernel, PackedDense
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix
@@ -30,14 +31,23 @@ def _address(function: object) -> int:
 
 class Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
-                                          "write_kv", "attend")]
+                                          "write_kv", "attend", "dense_gemm", "dense_silu_mul")]
+
+
+# `Matrix.bits` for the dense GEMM's packed layouts (the C side's PACKED, PACKED_GATED).
+PACKED, PACKED_GATED = 1, 2
 
 
 class Matrix(ctypes.Structure):
     _fields_ = [("levels", _PTR), ("scales", _PTR), ("mins", _PTR), ("n", _I64), ("k", _I64), ("bits", _I64)]
 
     @classmethod
-    def of(cls, matrix: Q4Matrix | DenseRows) -> Matrix:
+    def of(cls, matrix: Q4Matrix | DenseRows | PackedDense, gated: bool = False) -> Matrix:
+        """The record of a small step's matrix, or of a packed one (`gated`: `pack_gated`'s
+        gate/up layout, whose GEMM writes silu(gate) * up)."""
+        if isinstance(matrix, PackedDense):
+            return cls(matrix.values.data_ptr(), None, None, matrix.out_features, matrix.in_features,
+                       PACKED_GATED if gated else PACKED)
         if isinstance(matrix, DenseRows):  # bits 32 / 16: plain fp32 / bf16 rows, `levels` pointing at them
             return cls(matrix.weight.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1],
                        8 * matrix.weight.element_size())
@@ -59,22 +69,24 @@ class Step(ctypes.Structure):
 
 
 class DecodeStackKernel:
-    """The loaded sequencer and the kernels it calls for one row dtype: bf16 rows with the
-    4/8-bit GEMMs (`q4`) and/or the bf16 GEMV on plain bf16 weights (`gemv`), or fp32 rows
-    with the fp32 GEMV (`gemv`). Their libraries stay loaded: the objects holding them are
-    kept here."""
+    """The loaded sequencer and the kernels it calls for one row dtype: for small steps, bf16
+    rows with the 4/8-bit GEMMs (`q4`) and/or the bf16 GEMV on plain bf16 weights (`gemv`),
+    or fp32 rows with the fp32 GEMV (`gemv`); for larger ones, the packed dense GEMM
+    (`dense`) in either. Their libraries stay loaded: the objects holding them are kept here."""
 
     def __init__(self, library: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
-                 q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None) -> None:
-        if not ((dtype == torch.bfloat16 and (q4 is not None or gemv is not None))
-                or (dtype == torch.float32 and q4 is None and gemv is not None)):
-            raise ValueError("a decode stack runs bf16 rows with the 4-bit GEMMs or the bf16 GEMV, or fp32 rows with "
-                             "the fp32 GEMV")
+                 q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None,
+                 dense: DenseGemmKernel | None = None) -> None:
+        if (dtype not in (torch.bfloat16, torch.float32) or (q4 is not None and dtype != torch.bfloat16)
+                or (q4 is None and gemv is None and dense is None)
+                or (dense is not None and not dense.multiplies(dtype))):
+            raise ValueError("a decode stack runs bf16 rows with the 4-bit GEMMs, the bf16 GEMV or the packed bf16 "
+                             "GEMM, or fp32 rows with the fp32 GEMV or the packed fp32 GEMM")
         self._run = bind(library, {
             "tandem_decode_stack": (ctypes.c_int, [_PTR, _PTR, _I64, _PTR, _PTR]),
         })["tandem_decode_stack"]
         self.dtype = dtype
-        self._holds = (q4, gemv, ops, attention)
+        self._holds = (q4, gemv, dense, ops, attention)
         self.kernels = Kernels(
             _address(q4.gemm_entry(4, dtype)) if q4 else None, _address(q4.gemm_entry(8, dtype)) if q4 else None,
             _address(gemv.gemv_entry(torch.float32)) if gemv and dtype == torch.float32 else None,
@@ -82,16 +94,19 @@ class DecodeStackKernel:
             _address(ops.rms_norm_entry(dtype)), _address(ops.rotary_entry(dtype)),
             _address(ops.silu_mul_entry(dtype)), _address(attention.write_kv_entry()),
             _address(attention.attend_entry()),
+            _address(dense.gemm_entry()) if dense else None, _address(dense.silu_mul_entry()) if dense else None,
         )
 
     @classmethod
     def build(cls, cache_dir: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
-              q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None) -> DecodeStackKernel:
-        return cls(build_kernel_library(cache_dir, SOURCE), dtype, ops, attention, q4, gemv)
+              q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None,
+              dense: DenseGemmKernel | None = None) -> DecodeStackKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE), dtype, ops, attention, q4, gemv, dense)
 
     def __call__(self, layers: ctypes.Array, step: Step, hidden: torch.Tensor) -> None:
         """Run `hidden` [tokens, hidden] (the stack's dtype, contiguous; updated in place)
         through `layers`."""
         status = self._run(ctypes.byref(self.kernels), layers, len(layers), ctypes.byref(step), hidden.data_ptr())
         if status != 0:
-            raise MemoryError("the decode stack could not allocate its scratch memory")
+            raise RuntimeError("the decode stack stopped: its scratch memory could not be allocated or a kernel "
+                               "refused its shapes")

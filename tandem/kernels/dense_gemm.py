@@ -63,6 +63,13 @@ class DenseGemmKernel:
         self._gemm = functions["tandem_dense_gemm"]
         self.isa: str = functions["tandem_dense_gemm_isa"]().decode()  # "avx512-bf16", "avx512" or "none"
 
+    # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
+    def gemm_entry(self) -> object:
+        return self._gemm
+
+    def silu_mul_entry(self) -> object:
+        return self._silu_mul
+
     @classmethod
     def build(cls, cache_dir: Path) -> DenseGemmKernel:
         return cls(build_kernel_library(cache_dir, SOURCE))

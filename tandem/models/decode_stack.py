@@ -1,15 +1,20 @@
-"""Small bf16 or fp32 decode steps of a Llama-shaped model through all its layers in one C call.
+"""Decode steps of a Llama-shaped model, bf16 or fp32, through all its layers in one C call.
 
 A one-token step of SmolLM2 in bf16 with 4-bit decode weights took 9.3 ms on the 2-core
 AVX-512 EPYC, of which the C kernels were about half: the rest was Python between them,
 some 15 module calls, views and ctypes calls a layer. `DecodeStack` hands the whole layer
 loop to csrc/decode_stack.c, which calls the same kernels in the same order, so the hidden
-states come out bit-identical to the layer-by-layer path (tested). It applies where every
-piece of a layer has a C kernel: 4- or 8-bit copies of all four projections without bias
-(`--decode-weights int4`) in bf16, or the model's own plain rows (`--decode-weights float32`
-in fp32, `--decode-weights bfloat16` in bf16); the C norm and rotary, the C decode
-attention, no tensor or pipeline split, no q/k norms; and to steps of decode tokens only, no
-larger than the small-step copies serve.
+states come out bit-identical to the layer-by-layer path (tested).
+
+Two kinds of steps qualify, each where every piece of a layer has a C kernel (the C norm and
+rotary, the C decode attention, no tensor or pipeline split, no q/k norms, no biases):
+- small steps, no larger than the small-step copies serve: 4- or 8-bit copies of all four
+  projections (`--decode-weights int4`) in bf16, or the model's own plain rows
+  (`--decode-weights float32` in fp32, `--decode-weights bfloat16` in bf16);
+- larger batches of decode tokens, where all four projections are packed for tandem's dense
+  GEMM (bf16 or fp32 weights on AVX-512 without AMX; not 8-bit ones). At 64 sequences the
+  Python between kernels cost less than at one, but every OpenMP thread but the caller's
+  waited through it: 12% of a bf16 decode-heavy run was libgomp's wait, 5% the interpreter.
 Anything else keeps the module path. In fp32 the stack's norm is the C one, where the module
 path runs torch's: the two sum the mean of squares in different orders, so fp32 hidden
 states agree to rounding rather than bit for bit (greedy tokens are tested against
@@ -18,7 +23,9 @@ transformers, as the exact mode's are).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,30 +35,27 @@ from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.kernels.c_library import KernelBuildError
 from tandem.kernels.cpu_attention import CpuAttentionBackend
 from tandem.kernels.decode_stack import DecodeStackKernel, Layer, Matrix, Step
+from tandem.kernels.dense_gemm import DenseGemmKernel
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix
-from tandem.layers.linear import Linear
+from tandem.layers.linear import GateUpLinear, Linear
 from tandem.models.llama import DecoderAttention, DecoderLayer, DecoderMLP, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeStack:
-    """The layer records of one model (made once) and the call for a step."""
+    """The layer records of one model (made once) and the call for a step: `small` records
+    for steps of at most `max_tokens` decode tokens, `large` ones for larger steps."""
 
     def __init__(self, kernel: DecodeStackKernel, model: LlamaForCausalLM, layers: list[DecoderLayer],
-                 max_tokens: int) -> None:
+                 max_tokens: int, large_above: int, small: bool, large: bool) -> None:
         self.kernel = kernel
-        self.max_tokens = max_tokens
-        self._layers = (Layer * len(layers))()
-        for record, layer in zip(self._layers, layers, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            record.input_norm = layer.input_layernorm.weight.data_ptr()
-            record.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            for name, projection in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                     ("down", mlp.down_proj)):
-                setattr(record, name, Matrix.of(_small_matrix(projection)))
+        self.max_tokens = max_tokens  # small records up to here (0: none)
+        self.large_above = large_above  # large records past here: where every projection leaves its small copy
+        self._small = _records(layers, _small_records) if small else None
+        self._large = _records(layers, _packed_records) if large else None
         first = layers[0]
         cfg = model.config
         self._step = Step(hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
@@ -60,11 +64,24 @@ class DecodeStack:
                           scale=first.self_attn.attn.scale,
                           element_bytes=torch.empty(0, dtype=kernel.dtype).element_size())
 
+    def _layers_for(self, tokens: int) -> ctypes.Array | None:
+        if tokens <= self.max_tokens:
+            return self._small
+        return self._large if tokens > self.large_above else None
+
+    @property
+    def steps(self) -> str:
+        """Which decode steps it takes, for the start-up log."""
+        kinds = [f"<= {self.max_tokens}"] if self._small is not None else []
+        if self._large is not None:
+            kinds.append(f"> {self.large_above}")
+        return " and ".join(kinds)
+
     def takes(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """A step of decode tokens only, in the stack's dtype, within the small-step copies'
-        size; not while the profiler runs (its per-phase ranges live in the module path)."""
+        """A step of decode tokens only, in the stack's dtype, with records for its size; not
+        while the profiler runs (its per-phase ranges live in the module path)."""
         tokens, dtype = hidden.shape[0], self.kernel.dtype
-        return (hidden.dtype == dtype and 0 < tokens <= self.max_tokens and not meta.prefills
+        return (hidden.dtype == dtype and tokens > 0 and self._layers_for(tokens) is not None and not meta.prefills
                 and meta.num_decode_tokens == tokens and kv_caches[0].dtype == dtype
                 and kv_caches[0].is_contiguous() and not torch.autograd._profiler_enabled())
 
@@ -72,11 +89,13 @@ class DecodeStack:
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """`hidden` [tokens, hidden] after every layer (a new tensor)."""
         hidden = hidden.contiguous().clone()
+        layers = self._layers_for(hidden.shape[0])
+        assert layers is not None, "a step the stack does not take (`takes`)"
         cos, sin = (a.contiguous() for a in angles)
         tables = meta.decode_block_tables.contiguous()
         lens = meta.decode_context_lens.contiguous()
         slots = meta.slot_mapping.contiguous()
-        for record, cache in zip(self._layers, kv_caches, strict=True):
+        for record, cache in zip(layers, kv_caches, strict=True):
             record.kv_cache = cache.data_ptr()
         step = self._step
         _, _, step.num_blocks, step.block_size, _ = kv_caches[0].shape
@@ -84,8 +103,36 @@ class DecodeStack:
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.slots, step.block_tables, step.context_lens = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
         step.num_threads = torch.get_num_threads()
-        self.kernel(self._layers, step, hidden)
+        self.kernel(layers, step, hidden)
         return hidden
+
+
+def _records(layers: list[DecoderLayer], matrices: Callable[[DecoderLayer], dict[str, Matrix]]) -> ctypes.Array:
+    """One C `Layer` record a decoder layer, its four projections' records from `matrices`."""
+    records = (Layer * len(layers))()
+    for record, layer in zip(records, layers, strict=True):
+        record.input_norm = layer.input_layernorm.weight.data_ptr()
+        record.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        for name, matrix in matrices(layer).items():
+            setattr(record, name, matrix)
+    return records
+
+
+def _projections(layer: DecoderLayer) -> dict[str, Linear]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+
+
+def _small_records(layer: DecoderLayer) -> dict[str, Matrix]:
+    return {name: Matrix.of(_small_matrix(p)) for name, p in _projections(layer).items()}
+
+
+def _packed_records(layer: DecoderLayer) -> dict[str, Matrix]:
+    records = {name: Matrix.of(p.dense_packed) for name, p in _projections(layer).items() if name != "gate_up"}
+    gate_up = layer.mlp.gate_up_proj
+    assert isinstance(gate_up, GateUpLinear) and gate_up.gated_packed is not None
+    records["gate_up"] = Matrix.of(gate_up.gated_packed, gated=True)
+    return records
 
 
 def _small_matrix(projection: Linear) -> Q4Matrix | DenseRows | None:
@@ -102,13 +149,29 @@ def _fits(matrix: object, dtype: torch.dtype) -> bool:
     return isinstance(matrix, Q4Matrix) and dtype == torch.bfloat16
 
 
-def _projections_fit(projections: list[Linear], dtype: torch.dtype) -> bool:
+def _small_fits(projections: list[Linear], dtype: torch.dtype) -> bool:
     return all(_fits(_small_matrix(p), dtype) and getattr(p, "bias", None) is None
                and p.small_step is not None for p in projections)
 
 
+def _packed_fits(layer: DecoderLayer, dtype: torch.dtype) -> bool:
+    """Whether larger steps of every projection read dense_gemm.c's packed `dtype` blocks
+    (gate/up: its gated layout), with no bias and no other copy taking those steps first."""
+    projections = _projections(layer)
+    for p in projections.values():
+        if (getattr(p, "bias", None) is not None or p.int4 is not None or p.int8 is not None
+                or p.gemv_rows is not None or p.dense_gemm is None):
+            return False
+    gate_up = projections.pop("gate_up")
+    if not isinstance(gate_up, GateUpLinear):
+        return False
+    packed = [p.dense_packed for p in projections.values()] + [gate_up.gated_packed]
+    return all(m is not None and m.values.dtype == dtype for m in packed)
+
+
 def _stack_layers(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> list[DecoderLayer] | None:
-    """The model's decoder layers where every piece has its C kernel for `dtype` rows, else None."""
+    """The model's decoder layers where every piece but the projections has its C kernel for
+    `dtype` rows, else None."""
     if not isinstance(model, LlamaForCausalLM) or model.tp.split or not (model.stage.is_first and model.stage.is_last):
         return None
     if not isinstance(backend, CpuAttentionBackend) or model.rotary.ops is None or model.rotary.cos.dtype != dtype:
@@ -123,39 +186,39 @@ def _stack_layers(model: nn.Module, backend: AttentionBackend, dtype: torch.dtyp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(n.ops is None or n.weight.dtype != dtype or n.eps != layers[0].input_layernorm.eps for n in norms):
             return None
-        if not _projections_fit([attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj], dtype):
-            return None
     return layers or None
 
 
 def attach_decode_stack(model: nn.Module, backend: AttentionBackend, cache_dir: Path, q4: Q4Kernel | None,
-                        ops: LayerOpsKernel | None, gemv: DenseGemvKernel | None = None) -> bool:
-    """Give `model` a `DecodeStack` where it qualifies: bf16 with the 4-bit GEMMs (`q4`) or
-    the bf16 GEMV on its own rows (`gemv`), or fp32 with the fp32 GEMV (`gemv`). Returns
-    whether it did."""
+                        ops: LayerOpsKernel | None, gemv: DenseGemvKernel | None = None) -> DecodeStack | None:
+    """Give `model` a `DecodeStack` where it qualifies: for small steps, bf16 with the 4-bit
+    GEMMs (`q4`) or the bf16 GEMV on its own rows (`gemv`), or fp32 with the fp32 GEMV
+    (`gemv`); for larger ones, weights packed for tandem's dense GEMM. Returns it, or None."""
     cos = getattr(getattr(model, "rotary", None), "cos", None)
     dtype = cos.dtype if isinstance(cos, torch.Tensor) else None
     if dtype not in (torch.bfloat16, torch.float32) or ops is None:
-        return False
+        return None
     layers = _stack_layers(model, backend, dtype)
     if layers is None:
-        return False
+        return None
     assert isinstance(model, LlamaForCausalLM) and isinstance(backend, CpuAttentionBackend)
-    matrices = [_small_matrix(p) for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    projections = [list(_projections(layer).values()) for layer in layers]
+    small = all(_small_fits(p, dtype) for p in projections)
+    matrices = [_small_matrix(p) for layer in projections for p in layer] if small else []
     needs_q4 = any(isinstance(m, Q4Matrix) for m in matrices)
     needs_gemv = any(isinstance(m, DenseRows) for m in matrices)
-    if (needs_q4 and q4 is None) or (needs_gemv and gemv is None):
-        return False
+    small = small and not (needs_q4 and q4 is None) and not (needs_gemv and gemv is None)
+    large = all(_packed_fits(layer, dtype) for layer in layers)
+    dense: DenseGemmKernel | None = projections[0][0].dense_gemm if large else None
+    if not (small or large):
+        return None
     try:
-        kernel = DecodeStackKernel.build(cache_dir, dtype, ops, backend.kernel, q4=q4 if needs_q4 else None,
-                                         gemv=gemv if needs_gemv else None)
+        kernel = DecodeStackKernel.build(cache_dir, dtype, ops, backend.kernel, q4=q4 if small and needs_q4 else None,
+                                         gemv=gemv if small and needs_gemv else None, dense=dense)
     except KernelBuildError as error:
-        logger.warning("decode stack unavailable (%s); small steps run layer by layer", error)
-        return False
-    max_tokens = min(p.small_step.max_tokens for layer in layers
-                     for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                               layer.mlp.down_proj))
-    model.decode_stack = DecodeStack(kernel, model, layers, max_tokens)
-    return True
-
+        logger.warning("decode stack unavailable (%s); decode steps run layer by layer", error)
+        return None
+    small_steps = [p.small_step.max_tokens for layer in projections for p in layer if p.small_step is not None]
+    model.decode_stack = DecodeStack(kernel, model, layers, min(small_steps) if small else 0,
+                                     max(small_steps, default=0), small, large)
+    return model.decode_stack

@@ -142,11 +142,9 @@ class ModelBuilder:
             self._attach_bounded_greedy(model, ops)
         if ops is not None:
             attach_layer_ops(model, ops)
-        stacked = small_step is not None and attach_decode_stack(model, backend, self.kernel_cache_dir,
-                                                                  q4_kernel, ops, dense_kernel)
-        if stacked and self.rank == 0:
-            logger.info("decode stack: steps of <= %d decode tokens run every layer in one C call",
-                        small_step.max_tokens)
+        stack = attach_decode_stack(model, backend, self.kernel_cache_dir, q4_kernel, ops, dense_kernel)
+        if stack is not None and self.rank == 0:
+            logger.info("decode stack: steps of %s decode tokens run every layer in one C call", stack.steps)
         return model
 
     def _build_gpu_model(self, model_config: ModelConfig, hf_dir: Path, backend: AttentionBackend,

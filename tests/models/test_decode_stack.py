@@ -1,7 +1,8 @@
-"""Small decode steps through every layer in one C call: in bf16 the same tokens and the same
+"""Decode steps through every layer in one C call: in bf16 the same tokens and the same
 log-probabilities, bit for bit, as the layer-by-layer module path; in fp32 the same tokens and
 log-probabilities equal to rounding (the stack's norm sums in another order than torch's);
-and only where every piece has its C kernel."""
+small steps over the small-step copies, larger ones over the weights packed for tandem's
+dense GEMM; and only where every piece has its C kernel."""
 
 from __future__ import annotations
 
@@ -33,18 +34,28 @@ def _count_calls(stack: DecodeStack) -> list[int]:
     return calls
 
 
+def _packed_for_tandems_gemm(llm: LLM) -> bool:
+    """Whether larger steps read weights packed for tandem's dense GEMM (AVX-512 without AMX,
+    bf16 also AVX-512-BF16): where they do not, the stack has no records for them."""
+    return llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.gated_packed is not None
+
+
 def _stacked_then_layered(llm: LLM, prompts: list[str], dtype: torch.dtype) -> tuple[list, list]:
     """The same greedy requests through the model's decode stack of `dtype` rows, every decode
     step going through it (the prompt's step does not: it is a prefill), then with the stack
-    detached (the layer-by-layer module path)."""
+    detached (the layer-by-layer module path). Steps past the small-step copies go through it
+    where the layers are packed for tandem's GEMM, else through the module path both times."""
     model = llm.engine.runner.model
     stack = model.decode_stack
     assert isinstance(stack, DecodeStack) and stack.kernel.dtype == dtype
     calls = _count_calls(stack)
     stacked = _generate(llm, prompts)
-    assert calls == [len(prompts)] * 23
+    takes = len(prompts) <= stack.max_tokens or _packed_for_tandems_gemm(llm)
+    assert calls == ([len(prompts)] * 23 if takes else [])
     model.decode_stack = None
-    return stacked, _generate(llm, prompts)
+    layered = _generate(llm, prompts)
+    model.decode_stack = stack
+    return stacked, layered
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-token steps", "two-token steps"])
@@ -56,8 +67,21 @@ def test_the_stack_gives_the_module_paths_bits(prompts: list[str]) -> None:
     assert all(logprob is not None for _, logprob in stacked)
 
 
-def test_steps_larger_than_the_small_step_copies_take_the_module_path() -> None:
-    with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+def test_steps_larger_than_the_small_step_copies_go_through_the_packed_weights() -> None:
+    """Three sequences, past the 4-bit copies' two tokens: the stack's records of the packed
+    bf16 matrices, with the module path's bits; where the layers are not packed for tandem's
+    GEMM, the module path."""
+    with LLM(dtype="bfloat16", decode_weights="int4", quantization="none", kv_cache_memory="64MiB",
+             enable_prefix_caching=False) as llm:
+        assert llm.engine.runner.model.decode_stack.max_tokens == 2
+        stacked, layered = _stacked_then_layered(llm, PROMPTS + ["Once upon a time"], torch.bfloat16)
+    assert stacked == layered
+
+
+def test_steps_of_8_bit_weights_take_the_module_path() -> None:
+    """`--quantization int8`: larger steps read 8-bit weights, which the stack does not run."""
+    with LLM(dtype="bfloat16", decode_weights="int4", quantization="int8", kv_cache_memory="64MiB",
+             enable_prefix_caching=False) as llm:
         stack = llm.engine.runner.model.decode_stack
         assert stack is not None
         calls = _count_calls(stack)
@@ -65,7 +89,26 @@ def test_steps_larger_than_the_small_step_copies_take_the_module_path() -> None:
     assert calls == [] and all(len(tokens) == 24 for tokens, _ in outputs)
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-token steps", "two-token steps"])
+@pytest.mark.parametrize("kwargs", [
+    {"dtype": "bfloat16", "decode_weights": "none", "quantization": "none"},
+    {"exact": True, "decode_weights": "none"},
+], ids=["bf16", "fp32"])
+def test_without_small_step_copies_every_decode_step_goes_through_the_packed_weights(kwargs: dict) -> None:
+    with LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, **kwargs) as llm:
+        stack = llm.engine.runner.model.decode_stack
+        if not _packed_for_tandems_gemm(llm):
+            assert stack is None
+            return
+        assert stack is not None and stack.max_tokens == 0
+        dtype = torch.float32 if kwargs.get("exact") else torch.bfloat16
+        stacked, layered = _stacked_then_layered(llm, PROMPTS[:1], dtype)
+    assert [tokens for tokens, _ in stacked] == [tokens for tokens, _ in layered]
+    for (_, ours), (_, theirs) in zip(stacked, layered, strict=True):
+        assert ours is not None and (ours == theirs if dtype == torch.bfloat16 else abs(ours - theirs) <= 1e-3)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS, PROMPTS * 3],
+                         ids=["one-token steps", "two-token steps", "six-token steps"])
 def test_the_fp32_stack_gives_the_module_paths_tokens(prompts: list[str]) -> None:
     with LLM(decode_weights="float32", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
         stacked, layered = _stacked_then_layered(llm, prompts, torch.float32)
@@ -80,17 +123,21 @@ def test_a_bf16_model_s_own_rows_go_through_the_stack_with_the_module_paths_bits
     with LLM(dtype="bfloat16", decode_weights="bfloat16", quantization="none", kv_cache_memory="64MiB",
              enable_prefix_caching=False) as llm:
         assert llm.engine.runner.model.model.layers[0].mlp.down_proj.small_dense.weight.dtype == torch.bfloat16
-        stacked, layered = _stacked_then_layered(llm, PROMPTS, torch.bfloat16)
-    assert stacked == layered
+        small = _stacked_then_layered(llm, PROMPTS, torch.bfloat16)
+        large = _stacked_then_layered(llm, PROMPTS * 3, torch.bfloat16)
+    assert small[0] == small[1] and large[0] == large[1]
 
 
 @pytest.mark.parametrize("kwargs", [
     {"dtype": "float32", "decode_weights": "int4"},  # the 4-bit stack runs bf16 rows
-    {"dtype": "bfloat16", "decode_weights": "none"},  # no 4-bit copies to read
     {"dtype": "float32", "decode_weights": "bfloat16"},  # a rounded bf16 copy under fp32 rows
-], ids=["fp32", "no copies", "bf16 copy of fp32"])
+], ids=["fp32", "bf16 copy of fp32"])
 def test_models_without_a_c_kernel_for_every_piece_keep_the_module_path(kwargs: dict) -> None:
+    """Small steps of these keep the module path; larger ones go through the packed weights
+    where the layers are packed for tandem's GEMM (fp32 here)."""
     with LLM(kv_cache_memory="64MiB", **kwargs) as llm:
-        assert llm.engine.runner.model.decode_stack is None
+        stack = llm.engine.runner.model.decode_stack
+        assert (stack.max_tokens == 0) if _packed_for_tandems_gemm(llm) else (stack is None)
+        calls = _count_calls(stack) if stack is not None else []
         tokens, _ = _generate(llm, PROMPTS[:1])[0]
-    assert len(tokens) == 24
+    assert calls == [] and len(tokens) == 24

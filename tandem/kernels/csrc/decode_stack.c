@@ -1,6 +1,7 @@
 /*
- * A small step (one to a few decode tokens, bf16 or fp32) through every decoder layer in one
- * call.
+ * A decode step (bf16 or fp32) through every decoder layer in one call: small steps (one to a
+ * few tokens) over the small-step copies, larger ones over the weights packed for
+ * tandem's dense GEMM (dense_gemm.c).
  *
  * At one token a layer's C kernels (the 4-bit GEMMs, norm, rotary, KV write, decode attention,
  * silu-and-mul) take about 150 us together, and the Python around them (module calls, views,
@@ -13,6 +14,11 @@
  * same sequence on fp32 rows with the fp32 GEMV and the C fp32 norm (the layer path's norm
  * is torch's, summed in another order). A bf16 model's own plain rows (`--decode-weights
  * bfloat16`) go through the bf16 GEMV, which rounds as the layer path's call of it does.
+ * A batch of decode tokens spends the same serial time between kernels, twice over: while
+ * the calling thread runs Python, the other OpenMP threads wait (11.8% of a bf16
+ * decode-heavy run in libgomp, 4.7% in the interpreter). Its matrices are the packed ones
+ * (bits PACKED), and gate/up the gated layout whose epilogue writes silu(gate) * up itself
+ * (PACKED_GATED), as the layer path's GateUpLinear does: no silu-and-mul pass.
  *
  * Per layer, for T tokens with hidden size H (elements of `element_bytes` each):
  *   normed = rms_norm(hidden)                     input_layernorm
@@ -43,6 +49,10 @@ typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_
 typedef void (*write_kv_fn)(const char *key, const char *value, char *kv_cache, const int64_t *slots,
                             int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
                             int64_t head_dim, int64_t num_slots, int64_t element_bytes, int num_threads);
+typedef int (*dense_gemm_fn)(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int kind,
+                             const void *bias, const void *residual, void *out, int64_t n, int num_threads);
+typedef int (*dense_silu_mul_fn)(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *packed,
+                                 int kind, const void *bias, void *out, int64_t intermediate, int num_threads);
 typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_bf16,
                          const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -59,12 +69,17 @@ struct Kernels {
     silu_mul_fn silu_mul;
     write_kv_fn write_kv;
     attend_fn attend;
+    dense_gemm_fn dense_gemm;         /* tandem_dense_gemm (packed matrices) */
+    dense_silu_mul_fn dense_silu_mul; /* tandem_dense_gemm_silu_mul (the gated layout) */
 };
 
 /* A matrix in q4_gemm.c's layout, [n, k] at 4 or 8 bits a level, or (bits 32 / 16) plain
- * fp32 / bf16 rows for dense_gemv.c. */
+ * fp32 / bf16 rows for dense_gemv.c, or (PACKED) dense_gemm.c's packed blocks in the rows'
+ * dtype, or (PACKED_GATED) its gate/up layout with n = 2 x intermediate. */
+#define PACKED 1
+#define PACKED_GATED 2
 struct Matrix {
-    const uint8_t *levels; /* bits 32 / 16: the fp32 / bf16 [n, k] rows */
+    const uint8_t *levels; /* bits 32 / 16: the fp32 / bf16 [n, k] rows; PACKED*: the packed blocks */
     const uint16_t *scales, *mins;
     int64_t n, k, bits;
 };
@@ -87,7 +102,10 @@ struct Step {
 };
 
 static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, const void *x, const void *residual,
-                void *out, int64_t rows, int num_threads) {
+                void *out, int64_t rows, int bf16, int num_threads) {
+    if (matrix->bits == PACKED)
+        return kernels->dense_gemm(x, matrix->k, rows, matrix->k, matrix->levels, bf16, NULL, residual, out,
+                                   matrix->n, num_threads);
     if (matrix->bits == 32) {
         kernels->gemv32((const float *)matrix->levels, NULL, x, residual, out, rows, matrix->n, matrix->k,
                         num_threads);
@@ -122,7 +140,7 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
     for (int64_t i = 0; i < num_layers && status == 0; i++) {
         const struct Layer *layer = layers + i;
         kernels->rms_norm(hidden, step->hidden, layer->input_norm, normed, t, step->hidden, step->eps, threads);
-        if ((status = gemm(kernels, &layer->qkv, normed, NULL, qkv, t, threads)) != 0) break;
+        if ((status = gemm(kernels, &layer->qkv, normed, NULL, qkv, t, bf16, threads)) != 0) break;
         kernels->rotary(qkv, t, step->heads + step->kv_heads, width, step->head_dim, step->cos, step->sin, threads);
         const char *key = qkv + bytes * (size_t)q_width, *value = key + bytes * (size_t)kv_width;
         kernels->write_kv(key, value, layer->kv_cache, step->slots, t, width, width, step->kv_heads, step->head_dim,
@@ -133,11 +151,17 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
                                       threads)) != 0)
             break;
         /* the residual GEMMs read `residual` only in their last, elementwise pass: in place */
-        if ((status = gemm(kernels, &layer->o, attn, hidden, hidden, t, threads)) != 0) break;
+        if ((status = gemm(kernels, &layer->o, attn, hidden, hidden, t, bf16, threads)) != 0) break;
         kernels->rms_norm(hidden, step->hidden, layer->post_norm, normed, t, step->hidden, step->eps, threads);
-        if ((status = gemm(kernels, &layer->gate_up, normed, NULL, gate_up, t, threads)) != 0) break;
-        kernels->silu_mul(gate_up, act, t, step->intermediate, threads);
-        status = gemm(kernels, &layer->down, act, hidden, hidden, t, threads);
+        if (layer->gate_up.bits == PACKED_GATED) {
+            if ((status = kernels->dense_silu_mul(normed, step->hidden, t, step->hidden, layer->gate_up.levels, bf16,
+                                                  NULL, act, step->intermediate, threads)) != 0)
+                break;
+        } else {
+            if ((status = gemm(kernels, &layer->gate_up, normed, NULL, gate_up, t, bf16, threads)) != 0) break;
+            kernels->silu_mul(gate_up, act, t, step->intermediate, threads);
+        }
+        status = gemm(kernels, &layer->down, act, hidden, hidden, t, bf16, threads);
     }
     free(normed);
     free(qkv);
