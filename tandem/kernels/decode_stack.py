@@ -17,6 +17,8 @@ from tandem.kernels.c_library import bind, build_kernel_library
 from tandem.kernels.cpu_attention import PagedDecodeKernel
 from tandem.kernels.dense_gemm import DenseGemmKernel, PackedDense
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
+from tandem.kernels.int8_gemm import Int8GemmKernel, PackedInt8
+from tandem.kernels.int8_rows import Int8RowsKernel
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix
 
@@ -31,15 +33,28 @@ def _address(function: object) -> int:
 
 class Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
-                                          "write_kv", "attend", "dense_gemm", "dense_silu_mul")]
+                                          "write_kv", "attend", "dense_gemm", "dense_silu_mul", "quantize_rows",
+                                          "int8_dequantize", "int8_gated")]
 
 
-# `Matrix.bits` for the dense GEMM's packed layouts (the C side's PACKED, PACKED_GATED).
-PACKED, PACKED_GATED = 1, 2
+# `Matrix.bits` for the dense GEMM's packed layouts and the int8 GEMM's (the C side's names),
+# apart from the bit counts a small step's matrices give (4, 8, 16, 32).
+PACKED, PACKED_GATED, INT8, INT8_GATED = 101, 102, 103, 104
 
 
 class Matrix(ctypes.Structure):
-    _fields_ = [("levels", _PTR), ("scales", _PTR), ("mins", _PTR), ("n", _I64), ("k", _I64), ("bits", _I64)]
+    _fields_ = [("levels", _PTR), ("scales", _PTR), ("mins", _PTR), ("n", _I64), ("k", _I64), ("bits", _I64),
+                ("compensation", _PTR), ("col_scales", _PTR), ("columns", _PTR), ("outliers", _I64)]
+
+    @classmethod
+    def int8(cls, packed: PackedInt8, col_scales: torch.Tensor, columns: torch.Tensor, outliers: int,
+             gated: bool) -> Matrix:
+        """The record of a packed 8-bit matrix: its blocks (`gated`: gate/up pairs), the
+        columns' fp32 scales, the [in, out] int8 matrix the outliers meet, and how many
+        outliers a row of its input sets aside (layers/int8.py `Int8Weight`)."""
+        return cls(packed.values.data_ptr(), None, None, packed.out_features, packed.in_features,
+                   INT8_GATED if gated else INT8, packed.compensation.data_ptr(), col_scales.data_ptr(),
+                   columns.data_ptr(), outliers)
 
     @classmethod
     def of(cls, matrix: Q4Matrix | DenseRows | PackedDense, gated: bool = False) -> Matrix:
@@ -72,13 +87,15 @@ class DecodeStackKernel:
     """The loaded sequencer and the kernels it calls for one row dtype: for small steps, bf16
     rows with the 4/8-bit GEMMs (`q4`) and/or the bf16 GEMV on plain bf16 weights (`gemv`),
     or fp32 rows with the fp32 GEMV (`gemv`); for larger ones, the packed dense GEMM
-    (`dense`) in either. Their libraries stay loaded: the objects holding them are kept here."""
+    (`dense`) in either, or the 8-bit one with its row passes (`int8`). Their libraries stay
+    loaded: the objects holding them are kept here."""
 
     def __init__(self, library: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
                  q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None,
-                 dense: DenseGemmKernel | None = None) -> None:
+                 dense: DenseGemmKernel | None = None,
+                 int8: tuple[Int8RowsKernel, Int8GemmKernel] | None = None) -> None:
         if (dtype not in (torch.bfloat16, torch.float32) or (q4 is not None and dtype != torch.bfloat16)
-                or (q4 is None and gemv is None and dense is None)
+                or (q4 is None and gemv is None and dense is None and int8 is None)
                 or (dense is not None and not dense.multiplies(dtype))):
             raise ValueError("a decode stack runs bf16 rows with the 4-bit GEMMs, the bf16 GEMV or the packed bf16 "
                              "GEMM, or fp32 rows with the fp32 GEMV or the packed fp32 GEMM")
@@ -86,7 +103,8 @@ class DecodeStackKernel:
             "tandem_decode_stack": (ctypes.c_int, [_PTR, _PTR, _I64, _PTR, _PTR]),
         })["tandem_decode_stack"]
         self.dtype = dtype
-        self._holds = (q4, gemv, dense, ops, attention)
+        self._holds = (q4, gemv, dense, int8, ops, attention)
+        rows, gemm = int8 if int8 is not None else (None, None)
         self.kernels = Kernels(
             _address(q4.gemm_entry(4, dtype)) if q4 else None, _address(q4.gemm_entry(8, dtype)) if q4 else None,
             _address(gemv.gemv_entry(torch.float32)) if gemv and dtype == torch.float32 else None,
@@ -95,13 +113,16 @@ class DecodeStackKernel:
             _address(ops.silu_mul_entry(dtype)), _address(attention.write_kv_entry()),
             _address(attention.attend_entry()),
             _address(dense.gemm_entry()) if dense else None, _address(dense.silu_mul_entry()) if dense else None,
+            _address(rows.quantize_entry()) if rows else None,
+            _address(gemm.dequantize_entry()) if gemm else None, _address(gemm.gated_entry()) if gemm else None,
         )
 
     @classmethod
     def build(cls, cache_dir: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
               q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None,
-              dense: DenseGemmKernel | None = None) -> DecodeStackKernel:
-        return cls(build_kernel_library(cache_dir, SOURCE), dtype, ops, attention, q4, gemv, dense)
+              dense: DenseGemmKernel | None = None,
+              int8: tuple[Int8RowsKernel, Int8GemmKernel] | None = None) -> DecodeStackKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE), dtype, ops, attention, q4, gemv, dense, int8)
 
     def __call__(self, layers: ctypes.Array, step: Step, hidden: torch.Tensor) -> None:
         """Run `hidden` [tokens, hidden] (the stack's dtype, contiguous; updated in place)

@@ -69,6 +69,13 @@ class Int8GemmKernel:
         self.isa: str = functions["tandem_int8_gemm_isa"]().decode()  # "avx512-vnni" or "none"
         self.max_inner: int = functions["tandem_int8_gemm_max_inner"]()
 
+    # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
+    def dequantize_entry(self) -> object:
+        return self._gemm_dequantize
+
+    def gated_entry(self) -> object:
+        return self._gemm_gated
+
     @classmethod
     def build(cls, cache_dir: Path) -> Int8GemmKernel:
         return cls(build_kernel_library(cache_dir, SOURCE))

@@ -49,6 +49,10 @@ class Int8RowsKernel:
         self.max_outliers: int = functions["tandem_int8_max_outliers"]()
         self.isa: str = functions["tandem_int8_rows_isa"]().decode()  # "avx512" or "portable C"
 
+    # The C function itself, for callers in C (tandem/kernels/decode_stack.py).
+    def quantize_entry(self) -> object:
+        return self._quantize
+
     @classmethod
     def build(cls, cache_dir: Path) -> Int8RowsKernel:
         return cls(build_kernel_library(cache_dir, SOURCE))

@@ -12,9 +12,11 @@ rotary, the C decode attention, no tensor or pipeline split, no q/k norms, no bi
   projections (`--decode-weights int4`) in bf16, or the model's own plain rows
   (`--decode-weights float32` in fp32, `--decode-weights bfloat16` in bf16);
 - larger batches of decode tokens, where all four projections are packed for tandem's dense
-  GEMM (bf16 or fp32 weights on AVX-512 without AMX; not 8-bit ones). At 64 sequences the
-  Python between kernels cost less than at one, but every OpenMP thread but the caller's
-  waited through it: 12% of a bf16 decode-heavy run was libgomp's wait, 5% the interpreter.
+  GEMM (bf16 or fp32 weights on AVX-512 without AMX) or, under bf16 rows, for its 8-bit GEMM
+  with gate/up as pairs (`--quantization int8` on VNNI without AMX: the default mode there).
+  At 64 sequences the Python between kernels cost less than at one, but every OpenMP thread
+  but the caller's waited through it: 12% of a bf16 decode-heavy run was libgomp's wait, 5%
+  the interpreter.
 Anything else keeps the module path. In fp32 the stack's norm is the C one, where the module
 path runs torch's: the two sum the mean of squares in different orders, so fp32 hidden
 states agree to rounding rather than bit for bit (greedy tokens are tested against
@@ -37,6 +39,8 @@ from tandem.kernels.cpu_attention import CpuAttentionBackend
 from tandem.kernels.decode_stack import DecodeStackKernel, Layer, Matrix, Step
 from tandem.kernels.dense_gemm import DenseGemmKernel
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
+from tandem.kernels.int8_gemm import Int8GemmKernel
+from tandem.kernels.int8_rows import Int8RowsKernel
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix
 from tandem.layers.linear import GateUpLinear, Linear
@@ -128,7 +132,12 @@ def _small_records(layer: DecoderLayer) -> dict[str, Matrix]:
 
 
 def _packed_records(layer: DecoderLayer) -> dict[str, Matrix]:
-    records = {name: Matrix.of(p.dense_packed) for name, p in _projections(layer).items() if name != "gate_up"}
+    projections = _projections(layer)
+    if projections["qkv"].int8 is not None:  # the 8-bit copies (`_int8_fits`)
+        return {name: Matrix.int8(w.packed, w.scales, w.columns, w.outliers, w.gate_up_pairs)
+                for name, w in ((name, p.int8) for name, p in projections.items())
+                if w is not None and w.packed is not None}
+    records = {name: Matrix.of(p.dense_packed) for name, p in projections.items() if name != "gate_up"}
     gate_up = layer.mlp.gate_up_proj
     assert isinstance(gate_up, GateUpLinear) and gate_up.gated_packed is not None
     records["gate_up"] = Matrix.of(gate_up.gated_packed, gated=True)
@@ -167,6 +176,22 @@ def _packed_fits(layer: DecoderLayer, dtype: torch.dtype) -> bool:
         return False
     packed = [p.dense_packed for p in projections.values()] + [gate_up.gated_packed]
     return all(m is not None and m.values.dtype == dtype for m in packed)
+
+
+def _int8_fits(layer: DecoderLayer) -> tuple[Int8RowsKernel, Int8GemmKernel] | None:
+    """The 8-bit kernels where larger steps of every projection read packed 8-bit weights
+    through them, gate/up as pairs, as `gated_mlp` runs them (the vector row passes, no bias,
+    widths the passes take); else None."""
+    kernels = None
+    for name, p in _projections(layer).items():
+        weight = p.int8
+        if (weight is None or weight.packed is None or weight.gemm is None or weight.kernel is None
+                or weight.kernel.isa != "avx512" or getattr(p, "bias", None) is not None or p.gemv_rows is not None
+                or weight.gate_up_pairs != (name == "gate_up") or weight.outliers > weight.kernel.max_outliers
+                or max(weight.columns.shape) > weight.kernel.max_cols):
+            return None
+        kernels = kernels or (weight.kernel, weight.gemm)
+    return kernels
 
 
 def _stack_layers(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> list[DecoderLayer] | None:
@@ -208,13 +233,21 @@ def attach_decode_stack(model: nn.Module, backend: AttentionBackend, cache_dir: 
     needs_q4 = any(isinstance(m, Q4Matrix) for m in matrices)
     needs_gemv = any(isinstance(m, DenseRows) for m in matrices)
     small = small and not (needs_q4 and q4 is None) and not (needs_gemv and gemv is None)
-    large = all(_packed_fits(layer, dtype) for layer in layers)
-    dense: DenseGemmKernel | None = projections[0][0].dense_gemm if large else None
+    dense: DenseGemmKernel | None = None
+    # 8-bit weights under fp32 rows stay on the module path: there the stack's C norm rounds
+    # otherwise than torch's, and where a row's quantization lands on another level that grew
+    # into other greedy tokens (tested); bf16 rows take the module path's bits.
+    int8 = _int8_fits(layers[0]) if dtype == torch.bfloat16 else None
+    if all(_packed_fits(layer, dtype) for layer in layers):
+        dense = projections[0][0].dense_gemm
+    elif int8 is not None and not all(_int8_fits(layer) == int8 for layer in layers):
+        int8 = None
+    large = dense is not None or int8 is not None
     if not (small or large):
         return None
     try:
         kernel = DecodeStackKernel.build(cache_dir, dtype, ops, backend.kernel, q4=q4 if small and needs_q4 else None,
-                                         gemv=gemv if small and needs_gemv else None, dense=dense)
+                                         gemv=gemv if small and needs_gemv else None, dense=dense, int8=int8)
     except KernelBuildError as error:
         logger.warning("decode stack unavailable (%s); decode steps run layer by layer", error)
         return None

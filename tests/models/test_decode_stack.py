@@ -36,8 +36,10 @@ def _count_calls(stack: DecodeStack) -> list[int]:
 
 def _packed_for_tandems_gemm(llm: LLM) -> bool:
     """Whether larger steps read weights packed for tandem's dense GEMM (AVX-512 without AMX,
-    bf16 also AVX-512-BF16): where they do not, the stack has no records for them."""
-    return llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.gated_packed is not None
+    bf16 also AVX-512-BF16) or its 8-bit one with gate/up pairs (VNNI without AMX, the
+    vector row passes): where they do not, the stack has no records for them."""
+    gate_up = llm.engine.runner.model.model.layers[0].mlp.gate_up_proj
+    return gate_up.gated_packed is not None or (gate_up.int8 is not None and gate_up.int8.gate_up_pairs)
 
 
 def _stacked_then_layered(llm: LLM, prompts: list[str], dtype: torch.dtype) -> tuple[list, list]:
@@ -78,14 +80,26 @@ def test_steps_larger_than_the_small_step_copies_go_through_the_packed_weights()
     assert stacked == layered
 
 
-def test_steps_of_8_bit_weights_take_the_module_path() -> None:
-    """`--quantization int8`: larger steps read 8-bit weights, which the stack does not run."""
+def test_steps_of_8_bit_weights_go_through_the_packed_8_bit_weights() -> None:
+    """`--quantization int8` (the default mode where the CPU has VNNI): larger steps read the
+    packed 8-bit matrices, the rows quantized and the products dequantized as the module path
+    does, gate/up's middle from its pairs: the module path's bits."""
     with LLM(dtype="bfloat16", decode_weights="int4", quantization="int8", kv_cache_memory="64MiB",
              enable_prefix_caching=False) as llm:
+        assert llm.engine.runner.model.model.layers[0].mlp.down_proj.int8 is not None
+        stacked, layered = _stacked_then_layered(llm, PROMPTS * 2, torch.bfloat16)
+    assert stacked == layered
+
+
+def test_8_bit_weights_under_fp32_rows_keep_the_module_path_past_the_small_steps() -> None:
+    """The stack's fp32 norm rounds otherwise than torch's, which 8-bit rows can turn into
+    other tokens: fp32 rows over 8-bit weights keep the module path for larger steps."""
+    with LLM(dtype="float32", decode_weights="float32", quantization="int8", kv_cache_memory="64MiB",
+             enable_prefix_caching=False) as llm:
         stack = llm.engine.runner.model.decode_stack
-        assert stack is not None
+        assert stack is not None and stack.max_tokens == 2
         calls = _count_calls(stack)
-        outputs = _generate(llm, PROMPTS + ["Once upon a time"])
+        outputs = _generate(llm, PROMPTS * 2)
     assert calls == [] and all(len(tokens) == 24 for tokens, _ in outputs)
 
 

@@ -18,7 +18,11 @@
  * the calling thread runs Python, the other OpenMP threads wait (11.8% of a bf16
  * decode-heavy run in libgomp, 4.7% in the interpreter). Its matrices are the packed ones
  * (bits PACKED), and gate/up the gated layout whose epilogue writes silu(gate) * up itself
- * (PACKED_GATED), as the layer path's GateUpLinear does: no silu-and-mul pass.
+ * (PACKED_GATED), as the layer path's GateUpLinear does: no silu-and-mul pass. Under
+ * `--quantization int8` they are the packed 8-bit matrices (INT8): each product quantizes its
+ * rows (int8_rows.c), then the int8 GEMM dequantizes in its epilogue (int8_gemm.c), and
+ * gate/up's pairs (INT8_GATED) give the fp32 middle the down projection quantizes, as
+ * layers/int8.py's `gated_mlp` does.
  *
  * Per layer, for T tokens with hidden size H (elements of `element_bytes` each):
  *   normed = rms_norm(hidden)                     input_layernorm
@@ -53,6 +57,18 @@ typedef int (*dense_gemm_fn)(const void *x, int64_t x_stride, int64_t m, int64_t
                              const void *bias, const void *residual, void *out, int64_t n, int num_threads);
 typedef int (*dense_silu_mul_fn)(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *packed,
                                  int kind, const void *bias, void *out, int64_t intermediate, int num_threads);
+typedef void (*quantize_fn)(const void *x, int kind, int64_t rows, int64_t cols, int64_t stride, int8_t *q,
+                            float *scales, int64_t outliers, int32_t *outlier_index, float *outlier_value,
+                            int num_threads);
+typedef int (*int8_dequantize_fn)(const int8_t *a, int64_t a_stride, int64_t m, int64_t k, const int8_t *packed,
+                                  const int32_t *compensation, int64_t n, const float *row_scales,
+                                  const float *col_scales, int64_t outliers, const int32_t *outlier_index,
+                                  const float *outlier_value, const int8_t *weight_t, const void *bias,
+                                  const void *residual, void *out, int kind, int num_threads);
+typedef int (*int8_gated_fn)(const int8_t *a, int64_t a_stride, int64_t m, int64_t k, const int8_t *packed,
+                             const int32_t *compensation, int64_t n, const float *row_scales, const float *col_scales,
+                             int64_t outliers, const int32_t *outlier_index, const float *outlier_value,
+                             const int8_t *weight_t, float *h, int kind, int num_threads);
 typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_bf16,
                          const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -71,18 +87,54 @@ struct Kernels {
     attend_fn attend;
     dense_gemm_fn dense_gemm;         /* tandem_dense_gemm (packed matrices) */
     dense_silu_mul_fn dense_silu_mul; /* tandem_dense_gemm_silu_mul (the gated layout) */
+    quantize_fn quantize_rows;        /* tandem_quantize_rows (int8 matrices' rows) */
+    int8_dequantize_fn int8_dequantize; /* tandem_int8_gemm_dequantize */
+    int8_gated_fn int8_gated;         /* tandem_int8_gemm_gated */
 };
 
 /* A matrix in q4_gemm.c's layout, [n, k] at 4 or 8 bits a level, or (bits 32 / 16) plain
  * fp32 / bf16 rows for dense_gemv.c, or (PACKED) dense_gemm.c's packed blocks in the rows'
- * dtype, or (PACKED_GATED) its gate/up layout with n = 2 x intermediate. */
-#define PACKED 1
-#define PACKED_GATED 2
+ * dtype, or (PACKED_GATED) its gate/up layout with n = 2 x intermediate, or (INT8) int8_gemm.c's
+ * packed 8-bit blocks with what its epilogue reads, or (INT8_GATED) its gate/up pairs. */
+/* (apart from the bit counts 4, 8, 16 and 32) */
+#define PACKED 101
+#define PACKED_GATED 102
+#define INT8 103
+#define INT8_GATED 104
 struct Matrix {
-    const uint8_t *levels; /* bits 32 / 16: the fp32 / bf16 [n, k] rows; PACKED*: the packed blocks */
+    const uint8_t *levels; /* bits 32 / 16: the fp32 / bf16 [n, k] rows; PACKED*, INT8*: the packed blocks */
     const uint16_t *scales, *mins;
     int64_t n, k, bits;
+    /* INT8*: 128 x each column's sum, the columns' scales, the [k, n] matrix (the outliers'
+     * rows) and how many outliers a row of its input sets aside */
+    const int32_t *compensation;
+    const float *col_scales;
+    const int8_t *columns;
+    int64_t outliers;
 };
+
+/* An int8 product's input rows, quantized: values [tokens, widest input], a scale a row,
+ * and each row's outliers. */
+struct Quantized {
+    int8_t *values;
+    float *scales;
+    int32_t *outlier_index;
+    float *outlier_value;
+};
+
+/* out [rows, n] (+ residual, in place where out is residual) = x @ the int8 matrix, x in
+ * `x_kind` (0 fp32, 1 bf16), out in `kind`: rows quantized, then dequantized in the GEMM's
+ * epilogue, as layers/int8.py's `Int8Weight.matmul` does. */
+static int int8_product(const struct Kernels *kernels, const struct Matrix *matrix, const void *x, int x_kind,
+                        const void *residual, void *out, int64_t rows, int kind, const struct Quantized *q,
+                        int num_threads) {
+    kernels->quantize_rows(x, x_kind, rows, matrix->k, matrix->k, q->values, q->scales, matrix->outliers,
+                           q->outlier_index, q->outlier_value, num_threads);
+    return kernels->int8_dequantize(q->values, matrix->k, rows, matrix->k, (const int8_t *)matrix->levels,
+                                    matrix->compensation, matrix->n, q->scales, matrix->col_scales, matrix->outliers,
+                                    q->outlier_index, q->outlier_value, matrix->columns, NULL, residual, out, kind,
+                                    num_threads);
+}
 
 struct Layer {
     const void *input_norm, *post_norm; /* [hidden], in the rows' dtype */
@@ -102,7 +154,8 @@ struct Step {
 };
 
 static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, const void *x, const void *residual,
-                void *out, int64_t rows, int bf16, int num_threads) {
+                void *out, int64_t rows, int bf16, const struct Quantized *q, int num_threads) {
+    if (matrix->bits == INT8) return int8_product(kernels, matrix, x, bf16, residual, out, rows, bf16, q, num_threads);
     if (matrix->bits == PACKED)
         return kernels->dense_gemm(x, matrix->k, rows, matrix->k, matrix->levels, bf16, NULL, residual, out,
                                    matrix->n, num_threads);
@@ -119,6 +172,8 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
                  num_threads);
 }
 
+static int64_t widest(int64_t a, int64_t b) { return a > b ? a : b; }
+
 /* hidden [tokens, hidden] (bf16 or fp32), updated in place through every layer. Returns 0, or
  * the first kernel's nonzero status (scratch memory ran out), or -1 for its own. */
 int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layers, int64_t num_layers,
@@ -131,16 +186,27 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
     const int64_t heads_per_item = t * step->kv_heads < 2 * threads ? 1 : group;
     const size_t bytes = (size_t)step->element_bytes;
     const int bf16 = step->element_bytes == 2;
+    int64_t outliers = 0;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const struct Matrix *m[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
+        for (int j = 0; j < 4; j++) outliers = widest(outliers, m[j]->outliers);
+    }
+    const int64_t inputs = widest(widest(step->hidden, q_width), step->intermediate);
     char *normed = malloc(bytes * (size_t)(t * step->hidden));
     char *qkv = malloc(bytes * (size_t)(t * width));
     char *attn = malloc(bytes * (size_t)(t * q_width));
     char *gate_up = malloc(bytes * (size_t)(t * 2 * step->intermediate));
-    char *act = malloc(bytes * (size_t)(t * step->intermediate));
-    int status = normed && qkv && attn && gate_up && act ? 0 : -1;
+    /* the gated middle: in the rows' dtype, or fp32 for the 8-bit down projection */
+    char *act = malloc(sizeof(float) * (size_t)(t * step->intermediate));
+    const struct Quantized q = {malloc((size_t)(t * inputs)), malloc(sizeof(float) * (size_t)t),
+                                malloc(sizeof(int32_t) * (size_t)(t * widest(outliers, 1))),
+                                malloc(sizeof(float) * (size_t)(t * widest(outliers, 1)))};
+    int status = normed && qkv && attn && gate_up && act && q.values && q.scales && q.outlier_index
+        && q.outlier_value ? 0 : -1;
     for (int64_t i = 0; i < num_layers && status == 0; i++) {
         const struct Layer *layer = layers + i;
         kernels->rms_norm(hidden, step->hidden, layer->input_norm, normed, t, step->hidden, step->eps, threads);
-        if ((status = gemm(kernels, &layer->qkv, normed, NULL, qkv, t, bf16, threads)) != 0) break;
+        if ((status = gemm(kernels, &layer->qkv, normed, NULL, qkv, t, bf16, &q, threads)) != 0) break;
         kernels->rotary(qkv, t, step->heads + step->kv_heads, width, step->head_dim, step->cos, step->sin, threads);
         const char *key = qkv + bytes * (size_t)q_width, *value = key + bytes * (size_t)kv_width;
         kernels->write_kv(key, value, layer->kv_cache, step->slots, t, width, width, step->kv_heads, step->head_dim,
@@ -151,22 +217,38 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
                                       threads)) != 0)
             break;
         /* the residual GEMMs read `residual` only in their last, elementwise pass: in place */
-        if ((status = gemm(kernels, &layer->o, attn, hidden, hidden, t, bf16, threads)) != 0) break;
+        if ((status = gemm(kernels, &layer->o, attn, hidden, hidden, t, bf16, &q, threads)) != 0) break;
         kernels->rms_norm(hidden, step->hidden, layer->post_norm, normed, t, step->hidden, step->eps, threads);
-        if (layer->gate_up.bits == PACKED_GATED) {
-            if ((status = kernels->dense_silu_mul(normed, step->hidden, t, step->hidden, layer->gate_up.levels, bf16,
-                                                  NULL, act, step->intermediate, threads)) != 0)
+        const struct Matrix *up = &layer->gate_up, *down = &layer->down;
+        if (up->bits == INT8_GATED) {
+            kernels->quantize_rows(normed, bf16, t, up->k, up->k, q.values, q.scales, up->outliers, q.outlier_index,
+                                   q.outlier_value, threads);
+            if ((status = kernels->int8_gated(q.values, up->k, t, up->k, (const int8_t *)up->levels,
+                                              up->compensation, up->n, q.scales, up->col_scales, up->outliers,
+                                              q.outlier_index, q.outlier_value, up->columns, (float *)act, bf16,
+                                              threads)) != 0)
+                break;
+            status = int8_product(kernels, down, act, 0, hidden, hidden, t, bf16, &q, threads);
+            continue;
+        }
+        if (up->bits == PACKED_GATED) {
+            if ((status = kernels->dense_silu_mul(normed, step->hidden, t, step->hidden, up->levels, bf16, NULL, act,
+                                                  step->intermediate, threads)) != 0)
                 break;
         } else {
-            if ((status = gemm(kernels, &layer->gate_up, normed, NULL, gate_up, t, bf16, threads)) != 0) break;
+            if ((status = gemm(kernels, up, normed, NULL, gate_up, t, bf16, &q, threads)) != 0) break;
             kernels->silu_mul(gate_up, act, t, step->intermediate, threads);
         }
-        status = gemm(kernels, &layer->down, act, hidden, hidden, t, bf16, threads);
+        status = gemm(kernels, down, act, hidden, hidden, t, bf16, &q, threads);
     }
     free(normed);
     free(qkv);
     free(attn);
     free(gate_up);
     free(act);
+    free(q.values);
+    free(q.scales);
+    free(q.outlier_index);
+    free(q.outlier_value);
     return status;
 }
