@@ -23,6 +23,7 @@ import hashlib
 import json
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,11 +178,13 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
 
     prefill-heavy (prompt tok/s): every prompt token costs 2 x active parameters of FLOPs,
     less the LM head's share (a prompt's logits are taken at its last token only).
-    decode-heavy (output tok/s): a step of B sequences reads the weights once at the read rate
-    (`step_read_bytes`: of a MoE's routed experts, those some token chose) and does B x 2 x
-    active FLOPs; whichever takes
-    longer bounds the step. Attention's FLOPs and KV reads are left out (short contexts here),
-    so the ceilings are a little high.
+    decode-heavy (output tok/s): the timed run prefills its prompts (their FLOPs as above, and
+    each prompt's last token through the LM head, which gives its first output token), then
+    runs a decode step for every further token; a step of B sequences reads the weights once
+    at the read rate (`step_read_bytes`: of a MoE's routed experts, those some token chose)
+    and does B x 2 x active FLOPs, whichever takes longer bounding it. Attention's FLOPs and
+    KV reads are left out, so the ceilings are high: at 64 sequences of ~150 tokens the
+    default model's decode step reads more KV than weights.
 
     bf16 on a CPU with no bf16 matmul (an AVX2-only EPYC) is computed by tandem's kernels in
     fp32 (widened in registers or per call), so there the fp32 rate bounds it. A 4-bit layout's
@@ -228,9 +231,9 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
         elif name == "prefill-heavy":
             ceilings[name] = ("prompt_tok_s", flops / per_prompt_token)
         elif name == "decode-heavy":
-            batch = len(workload.prompts)
-            step = max(step_read_bytes(hf_dir, dtype, batch) / read, batch * per_token / flops if compute_bound else 0.0)
-            ceilings[name] = ("output_tok_s", batch / step)
+            ceilings[name] = ("output_tok_s", _decode_heavy_ceiling(
+                workload, lambda batch: step_read_bytes(hf_dir, dtype, batch) / read,
+                per_prompt_token, per_token, flops if compute_bound else None))
     # a layout on another config (+dense-experts) reads other bytes: its own read-bound limits
     by_layout: dict[str, dict[str, float]] = {}
     for layout, other_dir in (variants or {}).items():
@@ -240,12 +243,30 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
             if name == "single-stream":
                 limits[name] = read / step_read_bytes(other_dir, dtype, 1)
             elif name == "decode-heavy":
-                batch = len(workload.prompts)
-                limits[name] = batch / max(step_read_bytes(other_dir, dtype, batch) / read,
-                                           batch * per_token / flops if compute_bound else 0.0)
+                limits[name] = _decode_heavy_ceiling(
+                    workload, lambda batch, other_dir=other_dir: step_read_bytes(other_dir, dtype, batch) / read,
+                    per_prompt_token, per_token, flops if compute_bound else None)
     if by_layout:
         ceilings["by_layout"] = by_layout
     return ceilings
+
+
+def _decode_heavy_ceiling(workload: Any, read_seconds: Callable[[int], float], per_prompt_token: float,
+                          per_token: float, flops: float | None) -> float:
+    """Output tok/s of a batch workload at the machine's rates: its prefill (compute-bound:
+    every prompt token's FLOPs, and the LM head once a prompt for the first output token),
+    then one decode step per further token of the sequences still running, each bounded by
+    its weight read (`read_seconds(batch)`) or its FLOPs, whichever is longer. `flops` None:
+    no matmul path bounds it (the read bound alone)."""
+    seconds = 0.0
+    if flops is not None:
+        head = per_token - per_prompt_token
+        seconds += (workload.prompt_tokens * per_prompt_token + len(workload.prompts) * head) / flops
+    lengths = workload.max_tokens
+    for step in range(1, max(lengths, default=0)):
+        batch = sum(1 for n in lengths if n > step)
+        seconds += max(read_seconds(batch), batch * per_token / flops if flops is not None else 0.0)
+    return workload.output_tokens / seconds if seconds > 0 else float("inf")
 
 
 def step_read_bytes(hf_dir: Path, dtype: str, batch: int) -> float:
