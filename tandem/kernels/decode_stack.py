@@ -27,6 +27,10 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
+def _pointer(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
 def _address(function: object) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value or 0
 
@@ -44,30 +48,34 @@ PACKED, PACKED_GATED, INT8, INT8_GATED = 101, 102, 103, 104
 
 class Matrix(ctypes.Structure):
     _fields_ = [("levels", _PTR), ("scales", _PTR), ("mins", _PTR), ("n", _I64), ("k", _I64), ("bits", _I64),
-                ("compensation", _PTR), ("col_scales", _PTR), ("columns", _PTR), ("outliers", _I64)]
+                ("compensation", _PTR), ("col_scales", _PTR), ("columns", _PTR), ("outliers", _I64), ("bias", _PTR)]
 
     @classmethod
     def int8(cls, packed: PackedInt8, col_scales: torch.Tensor, columns: torch.Tensor, outliers: int,
-             gated: bool) -> Matrix:
+             gated: bool, bias: torch.Tensor | None = None) -> Matrix:
         """The record of a packed 8-bit matrix: its blocks (`gated`: gate/up pairs), the
         columns' fp32 scales, the [in, out] int8 matrix the outliers meet, and how many
-        outliers a row of its input sets aside (layers/int8.py `Int8Weight`)."""
+        outliers a row of its input sets aside (layers/int8.py `Int8Weight`); `bias` in the
+        rows' dtype, contiguous, kept alive by the caller."""
         return cls(packed.values.data_ptr(), None, None, packed.out_features, packed.in_features,
                    INT8_GATED if gated else INT8, packed.compensation.data_ptr(), col_scales.data_ptr(),
-                   columns.data_ptr(), outliers)
+                   columns.data_ptr(), outliers, _pointer(bias))
 
     @classmethod
-    def of(cls, matrix: Q4Matrix | DenseRows | PackedDense, gated: bool = False) -> Matrix:
+    def of(cls, matrix: Q4Matrix | DenseRows | PackedDense, gated: bool = False,
+           bias: torch.Tensor | None = None) -> Matrix:
         """The record of a small step's matrix, or of a packed one (`gated`: `pack_gated`'s
-        gate/up layout, whose GEMM writes silu(gate) * up)."""
+        gate/up layout, whose GEMM writes silu(gate) * up). `bias` (contiguous, kept alive by
+        the caller): in the rows' dtype for a packed matrix, bf16 added after a 4/8-bit
+        product; a GEMV's rows bring their own fp32 one."""
         if isinstance(matrix, PackedDense):
             return cls(matrix.values.data_ptr(), None, None, matrix.out_features, matrix.in_features,
-                       PACKED_GATED if gated else PACKED)
+                       PACKED_GATED if gated else PACKED, bias=_pointer(bias))
         if isinstance(matrix, DenseRows):  # bits 32 / 16: plain fp32 / bf16 rows, `levels` pointing at them
             return cls(matrix.weight.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1],
-                       8 * matrix.weight.element_size())
+                       8 * matrix.weight.element_size(), bias=_pointer(matrix.bias))
         return cls(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
-                   matrix.out_features, matrix.in_features, matrix.bits)
+                   matrix.out_features, matrix.in_features, matrix.bits, bias=_pointer(bias))
 
 
 class Layer(ctypes.Structure):

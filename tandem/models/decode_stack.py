@@ -7,7 +7,8 @@ loop to csrc/decode_stack.c, which calls the same kernels in the same order, so 
 states come out bit-identical to the layer-by-layer path (tested).
 
 Two kinds of steps qualify, each where every piece of a layer has a C kernel (the C norm and
-rotary, the C decode attention, no tensor or pipeline split, no q/k norms, no biases):
+rotary, the C decode attention, no tensor or pipeline split, no q/k norms; biases as Qwen2's
+q/k/v ones, added where the layer path adds them):
 - small steps, no larger than the small-step copies serve: 4- or 8-bit copies of all four
   projections (`--decode-weights int4`) in bf16, or the model's own plain rows
   (`--decode-weights float32` in fp32, `--decode-weights bfloat16` in bf16);
@@ -58,8 +59,10 @@ class DecodeStack:
         self.kernel = kernel
         self.max_tokens = max_tokens  # small records up to here (0: none)
         self.large_above = large_above  # large records past here: where every projection leaves its small copy
-        self._small = _records(layers, _small_records) if small else None
-        self._large = _records(layers, _packed_records) if large else None
+        # the biases as the records' kernels read them (converted copies), alive with the records
+        self._biases: list[torch.Tensor] = []
+        self._small = _records(layers, _small_records, self._biases) if small else None
+        self._large = _records(layers, _packed_records, self._biases) if large else None
         first = layers[0]
         cfg = model.config
         self._step = Step(hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
@@ -111,15 +114,26 @@ class DecodeStack:
         return hidden
 
 
-def _records(layers: list[DecoderLayer], matrices: Callable[[DecoderLayer], dict[str, Matrix]]) -> ctypes.Array:
-    """One C `Layer` record a decoder layer, its four projections' records from `matrices`."""
+def _records(layers: list[DecoderLayer], matrices: Callable[[DecoderLayer, list[torch.Tensor]], dict[str, Matrix]],
+             keep: list[torch.Tensor]) -> ctypes.Array:
+    """One C `Layer` record a decoder layer, its four projections' records from `matrices`
+    (which append the tensors the records point at and nothing else holds to `keep`)."""
     records = (Layer * len(layers))()
     for record, layer in zip(records, layers, strict=True):
         record.input_norm = layer.input_layernorm.weight.data_ptr()
         record.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-        for name, matrix in matrices(layer).items():
+        for name, matrix in matrices(layer, keep).items():
             setattr(record, name, matrix)
     return records
+
+
+def _bias(projection: Linear, dtype: torch.dtype, keep: list[torch.Tensor]) -> torch.Tensor | None:
+    """The projection's bias in `dtype`, contiguous (kept in `keep`), or None."""
+    bias = getattr(projection, "bias", None)
+    if bias is None:
+        return None
+    keep.append(bias.detach().to(dtype).contiguous())
+    return keep[-1]
 
 
 def _projections(layer: DecoderLayer) -> dict[str, Linear]:
@@ -127,20 +141,27 @@ def _projections(layer: DecoderLayer) -> dict[str, Linear]:
     return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
 
 
-def _small_records(layer: DecoderLayer) -> dict[str, Matrix]:
-    return {name: Matrix.of(_small_matrix(p)) for name, p in _projections(layer).items()}
+def _small_records(layer: DecoderLayer, keep: list[torch.Tensor]) -> dict[str, Matrix]:
+    dtype = layer.input_layernorm.weight.dtype
+    return {name: Matrix.of(_small_matrix(p), bias=_bias(p, dtype, keep)) for name, p in _projections(layer).items()}
 
 
-def _packed_records(layer: DecoderLayer) -> dict[str, Matrix]:
+def _packed_records(layer: DecoderLayer, keep: list[torch.Tensor]) -> dict[str, Matrix]:
     projections = _projections(layer)
+    dtype = layer.input_layernorm.weight.dtype
     if projections["qkv"].int8 is not None:  # the 8-bit copies (`_int8_fits`)
-        return {name: Matrix.int8(w.packed, w.scales, w.columns, w.outliers, w.gate_up_pairs)
-                for name, w in ((name, p.int8) for name, p in projections.items())
-                if w is not None and w.packed is not None}
-    records = {name: Matrix.of(p.dense_packed) for name, p in projections.items() if name != "gate_up"}
+        records = {}
+        for name, p in projections.items():
+            w = p.int8
+            assert w is not None and w.packed is not None
+            records[name] = Matrix.int8(w.packed, w.scales, w.columns, w.outliers, w.gate_up_pairs,
+                                        _bias(p, dtype, keep))
+        return records
+    records = {name: Matrix.of(p.dense_packed, bias=_bias(p, dtype, keep))
+               for name, p in projections.items() if name != "gate_up"}
     gate_up = layer.mlp.gate_up_proj
     assert isinstance(gate_up, GateUpLinear) and gate_up.gated_packed is not None
-    records["gate_up"] = Matrix.of(gate_up.gated_packed, gated=True)
+    records["gate_up"] = Matrix.of(gate_up.gated_packed, gated=True, bias=_bias(gate_up, dtype, keep))
     return records
 
 
@@ -158,9 +179,19 @@ def _fits(matrix: object, dtype: torch.dtype) -> bool:
     return isinstance(matrix, Q4Matrix) and dtype == torch.bfloat16
 
 
-def _small_fits(projections: list[Linear], dtype: torch.dtype) -> bool:
-    return all(_fits(_small_matrix(p), dtype) and getattr(p, "bias", None) is None
-               and p.small_step is not None for p in projections)
+def _small_fits(layer: DecoderLayer, dtype: torch.dtype) -> bool:
+    """Whether small steps of every projection read a copy the stack runs, and its bias (if
+    any) is added as the layer path adds it: by the GEMV, or after a 4/8-bit product that has
+    no residual to fuse (qkv, gate/up; o and down fuse theirs, and the layer path then adds
+    bias and residual in another order)."""
+    for name, p in _projections(layer).items():
+        matrix, bias = _small_matrix(p), getattr(p, "bias", None)
+        if not _fits(matrix, dtype) or p.small_step is None:
+            return False
+        if bias is not None and not (isinstance(matrix, DenseRows) and matrix.bias is not None) and not (
+                isinstance(matrix, Q4Matrix) and name in ("qkv", "gate_up") and bias.dtype == dtype):
+            return False
+    return True
 
 
 def _packed_fits(layer: DecoderLayer, dtype: torch.dtype) -> bool:
@@ -168,8 +199,7 @@ def _packed_fits(layer: DecoderLayer, dtype: torch.dtype) -> bool:
     (gate/up: its gated layout), with no bias and no other copy taking those steps first."""
     projections = _projections(layer)
     for p in projections.values():
-        if (getattr(p, "bias", None) is not None or p.int4 is not None or p.int8 is not None
-                or p.gemv_rows is not None or p.dense_gemm is None):
+        if p.int4 is not None or p.int8 is not None or p.gemv_rows is not None or p.dense_gemm is None:
             return False
     gate_up = projections.pop("gate_up")
     if not isinstance(gate_up, GateUpLinear):
@@ -180,13 +210,14 @@ def _packed_fits(layer: DecoderLayer, dtype: torch.dtype) -> bool:
 
 def _int8_fits(layer: DecoderLayer) -> tuple[Int8RowsKernel, Int8GemmKernel] | None:
     """The 8-bit kernels where larger steps of every projection read packed 8-bit weights
-    through them, gate/up as pairs, as `gated_mlp` runs them (the vector row passes, no bias,
-    widths the passes take); else None."""
+    through them, gate/up as pairs, as `gated_mlp` runs them (the vector row passes, no bias
+    on gate/up, widths the passes take); else None."""
     kernels = None
     for name, p in _projections(layer).items():
         weight = p.int8
         if (weight is None or weight.packed is None or weight.gemm is None or weight.kernel is None
-                or weight.kernel.isa != "avx512" or getattr(p, "bias", None) is not None or p.gemv_rows is not None
+                or weight.kernel.isa != "avx512" or (name == "gate_up" and getattr(p, "bias", None) is not None)
+                or p.gemv_rows is not None
                 or weight.gate_up_pairs != (name == "gate_up") or weight.outliers > weight.kernel.max_outliers
                 or max(weight.columns.shape) > weight.kernel.max_cols):
             return None
@@ -228,7 +259,7 @@ def attach_decode_stack(model: nn.Module, backend: AttentionBackend, cache_dir: 
         return None
     assert isinstance(model, LlamaForCausalLM) and isinstance(backend, CpuAttentionBackend)
     projections = [list(_projections(layer).values()) for layer in layers]
-    small = all(_small_fits(p, dtype) for p in projections)
+    small = all(_small_fits(layer, dtype) for layer in layers)
     matrices = [_small_matrix(p) for layer in projections for p in layer] if small else []
     needs_q4 = any(isinstance(m, Q4Matrix) for m in matrices)
     needs_gemv = any(isinstance(m, DenseRows) for m in matrices)

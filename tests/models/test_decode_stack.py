@@ -155,3 +155,26 @@ def test_models_without_a_c_kernel_for_every_piece_keep_the_module_path(kwargs: 
         calls = _count_calls(stack) if stack is not None else []
         tokens, _ = _generate(llm, PROMPTS[:1])[0]
     assert calls == [] and len(tokens) == 24
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"dtype": "bfloat16", "quantization": "int8", "decode_weights": "int4"},  # the default mode with VNNI
+    {"exact": True},
+], ids=["default mode", "exact"])
+def test_qwen2_s_qkv_biases_go_through_the_stack_as_the_module_path_adds_them(kwargs: dict) -> None:
+    """Qwen2.5-Coder-0.5B (the agents' model): q/k/v carry biases, added after the 4/8-bit
+    product on small steps (as torch's `out + bias`), by the GEMV on the exact mode's rows,
+    and in the epilogue of the packed 8-bit or dense GEMM on larger steps, as the module path
+    adds them: bf16's bits, fp32's tokens."""
+    with LLM("qwen2.5-coder-0.5b", kv_cache_memory="256MiB", enable_prefix_caching=False, **kwargs) as llm:
+        model = llm.engine.runner.model
+        assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+        stack = model.decode_stack
+        dtype = torch.float32 if kwargs.get("exact") else torch.bfloat16
+        assert stack is not None and stack.max_tokens == 2 and stack.kernel.dtype == dtype
+        small = _stacked_then_layered(llm, PROMPTS[:1], dtype)
+        large = _stacked_then_layered(llm, PROMPTS * 2, dtype)
+    for stacked, layered in (small, large):
+        assert [tokens for tokens, _ in stacked] == [tokens for tokens, _ in layered]
+        for (_, ours), (_, theirs) in zip(stacked, layered, strict=True):
+            assert ours is not None and (ours == theirs if dtype == torch.bfloat16 else abs(ours - theirs) <= 1e-3)

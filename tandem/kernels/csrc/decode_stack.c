@@ -111,7 +111,21 @@ struct Matrix {
     const float *col_scales;
     const int8_t *columns;
     int64_t outliers;
+    /* NULL, or the projection's bias as the layer path adds it: in the rows' dtype for the
+     * packed and 8-bit kinds (their epilogues add it before rounding), fp32 for the GEMVs,
+     * bf16 added after the 4/8-bit GEMM's rounding (as torch's `out + bias`) */
+    const void *bias;
 };
+
+/* out [rows, n] bf16 += bias [n] bf16, each sum rounded to bf16 (torch's bf16 add). */
+static void add_bias_bf16(uint16_t *out, const uint16_t *bias, int64_t rows, int64_t n) {
+    for (int64_t i = 0; i < rows * n; i++) {
+        union { uint32_t u; float f; } a = {.u = (uint32_t)out[i] << 16}, b = {.u = (uint32_t)bias[i % n] << 16};
+        a.f += b.f;
+        a.u += 0x7FFFu + ((a.u >> 16) & 1u); /* round to nearest even */
+        out[i] = (uint16_t)(a.u >> 16);
+    }
+}
 
 /* An int8 product's input rows, quantized: values [tokens, widest input], a scale a row,
  * and each row's outliers. */
@@ -132,8 +146,8 @@ static int int8_product(const struct Kernels *kernels, const struct Matrix *matr
                            q->outlier_index, q->outlier_value, num_threads);
     return kernels->int8_dequantize(q->values, matrix->k, rows, matrix->k, (const int8_t *)matrix->levels,
                                     matrix->compensation, matrix->n, q->scales, matrix->col_scales, matrix->outliers,
-                                    q->outlier_index, q->outlier_value, matrix->columns, NULL, residual, out, kind,
-                                    num_threads);
+                                    q->outlier_index, q->outlier_value, matrix->columns, matrix->bias, residual, out,
+                                    kind, num_threads);
 }
 
 struct Layer {
@@ -157,19 +171,22 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
                 void *out, int64_t rows, int bf16, const struct Quantized *q, int num_threads) {
     if (matrix->bits == INT8) return int8_product(kernels, matrix, x, bf16, residual, out, rows, bf16, q, num_threads);
     if (matrix->bits == PACKED)
-        return kernels->dense_gemm(x, matrix->k, rows, matrix->k, matrix->levels, bf16, NULL, residual, out,
+        return kernels->dense_gemm(x, matrix->k, rows, matrix->k, matrix->levels, bf16, matrix->bias, residual, out,
                                    matrix->n, num_threads);
     if (matrix->bits == 32) {
-        kernels->gemv32((const float *)matrix->levels, NULL, x, residual, out, rows, matrix->n, matrix->k,
+        kernels->gemv32((const float *)matrix->levels, matrix->bias, x, residual, out, rows, matrix->n, matrix->k,
                         num_threads);
         return 0;
     }
     if (matrix->bits == 16)
-        return kernels->gemv16((const uint16_t *)matrix->levels, NULL, x, residual, out, rows, matrix->n,
+        return kernels->gemv16((const uint16_t *)matrix->levels, matrix->bias, x, residual, out, rows, matrix->n,
                                matrix->k, num_threads);
     const gemm_fn entry = matrix->bits == 4 ? kernels->gemm4 : kernels->gemm8;
-    return entry(matrix->levels, matrix->scales, matrix->mins, x, residual, out, rows, matrix->n, matrix->k,
-                 num_threads);
+    /* a bias comes only with no residual here (the layer path adds it to the rounded product) */
+    const int status = entry(matrix->levels, matrix->scales, matrix->mins, x, residual, out, rows, matrix->n,
+                             matrix->k, num_threads);
+    if (status == 0 && matrix->bias != NULL) add_bias_bf16(out, matrix->bias, rows, matrix->n);
+    return status;
 }
 
 static int64_t widest(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -232,8 +249,8 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
             continue;
         }
         if (up->bits == PACKED_GATED) {
-            if ((status = kernels->dense_silu_mul(normed, step->hidden, t, step->hidden, up->levels, bf16, NULL, act,
-                                                  step->intermediate, threads)) != 0)
+            if ((status = kernels->dense_silu_mul(normed, step->hidden, t, step->hidden, up->levels, bf16, up->bias,
+                                                  act, step->intermediate, threads)) != 0)
                 break;
         } else {
             if ((status = gemm(kernels, up, normed, NULL, gate_up, t, bf16, &q, threads)) != 0) break;
