@@ -45,23 +45,29 @@ def test_the_breakdown_is_a_partition_of_the_mean_step() -> None:
     assert "decode-heavy" in format_breakdown_table(results, ["tandem@ep2"])
 
 
-def test_prefill_ceiling_leaves_out_the_lm_head(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt's logits are taken at its last token only: its other tokens cost the decoder
-    layers' FLOPs, while a decode step also pays for the LM head."""
+def _llama_8b_on_fixed_rates(directory, monkeypatch: pytest.MonkeyPatch, read: float) -> None:
+    """Llama-3.1-8B's config.json in `directory` (8.03B parameters, of which the LM head is
+    128256 x 4096 = 0.525B), on a machine measured at 1 TFLOP/s, 100 GB/s copy, `read` B/s."""
     import json
 
-    from tandem.bench.offline_layouts import machine_ceilings
-    from tandem.bench.offline_workloads import Workload
     from tandem.platform import machine
 
-    # Llama-3.1-8B's shape: 8.03B parameters, of which the LM head is 128256 x 4096 = 0.525B
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
               "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (directory / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(machine, "matmul_flops_per_s", lambda *args: 1e12)
     monkeypatch.setattr(machine, "memory_copy_bytes_per_s", lambda *args: 1e11)
-    monkeypatch.setattr(machine, "memory_read_bytes_per_s", lambda *args: 2e11)
+    monkeypatch.setattr(machine, "memory_read_bytes_per_s", lambda *args: read)
+
+
+def test_prefill_ceiling_leaves_out_the_lm_head(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's logits are taken at its last token only: its other tokens cost the decoder
+    layers' FLOPs, while a decode step also pays for the LM head."""
+    from tandem.bench.offline_layouts import machine_ceilings
+    from tandem.bench.offline_workloads import Workload
+
+    _llama_8b_on_fixed_rates(tmp_path, monkeypatch, read=2e11)
     workloads = {name: Workload(name, "batch", [[1] * 8] * 4, [1] * 4)
                  for name in ("prefill-heavy", "decode-heavy")}
     ceilings = machine_ceilings(tmp_path, "bfloat16", workloads)
@@ -75,19 +81,10 @@ def test_the_decode_heavy_ceiling_counts_the_prefill_the_run_times(tmp_path, mon
     """A batch run's output tok/s is timed from its first prefill: the ceiling adds the
     prompts' FLOPs (and the LM head once a prompt, for the first token) to a step for every
     further token, each step bounded by its weight read or its FLOPs."""
-    import json
-
     from tandem.bench.offline_layouts import machine_ceilings, step_read_bytes
     from tandem.bench.offline_workloads import Workload
-    from tandem.platform import machine
 
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-              "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    monkeypatch.setattr(machine, "matmul_flops_per_s", lambda *args: 1e12)
-    monkeypatch.setattr(machine, "memory_copy_bytes_per_s", lambda *args: 1e11)
-    monkeypatch.setattr(machine, "memory_read_bytes_per_s", lambda *args: 1e11)
+    _llama_8b_on_fixed_rates(tmp_path, monkeypatch, read=1e11)
     # 4 prompts of 8 tokens, 3 output tokens each; a 6-token request joins for its first 2
     workload = Workload("decode-heavy", "batch", [[1] * 8] * 4 + [[1] * 6], [3] * 4 + [2])
     ceilings = machine_ceilings(tmp_path, "bfloat16", {"decode-heavy": workload})
