@@ -48,8 +48,6 @@ class LayerOpsKernel:
 
     def __init__(self, library: Path) -> None:
         functions = bind(library, _SIGNATURES)
-        self._rms_norm_bf16 = functions["tandem_rms_norm_bf16"]
-        # fp32 rows: only the fp32 decode stack calls it (the layer path keeps torch's norm)
         self._rms_norm = {dtype: functions[f"tandem_rms_norm_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._rotary = {dtype: functions[f"tandem_rotary_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._silu_mul = {dtype: functions[f"tandem_silu_mul_{suffix}"] for dtype, suffix in _SUFFIX.items()}
@@ -72,15 +70,17 @@ class LayerOpsKernel:
 
     @staticmethod
     def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+        return (x.dtype == weight.dtype and x.dtype in _SUFFIX and x.dim() == 2 and x.stride(1) == 1
                 and weight.is_contiguous() and x.device.type == "cpu")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """bf16 rows [T, H] -> weight * bf16(x * rsqrt(mean(x^2) + eps)), transformers' formula."""
+        """Rows [T, H] -> weight * (x * rsqrt(mean(x^2) + eps)), transformers' formula: bf16 rows
+        widened to fp32 and x * rsqrt rounded to bf16 as it rounds; fp32 rows summed in another
+        order than torch's (the result can move by one unit in the last place)."""
         rows, hidden = x.shape
         out = torch.empty(rows, hidden, dtype=x.dtype)
-        self._rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
-                            torch.get_num_threads())
+        self._rms_norm[x.dtype](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
+                                torch.get_num_threads())
         return out
 
     @staticmethod
