@@ -21,9 +21,15 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     padded attention read multiplies slots past a sequence's end by zero probability, which
     a NaN survives. Fresh anonymous pages are both free and zero. The tensor keeps the
     mapping alive.
+
+    Private, not Python's default shared mapping: a shared anonymous page is a shmem page,
+    and its first write (a KV block's first use, inside a timed step) cost 2.7-4.2 us against
+    a private page's 1.9-2.2 us (the 2-core AVX-512 EPYC VM, 512 MiB touched page by page).
+    Nothing maps this memory from another process (`shared_zeroed` is the cache that is).
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 def shared_zeroed(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
