@@ -67,13 +67,19 @@ class PrefillAttentionKernel:
         )
 
     def __call__(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [q_len, heads, dim] -> out [q_len, heads, dim]: causal attention over the first
-        `context_len` cached tokens, the last q_len of which are the chunk's own."""
+        `context_len` cached tokens, the last q_len of which are the chunk's own. `out`, where
+        given, is written (q's shape and dtype, each token's heads dense, any token stride)."""
         q_len, num_heads, head_dim = q.shape
         _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
-        out = torch.empty(q_len, num_heads, head_dim, dtype=q.dtype)
+        if out is None:
+            out = torch.empty(q_len, num_heads, head_dim, dtype=q.dtype)
+        elif (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.stride(1) != head_dim):
+            raise ValueError(f"prefill attention writes {tuple(q.shape)} {q.dtype} rows with dense heads, got "
+                             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
         block_ids = block_ids.contiguous()
         status = self._attend(
             q.data_ptr(), kv_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), q_len, context_len,

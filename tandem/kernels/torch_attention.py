@@ -79,14 +79,20 @@ class TorchAttentionBackend:
             out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, meta, scale)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
+            self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale, out[rows])
         return out
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         return self._decode(query, kv_cache, meta, scale)
 
-    def _prefill(self, q, k, v, kv_cache, span, scale) -> torch.Tensor:
+    def _prefill(self, q, k, v, kv_cache, span, scale, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One prefill span's attention, written into `out` ([q_len, heads, dim], the step's
+        output rows; a new tensor where None) and returned."""
+        result = self._prefill_rows(q, k, v, kv_cache, span, scale)
+        return result if out is None else out.copy_(result)
+
+    def _prefill_rows(self, q, k, v, kv_cache, span, scale) -> torch.Tensor:
         cached = span.context_len - span.q_len
         if cached > 0 and _FLASH_WITH_LSE is not None:
             return _prefill_after_prefix(q, kv_cache, span, scale)

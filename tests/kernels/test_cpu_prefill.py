@@ -91,6 +91,24 @@ def test_queries_may_be_a_view_into_the_fused_projection(kernel) -> None:
     torch.testing.assert_close(kernel(q, cache, block_ids, 50, 0.125), _reference(q.contiguous(), cache, block_ids, 50, 0.125))
 
 
+def test_the_kernel_writes_the_rows_it_is_given(kernel) -> None:
+    """`out` (the step's output rows, any token stride) is written in place, the rest of its
+    buffer untouched; rows of another shape, dtype or layout are refused, nothing written."""
+    generator = torch.Generator().manual_seed(4)
+    cache, block_ids = _paged(40, 3, 64, 16, torch.float32, generator)
+    q = torch.randn(24, 9, 64, generator=generator)
+    wide = torch.full((24, 10 * 64), 7.0)
+    out = wide[:, : 9 * 64].view(24, 9, 64)
+    assert kernel(q, cache, block_ids, 40, 0.125, out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, kernel(q, cache, block_ids, 40, 0.125))
+    assert (wide[:, 9 * 64 :] == 7.0).all()
+    for bad in (torch.zeros(23, 9, 64), torch.zeros(24, 9, 64, dtype=torch.bfloat16),
+                torch.zeros(24, 64, 9).transpose(1, 2)):
+        with pytest.raises(ValueError, match="prefill attention writes"):
+            kernel(q, cache, block_ids, 40, 0.125, bad)
+        assert not bad.any()
+
+
 def test_what_the_kernel_does_not_take(kernel) -> None:
     cache = torch.zeros(kv_cache_shape(2, 16, 1, 64))
     assert kernel.takes(torch.zeros(3, 2, 64), cache)
