@@ -42,6 +42,19 @@ def _paged(context: int, kv_heads: int, dim: int, block: int, dtype, generator):
     return cache.to(dtype), block_ids
 
 
+def _rising(context: int, q_len: int, heads: int, kv_heads: int, dim: int, block: int, dtype, generator):
+    """Keys that each score ~0.43 (in log2 units, at scale 1/8) above the one before: the
+    running maximum passes the kernel's reference by less than its slack at one key group
+    (probabilities above 1) and by more at the next (the output so far is rescaled)."""
+    cache, block_ids = _paged(context, kv_heads, dim, block, torch.float32, generator)
+    used = block_ids.numel()
+    slots = block_ids.repeat_interleave(block) * block + torch.arange(block).repeat(used)
+    cache.view(2, kv_heads, -1, dim)[0, :, slots[:context], 0] += 0.3 * torch.arange(context)
+    q = torch.randn(q_len, heads, dim, generator=generator)
+    q[..., 0] = 8.0
+    return cache.to(dtype), block_ids, q.to(dtype)
+
+
 def _reference(q, cache, block_ids, context: int, scale: float) -> torch.Tensor:
     """Masked SDPA in fp32 over the gathered context."""
     q_len, _, dim = q.shape
@@ -79,6 +92,16 @@ def test_kernel_matches_masked_sdpa(kernel, q_len, context, heads, kv_heads, dim
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     else:  # P is rounded to bf16 before P.V and the output to bf16, as in bf16 flash attention
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_that_keep_rising_along_the_context(kernel, dtype) -> None:
+    generator = torch.Generator().manual_seed(21)
+    cache, block_ids, q = _rising(200, 60, 9, 3, 64, 16, dtype, generator)
+    got, want = kernel(q, cache, block_ids, 200, 0.125).float(), _reference(q, cache, block_ids, 200, 0.125)
+    # scores up to ~90: fp32's rounding of a score is ~5e-6 of its probability (SDPA's too)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tolerance)
 
 
 def test_queries_may_be_a_view_into_the_fused_projection(kernel) -> None:
@@ -182,3 +205,8 @@ def test_every_instruction_set_path_computes_the_same(tmp_path, march, dtype) ->
     tolerance = {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
     torch.testing.assert_close(other(q, cache, block_ids, 70, 0.125).float(),
                                _reference(q, cache, block_ids, 70, 0.125), **tolerance)
+    cache, block_ids, q = _rising(150, 37, 6, 2, 64, 16, dtype, generator)
+    if dtype == torch.float32:
+        tolerance["atol"] = 1e-5  # scores up to ~65: as in test_scores_that_keep_rising_along_the_context
+    torch.testing.assert_close(other(q, cache, block_ids, 150, 0.125).float(),
+                               _reference(q, cache, block_ids, 150, 0.125), **tolerance)
