@@ -44,8 +44,8 @@ def _paged(context: int, kv_heads: int, dim: int, block: int, dtype, generator):
 
 def _rising(context: int, q_len: int, heads: int, kv_heads: int, dim: int, block: int, dtype, generator):
     """Keys that each score ~0.43 (in log2 units, at scale 1/8) above the one before: the
-    running maximum passes the kernel's reference by less than its slack at one key group
-    (probabilities above 1) and by more at the next (the output so far is rescaled)."""
+    running maximum moves at every key group, by ~7, and the output so far is rescaled each
+    time (random keys move it a few times a tile)."""
     cache, block_ids = _paged(context, kv_heads, dim, block, torch.float32, generator)
     used = block_ids.numel()
     slots = block_ids.repeat_interleave(block) * block + torch.arange(block).repeat(used)
