@@ -78,6 +78,7 @@ def _reference(q, cache, block_ids, context: int, scale: float) -> torch.Tensor:
         (33, 70, 12, 2, 128, 32),  # Qwen2.5-1.5B's head size, blocks of 32
         (17, 17, 4, 4, 32, 4),  # no grouping, blocks smaller than a key group
         (16, 48, 6, 1, 64, 16),  # exactly one tile after three full key groups
+        (21, 40, 4, 2, 48, 16),  # a head size of 16 x odd: bf16 pairs end in half a block
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,6 +131,36 @@ def test_the_kernel_writes_the_rows_it_is_given(kernel) -> None:
         with pytest.raises(ValueError, match="prefill attention writes"):
             kernel(q, cache, block_ids, 40, 0.125, bad)
         assert not bad.any()
+
+
+_GUARDED_READ = """
+import ctypes, mmap, sys, torch
+from tandem.kernels.cpu_prefill import PrefillAttentionKernel
+from tandem.kernels.base import kv_cache_shape
+kernel = PrefillAttentionKernel.build(__import__("pathlib").Path(sys.argv[1]))
+libc = ctypes.CDLL(None)
+page = mmap.PAGESIZE
+region = mmap.mmap(-1, 2 * page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+q_len, heads, dim = 5, 3, 48
+size = q_len * heads * dim * 2
+q = torch.frombuffer(region, dtype=torch.bfloat16, count=size // 2, offset=page - size).view(q_len, heads, dim)
+q.copy_(torch.randn(q_len, heads, dim).bfloat16())
+assert libc.mprotect(ctypes.c_void_p(base + page), page, 0) == 0  # the page after q: no access
+cache = torch.randn(kv_cache_shape(1, 16, 1, dim)).bfloat16()
+kernel(q, cache, torch.tensor([0]), q_len, dim ** -0.5)
+print("read inside q")
+"""
+
+
+def test_the_queries_are_not_read_past_their_end(cache_dir) -> None:
+    """With a head size of 16 x odd, the last block of bf16 pairs is half a block: reading it
+    whole would read past the last head of the last token (here, into a page with no access)."""
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _GUARDED_READ, str(cache_dir)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "read inside q" in result.stdout, result.stderr[-2000:]
 
 
 def test_what_the_kernel_does_not_take(kernel) -> None:
