@@ -382,6 +382,9 @@ class CacheConfig:
     # GPU: the share of each device the weights and KV cache may take; the activation peak and
     # the CUDA context must fit in the rest (worker/kv_sizing.py, as `tandem plan memory`).
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
+    # CPU: map the KV budget lazily, its pages committed at their first write, instead of
+    # committing it whole at start (worker/model_runner.py says why the default commits).
+    lazy_kv_cache: bool = False
 
 
 @dataclass(frozen=True)

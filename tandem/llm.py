@@ -37,6 +37,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+        lazy_kv_cache: bool = False,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
@@ -81,6 +82,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 kv_cache_dtype=kv_cache_dtype,
                 memory_utilization=memory_utilization,
+                lazy_kv_cache=lazy_kv_cache,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

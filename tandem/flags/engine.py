@@ -61,6 +61,10 @@ ENGINE_FLAGS = FlagTable("engine", (
     Flag("--block-size", "tokens per KV block (default: 16)", 16, type=int),
     Flag("--kv-cache-memory", "KV cache budget, e.g. 2GiB (default: 25%% of free RAM, at most 4GiB)",
          metavar="SIZE"),
+    Flag("--lazy-kv-cache", "CPU: commit the KV budget's pages as they are first written instead of "
+         "at start (a faster start and less resident memory, but each first write of a 4 KiB page "
+         "costs ~2 us inside a step); by default the budget is committed whole at start, as vLLM "
+         "zero-fills its cache, and a budget the machine cannot hold fails there", False, switch=True),
     Flag("--memory-utilization", "GPU: the share of each device the weights and KV cache may take; one "
          "step's activations and the CUDA context must fit in the rest, else the KV cache gives way "
          "(SGLang's --mem-fraction-static; vLLM's --gpu-memory-utilization caps activations too). "
@@ -233,6 +237,7 @@ def engine_config(args: argparse.Namespace, kv_transfer: KVTransferConfig | None
             enable_prefix_caching=not args.no_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
             memory_utilization=args.memory_utilization,
+            lazy_kv_cache=args.lazy_kv_cache,
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -286,6 +291,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "kv_cache_dtype": args.kv_cache_dtype,
         "memory_utilization": args.memory_utilization,
+        "lazy_kv_cache": args.lazy_kv_cache,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,

@@ -21,10 +21,7 @@ ranks that keep every tensor whole; a tensor-parallel rank's exact reads come fr
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
-import sys
 import threading
 from concurrent.futures import Executor
 from typing import Any
@@ -32,32 +29,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_MADV_POPULATE_READ = 22  # Linux 5.14
-_MADV_POPULATE_WRITE = 23
+from tandem.platform.pages import MADV_POPULATE_READ, madvise, populate_for_write
+
 _SPLIT_BYTES = 1 << 20  # smaller copies are not worth a hand-off to another thread
-
-_libc: ctypes.CDLL | None = None
-
-
-def _madvise(address: int, length: int, advice: int) -> bool:
-    """madvise(2) through ctypes, which lets go of the GIL meanwhile; False where it failed
-    (or off Linux, whose advice numbers these are)."""
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return False
-    if _libc is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc = libc
-    return length <= 0 or _libc.madvise(ctypes.c_void_p(address), length, advice) == 0
-
-
-def populate_for_write(tensor: torch.Tensor) -> bool:
-    """Fault in the whole pages inside `tensor`'s memory (a contiguous tensor), contents kept."""
-    page = mmap.PAGESIZE
-    start = -(-tensor.data_ptr() // page) * page
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-    return _madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
 class ReadAhead:
@@ -94,7 +68,7 @@ class ReadAhead:
                 if self._stopped:
                     return
             length = min(self._chunk, self._end - self._next)
-            if not _madvise(self._address + self._next, length, _MADV_POPULATE_READ):
+            if madvise(self._address + self._next, length, MADV_POPULATE_READ):
                 return
             self._next += length
 
