@@ -4,7 +4,8 @@ PyTorch's CPU flash attention reaches 60-130 GFLOP/s on the 2-core AVX-512 EPYC,
 bf16 GEMM reaches ~450; at an 8,000-token prompt attention is three quarters of the time to
 first token. The kernel keeps a tile of queries in the lanes of a vector (16 with AVX-512, 8
 with AVX2) so the online softmax is lane-wise, and uses AVX-512-BF16 dot products where the
-CPU has them. Measured there, one layer of SmolLM2 (9 heads, 3 kv heads, dim 64), 2,048
+CPU has them; with AVX-512, fp32 products go through tiles of 6 query rows shaped as the
+packed GEMMs (csrc/prefill_attention_avx512.h). Measured there, one layer of SmolLM2 (9 heads, 3 kv heads, dim 64), 2,048
 queries after 5,952 cached tokens, 2 threads: bf16 113 ms (291 GFLOP/s) against PyTorch's
 251 ms, fp32 202 against 251 ms. On the 2-core AVX2 EPYC, Qwen2.5-0.5B's 14 heads, 2,048
 queries after 2,048 cached, fp32: 1,050 ms (21.5 GFLOP/s) with 8-lane tiles, 5,345 ms with

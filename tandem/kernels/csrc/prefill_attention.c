@@ -31,6 +31,11 @@
  * written with GCC vector extensions, which compile to AVX-512 or AVX2 (two halves) as
  * -march=native allows; vdpbf16ps is used only where __AVX512BF16__ is defined, else bf16 is widened.
  *
+ * With AVX-512, fp32 products (an fp32 cache, or bf16 where there is no AVX-512-BF16) go through
+ * prefill_attention_avx512.h instead: tiles of 6 query rows shaped as the packed GEMMs, 8% less
+ * time in an exact prefill-heavy run's attention. The lane tiles here keep bf16's vdpbf16ps
+ * (the GEMM shape was no faster there) and every CPU without AVX-512.
+ *
  * Layout (tandem/kernels/base.py): one layer's cache is [2, kv_heads, num_blocks, block_size,
  * head_dim]; q and out are [q_len, num_heads, head_dim] with a token stride of their own.
  */
@@ -143,6 +148,10 @@ static inline void transpose16(__m512 r[16]) {
         r[12 + k] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
     }
 }
+#endif
+
+#if defined(__AVX512F__)
+#include "prefill_attention_avx512.h"
 #endif
 
 /* The cache element: fp32 (KIND 0) or bf16 held as uint16_t (KIND 1). */
@@ -472,6 +481,12 @@ int tandem_prefill_attention(const void *q, const void *kv_cache, const int64_t 
                              int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t q_stride,
                              int64_t out_stride, int kind, float scale, int num_threads) {
     if (head_dim % LANES != 0 || head_dim > MAX_DIM) return -2;
+#if defined(__AVX512F__)
+    if (!(kind == 1 && tandem_prefill_uses_bf16_dot())) /* fp32 products: the GEMM-shaped tiles */
+        return prefill_attention_rows(q, kv_cache, block_ids, out, q_len, context_len, num_heads, num_kv_heads,
+                                      head_dim, block_size, num_blocks, q_stride, out_stride, kind, scale,
+                                      num_threads);
+#endif
     const size_t element = kind == 0 ? 4 : 2;
     const int64_t padded = (context_len + LANES - 1) / LANES * LANES;
     const size_t head_bytes = (size_t)padded * head_dim * element;
