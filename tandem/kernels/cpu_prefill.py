@@ -57,6 +57,15 @@ class PrefillAttentionKernel:
     def build(cls, cache_dir: Path) -> PrefillAttentionKernel:
         return cls(build_kernel_library(cache_dir, SOURCE))
 
+    def attend_entry(self) -> object:
+        """The C function, for the layer stack (csrc/decode_stack.c) to call directly."""
+        return self._attend
+
+    @staticmethod
+    def takes_head_dim(head_dim: int) -> bool:
+        """A head size the kernel tiles."""
+        return head_dim % 16 == 0 and head_dim <= 256
+
     def takes(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether the kernel runs this chunk: one dtype it knows and is the faster for, dense
         rows, a head size it tiles."""
@@ -64,7 +73,7 @@ class PrefillAttentionKernel:
         return (
             q.dtype == kv_cache.dtype and q.dtype in self.dtypes and kv_cache.is_contiguous()
             and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == dim
-            and dim % 16 == 0 and dim <= 256
+            and self.takes_head_dim(dim)
         )
 
     def __call__(

@@ -1,9 +1,11 @@
-"""Every decoder layer of a bf16 or fp32 decode step in one C call (csrc/decode_stack.c).
+"""Every decoder layer of a bf16 or fp32 step in one C call (csrc/decode_stack.c).
 
 The C side only sequences kernels tandem already has (the 4-bit GEMMs or the GEMVs for small
-steps, the packed dense GEMM for larger ones, the layer passes and decode attention), called
-through their function pointers, so this module's job is to lay out what they read: a `Layer` record per decoder layer, made once, and a `Step` record per
-call. Which models and steps qualify is the model's business (tandem/models/decode_stack.py).
+steps, the packed dense GEMM for larger ones, the layer passes, decode attention and, for
+steps with prefill chunks, prefill attention), called through their function pointers, so
+this module's job is to lay out what they read: a `Layer` record per decoder layer, made
+once, and a `Step` record per call. Which models and steps qualify is the model's business
+(tandem/models/decode_stack.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from tandem.kernels.c_library import bind, build_kernel_library
 from tandem.kernels.cpu_attention import PagedDecodeKernel
+from tandem.kernels.cpu_prefill import PrefillAttentionKernel
 from tandem.kernels.dense_gemm import DenseGemmKernel, PackedDense
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.int8_gemm import Int8GemmKernel, PackedInt8
@@ -38,7 +41,7 @@ def _address(function: object) -> int:
 class Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
                                           "write_kv", "attend", "dense_gemm", "dense_silu_mul", "quantize_rows",
-                                          "int8_dequantize", "int8_gated")]
+                                          "int8_dequantize", "int8_gated", "prefill")]
 
 
 # `Matrix.bits` for the dense GEMM's packed layouts and the int8 GEMM's (the C side's names),
@@ -88,7 +91,9 @@ class Step(ctypes.Structure):
                                             "block_size", "num_blocks", "table_stride", "element_bytes")],
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 *[(name, _PTR) for name in ("cos", "sin", "slots", "block_tables", "context_lens")],
-                ("num_threads", ctypes.c_int)]
+                ("num_threads", ctypes.c_int),
+                *[(name, _I64) for name in ("decodes", "spans", "span_table_stride")],
+                *[(name, _PTR) for name in ("span_start", "span_len", "span_context", "span_blocks")]]
 
 
 class DecodeStackKernel:
@@ -101,7 +106,8 @@ class DecodeStackKernel:
     def __init__(self, library: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
                  q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None,
                  dense: DenseGemmKernel | None = None,
-                 int8: tuple[Int8RowsKernel, Int8GemmKernel] | None = None) -> None:
+                 int8: tuple[Int8RowsKernel, Int8GemmKernel] | None = None,
+                 prefill: PrefillAttentionKernel | None = None) -> None:
         if (dtype not in (torch.bfloat16, torch.float32) or (q4 is not None and dtype != torch.bfloat16)
                 or (q4 is None and gemv is None and dense is None and int8 is None)
                 or (dense is not None and not dense.multiplies(dtype))):
@@ -111,7 +117,9 @@ class DecodeStackKernel:
             "tandem_decode_stack": (ctypes.c_int, [_PTR, _PTR, _I64, _PTR, _PTR]),
         })["tandem_decode_stack"]
         self.dtype = dtype
-        self._holds = (q4, gemv, dense, int8, ops, attention)
+        self._holds = (q4, gemv, dense, int8, ops, attention, prefill)
+        # steps with prefill chunks too, where the prefill kernel attends in this dtype
+        self.prefills = prefill is not None and dtype in prefill.dtypes
         rows, gemm = int8 if int8 is not None else (None, None)
         self.kernels = Kernels(
             _address(q4.gemm_entry(4, dtype)) if q4 else None, _address(q4.gemm_entry(8, dtype)) if q4 else None,
@@ -123,14 +131,16 @@ class DecodeStackKernel:
             _address(dense.gemm_entry()) if dense else None, _address(dense.silu_mul_entry()) if dense else None,
             _address(rows.quantize_entry()) if rows else None,
             _address(gemm.dequantize_entry()) if gemm else None, _address(gemm.gated_entry()) if gemm else None,
+            _address(prefill.attend_entry()) if prefill is not None and self.prefills else None,
         )
 
     @classmethod
     def build(cls, cache_dir: Path, dtype: torch.dtype, ops: LayerOpsKernel, attention: PagedDecodeKernel,
               q4: Q4Kernel | None = None, gemv: DenseGemvKernel | None = None,
               dense: DenseGemmKernel | None = None,
-              int8: tuple[Int8RowsKernel, Int8GemmKernel] | None = None) -> DecodeStackKernel:
-        return cls(build_kernel_library(cache_dir, SOURCE), dtype, ops, attention, q4, gemv, dense, int8)
+              int8: tuple[Int8RowsKernel, Int8GemmKernel] | None = None,
+              prefill: PrefillAttentionKernel | None = None) -> DecodeStackKernel:
+        return cls(build_kernel_library(cache_dir, SOURCE), dtype, ops, attention, q4, gemv, dense, int8, prefill)
 
     def __call__(self, layers: ctypes.Array, step: Step, hidden: torch.Tensor) -> None:
         """Run `hidden` [tokens, hidden] (the stack's dtype, contiguous; updated in place)

@@ -1,4 +1,4 @@
-"""Decode steps of a Llama-shaped model, bf16 or fp32, through all its layers in one C call.
+"""Steps of a Llama-shaped model, bf16 or fp32, through all its layers in one C call.
 
 A one-token step of SmolLM2 in bf16 with 4-bit decode weights took 9.3 ms on the 2-core
 AVX-512 EPYC, of which the C kernels were about half: the rest was Python between them,
@@ -18,6 +18,12 @@ q/k/v ones, added where the layer path adds them):
   At 64 sequences the Python between kernels cost less than at one, but every OpenMP thread
   but the caller's waited through it: 12% of a bf16 decode-heavy run was libgomp's wait, 5%
   the interpreter.
+Steps with prefill chunks go through the same call where the backend's C prefill attention
+runs the stack's dtype (not bf16 on AMX CPUs, where PyTorch's flash attention is the faster)
+and head size: the layer is the same sequence, its attention the decode rows in one call and
+then each chunk over its sequence's cached context, as the CPU backend runs them, so a
+prefill is bit-identical too. A prefill step's Python between kernels was 5% of a bf16 or
+exact-fp32 prefill-heavy pass and 15% in the default mode (one process, alternating).
 Anything else keeps the module path. In fp32 the stack's norm is the C one, where the module
 path runs torch's: the two sum the mean of squares in different orders, so fp32 hidden
 states agree to rounding rather than bit for bit (greedy tokens are tested against
@@ -37,6 +43,7 @@ from torch import nn
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.kernels.c_library import KernelBuildError
 from tandem.kernels.cpu_attention import CpuAttentionBackend
+from tandem.kernels.cpu_prefill import PrefillAttentionKernel
 from tandem.kernels.decode_stack import DecodeStackKernel, Layer, Matrix, Step
 from tandem.kernels.dense_gemm import DenseGemmKernel
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
@@ -78,18 +85,21 @@ class DecodeStack:
 
     @property
     def steps(self) -> str:
-        """Which decode steps it takes, for the start-up log."""
+        """Which steps it takes, for the start-up log."""
         kinds = [f"<= {self.max_tokens}"] if self._small is not None else []
         if self._large is not None:
             kinds.append(f"> {self.large_above}")
-        return " and ".join(kinds)
+        rows = "decode tokens and prefill chunks" if self.kernel.prefills else "decode tokens"
+        return f"{' and '.join(kinds)} tokens ({rows})"
 
     def takes(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """A step of decode tokens only, in the stack's dtype, with records for its size; not
-        while the profiler runs (its per-phase ranges live in the module path)."""
+        """A step in the stack's dtype with records for its size: decode tokens only, or, where
+        the stack has the prefill kernel, decode tokens then prefill chunks (the backend's
+        order); not while the profiler runs (its per-phase ranges live in the module path)."""
         tokens, dtype = hidden.shape[0], self.kernel.dtype
-        return (hidden.dtype == dtype and tokens > 0 and self._layers_for(tokens) is not None and not meta.prefills
-                and meta.num_decode_tokens == tokens and kv_caches[0].dtype == dtype
+        rows = meta.num_decode_tokens + sum(span.q_len for span in meta.prefills)
+        return (hidden.dtype == dtype and tokens > 0 and self._layers_for(tokens) is not None and rows == tokens
+                and (not meta.prefills or self.kernel.prefills) and kv_caches[0].dtype == dtype
                 and kv_caches[0].is_contiguous() and not torch.autograd._profiler_enabled())
 
     def __call__(self, hidden: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor],
@@ -110,8 +120,28 @@ class DecodeStack:
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.slots, step.block_tables, step.context_lens = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
         step.num_threads = torch.get_num_threads()
+        spans = _Spans(meta)  # alive through the call: the step points at its tensors
+        step.decodes, step.spans, step.span_table_stride = meta.num_decode_tokens, spans.count, spans.table_stride
+        step.span_start, step.span_len = spans.start.data_ptr(), spans.length.data_ptr()
+        step.span_context, step.span_blocks = spans.context.data_ptr(), spans.blocks.data_ptr()
         self.kernel(layers, step, hidden)
         return hidden
+
+
+class _Spans:
+    """A step's prefill chunks as the C stack reads them: each chunk's first row, row count
+    and context length, and its block ids as a row of one zero-padded table."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        spans = meta.prefills
+        self.count = len(spans)
+        self.start = torch.tensor([span.q_start for span in spans], dtype=torch.int64)
+        self.length = torch.tensor([span.q_len for span in spans], dtype=torch.int64)
+        self.context = torch.tensor([span.context_len for span in spans], dtype=torch.int64)
+        self.table_stride = max((span.block_ids.numel() for span in spans), default=0)
+        self.blocks = torch.zeros(self.count, self.table_stride, dtype=torch.int64)
+        for row, span in zip(self.blocks, spans, strict=True):
+            row[:span.block_ids.numel()] = span.block_ids
 
 
 def _records(layers: list[DecoderLayer], matrices: Callable[[DecoderLayer, list[torch.Tensor]], dict[str, Matrix]],
@@ -277,8 +307,11 @@ def attach_decode_stack(model: nn.Module, backend: AttentionBackend, cache_dir: 
     if not (small or large):
         return None
     try:
+        prefill = backend.prefill if backend.prefill is not None and PrefillAttentionKernel.takes_head_dim(
+            layers[0].self_attn.head_dim) else None
         kernel = DecodeStackKernel.build(cache_dir, dtype, ops, backend.kernel, q4=q4 if small and needs_q4 else None,
-                                         gemv=gemv if small and needs_gemv else None, dense=dense, int8=int8)
+                                         gemv=gemv if small and needs_gemv else None, dense=dense, int8=int8,
+                                         prefill=prefill)
     except KernelBuildError as error:
         logger.warning("decode stack unavailable (%s); decode steps run layer by layer", error)
         return None

@@ -144,7 +144,7 @@ class ModelBuilder:
             attach_layer_ops(model, ops)
         stack = attach_decode_stack(model, backend, self.kernel_cache_dir, q4_kernel, ops, dense_kernel)
         if stack is not None and self.rank == 0:
-            logger.info("decode stack: steps of %s decode tokens run every layer in one C call", stack.steps)
+            logger.info("layer stack: steps of %s run every layer in one C call", stack.steps)
         return model
 
     def _build_gpu_model(self, model_config: ModelConfig, hf_dir: Path, backend: AttentionBackend,

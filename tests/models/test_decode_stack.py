@@ -1,8 +1,9 @@
-"""Decode steps through every layer in one C call: in bf16 the same tokens and the same
+"""Steps through every layer in one C call: in bf16 the same tokens and the same
 log-probabilities, bit for bit, as the layer-by-layer module path; in fp32 the same tokens and
 log-probabilities equal to rounding (the stack's norm sums in another order than torch's);
 small steps over the small-step copies, larger ones over the weights packed for tandem's
-dense GEMM; and only where every piece has its C kernel."""
+dense GEMM; decode steps, and steps with prefill chunks where the C prefill attention runs the
+dtype; and only where every piece has its C kernel."""
 
 from __future__ import annotations
 
@@ -21,16 +22,21 @@ def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], float | Non
     return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in llm.generate(prompts, params)]
 
 
-def _count_calls(stack: DecodeStack) -> list[int]:
-    """Wrap the stack's C call: the list fills with each call's token count."""
+def _count_calls(stack: DecodeStack, prefills: list[tuple[int, int]] | None = None) -> list[int]:
+    """Wrap the stack's C call: the list fills with each decode step's token count, and
+    `prefills` (where given) with each prefill step's (tokens, chunks)."""
     calls: list[int] = []
     run = stack.kernel
 
     def counted(layers, step, hidden):
-        calls.append(hidden.shape[0])
+        if step.spans == 0:
+            calls.append(hidden.shape[0])
+        elif prefills is not None:
+            prefills.append((hidden.shape[0], step.spans))
         return run(layers, step, hidden)
 
-    stack.kernel = type("Counted", (), {"__call__": staticmethod(counted), "dtype": run.dtype})()
+    stack.kernel = type("Counted", (), {"__call__": staticmethod(counted), "dtype": run.dtype,
+                                        "prefills": run.prefills})()
     return calls
 
 
@@ -178,3 +184,65 @@ def test_qwen2_s_qkv_biases_go_through_the_stack_as_the_module_path_adds_them(kw
         assert [tokens for tokens, _ in stacked] == [tokens for tokens, _ in layered]
         for (_, ours), (_, theirs) in zip(stacked, layered, strict=True):
             assert ours is not None and (ours == theirs if dtype == torch.bfloat16 else abs(ours - theirs) <= 1e-3)
+
+
+# Prompts of several lengths, with chunks of at most 48 tokens a step: steps of one prompt's
+# first chunk, of several prompts' chunks, of a later chunk over its cached first one, and of
+# decode tokens beside another prompt's chunk.
+MIXED_PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    " * 12, "Once upon a time, " * 20,
+                 "Q: what is 2 + 2?\nA:"]
+
+
+def _prefills_stacked_then_layered(llm: LLM) -> tuple[list, list, list[tuple[int, int]]]:
+    """MIXED_PROMPTS through the stack, prefill steps included, then through the module path;
+    with the prefill steps the stack ran (tokens, chunks)."""
+    model = llm.engine.runner.model
+    stack = model.decode_stack
+    assert isinstance(stack, DecodeStack)
+    prefills: list[tuple[int, int]] = []
+    _count_calls(stack, prefills)
+    stacked = _generate(llm, MIXED_PROMPTS)
+    model.decode_stack = None
+    layered = _generate(llm, MIXED_PROMPTS)
+    model.decode_stack = stack
+    return stacked, layered, prefills
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"dtype": "bfloat16", "quantization": "none", "decode_weights": "bfloat16"},
+    {"dtype": "bfloat16", "quantization": "int8", "decode_weights": "int4"},  # the default mode with VNNI
+    {"exact": True},
+], ids=["bf16", "default mode", "exact"])
+def test_prefill_chunks_go_through_the_stack_with_the_module_paths_bits(kwargs: dict) -> None:
+    """Prompt chunks, alone, several to a step, after a cached chunk and beside decode tokens:
+    the stack's prefill attention (decode rows, then each chunk over its context) gives the
+    module path's tokens and log-probabilities, bit for bit in bf16 and the exact mode alike
+    (both paths run the same C kernels in the same order)."""
+    with LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=48, **kwargs) as llm:
+        stack = llm.engine.runner.model.decode_stack
+        # without records for larger steps (no AVX-512, or AMX) or a C prefill attention in the
+        # dtype (bf16 on AMX), prompt chunks keep the module path
+        takes = stack is not None and stack.kernel.prefills and _packed_for_tandems_gemm(llm)
+        stacked, layered, prefills = _prefills_stacked_then_layered(llm) if stack is not None else ([], [], [])
+    assert stacked == layered
+    assert all(logprob is not None for _, logprob in stacked)
+    if takes:
+        assert len(prefills) >= 4 and max(chunks for _, chunks in prefills) >= 2
+    else:
+        assert prefills == []
+
+
+def test_without_a_prefill_kernel_for_the_head_size_prefill_steps_keep_the_module_path(monkeypatch) -> None:
+    """Where the C prefill attention does not tile the head size, the stack takes decode steps
+    only: prompt chunks run layer by layer, and the outputs are the same."""
+    from tandem.kernels.cpu_prefill import PrefillAttentionKernel
+
+    monkeypatch.setattr(PrefillAttentionKernel, "takes_head_dim", staticmethod(lambda head_dim: False))
+    with LLM(dtype="bfloat16", quantization="none", decode_weights="bfloat16", kv_cache_memory="64MiB",
+             enable_prefix_caching=False, max_num_batched_tokens=48) as llm:
+        stack = llm.engine.runner.model.decode_stack
+        assert stack is not None and not stack.kernel.prefills
+        prefills: list[tuple[int, int]] = []
+        calls = _count_calls(stack, prefills)
+        outputs = _generate(llm, MIXED_PROMPTS[:2])
+    assert prefills == [] and calls and all(len(tokens) == 24 for tokens, _ in outputs)

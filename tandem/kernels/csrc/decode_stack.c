@@ -1,7 +1,7 @@
 /*
- * A decode step (bf16 or fp32) through every decoder layer in one call: small steps (one to a
- * few tokens) over the small-step copies, larger ones over the weights packed for
- * tandem's dense GEMM (dense_gemm.c).
+ * A step (bf16 or fp32) through every decoder layer in one call: small steps (one to a few
+ * tokens) over the small-step copies, larger ones over the weights packed for tandem's dense
+ * GEMM (dense_gemm.c); decode tokens, and prefill chunks where the prefill kernel is given.
  *
  * At one token a layer's C kernels (the 4-bit GEMMs, norm, rotary, KV write, decode attention,
  * silu-and-mul) take about 150 us together, and the Python around them (module calls, views,
@@ -24,12 +24,18 @@
  * gate/up's pairs (INT8_GATED) give the fp32 middle the down projection quantizes, as
  * layers/int8.py's `gated_mlp` does.
  *
+ * A step with prefill chunks (a prompt's chunk, or decode tokens and chunks together) runs the
+ * same sequence, its attention as the CPU backend's: the decode rows in one decode-attention
+ * call, then each chunk through tandem_prefill_attention (prefill_attention.c) over its
+ * sequence's cached context, each writing its rows. The Python between a prefill step's
+ * kernels was 5% of a bf16 or exact prefill-heavy pass, 15% in the default mode.
+ *
  * Per layer, for T tokens with hidden size H (elements of `element_bytes` each):
  *   normed = rms_norm(hidden)                     input_layernorm
  *   qkv    = normed @ Wqkv.T                      [T, (heads + 2 kv_heads) * head_dim]
  *   rotary(q and k heads of qkv, in place)
  *   write k, v of qkv into the paged cache        at the step's slots
- *   attn   = decode_attention(q of qkv)           [T, heads * head_dim]
+ *   attn   = attention(q of qkv)                  [T, heads * head_dim]: decode rows, then chunks
  *   hidden = hidden + attn @ Wo.T                 (the GEMM adds the residual, in place)
  *   normed = rms_norm(hidden)                     post_attention_layernorm
  *   act    = silu_mul(normed @ Wgate_up.T)        [T, intermediate]
@@ -69,6 +75,10 @@ typedef int (*int8_gated_fn)(const int8_t *a, int64_t a_stride, int64_t m, int64
                              const int32_t *compensation, int64_t n, const float *row_scales, const float *col_scales,
                              int64_t outliers, const int32_t *outlier_index, const float *outlier_value,
                              const int8_t *weight_t, float *h, int kind, int num_threads);
+typedef int (*prefill_fn)(const void *q, const void *kv_cache, const int64_t *block_ids, void *out, int64_t q_len,
+                          int64_t context_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, int64_t num_blocks, int64_t q_stride, int64_t out_stride, int kind,
+                          float scale, int num_threads);
 typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_bf16,
                          const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -90,6 +100,7 @@ struct Kernels {
     quantize_fn quantize_rows;        /* tandem_quantize_rows (int8 matrices' rows) */
     int8_dequantize_fn int8_dequantize; /* tandem_int8_gemm_dequantize */
     int8_gated_fn int8_gated;         /* tandem_int8_gemm_gated */
+    prefill_fn prefill;               /* tandem_prefill_attention (steps with prefill chunks) */
 };
 
 /* A matrix in q4_gemm.c's layout, [n, k] at 4 or 8 bits a level, or (bits 32 / 16) plain
@@ -165,6 +176,12 @@ struct Step {
     const void *cos, *sin;                                   /* [tokens, head_dim / 2] */
     const int64_t *slots, *block_tables, *context_lens;      /* one decode token a sequence */
     int num_threads;
+    /* The step's rows: its decode tokens first (one a sequence: block_tables, context_lens),
+     * then `spans` prefill chunks, chunk i rows [span_start[i], + span_len[i]) of a sequence
+     * whose first span_context[i] tokens (the chunk's own last) the cache holds, its block ids
+     * row i of span_blocks ([spans, span_table_stride]). A decode step: decodes = tokens. */
+    int64_t decodes, spans, span_table_stride;
+    const int64_t *span_start, *span_len, *span_context, *span_blocks;
 };
 
 static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, const void *x, const void *residual,
@@ -189,6 +206,30 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
     return status;
 }
 
+/* The attention of one layer, as the CPU backend runs a step: the decode rows in one call,
+ * then each prefill chunk over its sequence's cached context (its own keys and values were
+ * written first), each writing its rows of `attn`. */
+static int attention(const struct Kernels *kernels, const struct Step *step, const char *kv_cache, const char *qkv,
+                     char *attn, int64_t heads_per_item) {
+    const int64_t width = (step->heads + 2 * step->kv_heads) * step->head_dim, q_width = step->heads * step->head_dim;
+    const size_t bytes = (size_t)step->element_bytes;
+    const int bf16 = step->element_bytes == 2;
+    int status = 0;
+    if (step->decodes > 0)
+        status = kernels->attend(qkv, bf16, width, kv_cache, bf16, step->block_tables, step->context_lens, attn,
+                                 step->decodes, step->heads, step->kv_heads, step->head_dim, step->block_size,
+                                 step->num_blocks, step->table_stride, heads_per_item, step->scale, step->num_threads);
+    for (int64_t i = 0; i < step->spans && status == 0; i++) {
+        const int64_t start = step->span_start[i];
+        status = kernels->prefill(qkv + bytes * (size_t)(start * width), kv_cache,
+                                  step->span_blocks + i * step->span_table_stride, attn + bytes * (size_t)(start * q_width),
+                                  step->span_len[i], step->span_context[i], step->heads, step->kv_heads, step->head_dim,
+                                  step->block_size, step->num_blocks, width, q_width, bf16, step->scale,
+                                  step->num_threads);
+    }
+    return status;
+}
+
 static int64_t widest(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* hidden [tokens, hidden] (bf16 or fp32), updated in place through every layer. Returns 0, or
@@ -200,7 +241,7 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
     const int threads = step->num_threads;
     /* as the Python backend picks it: few sequences, one work item per query head */
     const int64_t group = step->heads / step->kv_heads;
-    const int64_t heads_per_item = t * step->kv_heads < 2 * threads ? 1 : group;
+    const int64_t heads_per_item = step->decodes * step->kv_heads < 2 * threads ? 1 : group;
     const size_t bytes = (size_t)step->element_bytes;
     const int bf16 = step->element_bytes == 2;
     int64_t outliers = 0;
@@ -228,11 +269,7 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
         const char *key = qkv + bytes * (size_t)q_width, *value = key + bytes * (size_t)kv_width;
         kernels->write_kv(key, value, layer->kv_cache, step->slots, t, width, width, step->kv_heads, step->head_dim,
                           step->num_blocks * step->block_size, step->element_bytes, threads);
-        if ((status = kernels->attend(qkv, bf16, width, layer->kv_cache, bf16, step->block_tables, step->context_lens,
-                                      attn, t, step->heads, step->kv_heads, step->head_dim, step->block_size,
-                                      step->num_blocks, step->table_stride, heads_per_item, step->scale,
-                                      threads)) != 0)
-            break;
+        if ((status = attention(kernels, step, layer->kv_cache, qkv, attn, heads_per_item)) != 0) break;
         /* the residual GEMMs read `residual` only in their last, elementwise pass: in place */
         if ((status = gemm(kernels, &layer->o, attn, hidden, hidden, t, bf16, &q, threads)) != 0) break;
         kernels->rms_norm(hidden, step->hidden, layer->post_norm, normed, t, step->hidden, step->eps, threads);
