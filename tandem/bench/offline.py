@@ -117,6 +117,11 @@ OFFLINE_BENCH_FLAGS = FlagTable("benchmark", (
         "(tpN, ppN, epN, joined by + as in tp2+pp2); ratios are to the first",
     ),
     Flag(
+        "--repeats", default=1, type=int, metavar="N",
+        help="time each engine's pass N times, each from an empty prefix cache, and report the "
+        "pass of the median time (a loaded machine stalls single passes; default: 1)",
+    ),
+    Flag(
         "--profile", switch=True,
         help="after each timed tandem run, an untimed pass with the ranks' profilers on: "
         "the share of step time in attention, routing, expert GEMMs, all-to-all, "
@@ -187,12 +192,14 @@ def select_runs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     engines = select_engines(args)
     if args.scale <= 0:
         raise ValueError(f"--scale must be > 0, got {args.scale}")
+    if getattr(args, "repeats", 1) < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     return workload_names, engines
 
 
 def check_offline_bench(args: argparse.Namespace) -> None:
-    """An unknown workload or engine, --layouts with --engines, or a --scale of 0 fails at
-    parse time, before any engine starts."""
+    """An unknown workload or engine, --layouts with --engines, a --scale of 0 or --repeats
+    of 0 fails at parse time, before any engine starts."""
     select_runs(args)
 
 
@@ -298,6 +305,7 @@ def run_one(engine: str, workload: Workload, args: argparse.Namespace, hf_dir: P
         "engine_args": engine_args(engine, args, hf_dir, kv_bytes),
         "warmup_prompt": warmup_prompt(vocab_size, args.workload_seed), "warmup_tokens": WARMUP_OUTPUT,
         "profile": bool(getattr(args, "profile", False)) and engine.startswith("tandem"),
+        "repeats": int(getattr(args, "repeats", 1)),
     }
     out_path.unlink(missing_ok=True)
     spec["launch_time"] = time.time()
@@ -391,7 +399,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
     peers = {"vllm": f"vllm {args.dtype}", "transformers": "transformers float32", "llamacpp": "llama.cpp GGUF"}
     shown = ", ".join(peers[e] for e in engines if e in peers)
     title = (f"tandem bench offline: {resolved.name}, tandem {args.dtype}{' ' + flags if flags else ''}"
-             f"{', ' + shown if shown else ''}, scale {args.scale:g}, {os.cpu_count()} CPUs")
+             f"{', ' + shown if shown else ''}, scale {args.scale:g}, {os.cpu_count()} CPUs"
+             f"{f', the median of {args.repeats} timed passes' if args.repeats > 1 else ''}")
     table = format_table(results, engines, title)
     # How far every engine is from this machine's limits (a matmul and a copy measured now).
     table += "\n\n" + format_ceilings(machine_ceilings(resolved.hf_dir, args.dtype, workloads), results, engines)
@@ -405,7 +414,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         "host": {"platform": platform.platform(), "python": platform.python_version(),
                  "cpu_count": os.cpu_count(), "processor": platform.processor()},
         "config": {
-            "engines": engines, "workloads": workload_names, "scale": args.scale,
+            "engines": engines, "workloads": workload_names, "scale": args.scale, "repeats": args.repeats,
             "workload_seed": args.workload_seed, "tandem_dtype": args.dtype,
             "kv_cache_memory_bytes": kv_bytes, "vllm_python": args.vllm_python,
             "engine_args": {e: engine_args(e, args, resolved.hf_dir, kv_bytes) for e in engines},

@@ -266,6 +266,7 @@ def test_tiny_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     (["--layouts", "tp1,tp2", "--engines", "tandem"], "--layouts compares tandem with itself"),
     (["--workloads", "chatty"], "unknown workloads chatty; choose from"),
     (["--scale", "0"], "--scale must be > 0, got 0.0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
 ])
 def test_bad_runs_fail_at_parse_time(flags: list[str], message: str, tmp_path: Path, capsys) -> None:
     from tandem.cli.main import main
@@ -276,3 +277,30 @@ def test_bad_runs_fail_at_parse_time(flags: list[str], message: str, tmp_path: P
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("tandem: error: ") and message in line
     assert not (tmp_path / "out").exists()
+
+
+def test_repeats_time_each_pass_from_an_empty_cache_and_report_the_median_pass(monkeypatch) -> None:
+    """--repeats N: the worker empties the engine's prefix cache before each pass after the
+    first, keeps every pass's time and reports the pass of the median time; an engine with no
+    way to empty its cache is refused rather than timed on cache hits."""
+    from tandem.bench import offline_worker
+
+    times = iter([0.0, 5.0, 10.0, 11.0, 20.0, 22.0])  # passes of 5, 1 and 2 seconds
+    monkeypatch.setattr(offline_worker.time, "perf_counter", lambda: next(times))
+    resets: list[int] = []
+
+    def generate(prompts, max_tokens):
+        return [[7] * max_tokens for _ in prompts]
+
+    generate.reset_cache = lambda: resets.append(1)
+    monkeypatch.setitem(offline_worker.ENGINES, "fake", lambda args: (generate, {}))
+    workload = {"name": "w", "mode": "batch", "prompts": [[1, 2, 3]] * 2, "max_tokens": [4, 4]}
+    result = offline_worker.run({"engine": "fake", "workload": workload, "launch_time": 0.0, "repeats": 3})
+    assert result["ok"], result.get("error")
+    assert result["pass_seconds"] == [5.0, 1.0, 2.0] and result["elapsed_s"] == 2.0
+    assert resets == [1, 1] and result["output_tokens"] == 8
+
+    del generate.reset_cache
+    monkeypatch.setattr(offline_worker.time, "perf_counter", iter(range(100)).__next__)
+    result = offline_worker.run({"engine": "fake", "workload": workload, "launch_time": 0.0, "repeats": 2})
+    assert not result["ok"] and "no prefix cache reset between passes" in result["error"]
