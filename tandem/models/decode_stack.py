@@ -120,10 +120,12 @@ class DecodeStack:
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.slots, step.block_tables, step.context_lens = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
         step.num_threads = torch.get_num_threads()
-        spans = _Spans(meta)  # alive through the call: the step points at its tensors
-        step.decodes, step.spans, step.span_table_stride = meta.num_decode_tokens, spans.count, spans.table_stride
-        step.span_start, step.span_len = spans.start.data_ptr(), spans.length.data_ptr()
-        step.span_context, step.span_blocks = spans.context.data_ptr(), spans.blocks.data_ptr()
+        step.decodes, step.spans = meta.num_decode_tokens, len(meta.prefills)
+        spans = _Spans(meta) if meta.prefills else None  # alive through the call: the step points at it
+        if spans is not None:
+            step.span_table_stride = spans.table_stride
+            step.span_start, step.span_len = spans.start.data_ptr(), spans.length.data_ptr()
+            step.span_context, step.span_blocks = spans.context.data_ptr(), spans.blocks.data_ptr()
         self.kernel(layers, step, hidden)
         return hidden
 
@@ -134,12 +136,11 @@ class _Spans:
 
     def __init__(self, meta: AttentionMetadata) -> None:
         spans = meta.prefills
-        self.count = len(spans)
         self.start = torch.tensor([span.q_start for span in spans], dtype=torch.int64)
         self.length = torch.tensor([span.q_len for span in spans], dtype=torch.int64)
         self.context = torch.tensor([span.context_len for span in spans], dtype=torch.int64)
         self.table_stride = max((span.block_ids.numel() for span in spans), default=0)
-        self.blocks = torch.zeros(self.count, self.table_stride, dtype=torch.int64)
+        self.blocks = torch.zeros(len(spans), self.table_stride, dtype=torch.int64)
         for row, span in zip(self.blocks, spans, strict=True):
             row[:span.block_ids.numel()] = span.block_ids
 
