@@ -1,11 +1,12 @@
 """tandem's fp32 and bf16 GEMM over weights packed once at load (csrc/dense_gemm.c), for
-steps of many rows on CPUs with AVX-512 and no AMX.
+steps of many rows on CPUs with AVX-512.
 
 oneDNN's packed fp32 and bf16 GEMMs, which both tandem's and vLLM's CPU linears call, run at
 16-128 rows well under their large-step rate on the 2-core AVX-512 EPYC; the kernel keeps a
 6-row by 64-column tile's accumulators in registers over the whole inner dimension, as the
-packed int8 GEMM does (kernels/int8_gemm.py). With AMX, oneDNN multiplies bf16 on the tiles,
-which this kernel does not, so there oneDNN stays (the caller decides).
+packed int8 GEMM does (kernels/int8_gemm.py). With AMX, bf16 multiplies on the tiles from the
+same packed blocks (csrc/dense_gemm_amx.h), so the fused epilogues and the layer stack's
+batched steps, which need a C GEMM, run there too.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class DenseGemmKernel:
         self._silu_mul = functions["tandem_dense_gemm_silu_mul"]
         self._pack = functions["tandem_dense_pack"]
         self._gemm = functions["tandem_dense_gemm"]
-        self.isa: str = functions["tandem_dense_gemm_isa"]().decode()  # "avx512-bf16", "avx512" or "none"
+        self.isa: str = functions["tandem_dense_gemm_isa"]().decode()  # "amx-bf16", "avx512-bf16", "avx512", "none"
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
     def gemm_entry(self) -> object:
@@ -75,7 +76,8 @@ class DenseGemmKernel:
         return cls(build_kernel_library(cache_dir, SOURCE))
 
     def multiplies(self, dtype: torch.dtype) -> bool:
-        return (dtype == torch.float32 and self.isa != "none") or (dtype == torch.bfloat16 and self.isa == "avx512-bf16")
+        bf16 = self.isa in ("amx-bf16", "avx512-bf16")
+        return (dtype == torch.float32 and self.isa != "none") or (dtype == torch.bfloat16 and bf16)
 
     def fits(self, weight: torch.Tensor) -> bool:
         """Whether this [out, in] matrix can be packed and multiplied here."""

@@ -13,7 +13,7 @@ q/k/v ones, added where the layer path adds them):
   projections (`--decode-weights int4`) in bf16, or the model's own plain rows
   (`--decode-weights float32` in fp32, `--decode-weights bfloat16` in bf16);
 - larger batches of decode tokens, where all four projections are packed for tandem's dense
-  GEMM (bf16 or fp32 weights on AVX-512 without AMX) or, under bf16 rows, for its 8-bit GEMM
+  GEMM (bf16 or fp32 weights on AVX-512, bf16 on AMX's tiles) or, under bf16 rows, for its 8-bit GEMM
   with gate/up as pairs (`--quantization int8` on VNNI without AMX: the default mode there).
   At 64 sequences the Python between kernels cost less than at one, but every OpenMP thread
   but the caller's waited through it: 12% of a bf16 decode-heavy run was libgomp's wait, 5%

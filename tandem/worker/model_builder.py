@@ -198,11 +198,11 @@ class ModelBuilder:
                                 int4_max_error=TARGET_INT4_MAX_ERROR if choice == "int4" else None)
 
     def _dense_gemm(self) -> DenseGemmKernel | None:
-        """tandem's packed fp32 / bf16 GEMM where the CPU has AVX-512 and no AMX (with AMX,
-        oneDNN multiplies bf16 on the tiles, which the kernel does not). The matrices it does
-        not take (a dtype it has no path for, a width not a multiple of 16) stay oneDNN's."""
+        """tandem's packed fp32 / bf16 GEMM where the CPU has AVX-512 (bf16 on AMX's tiles where
+        it has them, csrc/dense_gemm_amx.h). The matrices it does not take (a dtype it has no
+        path for, a width not a multiple of 16) stay oneDNN's."""
         features = CpuFeatures.detect()
-        if not features.avx512 or features.amx or self.device.type != "cpu":
+        if not features.avx512 or self.device.type != "cpu":
             return None
         return load_dense_gemm_kernel(self.kernel_cache_dir)
 

@@ -23,7 +23,7 @@ PROMPTS, PROMPT_TOKENS, TOKENS = 8, 192, 32
 # as measured on the 2-core Xeon with AMX (docs/performance.md "The default mode"), less one
 # continuation and about 4 tokens of slack. The modes other CPUs default to ran there by flag.
 AGREEMENT_FLOOR = {
-    ("bfloat16", "none", "int4"): (4, 24.0),  # measured 5/8, 28.1
+    ("bfloat16", "none", "int4"): (2, 14.0),  # measured 3/8, 18.1 (5/8, 28.1 before the AMX GEMM)
     ("bfloat16", "int8", "int4"): (0, 13.0),  # 1/8, 17.1
     ("float32", "int8", "int4"): (2, 15.0),  # 3/8, 19.8
     ("float32", "none", "int4"): (7, 28.0),  # 8/8, 32
@@ -58,7 +58,7 @@ def test_the_default_mode_is_this_cpus_and_agrees_with_exact_fp32(monkeypatch: p
     assert f"mode: {mode.note}" in caplog.text
     if load.quantization == "int8":  # VNNI without AMX: tandem's packed GEMM, not torch._int_mm
         assert ("tandem's packed int8 GEMM" in caplog.text) == features.int8_fastest
-    if features.avx512 and not features.amx:  # what int8 does not hold: tandem's fp32/bf16 GEMM
+    if features.avx512:  # what int8 does not hold: tandem's fp32/bf16 GEMM (bf16 on AMX's tiles)
         assert "linear weights packed for tandem's packed GEMM" in caplog.text
     same = sum(a == b for a, b in zip(want, got, strict=True))
     first_miss = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), TOKENS)

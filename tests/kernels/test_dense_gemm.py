@@ -43,12 +43,13 @@ def _dtypes(kernel: DenseGemmKernel) -> list[torch.dtype]:
 
 def test_the_isa_follows_the_cpu(tmp_path: Path) -> None:
     built = DenseGemmKernel.build(tmp_path)
-    want = "avx512-bf16" if FEATURES.avx512_bf16 else "avx512" if FEATURES.avx512 else "none"
+    want = ("amx-bf16" if FEATURES.amx and FEATURES.avx512_bf16 else "avx512-bf16" if FEATURES.avx512_bf16
+            else "avx512" if FEATURES.avx512 else "none")
     assert built.isa == want
     assert (load_dense_gemm_kernel(tmp_path) is None) == (want == "none")
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16, 17, 33, 64, 130])
 @pytest.mark.parametrize("in_features, out_features", [(2, 16), (96, 80), (576, 960), (1536, 64)])
 def test_products_bias_and_residual_are_f_linears(kernel, rows, in_features, out_features) -> None:
     """Against F.linear in fp64: fp32 to fp32 rounding, bf16 within one bf16 step of the
@@ -159,3 +160,27 @@ def test_a_build_without_avx512_refuses_every_product(tmp_path: Path) -> None:
     library = build_for(SOURCE, "haswell", tmp_path)
     plain = DenseGemmKernel(library)
     assert plain.isa == "none" and not plain.fits(torch.zeros(32, 64))
+
+
+@pytest.mark.skipif(not (FEATURES.amx and FEATURES.avx512_bf16), reason="AMX's bf16 tiles")
+def test_amx_tiles_and_the_avx512_bf16_tiles_both_give_the_product(kernel, tmp_path: Path) -> None:
+    """On a CPU with AMX the bf16 products run on the tiles (K a multiple of 32; units of up to
+    two 16-row tiles, the last with fewer rows), a build for a CPU without AMX on AVX-512-BF16:
+    both within a bf16 step of fp64, plain and gated, and a K the tiles cannot take falls back."""
+    vector = DenseGemmKernel(build_for(SOURCE, "cooperlake", tmp_path))
+    assert kernel.isa == "amx-bf16" and vector.isa == "avx512-bf16"
+    generator = torch.Generator().manual_seed(11)
+    for rows, in_features, out_features in ((1, 576, 960), (15, 64, 64), (16, 576, 64), (31, 1536, 576),
+                                            (47, 96, 96), (100, 576, 3072), (33, 48, 32)):
+        weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).bfloat16()
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        residual = torch.randn(rows, out_features, generator=generator).bfloat16()
+        want = x.double() @ weight.double().t() + residual.double()
+        gated_want = _gated_reference(x, weight, None)
+        step = want.abs().clamp_min(1e-3) * 2.0 ** -7
+        gated_step = gated_want.abs().clamp_min(1e-3) * 2.0 ** -7
+        for built in (kernel, vector):
+            got = built.matmul(x, built.pack(weight), None, residual).double()
+            assert ((got - want).abs() <= step + 1e-4 * in_features ** 0.5).all(), (built.isa, rows, in_features)
+            gated = built.silu_mul(x, built.pack_gated(weight)).double()
+            assert ((gated - gated_want).abs() <= gated_step + 1e-3).all(), (built.isa, rows, in_features)

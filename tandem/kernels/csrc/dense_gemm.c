@@ -54,7 +54,19 @@ static inline __m256i narrow16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(kept, 16));
 }
 
-/* The epilogue of one 16-column chunk: acc (+ bias) (+ residual), stored once in the kind. */
+/* 16 fp32 -> bf16 for a kind: 1, narrow16; 2 (the AMX tiles' epilogue, dense_gemm_amx.h), one
+ * vcvtneps2bf16: the same rounding, except that it flushes fp32 denormals to zero, and an
+ * eighth of the instructions, which decided the AMX GEMM's speed at K = 576. */
+#if HAS_BF16
+static inline __m256i narrow_for(__m512 v, int kind) {
+    return kind == 2 ? (__m256i)_mm512_cvtneps_pbh(v) : narrow16(v);
+}
+#else
+static inline __m256i narrow_for(__m512 v, int kind) { (void)kind; return narrow16(v); }
+#endif
+
+/* The epilogue of one 16-column chunk: acc (+ bias) (+ residual), stored once in the kind
+ * (0 fp32; 1 or 2 bf16, see narrow_for). */
 static inline void store_chunk(__m512 acc, int kind, const void *bias, const void *residual, void *out, int64_t n,
                                int64_t at) {
     if (kind == 0) {
@@ -65,7 +77,7 @@ static inline void store_chunk(__m512 acc, int kind, const void *bias, const voi
     }
     if (bias != NULL) acc = _mm512_add_ps(acc, widen16((const uint16_t *)bias + n));
     if (residual != NULL) acc = _mm512_add_ps(widen16((const uint16_t *)residual + at), acc);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), narrow16(acc));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), narrow_for(acc, kind));
 }
 
 /* The gated epilogue of one 16-column chunk: silu(gate (+ its bias)) * (up (+ its bias)), in
@@ -86,7 +98,7 @@ static inline void store_gated_chunk(__m512 gate, __m512 up, int kind, const voi
     if (kind == 0)
         _mm512_storeu_ps((float *)out + at, value);
     else
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), narrow16(value));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), narrow_for(value, kind));
 }
 
 static inline __m512 broadcast_step(const char *p) {
@@ -173,9 +185,21 @@ static const tile_fn BF16_GATED[PANEL_BLOCKS / 2][TILE_ROWS] = {TILE_ROW(bf16, 2
 #define HAS_F32 0
 #define HAS_BF16 0
 #endif
+#if HAS_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAS_AMX 1
+#include "dense_gemm_amx.h"
+#else
+#define HAS_AMX 0
+#endif
 
-/* Which kinds this build multiplies: "avx512-bf16" (fp32 and bf16), "avx512" (fp32), "none". */
-const char *tandem_dense_gemm_isa(void) { return HAS_BF16 ? "avx512-bf16" : HAS_F32 ? "avx512" : "none"; }
+/* Which kinds this build multiplies: "amx-bf16" (fp32, and bf16 on AMX tiles where K is a
+ * multiple of 32), "avx512-bf16" (fp32 and bf16), "avx512" (fp32), "none". */
+const char *tandem_dense_gemm_isa(void) {
+#if HAS_AMX
+    if (amx_permitted()) return "amx-bf16";
+#endif
+    return HAS_BF16 ? "avx512-bf16" : HAS_F32 ? "avx512" : "none";
+}
 
 /* w [N, K] (row-major; kind 0 fp32, 1 bf16) -> packed in the layout above. N a multiple of 16,
  * K (bf16) even. */
@@ -214,6 +238,12 @@ static int dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, con
     if (N % (gated ? 32 : 16) != 0 || M < 0 || (kind == 1 && K % 2 != 0) || (kind == 0 && !HAS_F32)
         || (kind == 1 && !HAS_BF16) || kind < 0 || kind > 1)
         return -1;
+#if HAS_AMX
+    if (kind == 1 && K % AMX_STEP_K == 0 && amx_permitted()) {
+        amx_dense_gemm(x, x_stride, M, K, packed, bias, residual, out, N, gated, num_threads);
+        return 0;
+    }
+#endif
 #if HAS_F32
     const int64_t element = kind == 0 ? 4 : 2, steps = kind == 0 ? K : K / 2;
     GEMM_FOR_EACH_TILE(M, N / 16, PANEL_BLOCKS, TILE_ROWS, packed, steps * 64,

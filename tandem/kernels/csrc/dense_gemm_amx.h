@@ -1,0 +1,193 @@
+/*
+ * The packed dense GEMM's bf16 products on AMX tiles (included by dense_gemm.c where the build
+ * targets a CPU with AMX-BF16).
+ *
+ * Why: on a CPU with AMX, oneDNN multiplies bf16 on the tiles, which the AVX-512-BF16 tiles of
+ * dense_gemm.c cannot keep up with, so tandem's linears stayed oneDNN's there, and with them
+ * everything built on tandem's own GEMM: the fused epilogues (bias and residual, silu(gate) *
+ * up) and the layer stack's batched steps (csrc/decode_stack.c), whose one C call a step
+ * needs a C GEMM.
+ *
+ * The packed bf16 layout is already the tiles' B operand: a block's 16 columns hold, for each
+ * pair of consecutive k, one 64-byte row of 16 (k, k + 1) pairs, so 16 pair-steps of a block
+ * (32 values of k) are one 16 x 64-byte B tile, 1 KiB contiguous. The A operand is 16 rows of
+ * the activations, 32 values of k each, read in place with the rows' stride. A unit is up to
+ * two row tiles (32 rows) by two blocks (32 columns): four fp32 accumulator tiles (tmm0-3),
+ * two A tiles (tmm4-5), two B tiles (tmm6-7), so each tile load feeds two multiplies. The
+ * accumulators go through a 1 KiB buffer to dense_gemm.c's epilogues (bias, residual, one
+ * rounding to bf16; or the gated silu(gate) * up, where a pair of blocks is a gate and its up).
+ *
+ * A row tile of fewer than 16 rows is configured with that many rows (tile loads and stores
+ * then touch only those rows). K must be a multiple of 32: the caller sends other K to the
+ * AVX-512-BF16 tiles. The OS grants the tiles' state per process (arch_prctl); where it
+ * refuses, the AVX-512-BF16 tiles run instead.
+ */
+#ifndef TANDEM_DENSE_GEMM_AMX_H
+#define TANDEM_DENSE_GEMM_AMX_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16          /* rows of an A or C tile */
+#define AMX_STEP_K 32        /* values of k a tile multiply covers (16 bf16 pairs) */
+#define AMX_UNIT_ROWS 32     /* two row tiles */
+#ifndef AMX_PANEL_BLOCKS
+#define AMX_PANEL_BLOCKS 4
+#endif
+#ifndef AMX_GROUP_BYTES
+#define AMX_GROUP_BYTES (256 * 1024)
+#endif
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Whether this process may use the tiles: the first call asks the OS (idempotent; racing
+ * threads ask twice, which is harmless). */
+static int amx_permitted(void) {
+    static volatile int state = 0; /* 0 not asked, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* tmm0-1: C of row tile 0 (blocks 0, 1); tmm2-3: C of row tile 1; tmm4-5: A of row tiles 0, 1;
+ * tmm6-7: B of blocks 0, 1. rows1 may be 0 (one row tile): its tiles are then unused. */
+static void amx_configure(int rows0, int rows1) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    const int rows[8] = {rows0, rows0, rows1 > 0 ? rows1 : 1, rows1 > 0 ? rows1 : 1,
+                         rows0, rows1 > 0 ? rows1 : 1, AMX_ROWS, AMX_ROWS};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = (uint8_t)rows[t];
+        config.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* One unit's products over all of K into tmm0-3: a (its first row, a_stride bytes between
+ * rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS). The compiler needs
+ * the tile numbers as constants, hence one function per shape. */
+#define DEFINE_AMX_UNIT(SHAPE, TWO_ROWS, TWO_BLOCKS)                                                   \
+    static inline void amx_multiply_##SHAPE(const char *a, int64_t a_stride, int64_t k_steps,          \
+                                            const char *b0, const char *b1) {                           \
+        _tile_zero(0);                                                                                  \
+        if (TWO_BLOCKS) _tile_zero(1);                                                                  \
+        if (TWO_ROWS) _tile_zero(2);                                                                    \
+        if (TWO_ROWS && TWO_BLOCKS) _tile_zero(3);                                                      \
+        for (int64_t q = 0; q < k_steps; q++) {                                                         \
+            _tile_loadd(4, a + q * 64, a_stride);                                                       \
+            _tile_loadd(6, b0 + q * 1024, 64);                                                          \
+            _tile_dpbf16ps(0, 4, 6);                                                                    \
+            if (TWO_BLOCKS) {                                                                           \
+                _tile_loadd(7, b1 + q * 1024, 64);                                                      \
+                _tile_dpbf16ps(1, 4, 7);                                                                \
+            }                                                                                           \
+            if (TWO_ROWS) {                                                                             \
+                _tile_loadd(5, a + AMX_ROWS * a_stride + q * 64, a_stride);                             \
+                _tile_dpbf16ps(2, 5, 6);                                                                \
+                if (TWO_BLOCKS) _tile_dpbf16ps(3, 5, 7);                                                \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    static inline void amx_store_##SHAPE(float *c) {                                                    \
+        _tile_stored(0, c, 64);                                                                         \
+        if (TWO_BLOCKS) _tile_stored(1, c + 256, 64);                                                   \
+        if (TWO_ROWS) _tile_stored(2, c + 512, 64);                                                     \
+        if (TWO_ROWS && TWO_BLOCKS) _tile_stored(3, c + 768, 64);                                       \
+    }
+DEFINE_AMX_UNIT(1_1, 0, 0)
+DEFINE_AMX_UNIT(1_2, 0, 1)
+DEFINE_AMX_UNIT(2_1, 1, 0)
+DEFINE_AMX_UNIT(2_2, 1, 1)
+
+/* A unit whose accumulators wait in a buffer for their epilogue. */
+typedef struct {
+    int64_t m, rows, block;
+    int two_blocks;
+    const float *c; /* [row tile][block][16 rows][16 columns] */
+} AmxUnit;
+
+/* The unit's epilogue (dense_gemm.c's): bias and residual and one rounding, or the gated
+ * silu(gate) * up where its two blocks are a gate block and its up. */
+static inline void amx_epilogue(const AmxUnit *unit, const void *bias, const void *residual, void *out, int64_t N,
+                                int gated) {
+    for (int64_t i = 0; i < unit->rows; i++) {
+        const float *row = unit->c + (i / AMX_ROWS) * 512 + (i % AMX_ROWS) * 16;
+        const int64_t m = unit->m + i, block = unit->block;
+        if (gated) {
+            store_gated_chunk(_mm512_load_ps(row), _mm512_load_ps(row + 256), 2, bias, out, block * 8, N / 2,
+                              m * (N / 2) + block * 8);
+            continue;
+        }
+        store_chunk(_mm512_load_ps(row), 2, bias, residual, out, block * 16, m * N + block * 16);
+        if (unit->two_blocks)
+            store_chunk(_mm512_load_ps(row + 256), 2, bias, residual, out, block * 16 + 16, m * N + block * 16 + 16);
+    }
+}
+
+/* The bf16 product on the tiles. Same arguments and result as dense_gemm (kind 1); the caller
+ * checked them. Each unit's epilogue runs while the next unit multiplies: the tiles work
+ * beside the vector units, and the epilogue (a tile store, a rounding of 1,024 sums) took
+ * a third of a unit's time at K = 576 when the two ran one after the other. */
+static void amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed,
+                           const void *bias, const void *residual, void *out, int64_t N, int gated,
+                           int num_threads) {
+    const int64_t blocks = N / 16, pair_steps = K / 2, k_steps = K / AMX_STEP_K;
+    const int64_t a_stride = x_stride * 2;
+    /* Row groups whose activations stay in L2 (at least a unit), each multiplied by every panel
+     * before the next group: a thread's consecutive items are one group's panels. */
+    int64_t group_rows = AMX_GROUP_BYTES / (K * 2) / AMX_UNIT_ROWS * AMX_UNIT_ROWS;
+    if (group_rows < AMX_UNIT_ROWS) group_rows = AMX_UNIT_ROWS;
+    const int64_t groups = (M + group_rows - 1) / group_rows;
+    const int64_t panels = (blocks + AMX_PANEL_BLOCKS - 1) / AMX_PANEL_BLOCKS;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float buffers[2][4 * 256] __attribute__((aligned(64)));
+        int configured0 = -1, configured1 = -1, next_buffer = 0;
+        AmxUnit pending = {0, 0, 0, 0, NULL};
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < groups * panels; item++) {
+            const int64_t panel = item % panels * AMX_PANEL_BLOCKS;
+            const int64_t first = item / panels * group_rows;
+            const int64_t width = blocks - panel < AMX_PANEL_BLOCKS ? blocks - panel : AMX_PANEL_BLOCKS;
+            const int64_t end = first + group_rows < M ? first + group_rows : M;
+            for (int64_t m = first; m < end; m += AMX_UNIT_ROWS) {
+                const int64_t rows = end - m < AMX_UNIT_ROWS ? end - m : AMX_UNIT_ROWS;
+                const int rows0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, rows1 = (int)rows - rows0;
+                if (rows0 != configured0 || rows1 != configured1) { /* all tiles are stored by now */
+                    amx_configure(rows0, rows1);
+                    configured0 = rows0;
+                    configured1 = rows1;
+                }
+                const char *a = (const char *)x + m * a_stride;
+                for (int64_t block = panel; block < panel + width; block += 2) {
+                    const int two_blocks = block + 1 < panel + width;
+                    const char *b0 = (const char *)packed + block * pair_steps * 64;
+                    const char *b1 = b0 + pair_steps * 64;
+                    float *c = buffers[next_buffer];
+                    next_buffer ^= 1;
+                    if (rows1 > 0 && two_blocks) amx_multiply_2_2(a, a_stride, k_steps, b0, b1);
+                    else if (rows1 > 0) amx_multiply_2_1(a, a_stride, k_steps, b0, b1);
+                    else if (two_blocks) amx_multiply_1_2(a, a_stride, k_steps, b0, b1);
+                    else amx_multiply_1_1(a, a_stride, k_steps, b0, b1);
+                    if (pending.c != NULL) amx_epilogue(&pending, bias, residual, out, N, gated);
+                    if (rows1 > 0 && two_blocks) amx_store_2_2(c);
+                    else if (rows1 > 0) amx_store_2_1(c);
+                    else if (two_blocks) amx_store_1_2(c);
+                    else amx_store_1_1(c);
+                    pending = (AmxUnit){m, rows, block, two_blocks, c};
+                }
+            }
+        }
+        if (pending.c != NULL) amx_epilogue(&pending, bias, residual, out, N, gated);
+        if (configured0 >= 0) _tile_release();
+    }
+}
+#endif
