@@ -12,13 +12,15 @@ queries after 2,048 cached, fp32: 1,050 ms (21.5 GFLOP/s) with 8-lane tiles, 5,3
 the 16-lane tiles (which spill there), PyTorch's masked SDPA 2,426 ms.
 
 It applies where q, the cache and the output share one dtype (fp32 or bf16) and the head
-size is a multiple of 16 up to 256; elsewhere the caller's torch path runs. Except bf16 on a
-CPU with AMX: there PyTorch's flash attention multiplies on AMX's bf16 tiles (through oneDNN)
-and this kernel's AVX-512-BF16 dot products cannot keep up. On the 2-core Xeon with AMX,
-SmolLM2's shapes, 2 threads: 768 fresh queries 3.87 ms here against 1.62 ms in PyTorch, 2,048
-queries 25.2 against 7.4 ms, 512 queries after 2,048 cached 14.1 against 4.5 ms; in fp32 the
-two are within 20% either way (3.07 / 3.51, 21.6 / 20.7, 13.3 / 11.3 ms), and this kernel keeps
-fp32.
+size is a multiple of 16 up to 256; elsewhere the caller's torch path runs. On a CPU with AMX,
+bf16 runs on the tiles (csrc/prefill_attention_amx.h, head sizes a multiple of 32): PyTorch's
+flash attention multiplies on them too (through oneDNN), and the AVX-512-BF16 lane tiles ran
+at 0.3-0.4x of it there (2-core Xeon with AMX, SmolLM2's shapes, 2 threads: 768 fresh queries
+3.87 ms against 1.62 ms, 2,048 queries 25.2 against 7.4 ms, 512 queries after 2,048 cached 14.1
+against 4.5 ms). The tiles' path against PyTorch's SDPA on the same box: 768 queries 0.98
+against 1.65 ms, 2,048 queries 5.98 against 7.73 ms, 512 after 2,048 cached 3.53 against 4.90
+ms. A build without that path leaves bf16 to PyTorch on such a CPU; in fp32 the lane and row
+tiles are within 20% of PyTorch either way (3.07 / 3.51, 21.6 / 20.7, 13.3 / 11.3 ms) and stay.
 """
 
 from __future__ import annotations
@@ -45,13 +47,18 @@ class PrefillAttentionKernel:
             loaded = ctypes.CDLL(str(library))
             self._attend = loaded.tandem_prefill_attention
             uses_bf16_dot = loaded.tandem_prefill_uses_bf16_dot
+            uses_amx = loaded.tandem_prefill_uses_amx
         except (OSError, AttributeError) as error:
             raise KernelBuildError(f"cannot load {library}: {error}") from error
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 9, ctypes.c_int, ctypes.c_float, ctypes.c_int]
         uses_bf16_dot.restype = ctypes.c_int
-        self.isa = "AVX-512-BF16 dot products" if uses_bf16_dot() else "fp32 FMA (bf16 widened)"
-        self.dtypes = {torch.float32} if CpuFeatures.detect().amx else set(_KINDS)
+        uses_amx.restype = ctypes.c_int
+        self.amx = bool(uses_amx())  # bf16 products on AMX tiles (head sizes a multiple of 32)
+        self.isa = ("AMX tiles in bf16, fp32 FMA in fp32" if self.amx else "AVX-512-BF16 dot products" if uses_bf16_dot()
+                    else "fp32 FMA (bf16 widened)")
+        # bf16 without the tiles on a CPU that has them: PyTorch's flash attention is the faster.
+        self.dtypes = set(_KINDS) if self.amx or not CpuFeatures.detect().amx else {torch.float32}
 
     @classmethod
     def build(cls, cache_dir: Path) -> PrefillAttentionKernel:
@@ -73,7 +80,7 @@ class PrefillAttentionKernel:
         return (
             q.dtype == kv_cache.dtype and q.dtype in self.dtypes and kv_cache.is_contiguous()
             and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == dim
-            and self.takes_head_dim(dim)
+            and self.takes_head_dim(dim) and not (self.amx and q.dtype == torch.bfloat16 and dim % 32 != 0)
         )
 
     def __call__(

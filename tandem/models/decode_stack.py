@@ -19,7 +19,7 @@ q/k/v ones, added where the layer path adds them):
   but the caller's waited through it: 12% of a bf16 decode-heavy run was libgomp's wait, 5%
   the interpreter.
 Steps with prefill chunks go through the same call where the backend's C prefill attention
-runs the stack's dtype (not bf16 on AMX CPUs, where PyTorch's flash attention is the faster)
+runs the stack's dtype (bf16 on AMX CPUs only where the kernel has its tiles' path)
 and head size: the layer is the same sequence, its attention the decode rows in one call and
 then each chunk over its sequence's cached context, as the CPU backend runs them, so a
 prefill is bit-identical too. A prefill step's Python between kernels was 5% of a bf16 or

@@ -172,19 +172,38 @@ def test_what_the_kernel_does_not_take(kernel) -> None:
     assert not kernel.takes(torch.zeros(3, 64, 2).transpose(1, 2), cache)  # dims not dense
 
 
-@pytest.mark.parametrize(("flags", "bf16"), [("avx512f avx512bw avx512_bf16", True),
-                                            ("avx512f avx512bw avx512_bf16 amx_tile amx_bf16 amx_int8", False)])
-def test_bf16_is_left_to_pytorch_where_amx_multiplies_it(cache_dir, monkeypatch: pytest.MonkeyPatch, flags: str,
-                                                        bf16: bool) -> None:
-    """With AMX, PyTorch's flash attention (oneDNN on AMX's bf16 tiles) is 2.4-3.4x this
-    kernel in bf16; fp32 stays here."""
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_bf16_is_left_to_pytorch_where_amx_multiplies_it_and_the_kernel_does_not(tmp_path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AMX, PyTorch's flash attention (oneDNN on AMX's bf16 tiles) is 2.4-3.4x
+    the AVX-512-BF16 lane tiles in bf16: a build without the kernel's own AMX path leaves bf16
+    to it there (and keeps it elsewhere); fp32 stays here."""
     from tandem.platform.cpu_modes import CpuFeatures
 
-    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls, *a: cls.from_flags(flags.split())))
-    fresh = PrefillAttentionKernel.build(cache_dir)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not CpuFeatures.detect().avx512_bf16:
+        pytest.skip("needs a C compiler and a CPU with AVX-512-BF16")
+    library = tmp_path / "prefill-cooperlake.so"
+    subprocess.run([compiler, "-O3", "-march=cooperlake", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+                    str(cpu_prefill.SOURCE), "-o", str(library), "-lm"], check=True, capture_output=True)
     cache = torch.zeros(kv_cache_shape(2, 16, 1, 64))
-    assert fresh.takes(torch.zeros(3, 2, 64), cache)
-    assert fresh.takes(torch.zeros(3, 2, 64, dtype=torch.bfloat16), cache.bfloat16()) is bf16
+    for flags, bf16 in (("avx512f avx512bw avx512_bf16", True),
+                        ("avx512f avx512bw avx512_bf16 amx_tile amx_bf16 amx_int8", False)):
+        monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls, *a, f=flags: cls.from_flags(f.split())))
+        lanes = PrefillAttentionKernel(library)
+        assert not lanes.amx and lanes.isa == "AVX-512-BF16 dot products"
+        assert lanes.takes(torch.zeros(3, 2, 64), cache)
+        assert lanes.takes(torch.zeros(3, 2, 64, dtype=torch.bfloat16), cache.bfloat16()) is bf16
+
+
+@pytest.mark.skipif(not CpuFeatures.detect().amx, reason="AMX's bf16 tiles")
+def test_with_amx_the_kernel_takes_bf16_on_its_tiles(kernel) -> None:
+    """The kernel's AMX path takes bf16 head sizes of a multiple of 32 (the tiles' 32 values of
+    k); others stay with PyTorch, which is faster there than the lane tiles."""
+    assert kernel.amx and kernel.isa.startswith("AMX tiles")
+    for dim, taken in ((64, True), (128, True), (32, True), (48, False)):
+        cache = torch.zeros(kv_cache_shape(2, 16, 1, dim), dtype=torch.bfloat16)
+        assert kernel.takes(torch.zeros(3, 2, dim, dtype=torch.bfloat16), cache) is taken
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -27,8 +27,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 #define AMX_ROWS 16          /* rows of an A or C tile */
 #define AMX_STEP_K 32        /* values of k a tile multiply covers (16 bf16 pairs) */
@@ -39,27 +39,10 @@
 #ifndef AMX_GROUP_BYTES
 #define AMX_GROUP_BYTES (256 * 1024)
 #endif
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Whether this process may use the tiles: the first call asks the OS (idempotent; racing
- * threads ask twice, which is harmless). */
-static int amx_permitted(void) {
-    static volatile int state = 0; /* 0 not asked, 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
 /* tmm0-1: C of row tile 0 (blocks 0, 1); tmm2-3: C of row tile 1; tmm4-5: A of row tiles 0, 1;
  * tmm6-7: B of blocks 0, 1. rows1 may be 0 (one row tile): its tiles are then unused. */
 static void amx_configure(int rows0, int rows1) {
-    TileConfig config;
+    AmxTileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     const int rows[8] = {rows0, rows0, rows1 > 0 ? rows1 : 1, rows1 > 0 ? rows1 : 1,

@@ -159,6 +159,23 @@ static inline float load_kv(const void *base, int64_t index, int kind) {
     return kind == 0 ? ((const float *)base)[index] : widen(((const uint16_t *)base)[index]);
 }
 
+/* One kv head's values as bf16 key pairs: [padded / 2][dim][2] (element (t, d) at
+ * ((t / 2) * dim + d) * 2 + t % 2), zero beyond `context`: a vdpbf16ps or AMX B operand. */
+static void gather_value_pairs(const char *v_head, const int64_t *block_ids, int64_t context, int64_t padded,
+                               int64_t dim, int64_t block_size, char *v_out) {
+    uint16_t *pairs = (uint16_t *)v_out;
+    for (int64_t t = 0; t < padded; t++) {
+        uint16_t *column = pairs + (t / 2) * dim * 2 + t % 2;
+        if (t >= context) {
+            for (int64_t d = 0; d < dim; d++) column[2 * d] = 0;
+            continue;
+        }
+        const int64_t slot = block_ids[t / block_size] * block_size + t % block_size;
+        const uint16_t *source = (const uint16_t *)v_head + slot * dim;
+        for (int64_t d = 0; d < dim; d++) column[2 * d] = source[d];
+    }
+}
+
 /* One kv head's first `padded` keys and values out of its blocks, dense and zero beyond
  * `context`. K stays in rows [padded][dim]. V is rows too, or, for the vdpbf16ps path, key
  * pairs: [padded / 2][dim][2] (element (t, d) at ((t / 2) * dim + d) * 2 + t % 2). */
@@ -187,17 +204,7 @@ static void gather_head(const char *k_head, const char *v_head, const int64_t *b
         }
         return;
     }
-    uint16_t *pairs = (uint16_t *)v_out;
-    for (int64_t t = 0; t < padded; t++) {
-        uint16_t *column = pairs + (t / 2) * dim * 2 + t % 2;
-        if (t >= context) {
-            for (int64_t d = 0; d < dim; d++) column[2 * d] = 0;
-            continue;
-        }
-        const int64_t slot = block_ids[t / block_size] * block_size + t % block_size;
-        const uint16_t *source = (const uint16_t *)v_head + slot * dim;
-        for (int64_t d = 0; d < dim; d++) column[2 * d] = source[d];
-    }
+    gather_value_pairs(v_head, block_ids, context, padded, dim, block_size, v_out);
 }
 
 typedef struct {
@@ -460,6 +467,33 @@ static void attend_tile(const Problem *p, int64_t head, int64_t t0, int64_t rows
 #endif
 }
 
+/* The gathered keys' and values' buffers, `bytes` each (64-byte aligned): 0, or -1 with
+ * neither allocated. */
+static int context_buffers(size_t bytes, char **keys, char **values) {
+    *keys = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    *values = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (*keys != NULL && *values != NULL) return 0;
+    free(*keys);
+    free(*values);
+    return -1;
+}
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAS_AMX 1
+#include "prefill_attention_amx.h"
+#else
+#define HAS_AMX 0
+#endif
+
+/* Whether a bf16 cache's products run on AMX tiles here (head sizes a multiple of 32). */
+int tandem_prefill_uses_amx(void) {
+#if HAS_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 /* Whether this build uses vdpbf16ps for a bf16 cache (1) or widens to fp32 (0). */
 int tandem_prefill_uses_bf16_dot(void) {
 #if defined(__AVX512BF16__)
@@ -481,6 +515,11 @@ int tandem_prefill_attention(const void *q, const void *kv_cache, const int64_t 
                              int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t q_stride,
                              int64_t out_stride, int kind, float scale, int num_threads) {
     if (head_dim % LANES != 0 || head_dim > MAX_DIM) return -2;
+#if HAS_AMX
+    if (kind == 1 && head_dim % 32 == 0 && amx_permitted())
+        return amx_prefill_attention(q, kv_cache, block_ids, out, q_len, context_len, num_heads, num_kv_heads,
+                                     head_dim, block_size, num_blocks, q_stride, out_stride, scale, num_threads);
+#endif
 #if defined(__AVX512F__)
     if (!(kind == 1 && tandem_prefill_uses_bf16_dot())) /* fp32 products: the GEMM-shaped tiles */
         return prefill_attention_rows(q, kv_cache, block_ids, out, q_len, context_len, num_heads, num_kv_heads,
@@ -490,13 +529,8 @@ int tandem_prefill_attention(const void *q, const void *kv_cache, const int64_t 
     const size_t element = kind == 0 ? 4 : 2;
     const int64_t padded = (context_len + LANES - 1) / LANES * LANES;
     const size_t head_bytes = (size_t)padded * head_dim * element;
-    char *keys = aligned_alloc(64, (head_bytes * num_kv_heads + 63) / 64 * 64);
-    char *values = aligned_alloc(64, (head_bytes * num_kv_heads + 63) / 64 * 64);
-    if (keys == NULL || values == NULL) {
-        free(keys);
-        free(values);
-        return -1;
-    }
+    char *keys, *values;
+    if (context_buffers(head_bytes * num_kv_heads, &keys, &values) != 0) return -1;
     Problem problem = {
         .q = q, .out = out, .keys = keys, .values = values, .q_len = q_len,
         .cached = context_len - q_len, .padded = padded, .num_heads = num_heads,

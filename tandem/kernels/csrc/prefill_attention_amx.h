@@ -1,0 +1,250 @@
+/*
+ * bf16 prefill attention on AMX tiles (included by prefill_attention.c where the build targets
+ * a CPU with AMX-BF16): the same flash attention as the lane tiles (online softmax in fp32, P
+ * rounded to bf16 for P.V, a chunk attending causally to its cached prefix and itself), with
+ * both products on the tiles.
+ *
+ * Why: on a CPU with AMX the lane tiles' vdpbf16ps products ran at about 40% of PyTorch's
+ * flash attention, which multiplies on the tiles through oneDNN, so bf16 prefill went to
+ * PyTorch there; and the layer stack, whose one C call a step needs a C attention, could not
+ * take prefill steps. With this path both are tandem's again.
+ *
+ * A work item is 16 query rows of one head (one A tile; a last tile of fewer rows is copied to
+ * a zeroed buffer, so every tile has 16 rows) against its causal keys, 32 at a time:
+ *   S = Q K^T      tmm0: a 32-dim chunk of Q; tmm4, tmm5: K^T of 16 keys each (B tiles, a
+ *                  dim pair a row: the gather writes K transposed in 32-bit words); tmm2,
+ *                  tmm3: S of those keys (16 x 16 fp32), summed over the head's dim chunks
+ *   softmax        row by row in AVX-512 on the stored S: scale, causal mask, running maximum,
+ *                  exp2 (the lane tiles' degree-5 polynomial), row sums, the rescale of the
+ *                  accumulated output; P rounded to bf16 is one A tile (tmm6)
+ *   O += P V       tmm7: V of the 32 keys for 16 dims (B tiles: V is gathered in key pairs,
+ *                  as for the lane tiles' vdpbf16ps); tmm2-5: up to 64 dims of P V at a time,
+ *                  stored and added to the fp32 output rows, which stay in memory (the tiles
+ *                  cannot be rescaled in place).
+ * Every tile has 16 rows of 64 bytes, so a thread configures them once.
+ */
+#ifndef TANDEM_PREFILL_ATTENTION_AMX_H
+#define TANDEM_PREFILL_ATTENTION_AMX_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx_tiles.h"
+
+#define AMX_KEYS 32 /* keys a block: one P tile's row */
+
+static void amx_attention_configure(void) {
+    AmxTileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* One kv head's keys transposed for the S tiles: [padded / 16][dim / 2][16] 32-bit words (a
+ * group of 16 keys, then a dim pair, then the key), zero beyond `context`. */
+static void amx_gather_keys(const char *k_head, const int64_t *block_ids, int64_t context, int64_t padded,
+                            int64_t dim, int64_t block_size, uint32_t *out) {
+    const int64_t words = dim / 2;
+    for (int64_t t = 0; t < padded; t++) {
+        uint32_t *column = out + (t / 16) * words * 16 + t % 16;
+        if (t >= context) {
+            for (int64_t w = 0; w < words; w++) column[w * 16] = 0;
+            continue;
+        }
+        const int64_t slot = block_ids[t / block_size] * block_size + t % block_size;
+        const uint32_t *row = (const uint32_t *)(k_head + (size_t)slot * dim * 2);
+        for (int64_t w = 0; w < words; w++) column[w * 16] = row[w];
+    }
+}
+
+/* P V for one block into `pv` [16][dim] fp32: tmm6 holds P; up to four 16-dim chunks a pass. */
+static inline void amx_values(const char *v_block, int64_t dim, float *pv) {
+    const int64_t v_stride = dim * 4; /* bytes from one key pair's row to the next */
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        const int64_t chunks = (dim - d0) / 16 < 4 ? (dim - d0) / 16 : 4;
+        _tile_zero(2);
+        if (chunks > 1) _tile_zero(3);
+        if (chunks > 2) _tile_zero(4);
+        if (chunks > 3) _tile_zero(5);
+        _tile_loadd(7, v_block + (d0 + 0) * 4, v_stride);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_stored(2, pv + d0, dim * 4);
+        if (chunks > 1) {
+            _tile_loadd(7, v_block + (d0 + 16) * 4, v_stride);
+            _tile_dpbf16ps(3, 6, 7);
+            _tile_stored(3, pv + d0 + 16, dim * 4);
+        }
+        if (chunks > 2) {
+            _tile_loadd(7, v_block + (d0 + 32) * 4, v_stride);
+            _tile_dpbf16ps(4, 6, 7);
+            _tile_stored(4, pv + d0 + 32, dim * 4);
+        }
+        if (chunks > 3) {
+            _tile_loadd(7, v_block + (d0 + 48) * 4, v_stride);
+            _tile_dpbf16ps(5, 6, 7);
+            _tile_stored(5, pv + d0 + 48, dim * 4);
+        }
+    }
+}
+
+/* One item: query tokens [t0, t0 + rows) of query head `head`. q_tile: 16 rows of this head's
+ * query (a_stride bytes apart); keys / values: its kv head's gathered K^T and V pairs. */
+static void amx_attend_tile(const Problem *p, const char *q_tile, int64_t a_stride, const uint32_t *keys,
+                            const char *values, int64_t head, int64_t t0, int64_t rows) {
+    const int64_t dim = p->dim, chunks = dim / 32;
+    float s[16 * AMX_KEYS] __attribute__((aligned(64)));
+    uint16_t probs[16 * AMX_KEYS] __attribute__((aligned(64)));
+    float o[16 * MAX_DIM] __attribute__((aligned(64)));
+    float pv[16 * MAX_DIM] __attribute__((aligned(64)));
+    float top[16] __attribute__((aligned(64))), total[16] __attribute__((aligned(64)));
+    float correction[16] __attribute__((aligned(64)));
+    int32_t position[16];
+    for (int r = 0; r < 16; r++) {
+        position[r] = (int32_t)(p->cached + t0 + (r < rows ? r : rows - 1));
+        top[r] = -1e30f;
+        total[r] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * 16 * dim);
+    const int64_t first = p->cached + t0, last = p->cached + t0 + rows - 1;
+    const int64_t blocks = last / AMX_KEYS + 1;
+    const __m512i key_lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t key0 = b * AMX_KEYS;
+        /* S: 16 queries x 32 keys */
+        _tile_zero(2);
+        _tile_zero(3);
+        const char *k_block = (const char *)(keys + (key0 / 16) * (dim / 2) * 16);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(0, q_tile + c * 64, a_stride);
+            _tile_loadd(4, k_block + c * 1024, 64);
+            _tile_loadd(5, k_block + (dim / 2) * 64 + c * 1024, 64);
+            _tile_dpbf16ps(2, 0, 4);
+            _tile_dpbf16ps(3, 0, 5);
+        }
+        _tile_stored(2, s, AMX_KEYS * 4);
+        _tile_stored(3, s + 16, AMX_KEYS * 4);
+        const int masked = key0 + AMX_KEYS - 1 > first;
+        /* scores scaled and masked in place; each row's block maximum, then all 16 rows'
+         * running maxima and corrections as one vector */
+        float block_top[16] __attribute__((aligned(64)));
+        for (int r = 0; r < 16; r++) {
+            __m512 s0 = _mm512_mul_ps(_mm512_load_ps(s + r * AMX_KEYS), _mm512_set1_ps(p->log2_scale));
+            __m512 s1 = _mm512_mul_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), _mm512_set1_ps(p->log2_scale));
+            if (masked) {
+                const __m512i limit = _mm512_set1_epi32(position[r] - (int32_t)key0);
+                const __mmask16 visible0 = _mm512_cmple_epi32_mask(key_lane, limit);
+                const __mmask16 visible1 =
+                    _mm512_cmple_epi32_mask(_mm512_add_epi32(key_lane, _mm512_set1_epi32(16)), limit);
+                s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible0, s0);
+                s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible1, s1);
+            }
+            _mm512_store_ps(s + r * AMX_KEYS, s0);
+            _mm512_store_ps(s + r * AMX_KEYS + 16, s1);
+            block_top[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        }
+        const __m512 old_top = _mm512_load_ps(top);
+        const __m512 new_top = _mm512_max_ps(old_top, _mm512_load_ps(block_top));
+        _mm512_store_ps(correction, (__m512)exp2_nonpositive((vec)_mm512_sub_ps(old_top, new_top), 5));
+        _mm512_store_ps(top, new_top);
+        float sums[16] __attribute__((aligned(64)));
+        for (int r = 0; r < 16; r++) {
+            /* a masked score is -1e30: its exponential is 0 */
+            const __m512 shift = _mm512_set1_ps(top[r]);
+            const __m512 p0 = (__m512)exp2_nonpositive((vec)_mm512_sub_ps(_mm512_load_ps(s + r * AMX_KEYS), shift), 5);
+            const __m512 p1 =
+                (__m512)exp2_nonpositive((vec)_mm512_sub_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), shift), 5);
+            sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            _mm512_store_si512(probs + r * AMX_KEYS, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        _mm512_store_ps(total, _mm512_fmadd_ps(_mm512_load_ps(total), _mm512_load_ps(correction),
+                                               _mm512_load_ps(sums)));
+        /* O = O * correction + P V */
+        _tile_loadd(6, probs, AMX_KEYS * 2);
+        amx_values(values + key0 / 2 * dim * 4, dim, pv);
+        for (int r = 0; r < 16; r++) {
+            const __m512 scale = _mm512_set1_ps(correction[r]);
+            if (correction[r] == 1.0f) { /* the row's maximum stayed */
+                for (int64_t d = 0; d < dim; d += 16)
+                    _mm512_store_ps(o + r * dim + d,
+                                    _mm512_add_ps(_mm512_load_ps(o + r * dim + d), _mm512_load_ps(pv + r * dim + d)));
+                continue;
+            }
+            for (int64_t d = 0; d < dim; d += 16)
+                _mm512_store_ps(o + r * dim + d, _mm512_fmadd_ps(_mm512_load_ps(o + r * dim + d), scale,
+                                                                 _mm512_load_ps(pv + r * dim + d)));
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inverse = _mm512_set1_ps(1.0f / total[r]);
+        uint16_t *row = (uint16_t *)(p->out + ((size_t)(t0 + r) * p->out_stride + (size_t)head * dim) * 2);
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 value = _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), inverse);
+            const __m512i bits = _mm512_castps_si512(value);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+            _mm256_storeu_si256((__m256i *)(row + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+        }
+    }
+}
+
+/* tandem_prefill_attention for a bf16 cache on the tiles (head_dim a multiple of 32). Returns
+ * 0, or -1 when a scratch allocation failed. */
+static int amx_prefill_attention(const void *q, const void *kv_cache, const int64_t *block_ids, void *out,
+                                 int64_t q_len, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t q_stride,
+                                 int64_t out_stride, float scale, int num_threads) {
+    const int64_t padded = (context_len + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
+    const size_t head_bytes = (size_t)padded * head_dim * 2;
+    char *keys, *values;
+    if (context_buffers(head_bytes * num_kv_heads, &keys, &values) != 0) return -1;
+    Problem problem = {
+        .q = q, .out = out, .keys = keys, .values = values, .q_len = q_len,
+        .cached = context_len - q_len, .padded = padded, .num_heads = num_heads,
+        .group = num_heads / num_kv_heads, .dim = head_dim, .q_stride = q_stride,
+        .out_stride = out_stride, .kind = 1, .pair_values = 1, .log2_scale = scale * 1.4426950408889634f,
+    };
+    const size_t plane = (size_t)num_kv_heads * num_blocks * block_size * head_dim * 2;
+    const size_t cache_head = (size_t)num_blocks * block_size * head_dim * 2;
+#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        amx_gather_keys((const char *)kv_cache + h * cache_head, block_ids, context_len, padded, head_dim,
+                        block_size, (uint32_t *)(keys + h * head_bytes));
+        gather_value_pairs((const char *)kv_cache + plane + h * cache_head, block_ids, context_len, padded,
+                           head_dim, block_size, values + h * head_bytes);
+    }
+    const int64_t tiles = (q_len + 15) / 16;
+    const int64_t a_stride = q_stride * 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t tail[16 * MAX_DIM] __attribute__((aligned(64)));
+        amx_attention_configure();
+        /* The last tiles see the longest context: hand them out first. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < tiles * num_heads; item++) {
+            const int64_t tile = tiles - 1 - item / num_heads, head = item % num_heads;
+            const int64_t t0 = tile * 16, rows = q_len - t0 < 16 ? q_len - t0 : 16;
+            const char *q_tile = (const char *)q + ((size_t)t0 * q_stride + (size_t)head * head_dim) * 2;
+            int64_t stride = a_stride;
+            if (rows < 16) { /* a short last tile: its rows in a zeroed 16-row buffer */
+                memset(tail, 0, sizeof(uint16_t) * 16 * head_dim);
+                for (int64_t r = 0; r < rows; r++)
+                    memcpy(tail + r * head_dim, q_tile + r * a_stride, (size_t)head_dim * 2);
+                q_tile = (const char *)tail;
+                stride = head_dim * 2;
+            }
+            const int64_t kv_head = head / problem.group;
+            amx_attend_tile(&problem, q_tile, stride, (const uint32_t *)(keys + kv_head * head_bytes),
+                            values + kv_head * head_bytes, head, t0, rows);
+        }
+        _tile_release();
+    }
+    free(keys);
+    free(values);
+    return 0;
+}
+#endif
