@@ -92,6 +92,68 @@ static inline void amx_values(const char *v_block, int64_t dim, float *pv) {
     }
 }
 
+/* The online softmax of one block's scores s [16][32] (fp32, as the tiles stored them): scale,
+ * causal mask, each row's running maximum `top`, its `correction` (the factor the output so
+ * far is rescaled by), its running `total`; P rounded to bf16 into `probs` [16][32], one A
+ * tile. Returns whether every row's maximum stayed (every correction is 1). */
+static inline int amx_softmax(const Problem *p, float *s, uint16_t *probs, float *top, float *total,
+                              float *correction, const int32_t *position, int64_t key0, int64_t first) {
+    const __m512i key_lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int masked = key0 + AMX_KEYS - 1 > first;
+    /* scores scaled and masked in place; each row's block maximum, then all 16 rows'
+     * running maxima and corrections as one vector */
+    float block_top[16] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++) {
+        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(s + r * AMX_KEYS), _mm512_set1_ps(p->log2_scale));
+        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), _mm512_set1_ps(p->log2_scale));
+        if (masked) {
+            const __m512i limit = _mm512_set1_epi32(position[r] - (int32_t)key0);
+            const __mmask16 visible0 = _mm512_cmple_epi32_mask(key_lane, limit);
+            const __mmask16 visible1 =
+                _mm512_cmple_epi32_mask(_mm512_add_epi32(key_lane, _mm512_set1_epi32(16)), limit);
+            s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible0, s0);
+            s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible1, s1);
+        }
+        _mm512_store_ps(s + r * AMX_KEYS, s0);
+        _mm512_store_ps(s + r * AMX_KEYS + 16, s1);
+        block_top[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    }
+    const __m512 old_top = _mm512_load_ps(top);
+    const __m512 new_top = _mm512_max_ps(old_top, _mm512_load_ps(block_top));
+    _mm512_store_ps(correction, (__m512)exp2_nonpositive((vec)_mm512_sub_ps(old_top, new_top), 5));
+    _mm512_store_ps(top, new_top);
+    float sums[16] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++) {
+        /* a masked score is -1e30: its exponential is 0 */
+        const __m512 shift = _mm512_set1_ps(top[r]);
+        const __m512 p0 = (__m512)exp2_nonpositive((vec)_mm512_sub_ps(_mm512_load_ps(s + r * AMX_KEYS), shift), 5);
+        const __m512 p1 =
+            (__m512)exp2_nonpositive((vec)_mm512_sub_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), shift), 5);
+        sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        _mm512_store_si512(probs + r * AMX_KEYS, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    _mm512_store_ps(total, _mm512_fmadd_ps(_mm512_load_ps(total), _mm512_load_ps(correction),
+                                           _mm512_load_ps(sums)));
+    return _mm512_cmpneq_ps_mask(_mm512_load_ps(correction), _mm512_set1_ps(1.0f)) == 0;
+}
+
+/* The item's output rows: O / total, rounded to bf16 (nearest even). */
+static void amx_write_rows(const Problem *p, const float *o, const float *total, int64_t head, int64_t t0,
+                           int64_t rows) {
+    const int64_t dim = p->dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inverse = _mm512_set1_ps(1.0f / total[r]);
+        uint16_t *row = (uint16_t *)(p->out + ((size_t)(t0 + r) * p->out_stride + (size_t)head * dim) * 2);
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 value = _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), inverse);
+            const __m512i bits = _mm512_castps_si512(value);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+            _mm256_storeu_si256((__m256i *)(row + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+        }
+    }
+}
+
 /* One item: query tokens [t0, t0 + rows) of query head `head`. q_tile: 16 rows of this head's
  * query (a_stride bytes apart); keys / values: its kv head's gathered K^T and V pairs. */
 static void amx_attend_tile(const Problem *p, const char *q_tile, int64_t a_stride, const uint32_t *keys,
@@ -112,7 +174,6 @@ static void amx_attend_tile(const Problem *p, const char *q_tile, int64_t a_stri
     memset(o, 0, sizeof(float) * 16 * dim);
     const int64_t first = p->cached + t0, last = p->cached + t0 + rows - 1;
     const int64_t blocks = last / AMX_KEYS + 1;
-    const __m512i key_lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t key0 = b * AMX_KEYS;
         /* S: 16 queries x 32 keys */
@@ -128,41 +189,7 @@ static void amx_attend_tile(const Problem *p, const char *q_tile, int64_t a_stri
         }
         _tile_stored(2, s, AMX_KEYS * 4);
         _tile_stored(3, s + 16, AMX_KEYS * 4);
-        const int masked = key0 + AMX_KEYS - 1 > first;
-        /* scores scaled and masked in place; each row's block maximum, then all 16 rows'
-         * running maxima and corrections as one vector */
-        float block_top[16] __attribute__((aligned(64)));
-        for (int r = 0; r < 16; r++) {
-            __m512 s0 = _mm512_mul_ps(_mm512_load_ps(s + r * AMX_KEYS), _mm512_set1_ps(p->log2_scale));
-            __m512 s1 = _mm512_mul_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), _mm512_set1_ps(p->log2_scale));
-            if (masked) {
-                const __m512i limit = _mm512_set1_epi32(position[r] - (int32_t)key0);
-                const __mmask16 visible0 = _mm512_cmple_epi32_mask(key_lane, limit);
-                const __mmask16 visible1 =
-                    _mm512_cmple_epi32_mask(_mm512_add_epi32(key_lane, _mm512_set1_epi32(16)), limit);
-                s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible0, s0);
-                s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible1, s1);
-            }
-            _mm512_store_ps(s + r * AMX_KEYS, s0);
-            _mm512_store_ps(s + r * AMX_KEYS + 16, s1);
-            block_top[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-        }
-        const __m512 old_top = _mm512_load_ps(top);
-        const __m512 new_top = _mm512_max_ps(old_top, _mm512_load_ps(block_top));
-        _mm512_store_ps(correction, (__m512)exp2_nonpositive((vec)_mm512_sub_ps(old_top, new_top), 5));
-        _mm512_store_ps(top, new_top);
-        float sums[16] __attribute__((aligned(64)));
-        for (int r = 0; r < 16; r++) {
-            /* a masked score is -1e30: its exponential is 0 */
-            const __m512 shift = _mm512_set1_ps(top[r]);
-            const __m512 p0 = (__m512)exp2_nonpositive((vec)_mm512_sub_ps(_mm512_load_ps(s + r * AMX_KEYS), shift), 5);
-            const __m512 p1 =
-                (__m512)exp2_nonpositive((vec)_mm512_sub_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), shift), 5);
-            sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            _mm512_store_si512(probs + r * AMX_KEYS, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
-        _mm512_store_ps(total, _mm512_fmadd_ps(_mm512_load_ps(total), _mm512_load_ps(correction),
-                                               _mm512_load_ps(sums)));
+        amx_softmax(p, s, probs, top, total, correction, position, key0, first);
         /* O = O * correction + P V */
         _tile_loadd(6, probs, AMX_KEYS * 2);
         amx_values(values + key0 / 2 * dim * 4, dim, pv);
@@ -179,17 +206,98 @@ static void amx_attend_tile(const Problem *p, const char *q_tile, int64_t a_stri
                                                                  _mm512_load_ps(pv + r * dim + d)));
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 inverse = _mm512_set1_ps(1.0f / total[r]);
-        uint16_t *row = (uint16_t *)(p->out + ((size_t)(t0 + r) * p->out_stride + (size_t)head * dim) * 2);
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __m512 value = _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), inverse);
-            const __m512i bits = _mm512_castps_si512(value);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-            _mm256_storeu_si256((__m256i *)(row + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    amx_write_rows(p, o, total, head, t0, rows);
+}
+
+/* The item with its output in tiles (head sizes of 32 and 64: two or four 16-dim O tiles),
+ * which P V accumulates into across blocks while every row's maximum stays; where one moves,
+ * the tiles are added to `o` in memory, `o` is rescaled row by row, and the tiles restart
+ * from zero. The output so far is o + the tiles, both at the current maxima. Tiles: tmm0 Q
+ * (scores) then P (values); tmm1, tmm7 S (scores) then B tiles of V, with tmm4; tmm4 the
+ * B tiles of K^T; tmm2, tmm3, tmm5, tmm6 O. Saves each block's P V store and the pass that
+ * added it to the output: the spilled item's per-block work besides the softmax. */
+static void amx_attend_tile_resident(const Problem *p, const char *q_tile, int64_t a_stride, const uint32_t *keys,
+                                     const char *values, int64_t head, int64_t t0, int64_t rows) {
+    const int64_t dim = p->dim, chunks = dim / 32, v_stride = dim * 4;
+    float s[16 * AMX_KEYS] __attribute__((aligned(64)));
+    uint16_t probs[16 * AMX_KEYS] __attribute__((aligned(64)));
+    float o[16 * 64] __attribute__((aligned(64)));
+    float tiles[16 * 64] __attribute__((aligned(64)));
+    float top[16] __attribute__((aligned(64))), total[16] __attribute__((aligned(64)));
+    float correction[16] __attribute__((aligned(64)));
+    int32_t position[16];
+    for (int r = 0; r < 16; r++) {
+        position[r] = (int32_t)(p->cached + t0 + (r < rows ? r : rows - 1));
+        top[r] = -1e30f;
+        total[r] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * 16 * dim);
+    const int64_t first = p->cached + t0, last = p->cached + t0 + rows - 1;
+    const int64_t blocks = last / AMX_KEYS + 1;
+    _tile_zero(2);
+    _tile_zero(3);
+    if (chunks > 1) {
+        _tile_zero(5);
+        _tile_zero(6);
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t key0 = b * AMX_KEYS;
+        _tile_zero(1);
+        _tile_zero(7);
+        const char *k_block = (const char *)(keys + (key0 / 16) * (dim / 2) * 16);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(0, q_tile + c * 64, a_stride);
+            _tile_loadd(4, k_block + c * 1024, 64);
+            _tile_dpbf16ps(1, 0, 4);
+            _tile_loadd(4, k_block + (dim / 2) * 64 + c * 1024, 64);
+            _tile_dpbf16ps(7, 0, 4);
+        }
+        _tile_stored(1, s, AMX_KEYS * 4);
+        _tile_stored(7, s + 16, AMX_KEYS * 4);
+        if (!amx_softmax(p, s, probs, top, total, correction, position, key0, first) && b > 0) {
+            _tile_stored(2, tiles, dim * 4);
+            _tile_stored(3, tiles + 16, dim * 4);
+            if (chunks > 1) {
+                _tile_stored(5, tiles + 32, dim * 4);
+                _tile_stored(6, tiles + 48, dim * 4);
+            }
+            for (int r = 0; r < 16; r++) {
+                const __m512 scale = _mm512_set1_ps(correction[r]);
+                for (int64_t d = 0; d < dim; d += 16)
+                    _mm512_store_ps(o + r * dim + d,
+                                    _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(o + r * dim + d),
+                                                                _mm512_load_ps(tiles + r * dim + d)), scale));
+            }
+            _tile_zero(2);
+            _tile_zero(3);
+            if (chunks > 1) {
+                _tile_zero(5);
+                _tile_zero(6);
+            }
+        }
+        /* O tiles += P V: V of the block's 32 keys, 16 dims a B tile */
+        const char *v_block = values + key0 / 2 * dim * 4;
+        _tile_loadd(0, probs, AMX_KEYS * 2);
+        _tile_loadd(4, v_block, v_stride);
+        _tile_dpbf16ps(2, 0, 4);
+        _tile_loadd(1, v_block + 16 * 4, v_stride);
+        _tile_dpbf16ps(3, 0, 1);
+        if (chunks > 1) {
+            _tile_loadd(7, v_block + 32 * 4, v_stride);
+            _tile_dpbf16ps(5, 0, 7);
+            _tile_loadd(4, v_block + 48 * 4, v_stride);
+            _tile_dpbf16ps(6, 0, 4);
         }
     }
+    _tile_stored(2, tiles, dim * 4);
+    _tile_stored(3, tiles + 16, dim * 4);
+    if (chunks > 1) {
+        _tile_stored(5, tiles + 32, dim * 4);
+        _tile_stored(6, tiles + 48, dim * 4);
+    }
+    for (int64_t i = 0; i < 16 * dim; i += 16)
+        _mm512_store_ps(o + i, _mm512_add_ps(_mm512_load_ps(o + i), _mm512_load_ps(tiles + i)));
+    amx_write_rows(p, o, total, head, t0, rows);
 }
 
 /* tandem_prefill_attention for a bf16 cache on the tiles (head_dim a multiple of 32). Returns
@@ -238,7 +346,7 @@ static int amx_prefill_attention(const void *q, const void *kv_cache, const int6
                 stride = head_dim * 2;
             }
             const int64_t kv_head = head / problem.group;
-            amx_attend_tile(&problem, q_tile, stride, (const uint32_t *)(keys + kv_head * head_bytes),
+            (head_dim <= 64 ? amx_attend_tile_resident : amx_attend_tile)(&problem, q_tile, stride, (const uint32_t *)(keys + kv_head * head_bytes),
                             values + kv_head * head_bytes, head, t0, rows);
         }
         _tile_release();
