@@ -92,49 +92,52 @@ static inline void amx_values(const char *v_block, int64_t dim, float *pv) {
     }
 }
 
-/* The online softmax of one block's scores s [16][32] (fp32, as the tiles stored them): scale,
- * causal mask, each row's running maximum `top`, its `correction` (the factor the output so
- * far is rescaled by), its running `total`; P rounded to bf16 into `probs` [16][32], one A
- * tile. Returns whether every row's maximum stayed (every correction is 1). */
-static inline int amx_softmax(const Problem *p, float *s, uint16_t *probs, float *top, float *total,
+/* The online softmax of one block's scores s [16][32] (fp32, as the tiles stored them): causal
+ * mask, each row's running maximum `top` (in unscaled scores: the scale is positive), its
+ * `correction` (the factor the output so far is rescaled by), its running sums `sums` (16
+ * lanes a row, added across lanes only at the end); P = 2^(scale (s - top)) rounded to bf16
+ * into `probs` [16][32], one A tile. The scale is one FMA in the exponent's argument, and
+ * the sums stay vectors: a horizontal add a row and block, and a pass scaling the scores,
+ * were a quarter of the softmax's instructions. Returns whether every row's maximum stayed
+ * (every correction is 1). */
+static inline int amx_softmax(const Problem *p, float *s, uint16_t *probs, float *top, float *sums,
                               float *correction, const int32_t *position, int64_t key0, int64_t first) {
     const __m512i key_lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const int masked = key0 + AMX_KEYS - 1 > first;
-    /* scores scaled and masked in place; each row's block maximum, then all 16 rows'
-     * running maxima and corrections as one vector */
-    float block_top[16] __attribute__((aligned(64)));
-    for (int r = 0; r < 16; r++) {
-        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(s + r * AMX_KEYS), _mm512_set1_ps(p->log2_scale));
-        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), _mm512_set1_ps(p->log2_scale));
-        if (masked) {
+    const __m512 scale = _mm512_set1_ps(p->log2_scale);
+    if (key0 + AMX_KEYS - 1 > first) /* a block on the diagonal: keys past a row's position masked */
+        for (int r = 0; r < 16; r++) {
             const __m512i limit = _mm512_set1_epi32(position[r] - (int32_t)key0);
-            const __mmask16 visible0 = _mm512_cmple_epi32_mask(key_lane, limit);
-            const __mmask16 visible1 =
-                _mm512_cmple_epi32_mask(_mm512_add_epi32(key_lane, _mm512_set1_epi32(16)), limit);
-            s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible0, s0);
-            s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible1, s1);
+            const __mmask16 hidden0 = _mm512_cmpgt_epi32_mask(key_lane, limit);
+            const __mmask16 hidden1 = _mm512_cmpgt_epi32_mask(_mm512_add_epi32(key_lane, _mm512_set1_epi32(16)), limit);
+            _mm512_mask_store_ps(s + r * AMX_KEYS, hidden0, _mm512_set1_ps(-1e30f));
+            _mm512_mask_store_ps(s + r * AMX_KEYS + 16, hidden1, _mm512_set1_ps(-1e30f));
         }
-        _mm512_store_ps(s + r * AMX_KEYS, s0);
-        _mm512_store_ps(s + r * AMX_KEYS + 16, s1);
-        block_top[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-    }
+    float block_top[16] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++)
+        block_top[r] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_load_ps(s + r * AMX_KEYS),
+                                                          _mm512_load_ps(s + r * AMX_KEYS + 16)));
     const __m512 old_top = _mm512_load_ps(top);
     const __m512 new_top = _mm512_max_ps(old_top, _mm512_load_ps(block_top));
-    _mm512_store_ps(correction, (__m512)exp2_nonpositive((vec)_mm512_sub_ps(old_top, new_top), 5));
+    const __m512 shift = _mm512_mul_ps(_mm512_sub_ps(old_top, new_top), scale);
+    _mm512_store_ps(correction, (__m512)exp2_nonpositive((vec)shift, 5));
     _mm512_store_ps(top, new_top);
-    float sums[16] __attribute__((aligned(64)));
     for (int r = 0; r < 16; r++) {
         /* a masked score is -1e30: its exponential is 0 */
-        const __m512 shift = _mm512_set1_ps(top[r]);
-        const __m512 p0 = (__m512)exp2_nonpositive((vec)_mm512_sub_ps(_mm512_load_ps(s + r * AMX_KEYS), shift), 5);
-        const __m512 p1 =
-            (__m512)exp2_nonpositive((vec)_mm512_sub_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), shift), 5);
-        sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        const __m512 offset = _mm512_set1_ps(top[r] * p->log2_scale);
+        const __m512 p0 = (__m512)exp2_nonpositive(
+            (vec)_mm512_fmsub_ps(_mm512_load_ps(s + r * AMX_KEYS), scale, offset), 5);
+        const __m512 p1 = (__m512)exp2_nonpositive(
+            (vec)_mm512_fmsub_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), scale, offset), 5);
+        _mm512_store_ps(sums + r * 16, _mm512_fmadd_ps(_mm512_load_ps(sums + r * 16),
+                                                      _mm512_set1_ps(correction[r]), _mm512_add_ps(p0, p1)));
         _mm512_store_si512(probs + r * AMX_KEYS, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
-    _mm512_store_ps(total, _mm512_fmadd_ps(_mm512_load_ps(total), _mm512_load_ps(correction),
-                                           _mm512_load_ps(sums)));
     return _mm512_cmpneq_ps_mask(_mm512_load_ps(correction), _mm512_set1_ps(1.0f)) == 0;
+}
+
+/* Each row's total: its 16 lanes of sums added. */
+static inline void amx_totals(const float *sums, float *total) {
+    for (int r = 0; r < 16; r++) total[r] = _mm512_reduce_add_ps(_mm512_load_ps(sums + r * 16));
 }
 
 /* The item's output rows: O / total, rounded to bf16 (nearest even). */
@@ -164,13 +167,14 @@ static void amx_attend_tile(const Problem *p, const char *q_tile, int64_t a_stri
     float o[16 * MAX_DIM] __attribute__((aligned(64)));
     float pv[16 * MAX_DIM] __attribute__((aligned(64)));
     float top[16] __attribute__((aligned(64))), total[16] __attribute__((aligned(64)));
+    float sums[16 * 16] __attribute__((aligned(64)));
     float correction[16] __attribute__((aligned(64)));
     int32_t position[16];
     for (int r = 0; r < 16; r++) {
         position[r] = (int32_t)(p->cached + t0 + (r < rows ? r : rows - 1));
         top[r] = -1e30f;
-        total[r] = 0.0f;
     }
+    memset(sums, 0, sizeof sums);
     memset(o, 0, sizeof(float) * 16 * dim);
     const int64_t first = p->cached + t0, last = p->cached + t0 + rows - 1;
     const int64_t blocks = last / AMX_KEYS + 1;
@@ -189,7 +193,7 @@ static void amx_attend_tile(const Problem *p, const char *q_tile, int64_t a_stri
         }
         _tile_stored(2, s, AMX_KEYS * 4);
         _tile_stored(3, s + 16, AMX_KEYS * 4);
-        amx_softmax(p, s, probs, top, total, correction, position, key0, first);
+        amx_softmax(p, s, probs, top, sums, correction, position, key0, first);
         /* O = O * correction + P V */
         _tile_loadd(6, probs, AMX_KEYS * 2);
         amx_values(values + key0 / 2 * dim * 4, dim, pv);
@@ -206,6 +210,7 @@ static void amx_attend_tile(const Problem *p, const char *q_tile, int64_t a_stri
                                                                  _mm512_load_ps(pv + r * dim + d)));
         }
     }
+    amx_totals(sums, total);
     amx_write_rows(p, o, total, head, t0, rows);
 }
 
@@ -224,13 +229,14 @@ static void amx_attend_tile_resident(const Problem *p, const char *q_tile, int64
     float o[16 * 64] __attribute__((aligned(64)));
     float tiles[16 * 64] __attribute__((aligned(64)));
     float top[16] __attribute__((aligned(64))), total[16] __attribute__((aligned(64)));
+    float sums[16 * 16] __attribute__((aligned(64)));
     float correction[16] __attribute__((aligned(64)));
     int32_t position[16];
     for (int r = 0; r < 16; r++) {
         position[r] = (int32_t)(p->cached + t0 + (r < rows ? r : rows - 1));
         top[r] = -1e30f;
-        total[r] = 0.0f;
     }
+    memset(sums, 0, sizeof sums);
     memset(o, 0, sizeof(float) * 16 * dim);
     const int64_t first = p->cached + t0, last = p->cached + t0 + rows - 1;
     const int64_t blocks = last / AMX_KEYS + 1;
@@ -254,7 +260,7 @@ static void amx_attend_tile_resident(const Problem *p, const char *q_tile, int64
         }
         _tile_stored(1, s, AMX_KEYS * 4);
         _tile_stored(7, s + 16, AMX_KEYS * 4);
-        if (!amx_softmax(p, s, probs, top, total, correction, position, key0, first) && b > 0) {
+        if (!amx_softmax(p, s, probs, top, sums, correction, position, key0, first) && b > 0) {
             _tile_stored(2, tiles, dim * 4);
             _tile_stored(3, tiles + 16, dim * 4);
             if (chunks > 1) {
@@ -297,6 +303,7 @@ static void amx_attend_tile_resident(const Problem *p, const char *q_tile, int64
     }
     for (int64_t i = 0; i < 16 * dim; i += 16)
         _mm512_store_ps(o + i, _mm512_add_ps(_mm512_load_ps(o + i), _mm512_load_ps(tiles + i)));
+    amx_totals(sums, total);
     amx_write_rows(p, o, total, head, t0, rows);
 }
 
