@@ -11,7 +11,7 @@ from tandem.types import SamplingParams
 
 
 def test_bf16_small_steps_give_the_same_tokens_with_and_without_the_c_passes() -> None:
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     prompt = "The three primary colors are"
     with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
         model = llm.engine.runner.model
@@ -35,15 +35,17 @@ def test_bf16_small_steps_give_the_same_tokens_with_and_without_the_c_passes() -
         plain = llm.generate([prompt], params)[0].outputs[0]
     # The C norm and silu round bf16 differently from torch's ops in the last bit now and then,
     # so a long greedy run can flip at a near-tie (seen at steps 3, 9 and 23 of 24, the two best
-    # tokens one bf16 step apart or tied). A broken pass moves the logprobs at once: until the
+    # tokens one bf16 step apart or tied; on the Xeon with AMX, three tokens within 0.13 nats at
+    # step 3, two of them tied in each run). A broken pass moves the logprobs at once: until the
     # runs part, each step's token has the same logprob within two bf16 steps of a logit near
-    # 20 (0.25 nats), and where they part the two best tokens were that close in both runs.
+    # 20 (0.25 nats), and where they part both runs' tokens are that close to the best in each.
     steps = len(fused.token_ids)
     if fused.token_ids != plain.token_ids:
         steps = next(i for i, (a, b) in enumerate(zip(fused.token_ids, plain.token_ids, strict=True)) if a != b)
         for run in (fused, plain):
-            best, second = sorted({e.token_id: e for e in run.logprobs[steps]}.values(), key=lambda e: e.rank)[:2]
-            assert {best.token_id, second.token_id} == {fused.token_ids[steps], plain.token_ids[steps]}
-            assert best.logprob - second.logprob <= 0.25, (steps, best, second)
+            entries = {e.token_id: e.logprob for e in run.logprobs[steps]}
+            best = max(entries.values())
+            for token in (fused.token_ids[steps], plain.token_ids[steps]):
+                assert token in entries and best - entries[token] <= 0.25, (steps, token, entries)
     for step in range(steps):
         assert abs(fused.logprobs[step][0].logprob - plain.logprobs[step][0].logprob) <= 0.25, step
