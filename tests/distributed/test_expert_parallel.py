@@ -86,7 +86,8 @@ def test_two_expert_parallel_ranks_give_the_unsplit_layer_s_output(name: str, tm
     try:
         for process in ranks:
             output, _ = process.communicate(timeout=60)
-            assert process.returncode == 0, output
+            saved = [(tmp_path / f"rank{rank}.pt").exists() for rank in range(2)]
+            assert process.returncode == 0, f"results saved by rank 0, 1: {saved}\n{output}"
     finally:
         for process in ranks:
             process.kill()
