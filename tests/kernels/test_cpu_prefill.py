@@ -105,6 +105,24 @@ def test_scores_that_keep_rising_along_the_context(kernel, dtype) -> None:
     torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_query_row_keeps_its_own_running_maximum(kernel, dtype) -> None:
+    """Neighbouring queries whose scores differ ~10^4-fold (hundreds in log2 units against
+    a few): a row offset by another row's maximum overflows or underflows to no sum at all,
+    which a shift-invariant softmax would otherwise hide."""
+    generator = torch.Generator().manual_seed(5)
+    cache, block_ids = _paged(90, 3, 64, 16, dtype, generator)
+    q = torch.randn(40, 9, 64, generator=generator)
+    q[0::2] *= 100.0
+    q[1::2] *= 0.01
+    q = q.to(dtype)
+    got, want = kernel(q, cache, block_ids, 90, 0.125).float(), _reference(q, cache, block_ids, 90, 0.125)
+    assert torch.isfinite(got).all()
+    # scores in the hundreds: fp32's rounding of one is ~1e-5 of its probability
+    tolerance = {"rtol": 1e-4, "atol": 5e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tolerance)
+
+
 def test_queries_may_be_a_view_into_the_fused_projection(kernel) -> None:
     """q comes in as a slice of the qkv projection: its token stride is not heads * dim."""
     generator = torch.Generator().manual_seed(3)
