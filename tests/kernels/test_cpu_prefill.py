@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 import subprocess
@@ -42,15 +43,15 @@ def _paged(context: int, kv_heads: int, dim: int, block: int, dtype, generator):
     return cache.to(dtype), block_ids
 
 
-def _rising(context: int, q_len: int, heads: int, kv_heads: int, dim: int, block: int, dtype, generator):
-    """Keys that each score above the one before, by ~0.43 in log2 units at scale 1/8 over a
-    200-token context (the same total rise, ~87, over a longer one): the running maximum moves
-    at every key group and the output so far is rescaled each time (random keys move it a few
-    times a tile)."""
+def _rising(context: int, q_len: int, heads: int, kv_heads: int, dim: int, block: int, dtype, generator,
+            rise: float = 0.3):
+    """Keys that each score above the one before, by ~0.43 in log2 units at scale 1/8 (`rise`
+    0.3): the running maximum moves at every key group, by ~7, and the output so far is
+    rescaled each time (random keys move it a few times a tile)."""
     cache, block_ids = _paged(context, kv_heads, dim, block, torch.float32, generator)
     used = block_ids.numel()
     slots = block_ids.repeat_interleave(block) * block + torch.arange(block).repeat(used)
-    cache.view(2, kv_heads, -1, dim)[0, :, slots[:context], 0] += 60.0 / context * torch.arange(context)
+    cache.view(2, kv_heads, -1, dim)[0, :, slots[:context], 0] += rise * torch.arange(context)
     q = torch.randn(q_len, heads, dim, generator=generator)
     q[..., 0] = 8.0
     return cache.to(dtype), block_ids, q.to(dtype)
@@ -107,7 +108,8 @@ def test_kernel_matches_masked_sdpa(kernel, q_len, context, heads, kv_heads, dim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scores_that_keep_rising_along_the_context(kernel, context, q_len, heads, kv_heads, dim, dtype) -> None:
     generator = torch.Generator().manual_seed(21)
-    cache, block_ids, q = _rising(context, q_len, heads, kv_heads, dim, 16, dtype, generator)
+    # the same total rise (~87 in log2 units) however long the context
+    cache, block_ids, q = _rising(context, q_len, heads, kv_heads, dim, 16, dtype, generator, rise=60.0 / context)
     got = kernel(q, cache, block_ids, context, 0.125).float()
     want = _reference(q, cache, block_ids, context, 0.125)
     # scores up to ~90: fp32's rounding of a score is ~5e-6 of its probability, and both this
@@ -261,14 +263,8 @@ def test_backend_prefill_agrees_with_the_torch_backend(cache_dir, kernel, dtype)
     torch.testing.assert_close(ours.float(), theirs.float(), **tolerance)
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-@pytest.mark.parametrize("march", ["x86-64", "haswell",
-                                   # AVX-512 without its bf16 dot products, where this CPU runs it
-                                   *(["skylake-avx512"] if CpuFeatures.detect().avx512 else [])])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_instruction_set_path_computes_the_same(tmp_path, march, dtype) -> None:
-    """The machines this runs on differ (AVX2-only EPYCs, AVX-512 Xeons): the vector code
-    built for an older target (no bf16 dot products) against masked SDPA."""
+def _compile_for(tmp_path, march: str):
+    """The kernel built for an older target than this CPU, as the CI's machines may be."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
@@ -276,7 +272,43 @@ def test_every_instruction_set_path_computes_the_same(tmp_path, march, dtype) ->
     subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
                     "-shared", "-fPIC", "-std=c11", str(cpu_prefill.SOURCE), "-o", str(library), "-lm"],
                    check=True, capture_output=True)
-    other = PrefillAttentionKernel(library)
+    return library
+
+
+_OLDER_TARGETS = ["x86-64", "haswell",
+                  # AVX-512 without its bf16 dot products, where this CPU runs it
+                  *(["skylake-avx512"] if CpuFeatures.detect().avx512 else [])]
+
+
+@pytest.mark.parametrize("march", ["native", *_OLDER_TARGETS])
+def test_the_softmax_exponentials_keep_their_documented_accuracy(tmp_path, cache_dir, march) -> None:
+    """2^x at each polynomial degree against float64, on every instruction-set path: degree 3
+    (the bf16 probabilities) within 7.6e-5, 5 within 3.5e-6 and 7 within 1e-7, and 5 and 7
+    exactly 1 at 0 (a correction for a maximum that stayed). A coefficient that is off scales
+    the probabilities alike, which the attention's own tests cannot see after normalising."""
+    if march != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction sets")
+    path = build_kernel_library(cache_dir, cpu_prefill.SOURCE) if march == "native" else _compile_for(tmp_path, march)
+    probe = ctypes.CDLL(str(path)).tandem_exp2_probe
+    x = torch.cat([torch.linspace(-40.0, 0.0, 160_000), -torch.arange(16.0), -torch.arange(16.0) - 1e-6])
+    want = torch.exp2(x.double())
+    for degree, bound in ((3, 7.6e-5), (5, 3.5e-6), (7, 1e-7)):
+        got = torch.empty_like(x)
+        probe(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(got.data_ptr()), ctypes.c_int64(x.numel()),
+              ctypes.c_int(degree))
+        error = (got.double() / want - 1).abs().max().item()
+        assert error <= bound, f"degree {degree} on {march}: {error:.2e} relative"
+        if degree > 3:
+            assert got[160_000 - 1].item() == 1.0  # 2^0
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("march", _OLDER_TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_instruction_set_path_computes_the_same(tmp_path, march, dtype) -> None:
+    """The machines this runs on differ (AVX2-only EPYCs, AVX-512 Xeons): the vector code
+    built for an older target (no bf16 dot products) against masked SDPA."""
+    other = PrefillAttentionKernel(_compile_for(tmp_path, march))
     assert other.isa == "fp32 FMA (bf16 widened)"
     generator = torch.Generator().manual_seed(11)
     cache, block_ids = _paged(70, 2, 64, 16, dtype, generator)

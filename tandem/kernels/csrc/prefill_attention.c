@@ -82,8 +82,20 @@ static inline float widen(uint16_t x) {
  * DEGREE 7 is ~1e-7 relative (fp32); 5 is ~3e-6, far below a bf16's 2^-9, for bf16 rows whose
  * probabilities are rounded to bf16 anyway; 3 is 7.5e-5, still a 26th of that rounding, for
  * the probabilities themselves (not the corrections, which must give exactly 1 at 0).
- * Inputs below -126 give ~2^-126 (AVX2) or 0. */
+ * Degree 3 with AVX-512 takes f = x - floor(x) in [0, 1) from one vreduceps, and vscalefps
+ * applies 2^floor(x) from x itself: 5 instructions, not 6 (the same polynomial moved by a half,
+ * so the same error). Inputs below -126 give ~2^-126 (AVX2) or 0. */
 static inline vec exp2_nonpositive(vec x, const int degree) {
+#if defined(__AVX512DQ__)
+    if (degree == 3) { /* the minimax polynomial below on [0, 1): sqrt(2) p(f - 1/2) */
+        const vec f = (vec)_mm512_reduce_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        vec p = splat(7.8024066985e-02f);
+        p = p * f + 2.2606673837e-01f;
+        p = p * f + 6.9583427906e-01f;
+        p = p * f + 9.9992507696e-01f;
+        return (vec)_mm512_scalef_ps((__m512)p, (__m512)x);
+    }
+#endif
 #if defined(__AVX512F__)
     const __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const vec f = x - (vec)n;
@@ -506,6 +518,18 @@ int tandem_prefill_uses_amx(void) {
 #else
     return 0;
 #endif
+}
+
+/* 2^x of the softmax's exponential at `degree` (3, 5 or 7) for n values x <= 0 (n a multiple of
+ * 16): what the tests check the polynomials' accuracy on, since a wrong coefficient that scales
+ * every probability alike cancels in the normalisation and hides from the attention's tests. */
+void tandem_exp2_probe(const float *x, float *out, int64_t n, int degree) {
+    for (int64_t i = 0; i + LANES <= n; i += LANES) {
+        vec v, r;
+        memcpy(&v, x + i, sizeof v);
+        r = degree == 3 ? exp2_nonpositive(v, 3) : degree == 5 ? exp2_nonpositive(v, 5) : exp2_nonpositive(v, 7);
+        memcpy(out + i, &r, sizeof r);
+    }
 }
 
 /* Whether this build uses vdpbf16ps for a bf16 cache (1) or widens to fp32 (0). */

@@ -100,38 +100,52 @@ static inline void amx_values(const char *v_block, int64_t dim, float *pv) {
     }
 }
 
-/* Each of 16 rows' maximum, rows [16][32] floats, as one vector (lane r: row r). The rows are
- * reduced together, as a transpose would: pairs of rows share a vector after one step, four
- * after two, and so on: 46 instructions, where a reduction a row took 128. */
-static inline __m512 amx_rows_max(const float *s) {
-    __m512 half[8], quarter[4], eighth[2];
-    for (int i = 0; i < 8; i++) { /* rows 2i, 2i + 1: 128-bit lanes 0-1 and 2-3 */
-        const __m512 a = _mm512_max_ps(_mm512_load_ps(s + (2 * i) * AMX_KEYS), _mm512_load_ps(s + (2 * i) * AMX_KEYS + 16));
-        const __m512 b = _mm512_max_ps(_mm512_load_ps(s + (2 * i + 1) * AMX_KEYS),
-                                       _mm512_load_ps(s + (2 * i + 1) * AMX_KEYS + 16));
-        half[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    }
+/* Lane r of the result: the maximum (or sum) of the 8 values row r has across half[r / 2]
+ * (rows 2i and 2i + 1 in 128-bit lanes 0-1 and 2-3 of half[i]). The rows are reduced together,
+ * as a transpose would: four rows share a vector after one step, eight after two, and so on,
+ * where a horizontal reduction a row took 8 instructions. */
+static inline __m512 amx_fold_rows(const __m512 half[8], const int add) {
+#define AMX_COMBINE(a, b) (add ? _mm512_add_ps((a), (b)) : _mm512_max_ps((a), (b)))
+    __m512 quarter[4], eighth[2];
     for (int i = 0; i < 4; i++) /* rows 4i .. 4i + 3: 128-bit lane j holds row 4i + j */
-        quarter[i] = _mm512_max_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
-                                   _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xDD));
+        quarter[i] = AMX_COMBINE(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xDD));
     for (int i = 0; i < 2; i++) /* within a 128-bit lane j: rows 8i + j, 8i + 4 + j, two values each */
-        eighth[i] = _mm512_max_ps(_mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0x44),
-                                  _mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0xEE));
+        eighth[i] = AMX_COMBINE(_mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0x44),
+                                _mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0xEE));
     /* lane 4j + k: row 4k + j */
-    const __m512 crossed = _mm512_max_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
-                                         _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+    const __m512 crossed = AMX_COMBINE(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
+                                       _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+#undef AMX_COMBINE
     const __m512i rows = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     return _mm512_permutexvar_ps(rows, crossed);
 }
 
+/* Two rows' 16 values each (a: row 2i, b: row 2i + 1) as half[i] of amx_fold_rows: 128-bit
+ * lanes 0-1 row 2i, 2-3 row 2i + 1. */
+static inline __m512 amx_pair_rows(__m512 a, __m512 b, const int add) {
+    const __m512 low = _mm512_shuffle_f32x4(a, b, 0x44), high = _mm512_shuffle_f32x4(a, b, 0xEE);
+    return add ? _mm512_add_ps(low, high) : _mm512_max_ps(low, high);
+}
+
+/* Each of 16 rows' maximum, rows [16][32] floats, as one vector (lane r: row r): 46
+ * instructions, where a reduction a row took 128. */
+static inline __m512 amx_rows_max(const float *s) {
+    __m512 half[8];
+    for (int i = 0; i < 8; i++)
+        half[i] = amx_pair_rows(
+            _mm512_max_ps(_mm512_load_ps(s + (2 * i) * AMX_KEYS), _mm512_load_ps(s + (2 * i) * AMX_KEYS + 16)),
+            _mm512_max_ps(_mm512_load_ps(s + (2 * i + 1) * AMX_KEYS), _mm512_load_ps(s + (2 * i + 1) * AMX_KEYS + 16)),
+            0);
+    return amx_fold_rows(half, 0);
+}
+
 /* The online softmax of one block's scores s [16][32] (fp32, as the tiles stored them): causal
  * mask, each row's running maximum `top` (in unscaled scores: the scale is positive), its
- * `correction` (the factor the output so far is rescaled by), its running sums `sums` (16
- * lanes a row, added across lanes only at the end); P = 2^(scale (s - top)) rounded to bf16
- * into `probs` [16][32], one A tile. The scale is one FMA in the exponent's argument, and
- * the sums stay vectors: a horizontal add a row and block, and a pass scaling the scores,
- * were a quarter of the softmax's instructions. Returns whether every row's maximum stayed
- * (every correction is 1). */
+ * `correction` (the factor the output so far is rescaled by), its running sum `sums` (lane r:
+ * row r, the block's row sums folded together as the maxima are); P = 2^(scale (s - top))
+ * rounded to bf16 into `probs` [16][32], one A tile. The scale is one FMA in the exponent's
+ * argument. Returns whether every row's maximum stayed (every correction is 1). */
 static inline int amx_softmax(const Problem *p, float *s, uint16_t *probs, float *top, float *sums,
                               float *correction, const int32_t *position, int64_t key0, int64_t first) {
     const __m512i key_lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -151,6 +165,7 @@ static inline int amx_softmax(const Problem *p, float *s, uint16_t *probs, float
     _mm512_store_ps(top, new_top);
     float offsets[16] __attribute__((aligned(64)));
     _mm512_store_ps(offsets, _mm512_mul_ps(new_top, scale));
+    __m512 half[8], even = _mm512_setzero_ps();
     for (int r = 0; r < 16; r++) {
         /* a masked score is -1e30: its exponential is 0 */
         const __m512 offset = _mm512_set1_ps(offsets[r]);
@@ -158,16 +173,15 @@ static inline int amx_softmax(const Problem *p, float *s, uint16_t *probs, float
             (vec)_mm512_fmsub_ps(_mm512_load_ps(s + r * AMX_KEYS), scale, offset), 3);
         const __m512 p1 = (__m512)exp2_nonpositive(
             (vec)_mm512_fmsub_ps(_mm512_load_ps(s + r * AMX_KEYS + 16), scale, offset), 3);
-        _mm512_store_ps(sums + r * 16, _mm512_fmadd_ps(_mm512_load_ps(sums + r * 16),
-                                                      _mm512_set1_ps(correction[r]), _mm512_add_ps(p0, p1)));
         _mm512_store_si512(probs + r * AMX_KEYS, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        if (r % 2 == 0)
+            even = _mm512_add_ps(p0, p1);
+        else
+            half[r / 2] = amx_pair_rows(even, _mm512_add_ps(p0, p1), 1);
     }
-    return _mm512_cmpneq_ps_mask(_mm512_load_ps(correction), _mm512_set1_ps(1.0f)) == 0;
-}
-
-/* Each row's total: its 16 lanes of sums added. */
-static inline void amx_totals(const float *sums, float *total) {
-    for (int r = 0; r < 16; r++) total[r] = _mm512_reduce_add_ps(_mm512_load_ps(sums + r * 16));
+    const __m512 kept = _mm512_load_ps(correction);
+    _mm512_store_ps(sums, _mm512_fmadd_ps(_mm512_load_ps(sums), kept, amx_fold_rows(half, 1)));
+    return _mm512_cmpneq_ps_mask(kept, _mm512_set1_ps(1.0f)) == 0;
 }
 
 /* The item's output rows: O / total, rounded to bf16 (nearest even). */
@@ -192,7 +206,7 @@ static void amx_write_rows(const Problem *p, const float *o, const float *total,
  * for the resident items, the O tiles' contents between ranges (the output is o + tiles). */
 typedef struct {
     float top[16] __attribute__((aligned(64)));
-    float sums[16 * 16] __attribute__((aligned(64)));
+    float sums[16] __attribute__((aligned(64)));
     float correction[16] __attribute__((aligned(64)));
     float tiles[16 * 64] __attribute__((aligned(64)));
     float o[16 * MAX_DIM] __attribute__((aligned(64)));
@@ -330,12 +344,10 @@ static void amx_attend_range_resident(const Problem *p, const char *q_tile, int6
 /* The item's rows of one head, all blocks seen: O (+ the tiles) / total, rounded to bf16. */
 static void amx_finish(const Problem *p, AmxHeadState *state, int64_t head, int64_t t0, int64_t rows) {
     const int64_t dim = p->dim;
-    float total[16] __attribute__((aligned(64)));
     if (dim <= 64)
         for (int64_t i = 0; i < 16 * dim; i += 16)
             _mm512_store_ps(state->o + i, _mm512_add_ps(_mm512_load_ps(state->o + i), _mm512_load_ps(state->tiles + i)));
-    amx_totals(state->sums, total);
-    amx_write_rows(p, state->o, total, head, t0, rows);
+    amx_write_rows(p, state->o, state->sums, head, t0, rows);
 }
 
 /* Blocks a range: the heads of one item take turns over a range of blocks, so its K and V are
