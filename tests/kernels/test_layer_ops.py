@@ -23,7 +23,8 @@ TOKENS = [1, 5, 40]
 
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128)])
+# a head size of 40: each half 16 lanes and a 4-value tail
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128), (3, 1, 40)])
 def test_rotary_in_place_is_bit_identical_to_the_torch_ops(ops, tokens, dtype, heads, kv_heads, dim) -> None:
     """On q and k as views into the fused projection (token stride covers v too), so the
     exact fp32 mode keeps its parity with transformers and bf16 gives the same tokens."""
@@ -55,18 +56,19 @@ def test_rotary_falls_back_where_heads_are_not_dense(ops) -> None:
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_bf16_rms_norm_matches_transformers_formula(ops, tokens) -> None:
+@pytest.mark.parametrize("hidden", [576, 584])  # 584: 16-value vectors and an 8-value tail
+def test_bf16_rms_norm_matches_transformers_formula(ops, tokens, hidden) -> None:
     """Within one bf16 unit in the last place (the mean is summed in another order), and
     equal on almost every element; rows read through a stride."""
     generator = torch.Generator().manual_seed(tokens)
-    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
-    norm.weight.data = (torch.rand(576, generator=generator) + 0.5).bfloat16()
-    wide = (torch.randn(tokens, 1152, generator=generator) * 3).bfloat16()
-    x = wide[:, :576]
+    norm = RMSNorm(hidden, 1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(hidden, generator=generator) + 0.5).bfloat16()
+    wide = (torch.randn(tokens, 2 * hidden, generator=generator) * 3).bfloat16()
+    x = wide[:, :hidden]
     expected = norm(x)  # no ops attached: the torch formula
     norm.ops = ops
     got = norm(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 576)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
     ulp = expected.float().abs() * 2**-7
     assert ((got.float() - expected.float()).abs() <= ulp).all()
     assert (got == expected).float().mean() > 0.99
