@@ -73,6 +73,24 @@ def test_products_bias_and_residual_are_f_linears(kernel, rows, in_features, out
                 assert ((got.double() - want).abs() <= step + 1e-4 * in_features ** 0.5).all()
 
 
+@pytest.mark.parametrize("rows", [1000, 2049])
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (1536, 64)])
+def test_products_over_several_row_groups(kernel, rows, in_features, out_features) -> None:
+    """Rows past one group of the AMX product (544 rows at K = 576, 192 at 1,536), dealt over
+    groups whose sizes differ by a 32-row unit: every row multiplied once, by every panel."""
+    generator = torch.Generator().manual_seed(rows + in_features)
+    for dtype in _dtypes(kernel):
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        got = kernel.matmul(x, kernel.pack(weight)).double()
+        want = x.double() @ weight.double().t()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+        else:
+            step = want.abs().clamp_min(1e-3) * 2.0 ** -7
+            assert ((got - want).abs() <= step + 1e-4 * in_features ** 0.5).all()
+
+
 def _gated_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     gate_up = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
     gate, up = gate_up.chunk(2, dim=-1)
