@@ -40,8 +40,8 @@ static inline float round_bf16(float x) { return widen(narrow(x)); }
 
 #if defined(__AVX512BF16__)
 /* The same three on 16 values: vcvtneps2bf16 is narrow() in one instruction (nearest even, a
- * NaN kept quiet the same way), except that it reads an fp32 denormal as zero, which bf16
- * activations between a layer's GEMMs do not reach. The emulated rounding was most of the
+ * NaN kept quiet the same way), except that it reads an fp32 denormal as zero; so does the
+ * whole process once a kernel built with -ffast-math is loaded (it sets flush-to-zero). The emulated rounding was most of the
  * bf16 norm's and rotary's instructions: a 2,048-token chunk's rotary took 600 us, ~40% of it
  * in AVX2-width integer rounding. */
 static inline __m512 widen16(const uint16_t *x) {
