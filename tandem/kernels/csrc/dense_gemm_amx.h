@@ -55,12 +55,50 @@ static void amx_configure(int rows0, int rows1) {
     _tile_loadconfig(&config);
 }
 
+/* A unit whose accumulators wait in a buffer for their epilogue. */
+typedef struct {
+    int64_t m, rows, block;
+    int two_blocks;
+    const float *c; /* [row tile][block][16 rows][16 columns] */
+} AmxUnit;
+
+/* Where and how units' results are written (dense_gemm.c's epilogues). */
+typedef struct {
+    const void *bias, *residual;
+    void *out;
+    int64_t N;
+    int gated;
+} AmxOutput;
+
+/* Rows [from, to) of a unit's epilogue: bias and residual and one rounding, or the gated
+ * silu(gate) * up where its two blocks are a gate block and its up. */
+static inline void amx_epilogue_rows(const AmxUnit *unit, const AmxOutput *o, int64_t from, int64_t to) {
+    for (int64_t i = from; i < to; i++) {
+        const float *row = unit->c + (i / AMX_ROWS) * 512 + (i % AMX_ROWS) * 16;
+        const int64_t m = unit->m + i, block = unit->block, N = o->N;
+        if (o->gated) {
+            store_gated_chunk(_mm512_load_ps(row), _mm512_load_ps(row + 256), 2, o->bias, o->out, block * 8, N / 2,
+                              m * (N / 2) + block * 8);
+            continue;
+        }
+        store_chunk(_mm512_load_ps(row), 2, o->bias, o->residual, o->out, block * 16, m * N + block * 16);
+        if (unit->two_blocks)
+            store_chunk(_mm512_load_ps(row + 256), 2, o->bias, o->residual, o->out, block * 16 + 16,
+                        m * N + block * 16 + 16);
+    }
+}
+
 /* One unit's products over all of K into tmm0-3: a (its first row, a_stride bytes between
- * rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS). The compiler needs
- * the tile numbers as constants, hence one function per shape. */
+ * rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS). The previous unit's
+ * epilogue (pending, if any) is done a few rows a step between the tile instructions: run
+ * after them, its ~600 vector instructions (1,000 with the gated silu) did not fit the
+ * reorder window beside the waiting tile products, and took 10-25% of a GEMM at K = 576.
+ * The compiler needs the tile numbers as constants, hence one function per shape. */
 #define DEFINE_AMX_UNIT(SHAPE, TWO_ROWS, TWO_BLOCKS)                                                   \
     static inline void amx_multiply_##SHAPE(const char *a, int64_t a_stride, int64_t k_steps,          \
-                                            const char *b0, const char *b1) {                           \
+                                            const char *b0, const char *b1, const AmxUnit *pending,     \
+                                            const AmxOutput *output) {                                  \
+        const int64_t per_step = pending != NULL ? (pending->rows + k_steps - 1) / k_steps : 0;         \
         _tile_zero(0);                                                                                  \
         if (TWO_BLOCKS) _tile_zero(1);                                                                  \
         if (TWO_ROWS) _tile_zero(2);                                                                    \
@@ -78,6 +116,10 @@ static void amx_configure(int rows0, int rows1) {
                 _tile_dpbf16ps(2, 5, 6);                                                                \
                 if (TWO_BLOCKS) _tile_dpbf16ps(3, 5, 7);                                                \
             }                                                                                           \
+            const int64_t from = q * per_step;                                                          \
+            if (from < (per_step > 0 ? pending->rows : 0))                                              \
+                amx_epilogue_rows(pending, output, from,                                                \
+                                  from + per_step < pending->rows ? from + per_step : pending->rows);   \
         }                                                                                               \
     }                                                                                                   \
     static inline void amx_store_##SHAPE(float *c) {                                                    \
@@ -91,35 +133,11 @@ DEFINE_AMX_UNIT(1_2, 0, 1)
 DEFINE_AMX_UNIT(2_1, 1, 0)
 DEFINE_AMX_UNIT(2_2, 1, 1)
 
-/* A unit whose accumulators wait in a buffer for their epilogue. */
-typedef struct {
-    int64_t m, rows, block;
-    int two_blocks;
-    const float *c; /* [row tile][block][16 rows][16 columns] */
-} AmxUnit;
-
-/* The unit's epilogue (dense_gemm.c's): bias and residual and one rounding, or the gated
- * silu(gate) * up where its two blocks are a gate block and its up. */
-static inline void amx_epilogue(const AmxUnit *unit, const void *bias, const void *residual, void *out, int64_t N,
-                                int gated) {
-    for (int64_t i = 0; i < unit->rows; i++) {
-        const float *row = unit->c + (i / AMX_ROWS) * 512 + (i % AMX_ROWS) * 16;
-        const int64_t m = unit->m + i, block = unit->block;
-        if (gated) {
-            store_gated_chunk(_mm512_load_ps(row), _mm512_load_ps(row + 256), 2, bias, out, block * 8, N / 2,
-                              m * (N / 2) + block * 8);
-            continue;
-        }
-        store_chunk(_mm512_load_ps(row), 2, bias, residual, out, block * 16, m * N + block * 16);
-        if (unit->two_blocks)
-            store_chunk(_mm512_load_ps(row + 256), 2, bias, residual, out, block * 16 + 16, m * N + block * 16 + 16);
-    }
-}
-
 /* The bf16 product on the tiles. Same arguments and result as dense_gemm (kind 1); the caller
- * checked them. Each unit's epilogue runs while the next unit multiplies: the tiles work
- * beside the vector units, and the epilogue (a tile store, a rounding of 1,024 sums) took
- * a third of a unit's time at K = 576 when the two ran one after the other. */
+ * checked them. Each unit's epilogue runs while the next unit multiplies, a few rows between
+ * each step's tile instructions: the tiles work beside the vector units, and the epilogue (a
+ * rounding of 1,024 sums) took a third of a unit's time at K = 576 when the two ran one after
+ * the other, and 10-25% of a GEMM when it ran whole after the next unit's tile products. */
 static void amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed,
                            const void *bias, const void *residual, void *out, int64_t N, int gated,
                            int num_threads) {
@@ -138,8 +156,10 @@ static void amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K
 #pragma omp parallel num_threads(num_threads)
     {
         float buffers[2][4 * 256] __attribute__((aligned(64)));
+        const AmxOutput output = {bias, residual, out, N, gated};
         int configured0 = -1, configured1 = -1, next_buffer = 0;
         AmxUnit pending = {0, 0, 0, 0, NULL};
+        const AmxUnit *waiting = NULL;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < groups * panels; item++) {
             const int64_t panel = item % panels * AMX_PANEL_BLOCKS;
@@ -163,20 +183,20 @@ static void amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K
                     const char *b1 = b0 + pair_steps * 64;
                     float *c = buffers[next_buffer];
                     next_buffer ^= 1;
-                    if (rows1 > 0 && two_blocks) amx_multiply_2_2(a, a_stride, k_steps, b0, b1);
-                    else if (rows1 > 0) amx_multiply_2_1(a, a_stride, k_steps, b0, b1);
-                    else if (two_blocks) amx_multiply_1_2(a, a_stride, k_steps, b0, b1);
-                    else amx_multiply_1_1(a, a_stride, k_steps, b0, b1);
-                    if (pending.c != NULL) amx_epilogue(&pending, bias, residual, out, N, gated);
+                    if (rows1 > 0 && two_blocks) amx_multiply_2_2(a, a_stride, k_steps, b0, b1, waiting, &output);
+                    else if (rows1 > 0) amx_multiply_2_1(a, a_stride, k_steps, b0, b1, waiting, &output);
+                    else if (two_blocks) amx_multiply_1_2(a, a_stride, k_steps, b0, b1, waiting, &output);
+                    else amx_multiply_1_1(a, a_stride, k_steps, b0, b1, waiting, &output);
                     if (rows1 > 0 && two_blocks) amx_store_2_2(c);
                     else if (rows1 > 0) amx_store_2_1(c);
                     else if (two_blocks) amx_store_1_2(c);
                     else amx_store_1_1(c);
                     pending = (AmxUnit){m, rows, block, two_blocks, c};
+                    waiting = &pending;
                 }
             }
         }
-        if (pending.c != NULL) amx_epilogue(&pending, bias, residual, out, N, gated);
+        if (waiting != NULL) amx_epilogue_rows(waiting, &output, 0, waiting->rows);
         if (configured0 >= 0) _tile_release();
     }
 }
