@@ -24,6 +24,7 @@ import json
 import re
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -174,17 +175,21 @@ def plot_breakdown(results: dict[str, dict[str, dict[str, Any]]], engines: list[
 def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
                      variants: dict[str, Path] | None = None) -> dict[str, Any]:
     """The best this machine could do on each workload, from the model's shape and two rates
-    measured now: a `dtype` matmul on every core, and a memory copy.
+    measured now: a `dtype` matmul on every core (the fastest of torch.mm, oneDNN's packed
+    linear and tandem's packed GEMM), and a memory copy.
 
-    prefill-heavy (prompt tok/s): every prompt token costs 2 x active parameters of FLOPs,
-    less the LM head's share (a prompt's logits are taken at its last token only).
-    decode-heavy (output tok/s): the timed run prefills its prompts (their FLOPs as above, and
-    each prompt's last token through the LM head, which gives its first output token), then
-    runs a decode step for every further token; a step of B sequences reads the weights once
+    prefill-heavy (prompt tok/s) and decode-heavy (output tok/s), each over its whole timed
+    run: every prompt token costs 2 x active parameters of FLOPs, less the LM head's share (a
+    prompt's logits are taken at its last token only), and each prompt's last token goes
+    through the LM head, which gives its first output token; then the run takes a decode step
+    for every further token; a step of B sequences reads the weights once
     at the read rate (`step_read_bytes`: of a MoE's routed experts, those some token chose)
-    and does B x 2 x active FLOPs, whichever takes longer bounding it. Attention's FLOPs and
-    KV reads are left out, so the ceilings are high: at 64 sequences of ~150 tokens the
-    default model's decode step reads more KV than weights.
+    and every running sequence's KV in the run dtype, and does B x 2 x active FLOPs and its
+    attention's, whichever takes longer bounding it. A prompt's attention is its causal
+    (query, key) pairs at the matmul rate (`AttentionWork`): at 64 sequences of ~150 tokens the
+    default model's decode step reads about as much KV as weights, so a bound that left
+    attention out was ~40% high there. Every layer counts full attention (Llama 4's chunked
+    layers would do less). single-stream keeps the weights' read alone: its KV is a few MB.
 
     bf16 on a CPU with no bf16 matmul (an AVX2-only EPYC) is computed by tandem's kernels in
     fp32 (widened in registers or per call), so there the fp32 rate bounds it. A 4-bit layout's
@@ -201,15 +206,17 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
         memory_copy_bytes_per_s,
         memory_read_bytes_per_s,
     )
+    from tandem.sizing.kv import kv_bytes_per_token
     from tandem.sizing.shape import read_shape
     from tandem.sizing.tensors import count_params
 
     shape = read_shape(json.loads((Path(hf_dir) / "config.json").read_text()))
     params = count_params(shape)
-    flops = matmul_flops_per_s(dtype, 2048, 2048, 2048)
+    flops = max(matmul_flops_per_s(dtype, 2048, 2048, 2048), own_gemm_flops_per_s(dtype))
     compute_dtype = dtype
     if flops < NO_MATMUL_PATH and dtype == "bfloat16":  # tandem's kernels widen it to fp32 here
-        flops, compute_dtype = matmul_flops_per_s("float32", 2048, 2048, 2048), "float32"
+        flops = max(matmul_flops_per_s("float32", 2048, 2048, 2048), own_gemm_flops_per_s("float32"))
+        compute_dtype = "float32"
     # single-stream: read bandwidth / the bytes a one-token step reads (a 4-bit mode reads
     # fewer, so it can pass this ceiling)
     bandwidth = memory_copy_bytes_per_s(256 << 20)
@@ -220,6 +227,7 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     # torch's fallback) bounds nothing a tuned kernel would meet: the read bound alone is kept.
     compute_bound = flops >= NO_MATMUL_PATH
     per_prompt_token = per_token - 2 * shape.vocab_size * shape.hidden_size
+    attention = AttentionWork.of(shape, kv_bytes_per_token(shape, 1, shape.num_layers, dtype) / read)
     ceilings: dict[str, Any] = {"matmul_flops_per_s": flops, "compute_bound": compute_bound,
                                 "compute_dtype": compute_dtype, "widened": compute_dtype != dtype,
                                 "memory_bytes_per_s": bandwidth,
@@ -228,12 +236,10 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     for name, workload in workloads.items():
         if name == "single-stream":  # one token a step: the weights read once a token
             ceilings[name] = ("decode_tok_s", read / step_read_bytes(hf_dir, dtype, 1))
-        elif name == "prefill-heavy":
-            ceilings[name] = ("prompt_tok_s", flops / per_prompt_token)
-        elif name == "decode-heavy":
-            ceilings[name] = ("output_tok_s", _decode_heavy_ceiling(
-                workload, lambda batch: step_read_bytes(hf_dir, dtype, batch) / read,
-                per_prompt_token, per_token, flops if compute_bound else None))
+        elif name in ("prefill-heavy", "decode-heavy"):
+            seconds = _batch_seconds(workload, lambda batch: step_read_bytes(hf_dir, dtype, batch) / read,
+                                     per_prompt_token, per_token, flops if compute_bound else None, attention)
+            ceilings[name] = _batch_ceiling(name, workload, seconds)
     # a layout on another config (+dense-experts) reads other bytes: its own read-bound limits
     by_layout: dict[str, dict[str, float]] = {}
     for layout, other_dir in (variants or {}).items():
@@ -242,31 +248,88 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
         for name, workload in workloads.items():
             if name == "single-stream":
                 limits[name] = read / step_read_bytes(other_dir, dtype, 1)
-            elif name == "decode-heavy":
-                limits[name] = _decode_heavy_ceiling(
+            elif name in ("prefill-heavy", "decode-heavy"):
+                seconds = _batch_seconds(
                     workload, lambda batch, other_dir=other_dir: step_read_bytes(other_dir, dtype, batch) / read,
-                    per_prompt_token, per_token, flops if compute_bound else None)
+                    per_prompt_token, per_token, flops if compute_bound else None, attention)
+                limits[name] = _batch_ceiling(name, workload, seconds)[1]
     if by_layout:
         ceilings["by_layout"] = by_layout
     return ceilings
 
 
-def _decode_heavy_ceiling(workload: Any, read_seconds: Callable[[int], float], per_prompt_token: float,
-                          per_token: float, flops: float | None) -> float:
-    """Output tok/s of a batch workload at the machine's rates: its prefill (compute-bound:
-    every prompt token's FLOPs, and the LM head once a prompt for the first output token),
-    then one decode step per further token of the sequences still running, each bounded by
-    its weight read (`read_seconds(batch)`) or its FLOPs, whichever is longer. `flops` None:
-    no matmul path bounds it (the read bound alone)."""
+def own_gemm_flops_per_s(dtype: str, size: int = 2048) -> float:
+    """tandem's packed GEMM's [size, size] x [size, size] rate in `dtype` (0.0 where it does
+    not build or multiply the dtype). On the 2-core AMX Xeon it ran at ~3.2 TFLOP/s against
+    oneDNN's ~2.5 at 2,048 rows, so the box's matmul rate is the faster of the two: a
+    ceiling from oneDNN alone was passed by tandem's own linears."""
+    import torch
+
+    from tandem.kernels.dense_gemm import load_dense_gemm_kernel, packed_gemm_flops_per_s
+    from tandem.platform.cache_dir import default_cache_dir
+
+    kernel = load_dense_gemm_kernel(default_cache_dir())
+    return 0.0 if kernel is None else packed_gemm_flops_per_s(kernel, getattr(torch, dtype), size, size, size)
+
+
+def _batch_ceiling(name: str, workload: Any, seconds: float) -> tuple[str, float]:
+    """A batch workload's bound in its metric: prompt tok/s for prefill-heavy, output tok/s
+    for decode-heavy, both over the whole run's time (as the runs are timed)."""
+    metric, tokens = (("prompt_tok_s", workload.prompt_tokens) if name == "prefill-heavy"
+                      else ("output_tok_s", workload.output_tokens))
+    return metric, tokens / seconds if seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class AttentionWork:
+    """What attention adds to a batch run at the machine's rates, whole model on one rank:
+    FLOPs per (query, key) pair in a prompt and in a decode step, and the seconds one cached
+    token's KV takes to read."""
+
+    prefill_flops_per_pair: float
+    decode_flops_per_pair: float
+    kv_read_seconds_per_token: float
+
+    @classmethod
+    def of(cls, shape: Any, kv_read_seconds_per_token: float) -> AttentionWork:
+        """GQA: q.k and p.v, 2 x head_dim FLOPs each, per query head and layer. MLA: a
+        prompt's keys and values are expanded per head (q.k over nope + rope, p.v over
+        v_head_dim); a decode step attends to the latent itself (the up-projections absorbed
+        into q and the output, as a decode kernel must: expanding every cached latent each
+        step costs more), q.k over kv_lora_rank + rope and p.v over kv_lora_rank."""
+        mla = shape.mla
+        if mla is None:
+            prefill = decode = 4 * shape.num_heads * shape.head_dim
+        else:
+            prefill = 2 * shape.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+            decode = 2 * shape.num_heads * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim)
+        return cls(prefill * shape.num_layers, decode * shape.num_layers, kv_read_seconds_per_token)
+
+
+def _batch_seconds(workload: Any, read_seconds: Callable[[int], float], per_prompt_token: float,
+                   per_token: float, flops: float | None, attention: AttentionWork) -> float:
+    """The seconds a batch workload takes at the machine's rates: its prefill (compute-bound:
+    every prompt token's FLOPs, its causal attention, and the LM head once a prompt for the
+    first output token), then one decode step per further token of the sequences still
+    running, each bounded by its reads (`read_seconds(batch)` for the weights, and each
+    sequence's KV so far) or its FLOPs (the layers' and attention to that KV), whichever is
+    longer. `flops` None: no matmul path bounds it (the reads alone). prefill-heavy's run
+    times its 16 output tokens a prompt too, so its ceiling counts them."""
     seconds = 0.0
+    prompt_lengths = [len(prompt) for prompt in workload.prompts]
     if flops is not None:
         head = per_token - per_prompt_token
-        seconds += (workload.prompt_tokens * per_prompt_token + len(workload.prompts) * head) / flops
+        pairs = sum(n * (n + 1) // 2 for n in prompt_lengths)
+        seconds += (workload.prompt_tokens * per_prompt_token + len(workload.prompts) * head
+                    + pairs * attention.prefill_flops_per_pair) / flops
     lengths = workload.max_tokens
     for step in range(1, max(lengths, default=0)):
-        batch = sum(1 for n in lengths if n > step)
-        seconds += max(read_seconds(batch), batch * per_token / flops if flops is not None else 0.0)
-    return workload.output_tokens / seconds if seconds > 0 else float("inf")
+        # output token `step` is the input: it attends to its prompt, the tokens before it and itself
+        contexts = [prompt + step for prompt, n in zip(prompt_lengths, lengths, strict=True) if n > step]
+        reads = read_seconds(len(contexts)) + sum(contexts) * attention.kv_read_seconds_per_token
+        work = (len(contexts) * per_token + sum(contexts) * attention.decode_flops_per_pair) / flops if flops else 0.0
+        seconds += max(reads, work)
+    return seconds
 
 
 def step_read_bytes(hf_dir: Path, dtype: str, batch: int) -> float:
@@ -325,7 +388,8 @@ def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[
                        for layout, limits in ceilings.get("by_layout", {}).items())
              + ", "
              f"{ceilings['flops_per_token'] / 1e9:.2f} GFLOP per token. The ceilings below follow from "
-             "those rates; a tuned kernel can pass a plain torch.mm's rate, a 4-bit mode reads fewer bytes"]
+             "those rates (the matmul: the fastest of torch.mm, oneDNN's packed linear and tandem's packed "
+             "GEMM at 2,048^3); a 4-bit mode reads fewer bytes"]
     for workload, by_engine in results.items():
         if workload not in ceilings:
             continue

@@ -12,6 +12,7 @@ batched steps, which need a C GEMM, run there too.
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -144,6 +145,22 @@ class DenseGemmKernel:
         if status != 0:
             raise RuntimeError(f"the dense GEMM refused a [{rows}, {in_features}] {dtype} product ({self.isa} build)")
         return out
+
+
+def packed_gemm_flops_per_s(kernel: DenseGemmKernel, dtype: torch.dtype, m: int, k: int, n: int,
+                            repeats: int = 5) -> float:
+    """FLOP/s of this kernel's [m, k] x [k, n] product in `dtype` on torch's threads (0.0 where
+    it does not multiply the dtype): on an AMX CPU it passes oneDNN's packed linear, so a
+    machine's matmul ceiling that left it out read tandem's linears as faster than the box."""
+    if not kernel.multiplies(dtype) or n % BLOCK_COLUMNS or (dtype == torch.bfloat16 and k % 2):
+        return 0.0
+    packed = kernel.pack(torch.randn(n, k).to(dtype))
+    x = torch.randn(m, k).to(dtype)
+    kernel.matmul(x, packed)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        kernel.matmul(x, packed)
+    return repeats * 2 * m * k * n / (time.perf_counter() - started)
 
 
 def load_dense_gemm_kernel(cache_dir: Path) -> DenseGemmKernel | None:

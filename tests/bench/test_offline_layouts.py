@@ -50,6 +50,7 @@ def _llama_8b_on_fixed_rates(directory, monkeypatch: pytest.MonkeyPatch, read: f
     128256 x 4096 = 0.525B), on a machine measured at 1 TFLOP/s, 100 GB/s copy, `read` B/s."""
     import json
 
+    from tandem.bench import offline_layouts
     from tandem.platform import machine
 
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
@@ -57,13 +58,31 @@ def _llama_8b_on_fixed_rates(directory, monkeypatch: pytest.MonkeyPatch, read: f
               "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False}
     (directory / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(machine, "matmul_flops_per_s", lambda *args: 1e12)
+    monkeypatch.setattr(offline_layouts, "own_gemm_flops_per_s", lambda *args: 0.0)
     monkeypatch.setattr(machine, "memory_copy_bytes_per_s", lambda *args: 1e11)
     monkeypatch.setattr(machine, "memory_read_bytes_per_s", lambda *args: read)
 
 
+# Llama-3.1-8B's attention: 32 query heads of 128 in 32 layers, q.k and p.v 2 x 128 FLOPs
+# each a head; 8 KV heads of 128, a key and a value, bf16: 128 KiB of KV per token.
+PAIR_FLOPS = 4 * 32 * 128 * 32
+KV_TOKEN_BYTES = 2 * 8 * 128 * 32 * 2
+
+
+def _llama_8b_step(tmp_path, contexts: list[int], read: float) -> float:
+    """One decode step's bound at 1 TFLOP/s and `read` B/s: the weights and every running
+    sequence's KV read, against the layers' and the attention's FLOPs."""
+    from tandem.bench.offline_layouts import step_read_bytes
+
+    per_token = 2 * 8.03e9
+    reads = (step_read_bytes(tmp_path, "bfloat16", len(contexts)) + sum(contexts) * KV_TOKEN_BYTES) / read
+    return max(reads, (len(contexts) * per_token + sum(contexts) * PAIR_FLOPS) / 1e12)
+
+
 def test_prefill_ceiling_leaves_out_the_lm_head(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's logits are taken at its last token only: its other tokens cost the decoder
-    layers' FLOPs, while a decode step also pays for the LM head."""
+    layers' FLOPs, while the last one (which gives the first output token) and a decode step
+    also pay for the LM head."""
     from tandem.bench.offline_layouts import machine_ceilings
     from tandem.bench.offline_workloads import Workload
 
@@ -71,10 +90,44 @@ def test_prefill_ceiling_leaves_out_the_lm_head(tmp_path, monkeypatch: pytest.Mo
     workloads = {name: Workload(name, "batch", [[1] * 8] * 4, [1] * 4)
                  for name in ("prefill-heavy", "decode-heavy")}
     ceilings = machine_ceilings(tmp_path, "bfloat16", workloads)
-    head = 128256 * 4096
+    head = 2 * 128256 * 4096
     assert ceilings["flops_per_token"] == pytest.approx(2 * 8.03e9, rel=0.01)
-    assert ceilings["prefill-heavy"] == ("prompt_tok_s", pytest.approx(1e12 / (ceilings["flops_per_token"] - 2 * head)))
-    assert ceilings["prefill-heavy"][1] == pytest.approx(1e12 / (2 * 7.50e9), rel=0.01)
+    # and each prompt's 8 x 9 / 2 causal (query, key) pairs of attention
+    seconds = (32 * (ceilings["flops_per_token"] - head) + 4 * head + 4 * 36 * PAIR_FLOPS) / 1e12
+    assert ceilings["prefill-heavy"] == ("prompt_tok_s", pytest.approx(32 / seconds))
+    assert ceilings["decode-heavy"] == ("output_tok_s", pytest.approx(4 / seconds))
+
+
+def test_the_prefill_heavy_ceiling_counts_the_decode_steps_its_run_times(tmp_path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefill-heavy's prompt tok/s is its prompt tokens over the whole timed run, which
+    decodes 16 tokens a prompt: the bound adds those steps' time, as decode-heavy's does."""
+    from tandem.bench.offline_layouts import machine_ceilings
+    from tandem.bench.offline_workloads import Workload
+
+    _llama_8b_on_fixed_rates(tmp_path, monkeypatch, read=1e11)
+    workload = Workload("prefill-heavy", "batch", [[1] * 8] * 4, [3] * 4)
+    ceilings = machine_ceilings(tmp_path, "bfloat16", {"prefill-heavy": workload})
+    per_token, head = ceilings["flops_per_token"], 2 * 128256 * 4096
+    prefill = (32 * (per_token - head) + 4 * head + 4 * 36 * PAIR_FLOPS) / 1e12
+    steps = sum(_llama_8b_step(tmp_path, [8 + step] * 4, 1e11) for step in (1, 2))
+    assert ceilings["prefill-heavy"] == ("prompt_tok_s", pytest.approx(32 / (prefill + steps)))
+
+
+def test_the_matmul_rate_is_the_faster_of_torch_s_and_tandem_s_own_gemm(tmp_path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the AMX Xeon tandem's packed GEMM ran at ~3.2 TFLOP/s against oneDNN's ~2.5: a
+    ceiling from oneDNN's rate alone was passed by tandem's own linears."""
+    from tandem.bench import offline_layouts
+    from tandem.bench.offline_workloads import Workload
+
+    _llama_8b_on_fixed_rates(tmp_path, monkeypatch, read=2e11)
+    workloads = {"prefill-heavy": Workload("prefill-heavy", "batch", [[1] * 8] * 4, [1] * 4)}
+    slower = offline_layouts.machine_ceilings(tmp_path, "bfloat16", workloads)
+    monkeypatch.setattr(offline_layouts, "own_gemm_flops_per_s", lambda *args: 3e12)
+    faster = offline_layouts.machine_ceilings(tmp_path, "bfloat16", workloads)
+    assert slower["matmul_flops_per_s"] == 1e12 and faster["matmul_flops_per_s"] == 3e12
+    assert faster["prefill-heavy"][1] == pytest.approx(3 * slower["prefill-heavy"][1])
 
 
 def test_the_decode_heavy_ceiling_counts_the_prefill_the_run_times(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,11 +143,12 @@ def test_the_decode_heavy_ceiling_counts_the_prefill_the_run_times(tmp_path, mon
     ceilings = machine_ceilings(tmp_path, "bfloat16", {"decode-heavy": workload})
     per_token = ceilings["flops_per_token"]
     head = 2 * 128256 * 4096
-    prefill = (38 * (per_token - head) + 5 * head) / 1e12
-    steps = [max(step_read_bytes(tmp_path, "bfloat16", batch) / 1e11, batch * per_token / 1e12) for batch in (5, 4)]
+    prefill = (38 * (per_token - head) + 5 * head + (4 * 36 + 21) * PAIR_FLOPS) / 1e12
+    # step 1: the four 8-token prompts and the 6-token one, each with its first output token
+    steps = [_llama_8b_step(tmp_path, [9] * 4 + [7], 1e11), _llama_8b_step(tmp_path, [10] * 4, 1e11)]
     assert ceilings["decode-heavy"] == ("output_tok_s", pytest.approx(14 / (prefill + sum(steps))))
     # these steps are read-bound (15 GB at 100 GB/s against 5 x 16 GFLOP at 1 TFLOP/s)
-    assert steps[0] == pytest.approx(step_read_bytes(tmp_path, "bfloat16", 5) / 1e11)
+    assert steps[0] == pytest.approx((step_read_bytes(tmp_path, "bfloat16", 5) + 43 * KV_TOKEN_BYTES) / 1e11)
 
 
 def test_a_dense_experts_layout_runs_the_config_without_its_int4_scheme() -> None:
@@ -139,6 +193,7 @@ def test_bf16_without_a_bf16_matmul_is_bounded_by_the_fp32_rate(monkeypatch: pyt
     """On an AVX2-only CPU torch's bf16 matmul is an emulation (~0.1 GFLOP/s) while tandem's
     kernels widen bf16 to fp32: the fp32 rate bounds the step, and at 16 sequences a step on
     such a rate both K2.5-mini layouts are compute-bound (the same FLOPs), not read-bound."""
+    from tandem.bench import offline_layouts
     from tandem.bench.offline_layouts import (
         dense_experts_config,
         format_ceilings,
@@ -151,6 +206,7 @@ def test_bf16_without_a_bf16_matmul_is_bounded_by_the_fp32_rate(monkeypatch: pyt
 
     rates = {"bfloat16": 1e8, "float32": 6e10}
     monkeypatch.setattr(machine, "matmul_flops_per_s", lambda dtype="float32", *args: rates[dtype])
+    monkeypatch.setattr(offline_layouts, "own_gemm_flops_per_s", lambda *args: 0.0)
     monkeypatch.setattr(machine, "memory_copy_bytes_per_s", lambda *args: 1e10)
     monkeypatch.setattr(machine, "memory_read_bytes_per_s", lambda *args: 2e10)
     mini = EXAMPLES_DIR / "kimi-k2.5-mini"
@@ -196,3 +252,42 @@ def test_a_decode_step_reads_the_experts_its_tokens_chose() -> None:
     assert step_read_bytes(dense, "bfloat16", 16) == pytest.approx(rest + bf16_experts * chosen, rel=1e-6)
     # (the packed tensors carry a few bytes more: their shapes)
     assert step_read_bytes(mini, "bfloat16", 1) == pytest.approx(rest + bf16_experts * 0.5625 / 2 * 8 / 48, rel=1e-5)
+
+
+def test_the_batch_ceilings_count_attention_s_kv_reads_and_flops(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 sequences of 4,096 tokens: a decode step reads 8.6 GB of KV beside 16 GB of
+    weights (at 50 GB/s it is read-bound), and a prompt's causal attention is 7% of its FLOPs:
+    a bound without them would be 1.5x high on the step; the ceiling counts both."""
+    from tandem.bench.offline_layouts import machine_ceilings, step_read_bytes
+    from tandem.bench.offline_workloads import Workload
+
+    _llama_8b_on_fixed_rates(tmp_path, monkeypatch, read=5e10)
+    workload = Workload("decode-heavy", "batch", [[1] * 4096] * 16, [2] * 16)
+    ceilings = machine_ceilings(tmp_path, "bfloat16", {"decode-heavy": workload})
+    per_token, head = ceilings["flops_per_token"], 2 * 128256 * 4096
+    pairs = 4096 * 4097 // 2
+    prefill = 16 * (4096 * (per_token - head) + head + pairs * PAIR_FLOPS) / 1e12
+    step = (step_read_bytes(tmp_path, "bfloat16", 16) + 16 * 4097 * KV_TOKEN_BYTES) / 5e10
+    assert step == pytest.approx(_llama_8b_step(tmp_path, [4097] * 16, 5e10))  # read-bound
+    assert ceilings["decode-heavy"] == ("output_tok_s", pytest.approx(32 / (prefill + step)))
+    assert step > 1.5 * step_read_bytes(tmp_path, "bfloat16", 16) / 5e10
+
+
+def test_mla_attention_is_counted_on_the_latent_in_decode_and_expanded_in_a_prompt() -> None:
+    """K2.5-mini's MLA: a prompt's (query, key) pair is q.k over nope + rope and p.v over
+    v_head_dim per head; a decode step's is over the latent (kv_lora_rank + rope, then
+    kv_lora_rank), the up-projections absorbed, as its cache holds only the latent."""
+    import json
+
+    from tandem.bench.offline_layouts import AttentionWork
+    from tandem.sizing.examples import EXAMPLES_DIR
+    from tandem.sizing.shape import read_shape
+
+    shape = read_shape(json.loads((EXAMPLES_DIR / "kimi-k2.5-mini" / "config.json").read_text()))
+    mla = shape.mla
+    work = AttentionWork.of(shape, 1e-9)
+    heads, layers = shape.num_heads, shape.num_layers
+    assert work.prefill_flops_per_pair == 2 * heads * layers * (
+        mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+    assert work.decode_flops_per_pair == 2 * heads * layers * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim)
+    assert work.kv_read_seconds_per_token == 1e-9

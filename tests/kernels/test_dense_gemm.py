@@ -202,3 +202,14 @@ def test_amx_tiles_and_the_avx512_bf16_tiles_both_give_the_product(kernel, tmp_p
             assert ((got - want).abs() <= step + 1e-4 * in_features ** 0.5).all(), (built.isa, rows, in_features)
             gated = built.silu_mul(x, built.pack_gated(weight)).double()
             assert ((gated - gated_want).abs() <= gated_step + 1e-3).all(), (built.isa, rows, in_features)
+
+
+def test_the_kernel_s_own_rate_is_measured_for_the_dtypes_it_multiplies(kernel: DenseGemmKernel) -> None:
+    """The bench's matmul ceiling takes the faster of torch's and this kernel's rate; a dtype
+    or shape the kernel does not multiply counts as no rate, not as an error."""
+    from tandem.kernels.dense_gemm import packed_gemm_flops_per_s
+
+    for dtype in (torch.float32, torch.bfloat16):
+        rate = packed_gemm_flops_per_s(kernel, dtype, 64, 96, 80, repeats=1)
+        assert (rate > 0) == kernel.multiplies(dtype)
+    assert packed_gemm_flops_per_s(kernel, torch.float32, 64, 96, 72, repeats=1) == 0.0  # 72 columns: not blocks
