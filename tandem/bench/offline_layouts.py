@@ -176,7 +176,8 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
                      variants: dict[str, Path] | None = None) -> dict[str, Any]:
     """The best this machine could do on each workload, from the model's shape and two rates
     measured now: a `dtype` matmul on every core (the fastest of torch.mm, oneDNN's packed
-    linear and tandem's packed GEMM), and a memory copy.
+    linear and tandem's packed GEMM, at 2,048^3 and on the model's layers, `matmul_shapes`),
+    and a memory copy.
 
     prefill-heavy (prompt tok/s) and decode-heavy (output tok/s), each over its whole timed
     run: every prompt token costs 2 x active parameters of FLOPs, less the LM head's share (a
@@ -212,10 +213,12 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
 
     shape = read_shape(json.loads((Path(hf_dir) / "config.json").read_text()))
     params = count_params(shape)
-    flops = max(matmul_flops_per_s(dtype, 2048, 2048, 2048), own_gemm_flops_per_s(dtype))
+    shapes = matmul_shapes(shape)
+    flops = max(max(matmul_flops_per_s(dtype, *mkn) for mkn in shapes), own_gemm_flops_per_s(dtype, shapes))
     compute_dtype = dtype
     if flops < NO_MATMUL_PATH and dtype == "bfloat16":  # tandem's kernels widen it to fp32 here
-        flops = max(matmul_flops_per_s("float32", 2048, 2048, 2048), own_gemm_flops_per_s("float32"))
+        flops = max(max(matmul_flops_per_s("float32", *mkn) for mkn in shapes),
+                    own_gemm_flops_per_s("float32", shapes))
         compute_dtype = "float32"
     # single-stream: read bandwidth / the bytes a one-token step reads (a 4-bit mode reads
     # fewer, so it can pass this ceiling)
@@ -258,18 +261,35 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
     return ceilings
 
 
-def own_gemm_flops_per_s(dtype: str, size: int = 2048) -> float:
-    """tandem's packed GEMM's [size, size] x [size, size] rate in `dtype` (0.0 where it does
-    not build or multiply the dtype). On the 2-core AMX Xeon it ran at ~3.2 TFLOP/s against
-    oneDNN's ~2.5 at 2,048 rows, so the box's matmul rate is the faster of the two: a
-    ceiling from oneDNN alone was passed by tandem's own linears."""
+def matmul_shapes(shape: Any, rows: int = 2048) -> list[tuple[int, int, int]]:
+    """The (m, k, n) products the matmul rate is measured on: 2,048^3, and the model's own
+    dense layers at `rows` rows (q/k/v, o, gate/up, down). On the 2-core AMX Xeon tandem's GEMM
+    ran SmolLM2's K = 576 layers at 2.6-2.8 TFLOP/s and 2,048^3 at 2.4: a rate from the square
+    alone was below what the box does on the model's layers, so its ceilings read low."""
+    shapes = [(2048, 2048, 2048)]
+    if shape.mla is None:
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        shapes += [(rows, shape.hidden_size, q + 2 * kv), (rows, q, shape.hidden_size)]
+    if shape.intermediate_size:
+        shapes += [(rows, shape.hidden_size, 2 * shape.intermediate_size), (rows, shape.intermediate_size,
+                                                                              shape.hidden_size)]
+    return shapes
+
+
+def own_gemm_flops_per_s(dtype: str, shapes: list[tuple[int, int, int]]) -> float:
+    """tandem's packed GEMM's best rate over `shapes` ((m, k, n) products) in `dtype` (0.0
+    where it does not build or multiply the dtype). On the 2-core AMX Xeon it ran at ~3.2
+    TFLOP/s against oneDNN's ~2.5 at 2,048 rows, so the box's matmul rate is the faster of the
+    two: a ceiling from oneDNN alone was passed by tandem's own linears."""
     import torch
 
     from tandem.kernels.dense_gemm import load_dense_gemm_kernel, packed_gemm_flops_per_s
     from tandem.platform.cache_dir import default_cache_dir
 
     kernel = load_dense_gemm_kernel(default_cache_dir())
-    return 0.0 if kernel is None else packed_gemm_flops_per_s(kernel, getattr(torch, dtype), size, size, size)
+    if kernel is None:
+        return 0.0
+    return max(packed_gemm_flops_per_s(kernel, getattr(torch, dtype), *mkn) for mkn in shapes)
 
 
 def _batch_ceiling(name: str, workload: Any, seconds: float) -> tuple[str, float]:
@@ -389,7 +409,7 @@ def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[
              + ", "
              f"{ceilings['flops_per_token'] / 1e9:.2f} GFLOP per token. The ceilings below follow from "
              "those rates (the matmul: the fastest of torch.mm, oneDNN's packed linear and tandem's packed "
-             "GEMM at 2,048^3); a 4-bit mode reads fewer bytes"]
+             "GEMM, at 2,048^3 and on the model's layers at 2,048 rows); a 4-bit mode reads fewer bytes"]
     for workload, by_engine in results.items():
         if workload not in ceilings:
             continue

@@ -130,6 +130,28 @@ def test_the_matmul_rate_is_the_faster_of_torch_s_and_tandem_s_own_gemm(tmp_path
     assert faster["prefill-heavy"][1] == pytest.approx(3 * slower["prefill-heavy"][1])
 
 
+def test_the_matmul_rate_is_measured_on_the_model_s_layers_too(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMMs ran SmolLM2's K = 576 layers faster than 2,048^3: the rate is the best over
+    the square and the model's q/k/v, o, gate/up and down at 2,048 rows."""
+    from tandem.bench import offline_layouts
+    from tandem.bench.offline_workloads import Workload
+    from tandem.platform import machine
+
+    _llama_8b_on_fixed_rates(tmp_path, monkeypatch, read=2e11)
+    measured: list[tuple[int, int, int]] = []
+
+    def rate(dtype: str, m: int, k: int, n: int) -> float:
+        measured.append((m, k, n))
+        return 2e12 if (k, n) == (14336, 4096) else 1e12
+
+    monkeypatch.setattr(machine, "matmul_flops_per_s", rate)
+    workloads = {"prefill-heavy": Workload("prefill-heavy", "batch", [[1] * 8] * 4, [1] * 4)}
+    ceilings = offline_layouts.machine_ceilings(tmp_path, "bfloat16", workloads)
+    assert measured == [(2048, 2048, 2048), (2048, 4096, 4096 + 2 * 1024), (2048, 4096, 4096),
+                        (2048, 4096, 2 * 14336), (2048, 14336, 4096)]
+    assert ceilings["matmul_flops_per_s"] == 2e12
+
+
 def test_the_decode_heavy_ceiling_counts_the_prefill_the_run_times(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch run's output tok/s is timed from its first prefill: the ceiling adds the
     prompts' FLOPs (and the LM head once a prompt, for the first token) to a step for every
