@@ -32,6 +32,7 @@ _SIGNATURES = {
     "tandem_silu_mul_f32": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "tandem_silu_mul_bf16": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "tandem_argmax_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
+    "tandem_argmax_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
     "tandem_bounded_candidates_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _PTR, _I64,
                                                _INT]),
 }
@@ -51,7 +52,7 @@ class LayerOpsKernel:
         self._rms_norm = {dtype: functions[f"tandem_rms_norm_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._rotary = {dtype: functions[f"tandem_rotary_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._silu_mul = {dtype: functions[f"tandem_silu_mul_{suffix}"] for dtype, suffix in _SUFFIX.items()}
-        self._argmax = functions["tandem_argmax_f32"]
+        self._argmax = {dtype: functions[f"tandem_argmax_{suffix}"] for dtype, suffix in _SUFFIX.items()}
         self._bounded = functions["tandem_bounded_candidates_bf16"]
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
@@ -110,14 +111,15 @@ class LayerOpsKernel:
 
     @staticmethod
     def takes_argmax(x: torch.Tensor) -> bool:
-        return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
+        return x.dtype in _SUFFIX and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 rows [R, V] -> int64 [R]: torch.argmax(x, -1), the first of equal maxima (or
-        the first NaN) in each row."""
+        """fp32 or bf16 rows [R, V] -> int64 [R]: torch.argmax(x, -1), the first of equal
+        maxima (or the first NaN) in each row; a bf16 row's is its fp32 copy's (widening is
+        exact)."""
         rows, cols = x.shape
         out = torch.empty(rows, dtype=torch.int64)
-        self._argmax(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads())
+        self._argmax[x.dtype](x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads())
         return out
 
 

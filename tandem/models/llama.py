@@ -236,12 +236,17 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        """Each row's greedy token without the fp32 logits, where the head has a bounded bf16
-        copy (layers/bounded_greedy.py); None: compute the logits."""
+        """Each row's greedy token without the fp32 logits: through the head's bounded bf16
+        copy where it has one (layers/bounded_greedy.py), else the argmax of the head's own
+        products on the CPU (`LMHead.greedy_ids`); None: compute the logits."""
         head = self.lm_head
-        if head is None or head.bounded_greedy is None or head.shard.tp.split:
+        if head is None or head.shard.tp.split:
             return None
-        return head.bounded_greedy.tokens(hidden)
+        if head.bounded_greedy is not None:
+            return head.bounded_greedy.tokens(hidden)
+        if hidden.device.type != "cpu":
+            return None
+        return head.greedy_ids(hidden, getattr(self, "layer_ops", None)).tolist()
 
     def holds_weight(self, name: str) -> bool:
         """Whether this rank keeps checkpoint tensor `name` (pipeline stages keep their own

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem.config import RopeConfig
+from tandem.kernels.layer_ops import SOURCE as LAYER_OPS_SOURCE
 from tandem.kernels.layer_ops import LayerOpsKernel
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -132,9 +137,55 @@ def test_argmax_is_torchs_first_maximum_nan_and_all(ops) -> None:
     x[3, 401] = float("inf")
     x[4] = float("-inf")  # nothing above -inf: index 0
     x[5, 3] = float("inf")
-    assert ops.takes_argmax(x) and not ops.takes_argmax(x.bfloat16()) and not ops.takes_argmax(x.t())
+    assert ops.takes_argmax(x) and not ops.takes_argmax(x.half()) and not ops.takes_argmax(x.t())
     torch.testing.assert_close(ops.argmax(x), x.argmax(dim=-1), rtol=0, atol=0)
     assert ops.argmax(x).tolist()[:6] == [int(x[0].argmax()), 10, 999, 400, 0, 3]
     wide = torch.randn(64, 49152, generator=generator)[:, :49000]  # strided rows, many threads' worth
     assert torch.equal(ops.argmax(wide), wide.argmax(dim=-1))
     assert torch.equal(ops.argmax(x[:1]), x[:1].argmax(dim=-1))  # one row: no thread region
+
+
+def test_a_bf16_row_s_argmax_is_its_fp32_copy_s(ops) -> None:
+    """The greedy step of a bf16 LM head takes the argmax of its bf16 logits, skipping the fp32
+    copy: widening is exact, so ties (which bf16 makes common), NaNs, infinities and a row's
+    tail give the same index as torch's argmax of the copy."""
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 1000, generator=generator).bfloat16()
+    x[1, 10] = x[1, 900] = 50.0
+    x[1, 11] = 50.1  # bf16 rounds it to 50.0: a three-way tie, the first wins
+    x[2, 999] = 60.0
+    x[3, 400] = float("nan")
+    x[3, 401] = float("inf")
+    x[4] = float("-inf")
+    x[5, 3] = float("inf")
+    x[6, 995] = float("nan")  # a NaN in the tail past the last 16
+    assert ops.takes_argmax(x)
+    assert ops.argmax(x).tolist() == x.float().argmax(dim=-1).tolist()
+    assert ops.argmax(x).tolist()[1:7] == [10, 999, 400, 0, 3, 995]
+    wide = torch.randn(64, 49152, generator=generator).bfloat16()[:, :49000]
+    assert torch.equal(ops.argmax(wide), wide.float().argmax(dim=-1))
+    assert torch.equal(ops.argmax(x[:1]), x[:1].float().argmax(dim=-1))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_the_plain_c_argmax_matches_torch_s(tmp_path) -> None:
+    """The argmax's plain loops (a CPU without AVX-512), built for an older target: fp32 and
+    bf16 rows with ties, NaNs and infinities give torch's index."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = tmp_path / "layer-ops-x86-64.so"
+    subprocess.run([compiler, "-O3", "-march=x86-64", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared",
+                    "-fPIC", "-std=c11", str(LAYER_OPS_SOURCE), "-o", str(library), "-lm"], check=True,
+                   capture_output=True)
+    plain = LayerOpsKernel(library)
+    generator = torch.Generator().manual_seed(10)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(6, 300, generator=generator).to(dtype)
+        x[1, 10] = x[1, 200] = 50.0
+        x[2, 30] = float("nan")
+        x[2, 31] = float("inf")
+        x[3] = float("-inf")
+        x[4, 299] = 70.0
+        assert plain.argmax(x).tolist() == x.float().argmax(dim=-1).tolist()
+        assert plain.argmax(x).tolist()[1:5] == [10, 30, 0, 299]

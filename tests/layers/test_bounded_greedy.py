@@ -73,3 +73,22 @@ def test_too_many_candidates_fall_back_to_the_logits(ops: LayerOpsKernel | None)
     hidden = torch.randn(1, 32)
     tokens = BoundedGreedyHead(weight, ops).tokens(hidden)
     assert tokens is None if ops is not None else tokens == _fp32_argmax(hidden, weight)
+
+
+def test_a_bf16_head_s_greedy_ids_are_its_fp32_logits_argmax(ops: LayerOpsKernel | None) -> None:
+    """A bf16 run's greedy step takes the argmax of the head's bf16 products, not of the fp32
+    copy forward makes: the same index, ties included (two equal vocabulary rows, and the
+    equal logits bf16's rounding makes), whether the C pass or torch takes it."""
+    from tandem.layers.embedding import LMHead
+
+    generator = torch.Generator().manual_seed(12)
+    head = LMHead(512, 64).to(torch.bfloat16)
+    head.weight.data.copy_(torch.randn(512, 64, generator=generator))
+    head.weight.data[300] = head.weight.data[7] * 3  # row 7's logits times 3: often the largest
+    head.weight.data[301] = head.weight.data[300]  # an exact tie with row 300: 300 wins
+    hidden = torch.randn(9, 64, generator=generator).bfloat16()
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    ids = head.greedy_ids(hidden, ops)
+    assert ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert 301 not in ids.tolist() and (ids == 300).any()
