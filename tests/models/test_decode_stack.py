@@ -12,6 +12,7 @@ import torch
 
 from tandem import LLM
 from tandem.models.decode_stack import DecodeStack
+from tandem.platform.cpu_modes import CpuFeatures
 from tandem.types import SamplingParams
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
@@ -137,15 +138,32 @@ def test_the_fp32_stack_gives_the_module_paths_tokens(prompts: list[str]) -> Non
         assert ours is not None and abs(ours - theirs) <= 1e-3
 
 
-def test_a_bf16_model_s_own_rows_go_through_the_stack_with_the_module_paths_bits() -> None:
+def test_a_bf16_model_s_own_rows_go_through_the_stack_with_the_module_paths_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """`--dtype bfloat16 --decode-weights bfloat16`: the model's plain bf16 rows, read by the
-    bf16 GEMV in the stack and on the module path alike, no rounding beyond bf16's."""
+    bf16 GEMV in the stack and on the module path alike, no rounding beyond bf16's. (On an AMX
+    CPU the rows are not kept, so the test keeps them as a CPU without AMX does.)"""
+    from tandem.worker import model_builder
+
+    monkeypatch.setattr(model_builder, "bf16_rows_pay", lambda *args: True)
     with LLM(dtype="bfloat16", decode_weights="bfloat16", quantization="none", kv_cache_memory="64MiB",
              enable_prefix_caching=False) as llm:
         assert llm.engine.runner.model.model.layers[0].mlp.down_proj.small_dense.weight.dtype == torch.bfloat16
         small = _stacked_then_layered(llm, PROMPTS, torch.bfloat16)
         large = _stacked_then_layered(llm, PROMPTS * 3, torch.bfloat16)
     assert small[0] == small[1] and large[0] == large[1]
+
+
+@pytest.mark.skipif(not CpuFeatures.detect().amx, reason="the packed weights run on AMX tiles only there")
+def test_on_amx_a_bf16_model_s_small_steps_read_the_packed_weights() -> None:
+    """`--decode-weights bfloat16` on an AMX CPU keeps no plain rows (the tiles read the packed
+    blocks faster than the GEMV reads the rows): small and large steps take the packed GEMM,
+    in the stack and on the module path alike."""
+    with LLM(dtype="bfloat16", decode_weights="bfloat16", quantization="none", kv_cache_memory="64MiB",
+             enable_prefix_caching=False) as llm:
+        assert getattr(llm.engine.runner.model.model.layers[0].mlp.down_proj, "small_dense", None) is None
+        small = _stacked_then_layered(llm, PROMPTS, torch.bfloat16)
+    assert small[0] == small[1]
 
 
 @pytest.mark.parametrize("kwargs", [
