@@ -53,21 +53,29 @@ def test_kernel_matches_dense_reference(kernel, lengths, heads, kv_heads, dim, b
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize(("march", "isa", "flag"), [("haswell", "AVX2 fp32 FMA (bf16 widened)", "avx2"),
+                                                    ("x86-64", "portable C", None)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_the_path_without_avx512_computes_the_same(tmp_path, cache_dtype) -> None:
-    """On an AVX2 machine the per-key reductions run instead of the 16-keys-per-vector path:
-    built for that target and checked against the same reference."""
+def test_the_paths_without_avx512_compute_the_same(tmp_path, march, isa, flag, cache_dtype) -> None:
+    """An AVX2 CPU takes the 8-keys-per-vector path, a plain x86-64 the per-key loops: each
+    built for its target and checked against the same reference (partial groups of keys,
+    blocks smaller than a group, one query head an item, wide heads)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    library = tmp_path / "decode-haswell.so"
-    subprocess.run([compiler, "-O3", "-march=haswell", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared",
+    library = tmp_path / f"decode-{march}.so"
+    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared",
                     "-fPIC", "-std=c11", str(cpu_attention.SOURCE), "-o", str(library), "-lm"],
                    check=True, capture_output=True)
     other = PagedDecodeKernel(library)
-    assert other.isa == "portable C"
+    assert other.isa == isa
+    if flag is not None and flag not in Path("/proc/cpuinfo").read_text():
+        pytest.skip(f"this CPU cannot run {flag} code")
     _check_against_reference(other, [5, 200, 17, 64, 3, 90], 9, 3, 64, 16, cache_dtype)
+    _check_against_reference(other, [37], 9, 3, 64, 16, cache_dtype)
+    _check_against_reference(other, [7, 33, 12], 8, 8, 32, 4, cache_dtype)
     _check_against_reference(other, [300, 129], 16, 2, 128, 32, cache_dtype)
+    _check_against_reference(other, [1, 9, 40], 4, 1, 8, 16, cache_dtype)  # head size of one 8-lane vector
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
@@ -107,7 +115,8 @@ def test_bf16_queries_over_a_bf16_cache(kernel, lengths, heads, kv_heads, dim, b
 
 
 def test_the_decode_path_is_named(kernel) -> None:
-    assert kernel.isa in ("AVX-512-BF16 dot products", "AVX-512 fp32 FMA (bf16 widened)", "portable C")
+    assert kernel.isa in ("AVX-512-BF16 dot products", "AVX-512 fp32 FMA (bf16 widened)",
+                          "AVX2 fp32 FMA (bf16 widened)", "portable C")
 
 
 def _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, cache_dtype,

@@ -4,6 +4,8 @@ prefill paths, each against a dense reference over the dequantized cache."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -30,11 +32,16 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> PagedDecodeKernel:
     return PagedDecodeKernel(build_kernel_library(tmp_path_factory.mktemp("cache"), cpu_attention.SOURCE))
 
 
-@pytest.fixture(scope="module", params=["native", "haswell"])
+# The kernel built for other x86 targets, and the path each takes.
+_OTHER_BUILDS = {"haswell": "AVX2 fp32 FMA (bf16 widened)", "x86-64": "portable C"}
+
+
+@pytest.fixture(scope="module", params=["native", *_OTHER_BUILDS])
 def isa_kernel(request: pytest.FixtureRequest, kernel: PagedDecodeKernel,
                tmp_path_factory: pytest.TempPathFactory) -> PagedDecodeKernel:
-    """The kernel as this CPU runs it (its AVX-512 path where it has one) and built for an
-    AVX2 CPU (the portable path), so both read int8 rows under test on an AVX-512 box."""
+    """The kernel as this CPU runs it (its AVX-512 path where it has one), built for an AVX2
+    CPU (the 8-lane vector path) and for a plain x86-64 (the portable loops), so every path
+    reads int8 rows under test on one box."""
     if request.param == "native":
         return kernel
     import platform
@@ -43,13 +50,16 @@ def isa_kernel(request: pytest.FixtureRequest, kernel: PagedDecodeKernel,
 
     compiler = shutil.which("cc") or shutil.which("gcc")
     if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
-        pytest.skip("an x86 C compiler builds the AVX2 variant")
-    library = tmp_path_factory.mktemp("haswell") / "decode-haswell.so"
-    subprocess.run([compiler, "-O3", "-march=haswell", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared",
-                    "-fPIC", "-std=c11", f"-I{cpu_attention.SOURCE.parent}", str(cpu_attention.SOURCE),
+        pytest.skip("an x86 C compiler builds the other variants")
+    march = request.param
+    library = tmp_path_factory.mktemp(march) / f"decode-{march}.so"
+    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
+                    "-shared", "-fPIC", "-std=c11", f"-I{cpu_attention.SOURCE.parent}", str(cpu_attention.SOURCE),
                     "-o", str(library), "-lm"], check=True, capture_output=True)
     built = PagedDecodeKernel(library)
-    assert built.isa == "portable C"
+    assert built.isa == _OTHER_BUILDS[march]
+    if march == "haswell" and "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU cannot run AVX2 code")
     return built
 
 

@@ -204,6 +204,58 @@ DEFINE_ATTEND(_bf16, uint16_t, dot_bf16, axpy_bf16, 0)
 DEFINE_ATTEND(_i8, int8_t, dot_i8, axpy_i8, 4)
 
 
+#define MAX_GROUP 16 /* query heads a work item at most */
+
+/* The rows of keys t0 .. t0 + group - 1 (16 with AVX-512, 8 with AVX2) and of their values (the last real row repeated past the
+ * context's end), as byte pointers into one kv head's blocks. Returns the byte offset of the
+ * next group's first row where that group lies in one block, else -1: the caller asks for
+ * that group's rows one at a time while it scores this group's (prefetch_row). The blocks lie
+ * anywhere in the pool, where hardware prefetchers stop. Spread over the group, one row a key,
+ * the requests overlap the arithmetic; asked for all at once at the group's start, they
+ * queued behind each other: on the 2-core AVX-512 EPYC, 64 sequences of 90-200 tokens over
+ * 30 cold bf16 layer caches, two threads, alternating in one process: 392 -> 356 us a layer
+ * (and 423 -> 392 for the dot-product path below). One group ahead at locality 1 beat two
+ * groups ahead (397) and locality 0 or 3 (442, 429). */
+static inline __attribute__((always_inline)) int64_t locate_group(
+    const char *k_head, const char *v_head, int64_t row_bytes, const int64_t *table, int64_t t0, int64_t len,
+    int64_t block_size, const int64_t group, const char *keys[16], const char *values[16]) {
+    const int64_t count = len - t0 < group ? len - t0 : group;
+    const int64_t block_bytes = block_size * row_bytes;
+    const int64_t t = t0 + group; /* the next group */
+    if (block_size % group == 0) { /* the group lies in one block: one lookup, rows in a run */
+        const int64_t base = table[t0 / block_size] * block_bytes + (t0 % block_size) * row_bytes;
+        for (int64_t j = 0; j < group; j++) {
+            const int64_t row = (j < count ? j : count - 1) * row_bytes;
+            keys[j] = k_head + base + row;
+            values[j] = v_head + base + row;
+        }
+        return t < len ? table[t / block_size] * block_bytes + (t % block_size) * row_bytes : -1;
+    }
+    for (int64_t j = 0; j < group; j++) {
+        const int64_t row = t0 + (j < count ? j : count - 1);
+        const int64_t offset = table[row / block_size] * block_bytes + (row % block_size) * row_bytes;
+        keys[j] = k_head + offset;
+        values[j] = v_head + offset;
+    }
+    if (t < len) { /* the next group's first key and value rows */
+        const int64_t offset = table[t / block_size] * block_bytes + (t % block_size) * row_bytes;
+        __builtin_prefetch(k_head + offset, 0, 1);
+        __builtin_prefetch(v_head + offset, 0, 1);
+    }
+    return -1;
+}
+
+/* Row j of the next group (its keys and values), where locate_group gave its offset. Rows
+ * past the context's end are still inside the block: harmless to ask for. */
+static inline __attribute__((always_inline)) void prefetch_row(
+    const char *k_head, const char *v_head, int64_t next, int64_t j, int64_t row_bytes) {
+    if (next < 0) return;
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+        __builtin_prefetch(k_head + next + j * row_bytes + byte, 0, 1);
+        __builtin_prefetch(v_head + next + j * row_bytes + byte, 0, 1);
+    }
+}
+
 #if defined(__AVX512F__)
 #include "avx512_math.h"
 /*
@@ -217,8 +269,6 @@ DEFINE_ATTEND(_i8, int8_t, dot_i8, axpy_i8, 4)
  * sequences of 64-256 tokens with SmolLM2's heads: bf16 cache 1,070 -> 430 us on one thread,
  * ~560 -> 220-290 us on two; fp32 1,450 -> 560 and ~500 -> 250-390 us.
  */
-#define MAX_GROUP 16
-
 static inline __m512 load16(const float *x) { return _mm512_loadu_ps(x); }
 static inline __m512 load16_bf16(const uint16_t *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
@@ -248,56 +298,6 @@ static inline __m512 transpose_sum16(__m512 v[16]) {
     __m512 lo = _mm512_shuffle_f32x4(c[0], c[1], 0x88);
     __m512 hi = _mm512_shuffle_f32x4(c[0], c[1], 0xDD);
     return _mm512_add_ps(lo, hi);
-}
-
-/* The rows of keys t0 .. t0 + 15 and of their values (the last real row repeated past the
- * context's end), as byte pointers into one kv head's blocks. Returns the byte offset of the
- * next group's first row where that group lies in one block, else -1: the caller asks for
- * that group's rows one at a time while it scores this group's (prefetch_row). The blocks lie
- * anywhere in the pool, where hardware prefetchers stop. Spread over the group, one row a key,
- * the requests overlap the arithmetic; asked for all at once at the group's start, they
- * queued behind each other: on the 2-core AVX-512 EPYC, 64 sequences of 90-200 tokens over
- * 30 cold bf16 layer caches, two threads, alternating in one process: 392 -> 356 us a layer
- * (and 423 -> 392 for the dot-product path below). One group ahead at locality 1 beat two
- * groups ahead (397) and locality 0 or 3 (442, 429). */
-static inline __attribute__((always_inline)) int64_t locate_group(
-    const char *k_head, const char *v_head, int64_t row_bytes, const int64_t *table, int64_t t0, int64_t len,
-    int64_t block_size, const char *keys[16], const char *values[16]) {
-    const int64_t count = len - t0 < 16 ? len - t0 : 16;
-    const int64_t block_bytes = block_size * row_bytes;
-    const int64_t t = t0 + 16; /* the next group */
-    if (block_size % 16 == 0) { /* the group lies in one block: one lookup, rows in a run */
-        const int64_t base = table[t0 / block_size] * block_bytes + (t0 % block_size) * row_bytes;
-        for (int64_t j = 0; j < 16; j++) {
-            const int64_t row = (j < count ? j : count - 1) * row_bytes;
-            keys[j] = k_head + base + row;
-            values[j] = v_head + base + row;
-        }
-        return t < len ? table[t / block_size] * block_bytes + (t % block_size) * row_bytes : -1;
-    }
-    for (int64_t j = 0; j < 16; j++) {
-        const int64_t row = t0 + (j < count ? j : count - 1);
-        const int64_t offset = table[row / block_size] * block_bytes + (row % block_size) * row_bytes;
-        keys[j] = k_head + offset;
-        values[j] = v_head + offset;
-    }
-    if (t < len) { /* the next group's first key and value rows */
-        const int64_t offset = table[t / block_size] * block_bytes + (t % block_size) * row_bytes;
-        __builtin_prefetch(k_head + offset, 0, 1);
-        __builtin_prefetch(v_head + offset, 0, 1);
-    }
-    return -1;
-}
-
-/* Row j of the next group (its keys and values), where locate_group gave its offset. Rows
- * past the context's end are still inside the block: harmless to ask for. */
-static inline __attribute__((always_inline)) void prefetch_row(
-    const char *k_head, const char *v_head, int64_t next, int64_t j, int64_t row_bytes) {
-    if (next < 0) return;
-    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-        __builtin_prefetch(k_head + next + j * row_bytes + byte, 0, 1);
-        __builtin_prefetch(v_head + next + j * row_bytes + byte, 0, 1);
-    }
 }
 
 /* The online softmax over one group of 16 keys: `partial[g][j]` holds head g's products with
@@ -344,7 +344,7 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
         const int64_t count = len - t0 < 16 ? len - t0 : 16;                                     \
         const char *key_rows[16], *value_rows[16];                                               \
         const int64_t next = locate_group((const char *)k_head, (const char *)v_head, row_bytes,  \
-                                          table, t0, len, block_size, key_rows, value_rows);     \
+                                          table, t0, len, block_size, 16, key_rows, value_rows); \
         __m512 partial[MAX_GROUP][16];                                                           \
         for (int j = 0; j < 16; j++) { /* each key row widened once, for every head */           \
             prefetch_row((const char *)k_head, (const char *)v_head, next, j, row_bytes);         \
@@ -391,24 +391,6 @@ DEFINE_ATTEND_VEC(, float, load16, 0)
 DEFINE_ATTEND_VEC(_bf16, uint16_t, load16_bf16, 0)
 DEFINE_ATTEND_VEC(_i8, int8_t, load16_i8, 4)
 
-/* With the head size a literal where it is a common one, so the per-chunk loops unroll and
- * the accumulators stay in registers. */
-#define DEFINE_DISPATCH_VEC(SUFFIX, KV_T)                                                        \
-static void attend_vector##SUFFIX(const float *q_rows, float *out_rows, const KV_T *k_head,      \
-                                  const KV_T *v_head, const int64_t *table, int64_t len,         \
-                                  int64_t heads, int64_t head_dim, int64_t block_size, float scale) { \
-    if (head_dim == 64 && heads == 3)                                                            \
-        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, 3, 64, block_size, scale); \
-    else if (head_dim == 64)                                                                     \
-        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, 64, block_size, scale); \
-    else if (head_dim == 128)                                                                    \
-        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, 128, block_size, scale); \
-    else                                                                                         \
-        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, head_dim, block_size, scale); \
-}
-DEFINE_DISPATCH_VEC(, float)
-DEFINE_DISPATCH_VEC(_bf16, uint16_t)
-DEFINE_DISPATCH_VEC(_i8, int8_t)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /*
@@ -449,7 +431,7 @@ static inline __attribute__((always_inline)) void attend_item_dp(
         const int64_t count = len - t0 < 16 ? len - t0 : 16;
         const char *key_rows[16], *value_rows[16];
         const int64_t next = locate_group((const char *)k_head, (const char *)v_head, head_dim * 2, table, t0, len,
-                                          block_size, key_rows, value_rows);
+                                          block_size, 16, key_rows, value_rows);
         __m512 partial[MAX_GROUP][16];
         for (int j = 0; j < 16; j++) {
             prefetch_row((const char *)k_head, (const char *)v_head, next, j, head_dim * 2);
@@ -527,12 +509,182 @@ static void paged_decode_attention_dp(
 }
 #endif
 #define HAS_VECTOR_PATH 1
+#define VECTOR_LANES 16
+#define VECTOR_ISA "AVX-512 fp32 FMA (bf16 widened)"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/*
+ * The AVX2 path (head sizes a multiple of 8, up to 256): the AVX-512 path's method at half
+ * the width. Keys go by in groups of 8, a group's 8 scores come out as one vector (three
+ * horizontal adds and one add across the halves for 8 dot products), and the softmax is
+ * online. Before it, an AVX2 CPU took the portable loops: a horizontal reduction per dot
+ * product, the scores kept and exponentiated one at a time, and a second pass over the
+ * values. On the 2-core AVX2 EPYC, 64 sequences of 90-200 tokens with SmolLM2's heads over 30
+ * fp32 layer caches, two threads: 969-1,043 -> 745-774 us a layer with the caches
+ * cycled (14-15 -> 19-20 GB/s of KV), 663-741 -> 373-383 us with one cache hot.
+ */
+static inline __m256 load8(const float *x) { return _mm256_loadu_ps(x); }
+static inline __m256 load8_bf16(const uint16_t *x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
+}
+static inline __m256 load8_i8(const int8_t *x) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x)));
+}
+
+/* Lane t of the result is the sum of v[t]'s lanes. */
+static inline __m256 transpose_sum8(const __m256 v[8]) {
+    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 a = _mm256_hadd_ps(s01, s23), b = _mm256_hadd_ps(s45, s67); /* halves: 4 sums each */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* e^x to ~1e-7 relative, as exp16: x = n ln2 + f, the degree-7 Taylor polynomial of e^f,
+ * times 2^n built in the exponent bits. Inputs below -87 give e^-87 (~1.6e-38), not less,
+ * so that 2^n stays a normal number; the callers only take e^(score - max) <= 1. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718f));
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* softmax_group's work for a group of 8 keys; `valid` has all bits set in the lanes of real
+ * keys (the rest repeat the last real row). */
+static inline __attribute__((always_inline)) void softmax_group8(
+    __m256 partial[][8], int64_t heads, __m256 valid, float scale, float *top, float *total,
+    float probs[][8], float *rescale) {
+    for (int64_t g = 0; g < heads; g++) {
+        __m256 scores = _mm256_mul_ps(transpose_sum8(partial[g]), _mm256_set1_ps(scale));
+        scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid);
+        const float group_top = max8(scores);
+        rescale[g] = 1.0f;
+        if (group_top > top[g]) {
+            rescale[g] = expf(top[g] - group_top);
+            total[g] *= rescale[g];
+            top[g] = group_top;
+        }
+        const __m256 p = _mm256_and_ps(valid, exp8(_mm256_sub_ps(scores, _mm256_set1_ps(top[g]))));
+        total[g] += sum8(p);
+        _mm256_store_ps(probs[g], p);
+    }
+}
+
+/* attend_item_vec of the AVX-512 path, 8 lanes wide (EXTRA as there). */
+#define DEFINE_ATTEND_VEC8(SUFFIX, KV_T, LOAD, EXTRA)                                            \
+static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(                       \
+    const float *q_rows, float *out_rows, const KV_T *k_head, const KV_T *v_head,                \
+    const int64_t *table, int64_t len, int64_t heads, int64_t head_dim, int64_t block_size,      \
+    float scale) {                                                                               \
+    const int64_t chunks = head_dim / 8;                                                         \
+    const int64_t row_bytes = head_dim * (int64_t)sizeof(KV_T) + (EXTRA);                        \
+    __m256 acc[MAX_GROUP][32];                                                                   \
+    float top[MAX_GROUP], total[MAX_GROUP], rescale[MAX_GROUP];                                  \
+    float probs[MAX_GROUP][8] __attribute__((aligned(32)));                                      \
+    for (int64_t g = 0; g < heads; g++) {                                                        \
+        top[g] = -INFINITY;                                                                      \
+        total[g] = 0.0f;                                                                         \
+        for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm256_setzero_ps();                    \
+    }                                                                                            \
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                              \
+    for (int64_t t0 = 0; t0 < len; t0 += 8) {                                                    \
+        const int64_t count = len - t0 < 8 ? len - t0 : 8;                                       \
+        const char *key_rows[16], *value_rows[16];                                               \
+        const int64_t next = locate_group((const char *)k_head, (const char *)v_head, row_bytes,  \
+                                          table, t0, len, block_size, 8, key_rows, value_rows);  \
+        __m256 partial[MAX_GROUP][8];                                                            \
+        for (int j = 0; j < 8; j++) { /* each key row widened once, for every head */            \
+            prefetch_row((const char *)k_head, (const char *)v_head, next, j, row_bytes);         \
+            const KV_T *key = (const KV_T *)key_rows[j];                                         \
+            __m256 k[32];                                                                        \
+            for (int64_t c = 0; c < chunks; c++) k[c] = LOAD(key + 8 * c);                       \
+            for (int64_t g = 0; g < heads; g++) {                                                \
+                const float *q = q_rows + g * head_dim;                                          \
+                __m256 sum = _mm256_mul_ps(load8(q), k[0]);                                      \
+                for (int64_t c = 1; c < chunks; c++) sum = _mm256_fmadd_ps(load8(q + 8 * c), k[c], sum); \
+                partial[g][j] = (EXTRA) ? _mm256_mul_ps(sum, _mm256_set1_ps(row_scale((const int8_t *)key_rows[j], (int)head_dim))) : sum; \
+            }                                                                                    \
+        }                                                                                        \
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), lane)); \
+        softmax_group8(partial, heads, valid, scale, top, total, probs, rescale);                \
+        for (int64_t g = 0; g < heads; g++)                                                      \
+            if (rescale[g] != 1.0f)                                                              \
+                for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm256_mul_ps(acc[g][c], _mm256_set1_ps(rescale[g])); \
+        for (int64_t j = 0; j < count; j++) {                                                    \
+            const KV_T *value = (const KV_T *)value_rows[j];                                     \
+            const float weight = (EXTRA) ? row_scale((const int8_t *)value_rows[j], (int)head_dim) : 1.0f; \
+            for (int64_t c = 0; c < chunks; c++) {                                               \
+                const __m256 v = LOAD(value + 8 * c);                                            \
+                for (int64_t g = 0; g < heads; g++)                                              \
+                    acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps((EXTRA) ? probs[g][j] * weight : probs[g][j]), \
+                                                v, acc[g][c]);                                   \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int64_t g = 0; g < heads; g++) {                                                        \
+        const __m256 inverse = _mm256_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);         \
+        for (int64_t c = 0; c < chunks; c++)                                                     \
+            _mm256_storeu_ps(out_rows + g * head_dim + 8 * c, _mm256_mul_ps(acc[g][c], inverse)); \
+    }                                                                                            \
+}
+
+DEFINE_ATTEND_VEC8(, float, load8, 0)
+DEFINE_ATTEND_VEC8(_bf16, uint16_t, load8_bf16, 0)
+DEFINE_ATTEND_VEC8(_i8, int8_t, load8_i8, 4)
+#define HAS_VECTOR_PATH 1
+#define VECTOR_LANES 8
+#define VECTOR_ISA "AVX2 fp32 FMA (bf16 widened)"
 #else
 #define HAS_VECTOR_PATH 0
+#define VECTOR_LANES 1
+#define VECTOR_ISA "portable C"
 #define attend_vector(...) ((void)0)
 #define attend_vector_bf16(...) ((void)0)
 #define attend_vector_i8(...) ((void)0)
 #endif
+
+#if HAS_VECTOR_PATH
+/* With the head size a literal where it is a common one, so the per-chunk loops unroll and
+ * the accumulators stay in registers. */
+#define DEFINE_DISPATCH_VEC(SUFFIX, KV_T)                                                        \
+static void attend_vector##SUFFIX(const float *q_rows, float *out_rows, const KV_T *k_head,      \
+                                  const KV_T *v_head, const int64_t *table, int64_t len,         \
+                                  int64_t heads, int64_t head_dim, int64_t block_size, float scale) { \
+    if (head_dim == 64 && heads == 3)                                                            \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, 3, 64, block_size, scale); \
+    else if (head_dim == 64)                                                                     \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, 64, block_size, scale); \
+    else if (head_dim == 128)                                                                    \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, 128, block_size, scale); \
+    else                                                                                         \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads, head_dim, block_size, scale); \
+}
+DEFINE_DISPATCH_VEC(, float)
+DEFINE_DISPATCH_VEC(_bf16, uint16_t)
+DEFINE_DISPATCH_VEC(_i8, int8_t)
+#endif
+
 
 /* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). An int8 cache's
  * rows are rotated (EXTRA: its scale bytes): each item reads a rotated copy of its query rows
@@ -569,7 +721,7 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reductio
             rotate_runs(rotated_q, item_values, rotation);                                         \
             q_rows = rotated_q;                                                                    \
         }                                                                                          \
-        if (HAS_VECTOR_PATH && head_dim % 16 == 0 && head_dim <= 256 && heads_per_item <= 16) {    \
+        if (HAS_VECTOR_PATH && head_dim % VECTOR_LANES == 0 && head_dim <= 256 && heads_per_item <= 16) { \
             attend_vector##SUFFIX(q_rows, out_rows, k_head, v_head, table, len, heads_per_item,    \
                                   head_dim, block_size, scale);                                    \
         } else {                                                                                   \
@@ -607,7 +759,7 @@ const char *tandem_decode_attention_isa(void) {
 #ifdef HAS_DP_PATH
     return "AVX-512-BF16 dot products";
 #else
-    return HAS_VECTOR_PATH ? "AVX-512 fp32 FMA (bf16 widened)" : "portable C";
+    return VECTOR_ISA;
 #endif
 }
 
