@@ -2,10 +2,12 @@
 weights it measures on the rank beside the plan's, and its KV bytes per token equal to the
 plan's for the model's-dtype cache and an int8 one.
 
-One difference, pinned here to the byte: on the CPU a tied LM head (SmolLM2's) is kept a
-second time, packed for oneDNN's GEMM beside the embedding rows the lookup reads, which the
-plan (one copy of a tied matrix, as on a GPU) does not count: vocab x hidden x the dtype's
-bytes, 113 MB of SmolLM2's 651 MB in fp32."""
+One difference, pinned here to the byte: on a CPU that packs the dtype's weights (fp32
+always, bf16 where oneDNN has a bf16 GEMM) a tied LM head (SmolLM2's) is kept a second time,
+packed beside the embedding rows the lookup reads, which the plan (one copy of a tied matrix,
+as on a GPU) does not count: vocab x hidden x the dtype's bytes, 113 MB of SmolLM2's 651 MB in
+fp32. An AVX2-only CPU has no bf16 GEMM: its bf16 matrices stay plain rows, read by the GEMV
+kernel, and the head is the embedding's one copy."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tandem.engine.memory_report import memory_split_lines
+from tandem.layers.linear import onednn_bf16_available
 from tandem.llm import LLM
 from tandem.sizing.devices import parse_devices
 from tandem.sizing.memory import PlanRequest, plan_memory
@@ -36,7 +39,8 @@ def test_the_logged_split_matches_the_plan(dtype: str, kv_cache_dtype: str) -> N
                                            kv_cache_dtype="int8" if kv_cache_dtype == "int8" else "auto")).tandem
         stage = plan.stages[0]
         assert hf["tie_word_embeddings"]
-        packed_head = hf["vocab_size"] * hf["hidden_size"] * {"float32": 4, "bfloat16": 2}[dtype]
+        head_packed = dtype == "float32" or onednn_bf16_available()
+        packed_head = hf["vocab_size"] * hf["hidden_size"] * {"float32": 4, "bfloat16": 2}[dtype] * head_packed
         assert info.weight_bytes == stage.weight_bytes + packed_head
         assert info.block_bytes == stage.kv_bytes_per_token * core.config.cache.block_size
         line = memory_split_lines(core.config, core.worker_infos, core.num_blocks)[0]
