@@ -1,12 +1,14 @@
 """tandem's fp32 and bf16 GEMM over weights packed once at load (csrc/dense_gemm.c), for
-steps of many rows on CPUs with AVX-512.
+steps of many rows on CPUs with AVX-512, and fp32 on CPUs with AVX2 + FMA only.
 
 oneDNN's packed fp32 and bf16 GEMMs, which both tandem's and vLLM's CPU linears call, run at
 16-128 rows well under their large-step rate on the 2-core AVX-512 EPYC; the kernel keeps a
 6-row by 64-column tile's accumulators in registers over the whole inner dimension, as the
 packed int8 GEMM does (kernels/int8_gemm.py). With AMX, bf16 multiplies on the tiles from the
 same packed blocks (csrc/dense_gemm_amx.h), so the fused epilogues and the layer stack's
-batched steps, which need a C GEMM, run there too.
+batched steps, which need a C GEMM, run there too. On an AVX2-only CPU oneDNN's packed fp32
+linear ran at 93-115 GFLOP/s at 64 rows on the 2-core EPYC, 72-80% of a decode-heavy step
+(csrc/dense_gemm_avx2.h).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class DenseGemmKernel:
         self._silu_mul = functions["tandem_dense_gemm_silu_mul"]
         self._pack = functions["tandem_dense_pack"]
         self._gemm = functions["tandem_dense_gemm"]
-        self.isa: str = functions["tandem_dense_gemm_isa"]().decode()  # "amx-bf16", "avx512-bf16", "avx512", "none"
+        self.isa: str = functions["tandem_dense_gemm_isa"]().decode()  # "amx-bf16", "avx512-bf16", "avx512", "avx2", "none"
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
     def gemm_entry(self) -> object:

@@ -205,10 +205,10 @@ class ModelBuilder:
 
     def _dense_gemm(self) -> DenseGemmKernel | None:
         """tandem's packed fp32 / bf16 GEMM where the CPU has AVX-512 (bf16 on AMX's tiles where
-        it has them, csrc/dense_gemm_amx.h). The matrices it does not take (a dtype it has no
-        path for, a width not a multiple of 16) stay oneDNN's."""
+        it has them, csrc/dense_gemm_amx.h), fp32 where it has AVX2 + FMA. The matrices it does
+        not take (a dtype it has no path for, a width not a multiple of 16) stay oneDNN's."""
         features = CpuFeatures.detect()
-        if not features.avx512 or self.device.type != "cpu":
+        if not (features.avx512 or features.avx2_fma) or self.device.type != "cpu":
             return None
         return load_dense_gemm_kernel(self.kernel_cache_dir)
 

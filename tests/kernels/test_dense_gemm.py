@@ -19,11 +19,19 @@ from tests.support.kernel_builds import build_for
 FEATURES = CpuFeatures.detect()
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> DenseGemmKernel:
-    built = DenseGemmKernel.build(tmp_path_factory.mktemp("cache"))
+@pytest.fixture(scope="module", params=["native", "haswell"])
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DenseGemmKernel:
+    """The kernel as this CPU runs it, and built for an AVX2-only CPU (its 8-lane fp32 tiles),
+    so an AVX-512 box tests both paths."""
+    if request.param == "native":
+        built = DenseGemmKernel.build(tmp_path_factory.mktemp("cache"))
+    else:
+        if platform.machine() not in ("x86_64", "AMD64") or not FEATURES.avx2_fma:
+            pytest.skip("this CPU cannot run AVX2 code")
+        built = DenseGemmKernel(build_for(SOURCE, "haswell", tmp_path_factory.mktemp("haswell")))
+        assert built.isa == "avx2"
     if not built.multiplies(torch.float32):
-        pytest.skip("the packed dense GEMM needs AVX-512")
+        pytest.skip("the packed dense GEMM needs AVX-512 or AVX2 + FMA")
     return built
 
 
@@ -44,7 +52,7 @@ def _dtypes(kernel: DenseGemmKernel) -> list[torch.dtype]:
 def test_the_isa_follows_the_cpu(tmp_path: Path) -> None:
     built = DenseGemmKernel.build(tmp_path)
     want = ("amx-bf16" if FEATURES.amx and FEATURES.avx512_bf16 else "avx512-bf16" if FEATURES.avx512_bf16
-            else "avx512" if FEATURES.avx512 else "none")
+            else "avx512" if FEATURES.avx512 else "avx2" if FEATURES.avx2_fma else "none")
     assert built.isa == want
     assert (load_dense_gemm_kernel(tmp_path) is None) == (want == "none")
 
@@ -174,9 +182,11 @@ def test_shapes_and_rows_it_refuses(kernel) -> None:
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-def test_a_build_without_avx512_refuses_every_product(tmp_path: Path) -> None:
-    library = build_for(SOURCE, "haswell", tmp_path)
-    plain = DenseGemmKernel(library)
+def test_an_avx2_build_multiplies_fp32_only_and_a_plain_one_nothing(tmp_path: Path) -> None:
+    avx2 = DenseGemmKernel(build_for(SOURCE, "haswell", tmp_path))
+    assert avx2.isa == "avx2" and avx2.multiplies(torch.float32) and not avx2.multiplies(torch.bfloat16)
+    assert not avx2.fits(torch.zeros(32, 64, dtype=torch.bfloat16))
+    plain = DenseGemmKernel(build_for(SOURCE, "x86-64", tmp_path))
     assert plain.isa == "none" and not plain.fits(torch.zeros(32, 64))
 
 

@@ -13,7 +13,8 @@
  * value, or a pair of bf16 values) is broadcast to the 16 lanes.
  *
  * Tiles: 6 rows x 4 blocks (64 columns), 24 accumulators in registers (GCC's PRE would spill
- * half: the tiles turn it off, as csrc/int8_gemm.c's do).
+ * half: the tiles turn it off, as csrc/int8_gemm.c's do). A CPU with AVX2 and no AVX-512
+ * multiplies fp32 from the same blocks in 6-row x 16-column tiles (dense_gemm_avx2.h).
  *
  * A gated MLP's gate and up projections (`tandem_dense_gemm_silu_mul`) pack as one matrix whose
  * blocks alternate gate, up, gate, up (each pair the same 16 intermediate columns), so a tile
@@ -27,9 +28,19 @@
 #include "gemm_split.h"
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define TILE_ATTRIBUTES __attribute__((optimize("no-tree-pre", "no-gcse")))
+/* At step q of a tile's `steps`, prefetch into L2 the lines q, q + steps, ... of its share of
+ * the next panel (gemm_split.h), so the share is spread over the tile's steps. */
+#define PREFETCH_AHEAD(q, steps)                                                                      \
+    for (int64_t line_ = (q); line_ < ahead_lines; line_ += (steps))                                  \
+        _mm_prefetch(ahead + line_ * 64, _MM_HINT_T0);
+#endif
+
+#if defined(__AVX512F__)
 #define HAS_F32 1
+#define HAS_AVX2 0
 #if defined(__AVX512BF16__)
 #define HAS_BF16 1
 #else
@@ -37,7 +48,6 @@
 #endif
 #define PANEL_BLOCKS 4
 #define TILE_ROWS 6
-#define TILE_ATTRIBUTES __attribute__((optimize("no-tree-pre", "no-gcse")))
 
 static inline __m512 widen16(const uint16_t *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
@@ -107,12 +117,6 @@ static inline __m512 broadcast_step(const char *p) {
     return _mm512_set1_ps(value);
 }
 
-/* At step q of a tile's `steps`, prefetch into L2 the lines q, q + steps, ... of its share of
- * the next panel (gemm_split.h), so the share is spread over the tile's steps. */
-#define PREFETCH_AHEAD(q, steps)                                                                      \
-    for (int64_t line_ = (q); line_ < ahead_lines; line_ += (steps))                                  \
-        _mm_prefetch(ahead + line_ * 64, _MM_HINT_T0);
-
 static inline __m512 multiply_add_f32(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
 #if HAS_BF16
 static inline __m512 multiply_add_bf16(__m512 acc, __m512 a, __m512 b) {
@@ -181,9 +185,15 @@ static const tile_fn BF16_TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(bf16, 1, PL
                                                             TILE_ROW(bf16, 3, PLAIN), TILE_ROW(bf16, 4, PLAIN)};
 static const tile_fn BF16_GATED[PANEL_BLOCKS / 2][TILE_ROWS] = {TILE_ROW(bf16, 2, GATED), TILE_ROW(bf16, 4, GATED)};
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAS_F32 1
+#define HAS_BF16 0
+#define HAS_AVX2 1
+#include "dense_gemm_avx2.h"
 #else
 #define HAS_F32 0
 #define HAS_BF16 0
+#define HAS_AVX2 0
 #endif
 #if HAS_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAS_AMX 1
@@ -193,12 +203,12 @@ static const tile_fn BF16_GATED[PANEL_BLOCKS / 2][TILE_ROWS] = {TILE_ROW(bf16, 2
 #endif
 
 /* Which kinds this build multiplies: "amx-bf16" (fp32, and bf16 on AMX tiles where K is a
- * multiple of 32), "avx512-bf16" (fp32 and bf16), "avx512" (fp32), "none". */
+ * multiple of 32), "avx512-bf16" (fp32 and bf16), "avx512" (fp32), "avx2" (fp32), "none". */
 const char *tandem_dense_gemm_isa(void) {
 #if HAS_AMX
     if (amx_permitted()) return "amx-bf16";
 #endif
-    return HAS_BF16 ? "avx512-bf16" : HAS_F32 ? "avx512" : "none";
+    return HAS_BF16 ? "avx512-bf16" : HAS_AVX2 ? "avx2" : HAS_F32 ? "avx512" : "none";
 }
 
 /* w [N, K] (row-major; kind 0 fp32, 1 bf16) -> packed in the layout above. N a multiple of 16,
@@ -221,7 +231,7 @@ void tandem_dense_pack(const void *w, int kind, int64_t N, int64_t K, void *pack
     }
 }
 
-#if HAS_F32
+#if HAS_F32 && !HAS_AVX2
 /* The tile for a panel `width` blocks wide and `rows` rows tall, plain or gated. */
 static inline tile_fn pick_tile(int kind, int gated, int64_t width, int64_t rows) {
 #if HAS_BF16
@@ -244,7 +254,12 @@ static int dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, con
         return 0;
     }
 #endif
-#if HAS_F32
+#if HAS_AVX2
+    GEMM_FOR_EACH_TILE(M, N / 16, AVX2_PANEL_BLOCKS, AVX2_TILE_ROWS, packed, K * 64,
+                       avx2_panel(gated, (const float *)x + m * x_stride, x_stride, rows, K, (const float *)packed,
+                                  block, width, (const float *)bias, (const float *)residual, (float *)out, m, N,
+                                  ahead, ahead_lines));
+#elif HAS_F32
     const int64_t element = kind == 0 ? 4 : 2, steps = kind == 0 ? K : K / 2;
     GEMM_FOR_EACH_TILE(M, N / 16, PANEL_BLOCKS, TILE_ROWS, packed, steps * 64,
                        pick_tile(kind, gated, width, rows)((const char *)x + m * x_stride * element,

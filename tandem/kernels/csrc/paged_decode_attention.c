@@ -513,6 +513,8 @@ static void paged_decode_attention_dp(
 #define VECTOR_ISA "AVX-512 fp32 FMA (bf16 widened)"
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "avx2_math.h"
 /*
  * The AVX2 path (head sizes a multiple of 8, up to 256): the AVX-512 path's method at half
  * the width. Keys go by in groups of 8, a group's 8 scores come out as one vector (three
@@ -537,25 +539,6 @@ static inline __m256 transpose_sum8(const __m256 v[8]) {
     const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
     const __m256 a = _mm256_hadd_ps(s01, s23), b = _mm256_hadd_ps(s45, s67); /* halves: 4 sums each */
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-/* e^x to ~1e-7 relative, as exp16: x = n ln2 + f, the degree-7 Taylor polynomial of e^f,
- * times 2^n built in the exponent bits. Inputs below -87 give e^-87 (~1.6e-38), not less,
- * so that 2^n stays a normal number; the callers only take e^(score - max) <= 1. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504f));
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718f));
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
 static inline float max8(__m256 v) {
