@@ -95,7 +95,8 @@ class ModelBuilder:
         else:
             load_weights(model, hf_dir)
         self._fold_key_divisors(model)
-        small_step = self._small_step_weights()
+        dense_gemm = self._dense_gemm() if load.pack_weights else None
+        small_step = self._small_step_weights(dense_gemm)
         q4_kernel = dense_kernel = None
         int4_linears = attach_int4_linear_kernel(model, None)
         if int4_linears:
@@ -132,7 +133,6 @@ class ModelBuilder:
                 logger.info("--quantization int8: %d projections hold 8-bit weights for steps of more than %s tokens, "
                             "multiplied by %s", quantized, small_step.max_tokens if small_step is not None else 0,
                             "tandem's packed int8 GEMM (VNNI)" if gemm is not None else "torch._int_mm (oneDNN)")
-        dense_gemm = self._dense_gemm() if load.pack_weights else None
         if load.pack_weights and pack_weights_for_cpu(model, dense_gemm) and self.rank == 0:
             logger.info("linear weights packed for %s", "tandem's packed GEMM" if dense_gemm is not None else "oneDNN")
         if self.dtype == torch.bfloat16 and not onednn_bf16_available():
@@ -185,15 +185,14 @@ class ModelBuilder:
             logger.info("key divisors folded into the query/key projections (exact; cached keys are k/s, digest %s)",
                         model.key_divisors)
 
-    def _small_step_weights(self) -> SmallStepWeights | None:
+    def _small_step_weights(self, dense_gemm: DenseGemmKernel | None) -> SmallStepWeights | None:
         """--decode-weights as the layers take it (its value is checked with the config,
-        tandem/config_checks.py)."""
+        tandem/config_checks.py); `dense_gemm`: the packed GEMM the weights will pack for."""
         load = self.config.load
         choice = load.decode_weights
         if choice == "none" or load.decode_weights_max_tokens < 1:
             return None
-        if not bf16_rows_pay(choice, self.dtype, load.pack_weights and self.device.type == "cpu",
-                             CpuFeatures.detect()):
+        if not bf16_rows_pay(choice, self.dtype, dense_gemm is not None and dense_gemm.isa == "amx-bf16"):
             if self.rank == 0:
                 logger.info("--decode-weights bfloat16: small steps read the packed bf16 weights on the AMX tiles "
                             "(faster than the plain rows' GEMV here), no copy kept")
@@ -245,13 +244,15 @@ class ModelBuilder:
                         "logits (+%.0f MiB)", head.bounded_greedy.nbytes / (1 << 20))
 
 
-def bf16_rows_pay(choice: str, dtype: torch.dtype, packed: bool, features: CpuFeatures) -> bool:
+def bf16_rows_pay(choice: str, dtype: torch.dtype, tiles: bool) -> bool:
     """Whether a bf16 model's `--decode-weights bfloat16` keeps its plain rows for the GEMV
-    kernel. Not where the packed weights run on AMX: the tiles read SmolLM2's layers at one and
-    two rows at 23 GB/s against the GEMV's 17 on the 2-core AMX Xeon, and a bf16 single stream
-    went from 56 to 83 tok/s without the rows (+202 MiB saved). Every other choice, dtype or CPU
-    keeps them (AVX-512 without AMX: the GEMV is what beat oneDNN's one-row path)."""
-    return not (choice == "bfloat16" and dtype == torch.bfloat16 and packed and features.amx)
+    kernel. Not where the packed weights run on AMX's tiles (`tiles`: the packed GEMM as built
+    and loaded multiplies bf16 there, which a CPU flag alone does not promise: the kernel asks
+    the OS for the tiles): they read SmolLM2's layers at one and two rows at 23 GB/s against the
+    GEMV's 17 on the 2-core AMX Xeon, and a bf16 single stream went from 56 to 83 tok/s without
+    the rows (+202 MiB saved). Every other choice, dtype or CPU keeps them (AVX-512 without AMX:
+    the GEMV is what beat oneDNN's one-row path)."""
+    return not (choice == "bfloat16" and dtype == torch.bfloat16 and tiles)
 
 
 def model_bytes(model: torch.nn.Module) -> int:
