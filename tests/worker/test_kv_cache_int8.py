@@ -27,6 +27,12 @@ PROMPTS = [PREAMBLE + p for p in ("The capital of France is", "def fibonacci(n):
                                   "My favourite book is")]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
 NEAR_TIE = 0.05  # nats between the exact model's two best tokens where a continuation may depart
+# Between a miss and a hit, both on int8 rows: a row the hit recomputes in another summation
+# order can round to the next int8 level, a step of 1/127 of the row's largest value, which
+# moves logits by more than an order of summation does. Measured on the 2-core AVX2 EPYC,
+# "Water boils at": 0.075 nats with tandem's fp32 GEMM, 0.018 (the other token first) with
+# oneDNN's; 0.065 on a Zen EPYC before the miss read the cache's rows.
+LEVEL_FLIP = 0.1
 
 
 def _measure(kv_cache_dtype: str) -> tuple[int, int, float, list[list[int]], list[list[int]], list[list[float]]]:
@@ -87,10 +93,11 @@ def test_a_prefix_cache_hit_reads_back_what_the_miss_computed(int8) -> None:
     prefill attends to the rows the cache holds too, so both passes read the same keys and
     values. They still add them up in other orders (one causal attention over the prompt on
     a miss; the cached prefix and the new tokens merged on a hit; GEMMs of other row counts),
-    so a continuation may depart at a near-tie: on a Zen EPYC 7 of 8 were identical, the
-    other departing at 0.013 nats (before the miss read the cache's rows: 6 of 8, one at
-    0.065). A hit that read other values would depart early and far from a tie."""
+    so a continuation may depart at a near-tie (LEVEL_FLIP): on a Zen EPYC 7 of 8 were
+    identical, the other departing at 0.013 nats (before the miss read the cache's rows: 6 of
+    8, one at 0.065); on the AVX2 EPYC 7 of 8, one at 0.075. A hit that read other values
+    would depart early and far from a tie."""
     for again, first, margins in zip(int8[4], int8[3], int8[5], strict=True):
         departs = next((i for i, (a, b) in enumerate(zip(again, first, strict=True)) if a != b), None)
-        assert departs is None or margins[departs] < NEAR_TIE, (departs, margins[departs])
+        assert departs is None or margins[departs] < LEVEL_FLIP, (departs, margins[departs])
     assert sum(again == first for again, first in zip(int8[4], int8[3], strict=True)) >= 6
