@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: the GPU-only tests (compiled Triton kernels in bf16, CUDA
 # graphs against eager steps, pinned staging), then `tandem bench gpu` (Llama-3.1-8B's config,
-# dummy weights, with profiler tables), then the 8B cold start against dd. Uses python3 from
+# dummy weights, with profiler tables, the KV cache in bf16, fp8 and int8), then the 8B cold start
+# against dd. Uses python3 from
 # PATH (torch with CUDA, triton, transformers; set PYTHON to choose another) and this checkout
 # on PYTHONPATH. Each stage has its own time limit and a failed stage does not stop the next;
 # the output goes to the terminal and to gpu-check.log, figures and tables beside it, under
 # $OUT (the lent machines' output folder) or ./bench-results.
-#   STAGES="tests bench load" (default: all three) picks stages.
+#   STAGES="tests bench int4 load" (default: all four) picks stages; BENCH_ARGS replaces the bench's
+#   own arguments (default: --kv-cache-dtypes auto,fp8,int8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -41,7 +43,7 @@ print('tandem imports: ok')"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$LOG"
 
 wants tests && stage tests "${TESTS_LIMIT:-180}" "$PY" -m pytest -q -p no:cacheprovider tests/kernels/gpu/test_on_gpu.py
-wants bench && stage bench "${BENCH_LIMIT:-300}" "$PY" -m tandem bench gpu --profile --output-dir "$DEST"
+wants bench && stage bench "${BENCH_LIMIT:-300}" "$PY" -m tandem bench gpu --profile ${BENCH_ARGS:---kv-cache-dtypes auto,fp8,int8} --output-dir "$DEST"
 # Kimi K2.5's INT4 expert GEMM (Triton W4A16) at 1-64 rows per expert against its packed bytes' copy bound
 wants int4 && stage int4 "${INT4_LIMIT:-240}" "$PY" -m tandem bench gpu --int4-moe --output-dir "$DEST/int4"
 

@@ -16,13 +16,18 @@ tandem/bench/configs), in bf16, all in one run:
    matmul rate; the goal is >= 60%;
 4. tandem and transformers (`generate`, greedy, static lengths), --batch sequences of
    --prompt-len tokens, --output-len tokens each: output tokens/s;
-5. KV room: the tokens tandem's paged cache holds at its budget (90% of the device, less the
-   weights and one step's activations), what vLLM's defaults would hold on this GPU (tandem's
-   memory plan of vLLM's policy), and how many of the throughput run's sequences fit in the
-   same bytes as a contiguous cache reserved at the engine's context length, as transformers'
-   static cache reserves it, against tandem's pages, which hold what the sequences use.
+5. KV room: the tokens tandem's paged cache holds at its budget (--memory-utilization of the
+   device, less the weights and the planned activations), beside what tandem's memory plan
+   said for the same settings, what vLLM's defaults would hold on this GPU at the same KV
+   dtype (tandem's memory plan of vLLM's policy; vLLM has no int8 cache, so an int8 run is
+   set beside its fp8), the device memory in use once the runs are done (CUDA's context
+   included), and how many of the throughput run's sequences fit in the same bytes as a
+   contiguous cache reserved at the engine's context length, as transformers' static cache
+   reserves it, against tandem's pages, which hold what the sequences use.
 
-The engine's own memory split (weights, activation plan, KV) is logged as it starts.
+`--kv-cache-dtypes auto,fp8,int8` repeats 2-5 with each KV cache dtype (the decode bound
+counts each one's KV bytes). The engines run tandem's default batch limits. The engine's own
+memory split (weights, activation plan, KV) is logged as it starts.
 Writes the figures as JSON to --output-dir.
 
 `--int4-moe` measures one kernel instead: the INT4 MoE grouped GEMM
@@ -59,6 +64,7 @@ MOE_GOAL = 0.70
 MOE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # rows an active expert gets (decode: batch x top-k / experts)
 MOE_CONFIG = "kimi-k2"  # tandem/sizing/configs; K2.5's text model has K2's experts (384 of 7168 x 2048)
 MOE_RANKS = 8
+GPU_KV_DTYPES = ("auto", "fp8", "int8")
 # NVIDIA's datasheet HBM bandwidth (GB/s), by the first name that torch's device name contains
 NOMINAL_HBM_GB_S = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
 
@@ -90,6 +96,11 @@ GPU_FLAGS = FlagTable(None, (
     Flag(
         "--output-len", default=128, type=int, metavar="N",
         help="throughput output length (default: 128)",
+    ),
+    Flag(
+        "--kv-cache-dtypes", default="auto", metavar="LIST",
+        help="KV cache dtypes to run the engine with, comma-separated, from auto (the model's "
+        "bf16), fp8, int8 (default: auto)",
     ),
     Flag("--no-transformers", switch=True, help="skip transformers' run"),
     Flag(
@@ -128,6 +139,17 @@ def check_gpu(args: argparse.Namespace) -> None:
     config_path(args.config)
     if args.moe_active_experts < 1:
         raise ValueError(f"--moe-active-experts {args.moe_active_experts}: at least 1")
+    kv_cache_dtypes(args.kv_cache_dtypes)
+
+
+def kv_cache_dtypes(text: str) -> list[str]:
+    """--kv-cache-dtypes as a list, each one the engine can hold on a GPU, none twice."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in GPU_KV_DTYPES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(f"--kv-cache-dtypes {text!r}: a comma-separated list of distinct names from "
+                         f"{', '.join(GPU_KV_DTYPES)}")
+    return names
 
 
 def config_path(name: str) -> Path:
@@ -188,12 +210,12 @@ def weight_shape(config: dict[str, Any]) -> dict[str, int]:
             "head_dim": head_dim}
 
 
-def _engine(hf_dir: Path, eager: bool, max_model_len: int, max_num_seqs: int) -> Any:
+def _engine(hf_dir: Path, eager: bool, max_model_len: int, kv_cache_dtype: str) -> Any:
+    """The engine on dummy bf16 weights, at tandem's default batch limits and memory share."""
     from tandem.llm import LLM
 
     return LLM(str(hf_dir), load_format="dummy", dtype="bfloat16", device="cuda", enforce_eager=eager,
-               max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-               enable_prefix_caching=False, max_cudagraph_batch=max(64, max_num_seqs))
+               max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
 
 
 def decode_step_seconds(llm: Any, prompt_len: int, steps: int) -> float:
@@ -224,39 +246,83 @@ def graph_replay_seconds(torch: Any, llm: Any) -> float | None:
     return _cuda_timer(torch, lambda: graphs.replay(1), 50)
 
 
-def profile_table(torch: Any, fn: Any, path: Path) -> None:
-    """torch.profiler over `fn()`: the kernels by GPU time, as a table in `path`."""
+def profile_table(torch: Any, fn: Any, path: Path, title: str) -> None:
+    """torch.profiler over `fn()`: the kernels by GPU time, as a table appended to `path` under
+    `title` (one file a KV dtype keeps the returned files few)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
-    print(f"profile: {path}")
+    with path.open("a") as table:
+        table.write(f"== {title} ==\n{prof.key_averages().table(sort_by='cuda_time_total', row_limit=40)}\n")
+    print(f"profile: {title} -> {path}")
 
 
-def kv_room(llm: Any, config: dict[str, Any], max_len: int, kv_per_token: int, sequence_len: int,
-            device_bytes: int) -> dict[str, Any]:
-    """tandem's KV tokens beside vLLM's defaults (planned) and a contiguous per-sequence cache."""
+def batch_decode_steps(llm: Any, batch: int, prompt_len: int, steps: int) -> None:
+    """`steps` decode steps of `batch` sequences, run after their prompts' prefill (for the
+    profiler: the decode steps alone, not the prefill before them)."""
+    from tandem.types import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for prompt in _prompts(batch, prompt_len, 5):
+        engine.add_request(None, None, params, prompt_token_ids=prompt)
+    while engine.core.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
+                                               for r in engine.core.scheduler.running):
+        engine.step()
+    for _ in range(steps):
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+
+
+def kv_room(llm: Any, config: dict[str, Any], max_len: int, sequence_len: int, device_bytes: int,
+            kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    """tandem's KV tokens as allocated, beside its own plan for the engine's settings, vLLM's
+    defaults (planned) at the same KV dtype, and a contiguous per-sequence cache."""
     from tandem.sizing.devices import parse_devices
     from tandem.sizing.memory import PlanRequest, plan_memory
 
     core = llm.engine.core
+    settings = llm.engine.config.scheduler
     tokens = core.num_blocks * core.block_size
-    kv_bytes = tokens * kv_per_token
-    request = PlanRequest(parse_devices(f"1xgpu:{device_bytes}B"), dtype="bfloat16")
+    devices = parse_devices(f"1xgpu:{device_bytes}B")
+    request = PlanRequest(devices, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=max_len,
+                          max_num_batched_tokens=settings.max_num_batched_tokens,
+                          max_num_seqs=settings.max_num_seqs,
+                          memory_utilization=llm.engine.config.cache.memory_utilization)
     planned = plan_memory(config, request)
-    vllm_tokens = planned.vllm.kv_tokens if planned.vllm is not None else None
-    room = {"tandem_tokens": tokens, "tandem_gib": kv_bytes / (1 << 30), "vllm_default_tokens": vllm_tokens,
+    kv_per_token = planned.tandem.stages[0].kv_bytes_per_token
+    # vLLM has no int8 KV cache: its nearest, fp8 (one byte a value, no scales), stands beside it.
+    peer_kv = "fp8" if kv_cache_dtype == "int8" else kv_cache_dtype
+    peer = planned if peer_kv == kv_cache_dtype else plan_memory(
+        config, PlanRequest(devices, dtype="bfloat16", kv_cache_dtype=peer_kv, max_model_len=max_len))
+    vllm_tokens = peer.vllm.kv_tokens if peer.vllm is not None else None
+    kv_bytes = tokens * kv_per_token
+    room = {"kv_cache_dtype": kv_cache_dtype, "kv_bytes_per_token": kv_per_token,
+            "tandem_tokens": tokens, "tandem_gib": kv_bytes / (1 << 30),
+            "tandem_planned_tokens": planned.tandem.kv_tokens, "vllm_kv_cache_dtype": peer_kv,
+            "vllm_default_tokens": vllm_tokens,
+            "of_vllm": tokens / vllm_tokens if vllm_tokens else None,
             "contiguous_sequences": kv_bytes // (max_len * kv_per_token),
             "paged_sequences": tokens // sequence_len}
-    vllm = "?" if vllm_tokens is None else f"{vllm_tokens:,}"
-    print(f"KV: tandem {tokens:,} tokens in {room['tandem_gib']:.1f} GiB; vLLM's defaults here (planned): "
-          f"{vllm} tokens; sequences of {sequence_len} tokens in the same bytes: "
-          f"{room['paged_sequences']:,} paged, {room['contiguous_sequences']:,} in a contiguous cache "
-          f"reserved at {max_len} positions each")
+    vllm = "?" if vllm_tokens is None else f"{vllm_tokens:,} tokens ({tokens / vllm_tokens:.2f}x)"
+    print(f"KV ({kv_cache_dtype}): tandem {tokens:,} tokens in {room['tandem_gib']:.1f} GiB at "
+          f"{kv_per_token:,} B/token (planned for these settings: {planned.tandem.kv_tokens:,}); vLLM's "
+          f"defaults here in {peer_kv} (planned): {vllm}; sequences of {sequence_len} tokens in "
+          f"the same bytes: {room['paged_sequences']:,} paged, {room['contiguous_sequences']:,} in a "
+          f"contiguous cache reserved at {max_len} positions each")
     return room
+
+
+def device_in_use(torch: Any) -> dict[str, float]:
+    """The device memory in use now (CUDA's context and every allocator included) and torch's
+    own peak reservation, in GiB."""
+    free, total = torch.cuda.mem_get_info()
+    return {"in_use_gib": (total - free) / (1 << 30), "total_gib": total / (1 << 30),
+            "torch_peak_reserved_gib": torch.cuda.max_memory_reserved() / (1 << 30)}
 
 
 def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
@@ -448,6 +514,64 @@ def run_int4_moe_bench(torch: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def measure_engine(torch: Any, llm: Any, args: argparse.Namespace, config: dict[str, Any], shape: dict[str, int],
+                   limits: dict[str, float], name: str, kv: str, max_len: int, run: dict[str, Any],
+                   profile_dir: Path | None) -> None:
+    """One engine's figures into `run`: with graphs the KV room, batch-1 decode, the prefill and
+    the batch throughput; eager (`name` "eager") batch-1 decode alone."""
+    eager = name == "eager"
+    if not eager:
+        run["kv"] = kv_room(llm, config, max_len, args.prompt_len + args.output_len,
+                            torch.cuda.mem_get_info()[1], kv)
+    kv_per_token = run["kv"]["kv_bytes_per_token"]
+    decode_prompt = 128
+    step = decode_step_seconds(llm, decode_prompt, args.decode_steps)
+    kv_read = kv_per_token * (decode_prompt + args.decode_steps // 2)
+    read = 2 * shape["matmul_params"] + kv_read  # the embedding is one row's lookup
+    bound = read / (limits["copy_gb_s"] * 1e9)
+    # As SGLang's "76% of the bound" counts it: every weight, the embedding too.
+    loose = (2 * shape["params"] + kv_read) / (limits["copy_gb_s"] * 1e9)
+    decode = run[f"decode_{name}"] = {"step_ms": step * 1e3, "tok_s": 1 / step, "bound_tok_s": 1 / bound,
+                                      "of_bound": bound / step, "gb_s": read / step / 1e9,
+                                      "of_bound_every_weight": loose / step}
+    print(f"batch-1 decode ({name}, KV {kv}): {1 / step:.1f} tok/s ({step * 1e3:.2f} ms/step), "
+          f"{read / step / 1e9:.0f} GB/s = {bound / step:.0%} of the copy bound "
+          f"{1 / bound:.1f} tok/s (goal {DECODE_GOAL:.0%}); counting every weight as SGLang's "
+          f"figure does, {loose / step:.0%} of {1 / loose:.1f} tok/s")
+    replay = graph_replay_seconds(torch, llm)
+    if replay is not None:
+        decode |= {"graph_ms": replay * 1e3, "host_ms": (step - replay) * 1e3}
+        print(f"  of which the batch-1 graph (the forward, on the GPU): {replay * 1e3:.2f} ms = "
+              f"{read / replay / 1e9:.0f} GB/s; the rest of the step (head, sampling, host work): "
+              f"{(step - replay) * 1e3:.2f} ms")
+    if profile_dir is not None:
+        profile_table(torch, lambda: decode_step_seconds(llm, decode_prompt, 8),
+                      profile_dir / f"profile-decode-{kv}.txt", f"batch-1 decode, {name}, KV {kv}, 8 steps")
+        if not eager:
+            profile_table(torch, lambda: batch_decode_steps(llm, args.batch, args.prompt_len, 8),
+                          profile_dir / f"profile-decode-{kv}.txt",
+                          f"batch-{args.batch} decode, {name}, KV {kv}, 8 steps after {args.prompt_len}-token prompts")
+    if eager:
+        return
+    prompts = _prompts(args.prefill_prompts, args.prefill_len, 1)
+    _timed_generate(llm, prompts[:1], 1)  # warm-up at this length
+    seconds = _timed_generate(llm, prompts, 1)
+    tokens = args.prefill_prompts * args.prefill_len
+    attention = 4 * shape["layers"] * shape["heads"] * shape["head_dim"] * (args.prefill_len / 2) * tokens
+    tflops = (2 * shape["matmul_params"] * tokens + attention) / seconds / 1e12
+    run["prefill"] = {"tok_s": tokens / seconds, "tflop_s": tflops, "of_matmul": tflops / limits["matmul_tflop_s"]}
+    print(f"prefill (KV {kv}): {tokens / seconds:,.0f} tok/s, {tflops:.0f} TFLOP/s = "
+          f"{tflops / limits['matmul_tflop_s']:.0%} of the matmul rate (goal {PREFILL_GOAL:.0%})")
+    if profile_dir is not None:
+        profile_table(torch, lambda: _timed_generate(llm, prompts, 1), profile_dir / "profile-prefill.txt",
+                      f"prefill, {args.prefill_prompts} x {args.prefill_len} tokens, KV {kv}")
+    batch_prompts = _prompts(args.batch, args.prompt_len, 2)
+    _timed_generate(llm, batch_prompts[:4], 4)
+    seconds = _timed_generate(llm, batch_prompts, args.output_len)
+    run["batch_tandem_tok_s"] = args.batch * args.output_len / seconds
+    print(f"batch {args.batch} (KV {kv}): tandem {run['batch_tandem_tok_s']:,.0f} output tok/s")
+
+
 def run_gpu_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -469,69 +593,32 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
         print(f"device: copy {limits['copy_gb_s']:.0f} GB/s (read + written), bf16 matmul "
               f"{limits['matmul_tflop_s']:.0f} TFLOP/s")
         max_len = max(args.prefill_len, args.prompt_len + args.output_len, 512) + 64
-        weight_bytes = 2 * shape["params"]
-        kv_per_token = 2 * 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"]
-        decode_prompt = 128
-        modes = [("graphs", False)] + ([] if args.no_eager else [("eager", True)])
-        for name, eager in modes:
-            llm = _engine(workdir, eager, max_len, max(args.batch, args.prefill_prompts))
-            try:
-                if not eager:
-                    results["kv"] = kv_room(llm, config, max_len, kv_per_token, args.prompt_len + args.output_len,
-                                            torch.cuda.mem_get_info()[1])
-                step = decode_step_seconds(llm, decode_prompt, args.decode_steps)
-                kv_read = kv_per_token * (decode_prompt + args.decode_steps // 2)
-                read = 2 * shape["matmul_params"] + kv_read  # the embedding is one row's lookup
-                bound = read / (limits["copy_gb_s"] * 1e9)
-                # As SGLang's "76% of the bound" counts it: every weight, the embedding too.
-                loose = (weight_bytes + kv_read) / (limits["copy_gb_s"] * 1e9)
-                results[f"decode_{name}"] = {"step_ms": step * 1e3, "tok_s": 1 / step, "bound_tok_s": 1 / bound,
-                                             "of_bound": bound / step, "gb_s": read / step / 1e9,
-                                             "of_bound_every_weight": loose / step}
-                print(f"batch-1 decode ({name}): {1 / step:.1f} tok/s ({step * 1e3:.2f} ms/step), "
-                      f"{read / step / 1e9:.0f} GB/s = {bound / step:.0%} of the copy bound "
-                      f"{1 / bound:.1f} tok/s (goal {DECODE_GOAL:.0%}); counting every weight as SGLang's "
-                      f"figure does, {loose / step:.0%} of {1 / loose:.1f} tok/s")
-                replay = graph_replay_seconds(torch, llm)
-                if replay is not None:
-                    results[f"decode_{name}"] |= {"graph_ms": replay * 1e3, "host_ms": (step - replay) * 1e3}
-                    print(f"  of which the batch-1 graph (the forward, on the GPU): {replay * 1e3:.2f} ms = "
-                          f"{read / replay / 1e9:.0f} GB/s; the rest of the step (head, sampling, host work): "
-                          f"{(step - replay) * 1e3:.2f} ms")
-                if args.profile:
-                    profile_table(torch, lambda llm=llm: decode_step_seconds(llm, decode_prompt, 8),
-                                  out / f"profile-decode-{name}.txt")
-                if eager:
-                    continue
-                prompts = _prompts(args.prefill_prompts, args.prefill_len, 1)
-                _timed_generate(llm, prompts[:1], 1)  # warm-up at this length
-                seconds = _timed_generate(llm, prompts, 1)
-                tokens = args.prefill_prompts * args.prefill_len
-                attention = 4 * shape["layers"] * shape["heads"] * shape["head_dim"] * (args.prefill_len / 2) * tokens
-                flops = 2 * shape["matmul_params"] * tokens + attention
-                tflops = flops / seconds / 1e12
-                results["prefill"] = {"tok_s": tokens / seconds, "tflop_s": tflops,
-                                      "of_matmul": tflops / limits["matmul_tflop_s"]}
-                print(f"prefill: {tokens / seconds:,.0f} tok/s, {tflops:.0f} TFLOP/s = "
-                      f"{tflops / limits['matmul_tflop_s']:.0%} of the matmul rate (goal {PREFILL_GOAL:.0%})")
-                if args.profile:
-                    profile_table(torch, lambda llm=llm, p=prompts: _timed_generate(llm, p, 1),
-                                  out / "profile-prefill.txt")
-                batch_prompts = _prompts(args.batch, args.prompt_len, 2)
-                _timed_generate(llm, batch_prompts[:4], 4)
-                seconds = _timed_generate(llm, batch_prompts, args.output_len)
-                results["batch_tandem_tok_s"] = args.batch * args.output_len / seconds
-                print(f"batch {args.batch}: tandem {results['batch_tandem_tok_s']:,.0f} output tok/s")
-            finally:
-                llm.shutdown()
-                del llm
-                gc.collect()  # the engine's cycles hold the KV cache: free it for the next engine
-                torch.cuda.empty_cache()
+        batch_tok_s = None
+        for index, kv in enumerate(kv_cache_dtypes(args.kv_cache_dtypes)):
+            modes = [("graphs", False)] + ([] if args.no_eager or index else [("eager", True)])
+            for name, eager in modes:
+                llm = _engine(workdir, eager, max_len, kv)
+                try:
+                    run = results.setdefault(kv, {})
+                    measure_engine(torch, llm, args, config, shape, limits, name, kv, max_len, run,
+                                   out if args.profile else None)
+                    if not eager:
+                        run["memory"] = device_in_use(torch)
+                        print(f"device memory in use after the runs: {run['memory']['in_use_gib']:.1f} of "
+                              f"{run['memory']['total_gib']:.1f} GiB (torch's peak reservation "
+                              f"{run['memory']['torch_peak_reserved_gib']:.1f} GiB)")
+                        batch_tok_s = batch_tok_s or run.get("batch_tandem_tok_s")
+                finally:
+                    llm.shutdown()
+                    del llm
+                    gc.collect()  # the engine's cycles hold the KV cache: free it for the next engine
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
         if not args.no_transformers:
             hf = transformers_throughput(torch, workdir / "config.json", args.batch, args.prompt_len, args.output_len)
             results["batch_transformers_tok_s"] = hf
             print(f"batch {args.batch}: transformers {hf:,.0f} output tok/s; tandem / transformers = "
-                  f"{results['batch_tandem_tok_s'] / hf:.2f}x")
+                  f"{batch_tok_s / hf:.2f}x")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)

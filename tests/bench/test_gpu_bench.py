@@ -32,8 +32,11 @@ def test_refuses_without_a_gpu(capsys) -> None:
     assert "needs a GPU" in capsys.readouterr().err
 
 
-def test_kv_room_beside_vllm_and_a_contiguous_cache(tmp_path, capsys) -> None:
-    """The bench's KV line on a small dummy model here (the GPU's total passed in)."""
+@pytest.mark.parametrize(("kv", "row_bytes", "peer"), [("auto", 2 * 64, "auto"), ("int8", 64 + 4, "fp8")])
+def test_kv_room_beside_vllm_and_a_contiguous_cache(tmp_path, capsys, kv: str, row_bytes: int, peer: str) -> None:
+    """The bench's KV line on a small dummy bf16 model here (the GPU's total passed in): the
+    tokens as allocated, their bytes as the plan counts them, and vLLM beside it in the same
+    KV dtype, or in fp8 for int8, which vLLM has not."""
     from tandem.bench.gpu import kv_room
     from tandem.llm import LLM
 
@@ -41,17 +44,28 @@ def test_kv_room_beside_vllm_and_a_contiguous_cache(tmp_path, capsys) -> None:
     config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, vocab_size=1024)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory="8MiB", max_model_len=512)
+    llm = LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=512,
+              kv_cache_dtype=kv)
     try:
-        kv_per_token = 2 * 4 * 2 * 2 * 64  # K and V, fp32, 2 layers, 2 heads, 64 dims
-        room = kv_room(llm, config, 512, kv_per_token, 256, 80 << 30)
+        room = kv_room(llm, config, 512, 256, 80 << 30, kv)
     finally:
         llm.shutdown()
+    kv_per_token = 2 * 2 * 2 * row_bytes  # K and V, 2 layers, 2 heads, a row each
+    assert room["kv_bytes_per_token"] == kv_per_token
     assert room["tandem_tokens"] == 8 * 2**20 // (kv_per_token * 16) * 16
     assert room["paged_sequences"] == room["tandem_tokens"] // 256
     assert room["contiguous_sequences"] == room["tandem_tokens"] // 512
-    assert room["vllm_default_tokens"] > 0
-    assert "vLLM's defaults here (planned)" in capsys.readouterr().out
+    assert room["vllm_kv_cache_dtype"] == peer and room["vllm_default_tokens"] > 0
+    assert room["tandem_planned_tokens"] > room["tandem_tokens"]  # 80 GiB planned, 8 MiB given
+    assert f"vLLM's defaults here in {peer} (planned)" in capsys.readouterr().out
+
+
+def test_kv_cache_dtypes_are_checked_at_parse_time(capsys) -> None:
+    for bad in ("int4", "fp8,fp8", ""):
+        with pytest.raises(SystemExit) as exited:
+            main(["bench", "gpu", "--kv-cache-dtypes", bad])
+        assert exited.value.code == 2
+        assert "--kv-cache-dtypes" in capsys.readouterr().err
 
 
 def test_an_unknown_config_fails_at_parse_time(capsys) -> None:
