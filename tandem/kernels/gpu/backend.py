@@ -6,9 +6,12 @@ The step's keys and values are written into the cache first, so a prefill chunk 
 whole context, cached prefix and fresh tokens alike, from the cache.
 
 Under --kv-cache-dtype int8 (rows of int8 values and their scale, tandem/kernels/kv_format.py)
-torch rounds the step's keys and values into rows, the same function every CPU path and
-connector uses, and the write kernel stores those bytes; the attention kernels read the rows
-as stored (rotated) and this backend rotates the query before them and the output after.
+the write kernel rounds the step's keys and values into rows itself, with the arithmetic of
+`quantize_rows` (the function every CPU path and connector uses; a head size the kernel does
+not take is rounded by it in torch, and the bytes stored). One kernel a layer instead of a
+dozen small torch ones: on an H200 those were ~1.3 ms of a 12.8 ms batch-1 step of
+Llama-3.1-8B. The attention kernels read the rows as stored (rotated), and this backend
+rotates the query before them and the output after.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ import torch
 
 from tandem.kernels.base import AttentionMetadata
 from tandem.kernels.gpu import TRITON_CAPABILITIES, available
-from tandem.kernels.gpu.cache_write import write_kv
+from tandem.kernels.gpu.cache_write import fused_int8_write, write_kv, write_kv_int8
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.prefill_attention import prefill_attention
-from tandem.kernels.kv_format import is_int8_cache, quantize_rows, rotate_rows
+from tandem.kernels.kv_format import INT8_SCALE_BYTES, is_int8_cache, quantize_rows, rotate_rows
 
 _SCRATCH_KEY = "triton"
 FP8 = torch.float8_e4m3fn
@@ -55,6 +58,9 @@ class TritonAttentionBackend:
         if kv_cache.shape[0] != 2 or block_size < 16 or block_size & (block_size - 1):
             raise ValueError("--attention-backend triton needs a key and a value plane and a "
                              f"block size that is a power of two >= 16, got {tuple(kv_cache.shape)}")
+        if is_int8_cache(kv_cache) and (kv_cache.shape[-1] - INT8_SCALE_BYTES) % 4:
+            raise ValueError("--kv-cache-dtype int8 on --attention-backend triton needs a head size that is a "
+                             f"multiple of 4 (its kernels read a row as 32-bit words), got {tuple(kv_cache.shape)}")
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -66,6 +72,9 @@ class TritonAttentionBackend:
             # just under a power of two down a whole binade, and CI can only test that one.
             key, value = (x.clamp(-FP8_MAX, FP8_MAX).to(FP8) for x in (key, value))
         elif is_int8_cache(kv_cache) and key.dtype != torch.uint8:
+            if fused_int8_write(key.shape[-1]):
+                write_kv_int8(key, value, kv_cache, meta.slot_mapping)
+                return
             key, value = quantize_rows(key), quantize_rows(value)
         write_kv(key, value, kv_cache, meta.slot_mapping)
 

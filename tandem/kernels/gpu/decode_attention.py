@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.gpu.online_softmax import TILE, attend_block, tile_rows
+from tandem.kernels.gpu.online_softmax import (
+    TILE,
+    attend_block,
+    attend_int8_lanes,
+    load_query_lanes,
+    store_lanes,
+    tile_rows,
+)
 
 
 @triton.jit
@@ -29,7 +36,7 @@ def _decode_kernel(
     stride_lt, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, INT8: tl.constexpr,
-    PRECISION: tl.constexpr,
+    LANES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -42,32 +49,56 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + g
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-
+    q_rows = q_ptr + row * stride_qt + heads[:, None] * stride_qh
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     keys = cache_ptr + kv_head * stride_ch
     values = keys + stride_cp
     end = tl.minimum(last * BLOCK_SIZE, context)  # this split's positions: [first, last) blocks
-    for start in range(first * BLOCK_SIZE, end, BLOCK_N):
-        key_pos = start + n
-        valid = key_pos < end
-        rows = tile_rows(tables_ptr + row * stride_tt, key_pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
-        m, total, acc = attend_block(q, keys, values, rows, valid, d, valid[None, :], scale, m, total, acc,
-                                     HEAD_DIM, INT8, PRECISION)
-
-    seen = total > 0  # a split past the row's context saw nothing
-    out = acc / tl.where(seen, total, 1.0)[:, None]
+    if LANES:  # an int8 cache, read a word at a time in four lanes (online_softmax.py)
+        w = tl.arange(0, BLOCK_D // 4)
+        lane_mask = (g[:, None] < GROUP) & (4 * w[None, :] < HEAD_DIM)
+        q0, q1, q2, q3 = load_query_lanes(q_rows, w, lane_mask)
+        a0 = tl.zeros([BLOCK_G, BLOCK_D // 4], tl.float32)
+        a1 = tl.zeros([BLOCK_G, BLOCK_D // 4], tl.float32)
+        a2 = tl.zeros([BLOCK_G, BLOCK_D // 4], tl.float32)
+        a3 = tl.zeros([BLOCK_G, BLOCK_D // 4], tl.float32)
+        for start in range(first * BLOCK_SIZE, end, BLOCK_N):
+            key_pos = start + n
+            valid = key_pos < end
+            rows = tile_rows(tables_ptr + row * stride_tt, key_pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
+            m, total, a0, a1, a2, a3 = attend_int8_lanes(q0, q1, q2, q3, keys, values, rows, valid, w,
+                                                         valid[None, :], scale, m, total, a0, a1, a2, a3,
+                                                         HEAD_DIM, PRECISION)
+        seen = total > 0  # a split past the row's context saw nothing
+        norm = tl.where(seen, total, 1.0)[:, None]
+        if SPLIT:
+            store_lanes(part_ptr + row * stride_pt + heads[:, None] * stride_ph + split * stride_ps, w, lane_mask,
+                        a0 / norm, a1 / norm, a2 / norm, a3 / norm)
+        else:
+            store_lanes(out_ptr + row * stride_ot + heads[:, None] * stride_oh, w, lane_mask,
+                        a0 / norm, a1 / norm, a2 / norm, a3 / norm)
+    else:
+        q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+        q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(first * BLOCK_SIZE, end, BLOCK_N):
+            key_pos = start + n
+            valid = key_pos < end
+            rows = tile_rows(tables_ptr + row * stride_tt, key_pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
+            m, total, acc = attend_block(q, keys, values, rows, valid, d, valid[None, :], scale, m, total, acc,
+                                         HEAD_DIM, BLOCK_D, INT8, PRECISION)
+        seen = total > 0  # a split past the row's context saw nothing
+        out = acc / tl.where(seen, total, 1.0)[:, None]
+        if SPLIT:
+            part = part_ptr + row * stride_pt + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
+            tl.store(part, out, mask=q_mask)
+        else:
+            dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     if SPLIT:
-        part = part_ptr + row * stride_pt + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
-        tl.store(part, out, mask=q_mask)
         lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
         tl.store(lse_ptr + row * stride_lt + heads * stride_lh + split, lse, mask=g < GROUP)
-    else:
-        dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -93,6 +124,12 @@ def _combine_kernel(
              mask=d < HEAD_DIM)
 
 
+def int8_lanes_fit(head_dim: int, block_d: int) -> bool:
+    """Whether an int8 cache's rows of this head size are read in lanes (attend_int8_lanes):
+    lanes of 16+ values, the least a dot takes (a head of 64 or more)."""
+    return block_d // 4 >= 16
+
+
 def decode_splits(rows: int, kv_heads: int, max_blocks: int, target_programs: int) -> int:
     """How many programs share one row's blocks: enough that rows × KV heads × splits reaches
     `target_programs` (a few per SM), but at least 4 blocks each, and at most 64 splits."""
@@ -105,6 +142,7 @@ def decode_splits(rows: int, kv_heads: int, max_blocks: int, target_programs: in
 def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, max_context_len: int, scale: float, num_splits: int = 1,
+    int8_lanes: bool = True,
 ) -> torch.Tensor:
     """query [rows, heads, head_dim] → out (same shape); row i attends to context_lens[i]
     tokens found through block_tables[i] in kv_cache [2, kv_heads, blocks, block_size, width]
@@ -138,6 +176,7 @@ def paged_decode_attention(
         lse.stride(0), lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=TILE, SPLIT=split, INT8=kv_cache.dtype == torch.uint8,
+        LANES=int8_lanes and kv_cache.dtype == torch.uint8 and int8_lanes_fit(head_dim, block_d),
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     if split:

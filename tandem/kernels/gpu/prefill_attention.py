@@ -59,7 +59,7 @@ def _prefill_kernel(
             rows = block * stride_cb + t * stride_ct
             visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < context)
             m, total, acc = attend_block(q, keys, values, rows, key_pos < context, d, visible, scale, m, total,
-                                         acc, HEAD_DIM, INT8, PRECISION)
+                                         acc, HEAD_DIM, BLOCK_D, INT8, PRECISION)
         out = acc / total[:, None]
         tl.store(out_ptr + (q_start + r)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.base import AttentionMetadata, PrefillSpan, kv_cache_shape
+from tandem.kernels.base import AttentionMetadata, kv_cache_shape
 from tandem.kernels.gpu.backend import TritonAttentionBackend
-from tandem.kernels.gpu.cache_write import write_kv
+from tandem.kernels.gpu.cache_write import fused_int8_write, write_kv, write_kv_int8
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.rms_norm import rms_norm
 from tandem.kernels.kv_format import quantize_rows
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.norm import RMSNorm
+from tests.support.attention_cases import assert_stored_as_the_reference, mixed_step
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
 
@@ -105,52 +106,14 @@ def test_decode_splits_fill_the_device_but_keep_a_few_blocks_each() -> None:
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_a_mixed_batch_matches_the_torch_backend(dtype: torch.dtype, kv: str, heads: int, kv_heads: int,
                                                  dim: int, block_size: int) -> None:
-    """Two decodes, then three prefill chunks: a fresh prompt, a chunk after a cached prefix
-    that ends mid-block, and a one-token chunk; the step's K/V written by the backend. With
-    `fp8` the cache is float8 e4m3 (--kv-cache-dtype fp8): the kernels store each key and value
-    rounded to it and widen what they read, so the reference attends over the same rounded
-    values in fp32. With `int8` the cache holds rotated int8 rows and their scales: both
-    backends store the same bytes, and the reference (the torch backend over that cache, in
-    fp32) attends over the dequantized rows."""
-    generator = torch.Generator().manual_seed(7)
-    torch.manual_seed(dim + block_size)
-    decode_contexts = [block_size + 3, 2]
-    chunks = [(0, 5), (block_size + 9, 2 * block_size + 2), (70, 1)]  # (cached, q_len)
-    contexts = decode_contexts + [cached + q_len for cached, q_len in chunks]
-    blocks = sum(-(-c // block_size) for c in contexts) + 2
-    cache = _cache(blocks, block_size, kv_heads, dim, dtype)
-    tables = _tables(contexts, block_size, blocks, generator)
-    rows = len(decode_contexts) + sum(q_len for _, q_len in chunks)
-    query = torch.randn(rows, heads, dim, dtype=dtype)
-    key = torch.randn(rows, kv_heads, dim, dtype=dtype)
-    value = torch.randn(rows, kv_heads, dim, dtype=dtype)
-    slots, spans, start = [], [], len(decode_contexts)
-    for i, c in enumerate(decode_contexts):  # a decode's token is the last of its context
-        slots.append(int(tables[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size)
-    for j, (cached, q_len) in enumerate(chunks):
-        row = len(decode_contexts) + j
-        table = tables[row, : -(-(cached + q_len) // block_size)]
-        spans.append(PrefillSpan(start, q_len, cached + q_len, table))
-        slots += [int(table[p // block_size]) * block_size + p % block_size for p in range(cached, cached + q_len)]
-        start += q_len
-    meta = AttentionMetadata(torch.tensor(slots), len(decode_contexts), tables[:2], torch.tensor(decode_contexts),
-                             max(decode_contexts), spans, block_size)
-    scale = dim ** -0.5
-    if kv == "fp8":
-        cache = cache.to(torch.float8_e4m3fn)
-    elif kv == "int8":
-        cache = quantize_rows(cache)
-    reference_cache = cache.clone() if kv == "int8" else cache.float().clone()
-    triton_backend = TritonAttentionBackend(target_programs=16)  # splits the 2 decodes too
-    triton_backend.check(cache)
-    triton_backend.write_kv(key, value, cache, meta)
-    got = triton_backend.attend(query, key, value, cache, meta, scale)
-    torch_backend = TorchAttentionBackend()
-    stored = (lambda x: x.to(cache.dtype).float()) if kv == "fp8" else (lambda x: x.float())
-    torch_backend.write_kv(stored(key), stored(value), reference_cache, meta)
-    want = torch_backend.attend(query.float(), stored(key), stored(value), reference_cache, meta, scale)
-    torch.testing.assert_close(cache if kv == "int8" else cache.float(), reference_cache, atol=0, rtol=0)
-    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    """The mixed step of tests/support/attention_cases.py: two decodes and three prefill chunks
+    (a fresh prompt, a chunk after a cached prefix that ends mid-block, a one-token chunk), the
+    step's K/V written by the backend. Both backends store the same bytes (fp8: each key and
+    value rounded to e4m3; int8: rotated rows and their scales, the Triton write kernel's to
+    a level on a rounding boundary), and the reference attends over what it stored, in fp32."""
+    step = mixed_step(dtype, kv, heads, kv_heads, dim, block_size)
+    assert_stored_as_the_reference(step, kv, dim)
+    torch.testing.assert_close(step.got.float(), step.want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -176,6 +139,9 @@ def test_the_backend_refuses_what_its_kernels_cannot_read() -> None:
         TritonAttentionBackend.check(torch.zeros(kv_cache_shape(4, 8, 2, 64)))
     with pytest.raises(ValueError, match="key and a value plane"):
         TritonAttentionBackend.check(torch.zeros(kv_cache_shape(4, 16, 1, 64, num_planes=1)))
+    with pytest.raises(ValueError, match="multiple of 4"):  # int8 rows of 66 values and a scale
+        TritonAttentionBackend.check(torch.zeros(kv_cache_shape(4, 16, 2, 70), dtype=torch.uint8))
+    TritonAttentionBackend.check(torch.zeros(kv_cache_shape(4, 16, 2, 68), dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("shape", [(5, 96), (3, 4, 64)])
@@ -271,3 +237,53 @@ def test_gate_up_and_rotary_modules_take_the_gpu_passes_where_attached() -> None
     torch.testing.assert_close(model["mlp"](x), want_mlp, atol=2e-3, rtol=2e-3)
     assert torch.equal(model["rotary"].rotate_(angles, qk), want_rotated)
     assert calls == ["silu_mul", "rotary"]
+
+
+@pytest.mark.parametrize(("kv_heads", "dim"), [(3, 64), (2, 128), (1, 256), (5, 32)])
+def test_the_int8_write_kernel_rounds_as_quantize_rows(kv_heads: int, dim: int) -> None:
+    """The fused int8 write against quantize_rows' rows placed by the plain write: the same
+    levels (to one on a rounding boundary) and scales, a padding slot left alone, a zero row
+    stored as zeros with scale 0, and a large channel spread by the rotation."""
+    torch.manual_seed(dim)
+    cache = quantize_rows(_cache(6, 16, kv_heads, dim, torch.float32))
+    reference = cache.clone()
+    slots = torch.tensor([5, 16, 55, -1, 95])
+    key, value = torch.randn(5, kv_heads, dim), torch.randn(5, kv_heads, dim)
+    key[:, :, 3] *= 40.0  # an outlier channel, as Qwen2.5's keys have
+    value[2] = 0.0
+    assert fused_int8_write(dim)
+    write_kv_int8(key, value, cache, slots)
+    kept = slots >= 0
+    write_kv(quantize_rows(key[kept]), quantize_rows(value[kept]), reference, slots[kept])
+    levels = cache[..., :dim].view(torch.int8).int()
+    want = reference[..., :dim].view(torch.int8).int()
+    assert (levels - want).abs().max() <= 1 and (levels != want).float().mean() < 0.01
+    torch.testing.assert_close(cache[..., dim:].contiguous().view(torch.float32),
+                               reference[..., dim:].contiguous().view(torch.float32), rtol=1e-6, atol=0)
+    zero_row = cache[1, :, 55 // 16, 55 % 16]
+    assert not zero_row.any()  # values and scale
+
+
+def test_the_int8_write_kernel_takes_runs_it_can_rotate_with_a_dot() -> None:
+    """Head sizes whose rotation runs are 16+ values, a power of two of them to a row: the
+    others (MLA's 576-wide latent: nine runs; 80: no rotation) are rounded in torch."""
+    assert [d for d in (8, 16, 32, 64, 80, 96, 128, 192, 256, 576) if fused_int8_write(d)] == [16, 32, 64, 128, 256]
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_int8_rows_read_in_lanes_as_split_into_bytes(dim: int, splits: int) -> None:
+    """The decode kernel over an int8 cache: rows read as words in four lanes (head sizes of
+    64+) against the same words split into bytes in registers (the prefill kernel's way, and
+    the decode kernel's for narrower heads)."""
+    torch.manual_seed(dim + splits)
+    generator = torch.Generator().manual_seed(3)
+    contexts = [40, 17, 3]
+    cache = quantize_rows(_cache(12, 16, 2, dim, torch.float32))
+    tables = _tables(contexts, 16, 12, generator)
+    query = torch.randn(len(contexts), 8, dim)
+    lens = torch.tensor(contexts)
+    lanes = paged_decode_attention(query, cache, tables, lens, max(contexts), dim ** -0.5, splits, int8_lanes=True)
+    split = paged_decode_attention(query, cache, tables, lens, max(contexts), dim ** -0.5, splits,
+                                     int8_lanes=False)
+    torch.testing.assert_close(lanes, split, atol=2e-6, rtol=2e-6)

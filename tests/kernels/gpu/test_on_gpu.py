@@ -50,12 +50,12 @@ def test_bf16_decode_attention_matches_the_torch_backend(splits: int) -> None:
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
 
 
-def _tokens(model_dir: str, eager: bool, dtype: str) -> list[list[int]]:
+def _tokens(model_dir: str, eager: bool, dtype: str, kv_cache_dtype: str = "auto") -> list[list[int]]:
     from tandem.llm import LLM
     from tandem.types import SamplingParams
 
     llm = LLM(model_dir, load_format="dummy", dtype=dtype, device="cuda", enforce_eager=eager,
-              max_model_len=512, kv_cache_memory="1GiB", max_cudagraph_batch=16)
+              max_model_len=512, kv_cache_memory="1GiB", max_cudagraph_batch=16, kv_cache_dtype=kv_cache_dtype)
     try:
         prompts = [[(13 * i + 7 * j) % 4000 + 10 for j in range(5 + 9 * i)] for i in range(11)]
         outs = llm.generate(prompts[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -73,6 +73,28 @@ def test_cuda_graphs_give_the_eager_tokens(tmp_path) -> None:
     the size-4 graph, 11 as 16, shrinking as requests finish."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     assert _tokens(str(tmp_path), False, "float32") == _tokens(str(tmp_path), True, "float32")
+
+
+def test_cuda_graphs_over_an_int8_cache_give_the_eager_tokens(tmp_path) -> None:
+    """--kv-cache-dtype int8 in the graphs: each step's rows rounded (the Hadamard rotation, the
+    scale, the levels) and the kernels' widening captured, the same tokens as eager steps."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert _tokens(str(tmp_path), False, "float32", "int8") == _tokens(str(tmp_path), True, "float32", "int8")
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8", "int8"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (32, 8, 128)])
+def test_a_mixed_step_compiled_in_bf16_matches_the_torch_backend(kv: str, heads: int, kv_heads: int,
+                                                                 dim: int) -> None:
+    """The interpreted tests' mixed step (two decodes, a fresh prompt, a chunk after a cached
+    prefix ending mid-block, a one-token chunk) with the kernels compiled, in bf16, each KV
+    cache dtype, against the torch backend in fp32 on the CPU, the stored bytes the reference's
+    (int8: to a level on a rounding boundary)."""
+    from tests.support.attention_cases import assert_stored_as_the_reference, mixed_step
+
+    step = mixed_step(torch.bfloat16, kv, heads, kv_heads, dim, 16, device="cuda")
+    assert_stored_as_the_reference(step, kv, dim)
+    torch.testing.assert_close(step.got.float().cpu(), step.want, atol=2e-2, rtol=2e-2)
 
 
 def test_staged_copies_equal_a_plain_copy() -> None:
@@ -105,6 +127,28 @@ def test_fp8_kv_cache_on_the_gpu(tmp_path) -> None:
             llm.shutdown()
     assert 2 * runs["auto"][0] <= runs["fp8"][0] < 2 * (runs["auto"][0] + 1)
     assert runs["fp8"][1][:1] == runs["auto"][1][:1]
+
+
+def test_int8_kv_cache_on_the_gpu(tmp_path) -> None:
+    """--kv-cache-dtype int8 in bf16 on a GPU: rows of 64 int8 values and a 4-byte scale
+    against bf16's 128 bytes, so the blocks a 256 MiB budget holds grow by 128 / 68; CUDA
+    graphs over it, and the same first token as the bf16 cache on random weights."""
+    from tandem.llm import LLM
+    from tandem.types import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    runs = {}
+    for kv in ("auto", "int8"):
+        llm = LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", device="cuda", kv_cache_dtype=kv,
+                  max_model_len=512, kv_cache_memory="256MiB", max_cudagraph_batch=8)
+        try:
+            out = llm.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            runs[kv] = (llm.engine.core.num_blocks, out[0].outputs[0].token_ids)
+        finally:
+            llm.shutdown()
+    (bf16_blocks, bf16_tokens), (int8_blocks, int8_tokens) = runs["auto"], runs["int8"]
+    assert int8_blocks * 68 < (bf16_blocks + 1) * 128 and (int8_blocks + 1) * 68 > bf16_blocks * 128
+    assert int8_tokens[:1] == bf16_tokens[:1]
 
 
 def test_bf16_rotary_and_silu_mul_compiled() -> None:
