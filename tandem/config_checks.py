@@ -68,7 +68,9 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
         return
     if not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
         raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "
-                         "--attention-backend triton under TRITON_INTERPRET=1)")
+                         "--attention-backend triton under TRITON_INTERPRET=1); on a CPU, --kv-cache-dtype "
+                         "int8 takes about as few bytes (a row's int8 values and one fp32 scale), loses less "
+                         "(docs/performance.md, KV codecs) and every CPU backend reads it")
     if (config.kv_transfer.role != "both" or config.kv_tiers.enabled or config.kv_transfer.shared_memory
             or config.speculative.method):
         raise ValueError("--kv-cache-dtype fp8 does not yet work with --role prefill/decode, the KV tiers, "
