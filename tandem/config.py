@@ -40,7 +40,7 @@ SUPPORTED_ARCHITECTURES = (
 # architecture, the prefix of its tensors in the checkpoint).
 TEXT_BACKBONES = {"KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.")}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # the cache's rows: the model's dtype, float8 e4m3, int8 + a scale
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")  # the model's dtype, bf16, float8 e4m3, int8 + a scale
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -57,14 +57,17 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
     caches of any dtype: the reader rounds what it receives into its rows; a shared-memory
     copy only between two int8 caches, a float reader asks over the port). Speculative
     decoding takes it: the target's cache is int8, a draft model or Eagle head keeps its own
-    cache in the model's dtype."""
+    cache in the model's dtype. A bf16 cache under an fp32 model is a float cache like any
+    other: every backend and connector reads it (the C decode kernel widens bf16 rows for fp32
+    queries; the C prefill kernel and the C layer stack want the model's dtype, so those steps
+    take the module path)."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return
     if choice not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {choice!r}")
     backend = config.load.attention_backend
-    if choice == "int8":
+    if choice in ("int8", "bfloat16"):
         return
     if not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
         raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "

@@ -29,7 +29,7 @@ TP2 = ParallelConfig.of(2, 2, "mp")
     ({"parallel": TP2, "kv_transfer": KVTransferConfig(role="prefill")},
      "--tensor-parallel-size or --pipeline-parallel-size > 1 does not yet work with --role"),
     ({"parallel": TP2, "kv_tiers": KVTiersConfig(cpu_bytes=1 << 20)}, "or the KV tiers"),
-    ({"cache": CacheConfig(kv_cache_dtype="int4")}, "--kv-cache-dtype must be one of auto, fp8, int8, not 'int4'"),
+    ({"cache": CacheConfig(kv_cache_dtype="int4")}, "--kv-cache-dtype must be one of auto, bfloat16, fp8, int8, not 'int4'"),
     ({"cache": CacheConfig(kv_cache_dtype="fp8")}, "TRITON_INTERPRET=1); on a CPU, --kv-cache-dtype int8 takes"),
     ({"cache": CacheConfig(kv_cache_dtype="fp8"), "load": LoadConfig(device="cpu", attention_backend="triton"),
       "kv_transfer": KVTransferConfig(shared_memory=True)}, "--kv-cache-dtype fp8 does not yet work with"),

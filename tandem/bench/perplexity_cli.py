@@ -14,7 +14,7 @@ from tandem.flags.table import Command, Flag, FlagTable
 # kvcache/codec.py's, but the cache's own bytes; and fp8, the fp8 cache's rounding (the GPU
 # backend's), applied to this engine's cache since the CPU backends do not read fp8
 KV_DTYPES = ("bfloat16", "int8", "int4", "fp8")
-KV_CACHE_DTYPES_MEASURED = ("int8",)  # --kv-cache-dtype values a CPU run can measure
+KV_CACHE_DTYPES_MEASURED = ("int8", "bfloat16")  # --kv-cache-dtype values a CPU run can measure
 
 # key -> (label, LLM keywords); the first is the baseline every other is compared with. Every
 # mode names all three settings, so none takes the CPU's default mode's `auto`; "default" is
@@ -277,7 +277,8 @@ def _measure_cache_dtypes(args: argparse.Namespace, tokens: list[int], prompts: 
     rows = []
     for name in names:
         ppl, outs = run(name)
-        ratio = stored_row_width(head_dim, torch.uint8) / (2 * head_dim)  # int8 rows + scale vs bf16 rows
+        cache = torch.uint8 if name == "int8" else torch.bfloat16
+        ratio = stored_row_width(head_dim, cache) * cache.itemsize / (2 * head_dim)  # vs bf16 rows
         rows.append((name, ratio, ppl, base_ppl, _agreement(base_outs, outs)))
     return rows
 

@@ -170,13 +170,14 @@ class Worker:
         return self._info
 
     def _kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype: the model's, float8 e4m3 under --kv-cache-dtype fp8, or uint8
-        rows of int8 values and their scale under int8 (tandem/kernels/kv_format.py; which
-        settings each works with is checked with the config, tandem/config_checks.py)."""
+        """The KV cache's dtype: the model's, bf16 under --kv-cache-dtype bfloat16 (an fp32
+        model's cache at half the bytes), float8 e4m3 under fp8, or uint8 rows of int8 values and
+        their scale under int8 (tandem/kernels/kv_format.py; which settings each works with is
+        checked with the config, tandem/config_checks.py)."""
         choice = self.config.cache.kv_cache_dtype
         if choice == "auto":
             return self.dtype
-        return torch.uint8 if choice == "int8" else torch.float8_e4m3fn
+        return {"bfloat16": torch.bfloat16, "int8": torch.uint8}.get(choice, torch.float8_e4m3fn)
 
     def _pipeline_stage(self, num_layers: int) -> PipelineStage:
         """This rank's stage: its layers, and the peers it receives from and sends to."""

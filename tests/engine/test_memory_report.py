@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
 def test_the_logged_split_matches_the_plan(dtype: str, kv_cache_dtype: str) -> None:
     # One copy of the weights, as the plan counts them (--exact's fp32 GEMV rows are a second).
     with LLM("smollm2-135m", dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="16MiB",
@@ -36,7 +36,7 @@ def test_the_logged_split_matches_the_plan(dtype: str, kv_cache_dtype: str) -> N
         info = core.worker_infos[0]
         hf = json.loads((Path(info.hf_dir) / "config.json").read_text())
         plan = plan_memory(hf, PlanRequest(parse_devices("cpu:16GiB"), dtype=dtype,
-                                           kv_cache_dtype="int8" if kv_cache_dtype == "int8" else "auto")).tandem
+                                           kv_cache_dtype=kv_cache_dtype)).tandem
         stage = plan.stages[0]
         assert hf["tie_word_embeddings"]
         head_packed = dtype == "float32" or onednn_bf16_available()
