@@ -334,3 +334,17 @@ def test_caches_of_two_dtypes_on_one_host_hand_off_over_the_port(tmp_path) -> No
         assert _counters(decode)["pull_failures"] == 0
         assert _counters(prefill)["bytes_sent"] == rows * 68  # the int8 rows, over the port
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_a_bf16_cache_hands_off_to_an_fp32_decode_worker(tmp_path) -> None:  # noqa: ANN001
+    """--kv-cache-dtype bfloat16 under the fp32 model: the prefill worker sends its bf16 rows as
+    they are (128 bytes a row of 64, half an fp32 cache's), and the fp32 decode worker widens
+    them into its own rows and adopts every block."""
+    with _pd_pair(tmp_path, ("--kv-cache-dtype", "bfloat16", *WORKER_ARGS), WORKER_ARGS) as (prefill, decode):
+        handle, reply = _hand_off(prefill, decode, "Tell me about Coimbra.")
+        handed = len(handle["block_hashes"])
+        assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
+        assert reply["usage"]["completion_tokens"] == 16
+        rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
+        assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == rows * 64 * 2
+        assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
