@@ -10,18 +10,17 @@ kernel waiting on memory latency: 6.8 us a layer at batch 1 for a 200-token cont
 
 Under --kv-cache-dtype int8 a cached row is `HEAD_DIM` int8 values and their fp32 scale
 (tandem/kernels/kv_format.py). A row starts 4-byte aligned (HEAD_DIM + 4 bytes, HEAD_DIM a
-multiple of 4: the backend refuses others), so the kernels read a tile's rows as 32-bit
-words, not byte by byte. The decode kernel takes each word's four bytes as
-four lanes of the head dimension (attend_int8_lanes): four dots of a query lane with a key
-lane make the scores, four dots of the probabilities with a value lane the output's four
-lanes. The prefill kernel splits the words into bytes in registers and makes one dot of them
-(load_int8_rows). Either way the row scales multiply scores and probabilities, not values.
-Measured on an H200 (Llama-3.1-8B's heads; docs/performance.md): decode over 64 rows of
-2,048 tokens, a layer's kernel took 804 us byte by byte, 535 with words split in registers,
-220 in lanes (the bf16 cache's 140); the engine's int8 prefill ran at 28,500 tok/s with words
-split in registers and 25,100 in lanes. The rows are stored Hadamard-rotated; the caller rotates the query and the
-output (q.k = Rq.Rk, and the output is a weighted sum of rotated values), so the kernels never
-rotate."""
+multiple of 4: the backend refuses others), so the kernels read a tile's rows as 32-bit words,
+not byte by byte. The decode kernel takes each word's four bytes as four lanes of the head
+dimension (attend_int8_lanes): four dots of a query lane with a key lane make the scores, four
+dots of the probabilities with a value lane the output's four lanes. The prefill kernel splits
+the words into bytes in registers and makes one dot of them (load_int8_rows). Either way the
+row scales multiply scores and probabilities, not values. Measured on an H200 (Llama-3.1-8B's
+heads; docs/performance.md): decode over 64 rows of 2,048 tokens, a layer's kernel took 804 us
+byte by byte, 535 with words split in registers, 220 in lanes (the bf16 cache's 140); the
+engine's int8 prefill ran at 28,500 tok/s with words split in registers and 25,100 in lanes.
+The rows are stored Hadamard-rotated; the caller rotates the query and the output (q.k =
+Rq.Rk, and the output is a weighted sum of rotated values), so the kernels never rotate."""
 
 from __future__ import annotations
 
