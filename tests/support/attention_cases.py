@@ -25,6 +25,19 @@ class MixedStep:
     reference_cache: torch.Tensor
 
 
+def scattered_tables(contexts: list[int], block_size: int, blocks: int, generator: torch.Generator) -> torch.Tensor:
+    """Each sequence's block table: distinct blocks, scattered over the cache (not in order)."""
+    width = max(-(-c // block_size) for c in contexts)
+    order = torch.randperm(blocks, generator=generator)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int64)
+    used = 0
+    for i, context in enumerate(contexts):
+        n = -(-context // block_size)
+        tables[i, :n] = order[used: used + n]
+        used += n
+    return tables
+
+
 def mixed_step(dtype: torch.dtype, kv: str, heads: int, kv_heads: int, dim: int, block_size: int,
                device: str = "cpu") -> MixedStep:
     """Two decodes, then three prefill chunks: a fresh prompt, a chunk after a cached prefix
@@ -39,14 +52,7 @@ def mixed_step(dtype: torch.dtype, kv: str, heads: int, kv_heads: int, dim: int,
     contexts = decode_contexts + [cached + q_len for cached, q_len in chunks]
     blocks = sum(-(-c // block_size) for c in contexts) + 2
     cache = torch.randn(kv_cache_shape(blocks, block_size, kv_heads, dim), dtype=dtype)
-    width = max(-(-c // block_size) for c in contexts)
-    order = torch.randperm(blocks, generator=generator)  # each row's blocks scattered, not in order
-    tables = torch.zeros(len(contexts), width, dtype=torch.int64)
-    used = 0
-    for i, context in enumerate(contexts):
-        n = -(-context // block_size)
-        tables[i, :n] = order[used: used + n]
-        used += n
+    tables = scattered_tables(contexts, block_size, blocks, generator)
     rows = len(decode_contexts) + sum(q_len for _, q_len in chunks)
     query = torch.randn(rows, heads, dim, dtype=dtype)
     key = torch.randn(rows, kv_heads, dim, dtype=dtype)

@@ -15,26 +15,17 @@ from tandem.kernels.gpu.rms_norm import rms_norm
 from tandem.kernels.kv_format import quantize_rows
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.norm import RMSNorm
-from tests.support.attention_cases import assert_stored_as_the_reference, mixed_step
+from tests.support.attention_cases import (
+    assert_stored_as_the_reference,
+    mixed_step,
+    scattered_tables,
+)
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 
 def _cache(blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(kv_cache_shape(blocks, block_size, kv_heads, dim), dtype=dtype)
-
-
-def _tables(contexts: list[int], block_size: int, blocks: int, generator: torch.Generator) -> torch.Tensor:
-    """Each row's blocks: distinct, scattered over the cache (not in order)."""
-    width = max(-(-c // block_size) for c in contexts)
-    order = torch.randperm(blocks, generator=generator)
-    tables = torch.zeros(len(contexts), width, dtype=torch.int64)
-    used = 0
-    for i, context in enumerate(contexts):
-        n = -(-context // block_size)
-        tables[i, :n] = order[used: used + n]
-        used += n
-    return tables
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -64,7 +55,7 @@ def test_decode_matches_the_torch_backend(dtype: torch.dtype, heads: int, kv_hea
     contexts = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 100]
     blocks = sum(-(-c // block_size) for c in contexts) + 3
     cache = _cache(blocks, block_size, kv_heads, dim, dtype)
-    tables = _tables(contexts, block_size, blocks, generator)
+    tables = scattered_tables(contexts, block_size, blocks, generator)
     lens = torch.tensor(contexts)
     query = torch.randn(len(contexts), heads, dim, dtype=dtype)
     scale = dim ** -0.5
@@ -82,7 +73,7 @@ def test_padded_rows_read_nothing_and_give_zeros(splits: int) -> None:
     torch.manual_seed(splits)
     block_size, contexts = 16, [20, 0, 35, 0]
     cache = _cache(8, block_size, 2, 64, torch.float32)
-    tables = _tables([c or 1 for c in contexts], block_size, 8, torch.Generator().manual_seed(1))
+    tables = scattered_tables([c or 1 for c in contexts], block_size, 8, torch.Generator().manual_seed(1))
     query = torch.randn(len(contexts), 4, 64)
     got = paged_decode_attention(query, cache, tables, torch.tensor(contexts), 128, 0.125, splits)
     real = [0, 2]
@@ -280,7 +271,7 @@ def test_int8_rows_read_in_lanes_as_split_into_bytes(dim: int, splits: int) -> N
     generator = torch.Generator().manual_seed(3)
     contexts = [40, 17, 3]
     cache = quantize_rows(_cache(12, 16, 2, dim, torch.float32))
-    tables = _tables(contexts, 16, 12, generator)
+    tables = scattered_tables(contexts, 16, 12, generator)
     query = torch.randn(len(contexts), 8, dim)
     lens = torch.tensor(contexts)
     lanes = paged_decode_attention(query, cache, tables, lens, max(contexts), dim ** -0.5, splits, int8_lanes=True)
