@@ -58,9 +58,9 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
     copy only between two int8 caches, a float reader asks over the port). Speculative
     decoding takes it: the target's cache is int8, a draft model or Eagle head keeps its own
     cache in the model's dtype. A bf16 cache under an fp32 model is a float cache like any
-    other: every backend and connector reads it (the C decode kernel widens bf16 rows for fp32
-    queries; the C prefill kernel and the C layer stack want the model's dtype, so those steps
-    take the module path)."""
+    other (the C decode kernel widens bf16 rows for fp32 queries; the C prefill kernel and the C
+    layer stack want the model's dtype, so those steps take the module path). Tested on the CPU
+    backends and the PD handoff; the tiers and the Triton kernels not yet."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return
