@@ -375,9 +375,10 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None: derived from free memory at start
     enable_prefix_caching: bool = True
-    # "auto": the model's dtype; "fp8": float8 e4m3 with per-layer power-of-two scales measured
-    # at start (worker/kv_scales.py; the Triton backend only: it widens as it reads). Half the
-    # bytes: twice the tokens.
+    # "auto": the model's dtype; "bfloat16": bf16 rows (an fp32 model's cache at half the
+    # bytes); "fp8": float8 e4m3 with per-layer power-of-two scales measured at start
+    # (worker/kv_scales.py), a byte a value; "int8": rows of int8 values and their scale
+    # (kernels/kv_format.py). Every backend reads each; config_checks.py says what else takes them.
     kv_cache_dtype: str = "auto"
     # GPU: the share of each device the weights and KV cache may take; the activation peak and
     # the CUDA context must fit in the rest (worker/kv_sizing.py, as `tandem plan memory`).

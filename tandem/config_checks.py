@@ -50,34 +50,30 @@ def _check_parallel(config: EngineConfig) -> None:
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
-    """float8 e4m3 KV (--kv-cache-dtype fp8) only the Triton kernels read (they widen each block
-    as they load it), and no connector moves it yet (their codecs read float caches); int8 rows
-    with their scales (tandem/kernels/kv_format.py) every backend reads (the C decode kernel,
-    the torch path, the Triton kernels); the PD handoff over tcp and the tiers move them (to and from
-    caches of any dtype: the reader rounds what it receives into its rows; a shared-memory
-    copy only between two int8 caches, a float reader asks over the port). Speculative
-    decoding takes it: the target's cache is int8, a draft model or Eagle head keeps its own
-    cache in the model's dtype. A bf16 cache under an fp32 model is a float cache like any
-    other (the C decode kernel widens bf16 rows for fp32 queries; the C prefill kernel and the C
-    layer stack want the model's dtype, so those steps take the module path). Tested on the CPU
-    backends and the PD handoff; the tiers and the Triton kernels not yet."""
+    """Every attention backend reads every KV cache dtype: int8 rows with their scales
+    (tandem/kernels/kv_format.py) and float8 e4m3 (fp8) values in the C decode kernel, the
+    torch path and the Triton kernels. int8 rows the PD handoff over tcp and the tiers move
+    (to and from caches of any dtype: the reader rounds what it receives into its rows; a
+    shared-memory copy only between two int8 caches, a float reader asks over the port), and
+    speculative decoding takes them (the target's cache is int8, a draft model or Eagle head
+    keeps its own cache in the model's dtype). No connector moves fp8 yet: its values are
+    divided by per-layer scales the other side does not know, so fp8 with the handoff, the
+    tiers or speculative decoding is refused. A bf16 cache under an fp32 model is a float cache
+    like any other (the C decode kernel widens bf16 rows for fp32 queries; the C prefill kernel
+    and the C layer stack want the model's dtype, so those steps take the module path). Tested
+    on the CPU backends and the PD handoff; the tiers and the Triton kernels not yet."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return
     if choice not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {choice!r}")
-    backend = config.load.attention_backend
-    if choice in ("int8", "bfloat16"):
+    if choice != "fp8":
         return
-    if not (backend == "triton" or (backend == "auto" and config.load.device == "cuda")):
-        raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (a GPU, or "
-                         "--attention-backend triton under TRITON_INTERPRET=1); on a CPU, --kv-cache-dtype "
-                         "int8 takes about as few bytes (a row's int8 values and one fp32 scale), loses less "
-                         "(docs/performance.md, KV codecs) and every CPU backend reads it")
     if (config.kv_transfer.role != "both" or config.kv_tiers.enabled or config.kv_transfer.shared_memory
             or config.speculative.method):
         raise ValueError("--kv-cache-dtype fp8 does not yet work with --role prefill/decode, the KV tiers, "
-                         "a shared-memory KV cache or speculative decoding")
+                         "a shared-memory KV cache or speculative decoding; --kv-cache-dtype int8 does (as "
+                         "few bytes and less loss: docs/performance.md, KV codecs)")
 
 
 def _check_decode_weights(config: EngineConfig) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from tandem.batch.prepared import ScheduledChunk, prepare_batch
 from tandem.engine.llm_engine import LLMEngine
+from tandem.kernels.kv_format import to_fp8
 from tandem.kvcache.codec import KVCodec
 from tandem.types import Request, SamplingParams
 
@@ -55,11 +56,11 @@ def long_text() -> str:
 
 @dataclass(frozen=True)
 class Fp8Rounding:
-    """What an fp8 cache (--kv-cache-dtype fp8) holds of each value, on a cache the CPU
-    backends read: each layer's keys and values divided by its scales (worker/kv_scales.py,
-    measured on this engine's model), rounded to float8 e4m3 (clamped to +-448, as the Triton
-    backend's write is) and multiplied back. Exact for what the fp8 kernels see, since they
-    widen each value and the layer folds the scales out (layers/attention.py)."""
+    """What an fp8 cache (--kv-cache-dtype fp8) holds of each value, on a model's-dtype cache:
+    each layer's keys and values divided by its scales (worker/kv_scales.py, measured on this
+    engine's model), rounded to float8 e4m3 (clamped to +-448, as every backend's write is) and
+    multiplied back. Exact for what the fp8 kernels see, since they widen each value and the
+    layer folds the scales out (layers/attention.py)."""
 
     scales: tuple[tuple[float, float], ...]  # (k_scale, v_scale) per layer
     name: str = "fp8"
@@ -70,9 +71,7 @@ class Fp8Rounding:
     def roundtrip(self, blocks: torch.Tensor) -> torch.Tensor:
         """blocks [layers, 2, kv heads, blocks, block size, head dim] as an fp8 cache keeps them."""
         scales = torch.tensor(self.scales, dtype=torch.float32).view(-1, 2, 1, 1, 1, 1)
-        fp8 = torch.float8_e4m3fn
-        limit = torch.finfo(fp8).max
-        return ((blocks.float() / scales).clamp(-limit, limit).to(fp8).float() * scales).to(blocks.dtype)
+        return (to_fp8(blocks.float() / scales).float() * scales).to(blocks.dtype)
 
 
 def requantize(engine: LLMEngine, block_ids: list[int], codec: KVCodec | Fp8Rounding) -> None:

@@ -11,10 +11,10 @@ import argparse
 
 from tandem.flags.table import Command, Flag, FlagTable
 
-# kvcache/codec.py's, but the cache's own bytes; and fp8, the fp8 cache's rounding (the GPU
-# backend's), applied to this engine's cache since the CPU backends do not read fp8
+# kvcache/codec.py's, but the cache's own bytes; and fp8, the fp8 cache's rounding with the
+# worker's per-layer scales, applied to the cached values of a model's-dtype cache
 KV_DTYPES = ("bfloat16", "int8", "int4", "fp8")
-KV_CACHE_DTYPES_MEASURED = ("int8", "bfloat16")  # --kv-cache-dtype values a CPU run can measure
+KV_CACHE_DTYPES_MEASURED = ("int8", "bfloat16", "fp8")  # --kv-cache-dtype values a CPU run can measure
 
 # key -> (label, LLM keywords); the first is the baseline every other is compared with. Every
 # mode names all three settings, so none takes the CPU's default mode's `auto`; "default" is
@@ -236,7 +236,7 @@ def run_kv_quality(args: argparse.Namespace) -> int:
         from tandem.worker.kv_scales import describe
 
         print(f"  fp8: float8 e4m3 rounding with the worker's per-layer scales ({describe(list(fp8.scales))}), "
-              "on this cache (the fp8 cache itself runs on the GPU backend)")
+              "on this cache (the 'fp8 cache' row, where measured, is the cache itself)")
     print("  agreement: share of continuations token for token the exact cache's; first miss: the mean "
           "position of the first differing token (the run's length where none differs)")
     if cache_rows:
@@ -277,7 +277,7 @@ def _measure_cache_dtypes(args: argparse.Namespace, tokens: list[int], prompts: 
     rows = []
     for name in names:
         ppl, outs = run(name)
-        cache = torch.uint8 if name == "int8" else torch.bfloat16
+        cache = {"int8": torch.uint8, "fp8": torch.float8_e4m3fn}.get(name, torch.bfloat16)
         ratio = stored_row_width(head_dim, cache) * cache.itemsize / (2 * head_dim)  # vs bf16 rows
         rows.append((name, ratio, ppl, base_ppl, _agreement(base_outs, outs)))
     return rows

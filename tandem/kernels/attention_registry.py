@@ -1,8 +1,8 @@
 """Attention backends by name: what `--attention-backend` may choose, and what each can do.
 
 Every attention layer (the GQA one, MLA, the EAGLE-3 head) takes the backend the worker built
-from here; a caller that needs to know whether a backend pads decode rows, reads an fp8 cache
-or runs MLA's latent decode asks its `capabilities` instead of testing its name. A backend is
+from here; a caller that needs to know whether a backend pads decode rows, runs the GPU
+layer passes or MLA's latent decode asks its `capabilities` instead of testing its name. A backend is
 built lazily (the Triton one imports Triton), but its capabilities are known before it is.
 """
 

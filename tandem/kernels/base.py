@@ -48,8 +48,6 @@ class AttentionCapabilities:
     pads_decode_rows: bool = False
     # The model runs on a GPU with Triton: norms, rotary and silu-and-mul may take its kernels.
     gpu_layer_passes: bool = False
-    # Reads a float8 e4m3 KV cache (--kv-cache-dtype fp8), widening each block as it loads it.
-    fp8_kv_cache: bool = False
     # `decode` takes MLA's absorbed decode: MQA over one latent plane read as keys and values,
     # with a head size that is not a power of two (tandem/layers/mla.py).
     latent_decode: bool = False

@@ -7,8 +7,8 @@ attention is half the step. The kernel in `csrc/paged_decode_attention.c` walks 
 tables instead and reads each cached key and value once, with no padding, in one call per
 layer instead of ~15 ops.
 
-The C sources are compiled on first use (c_library.py). Where there is no compiler, or the build fails, or the cache is not fp32, bf16 or int8, the
-torch path runs and the log says why. A bf16 cache is read by the kernel's bf16 variant (q and
+The C sources are compiled on first use (c_library.py). Where there is no compiler, or the build fails, or the cache is not fp32, bf16, int8 or
+fp8, the torch path runs and the log says why. A bf16 cache is read by the kernel's bf16 variant (q and
 out stay fp32 inside it): the torch path's gather + SDPA took ~0.9 ms a layer at a 700-token
 context for Qwen2.5-Coder in bf16, most of it overhead, ~20 ms of a 0.5B draft's forward.
 """
@@ -25,14 +25,18 @@ import torch
 from tandem.kernels.base import AttentionMetadata
 from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
 from tandem.kernels.cpu_prefill import PrefillAttentionKernel
+from tandem.kernels.kv_format import FP8, widen
 from tandem.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
 # The cache element kinds the C kernel reads (kv_kind in paged_decode_attention.c); uint8 is
-# an int8 cache's rows with their scales (tandem/kernels/kv_format.py).
-_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+# an int8 cache's rows with their scales (tandem/kernels/kv_format.py), float8 e4m3 an fp8
+# cache's bytes (already divided by the layer's scale: tandem/layers/attention.py).
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2, FP8: 3}
+_QUANTIZED = (torch.uint8, FP8)  # caches written from fp32 or bf16 rows by the kernel's own rounding
+_FLOAT = ctypes.c_float
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _INT = ctypes.c_int
@@ -47,36 +51,47 @@ class PagedDecodeKernel:
                                                        *[_I64] * 8, ctypes.c_float, _INT]),
             "tandem_write_kv": (None, [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _INT]),
             "tandem_write_kv_i8": (None, [_PTR, _PTR, _INT, _PTR, _PTR, *[_I64] * 6, _INT]),
+            "tandem_write_kv_f8": (None, [_PTR, _PTR, _INT, _PTR, _PTR, *[_I64] * 6, _FLOAT, _FLOAT, _INT]),
+            "tandem_write_kv_bf16": (None, [_PTR, _PTR, _INT, _PTR, _PTR, *[_I64] * 6, _INT]),
             "tandem_decode_attention_isa": (ctypes.c_char_p, []),
         })
         self._attend = functions["tandem_decode_attention"]
         self._write = functions["tandem_write_kv"]
         self._write_i8 = functions["tandem_write_kv_i8"]
+        self._write_f8 = functions["tandem_write_kv_f8"]
+        self._write_bf16 = functions["tandem_write_kv_bf16"]
         self.isa: str = functions["tandem_decode_attention_isa"]().decode()  # for bf16 steps
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
     def write_kv_entry(self) -> object:
         return self._write
 
+    def rounding_write_entries(self) -> tuple[object, object, object]:
+        """The writers that round fp32 / bf16 rows into an int8, a bf16 and an fp8 cache (the
+        layer stack's Kernels record's order)."""
+        return self._write_i8, self._write_bf16, self._write_f8
+
     def attend_entry(self) -> object:
         return self._attend
 
     @staticmethod
     def reads(kv_cache: torch.Tensor) -> bool:
-        """Whether the kernel takes this cache (fp32, bf16 or int8 rows, contiguous)."""
-        return kv_cache.dtype in _KV_KINDS and kv_cache.is_contiguous()
+        """Whether the kernel takes this cache (fp32, bf16, int8 or fp8 rows, contiguous)."""
+        return kv_cache.dtype in KV_KINDS and kv_cache.is_contiguous()
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
         """key/value [tokens, kv_heads, dim] in the cache's dtype (fp32 or bf16 into an int8
-        cache, quantized here) with rows of one token contiguous."""
+        or fp8 cache, rounded here) with rows of one token contiguous."""
         num_tokens, num_kv_heads, head_dim = key.shape
         _, _, num_blocks, block_size, _ = kv_cache.shape
-        if kv_cache.dtype == torch.uint8:  # rotated and rounded in C (kv_format.py)
-            self._write_i8(
-                key.data_ptr(), value.data_ptr(), key.dtype == torch.bfloat16, kv_cache.data_ptr(), slots.data_ptr(),
-                num_tokens, key.stride(0), value.stride(0), num_kv_heads, head_dim, num_blocks * block_size,
-                torch.get_num_threads(),
-            )
+        if kv_cache.dtype != key.dtype:  # rounded here: int8 rotated too (kv_format.py), fp8, or fp32 to bf16
+            args = (key.data_ptr(), value.data_ptr(), key.dtype == torch.bfloat16, kv_cache.data_ptr(),
+                    slots.data_ptr(), num_tokens, key.stride(0), value.stride(0), num_kv_heads, head_dim,
+                    num_blocks * block_size)
+            if kv_cache.dtype == FP8:
+                self._write_f8(*args, 1.0, 1.0, torch.get_num_threads())  # the layer divided by its scales
+            else:
+                (self._write_i8 if kv_cache.dtype == torch.uint8 else self._write_bf16)(*args, torch.get_num_threads())
             return
         self._write(
             key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), num_tokens,
@@ -96,8 +111,8 @@ class PagedDecodeKernel:
         context_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
         """q [seqs, heads, dim] (`takes_query`) -> out [seqs, heads, dim] in q's dtype,
-        contiguous, from an fp32, bf16 or int8 cache (whose rotated rows the kernel meets with
-        a rotated query, kv_format.py); tables and lengths contiguous."""
+        contiguous, from an fp32, bf16, int8 or fp8 cache (an int8 cache's rotated rows the
+        kernel meets with a rotated query, kv_format.py); tables and lengths contiguous."""
         num_seqs, num_heads, head_dim = q.shape
         _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
         group = num_heads // num_kv_heads
@@ -108,7 +123,7 @@ class PagedDecodeKernel:
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype)
         status = self._attend(
             q.data_ptr(), q.dtype == torch.bfloat16, q.stride(0), kv_cache.data_ptr(),
-            _KV_KINDS[kv_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
+            KV_KINDS[kv_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
             block_tables.shape[1], heads_per_item, scale, threads,
         )
@@ -130,9 +145,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        same = kv_cache.dtype == key.dtype == value.dtype or (
-            kv_cache.dtype == torch.uint8 and key.dtype == value.dtype and key.dtype in (torch.float32, torch.bfloat16))
-        if same and self.kernel.reads(kv_cache) and _rows_contiguous(key) and _rows_contiguous(value):
+        writable = kv_cache.dtype == key.dtype == value.dtype or (key.dtype == value.dtype and (
+            (kv_cache.dtype in _QUANTIZED and key.dtype in (torch.float32, torch.bfloat16))
+            or (kv_cache.dtype == torch.bfloat16 and key.dtype == torch.float32)))
+        if writable and self.kernel.reads(kv_cache) and _rows_contiguous(key) and _rows_contiguous(value):
             self.kernel.write_kv(key, value, kv_cache, meta.slot_mapping)
         else:
             super().write_kv(key, value, kv_cache, meta)
@@ -160,6 +176,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # kernel writes the step's output rows itself (the copy was ~1% of a bf16 prefill).
         if self.prefill is not None and self.prefill.takes(q, kv_cache):
             return self.prefill(q, kv_cache, span.block_ids, span.context_len, scale, out)
+        if self.prefill is not None and kv_cache.dtype != q.dtype and kv_cache.dtype in KV_KINDS:
+            # An int8, fp8 or (under fp32 queries) bf16 cache: the span's blocks widened into
+            # a dense cache of q's dtype, which the kernel reads in place of torch's attention
+            # (one pass over the context, against a product over the context per query).
+            blocks = span.block_ids
+            dense = widen(kv_cache[:, :, blocks], q.dtype).contiguous()
+            if self.prefill.takes(q, dense):
+                return self.prefill(q, dense, torch.arange(len(blocks)), span.context_len, scale, out)
         return super()._prefill(q, k, v, kv_cache, span, scale, out)
 
 

@@ -41,7 +41,8 @@ def _address(function: object) -> int:
 class Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
                                           "write_kv", "attend", "dense_gemm", "dense_silu_mul", "quantize_rows",
-                                          "int8_dequantize", "int8_gated", "prefill")]
+                                          "int8_dequantize", "int8_gated", "prefill", "write_i8", "write_bf16",
+                                          "write_f8")]
 
 
 # `Matrix.bits` for the dense GEMM's packed layouts and the int8 GEMM's (the C side's names),
@@ -83,7 +84,7 @@ class Matrix(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix),
-                ("down", Matrix), ("kv_cache", _PTR)]
+                ("down", Matrix), ("kv_cache", _PTR), ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float)]
 
 
 class Step(ctypes.Structure):
@@ -93,7 +94,8 @@ class Step(ctypes.Structure):
                 *[(name, _PTR) for name in ("cos", "sin", "slots", "block_tables", "context_lens")],
                 ("num_threads", ctypes.c_int),
                 *[(name, _I64) for name in ("decodes", "spans", "span_table_stride")],
-                *[(name, _PTR) for name in ("span_start", "span_len", "span_context", "span_blocks")]]
+                *[(name, _PTR) for name in ("span_start", "span_len", "span_context", "span_blocks")],
+                ("kv_kind", _I64)]
 
 
 class DecodeStackKernel:
@@ -132,6 +134,7 @@ class DecodeStackKernel:
             _address(rows.quantize_entry()) if rows else None,
             _address(gemm.dequantize_entry()) if gemm else None, _address(gemm.gated_entry()) if gemm else None,
             _address(prefill.attend_entry()) if prefill is not None and self.prefills else None,
+            *(_address(entry) for entry in attention.rounding_write_entries()),
         )
 
     @classmethod
@@ -149,3 +152,4 @@ class DecodeStackKernel:
         if status != 0:
             raise RuntimeError("the decode stack stopped: its scratch memory could not be allocated or a kernel "
                                "refused its shapes")
+

@@ -1,5 +1,9 @@
 """How a KV cache row is stored: in a float dtype as is, or as 8-bit integers with their scale.
 
+(A float8 e4m3 cache, --kv-cache-dtype fp8, is a float dtype stored as is: each value divided
+by its layer's power-of-two scale (tandem/layers/attention.py), clamped to e4m3's 448 and
+rounded to nearest even, as vLLM's saturating cast; `to_fp8`. Its rows are head_dim bytes.)
+
 `--kv-cache-dtype int8` keeps each (token, kv head) row of keys or values as `head_dim` int8
 values rounded against the row's largest magnitude, followed by that row's fp32 scale: one
 row is `head_dim + 4` bytes (68 for a 64-wide head, against 128 in bf16 and 256 in fp32). The
@@ -35,6 +39,8 @@ import torch
 from tandem.config import KV_INT8_SCALE_BYTES
 
 INT8_SCALE_BYTES = KV_INT8_SCALE_BYTES  # one fp32 per row
+FP8 = torch.float8_e4m3fn  # --kv-cache-dtype fp8
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
 _INT8_MAX = 127.0
 ROTATION_GROUP = 64  # values rotated together along the head dimension
 
@@ -42,6 +48,24 @@ ROTATION_GROUP = 64  # values rotated together along the head dimension
 def is_int8_cache(kv_cache: torch.Tensor) -> bool:
     """Whether `kv_cache` holds int8 rows with inline scales (its dtype is uint8)."""
     return kv_cache.dtype == torch.uint8
+
+
+def is_fp8_cache(kv_cache: torch.Tensor) -> bool:
+    """Whether `kv_cache` holds float8 e4m3 values (--kv-cache-dtype fp8)."""
+    return kv_cache.dtype == FP8
+
+
+def rounds_on_write(kv_cache: torch.Tensor) -> bool:
+    """Whether writing into `kv_cache` rounds what it keeps (int8 or fp8): attention over a
+    chunk's own keys must then read them back from the cache, as a prefix-cache hit will,
+    not use the exact ones it was given."""
+    return kv_cache.dtype in (torch.uint8, FP8)
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Values (already divided by their scale) as float8 e4m3: clamped to +-448 first, since
+    torch's cast makes NaN of what does not fit, then rounded to nearest even."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def stored_row_width(head_dim: int, kv_dtype: torch.dtype) -> int:

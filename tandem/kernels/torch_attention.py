@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.base import AttentionCapabilities, AttentionMetadata
-from tandem.kernels.kv_format import is_int8_cache, quantize_rows, widen
+from tandem.kernels.kv_format import (
+    is_fp8_cache,
+    is_int8_cache,
+    quantize_rows,
+    rounds_on_write,
+    to_fp8,
+    widen,
+)
 
 # Split a decode batch in two when it has at least this many sequences and the shorter half
 # needs at most 1/this-factor of the blocks of the longest (i.e. saves >= 20% of its copy).
@@ -66,8 +73,11 @@ class TorchAttentionBackend:
         flat = kv_cache.view(2, heads, num_blocks * block_size, width)
         if is_int8_cache(kv_cache):
             key, value = quantize_rows(key), quantize_rows(value)
-        flat[0].index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
-        flat[1].index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
+        elif is_fp8_cache(kv_cache):  # as bytes: index_copy_ has no float8 kernel on a CPU
+            key, value = to_fp8(key).view(torch.uint8), to_fp8(value).view(torch.uint8)
+            flat = flat.view(torch.uint8)
+        flat[0].index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(flat.dtype))
+        flat[1].index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(flat.dtype))
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -104,12 +114,12 @@ class TorchAttentionBackend:
             k, v = widen(k, q.dtype), widen(v, q.dtype)
             query_pos = torch.arange(cached, span.context_len).unsqueeze(1)
             mask = torch.arange(span.context_len).unsqueeze(0) <= query_pos
-        elif is_int8_cache(kv_cache):
+        elif rounds_on_write(kv_cache):
             # Attend to the rows the cache holds (write_kv ran first), as a prefix-cache hit
-            # will. Quantizing k and v again here is not the same: the C writer's butterflies
-            # and torch's rotation sum in other orders, so a value on a rounding boundary can
-            # land one step apart, and on a Zen EPYC 2 of 8 greedy continuations then left the
-            # hit's.
+            # will. Quantizing k and v again here is not the same for int8: the C writer's
+            # butterflies and torch's rotation sum in other orders, so a value on a rounding
+            # boundary can land one step apart, and on a Zen EPYC 2 of 8 greedy continuations
+            # then left the hit's.
             _, kv_heads, _, _, width = kv_cache.shape
             k = widen(kv_cache[0][:, span.block_ids].reshape(kv_heads, -1, width)[:, : span.context_len], q.dtype)
             v = widen(kv_cache[1][:, span.block_ids].reshape(kv_heads, -1, width)[:, : span.context_len], q.dtype)

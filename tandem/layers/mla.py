@@ -32,7 +32,7 @@ from tandem.config import MLAConfig, RopeConfig, yarn_mscale
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.attention_registry import latent_decoder
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, PrefillSpan
-from tandem.kernels.kv_format import is_int8_cache, quantize_rows, widen
+from tandem.kernels.kv_format import is_fp8_cache, is_int8_cache, quantize_rows, to_fp8, widen
 from tandem.layers.linear import (
     ColumnParallelLinear,
     Linear,
@@ -144,7 +144,9 @@ class MultiLatentAttention(nn.Module):
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         if is_int8_cache(kv_cache):  # --kv-cache-dtype int8: the latent row and its scale
             entry = quantize_rows(entry)
-        flat.index_copy_(0, meta.slot_mapping, entry.to(kv_cache.dtype))
+        elif is_fp8_cache(kv_cache):  # --kv-cache-dtype fp8 (scale 1.0 for the latent rows), as bytes:
+            entry, flat = to_fp8(entry).view(torch.uint8), flat.view(torch.uint8)  # no float8 index_copy_ on a CPU
+        flat.index_copy_(0, meta.slot_mapping, entry.to(flat.dtype))
 
     def _absorbed_decode(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -168,6 +170,8 @@ class MultiLatentAttention(nn.Module):
             context = widen(rows, q_nope.dtype)
         elif is_int8_cache(kv_cache):  # what the cache holds, as a prefix-cache hit will read it
             context = widen(quantize_rows(fresh), fresh.dtype)
+        elif is_fp8_cache(kv_cache):
+            context = widen(to_fp8(fresh), fresh.dtype)
         else:
             context = fresh
         latent, k_rot = context.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)

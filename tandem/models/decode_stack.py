@@ -42,7 +42,7 @@ from torch import nn
 
 from tandem.kernels.base import AttentionBackend, AttentionMetadata
 from tandem.kernels.c_library import KernelBuildError
-from tandem.kernels.cpu_attention import CpuAttentionBackend
+from tandem.kernels.cpu_attention import KV_KINDS, CpuAttentionBackend
 from tandem.kernels.cpu_prefill import PrefillAttentionKernel
 from tandem.kernels.decode_stack import DecodeStackKernel, Layer, Matrix, Step
 from tandem.kernels.dense_gemm import DenseGemmKernel
@@ -71,6 +71,7 @@ class DecodeStack:
         self._small = _records(layers, _small_records, self._biases) if small else None
         self._large = _records(layers, _packed_records, self._biases) if large else None
         first = layers[0]
+        self._attention = [layer.self_attn.attn for layer in layers]  # an fp8 cache's scales, read each step
         cfg = model.config
         self._step = Step(hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
                           kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
@@ -94,12 +95,17 @@ class DecodeStack:
 
     def takes(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """A step in the stack's dtype with records for its size: decode tokens only, or, where
-        the stack has the prefill kernel, decode tokens then prefill chunks (the backend's
-        order); not while the profiler runs (its per-phase ranges live in the module path)."""
+        the stack has the prefill kernel and the cache holds the rows' dtype, decode tokens then
+        prefill chunks (the backend's order); not while the profiler runs (its per-phase ranges
+        live in the module path). A cache in another dtype (int8, fp8, bf16 under fp32 rows)
+        takes decode steps: the stack rounds the step's keys and values into it."""
         tokens, dtype = hidden.shape[0], self.kernel.dtype
         rows = meta.num_decode_tokens + sum(span.q_len for span in meta.prefills)
+        kind = KV_KINDS.get(kv_caches[0].dtype)
+        own = kv_caches[0].dtype == dtype
         return (hidden.dtype == dtype and tokens > 0 and self._layers_for(tokens) is not None and rows == tokens
-                and (not meta.prefills or self.kernel.prefills) and kv_caches[0].dtype == dtype
+                and (not meta.prefills or (self.kernel.prefills and own))
+                and kind is not None and (own or kind != 0)
                 and kv_caches[0].is_contiguous() and not torch.autograd._profiler_enabled())
 
     def __call__(self, hidden: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor],
@@ -112,9 +118,11 @@ class DecodeStack:
         tables = meta.decode_block_tables.contiguous()
         lens = meta.decode_context_lens.contiguous()
         slots = meta.slot_mapping.contiguous()
-        for record, cache in zip(layers, kv_caches, strict=True):
+        for record, cache, attention in zip(layers, kv_caches, self._attention, strict=True):
             record.kv_cache = cache.data_ptr()
+            record.k_scale, record.v_scale = attention.k_scale, attention.v_scale
         step = self._step
+        step.kv_kind = KV_KINDS[kv_caches[0].dtype]
         _, _, step.num_blocks, step.block_size, _ = kv_caches[0].shape
         step.tokens, step.table_stride = hidden.shape[0], tables.shape[1]
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()

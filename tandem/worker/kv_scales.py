@@ -32,11 +32,11 @@ import math
 import torch
 
 from tandem.batch.prepared import ScheduledChunk, prepare_batch
+from tandem.kernels.kv_format import FP8_MAX
 from tandem.layers.attention import PagedAttention
 
 logger = logging.getLogger(__name__)
 
-FP8_MAX = 448.0  # float8 e4m3's largest finite value
 HEADROOM = 4.0  # how much larger than the calibration's largest a value may be before it saturates
 
 # Prose, code and a tool call, written for this purpose.

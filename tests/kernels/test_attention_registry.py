@@ -17,10 +17,10 @@ from tandem.kernels.base import AttentionCapabilities
 from tandem.kernels.torch_attention import TorchAttentionBackend
 
 
-def test_auto_resolves_by_device_and_fp8_needs_triton() -> None:
-    assert attention_capabilities("auto", "cuda").fp8_kv_cache
+def test_auto_resolves_by_device() -> None:
+    assert attention_capabilities("auto", "cuda").gpu_layer_passes
     assert attention_capabilities("triton", "cpu").pads_decode_rows
-    assert not attention_capabilities("auto", "cpu").fp8_kv_cache
+    assert not attention_capabilities("auto", "cpu").pads_decode_rows
     assert not attention_capabilities("torch", "cuda").gpu_layer_passes
 
 

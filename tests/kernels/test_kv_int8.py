@@ -4,8 +4,6 @@ prefill paths, each against a dense reference over the dequantized cache."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -25,6 +23,7 @@ from tandem.kernels.kv_format import (
     stored_row_width,
 )
 from tandem.kernels.torch_attention import TorchAttentionBackend
+from tests.support.kernel_builds import OTHER_DECODE_BUILDS, decode_kernel_for
 
 
 @pytest.fixture(scope="module")
@@ -32,35 +31,14 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> PagedDecodeKernel:
     return PagedDecodeKernel(build_kernel_library(tmp_path_factory.mktemp("cache"), cpu_attention.SOURCE))
 
 
-# The kernel built for other x86 targets, and the path each takes.
-_OTHER_BUILDS = {"haswell": "AVX2 fp32 FMA (bf16 widened)", "x86-64": "portable C"}
-
-
-@pytest.fixture(scope="module", params=["native", *_OTHER_BUILDS])
+@pytest.fixture(scope="module", params=["native", *OTHER_DECODE_BUILDS])
 def isa_kernel(request: pytest.FixtureRequest, kernel: PagedDecodeKernel,
                tmp_path_factory: pytest.TempPathFactory) -> PagedDecodeKernel:
     """The kernel as this CPU runs it (its AVX-512 path where it has one), built for an AVX2
-    CPU (the 8-lane vector path) and for a plain x86-64 (the portable loops), so every path
-    reads int8 rows under test on one box."""
+    CPU and for a plain x86-64, so every path reads int8 rows under test on one box."""
     if request.param == "native":
         return kernel
-    import platform
-    import shutil
-    import subprocess
-
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
-        pytest.skip("an x86 C compiler builds the other variants")
-    march = request.param
-    library = tmp_path_factory.mktemp(march) / f"decode-{march}.so"
-    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
-                    "-shared", "-fPIC", "-std=c11", f"-I{cpu_attention.SOURCE.parent}", str(cpu_attention.SOURCE),
-                    "-o", str(library), "-lm"], check=True, capture_output=True)
-    built = PagedDecodeKernel(library)
-    assert built.isa == _OTHER_BUILDS[march]
-    if march == "haswell" and "avx2" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("this CPU cannot run AVX2 code")
-    return built
+    return decode_kernel_for(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_a_row_keeps_its_scale_and_rounds_to_half_a_step() -> None:

@@ -71,7 +71,8 @@ def _hf_forward(reference: torch.nn.Module, hf_rotary: torch.nn.Module, hidden: 
 def _run(ours: MultiLatentAttention, hiddens: list[torch.Tensor], steps: list[dict[int, tuple[int, int]]],
          cache_dtype: torch.dtype = torch.float32) -> list[dict]:
     """Feed each sequence's hidden states through the paged path in the planned chunks
-    (`cache_dtype` uint8: --kv-cache-dtype int8's rows, the latent and its scale)."""
+    (`cache_dtype` uint8: --kv-cache-dtype int8's rows, the latent and its scale; float8
+    e4m3: fp8's values)."""
     blocks_each = -(-max(h.shape[0] for h in hiddens) // BLOCK)
     block_ids = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(hiddens))]
     width = stored_row_width(ours.mla.latent_dim, cache_dtype)
@@ -123,23 +124,27 @@ def test_absorbed_decode_equals_decompressed_attention() -> None:
         torch.testing.assert_close(as_decodes[position], as_chunk[position], rtol=1e-5, atol=1e-5)
 
 
-def test_an_int8_latent_cache_reads_alike_in_both_paths_and_near_the_exact_one() -> None:
-    """--kv-cache-dtype int8 on a latent cache: each latent row and its scale. The absorbed
-    decodes and the decompressed chunk read the same quantized rows (and a first chunk with
-    no cached context attends to them too), so they agree as on an exact cache; the outputs
-    stay within the rounding of 8 bits of the exact cache's."""
+@pytest.mark.parametrize(("cache_dtype", "tolerance"), [(torch.uint8, 0.05), (torch.float8_e4m3fn, 0.1)],
+                         ids=["int8", "fp8"])
+def test_a_quantized_latent_cache_reads_alike_in_both_paths_and_near_the_exact_one(
+        cache_dtype: torch.dtype, tolerance: float) -> None:
+    """--kv-cache-dtype int8 (each latent row and its scale) or fp8 (float8 e4m3 values, scale
+    1.0) on a latent cache. The absorbed decodes and the decompressed chunk read the same
+    rounded rows (and a first chunk with no cached context attends to them too), so they agree
+    as on an exact cache; the outputs stay within the rounding of 8 bits (three mantissa bits
+    for fp8) of the exact cache's."""
     _, _, ours = _pair(12, YARN)
     hidden = torch.randn(10, 48, generator=torch.Generator().manual_seed(2))
-    as_decodes = _run(ours, [hidden], [{0: (0, 6)}] + [{0: (p, 1)} for p in range(6, 10)], torch.uint8)[0]
-    as_chunk = _run(ours, [hidden], [{0: (0, 6)}, {0: (6, 4)}], torch.uint8)[0]
-    in_one = _run(ours, [hidden], [{0: (0, 10)}], torch.uint8)[0]
+    as_decodes = _run(ours, [hidden], [{0: (0, 6)}] + [{0: (p, 1)} for p in range(6, 10)], cache_dtype)[0]
+    as_chunk = _run(ours, [hidden], [{0: (0, 6)}, {0: (6, 4)}], cache_dtype)[0]
+    in_one = _run(ours, [hidden], [{0: (0, 10)}], cache_dtype)[0]
     exact = _run(ours, [hidden], [{0: (0, 10)}])[0]
     for position in range(10):
         if position >= 6:
             torch.testing.assert_close(as_decodes[position], as_chunk[position], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(in_one[position], as_chunk[position], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(in_one[position], exact[position], rtol=0.05, atol=0.05)
-    assert any(not torch.equal(in_one[p], exact[p]) for p in range(10))  # the int8 rows were read
+        torch.testing.assert_close(in_one[position], exact[position], rtol=tolerance, atol=tolerance)
+    assert any(not torch.equal(in_one[p], exact[p]) for p in range(10))  # the rounded rows were read
 
 
 class CountingBackend(TorchAttentionBackend):

@@ -128,6 +128,32 @@ def test_without_small_step_copies_every_decode_step_goes_through_the_packed_wei
         assert ours is not None and (ours == theirs if dtype == torch.bfloat16 else abs(ours - theirs) <= 1e-3)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_decode_steps_over_an_8_bit_cache_go_through_the_stack_with_the_module_paths_bits(
+        kv_cache_dtype: str) -> None:
+    """--kv-cache-dtype int8 or fp8 under bf16 rows: the stack rounds each step's keys and
+    values into the cache as the backend's writer does (an fp8 layer's values divided by its
+    measured scales, which fold into the softmax scale and the output), and reads it with the
+    same decode kernel: the module path's bits."""
+    with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False,
+             kv_cache_dtype=kv_cache_dtype) as llm:
+        if kv_cache_dtype == "fp8":  # the worker measured each layer's scales: not all 1
+            layers = llm.engine.runner.model.model.layers
+            assert any(layer.self_attn.attn.v_scale != 1.0 for layer in layers)
+        stacked, layered = _stacked_then_layered(llm, PROMPTS, torch.bfloat16)
+    assert stacked == layered
+
+
+def test_decode_steps_over_a_bf16_cache_under_fp32_rows_go_through_the_stack() -> None:
+    """--kv-cache-dtype bfloat16 under exact fp32: the stack narrows each step's keys and values
+    into the bf16 cache as the backend's writer does; the module path's tokens."""
+    with LLM(exact=True, kv_cache_memory="64MiB", enable_prefix_caching=False, kv_cache_dtype="bfloat16") as llm:
+        stacked, layered = _stacked_then_layered(llm, PROMPTS, torch.float32)
+    assert [tokens for tokens, _ in stacked] == [tokens for tokens, _ in layered]
+    for (_, ours), (_, theirs) in zip(stacked, layered, strict=True):
+        assert ours is not None and abs(ours - theirs) <= 1e-3
+
+
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS, PROMPTS * 3],
                          ids=["one-token steps", "two-token steps", "six-token steps"])
 def test_the_fp32_stack_gives_the_module_paths_tokens(prompts: list[str]) -> None:

@@ -1,6 +1,7 @@
-"""One mixed attention step for the Triton backend against the torch reference: the case the
-interpreted tests (tests/kernels/gpu/test_gpu_kernels.py) and the compiled ones on a GPU
-(test_on_gpu.py) both run, so the GPU checks the very step CI checks on the CPU."""
+"""One mixed attention step for a backend against the torch reference: the case the
+interpreted Triton tests (tests/kernels/gpu/test_gpu_kernels.py), the compiled ones on a GPU
+(test_on_gpu.py) and the C kernels' (tests/kernels/test_kv_fp8.py) all run, so the GPU checks
+the very step CI checks on the CPU."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tandem.kernels.torch_attention import TorchAttentionBackend
 
 @dataclass
 class MixedStep:
-    """What the Triton backend produced (`got`, `cache`, on the device) and what the torch
+    """What the backend under test produced (`got`, `cache`, on the device) and what the torch
     backend produced over the same inputs on the CPU in fp32 (`want`, `reference_cache`)."""
 
     got: torch.Tensor
@@ -39,12 +40,12 @@ def scattered_tables(contexts: list[int], block_size: int, blocks: int, generato
 
 
 def mixed_step(dtype: torch.dtype, kv: str, heads: int, kv_heads: int, dim: int, block_size: int,
-               device: str = "cpu") -> MixedStep:
+               device: str = "cpu", backend: object | None = None) -> MixedStep:
     """Two decodes, then three prefill chunks: a fresh prompt, a chunk after a cached prefix
     that ends mid-block, and a one-token chunk; the step's K/V written by each backend. `kv`:
     `auto` (the cache in `dtype`), `fp8` (float8 e4m3: both sides attend over the same rounded
     values) or `int8` (rotated int8 rows and their scales: the reference attends over the
-    dequantized rows)."""
+    dequantized rows). `backend`: the one under test (the Triton backend where None)."""
     generator = torch.Generator().manual_seed(7)
     torch.manual_seed(dim + block_size)
     decode_contexts = [block_size + 3, 2]
@@ -78,12 +79,13 @@ def mixed_step(dtype: torch.dtype, kv: str, heads: int, kv_heads: int, dim: int,
                                  torch.tensor(decode_contexts, device=on), max(decode_contexts),
                                  spans, block_size)  # spans' block ids stay on the host, as the runner's
 
-    triton_backend = TritonAttentionBackend(target_programs=16)  # splits the 2 decodes too
+    tested = backend if backend is not None else TritonAttentionBackend(target_programs=16)  # splits the 2 decodes
     on_device = [t.to(device) for t in (query, key, value, cache)]
-    triton_backend.check(on_device[3])
+    if isinstance(tested, TritonAttentionBackend):
+        tested.check(on_device[3])
     meta = metadata(device)
-    triton_backend.write_kv(on_device[1], on_device[2], on_device[3], meta)
-    got = triton_backend.attend(*on_device[:3], on_device[3], meta, scale)
+    tested.write_kv(on_device[1], on_device[2], on_device[3], meta)
+    got = tested.attend(*on_device[:3], on_device[3], meta, scale)
     torch_backend = TorchAttentionBackend()
     stored = (lambda x: x.to(cache.dtype).float()) if kv == "fp8" else (lambda x: x.float())
     reference_meta = metadata("cpu")
@@ -93,7 +95,7 @@ def mixed_step(dtype: torch.dtype, kv: str, heads: int, kv_heads: int, dim: int,
 
 
 def assert_stored_as_the_reference(step: MixedStep, kv: str, dim: int) -> None:
-    """The Triton backend stored the reference's bytes: exactly for a float or fp8 cache; for
+    """The backend under test stored the reference's bytes: exactly for a float or fp8 cache; for
     int8 rows the scales to a few units in the last place and the levels to one apart, on at
     most 1% of values (its write kernel rotates each run with a dot whose sums run in another
     order than torch's product, so a value on a rounding boundary may land on either side)."""

@@ -14,18 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.perplexity import long_text, perplexity
-from tandem.llm import LLM
-from tandem.types import SamplingParams
+from tests.support.kv_cache_quality import CacheRun, first_departure, measure_cache
 
-# A shared preamble of more than two blocks, so the second pass finds it cached.
-PREAMBLE = ("Notes from a reading group. Each line starts a short passage that a student continues "
-            "in their own words, plainly and without repeating the question.\n")
-PROMPTS = [PREAMBLE + p for p in ("The capital of France is", "def fibonacci(n):",
-                                  "Once upon a time, in a small village,", "List three colors:",
-                                  "The quick brown fox", "import numpy as np\n", "Water boils at",
-                                  "My favourite book is")]
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
 NEAR_TIE = 0.05  # nats between the exact model's two best tokens where a continuation may depart
 # Between a miss and a hit, both on int8 rows: a row the hit recomputes in another summation
 # order can round to the next int8 level, a step of 1/127 of the row's largest value, which
@@ -35,57 +25,31 @@ NEAR_TIE = 0.05  # nats between the exact model's two best tokens where a contin
 LEVEL_FLIP = 0.1
 
 
-def _measure(kv_cache_dtype: str) -> tuple[int, int, float, list[list[int]], list[list[int]], list[list[float]]]:
-    llm = LLM(kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype)
-    try:
-        tokens = llm.tokenizer.encode(long_text())[:1024]
-        value = perplexity(llm.engine, tokens, step_tokens=64)
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        first = [list(o.outputs[0].token_ids) for o in outputs]
-        margins = [[_margin(step) for step in o.outputs[0].logprobs] for o in outputs]
-        repeated = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert all(o.num_cached_tokens >= 16 for o in repeated)  # whole blocks of the prompt came from the cache
-        again = [list(o.outputs[0].token_ids) for o in repeated]
-        pool = llm.engine.block_pool
-        assert pool.num_free_blocks == pool.num_blocks
-        core = llm.engine.core
-        return core.num_blocks, core.worker_info.block_bytes, value, first, again, margins
-    finally:
-        llm.shutdown()
-
-
-def _margin(step) -> float:
-    """Nats between a step's best and second-best tokens (its entries: the chosen token, then
-    the top two by rank)."""
-    best = sorted({entry.token_id: entry.logprob for entry in step}.values(), reverse=True)
-    return best[0] - best[1]
+@pytest.fixture(scope="module")
+def exact() -> CacheRun:
+    return measure_cache("auto")
 
 
 @pytest.fixture(scope="module")
-def exact() -> tuple:
-    return _measure("auto")
-
-
-@pytest.fixture(scope="module")
-def int8() -> tuple:
-    return _measure("int8")
+def int8() -> CacheRun:
+    return measure_cache("int8")
 
 
 def test_the_budget_holds_256_over_68_times_the_fp32_blocks(exact, int8) -> None:
-    blocks, block_bytes = exact[0], exact[1]
-    int8_blocks, int8_block_bytes = int8[0], int8[1]
+    blocks, block_bytes = exact.num_blocks, exact.block_bytes
+    int8_blocks, int8_block_bytes = int8.num_blocks, int8.block_bytes
     assert int8_block_bytes * 256 == block_bytes * 68  # 64-wide heads: 64 int8 + a 4-byte scale vs 64 fp32
     assert int8_blocks == (64 << 20) // int8_block_bytes
     assert int8_blocks > 3.7 * blocks
 
 
 def test_perplexity_within_half_a_percent_and_greedy_answers_depart_only_at_near_ties(exact, int8) -> None:
-    assert int8[2] == pytest.approx(exact[2], rel=0.005)
-    assert int8[2] != exact[2]  # the int8 rows were read, not the model's dtype
-    for ours, reference, margins in zip(int8[3], exact[3], exact[5], strict=True):
-        departs = next((i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b), None)
+    assert int8.perplexity == pytest.approx(exact.perplexity, rel=0.005)
+    assert int8.perplexity != exact.perplexity  # the int8 rows were read, not the model's dtype
+    for ours, reference, margins in zip(int8.first, exact.first, exact.margins, strict=True):
+        departs = first_departure(ours, reference)
         assert departs is None or margins[departs] < NEAR_TIE, (departs, margins[departs])
-    assert sum(ours == reference for ours, reference in zip(int8[3], exact[3], strict=True)) >= 5
+    assert sum(ours == reference for ours, reference in zip(int8.first, exact.first, strict=True)) >= 5
 
 
 def test_a_prefix_cache_hit_reads_back_what_the_miss_computed(int8) -> None:
@@ -97,7 +61,7 @@ def test_a_prefix_cache_hit_reads_back_what_the_miss_computed(int8) -> None:
     identical, the other departing at 0.013 nats (before the miss read the cache's rows: 6 of
     8, one at 0.065); on the AVX2 EPYC 7 of 8, one at 0.075. A hit that read other values
     would depart early and far from a tie."""
-    for again, first, margins in zip(int8[4], int8[3], int8[5], strict=True):
-        departs = next((i for i, (a, b) in enumerate(zip(again, first, strict=True)) if a != b), None)
+    for again, first, margins in zip(int8.again, int8.first, int8.margins, strict=True):
+        departs = first_departure(again, first)
         assert departs is None or margins[departs] < LEVEL_FLIP, (departs, margins[departs])
-    assert sum(again == first for again, first in zip(int8[4], int8[3], strict=True)) >= 6
+    assert sum(again == first for again, first in zip(int8.again, int8.first, strict=True)) >= 6

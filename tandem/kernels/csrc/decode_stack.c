@@ -59,6 +59,15 @@ typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_
 typedef void (*write_kv_fn)(const char *key, const char *value, char *kv_cache, const int64_t *slots,
                             int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
                             int64_t head_dim, int64_t num_slots, int64_t element_bytes, int num_threads);
+/* tandem_write_kv_i8 and tandem_write_kv_bf16: rows rounded into an int8 or a bf16 cache */
+typedef void (*round_kv_fn)(const void *key, const void *value, int src_bf16, void *kv_cache, const int64_t *slots,
+                            int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t num_slots, int num_threads);
+/* tandem_write_kv_f8: rows times one over the layer's scales, rounded into an fp8 cache */
+typedef void (*fp8_kv_fn)(const void *key, const void *value, int src_bf16, void *kv_cache, const int64_t *slots,
+                          int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t num_slots, float key_multiplier, float value_multiplier,
+                          int num_threads);
 typedef int (*dense_gemm_fn)(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int kind,
                              const void *bias, const void *residual, void *out, int64_t n, int num_threads);
 typedef int (*dense_silu_mul_fn)(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *packed,
@@ -79,7 +88,7 @@ typedef int (*prefill_fn)(const void *q, const void *kv_cache, const int64_t *bl
                           int64_t context_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, int64_t num_blocks, int64_t q_stride, int64_t out_stride, int kind,
                           float scale, int num_threads);
-typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_bf16,
+typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_kind,
                          const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                          int64_t num_blocks, int64_t table_stride, int64_t heads_per_item, float scale,
@@ -101,6 +110,8 @@ struct Kernels {
     int8_dequantize_fn int8_dequantize; /* tandem_int8_gemm_dequantize */
     int8_gated_fn int8_gated;         /* tandem_int8_gemm_gated */
     prefill_fn prefill;               /* tandem_prefill_attention (steps with prefill chunks) */
+    round_kv_fn write_i8, write_bf16; /* a cache in another dtype than the rows' (Step.kv_kind) */
+    fp8_kv_fn write_f8;
 };
 
 /* A matrix in q4_gemm.c's layout, [n, k] at 4 or 8 bits a level, or (bits 32 / 16) plain
@@ -165,6 +176,7 @@ struct Layer {
     const void *input_norm, *post_norm; /* [hidden], in the rows' dtype */
     struct Matrix qkv, o, gate_up, down;
     char *kv_cache; /* [2, kv_heads, num_blocks, block_size, head_dim] */
+    float k_scale, v_scale; /* an fp8 cache's (layers/attention.py), else 1 */
 };
 
 /* What every layer shares: the model's shape and this step's inputs. */
@@ -182,7 +194,50 @@ struct Step {
      * row i of span_blocks ([spans, span_table_stride]). A decode step: decodes = tokens. */
     int64_t decodes, spans, span_table_stride;
     const int64_t *span_start, *span_len, *span_context, *span_blocks;
+    /* The cache's element kind (paged_decode_attention.c's KV_*): 0 fp32 and 1 bf16, the rows'
+     * own or a bf16 cache under fp32 rows; 2 int8 rows with their scales, 3 fp8. A cache in
+     * another dtype than the rows' takes decode steps only (the prefill kernel reads its own). */
+    int64_t kv_kind;
 };
+
+enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+
+/* This step's keys and values into the layer's cache: copied where it holds the rows' dtype,
+ * else rounded into it (an fp8 cache's values divided by the layer's scales first, as
+ * layers/attention.py divides them). */
+static void write_kv(const struct Kernels *kernels, const struct Step *step, const struct Layer *layer,
+                     const char *key, const char *value, int64_t width) {
+    const int bf16 = step->element_bytes == 2;
+    const int64_t slots = step->num_blocks * step->block_size;
+    if (step->kv_kind == KV_FP8)
+        kernels->write_f8(key, value, bf16, layer->kv_cache, step->slots, step->tokens, width, width, step->kv_heads,
+                          step->head_dim, slots, 1.0f / layer->k_scale, 1.0f / layer->v_scale, step->num_threads);
+    else if (step->kv_kind == KV_INT8)
+        kernels->write_i8(key, value, bf16, layer->kv_cache, step->slots, step->tokens, width, width, step->kv_heads,
+                          step->head_dim, slots, step->num_threads);
+    else if (step->kv_kind != bf16) /* a bf16 cache under fp32 rows */
+        kernels->write_bf16(key, value, 0, layer->kv_cache, step->slots, step->tokens, width, width, step->kv_heads,
+                            step->head_dim, slots, step->num_threads);
+    else
+        kernels->write_kv(key, value, layer->kv_cache, step->slots, step->tokens, width, width, step->kv_heads,
+                          step->head_dim, slots, step->element_bytes, step->num_threads);
+}
+
+/* out [rows, width] *= factor, a power of two (an fp8 layer's value scale): exact in fp32,
+ * and in bf16 too (widened, multiplied, narrowed back unchanged but for the exponent). */
+static void scale_rows(void *out, int64_t count, float factor, int bf16) {
+    if (bf16) {
+        uint16_t *x = out;
+        for (int64_t i = 0; i < count; i++) {
+            union { uint32_t u; float f; } bits = {.u = (uint32_t)x[i] << 16};
+            bits.f *= factor;
+            x[i] = (uint16_t)(bits.u >> 16);
+        }
+        return;
+    }
+    float *x = out;
+    for (int64_t i = 0; i < count; i++) x[i] *= factor;
+}
 
 static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, const void *x, const void *residual,
                 void *out, int64_t rows, int bf16, const struct Quantized *q, int num_threads) {
@@ -209,16 +264,20 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
 /* The attention of one layer, as the CPU backend runs a step: the decode rows in one call,
  * then each prefill chunk over its sequence's cached context (its own keys and values were
  * written first), each writing its rows of `attn`. */
-static int attention(const struct Kernels *kernels, const struct Step *step, const char *kv_cache, const char *qkv,
-                     char *attn, int64_t heads_per_item) {
+static int attention(const struct Kernels *kernels, const struct Step *step, const struct Layer *layer,
+                     const char *qkv, char *attn, int64_t heads_per_item) {
+    const char *kv_cache = layer->kv_cache;
     const int64_t width = (step->heads + 2 * step->kv_heads) * step->head_dim, q_width = step->heads * step->head_dim;
     const size_t bytes = (size_t)step->element_bytes;
     const int bf16 = step->element_bytes == 2;
     int status = 0;
-    if (step->decodes > 0)
-        status = kernels->attend(qkv, bf16, width, kv_cache, bf16, step->block_tables, step->context_lens, attn,
-                                 step->decodes, step->heads, step->kv_heads, step->head_dim, step->block_size,
-                                 step->num_blocks, step->table_stride, heads_per_item, step->scale, step->num_threads);
+    if (step->decodes > 0) {
+        status = kernels->attend(qkv, bf16, width, kv_cache, (int)step->kv_kind, step->block_tables,
+                                 step->context_lens, attn, step->decodes, step->heads, step->kv_heads, step->head_dim,
+                                 step->block_size, step->num_blocks, step->table_stride, heads_per_item,
+                                 step->scale * layer->k_scale, step->num_threads);
+        if (status == 0 && layer->v_scale != 1.0f) scale_rows(attn, step->decodes * q_width, layer->v_scale, bf16);
+    }
     for (int64_t i = 0; i < step->spans && status == 0; i++) {
         const int64_t start = step->span_start[i];
         status = kernels->prefill(qkv + bytes * (size_t)(start * width), kv_cache,
@@ -267,9 +326,8 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
         if ((status = gemm(kernels, &layer->qkv, normed, NULL, qkv, t, bf16, &q, threads)) != 0) break;
         kernels->rotary(qkv, t, step->heads + step->kv_heads, width, step->head_dim, step->cos, step->sin, threads);
         const char *key = qkv + bytes * (size_t)q_width, *value = key + bytes * (size_t)kv_width;
-        kernels->write_kv(key, value, layer->kv_cache, step->slots, t, width, width, step->kv_heads, step->head_dim,
-                          step->num_blocks * step->block_size, step->element_bytes, threads);
-        if ((status = attention(kernels, step, layer->kv_cache, qkv, attn, heads_per_item)) != 0) break;
+        write_kv(kernels, step, layer, key, value, width);
+        if ((status = attention(kernels, step, layer, qkv, attn, heads_per_item)) != 0) break;
         /* the residual GEMMs read `residual` only in their last, elementwise pass: in place */
         if ((status = gemm(kernels, &layer->o, attn, hidden, hidden, t, bf16, &q, threads)) != 0) break;
         kernels->rms_norm(hidden, step->hidden, layer->post_norm, normed, t, step->hidden, step->eps, threads);

@@ -19,6 +19,11 @@
  * its output rows after (a weighted sum of rotated values), and the int8 writer rotates a row
  * before rounding it, with the butterflies of `rotate_runs`, so nothing runs around the call.
  *
+ * A float8 e4m3 cache (`_f8`, --kv-cache-dtype fp8) stores each value in one byte, divided
+ * by its layer's power-of-two scale before the write (tandem/layers/attention.py, which folds
+ * the scales into the softmax scale and the output, so nothing here knows them): a row is
+ * head_dim bytes, widened to fp32 as it is read (exact), and written by tandem_write_kv_f8.
+ *
  * Layout (tandem/kernels/base.py): one layer's cache is [2, kv_heads, num_blocks,
  * block_size, head_dim]; q and out are [num_seqs, num_heads, head_dim]; query head h reads
  * kv head h / (num_heads / num_kv_heads). Work items are (sequence, kv head, slice of its
@@ -100,6 +105,17 @@ static inline float widen(uint16_t x) {
     return bits.f;
 }
 
+/* float8 e4m3 (fp8): sign, four exponent bits (bias 7), three mantissa bits, no infinities
+ * (0x7f and 0xff are NaN; the writer saturates at 448 and never makes one from a number). A
+ * normal value is (8 + m) * 2^(e - 10), a subnormal m * 2^-9. */
+static inline float fp8_to_float(uint8_t x) {
+    const uint32_t exponent = (x >> 3) & 15u, mantissa = x & 7u;
+    union { uint32_t u; float f; } bits = {.u = ((uint32_t)(x & 0x80u) << 24) | ((exponent + 120u) << 23) | (mantissa << 20)};
+    if (exponent == 0) bits.f = (x & 0x80u ? -1.0f : 1.0f) * (float)mantissa * 0.001953125f;
+    else if ((x & 0x7fu) == 0x7fu) bits.u |= 0x7fc00000u; /* NaN */
+    return bits.f;
+}
+
 static float dot(const float *restrict a, const float *restrict b, int n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -142,6 +158,16 @@ static float dot_bf16(const float *restrict a, const uint16_t *restrict b, int n
 static void axpy_bf16(float *restrict y, float alpha, const uint16_t *restrict x, int n) {
 #pragma omp simd
     for (int i = 0; i < n; i++) y[i] += alpha * widen(x[i]);
+}
+
+static float dot_f8(const float *restrict a, const uint8_t *restrict b, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc += a[i] * fp8_to_float(b[i]);
+    return acc;
+}
+
+static void axpy_f8(float *restrict y, float alpha, const uint8_t *restrict x, int n) {
+    for (int i = 0; i < n; i++) y[i] += alpha * fp8_to_float(x[i]);
 }
 
 /* Blocks lie anywhere in the pool, and one kv head's block is often a page of its own, where
@@ -202,6 +228,7 @@ static inline __attribute__((always_inline)) void attend_item##SUFFIX(          
 DEFINE_ATTEND(, float, dot, axpy, 0)
 DEFINE_ATTEND(_bf16, uint16_t, dot_bf16, axpy_bf16, 0)
 DEFINE_ATTEND(_i8, int8_t, dot_i8, axpy_i8, 4)
+DEFINE_ATTEND(_f8, uint8_t, dot_f8, axpy_f8, 0)
 
 
 #define MAX_GROUP 16 /* query heads a work item at most */
@@ -275,6 +302,17 @@ static inline __m512 load16_bf16(const uint16_t *x) {
 }
 static inline __m512 load16_i8(const int8_t *x) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x)));
+}
+
+/* 16 fp8 values: each byte's magnitude bits shifted into an fp16's place make an fp16 2^8
+ * times smaller (its exponent's bias is 15, e4m3's 7), the sign bit moves to the fp16's, and
+ * vcvtph2ps widens that exactly, fp8 subnormals included (they are fp16 subnormals, which the
+ * conversion does not flush, whatever MXCSR says). */
+static inline __m512 load16_f8(const uint8_t *x) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)x));
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7f)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
 }
 
 /* Sum each of 16 vectors down to one lane: lane t of the result is the sum of v[t]'s lanes. */
@@ -390,6 +428,7 @@ static inline float extra_scale(const char *row, int64_t head_dim) {
 DEFINE_ATTEND_VEC(, float, load16, 0)
 DEFINE_ATTEND_VEC(_bf16, uint16_t, load16_bf16, 0)
 DEFINE_ATTEND_VEC(_i8, int8_t, load16_i8, 4)
+DEFINE_ATTEND_VEC(_f8, uint8_t, load16_f8, 0)
 
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -533,6 +572,19 @@ static inline __m256 load8_i8(const int8_t *x) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x)));
 }
 
+/* 8 fp8 values, as load16_f8 (F16C's vcvtph2ps; every AVX2 CPU has it). */
+static inline __m256 load8_f8(const uint8_t *x) {
+#if defined(__F16C__)
+    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)x));
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7f)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+#else
+    return _mm256_setr_ps(fp8_to_float(x[0]), fp8_to_float(x[1]), fp8_to_float(x[2]), fp8_to_float(x[3]),
+                          fp8_to_float(x[4]), fp8_to_float(x[5]), fp8_to_float(x[6]), fp8_to_float(x[7]));
+#endif
+}
+
 /* Lane t of the result is the sum of v[t]'s lanes. */
 static inline __m256 transpose_sum8(const __m256 v[8]) {
     const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
@@ -635,6 +687,7 @@ static inline __attribute__((always_inline)) void attend_item_vec##SUFFIX(      
 DEFINE_ATTEND_VEC8(, float, load8, 0)
 DEFINE_ATTEND_VEC8(_bf16, uint16_t, load8_bf16, 0)
 DEFINE_ATTEND_VEC8(_i8, int8_t, load8_i8, 4)
+DEFINE_ATTEND_VEC8(_f8, uint8_t, load8_f8, 0)
 #define HAS_VECTOR_PATH 1
 #define VECTOR_LANES 8
 #define VECTOR_ISA "AVX2 fp32 FMA (bf16 widened)"
@@ -645,6 +698,7 @@ DEFINE_ATTEND_VEC8(_i8, int8_t, load8_i8, 4)
 #define attend_vector(...) ((void)0)
 #define attend_vector_bf16(...) ((void)0)
 #define attend_vector_i8(...) ((void)0)
+#define attend_vector_f8(...) ((void)0)
 #endif
 
 #if HAS_VECTOR_PATH
@@ -666,6 +720,7 @@ static void attend_vector##SUFFIX(const float *q_rows, float *out_rows, const KV
 DEFINE_DISPATCH_VEC(, float)
 DEFINE_DISPATCH_VEC(_bf16, uint16_t)
 DEFINE_DISPATCH_VEC(_i8, int8_t)
+DEFINE_DISPATCH_VEC(_f8, uint8_t)
 #endif
 
 
@@ -736,6 +791,7 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reductio
 DEFINE_ENTRY(, float, 0)
 DEFINE_ENTRY(_bf16, uint16_t, 0)
 DEFINE_ENTRY(_i8, int8_t, 4)
+DEFINE_ENTRY(_f8, uint8_t, 0)
 
 /* Which path a decode step of bf16 queries over a bf16 cache takes here (logged at start). */
 const char *tandem_decode_attention_isa(void) {
@@ -786,10 +842,10 @@ static inline uint16_t float_to_bf16(float x) { /* round to nearest even, as tor
 
 /* The decode attention as the model calls it: q [seqs, heads, head_dim] fp32 or bf16
  * (`q_bf16`), its sequences `q_stride` elements apart (a view into the fused qkv projection),
- * out [seqs, heads, head_dim] contiguous in q's dtype, from an fp32, bf16 or int8 cache
- * (`kv_kind` 0, 1 or 2: KV_FP32, KV_BF16, KV_INT8). q is widened and out narrowed here, in one pass each, instead of a torch cast
+ * out [seqs, heads, head_dim] contiguous in q's dtype, from an fp32, bf16, int8 or fp8 cache
+ * (`kv_kind` 0, 1, 2 or 3: KV_FP32, KV_BF16, KV_INT8, KV_FP8). q is widened and out narrowed here, in one pass each, instead of a torch cast
  * and copy on either side of the call. Returns 0, or -1 when an allocation failed. */
-enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
+enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
 
 int tandem_decode_attention(
     const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_kind, const int64_t *block_tables,
@@ -822,6 +878,10 @@ int tandem_decode_attention(
         }
         if (kv_kind == KV_INT8)
             status = tandem_paged_decode_attention_i8(q32, kv_cache, block_tables, context_lens, out32, num_seqs,
+                                                      num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                                                      table_stride, heads_per_item, scale, num_threads);
+        else if (kv_kind == KV_FP8)
+            status = tandem_paged_decode_attention_f8(q32, kv_cache, block_tables, context_lens, out32, num_seqs,
                                                       num_heads, num_kv_heads, head_dim, block_size, num_blocks,
                                                       table_stride, heads_per_item, scale, num_threads);
         else
@@ -881,6 +941,76 @@ void tandem_write_kv_i8(
                     ((int8_t *)target)[i] = (int8_t)rounded;
                 }
                 memcpy(target + head_dim, &scale, sizeof scale);
+            }
+        }
+    }
+}
+
+/* One value rounded to float8 e4m3 as torch's clamp(-448, 448) then cast does: to nearest,
+ * ties to even, magnitudes past 448 saturated, NaN kept NaN. Below 2^-6 the step is 2^-9 (the
+ * subnormals, and 2^-6 itself where a value rounds up to it); above, the fp32's mantissa is
+ * rounded to three bits with the carry running into the exponent. */
+static inline uint8_t float_to_fp8(float x) {
+    union { float f; uint32_t u; } bits = {.f = x};
+    const uint8_t sign = (uint8_t)((bits.u >> 24) & 0x80u);
+    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return sign | 0x7fu;
+    float magnitude = fabsf(x);
+    magnitude = magnitude < 448.0f ? magnitude : 448.0f;
+    if (magnitude < 0.015625f) return sign | (uint8_t)(int32_t)rintf(magnitude * 512.0f);
+    union { float f; uint32_t u; } m = {.f = magnitude};
+    const uint32_t rounded = m.u + 0x7ffffu + ((m.u >> 20) & 1u);
+    return sign | (uint8_t)((rounded >> 20) - (120u << 3));
+}
+
+/* Store this step's keys and values into an fp8 cache: each (token, kv head) row of fp32 or
+ * bf16 (`src_bf16`) values times `key_multiplier` / `value_multiplier` (one over the layer's
+ * power-of-two scales: exact, as the layer's division is; 1 where the caller divided them
+ * already), rounded by float_to_fp8. Rows of the cache are head_dim bytes; strides as
+ * tandem_write_kv's, in source elements. */
+void tandem_write_kv_f8(
+    const void *key, const void *value, int src_bf16, uint8_t *kv_cache, const int64_t *slots,
+    int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
+    int64_t head_dim, int64_t num_slots, float key_multiplier, float value_multiplier, int num_threads) {
+    uint8_t *v_base = kv_cache + num_kv_heads * num_slots * head_dim;
+#pragma omp parallel for schedule(static) num_threads(num_tokens >= 16 ? num_threads : 1)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int plane = 0; plane < 2; plane++) {
+            const void *source = plane ? value : key;
+            const int64_t stride = plane ? value_stride : key_stride;
+            uint8_t *base = plane ? v_base : kv_cache;
+            const float multiplier = plane ? value_multiplier : key_multiplier;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t first = t * stride + h * head_dim;
+                uint8_t *target = base + (h * num_slots + slots[t]) * head_dim;
+                if (src_bf16) {
+                    const uint16_t *row = (const uint16_t *)source + first;
+                    for (int64_t i = 0; i < head_dim; i++) target[i] = float_to_fp8(bf16_to_float(row[i]) * multiplier);
+                } else {
+                    const float *row = (const float *)source + first;
+                    for (int64_t i = 0; i < head_dim; i++) target[i] = float_to_fp8(row[i] * multiplier);
+                }
+            }
+        }
+    }
+}
+
+/* Store this step's fp32 keys and values into a bf16 cache (--kv-cache-dtype bfloat16 under
+ * an fp32 model), each value rounded to nearest even as torch's cast. The signature is the
+ * int8 and fp8 writers' (`src_bf16` must be 0: bf16 rows go in by tandem_write_kv). */
+void tandem_write_kv_bf16(
+    const void *key, const void *value, int src_bf16, uint16_t *kv_cache, const int64_t *slots,
+    int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_kv_heads,
+    int64_t head_dim, int64_t num_slots, int num_threads) {
+    (void)src_bf16;
+    uint16_t *v_base = kv_cache + num_kv_heads * num_slots * head_dim;
+#pragma omp parallel for schedule(static) num_threads(num_tokens >= 16 ? num_threads : 1)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int plane = 0; plane < 2; plane++) {
+            const float *source = (const float *)(plane ? value : key) + t * (plane ? value_stride : key_stride);
+            uint16_t *base = plane ? v_base : kv_cache;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                uint16_t *target = base + (h * num_slots + slots[t]) * head_dim;
+                for (int64_t i = 0; i < head_dim; i++) target[i] = float_to_bf16(source[h * head_dim + i]);
             }
         }
     }

@@ -25,11 +25,16 @@ from tandem.kernels.gpu import TRITON_CAPABILITIES, available
 from tandem.kernels.gpu.cache_write import fused_int8_write, write_kv, write_kv_int8
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.prefill_attention import prefill_attention
-from tandem.kernels.kv_format import INT8_SCALE_BYTES, is_int8_cache, quantize_rows, rotate_rows
+from tandem.kernels.kv_format import (
+    FP8,
+    INT8_SCALE_BYTES,
+    is_int8_cache,
+    quantize_rows,
+    rotate_rows,
+    to_fp8,
+)
 
 _SCRATCH_KEY = "triton"
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 @dataclass
@@ -70,7 +75,7 @@ class TritonAttentionBackend:
             # range as vLLM's saturating cast is, scale 1.0), so the kernel stores bytes as they
             # are. Triton's own cast is the GPU's, but its CPU interpreter rounds some values
             # just under a power of two down a whole binade, and CI can only test that one.
-            key, value = (x.clamp(-FP8_MAX, FP8_MAX).to(FP8) for x in (key, value))
+            key, value = to_fp8(key), to_fp8(value)
         elif is_int8_cache(kv_cache) and key.dtype != torch.uint8:
             if fused_int8_write(key.shape[-1]):
                 write_kv_int8(key, value, kv_cache, meta.slot_mapping)

@@ -35,11 +35,6 @@ def test_fp8_cache_holds_four_times_the_fp32_blocks_and_answers_alike() -> None:
     assert tokens == exact
 
 
-def test_fp8_needs_the_triton_backend() -> None:
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs the Triton attention backend"):
-        LLM("smollm2-135m", attention_backend="cpu", kv_cache_memory="32MiB", kv_cache_dtype="fp8")
-
-
 def _attend_steps(layer, cache: torch.Tensor, magnitude: float) -> list[torch.Tensor]:  # noqa: ANN001
     """A 40-token prefill in two chunks, then a decode step, through `layer`: each output."""
     generator = torch.Generator().manual_seed(7)
