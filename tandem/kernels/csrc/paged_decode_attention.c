@@ -962,6 +962,29 @@ static inline uint8_t float_to_fp8(float x) {
     return sign | (uint8_t)((rounded >> 20) - (120u << 3));
 }
 
+#if defined(__AVX512F__)
+/* float_to_fp8 on 16 values at once: the same two roundings (below 2^-6 a multiple of 2^-9,
+ * by vcvtps2dq's nearest-even; above, the mantissa's carry into the exponent), picked per
+ * lane, then narrowed to bytes. A 2,048-token chunk of SmolLM2's keys and values (3 kv heads
+ * of 64, two threads, the 2-core AVX-512 EPYC): 0.10-0.11 ms, the scalar loop 0.14-0.21. */
+static inline __m128i fp8_of16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+    const __m512i magnitude_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(magnitude_bits, _mm512_set1_epi32(0x7f800000));
+    const __m512 magnitude = _mm512_min_ps(_mm512_castsi512_ps(magnitude_bits), _mm512_set1_ps(448.0f));
+    const __m512i m = _mm512_castps_si512(magnitude);
+    const __m512i carry = _mm512_and_si512(_mm512_srli_epi32(m, 20), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(m, _mm512_set1_epi32(0x7ffff)), carry);
+    const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
+    const __m512i small = _mm512_cvtps_epi32(_mm512_mul_ps(magnitude, _mm512_set1_ps(512.0f)));
+    const __mmask16 is_small = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+    __m512i code = _mm512_mask_blend_epi32(is_small, normal, small);
+    code = _mm512_mask_blend_epi32(nan, code, _mm512_set1_epi32(0x7f));
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+}
+#endif
+
 /* Store this step's keys and values into an fp8 cache: each (token, kv head) row of fp32 or
  * bf16 (`src_bf16`) values times `key_multiplier` / `value_multiplier` (one over the layer's
  * power-of-two scales: exact, as the layer's division is; 1 where the caller divided them
@@ -982,12 +1005,21 @@ void tandem_write_kv_f8(
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t first = t * stride + h * head_dim;
                 uint8_t *target = base + (h * num_slots + slots[t]) * head_dim;
-                if (src_bf16) {
-                    const uint16_t *row = (const uint16_t *)source + first;
-                    for (int64_t i = 0; i < head_dim; i++) target[i] = float_to_fp8(bf16_to_float(row[i]) * multiplier);
-                } else {
-                    const float *row = (const float *)source + first;
-                    for (int64_t i = 0; i < head_dim; i++) target[i] = float_to_fp8(row[i] * multiplier);
+                int64_t i = 0;
+#if defined(__AVX512F__)
+                const __m512 times = _mm512_set1_ps(multiplier);
+                for (; i + 16 <= head_dim; i += 16) {
+                    const __m512 x = src_bf16
+                        ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                              _mm256_loadu_si256((const __m256i *)((const uint16_t *)source + first + i))), 16))
+                        : _mm512_loadu_ps((const float *)source + first + i);
+                    _mm_storeu_si128((__m128i *)(target + i), fp8_of16(_mm512_mul_ps(x, times)));
+                }
+#endif
+                for (; i < head_dim; i++) {
+                    const float x = src_bf16 ? bf16_to_float(((const uint16_t *)source)[first + i])
+                                             : ((const float *)source)[first + i];
+                    target[i] = float_to_fp8(x * multiplier);
                 }
             }
         }
