@@ -25,7 +25,7 @@ import torch
 from tandem.kernels.base import AttentionMetadata
 from tandem.kernels.c_library import KernelBuildError, bind, build_kernel_library
 from tandem.kernels.cpu_prefill import PrefillAttentionKernel
-from tandem.kernels.kv_format import FP8, widen
+from tandem.kernels.kv_format import FP8, INT8_SCALE_BYTES
 from tandem.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class PagedDecodeKernel:
             "tandem_write_kv_i8": (None, [_PTR, _PTR, _INT, _PTR, _PTR, *[_I64] * 6, _INT]),
             "tandem_write_kv_f8": (None, [_PTR, _PTR, _INT, _PTR, _PTR, *[_I64] * 6, _FLOAT, _FLOAT, _INT]),
             "tandem_write_kv_bf16": (None, [_PTR, _PTR, _INT, _PTR, _PTR, *[_I64] * 6, _INT]),
+            "tandem_widen_blocks": (None, [_PTR, _INT, _PTR, *[_I64] * 5, _PTR, _INT, _INT]),
             "tandem_decode_attention_isa": (ctypes.c_char_p, []),
         })
         self._attend = functions["tandem_decode_attention"]
@@ -60,6 +61,7 @@ class PagedDecodeKernel:
         self._write_i8 = functions["tandem_write_kv_i8"]
         self._write_f8 = functions["tandem_write_kv_f8"]
         self._write_bf16 = functions["tandem_write_kv_bf16"]
+        self._widen = functions["tandem_widen_blocks"]
         self.isa: str = functions["tandem_decode_attention_isa"]().decode()  # for bf16 steps
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
@@ -98,6 +100,19 @@ class PagedDecodeKernel:
             key.stride(0), value.stride(0), num_kv_heads, head_dim, num_blocks * block_size,
             kv_cache.element_size(), torch.get_num_threads(),
         )
+
+    def widen_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks `block_ids` of an int8, fp8 or (into fp32) bf16 cache as a dense cache of
+        `dtype` (fp32 or bf16) holding just them, in order: what the prefill kernel reads."""
+        _, kv_heads, num_blocks, block_size, width = kv_cache.shape
+        if kv_cache.dtype not in _QUANTIZED:  # a bf16 cache under fp32 queries: torch's cast is one pass
+            return kv_cache[:, :, block_ids].to(dtype).contiguous()
+        head_dim = width - INT8_SCALE_BYTES if kv_cache.dtype == torch.uint8 else width
+        ids = block_ids.contiguous()
+        out = torch.empty(2, kv_heads, len(ids), block_size, head_dim, dtype=dtype)
+        self._widen(kv_cache.data_ptr(), KV_KINDS[kv_cache.dtype], ids.data_ptr(), len(ids), kv_heads, num_blocks,
+                    block_size, head_dim, out.data_ptr(), dtype == torch.bfloat16, torch.get_num_threads())
+        return out
 
     @staticmethod
     def takes_query(q: torch.Tensor) -> bool:
@@ -181,7 +196,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             # a dense cache of q's dtype, which the kernel reads in place of torch's attention
             # (one pass over the context, against a product over the context per query).
             blocks = span.block_ids
-            dense = widen(kv_cache[:, :, blocks], q.dtype).contiguous()
+            dense = self.kernel.widen_blocks(kv_cache, blocks, q.dtype)
             if self.prefill.takes(q, dense):
                 return self.prefill(q, dense, torch.arange(len(blocks)), span.context_len, scale, out)
         return super()._prefill(q, k, v, kv_cache, span, scale, out)

@@ -158,3 +158,25 @@ def test_a_mixed_step_over_an_8_bit_cache_matches_the_fp32_reference(tmp_path_fa
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(step.got.float(), step.want, rtol=tolerance, atol=tolerance)
     assert_stored_as_the_reference(step, kv, dim)
+
+
+@pytest.mark.parametrize("cache_kind", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_widen_for_the_prefill_kernel_as_torch_widens_them(kernel, cache_kind, dtype) -> None:
+    """A prefill chunk over an int8 or fp8 cache reads its span's blocks widened into a dense
+    cache of the queries' dtype: fp8 exactly torch's widening; int8 rows to a few units in the
+    last place (the C rotation's butterflies sum in another order than torch's matmul)."""
+    from tandem.kernels.kv_format import quantize_rows, widen
+
+    generator = torch.Generator().manual_seed(9)
+    values = torch.randn(kv_cache_shape(12, 16, 3, 64), generator=generator) * 3
+    cache = to_fp8(values) if cache_kind == "fp8" else quantize_rows(values)
+    blocks = torch.tensor([7, 2, 11, 0, 5])
+    got = kernel.widen_blocks(cache, blocks, dtype)
+    want = widen(cache[:, :, blocks], dtype)
+    assert got.shape == want.shape == (2, 3, 5, 16, 64) and got.dtype == dtype
+    if cache_kind == "fp8":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-5)

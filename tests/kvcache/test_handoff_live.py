@@ -348,3 +348,44 @@ def test_a_bf16_cache_hands_off_to_an_fp32_decode_worker(tmp_path) -> None:  # n
         rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
         assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == rows * 64 * 2
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_fp8_caches_hand_off_as_bf16_values_and_decode_as_one_worker_would(tmp_path) -> None:  # noqa: ANN001
+    """--kv-cache-dtype fp8 on both workers: the prefill worker sends each stored value times its
+    layer's scale as bf16 (128 bytes a row of 64: exact, so the decode worker's bytes are the
+    prefill worker's), the decode worker divides by its own scales (the same: the same model
+    measured on the same text) and goes on as the prefill worker alone does. The two split the
+    work into other steps, whose sums run in other orders: the question is one whose greedy
+    answer has no near-tie (its closest two tokens 0.23 nats apart on the AVX-512 EPYC; for
+    "Evora" a 0.03-nat tie at the twelfth token went either way)."""
+    fp8 = ("--kv-cache-dtype", "fp8", *WORKER_ARGS)
+    with _pd_pair(tmp_path, fp8, fp8) as (prefill, decode):
+        body = {"model": MODEL, "messages": _messages("Tell me about Paris."), "temperature": 0, "max_tokens": 16}
+        alone = _post(prefill, body)["choices"][0]["message"]["content"]
+        handle, reply = _hand_off(prefill, decode, "Tell me about Paris.")
+        handed = len(handle["block_hashes"])
+        assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
+        assert reply["choices"][0]["message"]["content"] == alone
+        rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
+        assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == rows * 64 * 2
+        assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_an_fp8_prefill_worker_hands_off_in_8_bits_to_an_fp32_decode_worker(tmp_path) -> None:  # noqa: ANN001
+    """Cache dtypes differ and the decode worker asks for int8 chunks: the fp8 worker's values
+    are encoded in 8 bits with a scale a run of 64 (68 bytes a row), and the fp32 decode worker
+    widens them into its rows and adopts every block."""
+    import torch
+
+    from tandem.kvcache.codec import KVCodec
+
+    fp8 = ("--kv-cache-dtype", "fp8", *WORKER_ARGS)
+    with _pd_pair(tmp_path, fp8, ("--kv-transfer-dtype", "int8", *WORKER_ARGS)) as (prefill, decode):
+        handle, reply = _hand_off(prefill, decode, "Tell me about Tomar.")
+        handed = len(handle["block_hashes"])
+        assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
+        assert reply["usage"]["completion_tokens"] == 16
+        int8_bytes = KVCodec("int8").payload_bytes((30, 2, 3, handed, BLOCK, 64), torch.bfloat16)
+        assert int8_bytes == 30 * 2 * 3 * handed * BLOCK * 68
+        assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == int8_bytes
+        assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0

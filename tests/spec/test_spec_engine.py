@@ -84,12 +84,14 @@ def test_a_seeded_request_repeats_itself_with_speculation() -> None:
     assert first[1].outputs[0].token_ids == second[0].outputs[0].token_ids
 
 
-def test_an_int8_cache_gives_the_same_tokens_with_speculation() -> None:
-    """--kv-cache-dtype int8: a verify step reads the drafts' keys as rounded rows, exactly as
-    one decode a token reads its own, so the greedy tokens are the int8 cache's without drafts."""
-    with LLM(kv_cache_memory="128MiB", kv_cache_dtype="int8") as llm:
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_quantized_cache_gives_the_same_tokens_with_speculation(kv_cache_dtype: str) -> None:
+    """--kv-cache-dtype int8 or fp8: a verify step reads the drafts' keys as rounded rows (or
+    e4m3 values), exactly as one decode a token reads its own, so the greedy tokens are the
+    cache's own without drafts."""
+    with LLM(kv_cache_memory="128MiB", kv_cache_dtype=kv_cache_dtype) as llm:
         want = chat(llm, *requests())
-    with LLM(kv_cache_memory="128MiB", kv_cache_dtype="int8", speculative_config=METHODS[2]) as llm:
+    with LLM(kv_cache_memory="128MiB", kv_cache_dtype=kv_cache_dtype, speculative_config=METHODS[2]) as llm:
         got = chat(llm, *requests())
         stats = llm.engine.core.speculator.stats
         assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
