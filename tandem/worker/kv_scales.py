@@ -85,12 +85,22 @@ def calibrate_kv_scales(model: torch.nn.Module, kv_caches: list[torch.Tensor], b
     for layer in layers:
         layer.k_scale = layer.v_scale = 1.0
         layer.observed = []
+    # The layers must run one by one to note what they see: a C layer stack (models/decode_stack.py)
+    # that takes the step would skip their forward (it takes prefill chunks over a cache in
+    # the model's dtype, as `tandem bench perplexity --kv-dtypes fp8` calibrates on).
+    stack = getattr(model, "decode_stack", None)
+    if stack is not None:
+        model.decode_stack = None
     try:
         chunk = ScheduledChunk("kv-scale-calibration", list(token_ids), 0, list(range(blocks)), True)
         batch = prepare_batch([chunk], block_size, device)
         model(batch.input_ids, batch.positions, kv_caches, batch.meta, None)
+        if any(not layer.observed for layer in layers):
+            raise RuntimeError("an attention layer saw nothing of the calibration text")
         seen = [(max(k for k, _ in layer.observed), max(v for _, v in layer.observed)) for layer in layers]
     finally:
+        if stack is not None:
+            model.decode_stack = stack
         for layer in layers:
             layer.observed = None
         for cache in kv_caches:

@@ -110,3 +110,18 @@ def test_the_fp8_rounding_divides_by_each_layers_scales_before_it_rounds() -> No
     clamped = Fp8Rounding(((1.0, 1.0), (1.0, 1.0))).roundtrip(blocks)
     assert clamped[1, 1].abs().max() == 448  # scale 1.0 saturates the same values
     assert rounding.payload_bytes((2, 2, 3, 4, 16, 64), torch.float32) == 2 * 2 * 3 * 4 * 16 * 64
+
+
+def test_the_scales_are_measured_through_the_layers_where_the_c_stack_takes_prefills() -> None:
+    """`--kv-dtypes fp8` measures the scales on an exact fp32 engine, whose C layer stack takes
+    prefill chunks over its fp32 cache and so would skip the attention layers that note their
+    largest keys and values: the calibration runs them one by one, then gives the stack back."""
+    from tandem.bench.perplexity import measured_fp8_scales
+
+    with LLM(exact=True, kv_cache_memory="32MiB") as llm:
+        model = llm.engine.runner.model
+        stack = model.decode_stack
+        rounding = measured_fp8_scales(llm.engine, [])
+        assert model.decode_stack is stack
+    assert len(rounding.scales) == 30 and len(set(rounding.scales)) > 1
+    assert all(k < 1 and v < 1 for k, v in rounding.scales)

@@ -205,6 +205,25 @@ def test_an_fp8_cache_stores_its_values_and_8_bit_chunks(tmp_path: Path) -> None
         assert_idle(llm)
 
 
+def test_a_bf16_cache_under_an_fp32_model_stores_and_reads_its_rows(tmp_path: Path) -> None:
+    """--kv-cache-dtype bfloat16 under the fp32 model with the tiers: chunks of its bf16 rows (128
+    bytes a row of 64, half an fp32 cache's) come back byte for byte, and an fp32 worker widens
+    them into its own rows."""
+    with tier_llm("bfloat16", disk_path=str(tmp_path)) as llm:
+        first, again = serve_twice(llm)
+        assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
+        assert again.outputs[0].text == first.outputs[0].text
+        tiers = llm.engine.core.load().connector("kv_tiers")
+        assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["bytes_per_token"] == 30 * 2 * 3 * 64 * 2
+        assert_idle(llm)
+    with tier_llm(disk_path=str(tmp_path)) as fresh:
+        out = fresh.generate([PROMPT], GREEDY)[0]
+        assert out.num_cached_tokens >= 64 * (len(out.prompt_token_ids) // 64 - 1)
+        disk = fresh.engine.core.load().connector("kv_tiers")["media"]["disk"]
+        assert disk["chunk_hits"] >= 1 and not disk.get("corrupt"), disk
+        assert_idle(fresh)
+
+
 def test_prefix_comes_back_from_redis_and_a_fresh_engine_reads_it(redis_server: RedisServer,
                                                                    cold_outputs: list[str]) -> None:
     _flush(redis_server)
