@@ -42,7 +42,7 @@ from tandem.loader.resolve import default_cache_dir, resolve_model
 from tandem.platform.allocator import MallocThresholds, keep_freed_memory
 from tandem.platform.profiling import step_breakdown
 from tandem.spec.model_proposers import ModelProposerLoader, model_proposer_loader
-from tandem.worker.kv_scales import CALIBRATION_TEXT, calibrate_kv_scales, describe
+from tandem.worker.kv_scales import CALIBRATION_TEXT, FP8_QUALITY, calibrate_kv_scales, describe
 from tandem.worker.kv_sizing import kv_blocks, kv_budget_bytes
 from tandem.worker.model_builder import ModelBuilder, model_bytes
 from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block, rank_kv_spec
@@ -223,6 +223,8 @@ class Worker:
         if self._proposer is not None:
             self.runner.drafter = self._proposer.proposer(num_blocks, config.cache.block_size)
         if self.kv_dtype == torch.float8_e4m3fn:  # before CUDA graphs: they keep the scales they saw
+            if self.rank == 0:
+                logger.warning(FP8_QUALITY)
             self._calibrate_fp8_scales(num_blocks)
         if self.device.type == "cuda" and not config.load.enforce_eager:  # after the drafter: it keeps steps eager
             self.runner.capture_decode_graphs(config.load.max_cudagraph_batch, self._info.max_model_len)

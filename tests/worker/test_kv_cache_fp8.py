@@ -1,14 +1,19 @@
 """--kv-cache-dtype fp8 through the engine on the default model, on the CPU backends: a byte
 a value, so the budget holds twice a bf16 cache's blocks (four times an fp32 one's); the
-worker measures each layer's scales at start; perplexity within the 8-bit bar of the model's
-own cache; a share of greedy continuations token for token the model's-dtype cache's; a
+worker measures each layer's scales at start; perplexity near the model's own cache's over
+1,024 tokens; a share of greedy continuations token for token the model's-dtype cache's; a
 prefix-cache hit reads back what a miss computed.
 
-Measured on the 2-core AMD EPYC with AVX-512 (exact fp32 model, 2026-12-04): perplexity of
-1,024 tokens -0.26% (int8: +0.11%); 4 of 8 continuations of 32 tokens identical (int8: 7),
-the other four departing where the exact model's two best tokens were 0.04, 0.10, 0.56 and
-1.26 nats apart: three mantissa bits move logits past wide margins too, so unlike int8's test
-this one does not say a departure is a near-tie; every hit's continuation the miss's.
+fp8 is over the issue's 8-bit bar (0.5%) as a cache: `tandem bench perplexity --kv-dtypes fp8
+--kv-cache-dtypes fp8,int8` over the 3,723-token text gave +1.64% on this model and +2.49% on
+Qwen2.5-Coder-0.5B (int8: +0.04%, +0.32%), and the start-up log says so (worker/kv_scales.py
+FP8_QUALITY). Over the first 1,024 tokens it was -0.26% (the torch backend +0.18%), so the
+bound below guards against an fp8 cache read wrongly (a scale lost: tens of percent), not the
+bar. Measured on the 2-core AMD EPYC with AVX-512 (exact fp32 model, 2026-12-04): 4 of 8
+continuations of 32 tokens identical (int8: 7), the other four departing where the exact
+model's two best tokens were 0.04, 0.10, 0.56 and 1.26 nats apart (three mantissa bits move
+logits past wide margins too, so this test does not say a departure is a near-tie); every
+hit's continuation the miss's.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from tests.support.kv_cache_quality import CacheRun, first_departure, measure_ca
 
 pytestmark = pytest.mark.slow
 
-PERPLEXITY_BAR = 0.005  # the issue's bar for an 8-bit cache
+PERPLEXITY_BOUND = 0.01  # over 1,024 tokens (measured -0.26%); not the 0.5% bar, which fp8 misses on longer text
 FLOOR_IDENTICAL = 3  # of 8 continuations, the model's-dtype cache's (4 measured)
 FLOOR_HIT_IDENTICAL = 6  # of 8, the prefix-cache hit's continuation the miss's (8 measured)
 NEAR_TIE = 0.25  # where a hit may depart from its miss: the two sum in other orders
@@ -43,8 +48,8 @@ def test_a_value_takes_a_byte(exact, fp8) -> None:
     assert fp8.num_blocks >= ratio * exact.num_blocks
 
 
-def test_perplexity_within_the_8_bit_bar_and_a_share_of_greedy_answers_kept(exact, fp8) -> None:
-    assert fp8.perplexity == pytest.approx(exact.perplexity, rel=PERPLEXITY_BAR)
+def test_perplexity_near_the_model_s_own_cache_and_a_share_of_greedy_answers_kept(exact, fp8) -> None:
+    assert fp8.perplexity == pytest.approx(exact.perplexity, rel=PERPLEXITY_BOUND)
     assert fp8.perplexity != exact.perplexity  # the fp8 values were read, not the model's dtype
     kept = sum(ours == reference for ours, reference in zip(fp8.first, exact.first, strict=True))
     assert kept >= FLOOR_IDENTICAL
@@ -68,3 +73,12 @@ def test_the_worker_measured_each_layer_s_scales() -> None:
         assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
         scales = [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in layers]
     assert len(set(scales)) > 1 and all(k < 1 and v < 1 for k, v in scales)  # SmolLM2's are all below 1
+
+
+def test_the_start_up_log_says_fp8_is_over_the_quality_bar(caplog: pytest.LogCaptureFixture) -> None:
+    from tandem.llm import LLM
+    from tandem.worker.kv_scales import FP8_QUALITY
+
+    with caplog.at_level("WARNING"), LLM(kv_cache_memory="16MiB", kv_cache_dtype="fp8"):
+        pass
+    assert FP8_QUALITY in caplog.text and "over the 8-bit quality bar" in FP8_QUALITY
