@@ -282,17 +282,56 @@ def test_usage_ledger_matches_the_responses(cluster: Cluster) -> None:
         assert total[field] == sum(pick(u) for u in usages if u is not None), field
 
 
+# Where a concurrent batch's answer may part from the same request's answered alone: the
+# batch's decode steps hold other rows, so the GEMMs sum in other orders (two tokens or fewer
+# take the GEMV copies, more the packed GEMM), which moves logits by ~1e-5 of their size. The
+# full suite on the 2-core AVX-512 EPYC once saw "Lisbon is a city that is" become "... has";
+# another request's tokens would differ from the first and far from a tie.
+NEAR_TIE = 0.05
+
+
+def _reference_tokens(reply: dict[str, Any]) -> list[tuple[str, float]]:
+    """Each generated token's text and the nats between its two best candidates, from a reply
+    asked for two top log-probabilities (chat or completions shape)."""
+    logprobs = reply["choices"][0]["logprobs"]
+    if "content" in logprobs:  # chat
+        steps = [(entry["token"], [top["logprob"] for top in entry["top_logprobs"]]) for entry in logprobs["content"]]
+    else:  # completions
+        steps = list(zip(logprobs["tokens"], [list(top.values()) for top in logprobs["top_logprobs"]], strict=True))
+    return [(token, (max(best) - sorted(best)[-2]) if len(best) > 1 else float("inf")) for token, best in steps]
+
+
+def _same_or_parted_at_a_tie(text: str, reference: dict[str, Any]) -> bool:
+    """`text` is the reference's answer, or parts from it first inside a token whose two best
+    candidates were within NEAR_TIE of each other."""
+    want = _text(reference)
+    if text == want:
+        return True
+    parted = next((i for i, (a, b) in enumerate(zip(text, want, strict=False)) if a != b), min(len(text), len(want)))
+    offset = 0
+    for token, margin in _reference_tokens(reference):
+        if offset + len(token) > parted:
+            return margin < NEAR_TIE
+        offset += len(token)
+    return False
+
+
+def _with_top_two(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    extra = {"logprobs": True, "top_logprobs": 2} if path.endswith("chat/completions") else {"logprobs": 2}
+    return {**body, **extra}
+
+
 def test_concurrent_batch_of_varied_prompts(cluster: Cluster, tandem_server: str) -> None:
     requests = []
     for i in range(8):
         path, make = CASES[i % len(CASES)][1], CASES[i % len(CASES)][2]
         body = {"model": MODEL, "temperature": 0, **make(), "max_tokens": 8 + 3 * i}
         requests.append((path, body, i % 3 == 0))
-    expected = [_post(tandem_server, path, body) for path, body, _ in requests]
+    expected = [_post(tandem_server, path, _with_top_two(path, body)) for path, body, _ in requests]
     with ThreadPoolExecutor(len(requests)) as pool:
         got = list(pool.map(lambda r: _run(cluster.router, *r), requests))
     for (text, reason, usage), alone in zip(got, expected, strict=True):
-        assert text == _text(alone)
+        assert _same_or_parted_at_a_tie(text, alone), (text, _text(alone))
         assert reason == alone["choices"][0]["finish_reason"]
         assert (
             usage is not None and usage["completion_tokens"] == alone["usage"]["completion_tokens"]
