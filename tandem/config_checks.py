@@ -61,9 +61,10 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
     worker/model_runner.py), so the handoff over tcp and the tiers move them as a bf16 cache's,
     to and from any cache dtype; a shared-memory copy, the source's bytes, is refused.
     Speculative decoding takes it as it takes int8. A bf16 cache under an fp32 model is a float cache
-    like any other (the C decode kernel widens bf16 rows for fp32 queries; the C prefill kernel
-    and the C layer stack want the model's dtype, so those steps take the module path). Tested
-    on the CPU backends and the PD handoff; the tiers and the Triton kernels not yet."""
+    like any other (the C decode kernel widens bf16 rows for fp32 queries, the C layer stack
+    narrows each decode step's keys and values into it, and a prefill chunk widens its blocks
+    for the C prefill kernel, as for int8 and fp8). Tested
+    on the CPU backends, the PD handoff, the tiers and the (interpreted) Triton kernels."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return
