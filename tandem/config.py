@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = (
 # architecture, the prefix of its tensors in the checkpoint).
 TEXT_BACKBONES = {"KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.")}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")  # the model's dtype, bf16, float8 e4m3, int8 + a scale
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -396,6 +397,9 @@ class SchedulerConfig:
     # Grammar-constrained requests: append the tokens a grammar forces (a JSON key, a call's
     # envelope) without sampling them, computed with the next step's token (tandem/structured).
     jump_forward: bool = True
+    # Launch step N+1 before step N's tokens reach the host, its decode inputs taken from step
+    # N's samples on the device (EngineConfig.runs_ahead says when "auto" does).
+    async_scheduling: str = "auto"  # auto | on | off
 
 
 # Compact weight copies a small step may read instead of the run dtype's (layers/linear.py).
@@ -749,6 +753,29 @@ class EngineConfig:
         one_rank = not self.parallel.splits_model
         decodes = self.kv_transfer.role != "prefill"
         object.__setattr__(self, "load", self.load.settled_for(self.model, one_rank, decodes))
+
+    @property
+    def runs_ahead_possible(self) -> bool:
+        """Whether steps can run ahead of their tokens (asynchronous scheduling): one rank in
+        this process, no pipeline of micro-batches, no drafts (a draft is proposed from the
+        tokens the step before kept, on the host)."""
+        parallel = self.parallel
+        return (parallel.world_size == 1 and not parallel.uses_processes
+                and parallel.pipeline_parallel_size == 1 and self.speculative.method is None)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Asynchronous scheduling: the engine launches step N+1 before step N's sampled tokens
+        reach the host, each decode's input token taken from step N's samples on the device,
+        so the host's scheduling and output handling overlap the device's forward (vLLM's
+        --async-scheduling). "auto" turns it on for a GPU, where a batch-1 step's host work is
+        ~10% of the step with the device idle; on a CPU the host is the device and nothing
+        overlaps. A request whose next step needs its last token on the host (penalties,
+        min_tokens still pending, a grammar) waits for it as before (engine/scheduler.py)."""
+        choice = self.scheduler.async_scheduling
+        if choice == "off" or not self.runs_ahead_possible:
+            return False
+        return choice == "on" or self.load.device == "cuda"
 
 
 @dataclass(frozen=True)

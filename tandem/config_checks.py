@@ -13,12 +13,19 @@ has the int8 GEMM, whether the weights fit this host's memory, the model's own l
 
 from __future__ import annotations
 
-from tandem.config import DECODE_WEIGHT_FORMATS, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from tandem.config import (
+    ASYNC_SCHEDULING,
+    DECODE_WEIGHT_FORMATS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    EngineConfig,
+)
 
 
 def check_engine_config(config: EngineConfig) -> None:
     """ValueError, saying why, for settings that cannot work together."""
     _check_parallel(config)
+    _check_async_scheduling(config)
     load = config.load
     if load.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
@@ -47,6 +54,16 @@ def _check_parallel(config: EngineConfig) -> None:
             "prefill/decode or the KV tiers: each rank holds its own part of every block, and they "
             "move whole blocks"
         )
+
+
+def _check_async_scheduling(config: EngineConfig) -> None:
+    choice = config.scheduler.async_scheduling
+    if choice not in ASYNC_SCHEDULING:
+        raise ValueError(f"--async-scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, not {choice!r}")
+    if choice == "on" and not config.runs_ahead_possible:
+        raise ValueError("--async-scheduling on needs one rank in the engine's process and no speculative "
+                         "decoding: with several ranks or a pipeline the steps already overlap as micro-batches, "
+                         "and drafts are proposed from the tokens the step before kept")
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:

@@ -150,7 +150,9 @@ def prepare_batch(chunks: list[ScheduledChunk], block_size: int, device: torch.d
     sizes = [len(input_ids), len(positions), len(slots), len(sample_rows), len(context_lens), len(table_rows)]
     flat = torch.tensor(input_ids + positions + slots + sample_rows + context_lens + table_rows, dtype=torch.long)
     if device is not None and device.type != "cpu":
-        flat = flat.to(device)
+        # From pinned memory, without waiting: a copy from pageable memory synchronizes with
+        # the stream, which under asynchronous scheduling holds the step before this one.
+        flat = flat.pin_memory().to(device, non_blocking=True)
     ids_t, positions_t, slots_t, rows_t, lens_t, table_t = flat.split(sizes)
     meta = AttentionMetadata(
         slot_mapping=slots_t,

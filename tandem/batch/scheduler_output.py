@@ -10,6 +10,7 @@ tokens once. Torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,10 @@ class SchedulerOutput:
     # Grammar-constrained requests' token masks (tandem/structured/masks.py), one row per token
     # they sample this step; still being filled while the forward runs. None: no constraint.
     token_masks: PendingMasks | None = None
+    # Asynchronous scheduling: requests whose one scheduled token is the one the step before
+    # this samples, not known on the host yet; the runner takes it from that step's samples on
+    # the device.
+    last_step_inputs: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -84,3 +89,13 @@ class ModelRunnerOutput:
     draft_seconds: float = 0.0  # the draft model's share of the step
     draft_forward_seconds: float = 0.0  # one single-token forward of the draft over the batch
     kv_connector_output: KVConnectorOutput | None = None  # None: no KV connector is configured
+    # Asynchronous scheduling, in the worker's own process only: the step's sampled tokens are
+    # still on their way from the device; `resolve` waits for them and fills `sampled`.
+    pending_sampled: Callable[[], dict[str, list[SampledToken]]] | None = None
+
+    def resolve(self) -> ModelRunnerOutput:
+        """This output with its sampled tokens on the host (waiting for the device if need be)."""
+        if self.pending_sampled is not None:
+            self.sampled = self.pending_sampled()
+            self.pending_sampled = None
+        return self

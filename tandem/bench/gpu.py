@@ -10,7 +10,10 @@ tandem/bench/configs), in bf16, all in one run:
    (every weight it multiplies by and the context's KV, once; the embedding is a lookup of
    one row); the goal is >= 85% of it. The share of the looser bound that counts the
    embedding too, as SGLang's published "76%" does, is printed beside it. With graphs, the
-   batch-1 graph's replay is timed alone too: the forward on the GPU, apart from the host;
+   batch-1 graph's replay is timed alone too: the forward on the GPU, apart from the host.
+   The engine runs with its default asynchronous scheduling (each step launched before the
+   last one's token reaches the host); a second engine with `--async-scheduling off` times
+   batch-1 decode one step at a time beside it (`--no-sync` skips it);
 3. tandem, prefill: prompts of --prefill-len tokens, one token out, as tokens/s and as
    achieved TFLOP/s (2 x the weights' multiply-adds per token plus attention's) against the
    matmul rate; the goal is >= 60%;
@@ -113,6 +116,7 @@ GPU_FLAGS = FlagTable(None, (
         help="--int4-moe: experts with rows in each launch (default: 8)",
     ),
     Flag("--no-eager", switch=True, help="skip the --enforce-eager decode run"),
+    Flag("--no-sync", switch=True, help="skip the batch-1 decode run with --async-scheduling off"),
     Flag(
         "--profile", switch=True,
         help="also write torch.profiler tables (kernels by GPU time) of batch-1 decode steps "
@@ -210,12 +214,13 @@ def weight_shape(config: dict[str, Any]) -> dict[str, int]:
             "head_dim": head_dim}
 
 
-def _engine(hf_dir: Path, eager: bool, max_model_len: int, kv_cache_dtype: str) -> Any:
+def _engine(hf_dir: Path, eager: bool, max_model_len: int, kv_cache_dtype: str, async_scheduling: str = "auto") -> Any:
     """The engine on dummy bf16 weights, at tandem's default batch limits and memory share."""
     from tandem.llm import LLM
 
     return LLM(str(hf_dir), load_format="dummy", dtype="bfloat16", device="cuda", enforce_eager=eager,
-               max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+               max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False,
+               async_scheduling=async_scheduling)
 
 
 def decode_step_seconds(llm: Any, prompt_len: int, steps: int) -> float:
@@ -518,8 +523,8 @@ def measure_engine(torch: Any, llm: Any, args: argparse.Namespace, config: dict[
                    limits: dict[str, float], name: str, kv: str, max_len: int, run: dict[str, Any],
                    profile_dir: Path | None) -> None:
     """One engine's figures into `run`: with graphs the KV room, batch-1 decode, the prefill and
-    the batch throughput; eager (`name` "eager") batch-1 decode alone."""
-    eager = name == "eager"
+    the batch throughput; eager (`name` "eager") or one step at a time ("sync") batch-1 decode alone."""
+    eager = name in ("eager", "sync")
     if not eager:
         run["kv"] = kv_room(llm, config, max_len, args.prompt_len + args.output_len,
                             torch.cuda.mem_get_info()[1], kv)
@@ -544,7 +549,7 @@ def measure_engine(torch: Any, llm: Any, args: argparse.Namespace, config: dict[
         print(f"  of which the batch-1 graph (the forward, on the GPU): {replay * 1e3:.2f} ms = "
               f"{read / replay / 1e9:.0f} GB/s; the rest of the step (head, sampling, host work): "
               f"{(step - replay) * 1e3:.2f} ms")
-    if profile_dir is not None:
+    if profile_dir is not None and name != "sync":
         profile_table(torch, lambda: decode_step_seconds(llm, decode_prompt, 8),
                       profile_dir / f"profile-decode-{kv}.txt", f"batch-1 decode, {name}, KV {kv}, 8 steps")
         if not eager:
@@ -595,14 +600,15 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
         max_len = max(args.prefill_len, args.prompt_len + args.output_len, 512) + 64
         batch_tok_s = None
         for index, kv in enumerate(kv_cache_dtypes(args.kv_cache_dtypes)):
-            modes = [("graphs", False)] + ([] if args.no_eager or index else [("eager", True)])
-            for name, eager in modes:
-                llm = _engine(workdir, eager, max_len, kv)
+            modes = [("graphs", False, "auto")] + ([] if args.no_sync or index else [("sync", False, "off")])
+            modes += [] if args.no_eager or index else [("eager", True, "auto")]
+            for name, eager, async_scheduling in modes:
+                llm = _engine(workdir, eager, max_len, kv, async_scheduling)
                 try:
                     run = results.setdefault(kv, {})
                     measure_engine(torch, llm, args, config, shape, limits, name, kv, max_len, run,
                                    out if args.profile else None)
-                    if not eager:
+                    if name == "graphs":
                         run["memory"] = device_in_use(torch)
                         print(f"device memory in use after the runs: {run['memory']['in_use_gib']:.1f} of "
                               f"{run['memory']['total_gib']:.1f} GiB (torch's peak reservation "

@@ -100,8 +100,10 @@ class EngineCore:
             connector.set_worker_info(handshakes)
         self.speculator = make_speculator(config.speculative, config.kv_transfer.role)
         self.constraints = _grammar_constraints(config, info)
+        runs_ahead = self.executor.runs_ahead
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, connector,
-                                   self.executor.max_concurrent_batches, self.speculator, self.constraints)
+                                   1 if runs_ahead else self.executor.max_concurrent_batches, self.speculator,
+                                   self.constraints, run_ahead=runs_ahead)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         self.kv_source = connector.endpoints().get("kv_source") if connector is not None else None
         self._groups: dict[str, _Group] = {}
@@ -116,6 +118,9 @@ class EngineCore:
         )
         log_memory_split(logger, config, infos, num_blocks)
         logger.info("mode: %s", config.load.mode_line())
+        if runs_ahead:
+            logger.info("asynchronous scheduling: each step is launched before the last one's tokens reach "
+                        "the host (--async-scheduling off: one step at a time)")
 
     @property
     def root_hash(self) -> int:
@@ -238,7 +243,10 @@ class EngineCore:
         run alone, one per step, until the one that fails again is found (scheduler.py
         `step_failed`). The others keep their place and their output."""
         if self.executor.max_concurrent_batches > 1:
-            return self._pipelined_step() + self._grammar_failures()
+            try:
+                return self._pipelined_step() + self._grammar_failures()
+            except _SubmitFailed as failed:
+                return failed.deltas + self._step_failed(failed.out, failed.error)
         out = self.scheduler.schedule()
         try:
             return self._run_now(out) + self._grammar_failures()
@@ -294,13 +302,28 @@ class EngineCore:
             if not in_flight and out.empty:
                 return self._run_now(out)  # nothing moving: the plain path (KV polling, idling)
             if not out.empty or out.finished_request_ids or out.kv_connector_metadata is not None:
-                self.executor.submit(out)
+                try:
+                    self.executor.submit(out)
+                except WorkerDiedError:
+                    raise
+                except Exception as exc:
+                    if not self.executor.recovers_from_step_errors or out.empty:
+                        raise
+                    raise _SubmitFailed(out, exc, self._drain()) from exc
                 in_flight.append(out)
                 if not out.empty and len(in_flight) < self.executor.max_concurrent_batches:
                     return []
         out = in_flight.popleft()
         result = self.executor.collect()
         return self._deltas(self.scheduler.update_from_output(out, result))
+
+    def _drain(self) -> list[RequestDelta]:
+        """Collect every step in flight, oldest first, and apply it."""
+        deltas = []
+        while self._in_flight:
+            out = self._in_flight.popleft()
+            deltas += self._deltas(self.scheduler.update_from_output(out, self.executor.collect()))
+        return deltas
 
     def _run_now(self, out: SchedulerOutput) -> list[RequestDelta]:
         if (out.empty and out.kv_connector_metadata is None and not out.finished_request_ids
@@ -407,8 +430,7 @@ class EngineCore:
         running, after collecting whatever steps are still in flight."""
         if self._groups:
             raise RuntimeError("collective_rpc while requests run")
-        while self._in_flight:
-            self.scheduler.update_from_output(self._in_flight.popleft(), self.executor.collect())
+        self._drain()
         return self.executor.collective_rpc(method, *args)
 
     def reset_prefix_cache(self) -> bool:
@@ -418,6 +440,15 @@ class EngineCore:
         if self.constraints is not None:
             self.constraints.shutdown()
         self.executor.shutdown()
+
+
+class _SubmitFailed(Exception):
+    """A step that raised as it was submitted, with the deltas of the steps collected after it
+    (asynchronous scheduling: the step before it was still in flight)."""
+
+    def __init__(self, out: SchedulerOutput, error: Exception, deltas: list[RequestDelta]) -> None:
+        super().__init__(str(error))
+        self.out, self.error, self.deltas = out, error, deltas
 
 
 def _grammar_constraints(config: EngineConfig, info: Any) -> GrammarConstraints | None:

@@ -98,7 +98,11 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
                  connector: KVConnectorScheduler | None = None, max_concurrent_batches: int = 1,
-                 speculator: Speculator | None = None, constraints: GrammarConstraints | None = None) -> None:
+                 speculator: Speculator | None = None, constraints: GrammarConstraints | None = None,
+                 run_ahead: bool = False) -> None:
+        """`max_concurrent_batches`: pipeline micro-batches in flight, each taking its share of
+        the running requests. `run_ahead`: asynchronous scheduling, one step in flight while the
+        next is scheduled over the same requests (`_runs_ahead`)."""
         self.config = config
         self.speculator = speculator
         # Grammar-constrained requests' matchers (tandem/structured): compiled before admission,
@@ -106,6 +110,10 @@ class Scheduler:
         self.constraints = constraints
         self.max_concurrent_batches = max_concurrent_batches
         self._in_flight: dict[str, int] = {}  # request id -> its tokens in steps not yet reported
+        self.run_ahead = run_ahead
+        # Asynchronous scheduling: request id -> steps in flight that sample it (tokens the
+        # device will know before the host does).
+        self._sampling_in_flight: dict[str, int] = {}
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.connector = connector
@@ -171,6 +179,7 @@ class Scheduler:
         if self.constraints is not None:
             self.constraints.forget(request.request_id)
         self._in_flight.pop(request.request_id, None)
+        self._sampling_in_flight.pop(request.request_id, None)
         self._external.pop(request.request_id, None)
         self._runner.pop(request.request_id, None)
         self._finished_since_step.append(request.request_id)
@@ -194,7 +203,9 @@ class Scheduler:
         self._finished_since_step = []
         self._reset_since_step = []
         self._give_up_late_loads()
-        if self._suspects and self._schedule_suspect(out):
+        # Suspects run alone, one step at a time: under asynchronous scheduling the step in
+        # flight lands first.
+        if self._suspects and (self._in_flight or self._schedule_suspect(out)):
             if self.connector is not None:
                 out.kv_connector_metadata = self.connector.build_connector_meta(out)
             self._request_masks(out)
@@ -211,7 +222,10 @@ class Scheduler:
             request = self.running[index]
             pending = self._in_flight.get(request.request_id, 0)
             num_new = min(request.num_tokens - request.num_computed_tokens - pending, budget)
-            if num_new <= 0:  # its in-flight step samples: the next token is not known yet
+            ahead = num_new <= 0 and self._runs_ahead(request, pending)
+            if ahead:
+                num_new = 1  # its input: the token its in-flight step samples, on the device
+            elif num_new <= 0:  # its in-flight step samples: the next token is not known yet
                 index += 1
                 continue
             stalled = False
@@ -227,6 +241,8 @@ class Scheduler:
             if stalled or request.status != RequestStatus.RUNNING:
                 break
             self._schedule_chunk(out, request, num_new)
+            if ahead:
+                out.last_step_inputs.append(request.request_id)
             if pending + num_new == request.num_tokens - request.num_computed_tokens:
                 reaching_end.append(request)
             budget -= num_new
@@ -242,6 +258,35 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._request_masks(out)
         return out
+
+    def _runs_ahead(self, request: Request, pending: int) -> bool:
+        """Whether `request` may take a decode step now whose input is the token its in-flight
+        step samples (asynchronous scheduling): its known and in-flight tokens all run, that
+        token will not end it (max_tokens, the context), and nothing its next step does on the
+        host needs that token: no penalties over its output, no min_tokens still pending (the
+        runner counts its output from the tokens the host sent), no grammar (the matcher
+        advances on the host), no KV load in the step that samples (a failed load discards the
+        token). An end of sequence the in-flight step samples wastes the step ahead's row: its
+        token is dropped when it comes back."""
+        if not self.run_ahead:
+            return False
+        request_id = request.request_id
+        sampling = self._sampling_in_flight.get(request_id, 0)
+        if sampling == 0 or request.num_computed_tokens + pending != request.num_tokens + sampling - 1:
+            return False
+        params = request.sampling_params
+        if params.has_penalties:
+            return False
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        if params.max_tokens is not None and request.num_output_tokens + sampling >= params.max_tokens:
+            return False
+        if request.num_tokens + sampling >= self.max_model_len:
+            return False
+        if self.constraints is not None and self.constraints.is_constrained(request_id):
+            return False
+        external = self._external.get(request_id)
+        return external is None or not external.loaded_this_step
 
     def _request_masks(self, out: SchedulerOutput) -> None:
         """Have the constrained requests that sample this step get their token masks, one row
@@ -269,6 +314,7 @@ class Scheduler:
         failed = list(out.num_scheduled_tokens)
         for request_id in failed:
             self._in_flight.pop(request_id, None)
+            self._sampling_in_flight.pop(request_id, None)
             self._runner.pop(request_id, None)
             self._reset_since_step.append(request_id)
             request = self.requests.get(request_id)
@@ -532,7 +578,12 @@ class Scheduler:
             ))
             view.num_tokens, view.num_blocks = request.num_tokens, num_blocks
         out.num_scheduled_tokens[request_id] = num_new
-        self._in_flight[request_id] = self._in_flight.get(request_id, 0) + num_new
+        pending = self._in_flight.get(request_id, 0) + num_new
+        self._in_flight[request_id] = pending
+        if self.run_ahead:
+            sampling = self._sampling_in_flight.get(request_id, 0)
+            if request.num_computed_tokens + pending == request.num_tokens + sampling:
+                self._sampling_in_flight[request_id] = sampling + 1  # this chunk samples
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
@@ -559,6 +610,12 @@ class Scheduler:
                 self._in_flight[request_id] = pending
             else:
                 self._in_flight.pop(request_id, None)
+            if request_id in self._sampling_in_flight and result.sampled.get(request_id):
+                sampling = self._sampling_in_flight[request_id] - 1
+                if sampling > 0:
+                    self._sampling_in_flight[request_id] = sampling
+                else:
+                    del self._sampling_in_flight[request_id]
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran

@@ -10,7 +10,9 @@ torch.distributed, which tensor / pipeline / expert parallelism fill in.
 Under pipeline parallelism a step is a micro-batch that passes through the stages in turn,
 so the core keeps up to `max_concurrent_batches` of them in flight: `submit` hands one to the
 ranks without waiting and `collect` returns the oldest one's result (results come back in the
-order the batches went out).
+order the batches went out). Asynchronous scheduling (`runs_ahead`) uses the same two calls
+with one rank: `submit` launches a step on the device and returns, `collect` waits for the
+oldest one's tokens.
 """
 
 from __future__ import annotations
@@ -51,13 +53,20 @@ class Executor(ABC):
         """Micro-batches worth keeping in flight: one per pipeline stage."""
         return 1
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Asynchronous scheduling: the steps in flight are consecutive steps of the same
+        requests, the later ones taking their inputs from the earlier ones' samples on the
+        device (EngineConfig.runs_ahead), not pipeline micro-batches of different requests."""
+        return False
+
     def submit(self, out: SchedulerOutput) -> None:
         """Start a step; its result comes from a later `collect`. Here: run it now."""
         self._done.append(self.execute_model(out))
 
     def collect(self) -> ModelRunnerOutput:
         """The result of the oldest submitted step, waiting for it if need be."""
-        return self._done.popleft()
+        return self._done.popleft().resolve()
 
     @abstractmethod
     def start(self) -> list[WorkerInfo]:

@@ -1,4 +1,8 @@
-"""One worker inside the engine core's own process: no IPC, the default for one rank."""
+"""One worker inside the engine core's own process: no IPC, the default for one rank.
+
+Under asynchronous scheduling (`EngineConfig.runs_ahead`) it keeps two steps in flight: `submit`
+runs the worker's step, which on a GPU returns once the step is launched with its sampled
+tokens still on their way to the host, and `collect` waits for them."""
 
 from __future__ import annotations
 
@@ -21,6 +25,14 @@ class InProcessExecutor(Executor):
     def recovers_from_step_errors(self) -> bool:
         return True  # one rank, here: a step that raised left nothing waiting elsewhere
 
+    @property
+    def runs_ahead(self) -> bool:
+        return self.config.runs_ahead
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 2 if self.runs_ahead else 1
+
     def start(self) -> list[WorkerInfo]:
         from tandem.worker.worker import Worker
 
@@ -33,7 +45,11 @@ class InProcessExecutor(Executor):
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.worker is not None
-        return self.worker.execute_model(out)
+        return self.worker.execute_model(out).resolve()
+
+    def submit(self, out: SchedulerOutput) -> None:
+        assert self.worker is not None
+        self._done.append(self.worker.execute_model(out))  # resolved by collect
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         from tandem.worker.worker import RPC_METHODS

@@ -79,6 +79,11 @@ ENGINE_FLAGS = FlagTable("engine", (
          "token budget per step, shared by decodes and prefill chunks (default: 2048)", 2048, type=int),
     Flag("--max-model-len", "context length (default: the model's, capped by the KV cache)", type=int),
     Flag("--no-prefix-caching", "disable automatic prefix caching", False, switch=True),
+    Flag("--async-scheduling", "launch each step before the last one's tokens reach the host, decode "
+         "inputs taken from its samples on the device, so scheduling and output handling overlap the "
+         "forward; auto = on for a GPU with one rank and no speculative decoding, off on a CPU (where the "
+         "host is the device); requests with penalties, a grammar or min_tokens still pending wait for "
+         "their tokens as before (default: auto)", "auto", choices=("auto", "on", "off")),
     Flag("--no-jump-forward", "structured outputs: sample every token, even those the grammar forces "
          "(by default a JSON key or a tool call's envelope is appended without sampling)", False, switch=True),
     Flag("--load-format",
@@ -242,7 +247,8 @@ def engine_config(args: argparse.Namespace, kv_transfer: KVTransferConfig | None
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                  jump_forward=not getattr(args, "no_jump_forward", False)),
+                                  jump_forward=not getattr(args, "no_jump_forward", False),
+                                  async_scheduling=getattr(args, "async_scheduling", "auto")),
         parallel=parallel_config(args),
         kv_tiers=kv_tiers_config(args),
         speculative=SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
@@ -297,6 +303,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "jump_forward": not getattr(args, "no_jump_forward", False),
+        "async_scheduling": getattr(args, "async_scheduling", "auto"),
         "load_format": args.load_format,
         "seed": args.seed,
         "num_threads": args.threads,

@@ -51,6 +51,10 @@ class AttentionCapabilities:
     # `decode` takes MLA's absorbed decode: MQA over one latent plane read as keys and values,
     # with a head size that is not a power of two (tandem/layers/mla.py).
     latent_decode: bool = False
+    # `write_kv_scaled` multiplies the step's keys and values by an fp8 cache's multipliers
+    # (one over the layer's scales) inside the write, and `attend` reads every key and value
+    # from the cache, never from its key / value arguments: the layer need not divide them first.
+    scaled_kv_write: bool = False
 
 
 class AttentionBackend(Protocol):

@@ -4,7 +4,8 @@ An fp8 cache (--kv-cache-dtype fp8) stores key / k_scale and value / v_scale, pe
 (worker/kv_scales.py measures them at start; 1.0 until then and for every other cache). The
 kernels need not know: q . (k / k_scale) times the softmax scale times k_scale is q . k times
 it, and the weighted sum of v / v_scale times v_scale is the output. The scales are powers of
-two, so dividing by them is exact until the fp8 rounding.
+two, so dividing by them is exact until the fp8 rounding. A backend whose write takes the
+multipliers (`scaled_kv_write`, the Triton kernels) divides inside its write kernel instead.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class PagedAttention(nn.Module):
         if self.k_scale == 1.0 and self.v_scale == 1.0:
             self.backend.write_kv(key, value, kv_cache, meta)
             return self.backend.attend(query, key, value, kv_cache, meta, self.scale)
-        key, value = key / self.k_scale, value / self.v_scale
-        self.backend.write_kv(key, value, kv_cache, meta)
+        if self.backend.capabilities.scaled_kv_write:  # its attend reads the cache, not key / value
+            self.backend.write_kv_scaled(key, value, kv_cache, meta, 1.0 / self.k_scale, 1.0 / self.v_scale)
+        else:
+            key, value = key / self.k_scale, value / self.v_scale
+            self.backend.write_kv(key, value, kv_cache, meta)
         return self.backend.attend(query, key, value, kv_cache, meta, self.scale * self.k_scale) * self.v_scale

@@ -5,6 +5,12 @@ tokens, blocks and sampling parameters), so it can live in another process or on
 rank than the scheduler. A step's chunks become one flat token stream, decodes (one token
 each) first and prefill chunks after, with positions, slot mapping and block tables for the
 attention backend. Only the rows that produce a token go through the LM head.
+
+Under asynchronous scheduling (`run_ahead`) a step may be scheduled before the one in front of
+it has reported its tokens: the scheduler names the requests whose input is the token that step
+samples (`SchedulerOutput.last_step_inputs`), and the runner takes each from the last step's
+samples on the device. A plain greedy step's tokens then stay on the device until the executor
+collects them (`ModelRunnerOutput.resolve`), so launching the next step never waits for them.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class ModelRunner:
         device: torch.device | None = None,
         kv_dtype: torch.dtype | None = None,
         commit_kv: bool = False,
+        run_ahead: bool = False,
     ) -> None:
         self.model = model
         self.device = device = device or torch.device("cpu")
@@ -111,6 +118,10 @@ class ModelRunner:
         self.drafter: Any = None
         # Decode-only steps replayed as CUDA graphs (capture_decode_graphs), on a GPU.
         self.decode_graphs: StaticDecodeStep | None = None
+        # Asynchronous scheduling: the last step's sampled tokens on the device, in its sampling
+        # chunks' order, and each request's index among them.
+        self.run_ahead = run_ahead
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def _commit_kv_cache(self) -> None:
         """Fault the whole CPU cache in now rather than a page at a time inside the steps.
@@ -230,9 +241,13 @@ class ModelRunner:
     def chunks(self, out: SchedulerOutput) -> list[ScheduledChunk]:
         chunks = []
         spec = out.spec_token_ids
+        ahead = set(out.last_step_inputs)
         for request_id, count in out.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = state.num_computed_tokens
+            if request_id in ahead:  # its one token: the last step's sample, filled in on the device
+                chunks.append(ScheduledChunk(request_id, [0], start, state.block_ids, True, state))
+                continue
             drafts = spec.get(request_id) if spec else None
             if drafts:
                 count -= len(drafts)
@@ -255,6 +270,8 @@ class ModelRunner:
             return result
         chunks = self.chunks(out)
         batch = prepare_batch(chunks, self.block_size, self.device)
+        if out.last_step_inputs:
+            self._fill_last_step_inputs(batch.input_ids, batch.rows_of, out.last_step_inputs)
         stage = self.stage
         incoming = None
         if not stage.is_first:  # this micro-batch's hidden states, from the stage before
@@ -277,7 +294,17 @@ class ModelRunner:
                 if out.token_masks is not None:  # filled meanwhile on the engine core's helper thread
                     apply_token_masks(logits, [(c.request_id, c.num_sample_rows) for c in batch.sample_chunks],
                                       out.token_masks.resolve())
-                result.sampled = self._sample(logits, batch.sample_chunks)
+                if self.run_ahead and out.token_masks is None and _all_plain_greedy(batch.sample_chunks):
+                    # The agent's case: the tokens stay on the device for the next step, and
+                    # reach the host when the executor collects this step.
+                    ids = self.sampler.argmax_ids(logits)
+                    self._keep_samples(ids, batch.sample_chunks)
+                    result.pending_sampled = _tokens_when_copied(ids, batch.sample_chunks)
+                else:
+                    result.sampled = self._sample(logits, batch.sample_chunks)
+            if self.run_ahead and result.pending_sampled is None:
+                last = [result.sampled[c.request_id][-1].token_id for c in batch.sample_chunks]
+                self._keep_samples(torch.tensor(last, dtype=torch.long).to(self.device), batch.sample_chunks)
         if self.drafter is not None:
             kept = {request_id: [t.token_id for t in tokens] for request_id, tokens in result.sampled.items()}
             result.draft_token_ids = self.drafter.propose(TargetStep(
@@ -285,6 +312,23 @@ class ModelRunner:
             result.draft_seconds = self.drafter.report.seconds
             result.draft_forward_seconds = self.drafter.report.guess_forward_seconds
         return result
+
+    def _keep_samples(self, ids: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+        self._last_sampled = (ids, {chunk.request_id: i for i, chunk in enumerate(chunks)})
+
+    def _fill_last_step_inputs(self, input_ids: torch.Tensor, rows_of: dict[str, Any], request_ids: list[str]) -> None:
+        """Write each named request's input token, the last step's sample for it, into its row
+        of `input_ids`: a gather on the device, so nothing waits for that step to finish."""
+        last = self._last_sampled
+        missing = [r for r in request_ids if last is None or r not in last[1]]
+        if last is None or missing:
+            raise RuntimeError(f"requests {missing} were scheduled on the last step's samples, but that step "
+                               "sampled none for them")
+        ids, index_of = last
+        where = [rows_of[r][0] for r in request_ids] + [index_of[r] for r in request_ids]
+        where_t = _to_device(torch.tensor(where, dtype=torch.long), self.device)
+        count = len(request_ids)
+        input_ids.index_copy_(0, where_t[:count], ids.index_select(0, where_t[count:]))
 
     def _greedy_without_logits(self, rows: torch.Tensor,
                                chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]] | None:
@@ -348,6 +392,37 @@ class ModelRunner:
             generator=self._generator_for(state.request_id, params.seed),
             banned_token_ids=banned,
         )
+
+
+def _all_plain_greedy(chunks: list[ScheduledChunk]) -> bool:
+    return all(not c.draft_token_ids and Sampler.plain_greedy(
+        c.state.sampling_params, len(c.state.output_token_ids) < c.state.sampling_params.min_tokens) for c in chunks)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting: a GPU copy from pageable memory
+    synchronizes with the stream (every step queued before it), one from pinned memory does not."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _tokens_when_copied(ids: torch.Tensor, chunks: list[ScheduledChunk]) -> Any:
+    """A call that returns the step's tokens per request once `ids` (on the device) reach the
+    host. On a GPU the copy is started now, into pinned memory, and the call waits for its event."""
+    request_ids = [chunk.request_id for chunk in chunks]
+    if ids.device.type == "cpu":
+        return lambda: {r: [SampledToken(t)] for r, t in zip(request_ids, ids.tolist(), strict=True)}
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def tokens() -> dict[str, list[SampledToken]]:
+        copied.synchronize()
+        return {r: [SampledToken(t)] for r, t in zip(request_ids, host.tolist(), strict=True)}
+
+    return tokens
 
 
 def _ranges(sizes: list[int]) -> str:

@@ -219,7 +219,7 @@ class Worker:
         self.runner = ModelRunner(self._model, self._model_config, self._backend, num_blocks,
                                   config.cache.block_size, self.dtype, config.load.seed, kv_shm_path=self.kv_shm_path,
                                   tp=self.tp, stage=self.stage, device=self.device, kv_dtype=self.kv_dtype,
-                                  commit_kv=not config.cache.lazy_kv_cache)
+                                  commit_kv=not config.cache.lazy_kv_cache, run_ahead=config.runs_ahead)
         if self._proposer is not None:
             self.runner.drafter = self._proposer.proposer(num_blocks, config.cache.block_size)
         if self.kv_dtype == torch.float8_e4m3fn:  # before CUDA graphs: they keep the scales they saw

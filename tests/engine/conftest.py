@@ -358,11 +358,13 @@ def make_engine(make_pool: Callable[..., BlockPool]) -> Callable[..., Engine]:
         max_concurrent_batches: int = 1,
         speculator: Speculator | None = None,
         clock: Callable[[], float] | None = None,
+        run_ahead: bool = False,
     ) -> Engine:
         pool = make_pool(num_blocks, enable_caching, clock)
         kv = KVCacheManager(pool, BLOCK_SIZE, ROOT)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
-        scheduler = Scheduler(config, kv, max_model_len, connector, max_concurrent_batches, speculator)
+        scheduler = Scheduler(config, kv, max_model_len, connector, max_concurrent_batches, speculator,
+                              run_ahead=run_ahead)
         model = FakeModel(pool, BLOCK_SIZE, script)
         return Engine(scheduler, model, connector_worker=connector_worker(model) if connector_worker else None)
 

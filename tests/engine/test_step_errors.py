@@ -4,14 +4,16 @@ On the default model, in process: a request that got past every check asking for
 log-probabilities than the vocabulary has (the edge and the engine refuse that, so the test sets
 it after the engine took the request) raises inside the real sampler (`topk` out of range). Alone, or batched with ordinary
 greedy requests, it must end with an error delta while every other request finishes with the
-very tokens a clean run gives it, and every KV block goes back to the pool.
+very tokens a clean run gives it, and every KV block goes back to the pool. Each test runs with
+asynchronous scheduling off and on: on, the failing step is submitted while the step before it
+is still in flight, and that step's tokens must still reach their requests.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tandem.config import CacheConfig, EngineConfig
+from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.engine_core import EngineCore, EngineCoreRequest
 from tandem.types import CacheRetention, SamplingParams
 
@@ -22,9 +24,11 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def core() -> EngineCore:
-    engine = EngineCore(EngineConfig("smollm2-135m", cache=CacheConfig(kv_cache_memory_bytes=64 << 20)))
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def core(request: pytest.FixtureRequest) -> EngineCore:
+    engine = EngineCore(EngineConfig("smollm2-135m", cache=CacheConfig(kv_cache_memory_bytes=64 << 20),
+                                     scheduler=SchedulerConfig(async_scheduling=request.param)))
+    assert engine.executor.runs_ahead == (request.param == "on")
     yield engine
     engine.shutdown()
 

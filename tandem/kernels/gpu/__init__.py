@@ -17,7 +17,7 @@ import os
 from tandem.kernels.base import AttentionCapabilities
 
 # The Triton backend's (gpu/backend.py), here so a caller can ask before importing Triton.
-TRITON_CAPABILITIES = AttentionCapabilities(pads_decode_rows=True, gpu_layer_passes=True)
+TRITON_CAPABILITIES = AttentionCapabilities(pads_decode_rows=True, gpu_layer_passes=True, scaled_kv_write=True)
 
 
 def interpreted() -> bool:

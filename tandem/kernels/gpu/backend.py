@@ -22,7 +22,7 @@ import torch
 
 from tandem.kernels.base import AttentionMetadata
 from tandem.kernels.gpu import TRITON_CAPABILITIES, available
-from tandem.kernels.gpu.cache_write import fused_int8_write, write_kv, write_kv_int8
+from tandem.kernels.gpu.cache_write import fused_int8_write, write_kv, write_kv_fp8, write_kv_int8
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.prefill_attention import prefill_attention
 from tandem.kernels.kv_format import (
@@ -31,7 +31,6 @@ from tandem.kernels.kv_format import (
     is_int8_cache,
     quantize_rows,
     rotate_rows,
-    to_fp8,
 )
 
 _SCRATCH_KEY = "triton"
@@ -71,17 +70,23 @@ class TritonAttentionBackend:
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
         if kv_cache.dtype == FP8 and key.dtype != FP8:
-            # --kv-cache-dtype fp8: rounded by torch (to nearest even, clamped to e4m3's finite
-            # range as vLLM's saturating cast is, scale 1.0), so the kernel stores bytes as they
-            # are. Triton's own cast is the GPU's, but its CPU interpreter rounds some values
-            # just under a power of two down a whole binade, and CI can only test that one.
-            key, value = to_fp8(key), to_fp8(value)
-        elif is_int8_cache(kv_cache) and key.dtype != torch.uint8:
+            self.write_kv_scaled(key, value, kv_cache, meta, 1.0, 1.0)
+            return
+        if is_int8_cache(kv_cache) and key.dtype != torch.uint8:
             if fused_int8_write(key.shape[-1]):
                 write_kv_int8(key, value, kv_cache, meta.slot_mapping)
                 return
             key, value = quantize_rows(key), quantize_rows(value)
         write_kv(key, value, kv_cache, meta.slot_mapping)
+
+    def write_kv_scaled(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata, key_multiplier: float, value_multiplier: float) -> None:
+        """--kv-cache-dtype fp8: the keys and values times their multipliers (one over the
+        layer's scales), rounded as torch's clamp to e4m3's finite range and cast round them
+        (vLLM's saturating cast), stored as bytes, all in one kernel (cache_write.py)."""
+        if kv_cache.dtype != FP8:
+            raise ValueError(f"write_kv_scaled stores into an fp8 cache, not {kv_cache.dtype}")
+        write_kv_fp8(key, value, kv_cache, meta.slot_mapping, key_multiplier, value_multiplier)
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

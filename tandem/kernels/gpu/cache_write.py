@@ -1,5 +1,5 @@
 """The KV write: this step's keys and values into their slots of the paged cache; into an
-int8 cache, rounded to its rows in the same kernel."""
+int8 or fp8 cache, rounded to its rows or bytes in the same kernel."""
 
 from __future__ import annotations
 
@@ -46,6 +46,70 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[3],
+    )
+
+
+@triton.jit
+def _fp8_bytes(x):
+    """fp32 values as float8 e4m3 bytes, as torch's clamp(-448, 448) then cast rounds them: to
+    nearest, ties to even, past 448 saturated, NaN kept NaN. In integer arithmetic on the
+    fp32's bits, not Triton's float8 cast: the CPU interpreter (CI) rounds some values just
+    under a power of two down a whole binade, and this must be the bytes a GPU stores. Below
+    2^-6 the step is 2^-9 (the subnormals); above, the mantissa is rounded to three bits with
+    the carry running into the exponent."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude_bits = bits & 0x7FFFFFFF
+    magnitude = tl.minimum(magnitude_bits.to(tl.float32, bitcast=True), 448.0)
+    m = magnitude.to(tl.int32, bitcast=True)
+    normal = ((m + 0x7FFFF + ((m >> 20) & 1)) >> 20) - (120 << 3)
+    small = ((magnitude * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)  # 1.5 x 2^23: ties to even
+    code = tl.where(magnitude < 0.015625, small, normal)
+    code = tl.where(magnitude_bits > 0x7F800000, 0x7F, code)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _write_kv_fp8_kernel(
+    key_ptr, value_ptr, cache_ptr, slots_ptr, key_multiplier, value_multiplier,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cp, stride_ch, stride_cb, stride_ct,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot  # a negative slot is padding
+    mask = (heads[:, None] < KV_HEADS) & (dims[None, :] < HEAD_DIM) & (slots >= 0)
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask).to(tl.float32)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask).to(tl.float32)
+    where = heads[:, None] * stride_ch + block * stride_cb + offset * stride_ct + dims[None, :]
+    tl.store(cache_ptr + where, _fp8_bytes(k * key_multiplier), mask=mask)
+    tl.store(cache_ptr + stride_cp + where, _fp8_bytes(v * value_multiplier), mask=mask)
+
+
+def write_kv_fp8(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 key_multiplier: float = 1.0, value_multiplier: float = 1.0) -> None:
+    """key, value [T, kv_heads, head_dim] in a float dtype, times their multipliers (one over
+    the layer's power-of-two scales: exact), rounded to float8 e4m3 and stored into the fp8
+    kv_cache [2, kv_heads, blocks, block_size, head_dim] at slot_mapping [T], in one kernel:
+    the division, clamp and cast were six torch kernels a layer, ~0.4 ms of an 8B model's
+    batch-1 step on an H200."""
+    tokens, kv_heads, head_dim = key.shape
+    if tokens == 0:
+        return
+    assert key.stride(2) == value.stride(2) == kv_cache.stride(4) == 1 and kv_cache.dtype == torch.float8_e4m3fn
+    cache = kv_cache.view(torch.uint8)
+    _write_kv_fp8_kernel[(tokens,)](
+        key, value, cache, slot_mapping, float(key_multiplier), float(value_multiplier),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[3],
     )

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
-          torch.int64: "i64", torch.int32: "i32"}
+          torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 _COMPILE = """
@@ -65,7 +65,7 @@ def _launch_everything(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv
     """One call of each wrapper at these shapes (decode split and not, prefill, KV write,
     norms, rotary, silu-and-mul): small sizes, the launch parameters of the real ones."""
     from tandem.kernels.base import kv_cache_shape
-    from tandem.kernels.gpu.cache_write import write_kv
+    from tandem.kernels.gpu.cache_write import write_kv, write_kv_fp8
     from tandem.kernels.gpu.decode_attention import paged_decode_attention
     from tandem.kernels.gpu.prefill_attention import prefill_attention
     from tandem.kernels.gpu.rms_norm import rms_norm
@@ -79,6 +79,9 @@ def _launch_everything(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv
         paged_decode_attention(query, cache, table, lens, 64, dim ** -0.5, splits)
     key = torch.randn(3, kv_heads, dim).to(kv_dtype)
     write_kv(key, key, cache, torch.tensor([0, 17, -1]))
+    if kv_dtype == torch.float8_e4m3fn:  # the layer's keys and values, rounded in the write
+        fresh = torch.randn(3, kv_heads, dim).to(dtype)
+        write_kv_fp8(fresh, fresh, cache, torch.tensor([0, 17, -1]), 0.5, 2.0)
     chunk = torch.randn(84, heads, dim).to(dtype)
     prefill_attention(chunk, cache, torch.tensor([0, 20]), torch.tensor([20, 64]), lens, table, 64, dim ** -0.5,
                       torch.empty_like(chunk))  # a 64-query tile, as long prompts run
@@ -136,7 +139,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path, monkeypatch: pytest.Monk
     _launch_int4_moe(torch.bfloat16)  # Kimi K2.5's INT4 experts
     _launch_int4_moe(torch.float16)
     names = {launch[1] for launch in launches.values()}
-    assert names == {"_decode_kernel", "_combine_kernel", "_write_kv_kernel", "_prefill_kernel", "_rms_norm_kernel",
+    assert names == {"_decode_kernel", "_combine_kernel", "_write_kv_kernel", "_write_kv_fp8_kernel",
+                     "_prefill_kernel", "_rms_norm_kernel",
                      "_rotary_kernel", "_silu_mul_kernel", "_int4_moe_kernel", "_int4_moe_reduce"}
     recorded = tmp_path / "launches.json"
     recorded.write_text(json.dumps(list(launches.values()), default=str))

@@ -90,3 +90,22 @@ def test_the_engine_measures_each_layers_scales_at_start() -> None:
         assert not llm.engine.runner.kv_cache.float().abs().sum()  # the calibration's blocks zeroed
     finally:
         llm.shutdown()
+
+
+def test_the_triton_write_divides_and_rounds_as_the_layer_and_torch_do() -> None:
+    """With scales the Triton backend takes the layer's multipliers into its write kernel
+    (`scaled_kv_write`) instead of the layer dividing first: the cache holds the very bytes
+    the torch backend stores after the layer's division, and the outputs agree."""
+    from tandem.kernels.torch_attention import TorchAttentionBackend
+
+    caches, outputs = {}, {}
+    for name, backend in (("triton", TritonAttentionBackend()), ("torch", TorchAttentionBackend())):
+        layer = PagedAttention(4, 2, 16, backend)
+        layer.k_scale, layer.v_scale = 64.0, 0.25
+        caches[name] = torch.zeros(kv_cache_shape(4, 16, 2, 16), dtype=torch.float8_e4m3fn)
+        outputs[name] = _attend_steps(layer, caches[name], 100.0)
+    assert TritonAttentionBackend.capabilities.scaled_kv_write
+    assert torch.equal(caches["triton"].view(torch.uint8), caches["torch"].view(torch.uint8))
+    assert caches["torch"].view(torch.uint8).count_nonzero() > 1000
+    for got, want in zip(outputs["triton"], outputs["torch"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

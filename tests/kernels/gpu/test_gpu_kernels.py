@@ -9,10 +9,10 @@ import torch
 
 from tandem.kernels.base import AttentionMetadata, kv_cache_shape
 from tandem.kernels.gpu.backend import TritonAttentionBackend
-from tandem.kernels.gpu.cache_write import fused_int8_write, write_kv, write_kv_int8
+from tandem.kernels.gpu.cache_write import fused_int8_write, write_kv, write_kv_fp8, write_kv_int8
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.rms_norm import rms_norm
-from tandem.kernels.kv_format import quantize_rows
+from tandem.kernels.kv_format import quantize_rows, to_fp8
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.layers.norm import RMSNorm
 from tests.support.attention_cases import (
@@ -80,6 +80,35 @@ def test_padded_rows_read_nothing_and_give_zeros(splits: int) -> None:
     want = paged_decode_attention(query[real], cache, tables[real], torch.tensor([20, 35]), 35, 0.125, 1)
     torch.testing.assert_close(got[real], want, atol=2e-5, rtol=2e-5)
     assert got[[1, 3]].eq(0).all()
+
+
+def test_the_fp8_write_stores_torchs_bytes_for_every_code_tie_and_special() -> None:
+    """The fp8 write kernel rounds in integer arithmetic on the fp32's bits: every finite e4m3
+    value, each midpoint between neighbours (ties to even) and the floats either side of it,
+    both signs, past 448 (saturated), subnormals, zeros and NaN, times each plane's multiplier,
+    give the bytes of torch's clamp and cast; a negative slot writes nothing."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[torch.isfinite(codes)].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    near = torch.cat([mids, mids.nextafter(up), mids.nextafter(down)])
+    values = torch.cat([finite, near, -near, torch.tensor([448.0, 449.0, 464.0, 465.0, 1e6, -1e6, 0.0, -0.0,
+                                                           float("nan"), 1e-9, -2.0**-10, 3 * 2.0**-10])])
+    heads, dim = 2, 64
+    tokens = -(-values.numel() // (heads * dim))
+    flat = torch.zeros(tokens * heads * dim)
+    flat[: values.numel()] = values
+    key = flat.view(tokens, heads, dim)
+    value = (flat * 3).view(tokens, heads, dim)
+    blocks = -(-tokens // 16) + 1
+    cache = torch.zeros(kv_cache_shape(blocks, 16, heads, dim), dtype=torch.float8_e4m3fn)
+    slots = torch.randperm(blocks * 16, generator=torch.Generator().manual_seed(0))[: tokens + 1]
+    padded = torch.cat([slots[:tokens], torch.tensor([-1])])
+    write_kv_fp8(torch.cat([key, key[:1]]), torch.cat([value, value[:1]]), cache, padded, 1.0, 0.25)
+    stored = cache.view(torch.uint8).permute(0, 2, 3, 1, 4).reshape(2, blocks * 16, heads, dim)
+    assert torch.equal(stored[0][slots[:tokens]], to_fp8(key).view(torch.uint8))
+    assert torch.equal(stored[1][slots[:tokens]], to_fp8(value * 0.25).view(torch.uint8))
+    assert stored[:, slots[tokens]].count_nonzero() == 0  # the padding row's slot stayed empty
 
 
 def test_decode_splits_fill_the_device_but_keep_a_few_blocks_each() -> None:

@@ -50,19 +50,27 @@ def test_bf16_decode_attention_matches_the_torch_backend(splits: int) -> None:
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
 
 
-def _tokens(model_dir: str, eager: bool, dtype: str, kv_cache_dtype: str = "auto") -> list[list[int]]:
+def _tokens(model_dir: str, eager: bool, dtype: str, kv_cache_dtype: str = "auto",
+            async_scheduling: str = "auto") -> list[list[int]]:
     from tandem.llm import LLM
     from tandem.types import SamplingParams
 
     llm = LLM(model_dir, load_format="dummy", dtype=dtype, device="cuda", enforce_eager=eager,
-              max_model_len=512, kv_cache_memory="1GiB", max_cudagraph_batch=16, kv_cache_dtype=kv_cache_dtype)
+              max_model_len=512, kv_cache_memory="1GiB", max_cudagraph_batch=16, kv_cache_dtype=kv_cache_dtype,
+              async_scheduling=async_scheduling)
     try:
         prompts = [[(13 * i + 7 * j) % 4000 + 10 for j in range(5 + 9 * i)] for i in range(11)]
         outs = llm.generate(prompts[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
         outs += llm.generate(prompts, [SamplingParams(max_tokens=4 + i, temperature=0, ignore_eos=True)
                                        for i in range(11)])
+        # Host-side sampling beside device-side greedy rows: seeded draws, penalties, log-probs.
+        outs += llm.generate(prompts[:4], [SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True),
+                                           SamplingParams(max_tokens=9, temperature=0, repetition_penalty=1.3),
+                                           SamplingParams(max_tokens=9, temperature=0, logprobs=2),
+                                           SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)])
         runner = llm.engine.core.executor.worker.runner
         assert (runner.decode_graphs is None) == eager
+        assert runner.run_ahead == (async_scheduling != "off")  # auto: on, on a GPU
         return [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
@@ -73,6 +81,42 @@ def test_cuda_graphs_give_the_eager_tokens(tmp_path) -> None:
     the size-4 graph, 11 as 16, shrinking as requests finish."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     assert _tokens(str(tmp_path), False, "float32") == _tokens(str(tmp_path), True, "float32")
+
+
+def test_asynchronous_scheduling_gives_the_tokens_of_one_step_at_a_time(tmp_path) -> None:
+    """Steps launched before the last one's tokens reach the host (the default on a GPU): the
+    decode inputs gathered from the last step's samples on the device, the tokens copied back
+    through pinned memory and an event, with CUDA graphs and eagerly, the same tokens as steps
+    run one at a time."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    one_at_a_time = _tokens(str(tmp_path), False, "float32", async_scheduling="off")
+    assert _tokens(str(tmp_path), False, "float32") == one_at_a_time
+    assert _tokens(str(tmp_path), True, "float32") == one_at_a_time
+
+
+def test_the_fp8_write_compiled_stores_torchs_bytes() -> None:
+    """The fp8 write kernel compiled for the device (CI runs it interpreted): bf16 keys and
+    values times their multipliers, rounded in integer arithmetic, are the bytes of torch's
+    clamp and cast on the GPU, every e4m3 code and the ties between them included."""
+    from tandem.kernels.base import kv_cache_shape
+    from tandem.kernels.gpu.cache_write import write_kv_fp8
+    from tandem.kernels.kv_format import to_fp8
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[torch.isfinite(codes)].unique()
+    values = torch.cat([finite, (finite[1:] + finite[:-1]) / 2, torch.randn(4096) * 300, torch.tensor([1e5, -1e5])])
+    heads, dim = 8, 128
+    tokens = -(-values.numel() // (heads * dim))
+    flat = torch.zeros(tokens * heads * dim)
+    flat[: values.numel()] = values
+    key = flat.view(tokens, heads, dim).to(torch.bfloat16).cuda()
+    value = (key.float() * 3).to(torch.bfloat16)
+    cache = torch.zeros(kv_cache_shape(tokens, 16, heads, dim), dtype=torch.float8_e4m3fn, device="cuda")
+    slots = torch.arange(tokens, device="cuda") * 16 + 5
+    write_kv_fp8(key, value, cache, slots, 0.5, 0.125)
+    stored = cache.view(torch.uint8)[:, :, :, 5]  # [2, heads, tokens, dim]
+    assert torch.equal(stored[0].transpose(0, 1), to_fp8(key.float() * 0.5).view(torch.uint8))
+    assert torch.equal(stored[1].transpose(0, 1), to_fp8(value.float() * 0.125).view(torch.uint8))
 
 
 def test_cuda_graphs_over_an_int8_cache_give_the_eager_tokens(tmp_path) -> None:
