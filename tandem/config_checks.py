@@ -73,10 +73,10 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
     (to and from caches of any dtype: the reader rounds what it receives into its rows; a
     shared-memory copy only between two int8 caches, a float reader asks over the port), and
     speculative decoding takes them (the target's cache is int8, a draft model or Eagle head
-    keeps its own cache in the model's dtype). An fp8 cache's blocks leave and enter as the bf16
-    values they stand for (stored value times its layer's scale, exact in bf16;
-    worker/model_runner.py), so the handoff over tcp and the tiers move them as a bf16 cache's,
-    to and from any cache dtype; a shared-memory copy, the source's bytes, is refused.
+    keeps its own cache in the model's dtype). An fp8 cache's blocks leave and enter as its
+    e4m3 bytes, its layers' scales in the layout they name (kvcache/codec.py converts to and from
+    any cache dtype, and between fp8 caches of other scales); a shared-memory copy only between
+    two fp8 caches of the same scales, another reader asks over the port.
     Speculative decoding takes it as it takes int8. A bf16 cache under an fp32 model is a float cache
     like any other (the C decode kernel widens bf16 rows for fp32 queries, the C layer stack
     narrows each decode step's keys and values into it, and a prefill chunk widens its blocks
@@ -87,10 +87,6 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
         return
     if choice not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {choice!r}")
-    if choice == "fp8" and config.kv_transfer.shared_memory:
-        raise ValueError("--kv-cache-dtype fp8 does not work with --kv-transfer-shm: a shared-memory copy is the "
-                         "source's bytes, and an fp8 cache's mean nothing without its layers' scales (over tcp its "
-                         "blocks move as bf16 values); --kv-cache-dtype int8 rows carry their scales and do")
 
 
 def _check_decode_weights(config: EngineConfig) -> None:

@@ -15,6 +15,7 @@ from tandem.config import (
     KVTransferConfig,
     LoadConfig,
     ParallelConfig,
+    SchedulerConfig,
     SpeculativeConfig,
 )
 from tandem.config_checks import check_engine_config
@@ -30,8 +31,11 @@ TP2 = ParallelConfig.of(2, 2, "mp")
      "--tensor-parallel-size or --pipeline-parallel-size > 1 does not yet work with --role"),
     ({"parallel": TP2, "kv_tiers": KVTiersConfig(cpu_bytes=1 << 20)}, "or the KV tiers"),
     ({"cache": CacheConfig(kv_cache_dtype="int4")}, "--kv-cache-dtype must be one of auto, bfloat16, fp8, int8, not 'int4'"),
-    ({"cache": CacheConfig(kv_cache_dtype="fp8"), "kv_transfer": KVTransferConfig(role="prefill", shared_memory=True)},
-     "--kv-cache-dtype fp8 does not work with --kv-transfer-shm"),
+    ({"scheduler": SchedulerConfig(async_scheduling="on"), "parallel": TP2},
+     "--async-scheduling on needs one rank"),
+    ({"scheduler": SchedulerConfig(async_scheduling="on"),
+      "speculative": SpeculativeConfig(method="ngram", num_speculative_tokens=2)}, "and no speculative decoding"),
+    ({"scheduler": SchedulerConfig(async_scheduling="sometimes")}, "--async-scheduling must be one of auto, on, off"),
     ({"load": LoadConfig(device="cpu", quantization="int4")}, "--quantization must be none or int8, not 'int4'"),
     ({"cache": CacheConfig(memory_utilization=1.2)}, "--memory-utilization must be in (0, 1], not 1.2"),
     ({"cache": CacheConfig(memory_utilization=0.0)}, "--memory-utilization must be in (0, 1], not 0.0"),

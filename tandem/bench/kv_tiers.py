@@ -17,7 +17,9 @@ disk <= 0.3x, Redis on loopback <= 0.5x), cached tokens, and the load's distance
 machine's limits: the KV bytes moved over a measured memory-copy bandwidth, and the prefill's
 FLOPs over a measured matmul rate. With `--kv-tier-dtypes auto,int8,int4` each tier runs once
 per chunk dtype (`--kv-tier-dtype`), and the table adds the tier's bytes per token and their
-share of bf16's (goals: int8 <= 0.55x, int4 <= 0.3x). Writes JSON, a table and a PNG to
+share of bf16's (goals: int8 <= 0.55x, int4 <= 0.3x). `--kv-cache-dtype` runs every server
+(the recompute baseline too) with that device cache: fp8's chunks are its bytes, its scales in
+the header. Writes JSON, a table and a PNG to
 `<output-dir>/kv-tiers-<timestamp>/`.
 """
 
@@ -40,6 +42,7 @@ from typing import Any
 import httpx
 
 from tandem.bench.serve import LaunchedServer
+from tandem.config import KV_CACHE_DTYPES
 from tandem.flags.table import Command, Flag, FlagTable
 from tandem.platform.machine import matmul_flops_per_s, memory_copy_bytes_per_s
 from tandem.platform.ports import free_port
@@ -71,6 +74,8 @@ KV_TIERS_FLAGS = FlagTable(None, (
         "cache's own bytes), bfloat16, int8, int4 (default: auto)",
     ),
     Flag("--kv-cache-memory", default="1GiB", help="device KV budget (default: 1GiB)"),
+    Flag("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+         help="the servers' device KV cache dtype (default: auto, the model's)"),
     Flag("--threads", type=int, help="torch threads of the server"),
     Flag("--output-dir", default=Path("bench-results"), type=Path),
     Flag("--seed", default=0, type=int),
@@ -176,6 +181,8 @@ def run_tier(tier: str, args: argparse.Namespace, prompts: list[tuple[list[int],
            "--kv-cache-memory", args.kv_cache_memory, *_server_flags(tier, workdir / dtype, store_url)]
     if tier != "recompute" and dtype != "auto":
         cmd += ["--kv-tier-dtype", dtype]
+    if args.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     name = result.label.replace("/", "-")

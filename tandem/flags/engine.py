@@ -73,7 +73,7 @@ ENGINE_FLAGS = FlagTable("engine", (
     Flag("--kv-cache-dtype", "auto = the model's dtype; bfloat16 = bf16 rows (half an fp32 model's bytes); int8 = 8-bit rows with a scale each (every backend: CPU, torch, Triton): "
          "0.53x bf16's bytes for 64-wide heads, perplexity within 0.2%% on SmolLM2 and Qwen2.5; fp8 = float8 e4m3 with per-layer scales measured at start, "
          "every backend, 0.5x bf16's bytes, but over the quality bar where measured (+1.6%% / +2.5%% perplexity on "
-         "SmolLM2 / Qwen2.5; prefer int8); its blocks hand off and tier as bf16 values (default: auto)", "auto", choices=KV_CACHE_DTYPES),
+         "SmolLM2 / Qwen2.5; prefer int8); its blocks hand off and tier as its bytes, the scales in the header (default: auto)", "auto", choices=KV_CACHE_DTYPES),
     Flag("--max-num-seqs", "most sequences per step (default: 128)", 128, type=int),
     Flag("--max-num-batched-tokens",
          "token budget per step, shared by decodes and prefill chunks (default: 2048)", 2048, type=int),

@@ -34,7 +34,12 @@ whole groups of keys; against fp32, half that.
 An int8 cache (--kv-cache-dtype int8: uint8 rows of int8 values ending in their fp32 scale,
 kernels/kv_format.py) moves as it is under `raw`; the other codecs encode its dequantized
 values (the last dimension less the scale's bytes) and quantize them again into the reader's
-rows, so an int8 cache can hand off and store 4-bit chunks.
+rows, so an int8 cache can hand off and store 4-bit chunks. An fp8 cache (float8 e4m3 values
+over each layer's key and value scales) moves as its own bytes under `raw`, one a value, its
+scales in the layout the header carries (`KVLayout.kv_scales`); `encode` and `decode` take
+them, the other codecs encode the values they stand for (stored value times scale), and an
+fp8 reader divides by its own scales and rounds, unless they are the writer's, when the
+bytes are taken as they are.
 
 A reader's cache may have another dtype than the writer's (an fp32 prefill worker and an int8
 decode worker, a tier chunk an int8 worker wrote and a bf16 worker reads): `decode` is told
@@ -52,11 +57,13 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels.kv_format import (
+    FP8,
     INT8_SCALE_BYTES,
     ROTATION_GROUP,
     dequantize_rows,
     quantize_rows,
     rotate_runs,
+    to_fp8,
 )
 
 GROUP = ROTATION_GROUP  # values sharing one scale (and rotated together), along the head dimension
@@ -99,13 +106,12 @@ class KVCodec:
             return _key_bytes(values_shape) + _run_bytes(half, values_shape[-1], "int4")
         return _run_bytes(count, values_shape[-1], self.name)
 
-    def encode(self, blocks: torch.Tensor) -> torch.Tensor:
+    def encode(self, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks as a flat uint8 tensor (contiguous; a view of `blocks` for `raw` when it
-        is contiguous already)."""
+        is contiguous already). `scales`: an fp8 cache's [layers, planes] (KVLayout.scales)."""
         if self.name == "raw":
             return blocks.contiguous().view(-1).view(torch.uint8)
-        if blocks.dtype == torch.uint8:  # an int8 cache's rows: their values
-            blocks = dequantize_rows(blocks, torch.float32)
+        blocks = _values(blocks, scales)
         if self.name == "bfloat16":
             return blocks.to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
         if self.name == "int4" and _has_key_plane(tuple(blocks.shape)):
@@ -113,9 +119,11 @@ class KVCodec:
         return _encode_runs(blocks, self.name)
 
     def decode(self, payload: torch.Tensor, shape: tuple[int, ...], cache_dtype: torch.dtype,
-               writer_dtype: torch.dtype) -> torch.Tensor:
+               writer_dtype: torch.dtype, cache_scales: torch.Tensor | None = None,
+               writer_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks of `shape` in `cache_dtype` from a flat uint8 payload that a `writer_dtype`
-        cache encoded; CodecError when its length is not what the codec and shape give."""
+        cache encoded; CodecError when its length is not what the codec and shape give. The
+        scales are each side's [layers, planes] where its cache is fp8 (KVLayout.scales)."""
         expected = self.payload_bytes(shape, writer_dtype)
         if payload.dtype != torch.uint8 or payload.numel() != expected:
             raise CodecError(f"a {self.name} payload of {tuple(shape)} is {expected} bytes, got {payload.numel()}")
@@ -123,21 +131,19 @@ class KVCodec:
             rows = payload.view(writer_dtype).view(shape)
             if writer_dtype == torch.uint8:
                 _check_finite(rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32), "row scale")
-            if writer_dtype == cache_dtype:
+            if writer_dtype == cache_dtype and (writer_dtype != FP8 or _same(cache_scales, writer_scales)):
                 return rows
-            if writer_dtype == torch.uint8:  # another cache's int8 rows: their values
-                rows = dequantize_rows(rows, torch.float32)
-            return _to_cache(rows, cache_dtype)
+            return _to_cache(_values(rows, writer_scales), cache_dtype, cache_scales)
         values_shape = _value_shape(shape, writer_dtype)
         if self.name == "bfloat16":
-            return _to_cache(payload.view(torch.bfloat16).view(values_shape), cache_dtype)
+            return _to_cache(payload.view(torch.bfloat16).view(values_shape), cache_dtype, cache_scales)
         if self.name == "int4" and _has_key_plane(values_shape):
             plane_shape = (values_shape[0], *values_shape[2:])
             split = _key_bytes(values_shape)
             keys = _decode_key_channels(payload[:split], plane_shape)
             values = _decode_runs(payload[split:], plane_shape, "int4")
-            return _to_cache(torch.stack((keys, values), dim=1), cache_dtype)
-        return _to_cache(_decode_runs(payload, values_shape, self.name), cache_dtype)
+            return _to_cache(torch.stack((keys, values), dim=1), cache_dtype, cache_scales)
+        return _to_cache(_decode_runs(payload, values_shape, self.name), cache_dtype, cache_scales)
 
 
 RAW = KVCodec("raw")
@@ -266,9 +272,37 @@ def _value_shape(shape: tuple[int, ...], cache_dtype: torch.dtype) -> tuple[int,
     return (*shape[:-1], shape[-1] - INT8_SCALE_BYTES)
 
 
-def _to_cache(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Decoded values in the reader's cache dtype: rounded into int8 rows for an int8 cache."""
-    return quantize_rows(values) if cache_dtype == torch.uint8 else values.to(cache_dtype)
+def _values(rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """What a cache's rows stand for: an int8 cache's dequantized values, an fp8 cache's stored
+    values times their layer's and plane's scale (exact in fp32), a float cache's rows."""
+    if rows.dtype == torch.uint8:
+        return dequantize_rows(rows, torch.float32)
+    if rows.dtype == FP8:
+        return rows.float() * _per_plane(scales, rows)
+    return rows
+
+
+def _to_cache(values: torch.Tensor, cache_dtype: torch.dtype, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Decoded values in the reader's cache dtype: rounded into int8 rows for an int8 cache,
+    divided by the layer's scales and rounded to e4m3 for an fp8 one."""
+    if cache_dtype == torch.uint8:
+        return quantize_rows(values)
+    if cache_dtype == FP8:
+        return to_fp8(values.float() / _per_plane(scales, values))
+    return values.to(cache_dtype)
+
+
+def _per_plane(scales: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """[layers, planes] scales shaped to multiply blocks [layers, planes, heads, blocks, block
+    size, head dim]; a ValueError where an fp8 side gave none."""
+    if scales is None or tuple(scales.shape) != tuple(blocks.shape[:2]):
+        raise ValueError(f"fp8 blocks of {tuple(blocks.shape)} need [layers, planes] scales, got "
+                         f"{None if scales is None else tuple(scales.shape)}")
+    return scales.to(torch.float32).view(*scales.shape, 1, 1, 1, 1)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and torch.equal(a, b)
 
 
 def group_size(head_dim: int) -> int:

@@ -18,8 +18,9 @@ What it buys on the models this project measures: little. Neither SmolLM2 nor Qw
 bits (`tandem bench perplexity --kv-dtypes fp8`: +0.34% and +1.13% with these scales, +0.43%
 and +1.19% at 1.0). It is there for checkpoints whose activations are not.
 
-An fp8 cache's blocks leave their worker as the values they stand for (stored value times
-scale, in bf16: worker/model_runner.py), so no other worker needs the scales. Pipeline stages
+An fp8 cache's blocks leave their worker as its bytes, these scales in the KV layout a handoff
+reply or tier chunk names (kvcache/codec.py converts for a reader of other scales or another
+dtype). Pipeline stages
 keep 1.0 (a stage cannot run the text alone); MLA's latent cache has its own
 attention and keeps 1.0 too.
 """

@@ -33,7 +33,7 @@ from tandem.config import KVCacheSpec, ModelConfig
 from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend, AttentionMetadata, kv_cache_shape
-from tandem.kernels.kv_format import FP8, stored_row_width, to_fp8
+from tandem.kernels.kv_format import FP8, stored_row_width
 from tandem.layers.attention import PagedAttention
 from tandem.layers.rejection_sampler import DraftedRequest, RejectionSampler
 from tandem.layers.sampler import Sampler, SamplingRow
@@ -173,39 +173,39 @@ class ModelRunner:
     # --- KV blocks as data, for handoffs between workers ------------------------------
     # Dimension 3 of the cache is the block: [layers, planes (k/v), kv_heads, blocks, block_size, head_dim].
     # On a GPU the blocks travel through host memory: the connectors move host tensors.
-    # An fp8 cache's blocks leave and enter as the values they stand for, in bf16: each stored
-    # value times its layer's power-of-two scale, which bf16 holds exactly (e4m3's three
-    # mantissa bits in its seven, its exponents well inside). A connector sees a bf16 cache
-    # (the worker's KVLayout says so), so every reader converts as from a bf16 worker, and
-    # another fp8 worker with the same scales gets its bytes back unchanged.
+    # Every cache's blocks leave and enter as its rows are stored: an fp8 cache's as its e4m3
+    # bytes, whose meaning is its layers' scales (`kv_scales`, carried in the KV layout a
+    # handoff or tier chunk names; kvcache/codec.py converts between writers and readers).
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         if self.kv_cache.dtype == FP8:  # (no float8 index_select on a CPU: as bytes)
-            stored = self.kv_cache.view(torch.uint8).index_select(3, ids).view(FP8)
-            return (stored.float() * self._fp8_scales()).to(torch.bfloat16).cpu()
+            return self.kv_cache.view(torch.uint8).index_select(3, ids).cpu().view(FP8)
         return self.kv_cache.index_select(3, ids).cpu()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         if self.kv_cache.dtype == FP8:
-            stored = to_fp8(data.to(self.device).float() / self._fp8_scales())
-            self.kv_cache.view(torch.uint8).index_copy_(3, ids, stored.view(torch.uint8))
+            if data.dtype != FP8:
+                raise ValueError(f"an fp8 cache takes fp8 rows over its own scales, not {data.dtype}")
+            self.kv_cache.view(torch.uint8).index_copy_(3, ids, data.view(torch.uint8).to(self.device))
         else:
             self.kv_cache.index_copy_(3, ids, data.to(self.device))
         if self.drafter is not None:  # the target's KV came from elsewhere; the draft's did not
             self.drafter.invalidate(block_ids)
 
-    def _fp8_scales(self) -> torch.Tensor:
-        """Each layer's (k_scale, v_scale) as [layers, planes, 1, 1, 1, 1], to multiply the
-        stored values by; 1.0 for MLA's latent cache (one plane, never scaled)."""
-        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        if self.kv_cache.shape[1] != 2 or not layers:
-            return torch.ones(1, dtype=torch.float32, device=self.device)
-        if len(layers) != self.kv_cache.shape[0]:
-            raise RuntimeError(f"an fp8 cache of {self.kv_cache.shape[0]} layers beside {len(layers)} attention "
-                               "modules: which scale is whose is not known, so its blocks cannot be moved")
-        scales = torch.tensor([(m.k_scale, m.v_scale) for m in layers], dtype=torch.float32, device=self.device)
-        return scales.view(len(layers), 2, 1, 1, 1, 1)
+    def kv_scales(self) -> tuple[float, ...]:
+        """An fp8 cache's scales as its KV layout carries them: (k_scale, v_scale) per layer,
+        1.0 for MLA's latent plane (never scaled); () for a cache of another dtype."""
+        if self.kv_cache.dtype != FP8:
+            return ()
+        layers, planes = self.kv_cache.shape[:2]
+        modules = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        if planes != 2 or not modules:
+            return (1.0,) * (layers * planes)
+        if len(modules) != layers:
+            raise RuntimeError(f"an fp8 cache of {layers} layers beside {len(modules)} attention modules: which "
+                               "scale is whose is not known, so its blocks cannot be moved")
+        return tuple(float(scale) for m in modules for scale in (m.k_scale, m.v_scale))
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

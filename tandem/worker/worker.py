@@ -236,11 +236,9 @@ class Worker:
         model = self._model_config
         spec = rank_kv_spec(model, self.tp)  # what this rank's cache holds, and moves
         assert self.stage is not None
-        # An fp8 cache's blocks move as bf16 values (ModelRunner.read_blocks says why).
-        moved = torch.bfloat16 if self.kv_dtype == torch.float8_e4m3fn else self.kv_dtype
         layout = KVLayout(self.stage.num_layers, spec.num_heads, config.cache.block_size,
-                          spec.head_dim, str(moved).removeprefix("torch."), spec.num_planes,
-                          self._model.key_divisors)
+                          spec.head_dim, str(self.kv_dtype).removeprefix("torch."), spec.num_planes,
+                          self._model.key_divisors, self.runner.kv_scales())
         access = KVCacheAccess(self.runner.read_blocks, self.runner.write_blocks, layout, num_blocks,
                                self.rank, self.world_size, self.kv_shm_path, self._info.fingerprint)
         return self.connector.register_kv_cache(access)

@@ -19,8 +19,8 @@ def run(*args: str) -> tuple[subprocess.CompletedProcess, float]:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("serve", "--device", "cpu", "--kv-cache-dtype", "fp8", "--kv-transfer-shm", "--port", "1"),
-     "--kv-cache-dtype fp8 does not work with --kv-transfer-shm"),
+    (("serve", "--device", "cpu", "--async-scheduling", "on", "--world-size", "2", "--port", "1"),
+     "--async-scheduling on needs one rank"),
     (("serve", "--device", "cpu", "--tensor-parallel-size", "2", "--kv-offload-cpu-bytes", "1GiB", "--port", "1"),
      "does not yet work with --role prefill/decode or the KV tiers"),
     (("generate", "-p", "hi", "--device", "cpu", "--dtype", "bfloat16", "--decode-weights", "float32"),

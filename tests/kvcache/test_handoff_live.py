@@ -350,11 +350,11 @@ def test_a_bf16_cache_hands_off_to_an_fp32_decode_worker(tmp_path) -> None:  # n
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
 
 
-def test_fp8_caches_hand_off_as_bf16_values_and_decode_as_one_worker_would(tmp_path) -> None:  # noqa: ANN001
-    """--kv-cache-dtype fp8 on both workers: the prefill worker sends each stored value times its
-    layer's scale as bf16 (128 bytes a row of 64: exact, so the decode worker's bytes are the
-    prefill worker's), the decode worker divides by its own scales (the same: the same model
-    measured on the same text) and goes on as the prefill worker alone does. The two split the
+def test_fp8_caches_hand_off_their_bytes_and_decode_as_one_worker_would(tmp_path) -> None:  # noqa: ANN001
+    """--kv-cache-dtype fp8 on both workers: the prefill worker sends its e4m3 bytes (64 a row of
+    64, half a bf16 row) with its layers' scales in the reply's layout; the decode worker's
+    scales are the same (the same model measured on the same text), so it keeps the bytes as
+    they are, and goes on as the prefill worker alone does. The two split the
     work into other steps, whose sums run in other orders: the question is one whose greedy
     answer has no near-tie (its closest two tokens 0.23 nats apart on the AVX-512 EPYC; for
     "Evora" a 0.03-nat tie at the twelfth token went either way)."""
@@ -367,7 +367,7 @@ def test_fp8_caches_hand_off_as_bf16_values_and_decode_as_one_worker_would(tmp_p
         assert handed >= 4 and reply["kv_transfer_params"]["adopted_blocks"] == handed
         assert reply["choices"][0]["message"]["content"] == alone
         rows = 30 * 2 * 3 * handed * BLOCK  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64
-        assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == rows * 64 * 2
+        assert _counters(decode)["bytes_received"] == _counters(prefill)["bytes_sent"] == rows * 64
         assert prefill.wait_idle()["kv_blocks_used"] == 0 and decode.wait_idle()["kv_blocks_used"] == 0
 
 

@@ -178,17 +178,17 @@ def test_an_int8_cache_stores_its_rows_and_4_bit_chunks(tmp_path: Path) -> None:
 
 
 def test_an_fp8_cache_stores_its_values_and_8_bit_chunks(tmp_path: Path) -> None:
-    """--kv-cache-dtype fp8 with the tiers: its blocks leave as the bf16 values they stand for
-    (each byte times its layer's scale, exact), 128 bytes a row of 64, and come back as the
-    same bytes, so the answer is the one the fp8 cache computed; with --kv-tier-dtype int8 the
-    chunks are 68 bytes a row, rounded into fp8 again by the reader. An fp32 worker reads the
-    fp8 worker's chunks: the same key, its own rows made of those values."""
+    """--kv-cache-dtype fp8 with the tiers: its chunks hold its e4m3 bytes, 64 a row of 64 (half a
+    bf16 row), its layers' scales in the chunk's header, and come back as the same bytes, so the
+    answer is the one the fp8 cache computed; with --kv-tier-dtype int8 the chunks are 68 bytes
+    a row, rounded into fp8 again by the reader. An fp32 worker reads the fp8 worker's chunks:
+    the same key, its own rows made of the bytes times their scales."""
     with tier_llm("fp8", disk_path=str(tmp_path / "raw")) as llm:
         first, again = serve_twice(llm)
         assert again.num_cached_tokens >= 64 * (len(again.prompt_token_ids) // 64 - 1)
         assert again.outputs[0].text == first.outputs[0].text
         tiers = llm.engine.core.load().connector("kv_tiers")
-        assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["bytes_per_token"] == 30 * 2 * 3 * 64 * 2
+        assert tiers["media"]["disk"]["chunk_hits"] >= 1 and tiers["bytes_per_token"] == 30 * 2 * 3 * 64
         assert_idle(llm)
     with tier_llm(disk_path=str(tmp_path / "raw")) as fresh:  # an fp32 cache reads the fp8 worker's values
         out = fresh.generate([PROMPT], GREEDY)[0]

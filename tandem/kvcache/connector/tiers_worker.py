@@ -39,6 +39,7 @@ from tandem.kvcache.tiers.chunk import (
 from tandem.kvcache.tiers.metadata import ChunkLoad, LoadSpec, TiersMetadata
 from tandem.kvcache.tiers.open import open_stores
 from tandem.kvcache.tiers.store import ChunkStore, ChunkStoreError
+from tandem.kvcache.transfer.base import writer_layout
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class TiersConnectorWorker(KVConnectorWorker):
         self.kv = kv
         layout = kv.layout
         self._dtype = getattr(torch, layout.dtype)
+        self._scales = layout.scales()  # an fp8 cache's, which its chunks' values are over
         self._block_size = layout.block_size
         # a whole chunk's bytes, and per block its share (int4 keys share a step over 64 tokens,
         # so a block's bytes depend on the blocks beside it)
@@ -150,7 +152,7 @@ class TiersConnectorWorker(KVConnectorWorker):
         for save in metadata.saves:
             if save.block_ids:
                 # a copy (the blocks may be reused), in the tiers' codec
-                data = self._codec.encode(self.kv.read_blocks(save.block_ids))
+                data = self._codec.encode(self.kv.read_blocks(save.block_ids), self._scales)
             else:
                 entry = self.cpu.get(save.chunk_hash)
                 if entry is None:
@@ -272,7 +274,7 @@ class TiersConnectorWorker(KVConnectorWorker):
                 self._count("cpu", "misses")
                 return None
             shape = tuple(self.kv.layout.block_shape(self._blocks(chunk.token_ids))) if self.kv else ()
-            return self._codec.decode(entry[0], shape, self._dtype, self._dtype)
+            return self._codec.decode(entry[0], shape, self._dtype, self._dtype, self._scales, self._scales)
         store = self.stores[chunk.medium]
         key = self._key(chunk.chunk_hash, chunk.token_ids)
         value = store.get(key)  # ChunkStoreError propagates: a failed load
@@ -288,7 +290,10 @@ class TiersConnectorWorker(KVConnectorWorker):
                 codec = KVCodec(header.codec)  # the writer's: any a reader knows
             except ValueError as exc:
                 raise ChunkError("header", str(exc)) from exc
-            writer_dtype = getattr(torch, header.layout["dtype"])  # a cache dtype: read_chunk checked it
+            writer = writer_layout(self._layout, header.layout)  # read_chunk checked it too
+            if writer is None:
+                raise ChunkError("layout", f"layout {header.layout}")
+            writer_dtype = writer.torch_dtype
             expected = codec.payload_bytes(header.shape, writer_dtype)
             if len(payload) != expected:
                 raise ChunkError("truncated", f"payload of {len(payload)} bytes, expected {expected}")
@@ -296,7 +301,7 @@ class TiersConnectorWorker(KVConnectorWorker):
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
             try:
-                blocks = codec.decode(raw, header.shape, self._dtype, writer_dtype)
+                blocks = codec.decode(raw, header.shape, self._dtype, writer_dtype, self._scales, writer.scales())
             except CodecError as exc:  # e.g. a NaN scale: the checksum matched, the numbers are wrong
                 raise ChunkError("values", str(exc)) from exc
         except ChunkError as exc:

@@ -37,7 +37,8 @@ MAGIC = b"TKVC"
 # 2: an int8 cache's rows hold their values rotated (kernels/kv_format.py); a version-1 chunk
 # of int8 rows would read back as other values, so it is refused as any older format is.
 # 3: an int4 chunk's keys are levels per channel group (kvcache/codec.py), not per token.
-FORMAT_VERSION = 3
+# 4: the layout names an fp8 writer's scales (kv_scales) and its rows are its e4m3 bytes.
+FORMAT_VERSION = 4
 _PREAMBLE = struct.Struct("<4sHI")  # magic, version, header length
 _DIGEST_BYTES = 16
 

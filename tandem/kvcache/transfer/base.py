@@ -27,6 +27,7 @@ confirms the lease still lived). GPU transports (CUDA IPC, NCCL) would slot in a
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,7 +36,10 @@ from tandem.config import KV_INT8_SCALE_BYTES
 if TYPE_CHECKING:  # the scheduler side builds handles and layouts without torch
     import torch
 
-CACHE_DTYPES = ("float32", "bfloat16", "float16", "uint8")  # a KV cache's rows; uint8: int8 + scale
+# A KV cache's rows; uint8: int8 values and their scale; float8_e4m3fn: values over their layer's scales.
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "uint8", "float8_e4m3fn")
+FP8_DTYPE = "float8_e4m3fn"
+_SCALE_RANGE = (2.0**-64, 2.0**64)  # what an fp8 layer's scale may be (kv_scales.py makes powers of two near 1)
 
 
 class KVTransferError(RuntimeError):
@@ -53,6 +57,11 @@ class KVLayout:
     dtype: str  # torch dtype name, e.g. "float32"
     num_planes: int = 2  # keys and values; 1 for a latent cache (MLA), see config.KVCacheSpec
     key_divisors: str = ""  # the digest of the divisors the cached keys hold k/s by ("": none; models/key_divisors.py)
+    # An fp8 cache's per-layer scales, (key, value) per layer ((latent,) under MLA): a stored
+    # value times its layer's and plane's scale is the value it stands for. Empty for the
+    # other dtypes. Two fp8 workers may differ here (each measures its own); a reader
+    # converts (kvcache/codec.py).
+    kv_scales: tuple[float, ...] = ()
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of `num_blocks` blocks as the cache indexes them (blocks on dimension 3); an
@@ -66,6 +75,14 @@ class KVLayout:
 
         return getattr(torch, self.dtype)
 
+    def scales(self) -> torch.Tensor | None:
+        """kv_scales as an fp32 tensor [layers, planes], or None for a cache without scales."""
+        if not self.kv_scales:
+            return None
+        import torch
+
+        return torch.tensor(self.kv_scales, dtype=torch.float32).view(self.num_layers, self.num_planes)
+
     def writer(self, sent: Any) -> KVLayout | None:
         """The layout a source or a chunk declares (untrusted), when its blocks can become
         this cache's: the same geometry, rows of any cache dtype (a codec converts fp32,
@@ -75,13 +92,22 @@ class KVLayout:
 
 def writer_layout(expected: dict[str, Any], sent: Any) -> KVLayout | None:
     """`sent` as a KVLayout when it has `expected`'s fields and values but for the dtype, which
-    may be any cache dtype; None otherwise (a chunk header written before a field existed
-    lacks it in both)."""
+    may be any cache dtype, and an fp8 writer's scales, one finite positive number per layer
+    and plane (none for another dtype); None otherwise (a chunk header written before a field
+    existed lacks it in both)."""
     if not isinstance(sent, dict) or set(sent) != set(expected) or sent.get("dtype") not in CACHE_DTYPES:
         return None
-    if any(sent[name] != value for name, value in expected.items() if name != "dtype"):
+    if any(sent[name] != value for name, value in expected.items() if name not in ("dtype", "kv_scales")):
         return None
-    return KVLayout(**sent)
+    scales = sent.get("kv_scales", ())  # (absent in both: a layout written before it existed)
+    if not isinstance(scales, (list, tuple)):
+        return None
+    wanted = sent["num_layers"] * sent["num_planes"] if sent["dtype"] == FP8_DTYPE else 0
+    if len(scales) != wanted or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and _SCALE_RANGE[0] <= x <= _SCALE_RANGE[1] for x in scales):
+        return None
+    return KVLayout(**{**sent, "kv_scales": tuple(float(x) for x in scales)})
 
 
 _MAX_TRANSFER_ID = 128

@@ -224,7 +224,7 @@ class KVSource:
                 return OK, {"shm_path": self.shm_path, "shm_num_blocks": self.shm_num_blocks,
                             "block_ids": block_ids, "block_hashes": hashes, "layout": asdict(self.layout)}, None
             data = self.read_blocks(block_ids).contiguous()
-        encoded = KVCodec(codec_name).encode(data)
+        encoded = KVCodec(codec_name).encode(data, self.layout.scales())
         payload = memoryview(encoded.numpy()).cast("B") if encoded.numel() else memoryview(b"")
         header = {"indices": indices, "block_hashes": hashes, "layout": asdict(self.layout),
                   "shape": list(data.shape), "codec": codec_name, "nbytes": payload.nbytes,

@@ -123,7 +123,8 @@ class BlockReceiver:
         if reply.body is not None and digest(reply.body) != reply.header.get("digest"):
             raise KVTransferError(f"checksum mismatch on transfer {handle.transfer_id}")
         try:
-            return self.codec.decode(self.buffer, self.shape, self.layout.torch_dtype, writer.torch_dtype)
+            return self.codec.decode(self.buffer, self.shape, self.layout.torch_dtype, writer.torch_dtype,
+                                     self.layout.scales(), writer.scales())
         except CodecError as exc:  # e.g. a NaN scale under a matching digest: a failed pull
             raise KVTransferError(f"unusable blocks on transfer {handle.transfer_id}: {exc}") from None
 
