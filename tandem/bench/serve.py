@@ -358,7 +358,7 @@ def cluster_command(args: argparse.Namespace, port: int, kind: str, policy: str 
             cmd += [flag, str(value)]
     if kind == "routed" and args.threads:
         cmd += ["--threads", str(args.threads)]
-    return cmd
+    return cmd + shlex.split(args.tandem_args)  # engine flags: `tandem up` gives them to every worker
 
 
 def vllm_command(

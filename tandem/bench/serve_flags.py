@@ -195,7 +195,8 @@ LAUNCH_FLAGS = FlagTable("launched servers", (
     ),
     Flag(
         "--tandem-args", default="", metavar="ARGS",
-        help="extra flags for `tandem serve`, one quoted string",
+        help="extra engine flags for `tandem serve`, and for every worker of a cluster target "
+             "(`tandem up` passes them on), one quoted string",
     ),
     Flag(
         "--vllm-dtype", default="auto", choices=("auto", "float32", "bfloat16"),

@@ -423,6 +423,8 @@ def test_cluster_and_policy_targets() -> None:
     assert cmd[cmd.index("--kv-cache-memory") + 1] == "96MiB"
     pd = cluster_command(args, 4321, "pd")
     assert pd[pd.index("--prefill-workers") + 1] == "1" and "--policy" not in pd
+    fp8 = cluster_command(_args("--tandem-args", "--kv-cache-dtype fp8"), 4321, "pd")
+    assert fp8[-2:] == ["--kv-cache-dtype", "fp8"]  # the engine flags reach every worker
     config = traffic_config(args)
     assert _for_target(config, policy).session_header and not _for_target(config, targets[2]).session_header
 
