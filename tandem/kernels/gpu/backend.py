@@ -25,6 +25,7 @@ from tandem.kernels.gpu import TRITON_CAPABILITIES, available
 from tandem.kernels.gpu.cache_write import fused_int8_write, write_kv, write_kv_fp8, write_kv_int8
 from tandem.kernels.gpu.decode_attention import decode_splits, paged_decode_attention
 from tandem.kernels.gpu.prefill_attention import prefill_attention
+from tandem.kernels.gpu.rotation import fused_rotation, rotate_heads
 from tandem.kernels.kv_format import (
     FP8,
     INT8_SCALE_BYTES,
@@ -150,8 +151,11 @@ def _in_stored_rotation(attend, query: torch.Tensor, kv_cache: torch.Tensor,  # 
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """`attend(query, kv_cache, meta, scale)`, where an int8 cache's rows are stored rotated
     (kv_format.py): with the query rotated the same way before (q.k = Rq.Rk) and the output,
-    a weighted sum of rotated values, rotated back after; a float cache's as it is."""
+    a weighted sum of rotated values, rotated back after, one kernel each (gpu/rotation.py)
+    where the head size allows, else in torch; a float cache's as it is."""
     if not is_int8_cache(kv_cache):
         return attend(query, kv_cache, meta, scale)
+    if query.dim() == 3 and query.stride(2) == 1 and fused_rotation(query.shape[-1]):
+        return rotate_heads(attend(rotate_heads(query), kv_cache, meta, scale))
     rotated = attend(rotate_rows(query.float()).to(query.dtype), kv_cache, meta, scale)
     return rotate_rows(rotated.float()).to(query.dtype)

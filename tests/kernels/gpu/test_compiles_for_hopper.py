@@ -70,6 +70,7 @@ def _launch_everything(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv
     from tandem.kernels.gpu.prefill_attention import prefill_attention
     from tandem.kernels.gpu.rms_norm import rms_norm
     from tandem.kernels.gpu.rotary import rotary_
+    from tandem.kernels.gpu.rotation import rotate_heads
     from tandem.kernels.gpu.silu_mul import silu_mul
 
     cache = torch.randn(kv_cache_shape(8, 16, kv_heads, dim)).to(kv_dtype)
@@ -82,6 +83,7 @@ def _launch_everything(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv
     if kv_dtype == torch.float8_e4m3fn:  # the layer's keys and values, rounded in the write
         fresh = torch.randn(3, kv_heads, dim).to(dtype)
         write_kv_fp8(fresh, fresh, cache, torch.tensor([0, 17, -1]), 0.5, 2.0)
+    rotate_heads(torch.randn(3, heads + 2 * kv_heads, dim).to(dtype)[:, :heads])  # an int8 cache's query
     chunk = torch.randn(84, heads, dim).to(dtype)
     prefill_attention(chunk, cache, torch.tensor([0, 20]), torch.tensor([20, 64]), lens, table, 64, dim ** -0.5,
                       torch.empty_like(chunk))  # a 64-query tile, as long prompts run
@@ -140,7 +142,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path, monkeypatch: pytest.Monk
     _launch_int4_moe(torch.float16)
     names = {launch[1] for launch in launches.values()}
     assert names == {"_decode_kernel", "_combine_kernel", "_write_kv_kernel", "_write_kv_fp8_kernel",
-                     "_prefill_kernel", "_rms_norm_kernel",
+                     "_prefill_kernel", "_rms_norm_kernel", "_rotate_kernel",
                      "_rotary_kernel", "_silu_mul_kernel", "_int4_moe_kernel", "_int4_moe_reduce"}
     recorded = tmp_path / "launches.json"
     recorded.write_text(json.dumps(list(launches.values()), default=str))

@@ -111,6 +111,25 @@ def test_the_fp8_write_stores_torchs_bytes_for_every_code_tie_and_special() -> N
     assert stored[:, slots[tokens]].count_nonzero() == 0  # the padding row's slot stayed empty
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "dim"), [(9, 64), (32, 128), (14, 64), (4, 16)])
+def test_the_rotation_kernel_rotates_a_strided_query_as_torch_does(dtype: torch.dtype, heads: int, dim: int) -> None:
+    """An int8 cache's query / output rotation in one kernel: a query split from the fused
+    projection (tokens strided), each run rotated in fp32 and rounded once, as
+    rotate_rows(x.float()).to(x.dtype) gives it; and rotating twice gives the rows back."""
+    from tandem.kernels.gpu.rotation import fused_rotation, rotate_heads
+    from tandem.kernels.kv_format import rotate_rows
+
+    assert fused_rotation(dim) and not fused_rotation(80)  # 80: one run of 16, five a row
+    qkv = torch.randn(5, (heads + 4) * dim, generator=torch.Generator().manual_seed(heads)).to(dtype)
+    query = qkv[:, : heads * dim].view(5, heads, dim)
+    got = rotate_heads(query)
+    assert got.is_contiguous() and got.dtype == dtype
+    torch.testing.assert_close(got, rotate_rows(query.float()).to(dtype), atol=TOLERANCE[dtype] / 10,
+                               rtol=TOLERANCE[dtype] / 10)
+    torch.testing.assert_close(rotate_heads(got), query, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def test_decode_splits_fill_the_device_but_keep_a_few_blocks_each() -> None:
     assert decode_splits(rows=1, kv_heads=8, max_blocks=4, target_programs=264) == 1
     assert decode_splits(rows=1, kv_heads=8, max_blocks=512, target_programs=264) == 33
