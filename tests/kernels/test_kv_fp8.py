@@ -19,6 +19,7 @@ from tandem.kernels.torch_attention import TorchAttentionBackend
 from tests.support.attention_cases import (
     assert_stored_as_the_reference,
     mixed_step,
+    one_query_reference,
     scattered_tables,
 )
 from tests.support.kernel_builds import OTHER_DECODE_BUILDS, decode_kernel_for
@@ -105,13 +106,7 @@ def test_the_c_writer_stores_the_bytes_of_torch_s_saturating_cast(kernel, dtype)
 
 def _reference(q, cache, table, length, kv_heads, dim, scale) -> torch.Tensor:
     """One query [H, D] over the widened context of one sequence."""
-    widened = cache.float()
-    keys = widened[0][:, table].reshape(kv_heads, -1, dim)[:, :length]
-    values = widened[1][:, table].reshape(kv_heads, -1, dim)[:, :length]
-    group = q.shape[0] // kv_heads
-    k, v = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    probs = torch.softmax((q.unsqueeze(1) @ k.transpose(1, 2)) * scale, dim=-1)
-    return (probs @ v).squeeze(1)
+    return one_query_reference(q, cache.float(), table, length, kv_heads, dim, scale)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from tandem.kernels.kv_format import (
     stored_row_width,
 )
 from tandem.kernels.torch_attention import TorchAttentionBackend
+from tests.support.attention_cases import one_query_reference
 from tests.support.kernel_builds import OTHER_DECODE_BUILDS, decode_kernel_for
 
 
@@ -104,13 +105,7 @@ def _tables(lengths, block, generator):
 
 def _reference(q, cache, table, length, kv_heads, dim, scale) -> torch.Tensor:
     """One query [H, D] over the dequantized context of one sequence."""
-    widened = dequantize_rows(cache, torch.float32)
-    keys = widened[0][:, table].reshape(kv_heads, -1, dim)[:, :length]  # [kv_heads, L, D]
-    values = widened[1][:, table].reshape(kv_heads, -1, dim)[:, :length]
-    group = q.shape[0] // kv_heads
-    k, v = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    probs = torch.softmax((q.unsqueeze(1) @ k.transpose(1, 2)) * scale, dim=-1)
-    return (probs @ v).squeeze(1)
+    return one_query_reference(q, dequantize_rows(cache, torch.float32), table, length, kv_heads, dim, scale)
 
 
 @pytest.mark.parametrize(

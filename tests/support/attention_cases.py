@@ -26,6 +26,19 @@ class MixedStep:
     reference_cache: torch.Tensor
 
 
+def one_query_reference(q: torch.Tensor, widened: torch.Tensor, table: torch.Tensor, length: int, kv_heads: int,
+                        dim: int, scale: float) -> torch.Tensor:
+    """One decode query [heads, dim] in fp32 over `length` tokens of one sequence, read through
+    its block table from a cache already widened to fp32 ([2, kv_heads, blocks, block, dim]):
+    dense softmax attention, the query heads of a KV head sharing it (GQA)."""
+    keys = widened[0][:, table].reshape(kv_heads, -1, dim)[:, :length]  # [kv_heads, length, dim]
+    values = widened[1][:, table].reshape(kv_heads, -1, dim)[:, :length]
+    group = q.shape[0] // kv_heads
+    k, v = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    probs = torch.softmax((q.unsqueeze(1) @ k.transpose(1, 2)) * scale, dim=-1)
+    return (probs @ v).squeeze(1)
+
+
 def scattered_tables(contexts: list[int], block_size: int, blocks: int, generator: torch.Generator) -> torch.Tensor:
     """Each sequence's block table: distinct blocks, scattered over the cache (not in order)."""
     width = max(-(-c // block_size) for c in contexts)
