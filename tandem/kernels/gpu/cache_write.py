@@ -11,6 +11,27 @@ from tandem.kernels.kv_format import hadamard, rotation_size
 
 
 @triton.jit
+def _step_rows(key_ptr, value_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cb,
+               stride_ct, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """This program's token's keys and values [BLOCK_H, BLOCK_D] as the step holds them, where
+    they go in a plane of the cache, and which of them to store (none for a negative slot:
+    padding)."""
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot
+    mask = (heads[:, None] < KV_HEADS) & (dims[None, :] < HEAD_DIM) & (slots >= 0)
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    where = heads[:, None] * stride_ch + block * stride_cb + offset * stride_ct + dims[None, :]
+    return k, v, where, mask
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, cache_ptr, slots_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -18,17 +39,8 @@ def _write_kv_kernel(
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    slot = tl.load(slots_ptr + token)
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot  # a negative slot is padding
-    mask = (heads[:, None] < KV_HEADS) & (dims[None, :] < HEAD_DIM) & (slots >= 0)
-    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    where = heads[:, None] * stride_ch + block * stride_cb + offset * stride_ct + dims[None, :]
+    k, v, where, mask = _step_rows(key_ptr, value_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                                   stride_ch, stride_cb, stride_ct, KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_SIZE)
     tl.store(cache_ptr + where, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(cache_ptr + stride_cp + where, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -79,19 +91,10 @@ def _write_kv_fp8_kernel(
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    slot = tl.load(slots_ptr + token)
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot  # a negative slot is padding
-    mask = (heads[:, None] < KV_HEADS) & (dims[None, :] < HEAD_DIM) & (slots >= 0)
-    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask).to(tl.float32)
-    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask).to(tl.float32)
-    where = heads[:, None] * stride_ch + block * stride_cb + offset * stride_ct + dims[None, :]
-    tl.store(cache_ptr + where, _fp8_bytes(k * key_multiplier), mask=mask)
-    tl.store(cache_ptr + stride_cp + where, _fp8_bytes(v * value_multiplier), mask=mask)
+    k, v, where, mask = _step_rows(key_ptr, value_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                                   stride_ch, stride_cb, stride_ct, KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_SIZE)
+    tl.store(cache_ptr + where, _fp8_bytes(k.to(tl.float32) * key_multiplier), mask=mask)
+    tl.store(cache_ptr + stride_cp + where, _fp8_bytes(v.to(tl.float32) * value_multiplier), mask=mask)
 
 
 def write_kv_fp8(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
