@@ -29,7 +29,7 @@ def _rotate_kernel(
     RUNS: tl.constexpr = HEAD_DIM // ROT
     r = tl.arange(0, BLOCK_H * RUNS)  # one line a run: head r // RUNS, run r % RUNS
     j = tl.arange(0, ROT)
-    head = r // RUNS
+    head = tl.program_id(1) * BLOCK_H + r // RUNS
     run = r % RUNS
     mask = (head[:, None] < HEADS) & (j[None, :] < ROT)
     x = tl.load(x_ptr + token * stride_xt + head[:, None] * stride_xh + (run * ROT)[:, None] + j[None, :],
@@ -58,8 +58,11 @@ def rotate_heads(x: torch.Tensor) -> torch.Tensor:
     assert x.stride(2) == 1 and fused_rotation(head_dim)
     size = rotation_size(head_dim)
     runs = head_dim // size
-    _rotate_kernel[(tokens,)](
+    # A program a token and group of heads, each group the dot's least (16 runs): at batch 1 one
+    # program rotating all of an 8B's 32 heads took 5.2 us on an H200.
+    block_h = max(16 // runs, 1)
+    _rotate_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, out, hadamard(size, torch.float32, x.device), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        HEADS=heads, HEAD_DIM=head_dim, BLOCK_H=max(triton.next_power_of_2(heads), 16 // runs), ROT=size,
+        HEADS=heads, HEAD_DIM=head_dim, BLOCK_H=block_h, ROT=size,
     )
     return out
