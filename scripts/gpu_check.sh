@@ -7,8 +7,11 @@
 # on PYTHONPATH. Each stage has its own time limit and a failed stage does not stop the next;
 # the output goes to the terminal and to gpu-check.log, figures and tables beside it, under
 # $OUT (the lent machines' output folder) or ./bench-results.
-#   STAGES="tests bench int4 load" (default: all four) picks stages; BENCH_ARGS replaces the bench's
-#   own arguments (default: --kv-cache-dtypes auto,fp8,int8).
+#   STAGES="gemv tests bench int4 load" (default: all but gemv) picks stages; BENCH_ARGS replaces the
+#   bench's own arguments (default: --kv-cache-dtypes auto,fp8,int8). The gemv stage times tandem's
+#   one-row GEMV against cuBLAS (`tandem bench gpu --gemv`) and puts the device's table it writes
+#   into this checkout's tandem/kernels/gpu/gemv_configs/, so the stages after it run with it
+#   (commit the table from $OUT to keep it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,6 +36,11 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, log it, r
   echo "==> $name: exit ${PIPESTATUS[0]} after $((SECONDS - started))s" | tee -a "$LOG"
 }
 wants() { [[ " ${STAGES:-tests bench int4 load} " == *" $1 "* ]]; }
+install_gemv_table() {  # the table the gemv stage wrote, into this checkout for the stages after it
+  local table
+  table=$(ls -t "$DEST"/gemv/gpu-gemv-*/*.json 2>/dev/null | grep -v /results.json | head -1)
+  [ -n "$table" ] && mkdir -p tandem/kernels/gpu/gemv_configs && cp "$table" tandem/kernels/gpu/gemv_configs/ && echo "installed $table:" && cat "$table"
+}
 
 stage environment 60 "$PY" -c "
 import torch, triton, transformers
@@ -42,6 +50,8 @@ import tandem.cli.main, tandem.llm
 print('tandem imports: ok')"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$LOG"
 
+wants gemv && stage gemv "${GEMV_LIMIT:-240}" "$PY" -m tandem bench gpu --gemv --output-dir "$DEST/gemv" \
+  && install_gemv_table 2>&1 | tee -a "$LOG"
 wants tests && stage tests "${TESTS_LIMIT:-180}" "$PY" -m pytest -q -p no:cacheprovider tests/kernels/gpu/test_on_gpu.py
 wants bench && stage bench "${BENCH_LIMIT:-300}" "$PY" -m tandem bench gpu --profile ${BENCH_ARGS:---kv-cache-dtypes auto,fp8,int8} --output-dir "$DEST"
 # Kimi K2.5's INT4 expert GEMM (Triton W4A16) at 1-64 rows per expert against its packed bytes' copy bound
@@ -59,4 +69,4 @@ write_random_checkpoint(Path('tandem/bench/configs/llama-3.1-8b.json'), Path('$C
   stage load "${LOAD_LIMIT:-240}" "$PY" -m tandem bench cold-start "$CKPT" --device cuda --dtype bfloat16 \
     --repeats "${LOAD_REPEATS:-2}" --warmup 0 --no-warm --output-dir "$DEST"
 fi
-grep -E "^==> |tok/s|TFLOP/s|GB/s|KV:|passed|failed|Error" "$LOG" | tail -40
+grep -E "^==> |tok/s|TFLOP/s|GB/s|KV:|GEMV|passed|failed|Error" "$LOG" | tail -40

@@ -33,6 +33,9 @@ counts each one's KV bytes). The engines run tandem's default batch limits. The 
 memory split (weights, activation plan, KV) is logged as it starts.
 Writes the figures as JSON to --output-dir.
 
+`--gemv` times tandem's one-row GEMV against cuBLAS on the config's matrices instead
+(tandem/bench/gpu_gemv.py) and writes the device's table of the matrices it wins.
+
 `--int4-moe` measures one kernel instead: the INT4 MoE grouped GEMM
 (tandem/kernels/gpu/int4_moe.py) on Kimi K2.5's routed experts as one rank holds them under
 tensor parallelism over 8 GPUs (all 384 experts, each intermediate / 8) and expert
@@ -110,6 +113,11 @@ GPU_FLAGS = FlagTable(None, (
         "--int4-moe", switch=True,
         help="measure the INT4 MoE GEMM on Kimi K2.5's experts (TP 8 and EP 8 shapes, 1-64 rows an "
         "expert) against the copy bound of its bytes, instead of the model runs",
+    ),
+    Flag(
+        "--gemv", switch=True,
+        help="time tandem's one-row GEMV against cuBLAS on the config's matrices and write this "
+        "device's table of winners, instead of the model runs",
     ),
     Flag(
         "--moe-active-experts", default=8, type=int, metavar="N",
@@ -586,6 +594,10 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
         return run_int4_moe_bench(torch, args)
     source = config_path(args.config)
     config = json.loads(source.read_text())
+    if args.gemv:
+        from tandem.bench.gpu_gemv import run_gemv_bench
+
+        return run_gemv_bench(torch, args, config, device_limits(torch))
     shape = weight_shape(config)
     workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-gpu-"))
     out = Path(args.output_dir) / f"gpu-{dt.datetime.now():%Y%m%d-%H%M%S}"

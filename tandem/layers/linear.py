@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -207,6 +208,7 @@ class LinearWeights:
     dense_gemm: DenseGemmKernel | None = None
     int8: Int8Weight | None = None  # --quantization int8: what steps beyond the small copy read
     gemv_rows: DenseRows | None = None  # a bf16 matrix on a CPU without a bf16 GEMM: small steps' GEMV
+    gpu_gemv: OneRowGemv | None = None  # on a GPU: one-row steps through tandem's tuned GEMV, not cuBLAS
 
     @property
     def int4(self) -> Int4Linear | None:
@@ -349,6 +351,8 @@ class LinearWeights:
         if self.int4 is not None:
             out = self.int4.matmul(x)
             return out if bias is None else out + bias
+        if self.gpu_gemv is not None and self.gpu_gemv.takes(x, self.weight):
+            return self.gpu_gemv.matmul(x, self.weight, bias)
         if self.uses_small_step(x):
             if self.small_dense is not None:
                 return self.small_dense.matmul(x, with_bias)
@@ -373,6 +377,8 @@ class LinearWeights:
     def linear_plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual + linear(x)`, the residual add fused into the GEMM where weights are packed
         and into tandem's 4-bit GEMM."""
+        if self.gpu_gemv is not None and self.gpu_gemv.takes(x, self.weight):
+            return self.gpu_gemv.matmul(x, self.weight, getattr(self, "bias", None), residual)
         if self.uses_small_step(x):
             if self.small_dense is not None:
                 return self.small_dense.matmul(x, residual=residual)
@@ -395,6 +401,33 @@ class LinearWeights:
             # is rounded once, not twice; the CPU keeps transformers' two roundings.
             return torch.addmm(residual, x, self.weight.t())
         return residual + self.linear(x)
+
+
+class OneRowGemv(Protocol):
+    """A GPU's one-row matmul for a layer (tandem/kernels/gpu/gemv.py `GpuGemv`)."""
+
+    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool: ...
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor: ...
+
+
+def attach_gpu_gemv(model: nn.Module, kernels: Mapping[tuple[int, int], OneRowGemv]) -> int:
+    """Give each dense linear layer whose [out, in] has a kernel in `kernels` (the GPU's tuned
+    table; the caller attaches on a GPU only) that kernel for one-row steps; returns how many
+    took one."""
+    taken = 0
+    for layer in model.modules():
+        if not isinstance(layer, LinearWeights) or layer.int4 is not None or layer.int8 is not None:
+            continue
+        weight = layer.weight
+        if weight.dim() != 2 or weight.stride(-1) != 1:
+            continue
+        kernel = kernels.get((weight.shape[0], weight.shape[1]))
+        if kernel is not None:
+            layer.gpu_gemv = kernel
+            taken += 1
+    return taken
 
 
 def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights, q4_kernel: Q4Kernel | None = None,
@@ -637,7 +670,13 @@ class GateUpLinear(MergedLinear):
         projections hold 8-bit weights for a step this size (tandem/layers/int8.py
         `gated_mlp`); None otherwise, and the caller runs them one by one. On the 2-core
         AVX-512 EPYC, 64 bf16 rows of SmolLM2's MLP: the three passes 112 -> 76 us, the MLP
-        645 -> 597 us a layer."""
+        645 -> 597 us a layer. On a GPU, a one-row step whose down projection has the tuned
+        GEMV reads the gate/up row straight into it, silu-and-mul computed as it is read."""
+        if down.gpu_gemv is not None and not down.tp.split and down.gpu_gemv.takes(x, down.weight):
+            gate_up = self.linear(x)
+            if gate_up.shape[-1] == 2 * down.weight.shape[1]:
+                return down.gpu_gemv.matmul(gate_up, down.weight, down.bias, residual, silu_mul=True)
+            return None
         if (self.int8 is None or down.int8 is None or self.bias is not None or down.tp.split
                 or self.uses_small_step(x) or down.uses_small_step(x)):
             return None

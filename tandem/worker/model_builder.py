@@ -37,6 +37,7 @@ from tandem.layers.linear import (
     GEMV_MAX_ROWS,
     SmallStepWeights,
     attach_bf16_gemv,
+    attach_gpu_gemv,
     attach_small_step_weights,
     onednn_bf16_available,
     pack_weights_for_cpu,
@@ -170,12 +171,27 @@ class ModelBuilder:
             # One kernel each for the norms, the rotation and silu-and-mul instead of 8, 7
             # and 2 torch ops: at batch 1 those small launches were a fifth of the step.
             attach_gpu_passes(model, TritonNorm(), TritonRotary(), TritonSiluMul())
+            self._attach_gpu_gemv(model)
         torch.cuda.synchronize(self.device)
         if self.rank == 0:
             seconds = time.perf_counter() - started
             moved = f", {staged / 1e9:.2f} GB through pinned staging at {staged / 1e9 / seconds:.2f} GB/s" if staged else ""
             logger.info("model on %s in %s: %.2f s%s", self.device, load.dtype, seconds, moved)
         return model
+
+    def _attach_gpu_gemv(self, model: torch.nn.Module) -> None:
+        """One-row steps through tandem's GEMV for the matrices this device's table says it
+        wins (tandem/kernels/gpu/gemv.py, tuned by `tandem bench gpu --gemv`), cuBLAS for the rest."""
+        from tandem.kernels.gpu.gemv import GpuGemv, load_table
+
+        device = torch.cuda.get_device_name(self.device)
+        table = load_table(device, self.dtype)
+        taken = attach_gpu_gemv(model, {shape: GpuGemv(config) for shape, config in table.items()})
+        if self.rank == 0:
+            logger.info("one-row steps: %s", f"{taken} matrices through tandem's GEMV ({len(table)} shapes tuned for "
+                        f"{device}), the rest cuBLAS" if taken else
+                        f"cuBLAS (tandem's GEMV has no table for {device} in {self.dtype} and these shapes; "
+                        "`tandem bench gpu --gemv` makes one)")
 
     def _fold_key_divisors(self, model: torch.nn.Module) -> None:
         """Power-of-two key divisors into the query and key rows (models/key_divisors.py),

@@ -96,6 +96,20 @@ def _launch_everything(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv
     silu_mul(torch.randn(3, 2 * 4 * heads * dim).to(dtype))
 
 
+def _launch_gemv(dtype: torch.dtype) -> None:
+    """The one-row GEMV: every candidate block shape (what `tandem bench gpu --gemv` compiles on
+    the device) on a plain row, and each form the model calls (bias, residual, silu-and-mul)."""
+    from tandem.kernels.gpu.gemv import CANDIDATES, gemv
+
+    weight = torch.randn(48, 64).to(dtype)
+    for config in CANDIDATES:
+        gemv(torch.randn(1, 64).to(dtype), weight, config)
+    residual = torch.randn(1, 48).to(dtype)
+    gemv(torch.randn(1, 64).to(dtype), weight, CANDIDATES[1], bias=residual[0])
+    gemv(torch.randn(1, 64).to(dtype), weight, CANDIDATES[1], residual=residual)
+    gemv(torch.randn(1, 128).to(dtype), weight, CANDIDATES[1], residual=residual, silu_mul=True)
+
+
 def _launch_int4_moe(dtype: torch.dtype) -> None:
     """The INT4 MoE GEMM at the block sizes Kimi K2.5's experts get under TP 8 and EP 8 (decode
     at 1, 32 and 64 rows an expert, split K and not, the fused silu-and-mul; prefill), launched
@@ -138,12 +152,14 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path, monkeypatch: pytest.Monk
     _launch_everything(torch.bfloat16, torch.float8_e4m3fn, 32, 8, 128)  # --kv-cache-dtype fp8
     _launch_everything(torch.bfloat16, torch.bfloat16, 14, 2, 64)  # Qwen2.5-0.5B: GQA 7, head 64
     _launch_everything(torch.float32, torch.float32, 9, 3, 64)  # SmolLM2-135M in fp32
+    _launch_gemv(torch.bfloat16)  # batch-1 projections
     _launch_int4_moe(torch.bfloat16)  # Kimi K2.5's INT4 experts
     _launch_int4_moe(torch.float16)
     names = {launch[1] for launch in launches.values()}
     assert names == {"_decode_kernel", "_combine_kernel", "_write_kv_kernel", "_write_kv_fp8_kernel",
                      "_prefill_kernel", "_rms_norm_kernel", "_rotate_kernel",
-                     "_rotary_kernel", "_silu_mul_kernel", "_int4_moe_kernel", "_int4_moe_reduce"}
+                     "_rotary_kernel", "_silu_mul_kernel", "_int4_moe_kernel", "_int4_moe_reduce",
+                     "_gemv_kernel"}
     recorded = tmp_path / "launches.json"
     recorded.write_text(json.dumps(list(launches.values()), default=str))
     env = os.environ | {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",

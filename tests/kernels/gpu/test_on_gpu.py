@@ -216,3 +216,24 @@ def test_bf16_rotary_and_silu_mul_compiled() -> None:
     gate, up = gate_up.split(14336, dim=-1)
     torch.testing.assert_close(TritonSiluMul.silu_mul(gate_up), torch.nn.functional.silu(gate) * up,
                                atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (4096, 14336), (1536 * 2, 512)])
+def test_the_gemv_compiled_in_bf16_matches_cublas(n: int, k: int) -> None:
+    """Every candidate block shape, each form the model calls, against cuBLAS's bf16 (both sum
+    in fp32 and round once; the orders differ)."""
+    from tandem.kernels.gpu.gemv import CANDIDATES, gemv
+    from tandem.kernels.gpu.silu_mul import silu_mul
+
+    torch.manual_seed(n + k)
+    weight = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    row, pair = torch.randn(1, k, device="cuda").bfloat16(), torch.randn(1, 2 * k, device="cuda").bfloat16()
+    residual = torch.randn(1, n, device="cuda").bfloat16()
+    for config in CANDIDATES:
+        for got, want in [
+            (gemv(row, weight, config), row @ weight.t()),
+            (gemv(row, weight, config, residual=residual), torch.addmm(residual, row, weight.t())),
+            (gemv(pair, weight, config, residual=residual, silu_mul=True),
+             torch.addmm(residual, silu_mul(pair), weight.t())),
+        ]:
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
