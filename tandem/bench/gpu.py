@@ -548,7 +548,7 @@ def measure_engine(torch: Any, llm: Any, args: argparse.Namespace, config: dict[
                                       "of_bound": bound / step, "gb_s": read / step / 1e9,
                                       "of_bound_every_weight": loose / step}
     print(f"batch-1 decode ({name}, KV {kv}): {1 / step:.1f} tok/s ({step * 1e3:.2f} ms/step), "
-          f"{read / step / 1e9:.0f} GB/s = {bound / step:.0%} of the copy bound "
+          f"{read / step / 1e9:.0f} GB/s = {bound / step:.1%} of the copy bound "
           f"{1 / bound:.1f} tok/s (goal {DECODE_GOAL:.0%}); counting every weight as SGLang's "
           f"figure does, {loose / step:.0%} of {1 / loose:.1f} tok/s")
     replay = graph_replay_seconds(torch, llm)

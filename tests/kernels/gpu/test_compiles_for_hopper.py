@@ -20,7 +20,7 @@ import torch
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
           torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8"}
-_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
 
 _COMPILE = """
 import importlib, json, sys
@@ -155,6 +155,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path, monkeypatch: pytest.Monk
     _launch_gemv(torch.bfloat16)  # batch-1 projections
     _launch_int4_moe(torch.bfloat16)  # Kimi K2.5's INT4 experts
     _launch_int4_moe(torch.float16)
+    for launch in [launch for launch in launches.values() if launch[1] == "_gemv_kernel"]:
+        # The interpreter has no grid dependencies, so the wrapper launches it there without PDL;
+        # on the GPU a config may ask for it: compile that variant too.
+        pdl = json.loads(json.dumps(launch, default=str))
+        pdl[3]["PDL"], pdl[4]["launch_pdl"] = True, True
+        launches[json.dumps(pdl, sort_keys=True)] = pdl
     names = {launch[1] for launch in launches.values()}
     assert names == {"_decode_kernel", "_combine_kernel", "_write_kv_kernel", "_write_kv_fp8_kernel",
                      "_prefill_kernel", "_rms_norm_kernel", "_rotate_kernel",

@@ -51,7 +51,7 @@ def test_bf16_decode_attention_matches_the_torch_backend(splits: int) -> None:
 
 
 def _tokens(model_dir: str, eager: bool, dtype: str, kv_cache_dtype: str = "auto",
-            async_scheduling: str = "auto") -> list[list[int]]:
+            async_scheduling: str = "auto", gemv_layers: list[int] | None = None) -> list[list[int]]:
     from tandem.llm import LLM
     from tandem.types import SamplingParams
 
@@ -70,6 +70,8 @@ def _tokens(model_dir: str, eager: bool, dtype: str, kv_cache_dtype: str = "auto
                                            SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)])
         runner = llm.engine.core.executor.worker.runner
         assert (runner.decode_graphs is None) == eager
+        if gemv_layers is not None:  # how many matrices took the one-row GEMV
+            gemv_layers.append(sum(getattr(m, "gpu_gemv", None) is not None for m in runner.model.modules()))
         assert runner.run_ahead == (async_scheduling != "off")  # auto: on, on a GPU
         return [o.outputs[0].token_ids for o in outs]
     finally:
@@ -237,3 +239,32 @@ def test_the_gemv_compiled_in_bf16_matches_cublas(n: int, k: int) -> None:
              torch.addmm(residual, silu_mul(pair), weight.t())),
         ]:
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_engine_with_a_gemv_table_gives_the_eager_tokens(tmp_path, monkeypatch, pdl: bool) -> None:
+    """A table for every matrix of the tiny model (fp32): one-row steps through the GEMV with
+    CUDA graphs and asynchronous scheduling, the kernels launched as programmatic dependents or
+    not, give the tokens of eager steps through the same GEMV launched plainly (the same sums;
+    a launch that read its row before the kernel writing it finished would not)."""
+    import tandem.kernels.gpu.gemv as gemv_module
+    from tandem.kernels.gpu.gemv import GemvConfig, shape_key, table_entry, write_table
+
+    hidden, heads, kv, dim = 512, 8, 2, 64
+    shapes = [((heads + 2 * kv) * dim, hidden), (hidden, heads * dim), (2 * 1536, hidden), (hidden, 1536),
+              (4096, hidden)]
+    tables = tmp_path / "tables"
+    tables.mkdir()
+
+    def table(config: GemvConfig) -> None:
+        write_table(gemv_module.table_path(torch.cuda.get_device_name(), tables), torch.cuda.get_device_name(),
+                    torch.float32, {shape_key(n, k): table_entry(config, 1.0, 2.0) for n, k in shapes})
+
+    monkeypatch.setattr(gemv_module, "TABLES", tables)
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    table(GemvConfig(8, 512))
+    taken: list[int] = []
+    eager = _tokens(str(tmp_path), True, "float32", gemv_layers=taken)
+    table(GemvConfig(8, 512, pdl=pdl))
+    assert _tokens(str(tmp_path), False, "float32", gemv_layers=taken) == eager
+    assert taken == [4 * 4 + 1] * 2  # every layer's four matrices and the head
