@@ -10,9 +10,12 @@ After a warm-up round that is not kept, each repeat, for MODEL's safetensors fil
    process that has imported torch; twice, the page cache dropped between, the faster
    counting);
 3. the files are dropped again and fresh processes, their imports done, build the model and
-   load its weights the engine's way (`build_model` + `load_weights`), timed from the moment
-   they are told to start: one process, or with `--tensor-parallel-size N` N at once, each
-   building and filling its share (each rank's bytes read and time; the union's GB/s);
+   load its weights the engine's way (`build_model` + `load_weights`, after what a worker's
+   own process sets first: malloc's thresholds, the cycle collector's start-up objects
+   frozen), timed from the moment they are told to start: one process, or with
+   `--tensor-parallel-size N` N at once, each building and filling its share, the N splitting
+   one forward read of the files as the ranks of one host do (each rank's bytes read and
+   time; the union's GB/s);
 4. the same again with the page cache warm (what a restart on a warm machine pays).
 
 Reported: seconds and GB/s (checkpoint bytes over seconds) of each, the cold load's ratio to
@@ -120,7 +123,10 @@ def measure(hf_dir: Path, dtype: str, rank: int, size: int, workers: int | None,
 
     from tandem.distributed.tensor_parallel import TensorParallel
     from tandem.kernels.torch_attention import TorchAttentionBackend
+    from tandem.loader.copy_pipeline import ReadShare
     from tandem.loader.model_loader import build_model, load_weights, read_model_config
+    from tandem.platform.allocator import keep_freed_memory
+    from tandem.platform.collector import freeze_start_up_objects
 
     config = read_model_config(hf_dir)
     tp = TensorParallel(rank, size)
@@ -129,13 +135,17 @@ def measure(hf_dir: Path, dtype: str, rank: int, size: int, workers: int | None,
     if device is not None:
         torch.cuda.set_device(device)
         torch.empty(1, device=device)  # the CUDA context, before the clock starts
+    else:
+        keep_freed_memory()  # what a CPU worker's process sets before it builds its model
+    freeze_start_up_objects()  # as a worker in a process of its own does
+    share = ReadShare(rank, size) if size > 1 else None  # the ranks of one host, as the worker's
     print("ready", flush=True)
     sys.stdin.readline()
     read0, usage0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF)
     start = time.monotonic()  # system-wide: the ranks' clocks agree
     model = build_model(config, TorchAttentionBackend(), positions, getattr(torch, dtype), tp, device=device)
     built = time.monotonic()
-    load_weights(model, hf_dir, workers, device=device)
+    load_weights(model, hf_dir, workers, device=device, share=share)
     if device is not None:
         torch.cuda.synchronize(device)
     end = time.monotonic()

@@ -38,6 +38,7 @@ from tandem.engine.messages import (
     Shutdown,
 )
 from tandem.executor.base import WorkerDiedError
+from tandem.executor.factory import make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     outputs.setsockopt(zmq.LINGER, 1000)
     outputs.connect(output_addr)
     try:
-        core = EngineCore(config, record_kv_events=True)  # the server publishes them at /kv/events
+        # this process is the core's own: a worker inside it may freeze its start-up objects
+        core = EngineCore(config, make_executor(config, owns_process=True),
+                          record_kv_events=True)  # the server publishes them at /kv/events
     except Exception as exc:  # any start failure must reach the server, not vanish with us
         logger.exception("engine failed to start")
         outputs.send_pyobj(CoreFailed(f"{type(exc).__name__}: {exc}"))

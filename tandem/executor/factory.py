@@ -6,7 +6,10 @@ from tandem.config import EXECUTOR_BACKENDS, EngineConfig
 from tandem.executor.base import Executor
 
 
-def make_executor(config: EngineConfig) -> Executor:
+def make_executor(config: EngineConfig, owns_process: bool = False) -> Executor:
+    """The executor for `config`. `owns_process`: this process is one tandem started for the
+    engine core (not a caller's, as under `tandem.LLM`), so a worker inside it may freeze the
+    cycle collector's start-up objects (platform/collector.py)."""
     parallel = config.parallel
     if parallel.executor_backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"executor backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
@@ -24,4 +27,4 @@ def make_executor(config: EngineConfig) -> Executor:
         raise ValueError("the in-process executor runs one rank; use --distributed-executor-backend mp")
     from tandem.executor.uniproc import InProcessExecutor
 
-    return InProcessExecutor(config)
+    return InProcessExecutor(config, owns_process)

@@ -154,7 +154,7 @@ class _Rank:
             torch.set_num_threads(self.args.threads)
             _init_distributed(self.args, config.parallel.distributed_backend)
             self.worker = Worker(config, self.args.rank, self.args.world_size,
-                                 _tensor_parallel_group(config, self.args.rank))
+                                 _tensor_parallel_group(config, self.args.rank), owns_process=True)
             self.output_rank = self.worker.layout.output_rank
             return os.getpid()
         if method == "load_model":

@@ -17,9 +17,10 @@ if TYPE_CHECKING:
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, owns_process: bool = False) -> None:
         super().__init__(config)
         self.worker: Worker | None = None
+        self.owns_process = owns_process
 
     @property
     def recovers_from_step_errors(self) -> bool:
@@ -36,7 +37,7 @@ class InProcessExecutor(Executor):
     def start(self) -> list[WorkerInfo]:
         from tandem.worker.worker import Worker
 
-        self.worker = Worker(self.config)
+        self.worker = Worker(self.config, owns_process=self.owns_process)
         return [self.worker.load_model()]
 
     def initialize_cache(self, num_blocks: int) -> list[dict[str, Any]]:

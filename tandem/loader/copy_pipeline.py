@@ -14,16 +14,19 @@ for the default model's 0.54 GB: dd 0.16 s, one thread 0.21 s, and the warm load
   leaves its contents alone) while this thread copies the first, then copies the second.
 
 Both only touch pages: what the model computes is the same. Together they bring the load to
-0.17 s (each alone: 0.21 s). `ReadAhead` reads every byte of its span, so it serves only
-ranks that keep every tensor whole; a tensor-parallel rank's exact reads come from
-`safetensors_mmap.PrefetchReads`.
+0.17 s (each alone: 0.21 s). Mapping every byte ahead serves only ranks that keep every tensor
+whole; a tensor-parallel rank's exact reads come from `safetensors_mmap.PrefetchReads`, and
+ranks that together keep every byte on one machine split a forward read of the files between
+them (`ReadShare`).
 """
 
 from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,13 +37,42 @@ from tandem.platform.pages import MADV_POPULATE_READ, madvise, populate_for_writ
 _SPLIT_BYTES = 1 << 20  # smaller copies are not worth a hand-off to another thread
 
 
-class ReadAhead:
-    """A thread that maps a file's bytes [start, end) in order, keeping at most `lead` bytes
-    ahead of `advance(offset)`, the copy's position. Stops at the end, on `stop()`, or at the
-    first failure (an old kernel without MADV_POPULATE_READ: the copy's own faults read)."""
+@dataclass(frozen=True)
+class ReadShare:
+    """This process is `index` of `count` processes on one machine that, together, read every
+    byte of the checkpoint: the ranks of a model whose ranks all live on this host. Cut the
+    files into `unit`-sized pieces by absolute offset; this process asks the kernel to read
+    the pieces whose number is `index` modulo `count`, in order, ahead of its copies, and
+    finds the others in the page cache its peers fill. The disk sees the whole file read
+    forward once, as dd reads it, instead of every rank's scattered slices asked for only as
+    each copy starts; a rank whose copy gets ahead of the peer that reads its page still reads
+    it itself (`PrefetchReads`). Ranks on separate hosts must not share: each host's ranks
+    would together read every byte, where they need only their own."""
 
-    def __init__(self, address: int, start: int, end: int, lead: int = 128 << 20, chunk: int = 8 << 20) -> None:
-        self._address, self._end, self._lead, self._chunk = address, end, lead, chunk
+    index: int
+    count: int
+    unit: int = 8 << 20
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count or self.unit < mmap.PAGESIZE or self.unit % mmap.PAGESIZE:
+            raise ValueError(f"bad read share: {self}")
+
+    def owns(self, offset: int) -> bool:
+        """Whether this process reads the piece holding file offset `offset`."""
+        return offset // self.unit % self.count == self.index
+
+
+class ReadAhead:
+    """A thread that hands a file's bytes [start, end), in order and `chunk` bytes at a time,
+    to `fetch(offset, length)`, keeping at most `lead` bytes ahead of `advance(offset)`, the
+    copy's position. Chunks end at multiples of `chunk` (the first starts at `start`'s page).
+    Stops at the end, on `stop()`, or
+    when `fetch` returns False (an old kernel without MADV_POPULATE_READ: the copy's own
+    faults read)."""
+
+    def __init__(self, fetch: Callable[[int, int], bool], start: int, end: int, lead: int = 128 << 20,
+                 chunk: int = 8 << 20) -> None:
+        self._fetch, self._end, self._lead, self._chunk = fetch, end, lead, chunk
         self._next = start - start % mmap.PAGESIZE
         self._position = start
         self._stopped = False
@@ -67,10 +99,27 @@ class ReadAhead:
                     self._cond.wait()
                 if self._stopped:
                     return
-            length = min(self._chunk, self._end - self._next)
-            if madvise(self._address + self._next, length, MADV_POPULATE_READ):
+            length = min(self._chunk - self._next % self._chunk, self._end - self._next)
+            if not self._fetch(self._next, length):
                 return
             self._next += length
+
+
+def map_ahead(address: int) -> Callable[[int, int], bool]:
+    """A `ReadAhead` fetch that maps [offset, offset + length) of the mapping at `address`
+    (MADV_POPULATE_READ): one reader through the whole file, which the copy then finds mapped."""
+    return lambda offset, length: madvise(address + offset, length, MADV_POPULATE_READ) == 0
+
+
+def read_share_ahead(share: ReadShare, read: Callable[[int, int], object]) -> Callable[[int, int], bool]:
+    """A `ReadAhead` fetch that asks `read(start, end)` (the kernel's asynchronous readahead)
+    for the pieces `share` gives this process and skips the rest. Give it chunks of
+    `share.unit`."""
+    def fetch(offset: int, length: int) -> bool:
+        if share.owns(offset):
+            read(offset, offset + length)
+        return True
+    return fetch
 
 
 class SplitCopies(TorchFunctionMode):

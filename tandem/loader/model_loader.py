@@ -27,7 +27,13 @@ from tandem.distributed.pipeline_parallel import PipelineStage
 from tandem.distributed.tensor_parallel import SINGLE_RANK, TensorParallel
 from tandem.kernels.base import AttentionBackend
 from tandem.layers.int4_experts import Int4Experts
-from tandem.loader.copy_pipeline import ReadAhead, SplitCopies
+from tandem.loader.copy_pipeline import (
+    ReadAhead,
+    ReadShare,
+    SplitCopies,
+    map_ahead,
+    read_share_ahead,
+)
 from tandem.loader.device_copy import StagedDeviceCopies
 from tandem.loader.safetensors_mmap import PrefetchReads, SafetensorsFile
 from tandem.models.registry import model_class
@@ -173,7 +179,7 @@ def place_on_device(model: torch.nn.Module, device: torch.device, dtype: torch.d
 
 
 def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = None,
-                 device: torch.device | None = None) -> int:
+                 device: torch.device | None = None, share: ReadShare | None = None) -> int:
     """Fill `model` (this rank's share of it) from the safetensors in `hf_dir`.
 
     Each file (`read_spans`: a big one may be cut into spans) is one stream of tensors in file
@@ -188,7 +194,10 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     share of the experts) loads under `PrefetchReads`, every
     copy first asking the kernel for exactly the pages it reads, so the other ranks' bytes are
     never read; those reads start only when the copy does, so a stream gets several threads,
-    one copying while another waits for the disk. Either way `SplitCopies` has a helper fault
+    one copying while another waits for the disk. When the ranks of one machine together keep
+    every byte (`share`: all of a model's ranks on this host), each stream also reads its share
+    of the file forward ahead of the copies, so the disk sees the files read once in order
+    (two ranks on the 2-core VM: ~6%, docs/performance.md "Cold start"). Either way `SplitCopies` has a helper fault
     in half of each large destination while the copy fills the other (copy_pipeline). Torch's
     intra-op threads are held at one meanwhile: a copy split over cores only splits its page
     faults into competing streams.
@@ -206,7 +215,7 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     stage = getattr(model, "stage", None)
     exact = getattr(model, "tp", SINGLE_RANK).split or bool(stage is not None and stage.split)
     per_span = max(1, workers // len(spans)) if exact and spans else 1
-    streams = [_Stream(span, read_ahead=not exact) for span in spans]
+    streams = [_Stream(span, read_ahead=not exact, share=share if exact else None) for span in spans]
     helpers = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="load-populate")
 
     def load(stream: _Stream) -> set[str]:
@@ -244,13 +253,15 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
 class _Stream:
     """A span's (name, view) pairs in file order, handed out one at a time to whichever of its
     threads asks next; iterating it gives each thread its own iterator over the same stream.
-    With `read_ahead`, a `ReadAhead` maps the span ahead of the tensor last handed out, from
-    the first one on until `close()`."""
+    With `read_ahead`, a `ReadAhead` maps the whole span ahead of the tensor last handed out;
+    with `share`, one reads this process's pieces of it (`ReadShare`) ahead of the same
+    position; either from the first tensor on until `close()`."""
 
-    def __init__(self, span: ReadSpan, read_ahead: bool) -> None:
+    def __init__(self, span: ReadSpan, read_ahead: bool, share: ReadShare | None = None) -> None:
         self.file = span.file.remap()
         self._names = iter(span.names)
-        self._span = span if read_ahead else None
+        self._span = span if read_ahead or share is not None else None
+        self._share = share
         self._read_ahead: ReadAhead | None = None
         self._lock = threading.Lock()
 
@@ -261,12 +272,18 @@ class _Stream:
                 if name is not None and self._span is not None:
                     info = self.file.tensors[name]
                     if self._read_ahead is None:
-                        last = self.file.tensors[self._span.names[-1]]
-                        self._read_ahead = ReadAhead(self.file.address, info.start, last.end)
+                        self._read_ahead = self._start_read_ahead(info.start)
                     self._read_ahead.advance(info.start)
             if name is None:
                 return
             yield name, self.file.tensor(name)
+
+    def _start_read_ahead(self, start: int) -> ReadAhead:
+        assert self._span is not None
+        end = self.file.tensors[self._span.names[-1]].end
+        if self._share is None:
+            return ReadAhead(map_ahead(self.file.address), start, end)
+        return ReadAhead(read_share_ahead(self._share, self.file.read_ahead), start, end, chunk=self._share.unit)
 
     def close(self) -> None:
         with self._lock:

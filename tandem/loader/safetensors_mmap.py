@@ -139,9 +139,14 @@ class SafetensorsFile:
         asked = 0
         for start, end in page_runs(tensor, self.address):
             asked += end - start
-            for offset in range(start, end, self._chunk):
-                os.posix_fadvise(self._fd, offset, min(self._chunk, end - offset), os.POSIX_FADV_WILLNEED)
+            self.read_ahead(start, end)
         return asked
+
+    def read_ahead(self, start: int, end: int) -> None:
+        """Ask the kernel to read file bytes [start, end) into the page cache and return at
+        once (POSIX_FADV_WILLNEED, one request per the most the device reads at a time)."""
+        for offset in range(start, end, self._chunk):
+            os.posix_fadvise(self._fd, offset, min(self._chunk, end - offset), os.POSIX_FADV_WILLNEED)
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({str(self.path)!r}, {len(self.tensors)} tensors, {self.size} bytes)"

@@ -45,6 +45,7 @@ from tandem.layers.linear import (
     small_step_census,
 )
 from tandem.layers.moe import attach_expert_gemv
+from tandem.loader.copy_pipeline import ReadShare
 from tandem.loader.model_loader import build_model, init_dummy_weights, load_weights
 from tandem.models.decode_stack import attach_decode_stack
 from tandem.models.key_divisors import fold_key_divisors
@@ -84,6 +85,14 @@ class ModelBuilder:
             return self._build_gpu_model(model_config, hf_dir, backend, max_model_len)
         return self._build_cpu_model(model_config, hf_dir, backend, max_model_len)
 
+    def read_share(self) -> ReadShare | None:
+        """With every rank of the model on this host, the ranks together read every byte of
+        the checkpoint, so they split one forward read of it (loader/copy_pipeline.py). Ranks
+        on several hosts each read exactly their own bytes."""
+        if self.config.parallel.nnodes != 1 or self.world_size < 2:
+            return None
+        return ReadShare(self.rank, self.world_size)
+
     def _build_cpu_model(self, model_config: ModelConfig, hf_dir: Path, backend: AttentionBackend,
                          max_model_len: int) -> torch.nn.Module:
         load = self.config.load
@@ -94,7 +103,7 @@ class ModelBuilder:
         if load.load_format == "dummy":
             init_dummy_weights(model, load.seed)
         else:
-            load_weights(model, hf_dir)
+            load_weights(model, hf_dir, share=self.read_share())
         self._fold_key_divisors(model)
         dense_gemm = self._dense_gemm() if load.pack_weights else None
         small_step = self._small_step_weights(dense_gemm)
@@ -161,7 +170,7 @@ class ModelBuilder:
             init_dummy_weights(model, load.seed)
             staged = None
         else:
-            staged = load_weights(model, hf_dir, device=self.device)
+            staged = load_weights(model, hf_dir, device=self.device, share=self.read_share())
         self._fold_key_divisors(model)
         if backend.capabilities.gpu_layer_passes:
             from tandem.kernels.gpu.rms_norm import TritonNorm

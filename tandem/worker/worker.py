@@ -40,6 +40,7 @@ from tandem.loader.fingerprint import model_fingerprint
 from tandem.loader.model_loader import read_model_config
 from tandem.loader.resolve import default_cache_dir, resolve_model
 from tandem.platform.allocator import MallocThresholds, keep_freed_memory
+from tandem.platform.collector import freeze_start_up_objects
 from tandem.platform.profiling import step_breakdown
 from tandem.spec.model_proposers import ModelProposerLoader, model_proposer_loader
 from tandem.worker.kv_scales import CALIBRATION_TEXT, FP8_QUALITY, calibrate_kv_scales, describe
@@ -90,9 +91,13 @@ class WorkerInfo:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, tp_group: Any = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, tp_group: Any = None,
+                 owns_process: bool = False) -> None:
         """`tp_group`: the torch.distributed group of this rank's tensor-parallel peers (None:
-        the default group, which is right while tensor parallelism spans the whole world)."""
+        the default group, which is right while tensor parallelism spans the whole world).
+        `owns_process`: the process is one tandem started for this worker or its engine core,
+        so the worker freezes the cycle collector's start-up objects (platform/collector.py);
+        in a caller's process (`tandem.LLM`) a freeze could keep the caller's garbage for good."""
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -117,6 +122,7 @@ class Worker:
         self._proposer: ModelProposerLoader | None = None  # a draft model or EAGLE head, if any
         self._info: WorkerInfo | None = None
         self._profiler: Any = None
+        self.owns_process = owns_process
 
     # --- start-up -------------------------------------------------------------------
     def load_model(self) -> WorkerInfo:
@@ -124,6 +130,8 @@ class Worker:
         config, load = self.config, self.config.load
         if load.num_threads:
             torch.set_num_threads(load.num_threads)
+        if self.owns_process:
+            freeze_start_up_objects()  # the imports: no collection walks them while the model is built
         if self.device.type == "cpu" and keep_freed_memory() and self.rank == 0:
             logger.info("malloc keeps freed blocks up to %d MiB in the process (activations reused, not refaulted)",
                         MallocThresholds().mmap >> 20)
@@ -229,6 +237,9 @@ class Worker:
         if self.device.type == "cuda" and not config.load.enforce_eager:  # after the drafter: it keeps steps eager
             self.runner.capture_decode_graphs(config.load.max_cudagraph_batch, self._info.max_model_len)
         self.connector = make_connector_worker(config, self.rank)
+        if self.owns_process:  # the model, the runner and its graphs: no collection walks them while serving
+            frozen = freeze_start_up_objects(collect=True)
+            logger.debug("rank %d: %d start-up objects frozen out of the cycle collector's walks", self.rank, frozen)
         if self.connector is None:
             return {}
         from tandem.kvcache.transfer.base import KVLayout

@@ -12,7 +12,13 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.loader import page_cache
-from tandem.loader.copy_pipeline import ReadAhead, SplitCopies
+from tandem.loader.copy_pipeline import (
+    ReadAhead,
+    ReadShare,
+    SplitCopies,
+    map_ahead,
+    read_share_ahead,
+)
 from tandem.loader.safetensors_mmap import SafetensorsFile
 
 PAGE = mmap.PAGESIZE
@@ -52,7 +58,7 @@ def test_read_ahead_stays_within_its_lead(tmp_path: Path) -> None:
         pytest.skip("this file's page cache cannot be dropped or seen here")
     file = SafetensorsFile(path)
     info = file.tensors["a"]
-    ahead = ReadAhead(file.address, info.start, info.end, lead=4 << 20, chunk=1 << 20)
+    ahead = ReadAhead(map_ahead(file.address), info.start, info.end, lead=4 << 20, chunk=1 << 20)
     try:
         assert _wait_for(lambda: page_cache.resident_bytes(path) >= 4 << 20)
         time.sleep(0.2)
@@ -62,3 +68,36 @@ def test_read_ahead_stays_within_its_lead(tmp_path: Path) -> None:
         assert _wait_for(lambda: page_cache.resident_bytes(path) >= info.nbytes)
     finally:
         ahead.stop()
+
+
+def test_a_read_share_deals_out_pieces_by_offset() -> None:
+    shares = [ReadShare(index, 3, unit=1 << 20) for index in range(3)]
+    for offset in (0, 1, (1 << 20) - 1, 1 << 20, 5 << 20, (7 << 20) + 12345):
+        assert [share.owns(offset) for share in shares].count(True) == 1  # one owner a piece
+        assert shares[offset // (1 << 20) % 3].owns(offset)
+    for bad in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError):
+            ReadShare(*bad)
+    with pytest.raises(ValueError):
+        ReadShare(0, 2, unit=PAGE + 1)  # pieces of whole pages
+
+
+def test_read_ahead_hands_out_chunks_that_end_on_chunk_boundaries() -> None:
+    """What a `ReadShare` needs: no chunk straddles two pieces, whatever the span's start."""
+    seen: list[tuple[int, int]] = []
+    ahead = ReadAhead(lambda offset, length: seen.append((offset, length)) or True, 3 * PAGE + 5,
+                      10 << 20, chunk=1 << 20)
+    ahead.advance(10 << 20)
+    assert _wait_for(lambda: seen and sum(seen[-1]) >= 10 << 20)
+    ahead.stop()
+    assert seen[0] == (3 * PAGE, (1 << 20) - 3 * PAGE)
+    assert all(offset % (1 << 20) == 0 and length == 1 << 20 for offset, length in seen[1:])
+    assert sum(length for _, length in seen) == (10 << 20) - 3 * PAGE
+
+
+def test_read_share_ahead_asks_only_for_its_pieces() -> None:
+    asked: list[tuple[int, int]] = []
+    fetch = read_share_ahead(ReadShare(1, 2, unit=1 << 20), lambda start, end: asked.append((start, end)))
+    for offset in range(0, 6 << 20, 1 << 20):
+        assert fetch(offset, 1 << 20)
+    assert asked == [(1 << 20, 2 << 20), (3 << 20, 4 << 20), (5 << 20, 6 << 20)]

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tandem.distributed.tensor_parallel import TensorParallel
 from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.loader import model_loader, page_cache
+from tandem.loader.copy_pipeline import ReadShare
 from tandem.loader.model_loader import build_model, load_weights, read_model_config, read_spans
 
 # The vocabulary (embedding and head, split by rows) dominates, so a rank's share is about
@@ -147,3 +148,33 @@ def test_a_tensor_in_two_files_is_refused(tmp_path: Path) -> None:
     save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(directory / "extra.safetensors"))
     with pytest.raises(ValueError, match="model.norm.weight is in both"):
         load_weights(_build(directory, TensorParallel(0, 1)), directory)
+
+
+def test_ranks_of_one_host_split_a_forward_read_and_load_what_they_would_alone(tmp_path: Path) -> None:
+    """With a `ReadShare`, a rank reads its pieces of the whole file ahead of its copies (the
+    others' rows too, which its peers on the host need) and still gets exactly its own slices;
+    the two ranks' reads together are the whole file, each piece read once."""
+    tensors = _state_dict()
+    directory = _save(tmp_path, tensors)
+    (path,) = directory.glob("*.safetensors")
+    unit = 64 * PAGE
+    ranks = []
+    for rank in (0, 1):
+        alone = _build(directory, TensorParallel(rank, 2))
+        load_weights(alone, directory, workers=3)
+        _cold(path)
+        shared = _build(directory, TensorParallel(rank, 2))
+        load_weights(shared, directory, workers=3, share=ReadShare(rank, 2, unit=unit))
+        got = dict(shared.named_parameters())
+        for name, param in alone.named_parameters():
+            assert torch.equal(got[name], param), (rank, name)
+        ranks.append(page_cache.resident_pages(path))
+    size = path.stat().st_size
+    for rank, resident in enumerate(ranks):
+        assert resident is not None
+        pieces = [resident[start // PAGE:(start + unit) // PAGE] for start in range(0, size, unit)]
+        # its own pieces whole (past the header's), whatever its slices need of the others'
+        own = [piece for index, piece in enumerate(pieces) if index % 2 == rank and index > 0]
+        assert own and all(all(piece) for piece in own), rank
+        others = sum(sum(piece) for index, piece in enumerate(pieces) if index % 2 != rank)
+        assert others * PAGE < 0.9 * size / 2, (rank, others)  # not the other half read whole

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.worker.model_builder import bf16_rows_pay
+from tandem.config import EngineConfig, ParallelConfig
+from tandem.distributed.pipeline_parallel import PipelineStage
+from tandem.distributed.tensor_parallel import TensorParallel
+from tandem.loader.copy_pipeline import ReadShare
+from tandem.worker.model_builder import ModelBuilder, bf16_rows_pay
 
 
 @pytest.mark.parametrize(("choice", "dtype", "tiles", "keeps"), [
@@ -18,3 +22,17 @@ from tandem.worker.model_builder import bf16_rows_pay
 def test_a_bf16_model_keeps_its_plain_rows_only_where_they_beat_the_tiles(
         choice: str, dtype: torch.dtype, tiles: bool, keeps: bool) -> None:
     assert bf16_rows_pay(choice, dtype, tiles) is keeps
+
+
+@pytest.mark.parametrize(("world_size", "nnodes", "rank", "expected"), [
+    (1, 1, 0, None),  # one rank reads the files itself
+    (2, 1, 1, ReadShare(1, 2)),  # all ranks on this host: they split one forward read
+    (4, 2, 1, None),  # two hosts: each reads exactly its own ranks' bytes
+])
+def test_the_ranks_of_one_host_share_the_read(world_size: int, nnodes: int, rank: int,
+                                               expected: ReadShare | None, tmp_path) -> None:
+    parallel = ParallelConfig(world_size=world_size, tensor_parallel_size=world_size, nnodes=nnodes,
+                              master_port=29500 if nnodes > 1 else 0)
+    builder = ModelBuilder(EngineConfig("m", parallel=parallel), rank, torch.device("cpu"), torch.float32,
+                           TensorParallel(rank, world_size), PipelineStage(0, 1, 0, 1), None, world_size, tmp_path)
+    assert builder.read_share() == expected
