@@ -66,9 +66,8 @@ class ReadAhead:
     """A thread that hands a file's bytes [start, end), in order and `chunk` bytes at a time,
     to `fetch(offset, length)`, keeping at most `lead` bytes ahead of `advance(offset)`, the
     copy's position. Chunks end at multiples of `chunk` (the first starts at `start`'s page).
-    Stops at the end, on `stop()`, or
-    when `fetch` returns False (an old kernel without MADV_POPULATE_READ: the copy's own
-    faults read)."""
+    Stops at the end, on `stop()`, or when `fetch` returns False (an old kernel without
+    MADV_POPULATE_READ: the copy's own faults read); `finish()` lets it run to the end first."""
 
     def __init__(self, fetch: Callable[[int, int], bool], start: int, end: int, lead: int = 128 << 20,
                  chunk: int = 8 << 20) -> None:
@@ -90,6 +89,11 @@ class ReadAhead:
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        self._thread.join()
+
+    def finish(self) -> None:
+        """Hand out every chunk left, whatever the copy's position, and wait until it has."""
+        self.advance(self._end)
         self._thread.join()
 
     def _run(self) -> None:

@@ -197,8 +197,9 @@ def load_weights(model: torch.nn.Module, hf_dir: Path, workers: int | None = Non
     one copying while another waits for the disk. When the ranks of one machine together keep
     every byte (`share`: all of a model's ranks on this host), each stream also reads its share
     of the file forward ahead of the copies, so the disk sees the files read once in order
-    (two ranks on the 2-core VM: ~6%, docs/performance.md "Cold start"). Either way `SplitCopies` has a helper fault
-    in half of each large destination while the copy fills the other (copy_pipeline). Torch's
+    (two ranks on the 2-core VM: ~6%, docs/performance.md "Cold start"). Either way
+    `SplitCopies` has a helper fault in half of each large destination while the copy fills
+    the other (copy_pipeline). Torch's
     intra-op threads are held at one meanwhile: a copy split over cores only splits its page
     faults into competing streams.
 
@@ -286,9 +287,14 @@ class _Stream:
         return ReadAhead(read_share_ahead(self._share, self.file.read_ahead), start, end, chunk=self._share.unit)
 
     def close(self) -> None:
+        """Stop reading ahead; a share's pieces are asked for to the end first, since this
+        process's peers count on finding them in the page cache (asking returns at once)."""
         with self._lock:
             if self._read_ahead is not None:
-                self._read_ahead.stop()
+                if self._share is not None:
+                    self._read_ahead.finish()
+                else:
+                    self._read_ahead.stop()
                 self._read_ahead = None
             self._span = None
 

@@ -101,3 +101,12 @@ def test_read_share_ahead_asks_only_for_its_pieces() -> None:
     for offset in range(0, 6 << 20, 1 << 20):
         assert fetch(offset, 1 << 20)
     assert asked == [(1 << 20, 2 << 20), (3 << 20, 4 << 20), (5 << 20, 6 << 20)]
+
+
+def test_finish_hands_out_every_chunk_left_whatever_the_copy_s_position() -> None:
+    """A share's pieces are asked for to the end when its stream closes: peers count on them."""
+    seen: list[tuple[int, int]] = []
+    ahead = ReadAhead(lambda offset, length: seen.append((offset, length)) or True, 0, 64 << 20,
+                      lead=1 << 20, chunk=1 << 20)  # the copy never advances: the lead holds it back
+    ahead.finish()
+    assert sum(length for _, length in seen) == 64 << 20

@@ -4,8 +4,10 @@ file read the old way (safetensors' own full reads) does."""
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from tandem.kernels.torch_attention import TorchAttentionBackend
 from tandem.loader import model_loader, page_cache
 from tandem.loader.copy_pipeline import ReadShare
 from tandem.loader.model_loader import build_model, load_weights, read_model_config, read_spans
+from tandem.loader.safetensors_mmap import SafetensorsFile
 
 # The vocabulary (embedding and head, split by rows) dominates, so a rank's share is about
 # half the file; o_proj and down_proj (split by columns, rows of 1 and 4 KiB) are read whole,
@@ -168,13 +171,45 @@ def test_ranks_of_one_host_split_a_forward_read_and_load_what_they_would_alone(t
         got = dict(shared.named_parameters())
         for name, param in alone.named_parameters():
             assert torch.equal(got[name], param), (rank, name)
-        ranks.append(page_cache.resident_pages(path))
+        # every piece it owns was asked for before the load returned; the reads themselves
+        # finish in the background (mincore counts a page once it has arrived)
+        ranks.append(_when_own_pieces_arrive(path, rank, unit))
     size = path.stat().st_size
-    for rank, resident in enumerate(ranks):
-        assert resident is not None
-        pieces = [resident[start // PAGE:(start + unit) // PAGE] for start in range(0, size, unit)]
-        # its own pieces whole (past the header's), whatever its slices need of the others'
-        own = [piece for index, piece in enumerate(pieces) if index % 2 == rank and index > 0]
-        assert own and all(all(piece) for piece in own), rank
+    for rank, pieces in enumerate(ranks):
         others = sum(sum(piece) for index, piece in enumerate(pieces) if index % 2 != rank)
         assert others * PAGE < 0.9 * size / 2, (rank, others)  # not the other half read whole
+
+
+def _when_own_pieces_arrive(path: Path, rank: int, unit: int, seconds: float = 120.0) -> list[list[bool]]:
+    """The file's pages by piece once all of `rank`'s pieces (past the header's) are in the
+    page cache; fails if they are not within `seconds` (a loaded box's disk, not a race)."""
+    size = path.stat().st_size
+    deadline = time.monotonic() + seconds
+    while True:
+        resident = page_cache.resident_pages(path)
+        assert resident is not None
+        pieces = [resident[start // PAGE:(start + unit) // PAGE] for start in range(0, size, unit)]
+        own = [piece for index, piece in enumerate(pieces) if index % 2 == rank and index > 0]
+        if own and all(all(piece) for piece in own):
+            return pieces
+        assert time.monotonic() < deadline, (rank, [sum(piece) for piece in own])
+        time.sleep(0.05)
+
+
+def test_a_shared_stream_asks_for_all_its_pieces_when_it_closes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """However far the copies got: a rank that finishes first still reads its share for its peers."""
+    directory = _save(tmp_path, _state_dict())
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(SafetensorsFile, "read_ahead", lambda self, start, end: asked.append((start, end)))
+    (span,) = read_spans(model_loader.open_checkpoint(directory), 1)
+    unit = 64 * PAGE
+    # a lead of one piece: the copies alone would have it ask for a piece or two
+    monkeypatch.setattr(model_loader, "ReadAhead", functools.partial(model_loader.ReadAhead, lead=unit))
+    stream = model_loader._Stream(span, read_ahead=False, share=ReadShare(0, 2, unit=unit))
+    next(iter(stream))  # one tensor handed out: the read-ahead starts at the file's first tensor
+    stream.close()
+    first = span.file.tensors[span.names[0]].start
+    end = span.file.tensors[span.names[-1]].end
+    owned = [start for start in range(first - first % unit, end, unit) if start // unit % 2 == 0]
+    assert sorted({start - start % unit for start, _ in asked}) == owned
