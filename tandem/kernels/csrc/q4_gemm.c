@@ -153,7 +153,16 @@ static inline void block_dots(const uint8_t *levels, int bits, int symmetric, co
  * one (a lone chain left a 576-input row latency-bound, about half its time). The rows are
  * walked one after the other, each front to back: the tile is contiguous, and the
  * out-of-order core overlaps the independent row loops. Walking the tile's rows side by side
- * instead halved the speed of the 8-bit LM head streamed from memory (28 MB, one thread). */
+ * instead halved the speed of the 8-bit LM head streamed from memory (28 MB, one thread).
+ * A one-row step gives each (output row, activation row) pair a second accumulator for the
+ * blocks' second groups: with one, a block's two FMAs queued on the same register, and the
+ * FMA's latency, not the vector units, set the pace of a long row. On the 2-core AVX-512 EPYC
+ * (Zen 4), 16 MB of 4-bit weights a call, two threads, both builds alternating in one process:
+ * 26.5-32.8 -> 30.1-36.6 GB/s at K = 1,536 and 4,864, 32.6-34.4 -> 35.6-35.8 at 896, level at
+ * 576 (one thread 15.8 -> 19.9 at 4,864); the AVX2 build on the same CPU 18.2-18.8 -> 21.3-21.4
+ * at 1,536 and 4,864. Two activation rows keep one each: their tile already has eight chains,
+ * and with sixteen 512-bit accumulators two rows ran slower (20-24 -> 15-20 GB/s at K = 896
+ * and 1,536). */
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define TILE 4
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -218,11 +227,12 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
     const int symmetric = mins == NULL; /* levels q + 8, weight = q * scale */
     group_factors(scales, d, groups, tile, m_rows, factor, bf16);
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-    __m512 acc[TILE][MAX_ROWS];
+    __m512 acc[TILE][MAX_ROWS], acc_second[TILE][MAX_ROWS];
     #pragma GCC unroll 4
     for (int64_t r = 0; r < TILE; r++)
         #pragma GCC unroll 4
-        for (int64_t m = 0; m < MAX_ROWS; m++) acc[r][m] = _mm512_setzero_ps();
+        for (int64_t m = 0; m < MAX_ROWS; m++) acc[r][m] = acc_second[r][m] = _mm512_setzero_ps();
+    const int split = m_rows == 1;
     const __m512i low_mask = _mm512_set1_epi16(0x0f), eight = _mm512_set1_epi16(8);
     #pragma GCC unroll 4
     for (int64_t r = 0; r < tile; r++) {
@@ -251,10 +261,19 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
                 const __m512i dot_second =
                     _mm512_dpwssd_epi32(_mm512_setzero_si512(), second, _mm512_loadu_si512((const void *)(q + GROUP)));
                 acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_first), _mm512_set1_ps(f[0]), acc[r][m]);
-                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_second), _mm512_set1_ps(f[1]), acc[r][m]);
+                if (split)
+                    acc_second[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_second), _mm512_set1_ps(f[1]),
+                                                       acc_second[r][m]);
+                else
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_second), _mm512_set1_ps(f[1]), acc[r][m]);
             }
         }
     }
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < TILE; r++)
+        #pragma GCC unroll 4
+        for (int64_t m = 0; m < MAX_ROWS; m++)
+            if (split) acc[r][m] = _mm512_add_ps(acc[r][m], acc_second[r][m]);
     #pragma GCC unroll 4
     for (int64_t r = 0; r < tile; r++) {
         /* the min terms, sum_g min_g * xsum[m][g], into the same accumulators: one reduction */
@@ -269,11 +288,12 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
         for (int64_t m = 0; m < m_rows; m++) out[m * out_stride + r] = _mm512_reduce_add_ps(acc[r][m]);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[TILE][MAX_ROWS];
+    __m256 acc[TILE][MAX_ROWS], acc_second[TILE][MAX_ROWS];
     #pragma GCC unroll 4
     for (int64_t r = 0; r < TILE; r++)
         #pragma GCC unroll 4
-        for (int64_t m = 0; m < MAX_ROWS; m++) acc[r][m] = _mm256_setzero_ps();
+        for (int64_t m = 0; m < MAX_ROWS; m++) acc[r][m] = acc_second[r][m] = _mm256_setzero_ps();
+    const int split = m_rows == 1;
     const __m256i low_mask = _mm256_set1_epi16(0x0f), eight = _mm256_set1_epi16(8);
     #pragma GCC unroll 4
     for (int64_t r = 0; r < tile; r++) {
@@ -306,10 +326,20 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
                 const __m256i dot_second = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(q + 2)),
                                                             _mm256_madd_epi16(w[3], _mm256_loadu_si256(q + 3)));
                 acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_first), _mm256_broadcast_ss(f), acc[r][m]);
-                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_second), _mm256_broadcast_ss(f + 1), acc[r][m]);
+                if (split)
+                    acc_second[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_second), _mm256_broadcast_ss(f + 1),
+                                                       acc_second[r][m]);
+                else
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_second), _mm256_broadcast_ss(f + 1),
+                                                acc[r][m]);
             }
         }
     }
+    #pragma GCC unroll 4
+    for (int64_t r = 0; r < TILE; r++)
+        #pragma GCC unroll 4
+        for (int64_t m = 0; m < MAX_ROWS; m++)
+            if (split) acc[r][m] = _mm256_add_ps(acc[r][m], acc_second[r][m]);
     #pragma GCC unroll 4
     for (int64_t r = 0; r < tile; r++)
         #pragma GCC unroll 4
