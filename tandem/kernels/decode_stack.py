@@ -78,7 +78,7 @@ class Matrix(ctypes.Structure):
         if isinstance(matrix, DenseRows):  # bits 32 / 16: plain fp32 / bf16 rows, `levels` pointing at them
             return cls(matrix.weight.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1],
                        8 * matrix.weight.element_size(), bias=_pointer(matrix.bias))
-        return cls(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), matrix.mins.data_ptr(),
+        return cls(matrix.nibbles.data_ptr(), matrix.scales.data_ptr(), _pointer(matrix.mins),
                    matrix.out_features, matrix.in_features, matrix.bits, bias=_pointer(bias))
 
 

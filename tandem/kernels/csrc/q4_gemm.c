@@ -36,7 +36,10 @@
  *
  * The 8-bit variant (`tandem_q8_gemm`, for a matrix 4 bits would spoil, such as an LM head
  * read at every token) has the same scales, minimums and arithmetic with one level byte per
- * input: levels [N, K] bytes, weight = level * scale + min.
+ * input: levels [N, K] bytes, weight = level * scale + min; or, symmetric (`mins` NULL), each
+ * byte a signed level, weight = level * scale. tandem's own 8-bit copies are symmetric: the
+ * minimums were a ninth of their bytes, and one-row steps read every byte (an agent's model,
+ * Qwen2.5-Coder-0.5B, decodes from 8-bit copies only: its GGUF is mostly 5-bit).
  *
  * Per group g of row m: x ~= d_g * xq (xq int16, d_g = max|x| / 32767), so
  *   sum_i w_i x_i = scale * d_g * sum_i nibble_i xq_i + min * sum_i x_i,
@@ -134,6 +137,9 @@ static inline void block_dots(const uint8_t *levels, int bits, int symmetric, co
         if (bits == 4) {
             a += ((int32_t)(levels[j] & 0x0f) - offset) * xq[j];
             b += ((int32_t)(levels[j] >> 4) - offset) * xq[GROUP + j];
+        } else if (symmetric) { /* signed levels */
+            a += (int32_t)(int8_t)levels[j] * xq[j];
+            b += (int32_t)(int8_t)levels[GROUP + j] * xq[GROUP + j];
         } else {
             a += (int32_t)levels[j] * xq[j];
             b += (int32_t)levels[GROUP + j] * xq[GROUP + j];
@@ -248,6 +254,9 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
                     first = _mm512_sub_epi16(first, eight);
                     second = _mm512_sub_epi16(second, eight);
                 }
+            } else if (symmetric) { /* signed levels, weight = level * scale */
+                first = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)block));
+                second = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(block + GROUP)));
             } else {
                 first = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)block));
                 second = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + GROUP)));
@@ -314,6 +323,8 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *levels
                 w[3] = _mm256_srli_epi16(bytes_hi, 4);
                 if (symmetric) /* the signed levels q = nibble - 8: no minimum's term */
                     for (int i = 0; i < 4; i++) w[i] = _mm256_sub_epi16(w[i], eight);
+            } else if (symmetric) { /* signed levels, weight = level * scale */
+                for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)block + i));
             } else {
                 for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)block + i));
             }
