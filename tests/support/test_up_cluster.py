@@ -30,10 +30,14 @@ def test_router_log_reads_the_pd_lines_after_its_mark(tmp_path: Path) -> None:
         out.write(_line("pd", "long prompt", "http://b", "http://d", 200,
                         "prefill:kv_aware(3/4 cpu:40, best 5: load),decode:least_tokens"))
         out.write(_line("pd", "long prompt", "http://a", "http://d", 503, "prefill:session(+1),decode:session"))
+        out.write(_line("pd", "done at prefill", "http://a", "-", 200, "prefill:session,decode:session"))
     assert log.pd_routes() == [
-        Routed("stream", "http://b", "http://d", 200, "prefill:kv_aware(3/4 cpu:40, best 5: load),decode:least_tokens"),
-        Routed("stream", "http://a", "http://d", 503, "prefill:session(+1),decode:session"),
+        Routed("stream", "http://b", "http://d", 200, "prefill:kv_aware(3/4 cpu:40, best 5: load),decode:least_tokens",
+               "long prompt"),
+        Routed("stream", "http://a", "http://d", 503, "prefill:session(+1),decode:session", "long prompt"),
+        Routed("stream", "http://a", "-", 200, "prefill:session,decode:session", "done at prefill"),
     ]
+    assert [route.decoded for route in log.pd_routes()] == [True, True, False]
 
 
 def test_router_log_before_the_file_exists(tmp_path: Path) -> None:

@@ -97,9 +97,16 @@ class Routed:
 
     mode: str  # "stream" or "whole"
     prefill: str  # the workers' URLs
-    decode: str
+    decode: str  # "-" where the answer was done at prefill (its first token ended it)
     status: int
     placement: str  # which rule chose each hop, e.g. "prefill:session,decode:session"
+    reason: str = ""  # why the router chose PD, or "done at prefill"
+
+    @property
+    def decoded(self) -> bool:
+        """Whether a decode worker took part: an answer whose first token ends it (a stop
+        token, or one token asked for) is done at the prefill worker."""
+        return self.decode != "-"
 
 
 class RouterLog:
@@ -120,5 +127,5 @@ class RouterLog:
             return log.read().decode(errors="replace")
 
     def pd_routes(self) -> list[Routed]:
-        return [Routed(m["mode"], m["prefill"], m["decode"], int(m["status"]), m["placement"])
+        return [Routed(m["mode"], m["prefill"], m["decode"], int(m["status"]), m["placement"], m["reason"])
                 for m in _PD_LINE.finditer(self.text())]

@@ -107,5 +107,9 @@ def test_the_triton_write_divides_and_rounds_as_the_layer_and_torch_do() -> None
     assert TritonAttentionBackend.capabilities.scaled_kv_write
     assert torch.equal(caches["triton"].view(torch.uint8), caches["torch"].view(torch.uint8))
     assert caches["torch"].view(torch.uint8).count_nonzero() > 1000
+    # Each output is a weighted sum of values ~100 strong, summed in another order by each
+    # backend (the Triton kernel's online softmax): an entry near zero is a difference of
+    # large terms, so its error is measured against the outputs' scale, not its own (an
+    # AVX-512 Zen 5 left 4e-4 on an entry of 0.36 among entries up to 112: ~50 fp32 ulps).
     for got, want in zip(outputs["triton"], outputs["torch"], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
