@@ -39,14 +39,14 @@ def _address(function: object) -> int:
 
 
 class Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("gemm4", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
+    _fields_ = [(name, _PTR) for name in ("gemm4", "gemm5", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
                                           "write_kv", "attend", "dense_gemm", "dense_silu_mul", "quantize_rows",
                                           "int8_dequantize", "int8_gated", "prefill", "write_i8", "write_bf16",
                                           "write_f8")]
 
 
 # `Matrix.bits` for the dense GEMM's packed layouts and the int8 GEMM's (the C side's names),
-# apart from the bit counts a small step's matrices give (4, 8, 16, 32).
+# apart from the bit counts a small step's matrices give (4, 5, 8, 16, 32).
 PACKED, PACKED_GATED, INT8, INT8_GATED = 101, 102, 103, 104
 
 
@@ -124,7 +124,7 @@ class DecodeStackKernel:
         self.prefills = prefill is not None and dtype in prefill.dtypes
         rows, gemm = int8 if int8 is not None else (None, None)
         self.kernels = Kernels(
-            _address(q4.gemm_entry(4, dtype)) if q4 else None, _address(q4.gemm_entry(8, dtype)) if q4 else None,
+            *(_address(q4.gemm_entry(bits, dtype)) if q4 else None for bits in (4, 5, 8)),
             _address(gemv.gemv_entry(torch.float32)) if gemv and dtype == torch.float32 else None,
             _address(gemv.gemv_entry(torch.bfloat16)) if gemv and dtype == torch.bfloat16 else None,
             _address(ops.rms_norm_entry(dtype)), _address(ops.rotary_entry(dtype)),

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "q4_gemm.c"
 GROUP = 32  # inputs sharing a scale and a minimum
 BLOCK = 64  # inputs per 32 packed bytes: two groups, low and high nibbles
+LEVEL_BITS = (4, 5, 8)  # the level widths the kernel reads
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -42,19 +43,19 @@ class Q4Kernel:
         moe = (ctypes.c_int, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64,
                               ctypes.c_int])
         functions = bind(library, {
-            "tandem_q4_gemm": gemm, "tandem_q4_gemm_bf16": gemm, "tandem_q8_gemm": gemm,
-            "tandem_q8_gemm_bf16": gemm, "tandem_q4_gemm_isa": (ctypes.c_char_p, []),
+            **{f"tandem_q{bits}_gemm{suffix}": gemm for bits in LEVEL_BITS for suffix in ("", "_bf16")},
+            "tandem_q4_gemm_isa": (ctypes.c_char_p, []),
             "tandem_q4_gemm_scaled": scaled, "tandem_q4_moe": moe,
         })
         self._scaled = functions["tandem_q4_gemm_scaled"]
         self._moe = functions["tandem_q4_moe"]
         # (bits, activation dtype) -> entry
         self._gemms = {(bits, dtype): functions[f"tandem_q{bits}_gemm{suffix}"]
-                       for bits in (4, 8) for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16"))}
+                       for bits in LEVEL_BITS for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16"))}
         self.isa: str = functions["tandem_q4_gemm_isa"]().decode()
 
     def gemm_entry(self, bits: int, dtype: torch.dtype) -> object:
-        """The C function for `bits`-bit levels and `dtype` activations (for callers in C)."""
+        """The C function for `bits`-bit levels (4, 5 or 8) and `dtype` activations (for callers in C)."""
         return self._gemms[bits, dtype]
 
     @classmethod
@@ -265,3 +266,55 @@ class Q8Matrix(Q4Matrix):
         levels = self.nibbles.view(torch.int8).reshape(self.out_features, -1, GROUP).float()
         dense = levels * self.scales.float().unsqueeze(-1)
         return dense.reshape(self.out_features, self.in_features)
+
+
+class Q5Matrix(Q4Matrix):
+    """5 bits, symmetric, GGUF's Q5_0 grid: per 64 inputs, the 4-bit layout's 32 nibble bytes
+    and then 8 bytes holding each input's fifth bit (bit j of the little-endian word: input j),
+    so `nibbles` is [N, K * 5 / 8] bytes; levels q + 16 for q in -16..15, weight = q * scale,
+    no minimums. For a GGUF's Q5_0 matrices (most of Qwen2.5-Coder's layers), which an 8-bit
+    copy reads at 1.06 bytes a weight and still rounds off their grid (~0.5% relative error),
+    while 5 bits hold them exactly in 0.69."""
+
+    bits = 5
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kernel: Q4Kernel) -> Q5Matrix:
+        """Q5_0's rule: the group's largest magnitude w sets scale = w / -16 (so a Q5_0 tensor
+        comes back exactly: its quantizer put that weight on level -16), then one least-squares
+        refit of the scale to the rounded levels, which can only bring the group closer (a
+        checkpoint rounded to bf16 since its Q5_0 days: 0.20% -> 0.15% relative error)."""
+        if not q4_fits(weight):
+            raise ValueError(f"the 5-bit kernel needs a CPU [out, in] matrix with in % {BLOCK} == 0, "
+                             f"got {tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+        largest = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))
+        scale = _fp16_scale(largest / -16)
+        levels = (groups / scale).round_().clamp_(-16, 15)
+        fitted = _fp16_scale((groups * levels).sum(-1, keepdim=True)
+                             / (levels * levels).sum(-1, keepdim=True).clamp_min(1))
+        scale = torch.where((levels != 0).any(-1, keepdim=True), fitted, scale)
+        levels = (groups / scale).round_().clamp_(-16, 15).to(torch.int16).add_(16).to(torch.uint8)
+        blocks = levels.reshape(out_features, in_features // BLOCK, 2, GROUP)
+        nibbles = (blocks[:, :, 0] & 0x0F) | ((blocks[:, :, 1] & 0x0F) << 4)
+        fifth = (blocks >> 4).reshape(out_features, in_features // BLOCK, 8, 8)  # input 8 i + j's bit
+        high = (fifth.to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+        packed = torch.cat([nibbles, high], dim=-1).reshape(out_features, in_features * 5 // 8)
+        return cls(packed.contiguous(), scale.squeeze(-1).half().contiguous(), None, kernel)
+
+    def dequantize(self) -> torch.Tensor:
+        blocks = self.nibbles.reshape(self.out_features, -1, BLOCK * 5 // 8)
+        nibbles, high = blocks[..., :GROUP], blocks[..., GROUP:]
+        low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2).reshape(self.out_features, -1, BLOCK)
+        fifth = ((high.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(self.out_features, -1, BLOCK)
+        levels = (low | (fifth << 4)).float().reshape(self.out_features, -1, GROUP) - 16
+        dense = levels * self.scales.float().unsqueeze(-1)
+        return dense.reshape(self.out_features, self.in_features)
+
+
+def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A per-group scale as the kernel reads it: fp16, never zero (subnormals included: the
+    kernel widens them exactly), within fp16's range."""
+    magnitude = scale.abs().clamp(2.0**-24, 65504.0)
+    return torch.where(scale < 0, -magnitude, magnitude).half().float()

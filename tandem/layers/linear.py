@@ -23,7 +23,7 @@ from tandem.kernels.dense_gemm import BLOCK_COLUMNS, DenseGemmKernel, PackedDens
 from tandem.kernels.dense_gemv import DenseGemvKernel, DenseRows
 from tandem.kernels.int8_gemm import Int8GemmKernel
 from tandem.kernels.int8_rows import Int8RowsKernel
-from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
+from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q5Matrix, Q8Matrix, q4_fits
 from tandem.layers.int4 import Int4Weight, int4_available, int4_fits
 from tandem.layers.int4_linear import INT4_FIELDS, Int4Linear
 from tandem.layers.int8 import Int8Weight, gated_mlp, int8_fits
@@ -41,8 +41,9 @@ class SmallStepWeights:
     inputs) reads a quarter of bf16's bytes and is the fastest at one and two tokens: tandem's
     integer GEMM (tandem/kernels/q4_gemm.py) where it builds and the matrix has whole blocks
     of 64 inputs, else PyTorch's int4 kernel (tandem/layers/int4.py), else the dense weights.
-    With `int4_max_error` set, a matrix whose 4-bit copy is further than that from it gets an
-    8-bit copy for the same kernel (an LM head kept in 8 bits by its GGUF), else bf16.
+    With `int4_max_error` set, a matrix whose 4-bit copy is further than that from it gets a
+    5-bit copy for the same kernel (a GGUF's Q5_0 matrix), or an 8-bit one (an LM head kept in
+    8 bits by its GGUF), else bf16.
     Activations and the KV cache stay in the run dtype, so a step can switch copies without
     touching the cache. `float32` (an fp32 model only) is no copy at all: the checkpoint's
     plain row-major matrices stay beside oneDNN's packed ones, and tandem's GEMV kernel
@@ -72,10 +73,22 @@ class SmallStepWeights:
         return None if self.format == "int4" else getattr(torch, self.format)
 
 
+ERROR_ROWS = 64  # output rows judged together by _relative_error
+
+
 def _relative_error(compact: Q4Matrix | Int4Weight, weight: torch.Tensor) -> float:
-    """How far a compact copy is from the weights (Frobenius norm, relative)."""
+    """How far a compact copy is from the weights: the relative Frobenius error of its worst
+    block of 64 output rows. Over the whole matrix, a fused matrix's small part could hide
+    behind the rest: Qwen2.5-Coder-0.5B's qkv holds its v rows (128 of 1,152) in Q8_0 and q,
+    k in Q5_0 in some layers, where 5 bits came within 0.65% of the whole matrix but ~4.5%
+    of v; the parts' row counts are multiples of 64."""
     dense = weight.float()
-    return float((compact.dequantize().float() - dense).norm() / dense.norm().clamp_min(1e-30))
+    error = (compact.dequantize().float() - dense).square().sum(dim=1)
+    norm = dense.square().sum(dim=1)
+    pad = -error.numel() % ERROR_ROWS
+    blocks = torch.nn.functional.pad(error, (0, pad)).reshape(-1, ERROR_ROWS).sum(dim=1)
+    norms = torch.nn.functional.pad(norm, (0, pad)).reshape(-1, ERROR_ROWS).sum(dim=1)
+    return float((blocks / norms.clamp_min(1e-30)).sqrt().max())
 
 
 def onednn_available() -> bool:
@@ -200,7 +213,7 @@ class LinearWeights:
     weight: torch.Tensor
     bias: torch.Tensor | None
     small_step: SmallStepWeights | None = None
-    small_quantized: Q4Matrix | Int4Weight | None = None  # int4 plan: 4 bits (8 where 4 would spoil it)
+    small_quantized: Q4Matrix | Int4Weight | None = None  # int4 plan: 4 bits (5 or 8 where 4 would spoil it)
     small_packed: torch.Tensor | None = None  # int4 plan, a matrix 4 bits would spoil: packed bf16
     small_dense: DenseRows | None = None  # float32 plan: the plain fp32 rows for the GEMV kernel
     packed_weight: torch.Tensor | None = None
@@ -263,11 +276,13 @@ class LinearWeights:
             else:
                 return self._attach_bf16_fallback(plan)
             if plan.int4_max_error is not None and _relative_error(int4, weight) > plan.int4_max_error:
-                # 8 bits where the 4-bit kernel runs and they hold the matrix as closely
-                # (a Q8_0 tensor comes back exactly), else bf16.
+                # 5 bits, else 8, where the 4-bit kernel runs and they hold the matrix as
+                # closely (a Q5_0 or a Q8_0 tensor comes back exactly), else bf16.
                 if q4_kernel is None or not q4_fits(weight):
                     return self._attach_bf16_fallback(plan)
-                int4 = Q8Matrix.quantize(weight, q4_kernel)
+                int4 = Q5Matrix.quantize(weight, q4_kernel)
+                if _relative_error(int4, weight) > plan.int4_max_error:
+                    int4 = Q8Matrix.quantize(weight, q4_kernel)
                 if _relative_error(int4, weight) > plan.int4_max_error:
                     return self._attach_bf16_fallback(plan)
             self.small_quantized = int4
@@ -438,15 +453,16 @@ def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights, q4_kerne
 
 
 def small_step_census(model: nn.Module) -> dict[str, int]:
-    """How many matrices each kind of small-step copy holds ("4-bit", "8-bit", "bf16"): an
-    int4 plan keeps 8 bits or bf16 where 4 bits would spoil a matrix (a Q5_0 or Q6_K GGUF
-    tensor re-rounded to 4 bits is ~8% off), and the start-up log says how many did."""
+    """How many matrices each kind of small-step copy holds ("4-bit", "5-bit", "8-bit",
+    "bf16"): an int4 plan keeps 5 or 8 bits or bf16 where 4 bits would spoil a matrix (a Q5_0
+    or Q6_K GGUF tensor re-rounded to 4 bits is ~8% off), and the start-up log says how many
+    did."""
     census: dict[str, int] = {}
     for layer in model.modules():
         if not isinstance(layer, LinearWeights) or getattr(layer, "small_step", None) is None:
             continue
         compact = getattr(layer, "small_quantized", None)
-        kind = ("8-bit" if isinstance(compact, Q8Matrix) else "4-bit" if compact is not None
+        kind = (f"{compact.bits}-bit" if isinstance(compact, Q4Matrix) else "4-bit" if compact is not None
                 else "bf16" if getattr(layer, "small_packed", None) is not None else "dense")
         census[kind] = census.get(kind, 0) + 1
     return census

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.kernels.q4_gemm import GROUP, SOURCE, Q4Kernel, Q4Matrix, Q8Matrix, q4_fits
+from tandem.kernels.q4_gemm import GROUP, SOURCE, Q4Kernel, Q4Matrix, Q5Matrix, Q8Matrix, q4_fits
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +102,17 @@ def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path
     assert other.isa == isa
     torch.manual_seed(2)
     weight = torch.randn(66, 256) / 8  # 66: whole tiles and a partial one on every path
-    for scheme in (Q4Matrix, Q8Matrix):  # 8-bit levels reach +-127: AVX2 must not saturate
+    for scheme in (Q4Matrix, Q5Matrix, Q8Matrix):  # 8-bit levels reach +-127: AVX2 must not saturate
         ours, theirs = scheme.quantize(weight, kernel), scheme.quantize(weight, other)
         assert torch.equal(ours.nibbles, theirs.nibbles)
         for rows in (1, 3):  # one row: a step's second accumulator
             x = torch.randn(rows, 256)
             torch.testing.assert_close(theirs.matmul(x), ours.matmul(x), rtol=1e-5, atol=1e-5)
+    # 5 bits with minimums (levels 0..31): the unsigned read of the fifth bit
+    ours, theirs = _q5_with_minimums(Q5Matrix.quantize(weight, kernel)), _q5_with_minimums(
+        Q5Matrix.quantize(weight, other))
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(theirs.matmul(x), ours.matmul(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -155,6 +160,89 @@ def test_a_q8_0_tensor_comes_back_exactly(kernel: Q4Kernel) -> None:
     scale = (torch.rand(16, 4, generator=generator) / 100).half().float().repeat_interleave(32, dim=1)
     weight = levels * scale
     assert torch.equal(Q8Matrix.quantize(weight, kernel).dequantize(), weight)
+
+
+def _q5_levels(matrix: Q5Matrix) -> torch.Tensor:
+    """The stored 5-bit levels (0..31) of each input, read straight from the layout: input j
+    of a 64-block in byte j % 32's low (j < 32) or high nibble, its fifth bit in bit j of the
+    block's trailing 8 bytes."""
+    blocks = matrix.nibbles.reshape(matrix.out_features, -1, 40).to(torch.int64)
+    levels = torch.empty(matrix.out_features, blocks.shape[1], 64, dtype=torch.int64)
+    for j in range(64):
+        nibble = blocks[..., j % 32] >> (4 * (j // 32)) & 0x0F
+        levels[..., j] = nibble | ((blocks[..., 32 + j // 8] >> (j % 8)) & 1) << 4
+    return levels.reshape(matrix.out_features, matrix.in_features)
+
+
+def _q5_with_minimums(matrix: Q5Matrix) -> Q5Matrix:
+    """The same weights read as unsigned levels 0..31 plus a minimum of -16 x scale."""
+    mins = (matrix.scales.float() * -16).half()
+    return Q5Matrix(matrix.nibbles, matrix.scales, mins, matrix.kernel)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("shape", [(50, 128), (96, 896)])  # 50: a partial tile
+def test_5_bit_gemm_is_int16_activations_times_the_dequantized_matrix(kernel: Q4Kernel, rows: int, shape) -> None:
+    generator = torch.Generator().manual_seed(rows + 70 + shape[1])
+    weight = torch.randn(shape, generator=generator) / 8
+    matrix = Q5Matrix.quantize(weight, kernel)
+    n, k = shape
+    assert matrix.nibbles.shape == (n, k * 5 // 8) and matrix.in_features == k and matrix.bits == 5
+    assert matrix.mins is None and matrix.nbytes == n * k * 5 // 8 + n * k // GROUP * 2
+    levels = _q5_levels(matrix)
+    assert int(levels.min()) == 0 and int(levels.max()) == 31
+    dense = matrix.dequantize()
+    step = matrix.scales.float().abs().repeat_interleave(GROUP, dim=1)
+    assert torch.equal(dense, (levels - 16).float() * matrix.scales.float().repeat_interleave(GROUP, dim=1))
+    # the nearest level inside the grid; the ends take what lies beyond them
+    interior = (levels > 0) & (levels < 31)
+    assert ((dense - weight).abs()[interior] <= step[interior] / 2 + 1e-6).all()
+    assert (dense - weight).norm() / weight.norm() < 0.05
+    x = torch.randn(rows, k, generator=generator)
+    expected = _int16_groups(x) @ dense.T  # symmetric: no exact-x minimum's term
+    torch.testing.assert_close(matrix.matmul(x), expected, rtol=1e-4, atol=1e-4)
+    bf16 = x.bfloat16()
+    assert torch.equal(matrix.matmul(bf16), matrix.matmul(bf16.float()).bfloat16())
+    residual = torch.randn(rows, n, generator=generator)
+    assert torch.equal(matrix.matmul_plus(x, residual), residual + matrix.matmul(x))
+    # With minimums the levels are read unsigned, the minimum's term over the exact x.
+    unsigned = _q5_with_minimums(matrix)
+    mins = unsigned.mins.float()
+    expected = _int16_groups(x) @ (levels.float() * matrix.scales.float().repeat_interleave(GROUP, dim=1)).T
+    expected += x.reshape(rows, -1, GROUP).sum(-1) @ mins.T
+    torch.testing.assert_close(unsigned.matmul(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_q5_0_tensor_comes_back_exactly(kernel: Q4Kernel) -> None:
+    """GGUF Q5_0: levels -16..15 times an fp16 scale per 32, whose sign puts the group's
+    largest weight on -16 (llama.cpp's scale = that weight / -16)."""
+    generator = torch.Generator().manual_seed(11)
+    levels = torch.randint(-15, 16, (16, 128), generator=generator).float()
+    levels[:, 5::32] = -16
+    scale = (torch.rand(16, 4, generator=generator) / 100).half().float()
+    scale[::2] *= -1  # a positive largest weight: a negative scale
+    weight = levels * scale.repeat_interleave(32, dim=1)
+    matrix = Q5Matrix.quantize(weight, kernel)
+    assert torch.equal(matrix.dequantize(), weight) and torch.equal(matrix.scales.float(), scale)
+    # ...where the 8-bit copy misses Q5_0's grid
+    assert not torch.equal(Q8Matrix.quantize(weight, kernel).dequantize(), weight)
+
+
+def test_5_bit_refit_brings_a_group_closer(kernel: Q4Kernel) -> None:
+    """The least-squares refit of each scale: a Q5_0 tensor rounded to bf16 since comes back
+    closer than its largest weight's scale alone would bring it."""
+    generator = torch.Generator().manual_seed(12)
+    levels = torch.randint(-15, 16, (64, 256), generator=generator).float()
+    levels[:, 7::32] = -16
+    scale = (torch.rand(64, 8, generator=generator) / 100 + 1e-3).half().float().repeat_interleave(32, dim=1)
+    original = levels * scale
+    rounded = original.bfloat16().float()
+    refit = Q5Matrix.quantize(rounded, kernel).dequantize()
+    groups = rounded.reshape(64, 8, 32)
+    guess_scale = (groups.gather(-1, groups.abs().argmax(-1, keepdim=True)) / -16).half().float()
+    first_guess = ((groups / guess_scale).round().clamp(-16, 15) * guess_scale).reshape(64, 256)
+    assert (refit - original).norm() < (first_guess - original).norm()
+    assert (refit - rounded).norm() <= (first_guess - rounded).norm()
 
 
 # --- symmetric levels with bf16 scales (compressed-tensors INT4), and the grouped MoE call ---

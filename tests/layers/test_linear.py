@@ -307,7 +307,8 @@ def test_bf16_einsum_without_a_bf16_gemm_is_multiplied_in_fp32_and_rounded_once(
 
 
 def test_the_census_counts_each_kind_of_small_step_copy(tmp_path) -> None:
-    """What the start-up log reports: a matrix on the 4-bit grid in 4 bits, a smooth one in 8."""
+    """What the start-up log reports: a matrix on the 4-bit grid in 4 bits, one on Q5_0's grid
+    in 5, a smooth one in 8."""
     from tandem.kernels.q4_gemm import Q4Kernel
     from tandem.layers.linear import small_step_census
 
@@ -319,7 +320,33 @@ def test_the_census_counts_each_kind_of_small_step_copy(tmp_path) -> None:
     levels = torch.randint(0, 16, (32, 64)).float()
     levels[:, 0::32], levels[:, 1::32] = 0, 15
     on_grid.weight.data.copy_(levels / 16 - 0.5)
-    model = torch.nn.ModuleList([smooth, on_grid, untouched])
-    for layer in (smooth, on_grid):
+    on_q5_grid = Linear(64, 32)
+    q5_levels = torch.randint(-16, 16, (32, 64)).float()
+    q5_levels[:, 0::32] = -16  # Q5_0's quantizer puts each group's largest weight on -16
+    on_q5_grid.weight.data.copy_(q5_levels * torch.rand(32, 2).half().float().repeat_interleave(32, dim=1) / 100)
+    model = torch.nn.ModuleList([smooth, on_grid, on_q5_grid, untouched])
+    for layer in (smooth, on_grid, on_q5_grid):
         attach_small_step_weights(layer, plan, kernel)
-    assert small_step_census(model) == {"8-bit": 1, "4-bit": 1}
+    assert small_step_census(model) == {"8-bit": 1, "5-bit": 1, "4-bit": 1}
+
+
+def test_a_fused_matrix_s_small_part_is_judged_on_its_own(tmp_path) -> None:
+    """A qkv whose q and k rows are on Q5_0's grid and whose v rows are not (Qwen2.5-Coder's
+    Q8_0 v in some layers): 5 bits come within 1% of the whole matrix but not of the v rows,
+    so the matrix takes 8 bits."""
+    from tandem.kernels.q4_gemm import Q4Kernel, Q5Matrix, Q8Matrix
+    from tandem.layers.linear import _relative_error
+
+    kernel = Q4Kernel.build(tmp_path)
+    torch.manual_seed(4)
+    levels = torch.randint(-16, 16, (960, 128)).float()
+    levels[:, 0::32] = -16
+    on_grid = levels * torch.rand(960, 4).half().float().repeat_interleave(32, dim=1) / 100
+    smooth = torch.randn(64, 128) * float(on_grid.std()) / 2
+    fused = Linear(128, 1024)
+    fused.weight.data.copy_(torch.cat([on_grid, smooth]))
+    whole = Q5Matrix.quantize(fused.weight.data, kernel)
+    assert float((whole.dequantize() - fused.weight.data).norm() / fused.weight.data.norm()) < 0.01
+    assert _relative_error(whole, fused.weight.data) > 0.01
+    attach_small_step_weights(fused, SmallStepWeights(max_tokens=2, format="int4", int4_max_error=0.01), kernel)
+    assert isinstance(fused.small_quantized, Q8Matrix)

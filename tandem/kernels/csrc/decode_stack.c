@@ -96,7 +96,7 @@ typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void
 
 /* The kernels, from the libraries that hold them, for the step's element type. */
 struct Kernels {
-    gemm_fn gemm4, gemm8; /* tandem_q4_gemm_bf16, tandem_q8_gemm_bf16 (bf16 rows) */
+    gemm_fn gemm4, gemm5, gemm8; /* tandem_q4_gemm_bf16, tandem_q5_gemm_bf16, tandem_q8_gemm_bf16 (bf16 rows) */
     gemv_fn gemv32;       /* tandem_f32_gemv (fp32 rows) */
     gemv16_fn gemv16;     /* tandem_bf16_gemv (bf16 rows) */
     norm_fn rms_norm;
@@ -114,11 +114,11 @@ struct Kernels {
     fp8_kv_fn write_f8;
 };
 
-/* A matrix in q4_gemm.c's layout, [n, k] at 4 or 8 bits a level, or (bits 32 / 16) plain
+/* A matrix in q4_gemm.c's layout, [n, k] at 4, 5 or 8 bits a level, or (bits 32 / 16) plain
  * fp32 / bf16 rows for dense_gemv.c, or (PACKED) dense_gemm.c's packed blocks in the rows'
  * dtype, or (PACKED_GATED) its gate/up layout with n = 2 x intermediate, or (INT8) int8_gemm.c's
  * packed 8-bit blocks with what its epilogue reads, or (INT8_GATED) its gate/up pairs. */
-/* (apart from the bit counts 4, 8, 16 and 32) */
+/* (apart from the bit counts 4, 5, 8, 16 and 32) */
 #define PACKED 101
 #define PACKED_GATED 102
 #define INT8 103
@@ -253,7 +253,7 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
     if (matrix->bits == 16)
         return kernels->gemv16((const uint16_t *)matrix->levels, matrix->bias, x, residual, out, rows, matrix->n,
                                matrix->k, num_threads);
-    const gemm_fn entry = matrix->bits == 4 ? kernels->gemm4 : kernels->gemm8;
+    const gemm_fn entry = matrix->bits == 4 ? kernels->gemm4 : matrix->bits == 5 ? kernels->gemm5 : kernels->gemm8;
     /* a bias comes only with no residual here (the layer path adds it to the rounded product) */
     const int status = entry(matrix->levels, matrix->scales, matrix->mins, x, residual, out, rows, matrix->n,
                              matrix->k, num_threads);
