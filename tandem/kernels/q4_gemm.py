@@ -292,14 +292,14 @@ class Q5Matrix(Q4Matrix):
         largest = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))
         scale = _fp16_scale(largest / -16)
         levels = (groups / scale).round_().clamp_(-16, 15)
-        fitted = _fp16_scale((groups * levels).sum(-1, keepdim=True)
-                             / (levels * levels).sum(-1, keepdim=True).clamp_min(1))
-        scale = torch.where((levels != 0).any(-1, keepdim=True), fitted, scale)
-        levels = (groups / scale).round_().clamp_(-16, 15).to(torch.int16).add_(16).to(torch.uint8)
+        squares = (levels * levels).sum(-1, keepdim=True)
+        fitted = _fp16_scale((groups * levels).sum(-1, keepdim=True) / squares.clamp_min(1))
+        scale = torch.where(squares > 0, fitted, scale)
+        levels = (groups / scale).round_().clamp_(-16, 15).add_(16).to(torch.uint8)
         blocks = levels.reshape(out_features, in_features // BLOCK, 2, GROUP)
         nibbles = (blocks[:, :, 0] & 0x0F) | ((blocks[:, :, 1] & 0x0F) << 4)
         fifth = (blocks >> 4).reshape(out_features, in_features // BLOCK, 8, 8)  # input 8 i + j's bit
-        high = (fifth.to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+        high = (fifth << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)  # disjoint bits
         packed = torch.cat([nibbles, high], dim=-1).reshape(out_features, in_features * 5 // 8)
         return cls(packed.contiguous(), scale.squeeze(-1).half().contiguous(), None, kernel)
 
@@ -308,7 +308,7 @@ class Q5Matrix(Q4Matrix):
         nibbles, high = blocks[..., :GROUP], blocks[..., GROUP:]
         low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2).reshape(self.out_features, -1, BLOCK)
         fifth = ((high.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(self.out_features, -1, BLOCK)
-        levels = (low | (fifth << 4)).float().reshape(self.out_features, -1, GROUP) - 16
+        levels = (low | (fifth << 4)).reshape(self.out_features, -1, GROUP).float().sub_(16)
         dense = levels * self.scales.float().unsqueeze(-1)
         return dense.reshape(self.out_features, self.in_features)
 

@@ -350,3 +350,26 @@ def test_a_fused_matrix_s_small_part_is_judged_on_its_own(tmp_path) -> None:
     assert _relative_error(whole, fused.weight.data) > 0.01
     attach_small_step_weights(fused, SmallStepWeights(max_tokens=2, format="int4", int4_max_error=0.01), kernel)
     assert isinstance(fused.small_quantized, Q8Matrix)
+
+
+def test_a_copy_too_far_on_a_sample_of_blocks_is_never_made_whole(tmp_path, monkeypatch) -> None:
+    """Start-up tries 4, 5 and 8 bits in turn: a copy is first made of every 8th block of 64
+    rows, and one whose sample is already past the bar is not made of the whole matrix."""
+    from tandem.kernels.q4_gemm import Q4Kernel, Q4Matrix, Q5Matrix, Q8Matrix
+
+    kernel = Q4Kernel.build(tmp_path)
+    made: list[tuple[str, int]] = []
+    for scheme in (Q4Matrix, Q5Matrix, Q8Matrix):
+        original = scheme.quantize.__func__
+
+        def recording(cls, weight, kernel, original=original):  # noqa: ANN001, ANN202
+            made.append((cls.__name__, weight.shape[0]))
+            return original(cls, weight, kernel)
+
+        monkeypatch.setattr(scheme, "quantize", classmethod(recording))
+    torch.manual_seed(5)
+    smooth = Linear(128, 2048)
+    smooth.weight.data.normal_()
+    attach_small_step_weights(smooth, SmallStepWeights(max_tokens=2, format="int4", int4_max_error=0.01), kernel)
+    assert isinstance(smooth.small_quantized, Q8Matrix)
+    assert made == [("Q4Matrix", 256), ("Q5Matrix", 256), ("Q8Matrix", 256), ("Q8Matrix", 2048)]
