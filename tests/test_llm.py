@@ -279,12 +279,14 @@ def test_int4_decode_weights_copy_only_what_4_bits_hold() -> None:
 
 def test_float32_decode_weights_match_transformers(reference: torch.nn.Module) -> None:
     """--decode-weights float32: one-token steps go through tandem's fp32 GEMV on the plain
-    rows (kept beside the packed ones), the layers in the fp32 decode stack, exact fp32 like
-    the packed path."""
+    rows (kept beside the packed ones), read from their lossless codes (the default model is
+    a Q4_1 GGUF's weights), the layers in the fp32 decode stack, exact fp32 like the packed
+    path."""
     with LLM(kv_cache_memory="64MiB", decode_weights="float32") as llm:
         model = llm.engine.core.executor.worker.runner.model
         layers = model.model.layers
         assert all(layer.mlp.down_proj.small_dense is not None and layer.mlp.down_proj.packed for layer in layers)
+        assert all(layer.self_attn.qkv_proj.small_dense.codes is not None for layer in layers)
         # the tied head reads the embedding's own tensor: nothing held twice
         assert model.lm_head.small_dense.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         assert model.decode_stack is not None
@@ -294,7 +296,10 @@ def test_float32_decode_weights_match_transformers(reference: torch.nn.Module) -
         kept = {m: m.small_dense for m in held}
         for m in held:
             m.small_dense = None
-        assert with_rows - model_bytes(model) == sum(d.nbytes for m, d in kept.items() if not getattr(m, "tied", False))
+        # the layers' plain rows were let go where their codes stand for them; the tied head's
+        # are the embedding's
+        assert all(d.weight.device.type == "meta" for m, d in kept.items() if not getattr(m, "tied", False))
+        assert with_rows - model_bytes(model) == sum(d.codes.numel() for d in kept.values())
         for m, rows in kept.items():
             m.small_dense = rows
         calls = 0

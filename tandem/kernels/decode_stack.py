@@ -42,12 +42,13 @@ class Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in ("gemm4", "gemm5", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
                                           "write_kv", "attend", "dense_gemm", "dense_silu_mul", "quantize_rows",
                                           "int8_dequantize", "int8_gated", "prefill", "write_i8", "write_bf16",
-                                          "write_f8")]
+                                          "write_f8", "gemv_coded")]
 
 
-# `Matrix.bits` for the dense GEMM's packed layouts and the int8 GEMM's (the C side's names),
-# apart from the bit counts a small step's matrices give (4, 5, 8, 16, 32).
-PACKED, PACKED_GATED, INT8, INT8_GATED = 101, 102, 103, 104
+# `Matrix.bits` for the dense GEMM's packed layouts, the int8 GEMM's and fp32 rows' lossless
+# codes (the C side's names), apart from the bit counts a small step's matrices give (4, 5, 8,
+# 16, 32).
+PACKED, PACKED_GATED, INT8, INT8_GATED, CODED = 101, 102, 103, 104, 105
 
 
 class Matrix(ctypes.Structure):
@@ -75,6 +76,9 @@ class Matrix(ctypes.Structure):
         if isinstance(matrix, PackedDense):
             return cls(matrix.values.data_ptr(), None, None, matrix.out_features, matrix.in_features,
                        PACKED_GATED if gated else PACKED, bias=_pointer(bias))
+        if isinstance(matrix, DenseRows) and matrix.codes is not None:  # fp32 rows read from their codes
+            return cls(matrix.codes.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1], CODED,
+                       bias=_pointer(matrix.bias))
         if isinstance(matrix, DenseRows):  # bits 32 / 16: plain fp32 / bf16 rows, `levels` pointing at them
             return cls(matrix.weight.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1],
                        8 * matrix.weight.element_size(), bias=_pointer(matrix.bias))
@@ -135,6 +139,7 @@ class DecodeStackKernel:
             _address(gemm.dequantize_entry()) if gemm else None, _address(gemm.gated_entry()) if gemm else None,
             _address(prefill.attend_entry()) if prefill is not None and self.prefills else None,
             *(_address(entry) for entry in attention.rounding_write_entries()),
+            _address(gemv.coded_entry()) if gemv and dtype == torch.float32 else None,
         )
 
     @classmethod

@@ -13,6 +13,11 @@ bf16 GEMV is a generic loop; and a bf16 model's own rows under `--decode-weights
 (`tandem_bf16_gemv`, bf16 in and out), where oneDNN's packed bf16 one-row GEMM is the slow
 part of a one-token step as its fp32 one is in fp32.
 
+An fp32 matrix whose every block of 32 weights is a scaled, offset small integer (a GGUF's
+Q4_1, Q5_0, Q8_0, ... tensors, dequantized) is read from its lossless int8 codes instead
+(`tandem_coded_gemv`, kernels/lossless_rows.py): the same fp32 weights and sums, a third of
+the bytes.
+
 Compiled on first use like the other C kernels (c_library.py); without a compiler the
 caller keeps oneDNN's path.
 """
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 from tandem.kernels.c_library import bind, build_kernel_library, build_or_none
+from tandem.kernels.lossless_rows import STEP, code_rows, coded_row_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +47,13 @@ class DenseGemvKernel:
     def __init__(self, library: Path) -> None:
         signature = (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int])
         functions = bind(library, {
-            "tandem_f32_gemv": signature, "tandem_bf16w_gemv": signature,
+            "tandem_f32_gemv": signature, "tandem_bf16w_gemv": signature, "tandem_coded_gemv": signature,
             "tandem_bf16_gemv": (ctypes.c_int, signature[1]),
             "tandem_f32_gemv_isa": (ctypes.c_char_p, []),
         })
         self._gemv = functions["tandem_f32_gemv"]
         self._bf16w_gemv = functions["tandem_bf16w_gemv"]
+        self._coded_gemv = functions["tandem_coded_gemv"]
         self._bf16_gemv = functions["tandem_bf16_gemv"]
         self.isa: str = functions["tandem_f32_gemv_isa"]().decode()
 
@@ -57,6 +64,23 @@ class DenseGemvKernel:
     def gemv_entry(self, dtype: torch.dtype = torch.float32) -> object:
         """The C function for rows of `dtype`, fp32 or bf16 throughout (for callers in C)."""
         return self._bf16_gemv if dtype == torch.bfloat16 else self._gemv
+
+    def coded_entry(self) -> object:
+        """The C function for coded fp32 rows (for callers in C)."""
+        return self._coded_gemv
+
+    def coded_gemv(self, coded: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] fp32 @ W.T (+ bias) (+ residual) -> [M, N] fp32, W [N, K] given by its coded
+        rows (lossless_rows.code_rows): the outputs `gemv` gives on W itself."""
+        if k % STEP or tuple(coded.shape) != (n, coded_row_bytes(k)) or x.shape[-1] != k:
+            raise ValueError(f"coded rows {tuple(coded.shape)} do not hold a [{n}, {k}] matrix the kernel reads")
+        rows = x.shape[0]
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._coded_gemv(coded.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+                         None if residual is None else residual.data_ptr(), out.data_ptr(), rows, n, k,
+                         torch.get_num_threads())
+        return out
 
     def gemv(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,11 +120,20 @@ def load_dense_gemv_kernel(cache_dir: Path) -> DenseGemvKernel | None:
 @dataclass
 class DenseRows:
     """An fp32 (or bf16) [N, K] matrix kept in its plain row-major layout for the GEMV kernel:
-    the same tensor the checkpoint filled, not a copy (held beside oneDNN's packed one)."""
+    the same tensor the checkpoint filled, not a copy (held beside oneDNN's packed one). An
+    fp32 matrix of small integers in disguise also holds its lossless codes, which fp32 rows
+    then read instead (`with_codes`)."""
 
     weight: torch.Tensor  # fp32 or bf16 [N, K], contiguous
     bias: torch.Tensor | None  # fp32 [N]
     kernel: DenseGemvKernel
+    codes: torch.Tensor | None = None  # uint8 [N, coded_row_bytes(K)] (lossless_rows.py), or None
+
+    def with_codes(self) -> bool:
+        """Find the weight's lossless codes (fp32 only); whether it has them now."""
+        if self.codes is None and self.weight.dtype == torch.float32:
+            self.codes = code_rows(self.weight)
+        return self.codes is not None
 
     def matmul(self, x: torch.Tensor, with_bias: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ W.T (+ bias) (+ residual, x's leading shape by N), in x's dtype (fp32
@@ -112,9 +145,26 @@ class DenseRows:
             return out.reshape(*x.shape[:-1], self.weight.shape[0])
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         extra = None if residual is None else residual.reshape(rows.shape[0], -1).float().contiguous()
-        out = self.kernel.gemv(self.weight, rows, self.bias if with_bias else None, extra)
+        bias = self.bias if with_bias else None
+        if self.codes is not None:
+            out = self.kernel.coded_gemv(self.codes, self.weight.shape[0], self.weight.shape[1], rows, bias, extra)
+        else:
+            out = self.kernel.gemv(self.weight, rows, bias, extra)
         return out.reshape(*x.shape[:-1], self.weight.shape[0]).to(x.dtype)
+
+    def release_plain_rows(self) -> int:
+        """Let go of the plain rows where the codes stand for them (the weight becomes a meta
+        tensor of its shape and dtype); returns the bytes let go. The caller makes sure no one
+        else reads them through this object (a tied head's rows are the embedding's)."""
+        if self.codes is None or self.weight.device.type == "meta":
+            return 0
+        released = self.weight.numel() * self.weight.element_size()
+        self.weight = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
+        return released
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        """The bytes held: the plain rows' (unless released) and the codes'."""
+        codes = 0 if self.codes is None else self.codes.numel()
+        rows = 0 if self.weight.device.type == "meta" else self.weight.numel() * self.weight.element_size()
+        return rows + codes

@@ -312,15 +312,18 @@ class LinearWeights:
 
     def _attach_dense_rows(self, plan: SmallStepWeights, kernel: DenseGemvKernel | None) -> int:
         """Keep the model's own plain rows (fp32 under `float32`, bf16 under `bfloat16` in a
-        bf16 model) for the GEMV kernel. The bytes added are those packing would otherwise
-        release; a tied head keeps them anyway (the embedding reads them)."""
+        bf16 model) for the GEMV kernel, and an fp32 matrix's lossless codes where it has them
+        (kernels/lossless_rows.py), which its small steps then read. The bytes added are those
+        packing would otherwise release, and the codes; a tied head keeps its rows anyway (the
+        embedding reads them)."""
         weight = self.weight.detach()
         if kernel is None or weight.dtype != plan.dtype or weight.dim() != 2 or weight.device.type != "cpu":
             return 0
         bias = getattr(self, "bias", None)
         self.small_dense = DenseRows(weight.contiguous(), None if bias is None else bias.detach().float(), kernel)
         self.small_step = plan
-        return 0 if getattr(self, "tied", False) else self.small_dense.nbytes
+        codes = self.small_dense.codes.numel() if self.small_dense.with_codes() else 0  # fp32 only
+        return codes + (0 if getattr(self, "tied", False) else weight.numel() * weight.element_size())
 
     def _attach_bf16_fallback(self, plan: SmallStepWeights) -> int:
         """A matrix that 4 bits would spoil (an 8-bit LM head) or that the 4-bit kernels
@@ -466,6 +469,15 @@ def attach_small_step_weights(model: nn.Module, plan: SmallStepWeights, q4_kerne
     """Give every linear layer and the LM head a small-step copy; returns the bytes added."""
     return sum(m.attach_small_step_weights(plan, q4_kernel, dense_kernel)
                for m in model.modules() if isinstance(m, LinearWeights))
+
+
+def release_coded_rows(model: nn.Module) -> int:
+    """Let go of the plain fp32 rows that lossless codes stand for (every projection but a tied
+    head, whose rows are the embedding's); returns the bytes let go. Call it once the model is
+    built: packing has its own copy by then, and the bounded-greedy head its own reference."""
+    return sum(module.small_dense.release_plain_rows() for module in model.modules()
+               if isinstance(module, LinearWeights) and module.small_dense is not None
+               and not getattr(module, "tied", False))
 
 
 def small_step_census(model: nn.Module) -> dict[str, int]:

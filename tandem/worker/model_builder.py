@@ -42,6 +42,7 @@ from tandem.layers.linear import (
     onednn_bf16_available,
     pack_weights_for_cpu,
     quantize_int8,
+    release_coded_rows,
     small_step_census,
 )
 from tandem.layers.moe import attach_expert_gemv
@@ -150,6 +151,12 @@ class ModelBuilder:
         ops = load_layer_ops(self.kernel_cache_dir)
         if small_step is not None and small_step.format == "float32":
             self._attach_bounded_greedy(model, ops)
+            coded = [m.small_dense for m in model.modules() if getattr(m, "small_dense", None) is not None]
+            released = release_coded_rows(model)
+            if self.rank == 0 and any(d.codes is not None for d in coded):
+                logger.info("%d of %d fp32 matrices read from lossless 8-bit codes (1.25 bytes a weight, the "
+                            "same fp32 weights), their plain rows let go (-%.0f MiB)",
+                            sum(d.codes is not None for d in coded), len(coded), released / (1 << 20))
         if ops is not None:
             attach_layer_ops(model, ops)
         stack = attach_decode_stack(model, backend, self.kernel_cache_dir, q4_kernel, ops, dense_kernel)
@@ -297,7 +304,9 @@ def model_bytes(model: torch.nn.Module) -> int:
                 tensors.append(packed.values)
         dense = getattr(module, "small_dense", None)  # --decode-weights float32: the plain rows kept
         if dense is not None:
-            tensors.append(dense.weight)
+            tensors += [dense.codes] if dense.codes is not None else []
+            if dense.weight.device.type != "meta":  # released where the codes stand for it
+                tensors.append(dense.weight)
         for compact in (getattr(module, "small_quantized", None), getattr(module, "int8", None),
                         getattr(module, "bounded_greedy", None)):
             if compact is not None:

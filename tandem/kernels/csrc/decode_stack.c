@@ -49,6 +49,8 @@ typedef int (*gemm_fn)(const uint8_t *levels, const uint16_t *scales, const uint
                        const void *residual, void *out, int64_t m_rows, int64_t n, int64_t k, int num_threads);
 typedef void (*gemv_fn)(const float *w, const float *bias, const float *x, const float *residual, float *out,
                         int64_t m_rows, int64_t n, int64_t k, int num_threads);
+typedef void (*coded_gemv_fn)(const uint8_t *w, const float *bias, const float *x, const float *residual,
+                              float *out, int64_t m_rows, int64_t n, int64_t k, int num_threads);
 typedef int (*gemv16_fn)(const uint16_t *w, const float *bias, const uint16_t *x, const uint16_t *residual,
                          uint16_t *out, int64_t m_rows, int64_t n, int64_t k, int num_threads);
 typedef void (*norm_fn)(const void *x, int64_t x_stride, const void *weight, void *out, int64_t rows,
@@ -112,19 +114,22 @@ struct Kernels {
     prefill_fn prefill;               /* tandem_prefill_attention (steps with prefill chunks) */
     round_kv_fn write_i8, write_bf16; /* a cache in another dtype than the rows' (Step.kv_kind) */
     fp8_kv_fn write_f8;
+    coded_gemv_fn gemv_coded; /* tandem_coded_gemv (fp32 rows, CODED matrices) */
 };
 
 /* A matrix in q4_gemm.c's layout, [n, k] at 4, 5 or 8 bits a level, or (bits 32 / 16) plain
  * fp32 / bf16 rows for dense_gemv.c, or (PACKED) dense_gemm.c's packed blocks in the rows'
  * dtype, or (PACKED_GATED) its gate/up layout with n = 2 x intermediate, or (INT8) int8_gemm.c's
- * packed 8-bit blocks with what its epilogue reads, or (INT8_GATED) its gate/up pairs. */
+ * packed 8-bit blocks with what its epilogue reads, or (INT8_GATED) its gate/up pairs, or
+ * (CODED) fp32 rows as dense_gemv.c's lossless codes. */
 /* (apart from the bit counts 4, 5, 8, 16 and 32) */
 #define PACKED 101
 #define PACKED_GATED 102
 #define INT8 103
 #define INT8_GATED 104
+#define CODED 105
 struct Matrix {
-    const uint8_t *levels; /* bits 32 / 16: the fp32 / bf16 [n, k] rows; PACKED*, INT8*: the packed blocks */
+    const uint8_t *levels; /* bits 32 / 16: the fp32 / bf16 [n, k] rows; CODED: their codes; PACKED*, INT8*: the packed blocks */
     const uint16_t *scales, *mins;
     int64_t n, k, bits;
     /* INT8*: 128 x each column's sum, the columns' scales, the [k, n] matrix (the outliers'
@@ -245,6 +250,11 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
     if (matrix->bits == PACKED)
         return kernels->dense_gemm(x, matrix->k, rows, matrix->k, matrix->levels, bf16, matrix->bias, residual, out,
                                    matrix->n, num_threads);
+    if (matrix->bits == CODED) {
+        kernels->gemv_coded(matrix->levels, matrix->bias, x, residual, out, rows, matrix->n,
+                            matrix->k, num_threads);
+        return 0;
+    }
     if (matrix->bits == 32) {
         kernels->gemv32((const float *)matrix->levels, matrix->bias, x, residual, out, rows, matrix->n, matrix->k,
                         num_threads);
