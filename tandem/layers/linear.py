@@ -517,6 +517,11 @@ def pack_weights_for_cpu(model: nn.Module, dense_gemm: DenseGemmKernel | None = 
     layers = [m for m in model.modules() if isinstance(m, LinearWeights)]
     for layer in layers:
         layer.pack_for_cpu(drop_dense=not getattr(layer, "tied", False), dense_gemm=dense_gemm)
+        if isinstance(layer, Linear) and layer.small_dense is not None:
+            # plain rows that lossless codes stand for go now, not once every matrix is packed:
+            # the build's peak holds a matrix twice, not the model (a head waits for
+            # release_coded_rows: the bounded-greedy head reads its rows after packing)
+            layer.small_dense.release_plain_rows()
     return len(layers)
 
 
