@@ -322,8 +322,9 @@ class LinearWeights:
         bias = getattr(self, "bias", None)
         self.small_dense = DenseRows(weight.contiguous(), None if bias is None else bias.detach().float(), kernel)
         self.small_step = plan
-        codes = self.small_dense.codes.numel() if self.small_dense.with_codes() else 0  # fp32 only
-        return codes + (0 if getattr(self, "tied", False) else weight.numel() * weight.element_size())
+        if self.small_dense.with_codes():  # fp32 only; packing lets go of the plain rows then
+            return self.small_dense.codes.numel()
+        return 0 if getattr(self, "tied", False) else weight.numel() * weight.element_size()
 
     def _attach_bf16_fallback(self, plan: SmallStepWeights) -> int:
         """A matrix that 4 bits would spoil (an 8-bit LM head) or that the 4-bit kernels

@@ -129,8 +129,9 @@ class ModelBuilder:
             dense_kernel = load_dense_gemv_kernel(self.kernel_cache_dir) if own_rows else None
             added = attach_small_step_weights(model, small_step, q4_kernel, dense_kernel)
             if self.rank == 0:
-                what = (f"the model's own plain {small_step.format} rows kept beside the packed weights, read by "
-                        "the GEMV kernel" if own_rows and dense_kernel is not None
+                codes = " (or their lossless codes, below)" if small_step.format == "float32" else ""
+                what = (f"the model's own plain {small_step.format} rows{codes} kept beside the packed weights, read "
+                        "by the GEMV kernel" if own_rows and dense_kernel is not None
                         else f"{small_step.format} small-step weight copy")
                 kinds = small_step_census(model) if small_step.format == "int4" else {}
                 census = (": " + ", ".join(f"{count} {'matrix' if count == 1 else 'matrices'} {kind}" for kind, count in sorted(kinds.items()))
@@ -151,12 +152,11 @@ class ModelBuilder:
         ops = load_layer_ops(self.kernel_cache_dir)
         if small_step is not None and small_step.format == "float32":
             self._attach_bounded_greedy(model, ops)
-            coded = [m.small_dense for m in model.modules() if getattr(m, "small_dense", None) is not None]
-            released = release_coded_rows(model)
-            if self.rank == 0 and any(d.codes is not None for d in coded):
-                logger.info("%d of %d fp32 matrices read from lossless 8-bit codes (1.25 bytes a weight, the "
-                            "same fp32 weights), their plain rows let go (-%.0f MiB)",
-                            sum(d.codes is not None for d in coded), len(coded), released / (1 << 20))
+            release_coded_rows(model)
+            rows = [m.small_dense for m in model.modules() if getattr(m, "small_dense", None) is not None]
+            if self.rank == 0 and any(d.codes is not None for d in rows):
+                logger.info("%d of %d fp32 matrices read from lossless 8-bit codes (the same fp32 weights at 1.25 "
+                            "bytes each; their plain rows not kept)", sum(d.codes is not None for d in rows), len(rows))
         if ops is not None:
             attach_layer_ops(model, ops)
         stack = attach_decode_stack(model, backend, self.kernel_cache_dir, q4_kernel, ops, dense_kernel)
