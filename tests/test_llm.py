@@ -302,8 +302,18 @@ def test_float32_decode_weights_match_transformers(reference: torch.nn.Module) -
         assert with_rows - model_bytes(model) == sum(d.codes.numel() for d in kept.values())
         for m, rows in kept.items():
             m.small_dense = rows
-        calls = 0
         bounded = model.lm_head.bounded_greedy
+        # the bench's own limits: a one-token step reads 1.25 bytes a layer weight (an int8
+        # code, an fp16-exact scale and an offset a 32 weights, each fp32) and the head's bf16
+        # copy (2 bytes a weight; without it the head's codes); a larger step every packed
+        # fp32 weight
+        reads = llm.engine.core.worker_info.step_reads
+        weights = sum(layer.small_dense.weight.numel() for layer in held if layer is not model.lm_head)
+        head = model.lm_head.small_dense.weight.numel()
+        assert reads.bytes_for(1) == weights * 5 // 4 + (head * 2 if bounded is not None else head * 5 // 4)
+        assert reads.bytes_for(3) == weights * 4 + (head * 2 if bounded is not None else head * 4)
+        assert reads.gemm == "float32"
+        calls = 0
         # The bf16 copy of the head needs oneDNN's bf16 GEMM: none on an AVX2-only CPU, where
         # greedy rows take the fp32 logits.
         assert (bounded is not None) == onednn_bf16_available()

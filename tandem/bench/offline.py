@@ -50,6 +50,7 @@ from tandem.bench.offline_layouts import (
     mean_breakdown,
     parse_layout,
     plot_breakdown,
+    reported_step_reads,
     wants_dense_experts,
 )
 from tandem.bench.offline_report import format_table, plot, ratio_rows, token_agreement
@@ -403,7 +404,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
              f"{f', the median of {args.repeats} timed passes' if args.repeats > 1 else ''}")
     table = format_table(results, engines, title)
     # How far every engine is from this machine's limits (a matmul and a copy measured now).
-    table += "\n\n" + format_ceilings(machine_ceilings(resolved.hf_dir, args.dtype, workloads), results, engines)
+    ceilings = machine_ceilings(resolved.hf_dir, args.dtype, workloads, own=reported_step_reads(results))
+    table += "\n\n" + format_ceilings(ceilings, results, engines)
     report = {
         "schema": SCHEMA,
         "created": dt.datetime.now().isoformat(timespec="seconds"),
@@ -425,6 +427,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
             for by_engine in results.values() for result in by_engine.values()
         ],
         "ratios": ratio_rows(results, engines),
+        "ceilings": ceilings,
         "table": table,
     }
     json_path = output_dir / f"offline-{stamp}.json"
@@ -447,7 +450,7 @@ def _report_layouts(args: argparse.Namespace, resolved: Any, engines: list[str],
     table = format_layout_table(results, engines, title)
     breakdown = format_breakdown_table(results, engines)
     variants = {layout_of(e): dense_experts_config(resolved.hf_dir) for e in engines if wants_dense_experts(layout_of(e))}
-    ceilings = machine_ceilings(resolved.hf_dir, args.dtype, workloads, variants)
+    ceilings = machine_ceilings(resolved.hf_dir, args.dtype, workloads, variants, reported_step_reads(results))
     table += "\n\n" + format_ceilings(ceilings, results, engines)
     report = {
         "schema": SCHEMA, "created": dt.datetime.now().isoformat(timespec="seconds"), "command": sys.argv,

@@ -173,11 +173,13 @@ def plot_breakdown(results: dict[str, dict[str, dict[str, Any]]], engines: list[
 
 
 def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
-                     variants: dict[str, Path] | None = None) -> dict[str, Any]:
+                     variants: dict[str, Path] | None = None, own: dict[str, Any] | None = None) -> dict[str, Any]:
     """The best this machine could do on each workload, from the model's shape and two rates
     measured now: a `dtype` matmul on every core (the fastest of torch.mm, oneDNN's packed
     linear and tandem's packed GEMM, at 2,048^3 and on the model's layers, `matmul_shapes`),
-    and a memory copy.
+    and a memory copy. These are the dtype's limits, the same for every engine. `own` maps
+    an engine to what its worker said its steps read (`StepReads` as the offline worker
+    reports it): that engine's mode also gets limits of its own (`own_limits`), under "own".
 
     prefill-heavy (prompt tok/s) and decode-heavy (output tok/s), each over its whole timed
     run: every prompt token costs 2 x active parameters of FLOPs, less the LM head's share (a
@@ -258,6 +260,18 @@ def machine_ceilings(hf_dir: Path, dtype: str, workloads: dict[str, Any],
                 limits[name] = _batch_ceiling(name, workload, seconds)[1]
     if by_layout:
         ceilings["by_layout"] = by_layout
+    # each engine that reported what its steps read (tandem's modes): its own limits
+    rates: dict[str, float] = {}
+
+    def int8_flops() -> float:
+        if "int8" not in rates:
+            rates["int8"] = own_int8_flops_per_s(dtype, shapes)
+        return rates["int8"]
+
+    if own:
+        ceilings["own"] = {engine: own_limits(reads, workloads, flops if compute_bound else 0.0, read, int8_flops,
+                                              per_prompt_token, per_token, attention)
+                           for engine, reads in own.items()}
     return ceilings
 
 
@@ -290,6 +304,52 @@ def own_gemm_flops_per_s(dtype: str, shapes: list[tuple[int, int, int]]) -> floa
     if kernel is None:
         return 0.0
     return max(packed_gemm_flops_per_s(kernel, getattr(torch, dtype), *mkn) for mkn in shapes)
+
+
+def own_int8_flops_per_s(dtype: str, shapes: list[tuple[int, int, int]]) -> float:
+    """tandem's 8-bit linear's best rate over `shapes` with activations in `dtype`, as the
+    worker builds it (`--quantization int8`: the packed int8 GEMM where VNNI is the CPU's
+    fastest multiply, else torch._int_mm, AMX's tiles where it has them); 0.0 where the rows'
+    kernel does not build."""
+    import torch
+
+    from tandem.kernels.int8_gemm import load_int8_gemm_kernel
+    from tandem.kernels.int8_rows import load_int8_rows_kernel
+    from tandem.layers.int8 import int8_linear_flops_per_s
+    from tandem.platform.cache_dir import default_cache_dir
+    from tandem.platform.cpu_modes import CpuFeatures
+
+    cache = default_cache_dir()
+    rows = load_int8_rows_kernel(cache)
+    gemm = load_int8_gemm_kernel(cache) if CpuFeatures.detect().int8_fastest else None
+    if rows is None:
+        return 0.0
+    return max(int8_linear_flops_per_s(m, k, n, getattr(torch, dtype), rows, gemm)
+               for m, k, n in shapes if k % 8 == 0 and n % 8 == 0)
+
+
+def own_limits(reads: dict[str, Any], workloads: dict[str, Any], dtype_flops: float, read: float,
+               int8_flops: Callable[[], float], per_prompt_token: float, per_token: float,
+               attention: AttentionWork) -> dict[str, Any]:
+    """A mode's own limits from what its worker reported (worker/step_reads.py: the bytes a
+    step of n tokens reads, the arithmetic of larger steps): single-stream, its one-token
+    bytes at the read rate; the batch workloads, its bytes by step size and its own matmul
+    rate (the int8 linear's under --quantization int8, else the dtype's)."""
+    up_to = [(int(tokens), float(nbytes)) for tokens, nbytes in reads["up_to"]]
+
+    def step_bytes(tokens: int) -> float:
+        return next((nbytes for limit, nbytes in up_to if tokens <= limit), up_to[-1][1])
+
+    flops = int8_flops() if reads.get("gemm") == "int8" else dtype_flops
+    limits: dict[str, Any] = {"matmul_flops_per_s": flops, "gemm": reads.get("gemm"), "one_token_bytes": step_bytes(1)}
+    for name, workload in workloads.items():
+        if name == "single-stream":
+            limits[name] = read / step_bytes(1)
+        elif name in ("prefill-heavy", "decode-heavy"):
+            seconds = _batch_seconds(workload, lambda batch: step_bytes(batch) / read, per_prompt_token, per_token,
+                                     flops or None, attention)
+            limits[name] = _batch_ceiling(name, workload, seconds)[1]
+    return limits
 
 
 def _batch_ceiling(name: str, workload: Any, seconds: float) -> tuple[str, float]:
@@ -390,6 +450,18 @@ def stored_weight_bytes(hf_dir: Path, dtype: str) -> int:
     return stage_weight_bytes(stages(shape, whole)[0], whole, WeightFormat(dtype, int_quant=shape.int_quant))
 
 
+def reported_step_reads(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """engine -> what its worker said its steps read (one report each: the model and mode
+    are the same in every workload), for the engines that said (tandem)."""
+    reads: dict[str, Any] = {}
+    for by_engine in results.values():
+        for engine, result in by_engine.items():
+            reported = (result.get("engine_info") or {}).get("step_reads")
+            if result.get("ok") and reported:
+                reads.setdefault(engine, reported)
+    return reads
+
+
 def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[str, Any]]], engines: list[str]) -> str:
     read = ceilings.get("memory_read_bytes_per_s")
     rate = ceilings["matmul_flops_per_s"]
@@ -409,14 +481,23 @@ def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[
              + ", "
              f"{ceilings['flops_per_token'] / 1e9:.2f} GFLOP per token. The ceilings below follow from "
              "those rates (the matmul: the fastest of torch.mm, oneDNN's packed linear and tandem's packed "
-             "GEMM, at 2,048^3 and on the model's layers at 2,048 rows); a 4-bit mode reads fewer bytes"]
+             "GEMM, at 2,048^3 and on the model's layers at 2,048 rows) and the dtype's bytes"]
+    modes = ceilings.get("own", {})
+    for engine, limits in modes.items():
+        gemm = "8-bit (int8)" if limits["gemm"] == "int8" else limits["gemm"]
+        lines.append(f"  {engine}'s own mode: a one-token step reads {limits['one_token_bytes'] / 1e6:,.0f} MB of "
+                     f"weights, larger steps multiply {gemm} at {limits['matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s; "
+                     "its own limits below")
     for workload, by_engine in results.items():
         if workload not in ceilings:
             continue
         metric, limit = ceilings[workload]
-        own = ceilings.get("by_layout", {})
+        layouts = ceilings.get("by_layout", {})
         shares = ", ".join(
-            f"{layout_of(e) or e} {100 * r[metric] / own.get(layout_of(e), {}).get(workload, limit):.0f}%"
+            f"{layout_of(e) or e} {100 * r[metric] / layouts.get(layout_of(e), {}).get(workload, limit):.0f}%"
             for e, r in by_engine.items() if r.get("ok") and r.get(metric))
-        lines.append(f"  {workload}: {METRICS[metric][0]} <= {limit:,.0f}; reached: {shares}")
+        own = "".join(
+            f"; {e}'s own mode <= {modes[e][workload]:,.0f}: {100 * r[metric] / modes[e][workload]:.0f}%"
+            for e, r in by_engine.items() if r.get("ok") and r.get(metric) and workload in modes.get(e, {}))
+        lines.append(f"  {workload}: {METRICS[metric][0]} <= {limit:,.0f}; reached: {shares}{own}")
     return "\n".join(lines)

@@ -94,6 +94,9 @@ def start_tandem(args: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
             "max_model_len": llm.engine.max_model_len, "kv_blocks": llm.engine.block_pool.num_blocks,
             "engine_startup_s": llm.engine.startup_seconds}
     core = llm.engine.core
+    reads = _step_reads([worker.step_reads for worker in core.worker_infos])
+    if reads is not None:
+        info["step_reads"] = reads
     generate.reset_cache = core.reset_prefix_cache  # type: ignore[attr-defined]
     # --profile: the ranks record the named phases of each step (tandem/platform/profiling.py).
     # The pass starts from an empty prefix cache, so its prefills are computed as the timed ones were.
@@ -269,6 +272,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result["peak_rss_mib"] = peak_rss_mib()
     result["loadavg_end"] = _loadavg()
     return result
+
+
+def _step_reads(ranks: list[Any]) -> dict[str, Any] | None:
+    """The ranks' `StepReads` (worker/step_reads.py) summed, for the bench's own limits of
+    this mode: {"up_to": [[tokens, bytes], ...], "gemm": arithmetic}; None where a rank did
+    not report or the ranks switch copies at other sizes."""
+    if not ranks or any(r is None for r in ranks) or len({tuple(t for t, _ in r.up_to) for r in ranks}) != 1:
+        return None
+    sizes = [tokens for tokens, _ in ranks[0].up_to]
+    return {"up_to": [[tokens, sum(r.up_to[i][1] for r in ranks)] for i, tokens in enumerate(sizes)],
+            "gemm": ranks[0].gemm}
 
 
 def _timed_pass(generate: Generate, mode: str, prompts: list[list[int]],

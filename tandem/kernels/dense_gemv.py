@@ -168,3 +168,8 @@ class DenseRows:
         codes = 0 if self.codes is None else self.codes.numel()
         rows = 0 if self.weight.device.type == "meta" else self.weight.numel() * self.weight.element_size()
         return rows + codes
+
+    @property
+    def read_nbytes(self) -> int:
+        """The bytes one product reads: the codes where it has them, else the plain rows."""
+        return self.codes.numel() if self.codes is not None else self.weight.numel() * self.weight.element_size()

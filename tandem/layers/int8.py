@@ -29,6 +29,7 @@ products, so the two are interchangeable bit for bit.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,14 @@ class Int8Weight:
         packed = 0 if self.packed is None else self.packed.values.numel() + self.packed.compensation.numel() * 4
         return self.columns.numel() + packed + self.scales.numel() * 4
 
+    @property
+    def read_nbytes(self) -> int:
+        """The bytes one product reads: the GEMM's packed blocks where it has them (a gated
+        MLP's pairs included: `gated_mlp` reads those), else the columns; and the scales."""
+        packed = self.packed
+        held = self.columns.numel() if packed is None else packed.values.numel() + packed.compensation.numel() * 4
+        return held + self.scales.numel() * 4
+
     def dequantize(self) -> torch.Tensor:
         """The matrix as fp32 [out, in]."""
         return self.columns.t().float() * self.scales.unsqueeze(1)
@@ -218,3 +227,19 @@ def gated_mlp(gate_up: Int8Weight, down: Int8Weight, x: torch.Tensor, residual: 
         middle = kernel.gated_quantize(gate_up.products(rows.values), rows, gate_up.scales, gate_up.columns,
                                        x.dtype, down.outliers)
     return down.matmul_rows(middle, x.dtype, down_bias, residual)
+
+
+def int8_linear_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, kernel: Int8RowsKernel | None,
+                            gemm: Int8GemmKernel | None, repeats: int = 5) -> float:
+    """FLOP/s (two a multiply-add) of an 8-bit linear, rows [m, k] in `dtype` times an [n, k]
+    matrix, all of `Int8Weight.matmul` timed: the rows' quantization, the integer products
+    and the dequantize. The bench's matmul limit for a mode whose larger steps multiply in 8
+    bits (`--quantization int8`): on VNNI an int8 product costs half a bf16 one, so a limit at
+    the bf16 rate read such a mode past 100%."""
+    weight = Int8Weight.quantize(torch.randn(n, k), kernel, gemm=gemm)
+    x = torch.randn(m, k).to(dtype)
+    weight.matmul(x)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        weight.matmul(x)
+    return repeats * 2 * m * k * n / (time.perf_counter() - started)

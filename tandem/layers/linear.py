@@ -183,6 +183,11 @@ def _onednn_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def _tensor_nbytes(tensor: torch.Tensor) -> int:
+    """A tensor's bytes, oneDNN's packed (mkldnn) tensors too, which have no plain storage."""
+    return tensor.numel() * tensor.element_size()
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked layout for `weight`, tuned for a batch around 64 tokens."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
@@ -379,7 +384,31 @@ class LinearWeights:
         return weight.numel() * weight.element_size()
 
     def uses_small_step(self, x: torch.Tensor) -> bool:
-        return self.small_step is not None and x.shape[0] <= self.small_step.max_tokens
+        return self._small_step_takes(x.shape[0])
+
+    def _small_step_takes(self, tokens: int) -> bool:
+        return self.small_step is not None and tokens <= self.small_step.max_tokens
+
+    def step_read_bytes(self, tokens: int) -> int:
+        """The weight bytes `linear` reads for a CPU step of `tokens` rows: those of the copy
+        its dispatch picks, kept beside it so the two choose alike (biases left out). A mode's
+        limit in `tandem bench offline` counts these, not the dtype's bytes: a one-token step
+        of the default mode reads 4- and 8-bit copies, of exact fp32 its lossless codes."""
+        if self.int4 is not None:
+            return self.int4.nbytes
+        if self._small_step_takes(tokens):
+            if self.small_dense is not None:
+                return self.small_dense.read_nbytes
+            if self.small_quantized is not None:
+                return self.small_quantized.nbytes
+            return _tensor_nbytes(self.small_packed if self.small_packed is not None else self.small_weight)
+        if self.gemv_rows is not None and tokens <= GEMV_MAX_ROWS:
+            return self.gemv_rows.read_nbytes
+        if self.int8 is not None:
+            return self.int8.read_nbytes
+        if self.dense_packed is not None:
+            return _tensor_nbytes(self.dense_packed.values)
+        return _tensor_nbytes(self.packed_weight if self.packed_weight is not None else self.weight)
 
     def linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = getattr(self, "bias", None) if with_bias else None
@@ -709,6 +738,16 @@ class GateUpLinear(MergedLinear):
     @property
     def packed(self) -> bool:
         return super().packed or self.gated_packed is not None or self.packed_halves is not None
+
+    def step_read_bytes(self, tokens: int) -> int:
+        """As `forward` picks: the gated or halved packed layouts for larger steps where it has
+        them, else what `linear` reads."""
+        if not self._small_step_takes(tokens):
+            if self.gated_packed is not None:
+                return _tensor_nbytes(self.gated_packed.values)
+            if self.packed_halves is not None:
+                return sum(_tensor_nbytes(half) for half in self.packed_halves)
+        return super().step_read_bytes(tokens)
 
     def _int8_gate_up_pairs(self) -> bool:
         """Pack the 8-bit copy in gate/up pairs where `gated_down` will run it (no bias, no

@@ -47,6 +47,7 @@ from tandem.worker.kv_scales import CALIBRATION_TEXT, FP8_QUALITY, calibrate_kv_
 from tandem.worker.kv_sizing import kv_blocks, kv_budget_bytes
 from tandem.worker.model_builder import ModelBuilder, model_bytes
 from tandem.worker.model_runner import ModelRunner, kv_bytes_per_block, rank_kv_spec
+from tandem.worker.step_reads import StepReads, step_reads
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class WorkerInfo:
     attention_backend: str
     load_seconds: float
     weight_bytes: int = 0  # what this rank's weights take in memory, packed copies included
+    step_reads: StepReads | None = None  # what its steps read, by size (the bench's own limits)
     layers: tuple[int, int] = (0, 0)  # [start, end) of the decoder layers it holds
     stage: int = 0
     tp_rank: int = 0
@@ -171,6 +173,7 @@ class Worker:
             attention_backend=backend.name,
             load_seconds=time.perf_counter() - started,
             weight_bytes=model_bytes(self._model),
+            step_reads=step_reads(self._model),
             layers=(self.stage.start_layer, self.stage.end_layer),
             stage=self.stage.index,
             tp_rank=self.tp.rank,

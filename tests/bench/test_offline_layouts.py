@@ -313,3 +313,43 @@ def test_mla_attention_is_counted_on_the_latent_in_decode_and_expanded_in_a_prom
         mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
     assert work.decode_flops_per_pair == 2 * heads * layers * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim)
     assert work.kv_read_seconds_per_token == 1e-9
+
+
+def test_a_mode_s_own_limits_count_the_bytes_its_steps_read_and_its_int8_rate(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tandem's default mode reads a 4-bit copy at one and two tokens and multiplies larger
+    steps in 8 bits: its own limits count those bytes and the int8 linear's rate, beside the
+    dtype's limits every engine shares; an engine that reports nothing gets the dtype's."""
+    from tandem.bench import offline_layouts
+    from tandem.bench.offline_layouts import format_ceilings, machine_ceilings, reported_step_reads
+    from tandem.bench.offline_workloads import Workload
+
+    _llama_8b_on_fixed_rates(tmp_path, monkeypatch, read=1e11)
+    monkeypatch.setattr(offline_layouts, "own_int8_flops_per_s", lambda *args: 4e12)
+    single = Workload("single-stream", "single", [[1] * 8], [9])
+    # a one-token step of 4 prompts of 8 tokens, 3 output tokens each: steps of 4 sequences
+    batch = Workload("decode-heavy", "batch", [[1] * 8] * 4, [3] * 4)
+    reads = {"up_to": [[2, 4e9], [3, 8e9]], "gemm": "int8"}
+    results = {name: {"tandem": {"ok": True, "engine_info": {"step_reads": reads}, metric: value},
+                      "vllm": {"ok": True, metric: value}}
+               for name, metric, value in (("single-stream", "decode_tok_s", 10.0),
+                                           ("decode-heavy", "output_tok_s", 20.0))}
+    assert reported_step_reads(results) == {"tandem": reads}
+    ceilings = machine_ceilings(tmp_path, "bfloat16", {"single-stream": single, "decode-heavy": batch},
+                                own=reported_step_reads(results))
+    own = ceilings["own"]["tandem"]
+    assert own["single-stream"] == pytest.approx(1e11 / 4e9)  # 25 tok/s: the 4-bit copy at the read rate
+    assert ceilings["single-stream"][1] == pytest.approx(1e11 / offline_layouts.step_read_bytes(tmp_path, "bfloat16", 1))
+    per_token, head = ceilings["flops_per_token"], 2 * 128256 * 4096
+    prefill = (32 * (per_token - head) + 4 * head + 4 * 36 * PAIR_FLOPS) / 4e12  # at the int8 rate
+    # two steps of 4 sequences (> 2 tokens: the 8-bit weights), each bounded by its reads
+    steps = sum(max((8e9 + 4 * (8 + step) * KV_TOKEN_BYTES) / 1e11,
+                    (4 * per_token + 4 * (8 + step) * PAIR_FLOPS) / 4e12) for step in (1, 2))
+    assert own["decode-heavy"] == pytest.approx(12 / (prefill + steps))
+    text = format_ceilings(ceilings, results, ["tandem", "vllm"])
+    assert "tandem's own mode: a one-token step reads 4,000 MB" in text and "8-bit (int8) at 4,000 GFLOP/s" in text
+    assert f"tandem's own mode <= 25: {100 * 10 / 25:.0f}%" in text
+    # a mode whose larger steps multiply in the dtype is bounded by the dtype's rate
+    bf16 = machine_ceilings(tmp_path, "bfloat16", {"decode-heavy": batch},
+                            own={"tandem": {"up_to": [[2, 4e9], [3, 8e9]], "gemm": "bfloat16"}})
+    assert bf16["own"]["tandem"]["matmul_flops_per_s"] == 1e12

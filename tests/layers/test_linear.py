@@ -373,3 +373,44 @@ def test_a_copy_too_far_on_a_sample_of_blocks_is_never_made_whole(tmp_path, monk
     attach_small_step_weights(smooth, SmallStepWeights(max_tokens=2, format="int4", int4_max_error=0.01), kernel)
     assert isinstance(smooth.small_quantized, Q8Matrix)
     assert made == [("Q4Matrix", 256), ("Q5Matrix", 256), ("Q8Matrix", 256), ("Q8Matrix", 2048)]
+
+
+def test_a_step_reads_the_copy_its_size_picks(tmp_path) -> None:
+    """`step_read_bytes` (the bench's own limits) follows `linear`'s dispatch: a step within
+    the small copy's tokens reads the 4-bit copy, a larger one the dense weights, then the
+    packed ones once packed; 8-bit weights where they are, and a gated MLP's packed pairs."""
+    from tandem.kernels.dense_gemm import load_dense_gemm_kernel
+    from tandem.kernels.int8_gemm import load_int8_gemm_kernel
+    from tandem.kernels.int8_rows import Int8RowsKernel
+    from tandem.kernels.q4_gemm import Q4Kernel
+
+    torch.manual_seed(3)
+    layer = Linear(64, 32)
+    levels = torch.randint(0, 16, (32, 64)).float()
+    levels[:, 0::32], levels[:, 1::32] = 0, 15
+    layer.weight.data.copy_(levels / 16 - 0.5)
+    dense = 64 * 32 * 4
+    assert layer.step_read_bytes(1) == layer.step_read_bytes(3) == dense
+    attach_small_step_weights(layer, SmallStepWeights(max_tokens=2, format="int4"), Q4Kernel.build(tmp_path))
+    four_bit = layer.small_quantized.nbytes
+    assert 64 * 32 // 2 <= four_bit < dense // 4
+    assert layer.step_read_bytes(1) == layer.step_read_bytes(2) == four_bit
+    assert layer.step_read_bytes(3) == dense
+    if onednn_available():
+        pack_weights_for_cpu(torch.nn.ModuleList([layer]))
+        assert layer.weight.numel() == 0 and layer.step_read_bytes(3) == dense  # the packed copy
+        assert layer.step_read_bytes(1) == four_bit
+
+    eight = Linear(64, 32)
+    eight.weight.data.normal_()
+    assert eight.quantize_int8(Int8RowsKernel.build(tmp_path), load_int8_gemm_kernel(tmp_path))
+    # a byte a weight (padded blocks where packed for the GEMM) and a scale a row; the
+    # columns kept beside a packed copy are not read
+    assert 64 * 32 + 32 * 4 <= eight.step_read_bytes(3) == eight.int8.read_nbytes < 2 * 64 * 32
+
+    gemm = load_dense_gemm_kernel(tmp_path)
+    if gemm is not None:
+        gate_up = GateUpLinear(64, 32)
+        gate_up.weight.data.normal_()
+        gate_up.pack_for_cpu(drop_dense=True, dense_gemm=gemm)
+        assert gate_up.gated_packed is not None and gate_up.step_read_bytes(3) == 2 * 32 * 64 * 4
