@@ -8,9 +8,9 @@ values, but a one-token step that streams them as fp32 reads 4 bytes a weight fo
 or 9 bits of information. Here each block of 32 is written as int8 codes plus an fp32 scale
 and offset such that fl(fl(scale * code) + offset) is bit for bit the fp32 weight (checked
 on every weight before the codes are used), 1.25 bytes a weight; the GEMV rebuilds each
-weight and sums as it sums the plain rows. Every scale is an fp16 value (as the formats store
-them), so scale * code is exact in fp32 and the kernel's fused multiply-add rounds only where
-the check's separate add does.
+weight and sums as it sums the plain rows. Every scale has at most fp16's 11 significant bits
+(the formats store fp16 scales), so scale * code is exact in fp32 and the kernel's fused
+multiply-add rounds only where the check's separate add does.
 
 The scale and offset are not read from the GGUF: they are found from the values, by the rules
 that the block formats' own quantizers leave behind (below), and a block that no rule rebuilds
@@ -34,8 +34,8 @@ def coded_row_bytes(k: int) -> int:
 
 def _rules(blocks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Candidate (offset, scale) per block, fp32 [rows, blocks] each, in the order tried.
-    The scales are rounded to fp16, as the formats store them (and as the kernel's fused
-    multiply-add needs: an exact product).
+    The scales are rounded to 11 significant bits (`_fp16_precision`), as the formats store
+    them (and as the kernel's fused multiply-add needs: an exact product).
 
     - Q4_1 / Q5_1: the block's minimum is a weight whose code is 0 (so it is the offset
       itself, fl(0 + m) = m), and its maximum has the top code, 15 or 31.
@@ -48,6 +48,16 @@ def _rules(blocks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     zero = torch.zeros_like(low)
     return [(low, (high - low) / 15), (zero, extreme / -16), (zero, extreme.abs() / 127), (zero, extreme / -8),
             (low, (high - low) / 31)]
+
+
+def _fp16_precision(scale: torch.Tensor) -> torch.Tensor:
+    """`scale` rounded to fp16's 11 significant bits (to nearest even), at any fp32 exponent.
+    Not `scale.half()`: a weight divided after loading by a power of two (the key rows of a
+    model with key divisors, models/key_divisors.py: Qwen2.5-Coder's first layer by 16 and
+    more) has its format's fp16 scale divided too, past fp16's normal range, where a cast to
+    fp16 drops its low bits and the block no longer comes back."""
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2^exponent, 0.5 <= |mantissa| < 1
+    return torch.ldexp(torch.round(mantissa * 2048) / 2048, exponent)
 
 
 def _codes(blocks: torch.Tensor, order: list[int] | None = None,
@@ -64,10 +74,10 @@ def _codes(blocks: torch.Tensor, order: list[int] | None = None,
     served: list[int] = []
     for index in order:
         offset, scale = rules[index]
-        scale = scale.half().float()
+        scale = _fp16_precision(scale)
         scale = torch.where((scale == 0) | ~scale.isfinite(), torch.ones_like(scale), scale)
         level = ((blocks - offset[..., None]) / scale[..., None]).round_().clamp_(-128, 127)
-        rebuilt = scale[..., None] * level  # exact: an fp16 scale times an int8 code
+        rebuilt = scale[..., None] * level  # exact: 11 significant bits times an int8 code
         rebuilt += offset[..., None]
         fits = (rebuilt == blocks).all(-1) & ~found
         if not bool(fits.any()):

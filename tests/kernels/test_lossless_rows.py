@@ -112,3 +112,14 @@ def test_every_instruction_set_path_rebuilds_the_weights(tmp_path: Path, march: 
     assert torch.equal(other.coded_gemv(coded, 33, 128, torch.eye(128)), weight.T)
     x = torch.randn(3, 128)
     torch.testing.assert_close(other.coded_gemv(coded, 33, 128, x), other.gemv(weight, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_weights_divided_past_fp16_s_range_still_come_back(kind: str) -> None:
+    """Key rows divided by a power of two after loading (models/key_divisors.py: Qwen's
+    first layer by 16 and more) have their blocks' fp16 scales divided too, below fp16's
+    normal range: the scales keep fp16's precision at any exponent, so they still code."""
+    weight = gguf_weights(kind, (64, 576), seed=4) / 2**14
+    assert bool((weight.abs().amax(-1) < 2**-14).all())  # every row past fp16's normal range
+    coded = code_rows(weight)
+    assert coded is not None and torch.equal(rebuild_rows(coded, 576), weight)
