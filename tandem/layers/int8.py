@@ -151,16 +151,16 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        packed = 0 if self.packed is None else self.packed.values.numel() + self.packed.compensation.numel() * 4
-        return self.columns.numel() + packed + self.scales.numel() * 4
+        return self.columns.numel() + self._packed_nbytes() + self.scales.numel() * 4
 
     @property
     def read_nbytes(self) -> int:
         """The bytes one product reads: the GEMM's packed blocks where it has them (a gated
         MLP's pairs included: `gated_mlp` reads those), else the columns; and the scales."""
-        packed = self.packed
-        held = self.columns.numel() if packed is None else packed.values.numel() + packed.compensation.numel() * 4
-        return held + self.scales.numel() * 4
+        return (self._packed_nbytes() if self.packed is not None else self.columns.numel()) + self.scales.numel() * 4
+
+    def _packed_nbytes(self) -> int:
+        return 0 if self.packed is None else self.packed.values.numel() + self.packed.compensation.numel() * 4
 
     def dequantize(self) -> torch.Tensor:
         """The matrix as fp32 [out, in]."""

@@ -384,7 +384,7 @@ class LinearWeights:
         return weight.numel() * weight.element_size()
 
     def uses_small_step(self, x: torch.Tensor) -> bool:
-        return self._small_step_takes(x.shape[0])
+        return self.small_step is not None and x.shape[0] <= self.small_step.max_tokens
 
     def _small_step_takes(self, tokens: int) -> bool:
         return self.small_step is not None and tokens <= self.small_step.max_tokens

@@ -304,3 +304,18 @@ def test_repeats_time_each_pass_from_an_empty_cache_and_report_the_median_pass(m
     monkeypatch.setattr(offline_worker.time, "perf_counter", iter(range(100)).__next__)
     result = offline_worker.run({"engine": "fake", "workload": workload, "launch_time": 0.0, "repeats": 2})
     assert not result["ok"] and "no prefix cache reset between passes" in result["error"]
+
+
+def test_the_ranks_step_reads_are_summed_only_where_every_rank_reported_alike() -> None:
+    """Each rank reads its own shard: the mode's bytes are their sum. A rank that reported
+    nothing, or one that switches copies at another step size, leaves the mode without
+    limits of its own rather than with wrong ones."""
+    from tandem.bench.offline_worker import _step_reads
+    from tandem.worker.step_reads import StepReads
+
+    first, second = StepReads(((2, 100), (3, 400)), "int8"), StepReads(((2, 50), (3, 200)), "int8")
+    assert _step_reads([first, second]) == {"up_to": [[2, 150], [3, 600]], "gemm": "int8"}
+    assert _step_reads([first, None]) is None
+    assert _step_reads([first, StepReads(((4, 50), (5, 200)), "int8")]) is None
+    assert _step_reads([]) is None
+    assert first.bytes_for(1) == first.bytes_for(2) == 100 and first.bytes_for(64) == 400

@@ -217,3 +217,18 @@ def test_the_fp32_sliced_integer_gemm_is_torchs_bit_for_bit(monkeypatch: pytest.
     a[1], b[1] = 127, 125 + 2 * torch.randint(0, 2, (k,))  # odd terms, which fp32 rounds past 2**24
     monkeypatch.setattr(int8, "_native_int_mm", lambda: False)
     assert torch.equal(int8.int_mm(a, b.t()), torch._int_mm(a, b.t()))
+
+
+def test_the_int8_linear_s_rate_times_its_whole_matmul(kernel: Int8RowsKernel, monkeypatch) -> None:
+    """The bench's int8 limit: 2 m k n FLOPs over the time of `Int8Weight.matmul`, the rows'
+    quantization included (a warm-up call, then the timed repeats)."""
+    from tandem.layers import int8
+    from tandem.layers.int8 import Int8Weight, int8_linear_flops_per_s
+
+    calls = []
+    real = Int8Weight.matmul
+    monkeypatch.setattr(Int8Weight, "matmul", lambda self, x, *a, **k: calls.append(x.shape) or real(self, x, *a, **k))
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr(int8.time, "perf_counter", lambda: next(clock))
+    rate = int8_linear_flops_per_s(64, 128, 256, torch.bfloat16, kernel, None, repeats=4)
+    assert calls == [(64, 128)] * 5 and rate == 4 * 2 * 64 * 128 * 256 / 2.0
