@@ -134,6 +134,8 @@ class PagedDecodeKernel:
         threads = torch.get_num_threads()
         # Few sequences: one work item per query head, so every thread has some; many: one
         # per kv head, so a head's keys are read once for all the query heads that share it.
+        # (Few sequences with contexts long enough are cut into spans by the kernel instead,
+        # whatever this asks: paged_decode_attention.c's span_count.)
         heads_per_item = 1 if num_seqs * num_kv_heads < 2 * threads else group
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype)
         status = self._attend(

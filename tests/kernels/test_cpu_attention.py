@@ -45,6 +45,8 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         ([40] * 70, 9, 3, 64, 16),  # many sequences: work split per kv head
         ([7, 33, 12], 8, 8, 32, 4),  # no grouping (MHA), small blocks
         ([300, 129], 16, 2, 128, 32),  # wide heads, 8 query heads per kv head
+        ([1000], 7, 1, 64, 16),  # a lone stream's long context: its keys cut into spans
+        ([300], 32, 1, 32, 16),  # a group wider than an item takes: no spans
     ],
 )
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -76,6 +78,7 @@ def test_the_paths_without_avx512_compute_the_same(tmp_path, march, isa, flag, c
     _check_against_reference(other, [7, 33, 12], 8, 8, 32, 4, cache_dtype)
     _check_against_reference(other, [300, 129], 16, 2, 128, 32, cache_dtype)
     _check_against_reference(other, [1, 9, 40], 4, 1, 8, 16, cache_dtype)  # head size of one 8-lane vector
+    _check_against_reference(other, [1000], 7, 1, 64, 16, cache_dtype)  # a lone stream's keys in spans
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
@@ -95,6 +98,7 @@ def test_avx512_without_bf16_dot_products_widens_the_cache(tmp_path) -> None:
         pytest.skip("this CPU cannot run AVX-512 code")
     _check_against_reference(other, [5, 200, 17, 64, 3, 90], 9, 3, 64, 16, torch.bfloat16, torch.bfloat16)
     _check_against_reference(other, [300, 129], 16, 2, 128, 32, torch.bfloat16)
+    _check_against_reference(other, [1000], 7, 1, 64, 16, torch.bfloat16, torch.bfloat16)  # spans
 
 
 @pytest.mark.parametrize(
@@ -105,6 +109,7 @@ def test_avx512_without_bf16_dot_products_widens_the_cache(tmp_path) -> None:
         ([40] * 70, 9, 3, 64, 16),  # three query heads an item
         ([7, 33, 12], 8, 8, 32, 4),  # blocks smaller than a group of 16 keys
         ([300, 129], 16, 2, 128, 32),  # wide heads, 8 query heads per kv head
+        ([1000], 7, 1, 64, 16),  # a lone stream's long context: its keys cut into spans
     ],
 )
 def test_bf16_queries_over_a_bf16_cache(kernel, lengths, heads, kv_heads, dim, block) -> None:
@@ -112,6 +117,32 @@ def test_bf16_queries_over_a_bf16_cache(kernel, lengths, heads, kv_heads, dim, b
     stay bf16, keys are never widened): the fp32 reference over the same bf16 values, rounded
     once to bf16."""
     _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "dim", "block"),
+    [
+        ([190], 9, 3, 64, 16),  # SmolLM2's lone stream: 3 pairs, fewer than two a thread
+        ([1000, 3], 4, 1, 32, 4),  # a context shorter than a span, blocks smaller than a group
+        ([129], 14, 2, 64, 16),  # Qwen2.5-Coder-0.5B's heads; the last span one key long
+        ([4100], 14, 2, 64, 16),  # an agent's prompt
+    ],
+)
+@pytest.mark.parametrize(("cache_dtype", "query_dtype"),
+                         [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                          (torch.bfloat16, torch.bfloat16)])
+def test_a_few_streams_keys_are_cut_into_spans_and_merged(kernel, lengths, heads, kv_heads, dim, block, cache_dtype,
+                                                          query_dtype) -> None:
+    """With fewer (sequence, kv head) pairs than two a thread, each pair's keys are split into
+    spans, each span's output normalized over its own keys and the spans merged by their
+    maxima and sums: the same attention as over the whole context at once (two threads, as
+    the CI box and this rule's examples have)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_against_reference(kernel, lengths, heads, kv_heads, dim, block, cache_dtype, query_dtype)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_decode_path_is_named(kernel) -> None:

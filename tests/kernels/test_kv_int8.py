@@ -116,6 +116,7 @@ def _reference(q, cache, table, length, kv_heads, dim, scale) -> torch.Tensor:
         ([40] * 70, 9, 3, 64, 16),  # many sequences: a kv head's query heads per item
         ([7, 33, 12], 8, 8, 32, 4),  # no grouping (MHA), small blocks
         ([300, 129], 16, 2, 128, 32),  # wide heads, 8 query heads per kv head
+        ([1000], 7, 1, 64, 16),  # a lone stream's long context: its keys cut into spans
     ],
 )
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])

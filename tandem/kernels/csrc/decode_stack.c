@@ -308,7 +308,8 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
     const int64_t t = step->tokens, width = (step->heads + 2 * step->kv_heads) * step->head_dim;
     const int64_t q_width = step->heads * step->head_dim, kv_width = step->kv_heads * step->head_dim;
     const int threads = step->num_threads;
-    /* as the Python backend picks it: few sequences, one work item per query head */
+    /* as the Python backend picks it: few sequences, one work item per query head (or, their
+     * contexts long enough, spans the attention kernel cuts itself: span_count) */
     const int64_t group = step->heads / step->kv_heads;
     const int64_t heads_per_item = step->decodes * step->kv_heads < 2 * threads ? 1 : group;
     const size_t bytes = (size_t)step->element_bytes;
