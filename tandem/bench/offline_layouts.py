@@ -334,7 +334,10 @@ def own_limits(reads: dict[str, Any], workloads: dict[str, Any], dtype_flops: fl
     """A mode's own limits from what its worker reported (worker/step_reads.py: the bytes a
     step of n tokens reads, the arithmetic of larger steps): single-stream, its one-token
     bytes at the read rate; the batch workloads, its bytes by step size and its own matmul
-    rate (the int8 linear's under --quantization int8, else the dtype's)."""
+    rate (the int8 linear's under --quantization int8, else the dtype's). Attention stays at
+    the dtype's rate either way: its products are over the cache's values, in the run dtype
+    (the decode and prefill kernels' bf16 dot products), never int8; counted at the int8
+    rate, a prompt's causal pairs made the default mode's prefill-heavy bound ~10% high."""
     up_to = [(int(tokens), float(nbytes)) for tokens, nbytes in reads["up_to"]]
 
     def step_bytes(tokens: int) -> float:
@@ -347,7 +350,7 @@ def own_limits(reads: dict[str, Any], workloads: dict[str, Any], dtype_flops: fl
             limits[name] = read / step_bytes(1)
         elif name in ("prefill-heavy", "decode-heavy"):
             seconds = _batch_seconds(workload, lambda batch: step_bytes(batch) / read, per_prompt_token, per_token,
-                                     flops or None, attention)
+                                     flops or None, attention, dtype_flops or None)
             limits[name] = _batch_ceiling(name, workload, seconds)[1]
     return limits
 
@@ -387,27 +390,31 @@ class AttentionWork:
 
 
 def _batch_seconds(workload: Any, read_seconds: Callable[[int], float], per_prompt_token: float,
-                   per_token: float, flops: float | None, attention: AttentionWork) -> float:
+                   per_token: float, flops: float | None, attention: AttentionWork,
+                   attention_flops: float | None = None) -> float:
     """The seconds a batch workload takes at the machine's rates: its prefill (compute-bound:
     every prompt token's FLOPs, its causal attention, and the LM head once a prompt for the
     first output token), then one decode step per further token of the sequences still
     running, each bounded by its reads (`read_seconds(batch)` for the weights, and each
     sequence's KV so far) or its FLOPs (the layers' and attention to that KV), whichever is
     longer. `flops` None: no matmul path bounds it (the reads alone). prefill-heavy's run
-    times its 16 output tokens a prompt too, so its ceiling counts them."""
+    times its 16 output tokens a prompt too, so its ceiling counts them. `attention_flops`:
+    the rate attention's products run at where it is not `flops` (an int8 mode's)."""
+    attention_flops = attention_flops or flops
     seconds = 0.0
     prompt_lengths = [len(prompt) for prompt in workload.prompts]
     if flops is not None:
         head = per_token - per_prompt_token
         pairs = sum(n * (n + 1) // 2 for n in prompt_lengths)
-        seconds += (workload.prompt_tokens * per_prompt_token + len(workload.prompts) * head
-                    + pairs * attention.prefill_flops_per_pair) / flops
+        seconds += ((workload.prompt_tokens * per_prompt_token + len(workload.prompts) * head) / flops
+                    + pairs * attention.prefill_flops_per_pair / attention_flops)
     lengths = workload.max_tokens
     for step in range(1, max(lengths, default=0)):
         # output token `step` is the input: it attends to its prompt, the tokens before it and itself
         contexts = [prompt + step for prompt, n in zip(prompt_lengths, lengths, strict=True) if n > step]
         reads = read_seconds(len(contexts)) + sum(contexts) * attention.kv_read_seconds_per_token
-        work = (len(contexts) * per_token + sum(contexts) * attention.decode_flops_per_pair) / flops if flops else 0.0
+        work = (len(contexts) * per_token / flops + sum(contexts) * attention.decode_flops_per_pair / attention_flops
+                if flops else 0.0)
         seconds += max(reads, work)
     return seconds
 

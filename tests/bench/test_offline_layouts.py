@@ -341,10 +341,11 @@ def test_a_mode_s_own_limits_count_the_bytes_its_steps_read_and_its_int8_rate(
     assert own["single-stream"] == pytest.approx(1e11 / 4e9)  # 25 tok/s: the 4-bit copy at the read rate
     assert ceilings["single-stream"][1] == pytest.approx(1e11 / offline_layouts.step_read_bytes(tmp_path, "bfloat16", 1))
     per_token, head = ceilings["flops_per_token"], 2 * 128256 * 4096
-    prefill = (32 * (per_token - head) + 4 * head + 4 * 36 * PAIR_FLOPS) / 4e12  # at the int8 rate
+    # the layers at the int8 rate, attention's products (over bf16 keys and values) at bf16's
+    prefill = (32 * (per_token - head) + 4 * head) / 4e12 + 4 * 36 * PAIR_FLOPS / 1e12
     # two steps of 4 sequences (> 2 tokens: the 8-bit weights), each bounded by its reads
     steps = sum(max((8e9 + 4 * (8 + step) * KV_TOKEN_BYTES) / 1e11,
-                    (4 * per_token + 4 * (8 + step) * PAIR_FLOPS) / 4e12) for step in (1, 2))
+                    4 * per_token / 4e12 + 4 * (8 + step) * PAIR_FLOPS / 1e12) for step in (1, 2))
     assert own["decode-heavy"] == pytest.approx(12 / (prefill + steps))
     text = format_ceilings(ceilings, results, ["tandem", "vllm"])
     assert "tandem's own mode: a one-token step reads 4,000 MB" in text and "8-bit (int8) at 4,000 GFLOP/s" in text
