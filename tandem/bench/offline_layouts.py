@@ -493,8 +493,8 @@ def format_ceilings(ceilings: dict[str, Any], results: dict[str, dict[str, dict[
     for engine, limits in modes.items():
         gemm = "8-bit (int8)" if limits["gemm"] == "int8" else limits["gemm"]
         lines.append(f"  {engine}'s own mode: a one-token step reads {limits['one_token_bytes'] / 1e6:,.0f} MB of "
-                     f"weights, larger steps multiply {gemm} at {limits['matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s; "
-                     "its own limits below")
+                     f"weights, larger steps multiply {gemm} at {limits['matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s "
+                     "(attention at the dtype's rate); its own limits below")
     for workload, by_engine in results.items():
         if workload not in ceilings:
             continue
