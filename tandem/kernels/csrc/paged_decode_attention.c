@@ -233,6 +233,15 @@ DEFINE_ATTEND(_f8, uint8_t, dot_f8, axpy_f8, 0)
 
 #define MAX_GROUP 16 /* query heads a work item at most */
 
+/* An item's query rows as an int8 cache's rotated rows meet them: `values` of q_rows rotated
+ * into `buffer` (returned), or q_rows itself where the cache is not rotated (`rotation` 0). */
+static inline const float *rotated_query(const float *q_rows, float *buffer, int64_t values, int64_t rotation) {
+    if (!rotation) return q_rows;
+    memcpy(buffer, q_rows, sizeof(float) * (size_t)values);
+    rotate_runs(buffer, values, rotation);
+    return buffer;
+}
+
 static inline float bf16_to_float(uint16_t x) {
     union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
     return bits.f;
@@ -885,11 +894,7 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")       
         span_bounds(context_lens[seq], spans, item % spans, &begin, &end);                         \
         const float *q_rows = q + (seq * num_heads + kv_head * group) * head_dim;                  \
         float rotated_q[rotation ? item_values : 1];                                               \
-        if (rotation) {                                                                            \
-            memcpy(rotated_q, q_rows, sizeof(float) * (size_t)item_values);                        \
-            rotate_runs(rotated_q, item_values, rotation);                                         \
-            q_rows = rotated_q;                                                                    \
-        }                                                                                          \
+        q_rows = rotated_query(q_rows, rotated_q, item_values, rotation);                          \
         attend_vector##SUFFIX(q_rows, rows + item * item_values, kv_cache + kv_head * head_stride,  \
                               kv_cache + (num_kv_heads + kv_head) * head_stride,                   \
                               block_tables + seq * table_stride, begin, end, group, head_dim,      \
@@ -952,11 +957,7 @@ _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reductio
         const float *q_rows = q + (seq * num_heads + first_head) * head_dim;                       \
         float *out_rows = out + (seq * num_heads + first_head) * head_dim;                         \
         float rotated_q[rotation ? item_values : 1];                                               \
-        if (rotation) {                                                                            \
-            memcpy(rotated_q, q_rows, sizeof(float) * (size_t)item_values);                        \
-            rotate_runs(rotated_q, item_values, rotation);                                         \
-            q_rows = rotated_q;                                                                    \
-        }                                                                                          \
+        q_rows = rotated_query(q_rows, rotated_q, item_values, rotation);                          \
         if (HAS_VECTOR_PATH && head_dim % VECTOR_LANES == 0 && head_dim <= 256 && heads_per_item <= 16) { \
             attend_vector##SUFFIX(q_rows, out_rows, k_head, v_head, table, 0, len, heads_per_item, \
                                   head_dim, block_size, scale, NULL);                              \
