@@ -5,7 +5,6 @@ from __future__ import annotations
 import platform
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -123,18 +122,51 @@ def test_the_isa_is_named(kernel) -> None:
     assert kernel.isa in ("avx512", "portable C")
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-def test_the_plain_c_path_computes_what_this_cpus_path_does(kernel, tmp_path: Path) -> None:
-    """Machines differ (AVX2-only EPYCs, AVX-512 Xeons): the plain loops, built for an older
-    target, against this build, on rows with tails, outliers, a zero row and a tie."""
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Int8RowsKernel:
+    """The plain loops, built for an older target (machines differ: AVX2-only EPYCs, AVX-512
+    Xeons)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction sets")
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    library = tmp_path / "int8-rows-x86-64.so"
+    library = tmp_path_factory.mktemp("plain") / "int8-rows-x86-64.so"
     subprocess.run([compiler, "-O3", "-march=x86-64", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared",
                     "-fPIC", "-std=c11", str(SOURCE), "-o", str(library), "-lm"], check=True, capture_output=True)
-    plain = Int8RowsKernel(library)
-    assert plain.isa == "portable C"
+    built = Int8RowsKernel(library)
+    assert built.isa == "portable C"
+    return built
+
+
+@pytest.mark.parametrize("cols", [3, 16, 200, 576, 1536])
+@pytest.mark.parametrize("outliers", [1, 4, 15, 16, 20])
+def test_outliers_are_the_plain_paths_in_every_row_shape(kernel, plain, cols, outliers) -> None:
+    """The vector path finds candidates by a bound from its lane maxima and ranks at most 16
+    of them in a vector, else it takes the plain selection: both sides of that split, bit for
+    bit, ties to the lower column. Rows: Gaussian with a few channels far above the rest (a
+    handful of candidates), few levels (wide ties, many candidates), zeros, one lane's
+    chunk all equal, fewer columns than outliers."""
+    generator = torch.Generator().manual_seed(cols * 100 + outliers)
+    rows = [torch.randn(cols, generator=generator) for _ in range(4)]
+    for row in rows[:2]:
+        row[torch.randint(0, cols, (3,), generator=generator)] *= 40.0
+    rows.append(torch.randint(-3, 4, (cols,), generator=generator).float())  # few levels: ties everywhere
+    rows.append(torch.zeros(cols))
+    rows.append(torch.full((cols,), -2.5))
+    spiky = torch.randn(cols, generator=generator)
+    spiky[::16] = 9.0  # every chunk's lane 0 equal and largest
+    rows.append(spiky)
+    x = torch.stack(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = kernel.quantize_rows(x.to(dtype), outliers), plain.quantize_rows(x.to(dtype), outliers)
+        assert torch.equal(got.outlier_index, want.outlier_index)
+        assert torch.equal(got.outlier_value, want.outlier_value)
+        assert torch.equal(got.values, want.values) and torch.equal(got.scales, want.scales)
+
+
+def test_the_plain_c_path_computes_what_this_cpus_path_does(kernel, plain) -> None:
+    """The plain loops against this build, on rows with tails, outliers, a zero row and a tie."""
     generator = torch.Generator().manual_seed(21)
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(9, 200, generator=generator) * 3).to(dtype)  # 200: a 8-wide tail past 12 chunks
@@ -144,7 +176,7 @@ def test_the_plain_c_path_computes_what_this_cpus_path_does(kernel, tmp_path: Pa
         got, want = kernel.quantize_rows(x, 4), plain.quantize_rows(x, 4)
         assert torch.equal(got.values, want.values) and torch.equal(got.scales, want.scales)
         assert torch.equal(got.outlier_value, want.outlier_value)
-        assert torch.equal(got.outlier_index[[0, 2, 3]], want.outlier_index[[0, 2, 3]])  # row 1: any zero
+        assert torch.equal(got.outlier_index, want.outlier_index)  # the zero row's too: its lowest columns
         assert got.outlier_index[2, :2].tolist() == [5, 150] and int(got.outlier_index[3, 0]) == 199
         weight_t = torch.randint(-127, 128, (200, 72), generator=generator, dtype=torch.int8)
         products = torch.randint(-9000, 9000, (9, 72), generator=generator, dtype=torch.int32)
