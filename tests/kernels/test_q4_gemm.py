@@ -115,6 +115,30 @@ def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path
     torch.testing.assert_close(theirs.matmul(x), ours.matmul(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("rows", "n", "k"), [(3, 50, 128), (9, 2050, 64), (9, 48, 2048)])
+def test_each_thread_rounds_and_adds_its_own_columns(kernel: Q4Kernel, threads: int, rows: int, n: int,
+                                                     k: int) -> None:
+    """bf16 rows are widened as they are quantized and each thread rounds its own tiles'
+    columns (and adds the residual to them) after its products: the bits of a product in
+    fp32 rounded after, over a partial last tile (50 columns), threads with no whole tiles,
+    and scratch too large for the stack (9 x 2,050 products, 9 x 2,048 activations)."""
+    generator = torch.Generator().manual_seed(rows * n + k)
+    matrix = Q4Matrix.quantize(torch.randn(n, k, generator=generator) / 8, kernel)
+    x = torch.randn(rows, k, generator=generator)
+    residual = torch.randn(rows, n, generator=generator) * 4
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        products = matrix.matmul(x.bfloat16().float())
+        assert torch.equal(matrix.matmul(x.bfloat16()), products.bfloat16())
+        assert torch.equal(matrix.matmul_plus(x.bfloat16(), residual.bfloat16()),
+                           residual.bfloat16() + products.bfloat16())
+        assert torch.equal(matrix.matmul_plus(x, residual), residual + matrix.matmul(x))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_residual_is_added_as_torch_would_add_it(kernel: Q4Kernel, dtype: torch.dtype, rows: int) -> None:
