@@ -115,6 +115,16 @@ def test_every_instruction_set_path_computes_the_same(kernel: Q4Kernel, tmp_path
     torch.testing.assert_close(theirs.matmul(x), ours.matmul(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_rows_give_no_rows(kernel: Q4Kernel, dtype: torch.dtype) -> None:
+    """An empty batch (a speculative step with nothing to draft) is no error: its tensors'
+    data pointers may be NULL."""
+    matrix = Q4Matrix.quantize(torch.randn(48, 64), kernel)
+    x = torch.empty(0, 64, dtype=dtype)
+    assert matrix.matmul(x).shape == (0, 48)
+    assert matrix.matmul_plus(x, torch.empty(0, 48, dtype=dtype)).shape == (0, 48)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("rows", "n", "k"), [(3, 50, 128), (9, 2050, 64), (9, 48, 2048)])
 def test_each_thread_rounds_and_adds_its_own_columns(kernel: Q4Kernel, threads: int, rows: int, n: int,

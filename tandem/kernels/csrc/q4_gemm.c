@@ -524,6 +524,7 @@ static void finish_columns(const float *products, const void *residual, void *ou
 static int lowbit_gemm_scaled(int bits, const uint8_t *levels, const uint16_t *scales, const uint16_t *mins,
                               int scale_bf16, const void *x, const void *residual, void *out, int bf16,
                               int64_t m_rows, int64_t n, int64_t k, int num_threads) {
+    if (m_rows <= 0 || n <= 0) return 0; /* nothing to compute (an empty batch's out may be NULL) */
     const int64_t groups = k / GROUP, row_bytes = bits * k / 8, tiles = (n + TILE - 1) / TILE;
     const int small = m_rows * k <= STACK_ELEMENTS;
     int16_t xq_stack[small ? m_rows * k : 1];
@@ -536,7 +537,7 @@ static int lowbit_gemm_scaled(int bits, const uint8_t *levels, const uint16_t *s
     float products_stack[staged && staged_small ? m_rows * n : 1];
     float *products = !staged ? (float *)out
                       : staged_small ? products_stack : malloc(sizeof(float) * (size_t)(m_rows * n));
-    int failed = xq == NULL || d == NULL || xsum == NULL || products == NULL;
+    int failed = xq == NULL || d == NULL || xsum == NULL || (staged && products == NULL);
     for (int64_t m = 0; m < m_rows && !failed; m++) {
         if (bf16)
             quantize_row_bf16((const uint16_t *)x + m * k, k, xq + m * k, d + m * groups, xsum + m * groups);
