@@ -134,17 +134,51 @@ static inline __attribute__((always_inline)) void quantize_group(const float *v,
     *xsum = total;
 }
 
+#if defined(__AVX512F__)
+/* quantize_group on a group held as two vectors. GCC left the scalar loops above scalar (a
+ * chain of 32 dependent adds and maxes, then 32 conversions one at a time): on the 2-core Zen
+ * 5 EPYC a one-row call spent ~0.8 us quantizing its input on the calling thread while the
+ * others waited, 4% of a one-stream token. The levels and the scale are the scalar loops'
+ * bits (the same products, rounded to nearest even, truncated to 16 bits as the cast is);
+ * xsum is summed in a tree, so it can differ from theirs in the last place. */
+static inline __attribute__((always_inline)) void quantize_group_vec(__m512 lo, __m512 hi, int16_t *xq, float *d,
+                                                                     float *xsum) {
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    *xsum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? LEVELS / top : 0.0f);
+    _mm256_storeu_si256((__m256i *)xq, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse))));
+    _mm256_storeu_si256((__m256i *)(xq + 16), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse))));
+    *d = top / LEVELS;
+}
+
+static inline __m512 widen_bf16x16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+#endif
+
 static void quantize_row(const float *x, int64_t k, int16_t *xq, float *d, float *xsum) {
-    for (int64_t g = 0; g < k / GROUP; g++) quantize_group(x + g * GROUP, xq + g * GROUP, d + g, xsum + g);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+#if defined(__AVX512F__)
+        quantize_group_vec(_mm512_loadu_ps(x + g * GROUP), _mm512_loadu_ps(x + g * GROUP + 16), xq + g * GROUP, d + g,
+                           xsum + g);
+#else
+        quantize_group(x + g * GROUP, xq + g * GROUP, d + g, xsum + g);
+#endif
+    }
 }
 
 /* The same for a bf16 row, widened a group at a time (exactly: the values quantize_row gets
  * from a widened copy). */
 static void quantize_row_bf16(const uint16_t *x, int64_t k, int16_t *xq, float *d, float *xsum) {
     for (int64_t g = 0; g < k / GROUP; g++) {
+#if defined(__AVX512F__)
+        quantize_group_vec(widen_bf16x16(x + g * GROUP), widen_bf16x16(x + g * GROUP + 16), xq + g * GROUP, d + g,
+                           xsum + g);
+#else
         float v[GROUP];
         for (int i = 0; i < GROUP; i++) v[i] = from_bf16(x[g * GROUP + i]);
         quantize_group(v, xq + g * GROUP, d + g, xsum + g);
+#endif
     }
 }
 
