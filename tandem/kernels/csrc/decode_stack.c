@@ -44,6 +44,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <omp.h>
+
 /* Rows are bf16 (uint16_t) or fp32, as the step's element size says: `void *` here. */
 typedef int (*gemm_fn)(const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, const void *x,
                        const void *residual, void *out, int64_t m_rows, int64_t n, int64_t k, int num_threads);
@@ -301,6 +303,121 @@ static int attention(const struct Kernels *kernels, const struct Step *step, con
 
 static int64_t widest(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/*
+ * A small decode step's layers with one team of threads between two attentions, instead of
+ * a parallel region for each kernel. At one token a layer's 4-bit GEMVs are a few
+ * microseconds each, and each opened and closed a region of its own after the calling thread
+ * had quantized its input alone: on the 2-core Zen 5 EPYC a fork and a join were ~1.5 us, and
+ * the other thread, started last, finished last (~1 us). Here the team meets at barriers:
+ * q4_gemm.c's products run as the team's when called inside a region (lowbit_team), each
+ * thread normalizes the rows (and takes silu(gate) * up) into its own buffer, which is
+ * cheaper than a barrier for one row, and one thread adds a bias, rotates and writes the
+ * keys and values. Attention keeps its own region (paged_decode_attention.c), so a layer
+ * has two regions, not five. The kernels and their arguments are the per-kernel path's, so
+ * the bits are too.
+ */
+
+/* Whether a step takes the team path: decode rows only, few enough for one pass of the
+ * GEMVs' activation rows, and every matrix one of q4_gemm.c's (whose products run as a team's). */
+static int team_step(const struct Layer *layers, int64_t num_layers, const struct Step *step) {
+    if (step->num_threads < 2 || step->spans > 0 || step->tokens != step->decodes || step->tokens > 4
+        || step->tokens < 1)
+        return 0;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const struct Matrix *m[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
+        for (int j = 0; j < 4; j++)
+            if (m[j]->bits != 4 && m[j]->bits != 5 && m[j]->bits != 8) return 0;
+    }
+    return 1;
+}
+
+/* Inside the team: one 4/5/8-bit product by every thread (the team's, returning when all of
+ * it is there), and its bias added by one. */
+static int team_gemm(const struct Kernels *kernels, const struct Matrix *matrix, const void *x, const void *residual,
+                     void *out, int64_t rows) {
+    const gemm_fn entry = matrix->bits == 4 ? kernels->gemm4 : matrix->bits == 5 ? kernels->gemm5 : kernels->gemm8;
+    const int status = entry(matrix->levels, matrix->scales, matrix->mins, x, residual, out, rows, matrix->n,
+                             matrix->k, 1);
+    if (matrix->bias != NULL) {
+#pragma omp single
+        add_bias_bf16(out, matrix->bias, rows, matrix->n);
+    }
+    return status;
+}
+
+/* Inside the team: layer `layer`'s input norm (into this thread's `normed`), its q/k/v
+ * product, and by one thread the rotation and the cache write. */
+static int team_before_attention(const struct Kernels *kernels, const struct Step *step, const struct Layer *layer,
+                                 void *hidden, char *normed, char *qkv) {
+    const int64_t t = step->tokens, width = (step->heads + 2 * step->kv_heads) * step->head_dim;
+    const int64_t q_width = step->heads * step->head_dim, kv_width = step->kv_heads * step->head_dim;
+    kernels->rms_norm(hidden, step->hidden, layer->input_norm, normed, t, step->hidden, step->eps, 1);
+    const int status = team_gemm(kernels, &layer->qkv, normed, NULL, qkv, t);
+#pragma omp single
+    {
+        kernels->rotary(qkv, t, step->heads + step->kv_heads, width, step->head_dim, step->cos, step->sin, 1);
+        const char *key = qkv + step->element_bytes * q_width, *value = key + step->element_bytes * kv_width;
+        struct Step one = *step;
+        one.num_threads = 1;
+        write_kv(kernels, &one, layer, key, value, width);
+    }
+    return status;
+}
+
+/* Inside the team: layer `layer`'s output projection (adding the residual), its MLP (each
+ * thread's own norm and silu(gate) * up rows), and the next layer's part before attention. */
+static int team_after_attention(const struct Kernels *kernels, const struct Step *step, const struct Layer *layer,
+                                const struct Layer *next, void *hidden, const char *attn, char *normed,
+                                char *gate_up, char *act, char *qkv) {
+    const int64_t t = step->tokens;
+    int status = team_gemm(kernels, &layer->o, attn, hidden, hidden, t);
+    kernels->rms_norm(hidden, step->hidden, layer->post_norm, normed, t, step->hidden, step->eps, 1);
+    status |= team_gemm(kernels, &layer->gate_up, normed, NULL, gate_up, t);
+    kernels->silu_mul(gate_up, act, t, step->intermediate, 1);
+    status |= team_gemm(kernels, &layer->down, act, hidden, hidden, t);
+    if (next != NULL) status |= team_before_attention(kernels, step, next, hidden, normed, qkv);
+    return status;
+}
+
+/* The layers of a step that takes the team path (team_step). Returns 0, or -1 when scratch
+ * memory ran out (the attention's, or a thread's). */
+static int team_layers(const struct Kernels *kernels, const struct Layer *layers, int64_t num_layers,
+                       const struct Step *step, void *hidden) {
+    const int64_t t = step->tokens, width = (step->heads + 2 * step->kv_heads) * step->head_dim;
+    const int64_t q_width = step->heads * step->head_dim, threads = step->num_threads;
+    const size_t bytes = (size_t)step->element_bytes;
+    const int64_t group = step->heads / step->kv_heads;
+    const int64_t heads_per_item = step->decodes * step->kv_heads < 2 * threads ? 1 : group;
+    /* shared: q/k/v, attention and gate/up rows; each thread's own: normed and act rows */
+    const size_t normed_bytes = bytes * (size_t)(t * step->hidden), act_bytes = bytes * (size_t)(t * step->intermediate);
+    char *qkv = malloc(bytes * (size_t)(t * width));
+    char *attn = malloc(bytes * (size_t)(t * q_width));
+    char *gate_up = malloc(bytes * (size_t)(t * 2 * step->intermediate));
+    char *own = malloc((normed_bytes + act_bytes) * (size_t)threads);
+    int status = qkv && attn && gate_up && own ? 0 : -1;
+    for (int64_t i = -1; i < num_layers && status == 0; i++) {
+        if (i >= 0) status = attention(kernels, step, layers + i, qkv, attn, heads_per_item);
+        if (status != 0) break;
+        int failed = 0;
+#pragma omp parallel num_threads((int)threads) reduction(| : failed)
+        {
+            char *normed = own + (normed_bytes + act_bytes) * (size_t)omp_get_thread_num();
+            char *act = normed + normed_bytes;
+            if (i < 0)
+                failed = team_before_attention(kernels, step, layers, hidden, normed, qkv) != 0;
+            else
+                failed = team_after_attention(kernels, step, layers + i, i + 1 < num_layers ? layers + i + 1 : NULL,
+                                              hidden, attn, normed, gate_up, act, qkv) != 0;
+        }
+        status = failed ? -1 : 0;
+    }
+    free(qkv);
+    free(attn);
+    free(gate_up);
+    free(own);
+    return status;
+}
+
 /* hidden [tokens, hidden] (bf16 or fp32), updated in place through every layer. Returns 0, or
  * the first kernel's nonzero status (scratch memory ran out), or -1 for its own. */
 int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layers, int64_t num_layers,
@@ -308,6 +425,7 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
     const int64_t t = step->tokens, width = (step->heads + 2 * step->kv_heads) * step->head_dim;
     const int64_t q_width = step->heads * step->head_dim, kv_width = step->kv_heads * step->head_dim;
     const int threads = step->num_threads;
+    if (team_step(layers, num_layers, step)) return team_layers(kernels, layers, num_layers, step, hidden);
     /* as the Python backend picks it: few sequences, one work item per query head (or, their
      * contexts long enough, spans the attention kernel cuts itself: span_count) */
     const int64_t group = step->heads / step->kv_heads;

@@ -546,6 +546,83 @@ static void finish_columns(const float *products, const void *residual, void *ou
     }
 }
 
+/* Quantize x's rows (fp32, or bf16 where `bf16`) for the tiles. */
+static void quantize_rows(const void *x, int bf16, int64_t m_rows, int64_t k, int16_t *xq, float *d, float *xsum) {
+    const int64_t groups = k / GROUP;
+    for (int64_t m = 0; m < m_rows; m++) {
+        if (bf16)
+            quantize_row_bf16((const uint16_t *)x + m * k, k, xq + m * k, d + m * groups, xsum + m * groups);
+        else
+            quantize_row((const float *)x + m * k, k, xq + m * k, d + m * groups, xsum + m * groups);
+    }
+}
+
+/* One thread's part of a product: output rows (tiles) [first, last) of every activation row
+ * into `products` (the output itself where nothing is `staged`), then, staged, those columns
+ * finished into out (finish_columns). Returns 0, or -1 when its scratch ran out. */
+static int lowbit_part(int bits, const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, int scale_bf16,
+                       const int16_t *xq, const float *d, const float *xsum, float *products, const void *residual,
+                       void *out, int bf16, int staged, int64_t m_rows, int64_t n, int64_t k, int64_t first,
+                       int64_t last) {
+    const int64_t groups = k / GROUP, row_bytes = bits * k / 8;
+    const int factor_small = TILE * MAX_ROWS * groups <= STACK_ELEMENTS;
+    float factor_stack[factor_small ? TILE * MAX_ROWS * groups : 1];
+    float *factor = factor_small ? factor_stack : malloc(sizeof(float) * (size_t)(TILE * MAX_ROWS * groups));
+    if (factor == NULL) return -1;
+    for (int64_t t = first; t < last; t++) {
+        const int64_t row = t * TILE, tile = n - row < TILE ? n - row : TILE;
+        for (int64_t m = 0; m < m_rows; m += MAX_ROWS) {
+            const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
+            (bits == 4 ? tile_dot_4 : bits == 5 ? tile_dot_5 : tile_dot_8)(
+                levels + row * row_bytes, row_bytes, scales + row * groups, mins == NULL ? NULL : mins + row * groups,
+                k, xq + m * k, d + m * groups, xsum + m * groups, tile, rows, products + m * n + row, n, factor,
+                scale_bf16);
+        }
+    }
+    if (staged) finish_columns(products, residual, out, bf16, m_rows, n, first * TILE, last * TILE < n ? last * TILE : n);
+    if (!factor_small) free(factor);
+    return 0;
+}
+
+/* A product computed by the caller's team: every thread of the enclosing parallel region
+ * calls it with the same arguments, quantizes the rows itself (a one-row input is ~0.1 us:
+ * cheaper than waiting for one thread to do it), takes its share of the tiles, and waits for
+ * the others at the team's barrier, so the whole output is there when it returns. What it
+ * saves is the region: a decode stack that keeps one team for several products
+ * (decode_stack.c) pays a barrier between them instead of a fork and a join. Scratch is each
+ * thread's own. Returns 0, or -1 where this thread's scratch ran out (the barrier is still
+ * met, so the team stays in step). */
+static int lowbit_team(int bits, const uint8_t *levels, const uint16_t *scales, const uint16_t *mins, int scale_bf16,
+                       const void *x, const void *residual, void *out, int bf16, int64_t m_rows, int64_t n,
+                       int64_t k) {
+    const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
+    const int small = m_rows * k <= STACK_ELEMENTS;
+    int16_t xq_stack[small ? m_rows * k : 1];
+    float d_stack[small ? m_rows * groups : 1], xsum_stack[small ? m_rows * groups : 1];
+    int16_t *xq = small ? xq_stack : malloc(sizeof(int16_t) * (size_t)(m_rows * k));
+    float *d = small ? d_stack : malloc(sizeof(float) * (size_t)(m_rows * groups));
+    float *xsum = small ? xsum_stack : malloc(sizeof(float) * (size_t)(m_rows * groups));
+    const int staged = bf16 || residual != NULL, staged_small = m_rows * n <= STACK_ELEMENTS;
+    float products_stack[staged && staged_small ? m_rows * n : 1];
+    float *products = !staged ? (float *)out
+                      : staged_small ? products_stack : malloc(sizeof(float) * (size_t)(m_rows * n));
+    int failed = xq == NULL || d == NULL || xsum == NULL || (staged && products == NULL);
+    if (!failed) {
+        quantize_rows(x, bf16, m_rows, k, xq, d, xsum);
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        failed = lowbit_part(bits, levels, scales, mins, scale_bf16, xq, d, xsum, products, residual, out, bf16,
+                             staged, m_rows, n, k, tiles * me / threads, tiles * (me + 1) / threads) != 0;
+    }
+    if (!small) {
+        free(xq);
+        free(d);
+        free(xsum);
+    }
+    if (staged && !staged_small) free(products);
+#pragma omp barrier
+    return failed ? -1 : 0;
+}
+
 /* out [m_rows, n] = x [m_rows, k] @ W.T (+ residual [m_rows, n] where not NULL: a layer's
  * o_proj and down_proj add the residual stream, one torch op less a call); x, residual and
  * out fp32, or bf16 where `bf16`. bf16 rows are widened as they are quantized, and each
@@ -554,12 +631,15 @@ static void finish_columns(const float *products, const void *residual, void *ou
  * while the others waited, around buffers that were a malloc and a free each. On the 2-core
  * Zen 5 EPYC, SmolLM2's projections in bf16, one row, two threads: gate/up 23.5 -> 20.5 us,
  * qkv 8.2 -> 7.3, o 5.5 -> 4.8, down 9.5 -> 9.2; one stream through the engine, five runs
- * each alternating, 331 -> 344 tok/s (medians). Returns 0, or -1 when scratch memory ran out. */
+ * each alternating, 331 -> 344 tok/s (medians). Called inside a parallel region (by all of
+ * its threads), it is the team's product instead (lowbit_team). Returns 0, or -1 when
+ * scratch memory ran out. */
 static int lowbit_gemm_scaled(int bits, const uint8_t *levels, const uint16_t *scales, const uint16_t *mins,
                               int scale_bf16, const void *x, const void *residual, void *out, int bf16,
                               int64_t m_rows, int64_t n, int64_t k, int num_threads) {
     if (m_rows <= 0 || n <= 0) return 0; /* nothing to compute (an empty batch's out may be NULL) */
-    const int64_t groups = k / GROUP, row_bytes = bits * k / 8, tiles = (n + TILE - 1) / TILE;
+    if (omp_in_parallel()) return lowbit_team(bits, levels, scales, mins, scale_bf16, x, residual, out, bf16, m_rows, n, k);
+    const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
     const int small = m_rows * k <= STACK_ELEMENTS;
     int16_t xq_stack[small ? m_rows * k : 1];
     float d_stack[small ? m_rows * groups : 1], xsum_stack[small ? m_rows * groups : 1];
@@ -572,40 +652,15 @@ static int lowbit_gemm_scaled(int bits, const uint8_t *levels, const uint16_t *s
     float *products = !staged ? (float *)out
                       : staged_small ? products_stack : malloc(sizeof(float) * (size_t)(m_rows * n));
     int failed = xq == NULL || d == NULL || xsum == NULL || (staged && products == NULL);
-    for (int64_t m = 0; m < m_rows && !failed; m++) {
-        if (bf16)
-            quantize_row_bf16((const uint16_t *)x + m * k, k, xq + m * k, d + m * groups, xsum + m * groups);
-        else
-            quantize_row((const float *)x + m * k, k, xq + m * k, d + m * groups, xsum + m * groups);
-    }
+    if (!failed) quantize_rows(x, bf16, m_rows, k, xq, d, xsum);
     if (!failed)
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        const int factor_small = TILE * MAX_ROWS * groups <= STACK_ELEMENTS;
-        float factor_stack[factor_small ? TILE * MAX_ROWS * groups : 1];
-        float *factor = factor_small ? factor_stack : malloc(sizeof(float) * (size_t)(TILE * MAX_ROWS * groups));
         /* each thread's tiles in one run, as a static schedule gives them, so that it can
          * finish those columns itself */
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t first = tiles * me / threads, last = tiles * (me + 1) / threads;
-        if (factor == NULL) {
-            failed = 1;
-        } else {
-            for (int64_t t = first; t < last; t++) {
-                const int64_t row = t * TILE, tile = n - row < TILE ? n - row : TILE;
-                for (int64_t m = 0; m < m_rows; m += MAX_ROWS) {
-                    const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
-                    (bits == 4 ? tile_dot_4 : bits == 5 ? tile_dot_5 : tile_dot_8)(
-                        levels + row * row_bytes, row_bytes, scales + row * groups,
-                        mins == NULL ? NULL : mins + row * groups, k, xq + m * k, d + m * groups,
-                        xsum + m * groups, tile, rows, products + m * n + row, n, factor, scale_bf16);
-                }
-            }
-            if (staged)
-                finish_columns(products, residual, out, bf16, m_rows, n, first * TILE,
-                               last * TILE < n ? last * TILE : n);
-        }
-        if (!factor_small) free(factor);
+        failed = lowbit_part(bits, levels, scales, mins, scale_bf16, xq, d, xsum, products, residual, out, bf16,
+                             staged, m_rows, n, k, tiles * me / threads, tiles * (me + 1) / threads) != 0;
     }
     if (!small) {
         free(xq);
