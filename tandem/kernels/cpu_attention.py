@@ -55,6 +55,7 @@ class PagedDecodeKernel:
             "tandem_write_kv_bf16": (None, [_PTR, _PTR, _INT, _PTR, _PTR, *[_I64] * 6, _INT]),
             "tandem_widen_blocks": (None, [_PTR, _INT, _PTR, *[_I64] * 5, _PTR, _INT, _INT]),
             "tandem_decode_attention_isa": (ctypes.c_char_p, []),
+            "tandem_decode_attention_in_team": (_INT, [_INT, _INT, _I64, _I64]),
         })
         self._attend = functions["tandem_decode_attention"]
         self._write = functions["tandem_write_kv"]
@@ -62,6 +63,7 @@ class PagedDecodeKernel:
         self._write_f8 = functions["tandem_write_kv_f8"]
         self._write_bf16 = functions["tandem_write_kv_bf16"]
         self._widen = functions["tandem_widen_blocks"]
+        self._in_team = functions["tandem_decode_attention_in_team"]
         self.isa: str = functions["tandem_decode_attention_isa"]().decode()  # for bf16 steps
 
     # The C functions themselves, for callers in C (tandem/kernels/decode_stack.py).
@@ -75,6 +77,11 @@ class PagedDecodeKernel:
 
     def attend_entry(self) -> object:
         return self._attend
+
+    def team_entry(self) -> object:
+        """Whether `attend_entry`, called by every thread of a C parallel region, runs as that
+        team's (decode_stack.c keeps one team through a small step where it does)."""
+        return self._in_team
 
     @staticmethod
     def reads(kv_cache: torch.Tensor) -> bool:

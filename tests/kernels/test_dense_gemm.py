@@ -191,10 +191,12 @@ def test_an_avx2_build_multiplies_fp32_only_and_a_plain_one_nothing(tmp_path: Pa
 
 
 @pytest.mark.skipif(not (FEATURES.amx and FEATURES.avx512_bf16), reason="AMX's bf16 tiles")
-def test_amx_tiles_and_the_avx512_bf16_tiles_both_give_the_product(kernel, tmp_path: Path) -> None:
+def test_amx_tiles_and_the_avx512_bf16_tiles_both_give_the_product(tmp_path: Path) -> None:
     """On a CPU with AMX the bf16 products run on the tiles (K a multiple of 32; units of up to
     two 16-row tiles, the last with fewer rows), a build for a CPU without AMX on AVX-512-BF16:
-    both within a bf16 step of fp64, plain and gated, and a K the tiles cannot take falls back."""
+    both within a bf16 step of fp64, plain and gated, and a K the tiles cannot take falls back.
+    The native build is this test's own: the module's `kernel` fixture is also the AVX2 one."""
+    kernel = DenseGemmKernel.build(tmp_path / "native")
     vector = DenseGemmKernel(build_for(SOURCE, "cooperlake", tmp_path))
     assert kernel.isa == "amx-bf16" and vector.isa == "avx512-bf16"
     generator = torch.Generator().manual_seed(11)

@@ -76,6 +76,17 @@ def test_the_stack_gives_the_module_paths_bits(prompts: list[str]) -> None:
     assert all(logprob is not None for _, logprob in stacked)
 
 
+def test_a_long_context_s_spans_go_through_the_stack_with_the_module_paths_bits() -> None:
+    """One stream past 128 cached tokens: the attention cuts each (sequence, kv head) pair's
+    keys into spans and merges them (paged_decode_attention.c span_count), run by the stack's
+    team where the attention runs as one (decode_stack.c team_layers): the module path's bits."""
+    prompt = " ".join(["alpha beta gamma delta"] * 40)
+    with LLM(dtype="bfloat16", decode_weights="int4", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        assert len(llm.tokenizer.encode(prompt)) >= 140
+        stacked, layered = _stacked_then_layered(llm, [prompt], torch.bfloat16)
+    assert stacked == layered
+
+
 def test_steps_larger_than_the_small_step_copies_go_through_the_packed_weights() -> None:
     """Three sequences, past the 4-bit copies' two tokens: the stack's records of the packed
     bf16 matrices, with the module path's bits; where the layers are not packed for tandem's

@@ -98,6 +98,8 @@ typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void
                          int64_t num_blocks, int64_t table_stride, int64_t heads_per_item, float scale,
                          int num_threads);
 
+typedef int (*attend_in_team_fn)(int q_bf16, int kv_kind, int64_t head_dim, int64_t heads_per_item);
+
 /* The kernels, from the libraries that hold them, for the step's element type. */
 struct Kernels {
     gemm_fn gemm4, gemm5, gemm8; /* tandem_q4_gemm_bf16, tandem_q5_gemm_bf16, tandem_q8_gemm_bf16 (bf16 rows) */
@@ -117,6 +119,7 @@ struct Kernels {
     round_kv_fn write_i8, write_bf16; /* a cache in another dtype than the rows' (Step.kv_kind) */
     fp8_kv_fn write_f8;
     coded_gemv_fn gemv_coded; /* tandem_coded_gemv (fp32 rows, CODED matrices) */
+    attend_in_team_fn attend_in_team; /* tandem_decode_attention_in_team: whether `attend` runs as a team's */
 };
 
 /* A matrix in q4_gemm.c's layout, [n, k] at 4, 5 or 8 bits a level, or (bits 32 / 16) plain
@@ -379,6 +382,23 @@ static int team_after_attention(const struct Kernels *kernels, const struct Step
     return status;
 }
 
+/* Inside the team: layer `layer`'s attention over the decode rows, where the attention kernel
+ * runs as a team's (Kernels.attend_in_team). */
+static int team_attention(const struct Kernels *kernels, const struct Step *step, const struct Layer *layer,
+                          const char *qkv, char *attn, int64_t heads_per_item) {
+    const int64_t width = (step->heads + 2 * step->kv_heads) * step->head_dim;
+    const int status = kernels->attend(qkv, step->element_bytes == 2, width, layer->kv_cache, (int)step->kv_kind,
+                                       step->block_tables, step->context_lens, attn, step->decodes, step->heads,
+                                       step->kv_heads, step->head_dim, step->block_size, step->num_blocks,
+                                       step->table_stride, heads_per_item, step->scale * layer->k_scale,
+                                       step->num_threads);
+    if (layer->v_scale != 1.0f) {
+#pragma omp single
+        scale_rows(attn, step->decodes * step->heads * step->head_dim, layer->v_scale, step->element_bytes == 2);
+    }
+    return status;
+}
+
 /* The layers of a step that takes the team path (team_step). Returns 0, or -1 when scratch
  * memory ran out (the attention's, or a thread's). */
 static int team_layers(const struct Kernels *kernels, const struct Layer *layers, int64_t num_layers,
@@ -395,7 +415,24 @@ static int team_layers(const struct Kernels *kernels, const struct Layer *layers
     char *gate_up = malloc(bytes * (size_t)(t * 2 * step->intermediate));
     char *own = malloc((normed_bytes + act_bytes) * (size_t)threads);
     int status = qkv && attn && gate_up && own ? 0 : -1;
-    for (int64_t i = -1; i < num_layers && status == 0; i++) {
+    const int joined = status == 0 && kernels->attend_in_team != NULL
+        && kernels->attend_in_team(step->element_bytes == 2, (int)step->kv_kind, step->head_dim, heads_per_item);
+    if (joined) { /* one team through the whole step: every thread meets every barrier */
+        int failed = 0;
+#pragma omp parallel num_threads((int)threads) reduction(| : failed)
+        {
+            char *normed = own + (normed_bytes + act_bytes) * (size_t)omp_get_thread_num();
+            char *act = normed + normed_bytes;
+            failed = team_before_attention(kernels, step, layers, hidden, normed, qkv) != 0;
+            for (int64_t i = 0; i < num_layers; i++) {
+                failed |= team_attention(kernels, step, layers + i, qkv, attn, heads_per_item) != 0;
+                failed |= team_after_attention(kernels, step, layers + i, i + 1 < num_layers ? layers + i + 1 : NULL,
+                                               hidden, attn, normed, gate_up, act, qkv) != 0;
+            }
+        }
+        status = failed ? -1 : 0;
+    }
+    for (int64_t i = -1; i < num_layers && status == 0 && !joined; i++) {
         if (i >= 0) status = attention(kernels, step, layers + i, qkv, attn, heads_per_item);
         if (status != 0) break;
         int failed = 0;

@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 /* The values an int8 cache rotates together along a row: kv_format.py's rotation_size (64
  * where the head size is a multiple of it, else the whole head where that is a power of two,
  * else none). */
@@ -684,6 +686,69 @@ static int paged_decode_attention_dp(
     }
     return 0;
 }
+
+/* paged_decode_attention_dp as the caller's team runs it: every thread of the enclosing
+ * parallel region calls it with the same arguments and takes items from the same dynamic
+ * schedule; a lone stream's spans are merged by the team too, and the call returns when the
+ * whole output is there. A decode stack that keeps one team through a step (decode_stack.c)
+ * pays barriers here instead of a fork and a join. Returns 0, or -1 (on every thread) when the
+ * spans' scratch could not be allocated. */
+static int paged_decode_attention_dp_team(
+    const uint16_t *q, int64_t q_stride, const uint16_t *kv_cache, const int64_t *block_tables,
+    const int64_t *context_lens, uint16_t *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_stride, int64_t heads_per_item,
+    float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const uint16_t *v_base = kv_cache + num_kv_heads * head_stride;
+    const int64_t spans = span_count(context_lens, num_seqs, num_kv_heads, group, omp_get_num_threads());
+    if (spans > 1) {
+        const int64_t items = num_seqs * num_kv_heads * spans;
+        float *rows, *stats;
+#pragma omp single copyprivate(rows, stats)
+        {
+            rows = malloc(sizeof(float) * (size_t)(items * group * head_dim));
+            stats = malloc(sizeof(float) * (size_t)(items * group * 2));
+            if (rows == NULL || stats == NULL) {
+                free(rows);
+                free(stats);
+                rows = stats = NULL;
+            }
+        }
+        if (rows == NULL) return -1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t pair = item / spans, seq = pair / num_kv_heads, kv_head = pair % num_kv_heads;
+            int64_t begin, end;
+            span_bounds(context_lens[seq], spans, item % spans, &begin, &end);
+            attend_dp(q + seq * q_stride + kv_head * group * head_dim, NULL, kv_cache + kv_head * head_stride,
+                      v_base + kv_head * head_stride, block_tables + seq * table_stride, begin, end, group, head_dim,
+                      block_size, scale, rows + item * group * head_dim, stats + item * group * 2);
+        }
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < num_seqs * num_kv_heads; pair++)
+            merge_spans(rows + pair * spans * group * head_dim, stats + pair * spans * group * 2, spans, group,
+                        head_dim, NULL, out + pair * group * head_dim);
+#pragma omp single nowait
+        {
+            free(rows);
+            free(stats);
+        }
+        return 0;
+    }
+    const int64_t slices = group / heads_per_item;
+    const int64_t items = num_seqs * num_kv_heads * slices;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t seq = item / (num_kv_heads * slices);
+        const int64_t kv_head = (item / slices) % num_kv_heads;
+        const int64_t first_head = kv_head * group + (item % slices) * heads_per_item;
+        attend_dp(q + seq * q_stride + first_head * head_dim, out + (seq * num_heads + first_head) * head_dim,
+                  kv_cache + kv_head * head_stride, v_base + kv_head * head_stride, block_tables + seq * table_stride,
+                  0, context_lens[seq], heads_per_item, head_dim, block_size, scale, NULL, NULL);
+    }
+    return 0;
+}
 #endif
 #define HAS_VECTOR_PATH 1
 #define VECTOR_LANES 16
@@ -1027,19 +1092,37 @@ void tandem_write_kv(
     }
 }
 
+enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+
+/* Whether tandem_decode_attention, called by every thread of a parallel region, runs as that
+ * region's team (the bf16 dot-product path: bf16 queries over a bf16 cache with AVX-512-BF16).
+ * Elsewhere it must be called from outside any region (decode_stack.c asks first). */
+int tandem_decode_attention_in_team(int q_bf16, int kv_kind, int64_t head_dim, int64_t heads_per_item) {
+#ifdef HAS_DP_PATH
+    return q_bf16 && kv_kind == KV_BF16 && head_dim % 32 == 0 && head_dim <= 256 && heads_per_item <= MAX_GROUP;
+#else
+    (void)q_bf16, (void)kv_kind, (void)head_dim, (void)heads_per_item;
+    return 0;
+#endif
+}
+
 /* The decode attention as the model calls it: q [seqs, heads, head_dim] fp32 or bf16
  * (`q_bf16`), its sequences `q_stride` elements apart (a view into the fused qkv projection),
  * out [seqs, heads, head_dim] contiguous in q's dtype, from an fp32, bf16, int8 or fp8 cache
  * (`kv_kind` 0, 1, 2 or 3: KV_FP32, KV_BF16, KV_INT8, KV_FP8). q is widened and out narrowed here, in one pass each, instead of a torch cast
- * and copy on either side of the call. Returns 0, or -1 when an allocation failed. */
-enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
-
+ * and copy on either side of the call. Called by every thread of a parallel region where
+ * tandem_decode_attention_in_team says so, it is that team's (paged_decode_attention_dp_team).
+ * Returns 0, or -1 when an allocation failed. */
 int tandem_decode_attention(
     const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_kind, const int64_t *block_tables,
     const int64_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_stride, int64_t heads_per_item,
     float scale, int num_threads) {
 #ifdef HAS_DP_PATH
+    if (omp_in_parallel() && tandem_decode_attention_in_team(q_bf16, kv_kind, head_dim, heads_per_item))
+        return paged_decode_attention_dp_team(q, q_stride, kv_cache, block_tables, context_lens, out, num_seqs,
+                                              num_heads, num_kv_heads, head_dim, block_size, num_blocks, table_stride,
+                                              heads_per_item, scale);
     if (q_bf16 && kv_kind == KV_BF16 && head_dim % 32 == 0 && head_dim <= 256 && heads_per_item <= MAX_GROUP) {
         return paged_decode_attention_dp(q, q_stride, kv_cache, block_tables, context_lens, out, num_seqs,
                                          num_heads, num_kv_heads, head_dim, block_size, num_blocks, table_stride,
