@@ -14,13 +14,13 @@ linear ran at 93-115 GFLOP/s at 64 rows on the 2-core EPYC, 72-80% of a decode-h
 from __future__ import annotations
 
 import ctypes
-import time
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from tandem.kernels.c_library import bind, build_kernel_library, build_or_none
+from tandem.platform.machine import best_rate
 
 SOURCE = Path(__file__).parent / "csrc" / "dense_gemm.c"
 _I64 = ctypes.c_int64
@@ -158,11 +158,7 @@ def packed_gemm_flops_per_s(kernel: DenseGemmKernel, dtype: torch.dtype, m: int,
         return 0.0
     packed = kernel.pack(torch.randn(n, k).to(dtype))
     x = torch.randn(m, k).to(dtype)
-    kernel.matmul(x, packed)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        kernel.matmul(x, packed)
-    return repeats * 2 * m * k * n / (time.perf_counter() - started)
+    return best_rate(lambda: kernel.matmul(x, packed), 2 * m * k * n, repeats)
 
 
 def load_dense_gemm_kernel(cache_dir: Path) -> DenseGemmKernel | None:

@@ -29,13 +29,13 @@ products, so the two are interchangeable bit for bit.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
 
 from tandem.kernels.int8_gemm import BLOCK_COLUMNS, Int8GemmKernel, PackedInt8
 from tandem.kernels.int8_rows import Int8RowsKernel, QuantizedRows
+from tandem.platform.machine import best_rate
 
 _EPSILON = 1e-12
 # Each activation row's largest magnitudes kept exact. On the default model, 3,700 tokens in
@@ -238,8 +238,4 @@ def int8_linear_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, kernel: 
     the bf16 rate read such a mode past 100%."""
     weight = Int8Weight.quantize(torch.randn(n, k), kernel, gemm=gemm)
     x = torch.randn(m, k).to(dtype)
-    weight.matmul(x)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        weight.matmul(x)
-    return repeats * 2 * m * k * n / (time.perf_counter() - started)
+    return best_rate(lambda: weight.matmul(x), 2 * m * k * n, repeats)
