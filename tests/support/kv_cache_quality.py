@@ -29,6 +29,8 @@ class CacheRun:
     first: list[list[int]]  # each prompt's greedy continuation
     again: list[list[int]]  # the same, its prompt's blocks from the prefix cache
     margins: list[list[float]]  # nats between the two best tokens at each step of `first`
+    first_steps: list[dict[int, float]]  # each prompt's first step in `first`: token id -> logprob
+    again_steps: list[dict[int, float]]  # the same in `again`
 
 
 def measure_cache(kv_cache_dtype: str) -> CacheRun:
@@ -42,10 +44,13 @@ def measure_cache(kv_cache_dtype: str) -> CacheRun:
         repeated = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert all(o.num_cached_tokens >= 16 for o in repeated)  # whole blocks of the prompt came from the cache
         again = [list(o.outputs[0].token_ids) for o in repeated]
+        first_steps = [_step(o.outputs[0].logprobs[0]) for o in outputs]
+        again_steps = [_step(o.outputs[0].logprobs[0]) for o in repeated]
         pool = llm.engine.block_pool
         assert pool.num_free_blocks == pool.num_blocks
         core = llm.engine.core
-        return CacheRun(core.num_blocks, core.worker_info.block_bytes, value, first, again, margins)
+        return CacheRun(core.num_blocks, core.worker_info.block_bytes, value, first, again, margins, first_steps,
+                        again_steps)
     finally:
         llm.shutdown()
 
@@ -53,6 +58,11 @@ def measure_cache(kv_cache_dtype: str) -> CacheRun:
 def first_departure(ours: list[int], reference: list[int]) -> int | None:
     """The first position where two continuations differ (None where they do not)."""
     return next((i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b), None)
+
+
+def _step(step) -> dict[int, float]:
+    """A step's logprobs by token id (the chosen token and the top two)."""
+    return {entry.token_id: entry.logprob for entry in step}
 
 
 def _margin(step) -> float:

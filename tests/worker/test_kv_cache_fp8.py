@@ -21,14 +21,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.kv_cache_quality import CacheRun, first_departure, measure_cache
+from tests.support.kv_cache_quality import CacheRun, measure_cache
 
 pytestmark = pytest.mark.slow
 
 PERPLEXITY_BOUND = 0.01  # over 1,024 tokens (measured -0.26%); not the 0.5% bar, which fp8 misses on longer text
 FLOOR_IDENTICAL = 3  # of 8 continuations, the model's-dtype cache's (4 measured)
 FLOOR_HIT_IDENTICAL = 6  # of 8, the prefix-cache hit's continuation the miss's (8 measured)
-NEAR_TIE = 0.25  # where a hit may depart from its miss: the two sum in other orders
+FIRST_STEP = 0.02  # nats a hit's first-step logprobs may differ from its miss's (8e-4 measured)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +57,17 @@ def test_perplexity_near_the_model_s_own_cache_and_a_share_of_greedy_answers_kep
 
 def test_a_prefix_cache_hit_reads_back_what_the_miss_computed(fp8) -> None:
     """A first prefill attends to the fp8 values the cache holds (not the exact ones it wrote),
-    as the hit does; the two still sum in other orders, so a continuation may depart where its
-    own two best tokens were close."""
-    for again, first, margins in zip(fp8.again, fp8.first, fp8.margins, strict=True):
-        departs = first_departure(again, first)
-        assert departs is None or margins[departs] < NEAR_TIE, (departs, margins[departs])
+    as the hit does, so the hit's first step gives the miss's distribution: a scale lost or
+    another block read would move it by far more than FIRST_STEP. Continuations may still
+    part later, and not only at near-ties: the hit computes its uncached prompt tokens in a
+    step of another size, whose fp32 sums differ in the last places, and where a value lies
+    at an fp8 rounding boundary its three mantissa bits flip by an eighth. On the 2-core AMX
+    Xeon (2026-12-05) one of 8 continuations parted at token 19 where the miss's two best
+    tokens were 0.52 nats apart, its first step 8e-4 nats from the miss's."""
+    for again, first in zip(fp8.again_steps, fp8.first_steps, strict=True):
+        common = again.keys() & first.keys()
+        assert len(common) >= 2 and all(abs(again[token] - first[token]) < FIRST_STEP for token in common), (again,
+                                                                                                             first)
     assert sum(again == first for again, first in zip(fp8.again, fp8.first, strict=True)) >= FLOOR_HIT_IDENTICAL
 
 
