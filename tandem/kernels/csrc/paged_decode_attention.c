@@ -637,6 +637,38 @@ static void attend_dp(const uint16_t *q_rows, uint16_t *out_rows, const uint16_t
                        partial, stats);
 }
 
+/* Work item `item` of a long context's spans: one span of a (sequence, kv head) pair, all of
+ * its query heads, into fp32 rows and stats for merge_spans. One definition for the call's
+ * own region and the caller's team. */
+static inline void attend_span_item(const uint16_t *q, int64_t q_stride, const uint16_t *kv_cache,
+                                    const uint16_t *v_base, const int64_t *block_tables, const int64_t *context_lens,
+                                    int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                                    int64_t head_stride, int64_t table_stride, int64_t spans, int64_t item,
+                                    float scale, float *rows, float *stats) {
+    const int64_t pair = item / spans, seq = pair / num_kv_heads, kv_head = pair % num_kv_heads;
+    int64_t begin, end;
+    span_bounds(context_lens[seq], spans, item % spans, &begin, &end);
+    attend_dp(q + seq * q_stride + kv_head * group * head_dim, NULL, kv_cache + kv_head * head_stride,
+              v_base + kv_head * head_stride, block_tables + seq * table_stride, begin, end, group, head_dim,
+              block_size, scale, rows + item * group * head_dim, stats + item * group * 2);
+}
+
+/* Work item `item` of whole contexts: `heads_per_item` query heads of a (sequence, kv head)
+ * pair, into bf16 out. */
+static inline void attend_heads_item(const uint16_t *q, int64_t q_stride, const uint16_t *kv_cache,
+                                     const uint16_t *v_base, const int64_t *block_tables, const int64_t *context_lens,
+                                     uint16_t *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t block_size, int64_t head_stride, int64_t table_stride,
+                                     int64_t heads_per_item, int64_t item, float scale) {
+    const int64_t group = num_heads / num_kv_heads, slices = group / heads_per_item;
+    const int64_t seq = item / (num_kv_heads * slices);
+    const int64_t kv_head = (item / slices) % num_kv_heads;
+    const int64_t first_head = kv_head * group + (item % slices) * heads_per_item;
+    attend_dp(q + seq * q_stride + first_head * head_dim, out + (seq * num_heads + first_head) * head_dim,
+              kv_cache + kv_head * head_stride, v_base + kv_head * head_stride, block_tables + seq * table_stride,
+              0, context_lens[seq], heads_per_item, head_dim, block_size, scale, NULL, NULL);
+}
+
 /* q [seqs, heads, head_dim] bf16, sequences q_stride apart; out [seqs, heads, head_dim] bf16.
  * Returns 0, or -1 when the spans' scratch could not be allocated. */
 static int paged_decode_attention_dp(
@@ -659,12 +691,8 @@ static int paged_decode_attention_dp(
         }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
         for (int64_t item = 0; item < items; item++) {
-            const int64_t pair = item / spans, seq = pair / num_kv_heads, kv_head = pair % num_kv_heads;
-            int64_t begin, end;
-            span_bounds(context_lens[seq], spans, item % spans, &begin, &end);
-            attend_dp(q + seq * q_stride + kv_head * group * head_dim, NULL, kv_cache + kv_head * head_stride,
-                      v_base + kv_head * head_stride, block_tables + seq * table_stride, begin, end, group, head_dim,
-                      block_size, scale, rows + item * group * head_dim, stats + item * group * 2);
+            attend_span_item(q, q_stride, kv_cache, v_base, block_tables, context_lens, num_kv_heads, group, head_dim,
+                             block_size, head_stride, table_stride, spans, item, scale, rows, stats);
         }
         for (int64_t pair = 0; pair < num_seqs * num_kv_heads; pair++)
             merge_spans(rows + pair * spans * group * head_dim, stats + pair * spans * group * 2, spans, group,
@@ -677,12 +705,8 @@ static int paged_decode_attention_dp(
     const int64_t items = num_seqs * num_kv_heads * slices;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t seq = item / (num_kv_heads * slices);
-        const int64_t kv_head = (item / slices) % num_kv_heads;
-        const int64_t first_head = kv_head * group + (item % slices) * heads_per_item;
-        attend_dp(q + seq * q_stride + first_head * head_dim, out + (seq * num_heads + first_head) * head_dim,
-                  kv_cache + kv_head * head_stride, v_base + kv_head * head_stride, block_tables + seq * table_stride,
-                  0, context_lens[seq], heads_per_item, head_dim, block_size, scale, NULL, NULL);
+        attend_heads_item(q, q_stride, kv_cache, v_base, block_tables, context_lens, out, num_heads, num_kv_heads,
+                          head_dim, block_size, head_stride, table_stride, heads_per_item, item, scale);
     }
     return 0;
 }
@@ -718,12 +742,8 @@ static int paged_decode_attention_dp_team(
         if (rows == NULL) return -1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
-            const int64_t pair = item / spans, seq = pair / num_kv_heads, kv_head = pair % num_kv_heads;
-            int64_t begin, end;
-            span_bounds(context_lens[seq], spans, item % spans, &begin, &end);
-            attend_dp(q + seq * q_stride + kv_head * group * head_dim, NULL, kv_cache + kv_head * head_stride,
-                      v_base + kv_head * head_stride, block_tables + seq * table_stride, begin, end, group, head_dim,
-                      block_size, scale, rows + item * group * head_dim, stats + item * group * 2);
+            attend_span_item(q, q_stride, kv_cache, v_base, block_tables, context_lens, num_kv_heads, group, head_dim,
+                             block_size, head_stride, table_stride, spans, item, scale, rows, stats);
         }
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < num_seqs * num_kv_heads; pair++)
@@ -740,12 +760,8 @@ static int paged_decode_attention_dp_team(
     const int64_t items = num_seqs * num_kv_heads * slices;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t seq = item / (num_kv_heads * slices);
-        const int64_t kv_head = (item / slices) % num_kv_heads;
-        const int64_t first_head = kv_head * group + (item % slices) * heads_per_item;
-        attend_dp(q + seq * q_stride + first_head * head_dim, out + (seq * num_heads + first_head) * head_dim,
-                  kv_cache + kv_head * head_stride, v_base + kv_head * head_stride, block_tables + seq * table_stride,
-                  0, context_lens[seq], heads_per_item, head_dim, block_size, scale, NULL, NULL);
+        attend_heads_item(q, q_stride, kv_cache, v_base, block_tables, context_lens, out, num_heads, num_kv_heads,
+                          head_dim, block_size, head_stride, table_stride, heads_per_item, item, scale);
     }
     return 0;
 }
