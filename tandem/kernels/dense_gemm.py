@@ -60,9 +60,11 @@ class DenseGemmKernel:
             "tandem_dense_pack": (None, [_PTR, _INT, _I64, _I64, _PTR, _INT]),
             "tandem_dense_gemm": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _I64, _INT]),
             "tandem_dense_gemm_silu_mul": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _INT]),
+            "tandem_dense_gemm_argmax": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT]),
             "tandem_dense_gemm_isa": (ctypes.c_char_p, []),
         })
         self._silu_mul = functions["tandem_dense_gemm_silu_mul"]
+        self._argmax = functions["tandem_dense_gemm_argmax"]
         self._pack = functions["tandem_dense_pack"]
         self._gemm = functions["tandem_dense_gemm"]
         self.isa: str = functions["tandem_dense_gemm_isa"]().decode()  # "amx-bf16", "avx512-bf16", "avx512", "avx2", "none"
@@ -147,6 +149,20 @@ class DenseGemmKernel:
         if status != 0:
             raise RuntimeError(f"the dense GEMM refused a [{rows}, {in_features}] {dtype} product ({self.isa} build)")
         return out
+
+    def argmax(self, x: torch.Tensor, packed: PackedDense) -> torch.Tensor | None:
+        """Each row's argmax of `matmul(x, packed)` (int64 [M]): the first of equal maxima, or the
+        first NaN, as torch.argmax gives it over the bf16 product, without writing the product.
+        A greedy LM head's: 64 rows of SmolLM2's 49,152 logits are 6 MiB written, then read
+        again by the argmax. None where this build does not (bf16 on AMX's tiles only, K a
+        multiple of 32): the caller multiplies, then takes the argmax."""
+        if packed.values.dtype != torch.bfloat16 or self.isa != "amx-bf16" or packed.in_features % 32:
+            return None
+        self._check_rows(x, packed)
+        ids = torch.empty(x.shape[0], dtype=torch.int64)
+        status = self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.values.data_ptr(),
+                              packed.out_features, ids.data_ptr(), torch.get_num_threads())
+        return ids if status == 0 else None
 
 
 def packed_gemm_flops_per_s(kernel: DenseGemmKernel, dtype: torch.dtype, m: int, k: int, n: int,

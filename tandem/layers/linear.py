@@ -410,6 +410,23 @@ class LinearWeights:
             return _tensor_nbytes(self.dense_packed.values)
         return _tensor_nbytes(self.packed_weight if self.packed_weight is not None else self.weight)
 
+    def _reads_dense_packed(self, x: torch.Tensor) -> bool:
+        """Whether `linear(x)` runs tandem's packed GEMM: nothing it tries first takes x (a
+        4-bit checkpoint matrix, the GPU GEMV, a small-step copy, the bf16 GEMV, 8 bits)."""
+        return (self.dense_packed is not None and self.int4 is None and self.int8 is None
+                and not (self.gpu_gemv is not None and self.gpu_gemv.takes(x, self.weight))
+                and not self.uses_small_step(x)
+                and not (self.gemv_rows is not None and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]))
+
+    def dense_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row of x [rows, in]: the argmax of its `linear` product, where that product is
+        tandem's packed GEMM's and the kernel finds the argmax without writing the product
+        (DenseGemmKernel.argmax: bf16 on AMX); None elsewhere, or with a bias."""
+        if getattr(self, "bias", None) is not None or x.dim() != 2 or not self._reads_dense_packed(x):
+            return None
+        assert self.dense_gemm is not None and self.dense_packed is not None
+        return self.dense_gemm.argmax(x if x.stride(-1) == 1 else x.contiguous(), self.dense_packed)
+
     def linear(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = getattr(self, "bias", None) if with_bias else None
         if self.int4 is not None:

@@ -225,3 +225,64 @@ def test_the_kernel_s_own_rate_is_measured_for_the_dtypes_it_multiplies(kernel: 
         rate = packed_gemm_flops_per_s(kernel, dtype, 64, 96, 80, repeats=1)
         assert (rate > 0) == kernel.multiplies(dtype)
     assert packed_gemm_flops_per_s(kernel, torch.float32, 64, 96, 72, repeats=1) == 0.0  # 72 columns: not blocks
+
+
+def _head_rows(generator: torch.Generator, rows: int, in_features: int, out_features: int):
+    """A greedy head's inputs: bf16 activations and a [vocab, hidden] matrix."""
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).bfloat16()
+    return torch.randn(rows, in_features, generator=generator).bfloat16(), weight
+
+
+@pytest.mark.skipif(not (FEATURES.amx and FEATURES.avx512_bf16), reason="AMX's bf16 tiles")
+@pytest.mark.parametrize(("rows", "out_features"), [(1, 4096), (17, 49152), (64, 49152), (100, 3072), (700, 1024)])
+def test_the_greedy_argmax_is_the_argmax_of_the_product_it_does_not_write(tmp_path: Path, rows, out_features) -> None:
+    """A greedy LM head's ids without its logits: each row's argmax of the bf16 product the GEMM
+    would write, over row units and panels split between the threads (700 rows: several row
+    groups), one thread or all."""
+    kernel = DenseGemmKernel.build(tmp_path)
+    x, weight = _head_rows(torch.Generator().manual_seed(rows), rows, 576, out_features)
+    packed = kernel.pack(weight)
+    want = kernel.matmul(x, packed).argmax(dim=-1)
+    assert torch.equal(kernel.argmax(x, packed), want)
+    with _one_thread():
+        assert torch.equal(kernel.argmax(x, packed), want)
+
+
+@pytest.mark.skipif(not (FEATURES.amx and FEATURES.avx512_bf16), reason="AMX's bf16 tiles")
+def test_the_greedy_argmax_takes_the_first_of_equal_maxima_and_the_first_nan(tmp_path: Path) -> None:
+    """Columns equal to the row's maximum in other lanes, panels and threads' halves: the first
+    wins, as torch.argmax's; a NaN column wins over any value, the first NaN over later ones;
+    a row whose every product overflows to -inf is column 0's."""
+    kernel = DenseGemmKernel.build(tmp_path)
+    x, weight = _head_rows(torch.Generator().manual_seed(3), 40, 576, 8192)
+    want_rows = (x.float() @ weight.float().t()).argmax(dim=-1)
+    for copy in (7, 4100, 8191):  # later columns equal to every row's winner
+        weight[copy] = weight[int(want_rows[0])]
+    x[1:] = x[0]  # every row is row 0, whose winner now has three copies
+    packed = kernel.pack(weight)
+    ids = kernel.argmax(x, packed)
+    assert torch.equal(ids, kernel.matmul(x, packed).argmax(dim=-1))
+    assert int(ids[0]) == min(7, int(want_rows[0]))
+    nan = weight.clone()
+    nan[6000, 0] = float("nan")
+    nan[5000, 3] = float("nan")
+    assert torch.equal(kernel.argmax(x, kernel.pack(nan)), torch.full((40,), 5000))
+    overflow = torch.zeros(3, 576, dtype=torch.bfloat16)
+    overflow[:, :2] = 2.0
+    low = torch.zeros(64, 576, dtype=torch.bfloat16)
+    low[:, :2] = -3e38
+    packed_low = kernel.pack(low)
+    assert torch.isneginf(kernel.matmul(overflow, packed_low).float()).all()
+    assert torch.equal(kernel.argmax(overflow, packed_low), torch.zeros(3, dtype=torch.int64))
+
+
+def test_the_greedy_argmax_is_left_to_the_caller_where_the_tiles_cannot(kernel: DenseGemmKernel) -> None:
+    """fp32, a K the tiles do not take, or a build without AMX: None, and the caller multiplies."""
+    generator = torch.Generator().manual_seed(4)
+    x, weight = _head_rows(generator, 4, 64, 64)
+    assert kernel.argmax(x.float(), kernel.pack(weight.float())) is None
+    if kernel.multiplies(torch.bfloat16):
+        x48, weight48 = _head_rows(generator, 4, 48, 64)
+        assert kernel.argmax(x48, kernel.pack(weight48)) is None
+        taken = kernel.argmax(x, kernel.pack(weight))
+        assert (taken is not None) == (kernel.isa == "amx-bf16")

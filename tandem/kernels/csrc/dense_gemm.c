@@ -250,8 +250,7 @@ static int dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, con
         return -1;
 #if HAS_AMX
     if (kind == 1 && K % AMX_STEP_K == 0 && amx_permitted()) {
-        amx_dense_gemm(x, x_stride, M, K, packed, bias, residual, out, N, gated, num_threads);
-        return 0;
+        return amx_dense_gemm(x, x_stride, M, K, packed, bias, residual, out, N, gated, NULL, num_threads);
     }
 #endif
 #if HAS_AVX2
@@ -285,4 +284,20 @@ int tandem_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, con
 int tandem_dense_gemm_silu_mul(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int kind,
                                const void *bias, void *out, int64_t intermediate, int num_threads) {
     return dense_gemm(x, x_stride, M, K, packed, kind, bias, NULL, out, 2 * intermediate, 1, num_threads);
+}
+
+/* ids [M] (int64) = each row's argmax of x @ packed^T in bf16, as torch.argmax gives it over the
+ * bf16 product `tandem_dense_gemm` would write (the first of equal maxima, or the first NaN),
+ * without writing that product: a greedy LM head's. AMX's tiles only (kind 1, K a multiple of
+ * 32, N of 16). Returns 0, or -1 where this build or CPU cannot, or a scratch allocation
+ * failed (ids then incomplete). */
+int tandem_dense_gemm_argmax(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int64_t N,
+                             int64_t *ids, int num_threads) {
+#if HAS_AMX
+    if (N % 16 == 0 && M >= 0 && K % AMX_STEP_K == 0 && N <= INT32_MAX && amx_permitted())
+        return amx_dense_gemm(x, x_stride, M, K, packed, NULL, NULL, NULL, N, 0, ids, num_threads);
+#else
+    (void)x, (void)x_stride, (void)M, (void)K, (void)packed, (void)N, (void)ids, (void)num_threads;
+#endif
+    return -1;
 }

@@ -26,6 +26,7 @@
 #define TANDEM_DENSE_GEMM_AMX_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "amx_tiles.h"
@@ -62,13 +63,54 @@ typedef struct {
     const float *c; /* [row tile][block][16 rows][16 columns] */
 } AmxUnit;
 
-/* Where and how units' results are written (dense_gemm.c's epilogues). */
+/* A greedy head's running argmax, one thread's (`tandem_dense_gemm_argmax`): for each row, lane j
+ * of its 16 holds the largest value among the columns 16c + j the thread has multiplied, the
+ * first such column, and the first column there that was NaN (INT32_MAX: none yet). */
+typedef struct {
+    float *value;    /* [M][16] */
+    int32_t *column; /* [M][16] */
+    int32_t *nan;    /* [M][16] */
+} AmxArgmax;
+
+/* Where and how units' results are written (dense_gemm.c's epilogues), or, with `argmax`, each
+ * row's largest value looked for instead of writing any. */
 typedef struct {
     const void *bias, *residual;
     void *out;
     int64_t N;
     int gated;
+    const AmxArgmax *argmax;
 } AmxOutput;
+
+/* A chunk of 16 columns from `column` of row m into the running argmax: the value the bf16
+ * output would hold (the plain epilogue's one vcvtneps2bf16, widened back exactly), so the
+ * index is the one torch.argmax gives over those logits. A lane keeps the larger value, or the
+ * earlier column of equal ones; a NaN's column goes to the lane's first NaN. */
+static inline void amx_argmax_chunk(const AmxArgmax *a, int64_t m, __m512 acc, int64_t column) {
+    const __m512 v = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc)), 16));
+    const __m512i columns = _mm512_add_epi32(_mm512_set1_epi32((int32_t)column),
+                                             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    float *value = a->value + m * 16;
+    int32_t *best_column = a->column + m * 16;
+    const __m512 best = _mm512_load_ps(value);
+    const __m512i held = _mm512_load_si512(best_column);
+    const __mmask16 wins = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ)
+                           | (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ) & _mm512_cmplt_epi32_mask(columns, held));
+    _mm512_store_ps(value, _mm512_mask_mov_ps(best, wins, v));
+    _mm512_store_si512(best_column, _mm512_mask_mov_epi32(held, wins, columns));
+    const __mmask16 unordered = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (unordered) {
+        int32_t *nan = a->nan + m * 16;
+        const __m512i seen = _mm512_load_si512(nan);
+        _mm512_store_si512(nan, _mm512_mask_min_epi32(seen, unordered, seen, columns));
+    }
+}
+
+/* Whether (value, column) beats (best, at): larger, or equal and earlier. */
+static inline int amx_argmax_beats(float value, int32_t column, float best, int32_t at) {
+    return value > best || (value == best && column < at);
+}
 
 /* Rows [from, to) of a unit's epilogue: bias and residual and one rounding, or the gated
  * silu(gate) * up where its two blocks are a gate block and its up. */
@@ -76,6 +118,11 @@ static inline void amx_epilogue_rows(const AmxUnit *unit, const AmxOutput *o, in
     for (int64_t i = from; i < to; i++) {
         const float *row = unit->c + (i / AMX_ROWS) * 512 + (i % AMX_ROWS) * 16;
         const int64_t m = unit->m + i, block = unit->block, N = o->N;
+        if (o->argmax != NULL) {
+            amx_argmax_chunk(o->argmax, m, _mm512_load_ps(row), block * 16);
+            if (unit->two_blocks) amx_argmax_chunk(o->argmax, m, _mm512_load_ps(row + 256), block * 16 + 16);
+            continue;
+        }
         if (o->gated) {
             store_gated_chunk(_mm512_load_ps(row), _mm512_load_ps(row + 256), 2, o->bias, o->out, block * 8, N / 2,
                               m * (N / 2) + block * 8);
@@ -138,9 +185,9 @@ DEFINE_AMX_UNIT(2_2, 1, 1)
  * each step's tile instructions: the tiles work beside the vector units, and the epilogue (a
  * rounding of 1,024 sums) took a third of a unit's time at K = 576 when the two ran one after
  * the other, and 10-25% of a GEMM when it ran whole after the next unit's tile products. */
-static void amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed,
-                           const void *bias, const void *residual, void *out, int64_t N, int gated,
-                           int num_threads) {
+static int amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed,
+                          const void *bias, const void *residual, void *out, int64_t N, int gated,
+                          int64_t *ids, int num_threads) {
     const int64_t blocks = N / 16, pair_steps = K / 2, k_steps = K / AMX_STEP_K;
     const int64_t a_stride = x_stride * 2;
     /* Row groups whose activations stay in L2, each multiplied by every panel before the next
@@ -160,15 +207,49 @@ static void amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K
     int64_t panel_blocks = AMX_PANEL_BLOCKS;
     if (groups * ((blocks + panel_blocks - 1) / panel_blocks) % num_threads != 0) panel_blocks = 2;
     const int64_t panels = (blocks + panel_blocks - 1) / panel_blocks;
-#pragma omp parallel num_threads(num_threads)
+    /* ids: each row's argmax, merged from the threads' (value, column, first NaN) */
+    float *merged_value = NULL;
+    int32_t *merged_column = NULL, *merged_nan = NULL;
+    int failed = 0;
+    if (ids != NULL) {
+        merged_value = malloc(sizeof(float) * (size_t)M);
+        merged_column = malloc(sizeof(int32_t) * (size_t)M);
+        merged_nan = malloc(sizeof(int32_t) * (size_t)M);
+        if (merged_value == NULL || merged_column == NULL || merged_nan == NULL) failed = 1;
+        for (int64_t m = 0; !failed && m < M; m++) {
+            merged_value[m] = -__builtin_inff();
+            merged_column[m] = merged_nan[m] = INT32_MAX;
+        }
+    }
+#pragma omp parallel num_threads(num_threads) if (!failed)
     {
         float buffers[2][4 * 256] __attribute__((aligned(64)));
-        const AmxOutput output = {bias, residual, out, N, gated};
+        AmxArgmax lanes = {NULL, NULL, NULL};
+        if (ids != NULL && !failed) {
+            const size_t count = (size_t)M * 16;
+            lanes.value = aligned_alloc(64, sizeof(float) * count);
+            lanes.column = aligned_alloc(64, sizeof(int32_t) * count);
+            lanes.nan = aligned_alloc(64, sizeof(int32_t) * count);
+            if (lanes.value == NULL || lanes.column == NULL || lanes.nan == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            } else {
+                for (size_t i = 0; i < count; i++) {
+                    lanes.value[i] = -__builtin_inff();
+                    lanes.column[i] = lanes.nan[i] = INT32_MAX;
+                }
+            }
+        }
+        if (ids != NULL) { /* every thread's allocation is known before any reads `failed` */
+#pragma omp barrier
+        }
+        const AmxOutput output = {bias, residual, out, N, gated, ids != NULL ? &lanes : NULL};
         int configured0 = -1, configured1 = -1, next_buffer = 0;
         AmxUnit pending = {0, 0, 0, 0, NULL};
         const AmxUnit *waiting = NULL;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < groups * panels; item++) {
+            if (failed) continue;
             const int64_t panel = item % panels * panel_blocks;
             const int64_t group = item / panels;
             const int64_t first = group * units / groups * AMX_UNIT_ROWS;
@@ -205,6 +286,36 @@ static void amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K
         }
         if (waiting != NULL) amx_epilogue_rows(waiting, &output, 0, waiting->rows);
         if (configured0 >= 0) _tile_release();
+        if (ids != NULL && !failed)
+            for (int64_t m = 0; m < M; m++) {
+                float value = -__builtin_inff();
+                int32_t column = INT32_MAX, nan = INT32_MAX;
+                for (int j = 0; j < 16; j++) {
+                    if (amx_argmax_beats(lanes.value[m * 16 + j], lanes.column[m * 16 + j], value, column)) {
+                        value = lanes.value[m * 16 + j];
+                        column = lanes.column[m * 16 + j];
+                    }
+                    if (lanes.nan[m * 16 + j] < nan) nan = lanes.nan[m * 16 + j];
+                }
+#pragma omp critical(tandem_amx_argmax)
+                {
+                    if (amx_argmax_beats(value, column, merged_value[m], merged_column[m])) {
+                        merged_value[m] = value;
+                        merged_column[m] = column;
+                    }
+                    if (nan < merged_nan[m]) merged_nan[m] = nan;
+                }
+            }
+        free(lanes.value);
+        free(lanes.column);
+        free(lanes.nan);
     }
+    if (ids != NULL && !failed)
+        for (int64_t m = 0; m < M; m++) /* no value above -inf and no NaN: every column is -inf */
+            ids[m] = merged_nan[m] != INT32_MAX ? merged_nan[m] : merged_column[m] != INT32_MAX ? merged_column[m] : 0;
+    free(merged_value);
+    free(merged_column);
+    free(merged_nan);
+    return failed ? -1 : 0;
 }
 #endif
