@@ -21,6 +21,8 @@ from tandem.config import (
     EngineConfig,
 )
 
+MAX_BLOCK_SIZE = 1024  # a block is allocated whole: beyond this, most of one would sit empty
+
 
 def check_engine_config(config: EngineConfig) -> None:
     """ValueError, saying why, for settings that cannot work together."""
@@ -30,6 +32,9 @@ def check_engine_config(config: EngineConfig) -> None:
     if load.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {load.dtype!r}")
     _check_kv_cache_dtype(config)
+    block_size = config.cache.block_size
+    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and 1 <= block_size <= MAX_BLOCK_SIZE):
+        raise ValueError(f"--block-size must be a whole number of tokens from 1 to {MAX_BLOCK_SIZE}, not {block_size!r}")
     if not 0 < config.cache.memory_utilization <= 1:
         raise ValueError(f"--memory-utilization must be in (0, 1], not {config.cache.memory_utilization!r}")
     if load.quantization not in ("none", "int8"):

@@ -37,6 +37,8 @@ TP2 = ParallelConfig.of(2, 2, "mp")
       "speculative": SpeculativeConfig(method="ngram", num_speculative_tokens=2)}, "and no speculative decoding"),
     ({"scheduler": SchedulerConfig(async_scheduling="sometimes")}, "--async-scheduling must be one of auto, on, off"),
     ({"load": LoadConfig(device="cpu", quantization="int4")}, "--quantization must be none or int8, not 'int4'"),
+    ({"cache": CacheConfig(block_size=0)}, "--block-size must be a whole number of tokens from 1 to 1024, not 0"),
+    ({"cache": CacheConfig(block_size=4096)}, "--block-size must be a whole number of tokens from 1 to 1024"),
     ({"cache": CacheConfig(memory_utilization=1.2)}, "--memory-utilization must be in (0, 1], not 1.2"),
     ({"cache": CacheConfig(memory_utilization=0.0)}, "--memory-utilization must be in (0, 1], not 0.0"),
     ({"load": LoadConfig(device="cpu", decode_weights="float8")}, "decode weights must be none or one of"),
