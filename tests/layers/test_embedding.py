@@ -6,10 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.dense_gemm import load_dense_gemm_kernel
+from tandem.kernels.dense_gemm import DenseGemmKernel, load_dense_gemm_kernel
 from tandem.kernels.layer_ops import load_layer_ops
 from tandem.layers.embedding import LMHead
 from tandem.layers.linear import SmallStepWeights
+
+
+@pytest.fixture(scope="module")
+def gemm(tmp_path_factory: pytest.TempPathFactory) -> DenseGemmKernel:
+    built = load_dense_gemm_kernel(tmp_path_factory.mktemp("cache"))
+    if built is None or not built.multiplies(torch.bfloat16):
+        pytest.skip("no packed bf16 GEMM on this CPU")
+    return built
 
 
 def _head(vocab: int, hidden: int, generator: torch.Generator) -> LMHead:
@@ -18,10 +26,7 @@ def _head(vocab: int, hidden: int, generator: torch.Generator) -> LMHead:
     return head.to(torch.bfloat16)
 
 
-def test_greedy_ids_are_the_argmax_of_the_heads_logits(tmp_path) -> None:
-    gemm = load_dense_gemm_kernel(tmp_path)
-    if gemm is None or not gemm.multiplies(torch.bfloat16):
-        pytest.skip("no packed bf16 GEMM on this CPU")
+def test_greedy_ids_are_the_argmax_of_the_heads_logits(gemm: DenseGemmKernel, tmp_path) -> None:
     generator = torch.Generator().manual_seed(2)
     head = _head(8192, 576, generator)
     head.pack_for_cpu(drop_dense=False, dense_gemm=gemm)
@@ -35,12 +40,9 @@ def test_greedy_ids_are_the_argmax_of_the_heads_logits(tmp_path) -> None:
         assert torch.equal(head.greedy_ids(hidden, None), want)
 
 
-def test_steps_another_copy_takes_leave_the_argmax_to_the_logits(tmp_path) -> None:
+def test_steps_another_copy_takes_leave_the_argmax_to_the_logits(gemm: DenseGemmKernel) -> None:
     """A one-token step that reads the head's small-step copy: the packed GEMM does not run, so
     it does not find the ids either."""
-    gemm = load_dense_gemm_kernel(tmp_path)
-    if gemm is None or not gemm.multiplies(torch.bfloat16):
-        pytest.skip("no packed bf16 GEMM on this CPU")
     generator = torch.Generator().manual_seed(3)
     head = _head(4096, 576, generator)
     head.pack_for_cpu(drop_dense=False, dense_gemm=gemm)
