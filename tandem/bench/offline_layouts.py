@@ -317,11 +317,10 @@ def own_int8_flops_per_s(dtype: str, shapes: list[tuple[int, int, int]]) -> floa
     from tandem.kernels.int8_rows import load_int8_rows_kernel
     from tandem.layers.int8 import int8_linear_flops_per_s
     from tandem.platform.cache_dir import default_cache_dir
-    from tandem.platform.cpu_modes import CpuFeatures
 
     cache = default_cache_dir()
     rows = load_int8_rows_kernel(cache)
-    gemm = load_int8_gemm_kernel(cache) if CpuFeatures.detect().int8_fastest else None
+    gemm = load_int8_gemm_kernel(cache)
     if rows is None:
         return 0.0
     return max(int8_linear_flops_per_s(m, k, n, getattr(torch, dtype), rows, gemm)

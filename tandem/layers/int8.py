@@ -21,8 +21,8 @@ The passes around the GEMM (quantizing the input, dequantizing with the bias and
 residual add folded in) run in C (kernels/int8_rows.py) where it
 builds; the torch ops below do the same arithmetic where it does not.
 
-The GEMM itself: tandem's own over weights packed once (kernels/int8_gemm.py) where the CPU
-has VNNI and no AMX and the C passes run, else `torch._int_mm`. Both give the same int32
+The GEMM itself: tandem's own over weights packed once (kernels/int8_gemm.py: AMX's int8
+tiles, or VNNI's vpdpbusd) where the CPU has VNNI and the C passes run, else `torch._int_mm`. Both give the same int32
 products, so the two are interchangeable bit for bit.
 """
 
@@ -109,7 +109,7 @@ class Int8Weight:
     15.1 ms against 18.3 ms through the transposed [out, in] matrix, the same integers; 20-25%
     faster at 8-32 rows, even from 512 rows up, on the 2-core AVX-512 EPYC).
 
-    `packed`, where tandem's GEMM runs (kernels/int8_gemm.py: VNNI without AMX) and the C
+    `packed`, where tandem's GEMM runs (kernels/int8_gemm.py: VNNI, AMX's tiles too) and the C
     passes too: the same matrix in that GEMM's blocks, which the products then come from. The
     passes still read the outliers' rows from `columns`: read from the blocks, where a row's
     16-column pieces lie a panel apart, they took longer than the GEMM saved (64 sequences of

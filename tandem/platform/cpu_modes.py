@@ -17,10 +17,11 @@ fp32 (`tandem bench perplexity`, docs/performance.md):
   so a full-precision checkpoint mostly decodes from 8 bits.
 - **int8 GEMMs** (`--quantization int8`, W8A8 for larger steps) where AVX-512-VNNI is the
   fastest multiply there is: about twice bf16's rate on a CPU with AVX-512-BF16 and VNNI but
-  no AMX. With AMX, bf16 tiles are faster still and the 8-bit path's own passes (rounding each
-  token's activations) cost more than they save: on the 2-core Xeon with AMX, bf16 + int8 ran
-  decode-heavy at 973 output tok/s and prefill-heavy at 2,234 prompt tok/s against bf16's
-  1,038 and 2,505 (one run each, docs/performance.md). And only for a checkpoint that is
+  no AMX. With AMX, the 8-bit path's own passes (rounding each token's activations, the
+  dequantizing epilogue) cost what the int8 tiles save over the bf16 ones: on the 2-core
+  Xeon with AMX, with both GEMMs on the tiles, bf16 + int8 ran decode-heavy at 1,616-1,679
+  output tok/s and prefill-heavy at 5,080-5,177 prompt tok/s against the default's
+  1,623-1,663 and 5,800-6,130 (alternating runs, docs/performance.md). And only for a checkpoint that is
   itself quantized (a GGUF file), the checkpoints it was measured on (SmolLM2 +0.14-0.22%);
   a full-precision checkpoint keeps its weights.
 - One rank only: a tensor- or pipeline-parallel engine takes these modes by flag.
@@ -96,7 +97,10 @@ class CpuFeatures:
 
     @property
     def int8_fastest(self) -> bool:
-        """8-bit dot products beat this CPU's bf16 (VNNI without AMX's bf16 tiles)."""
+        """8-bit GEMMs beat this CPU's bf16 (VNNI without AMX's bf16 tiles). With AMX the int8
+        tiles multiply twice as fast as the bf16 ones, but the 8-bit linear's own passes
+        (rounding each row's activations, the dequantizing epilogue) take that back: see the
+        module's docstring."""
         return self.avx512_vnni and not self.amx
 
     def describe(self) -> str:

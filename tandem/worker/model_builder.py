@@ -244,9 +244,9 @@ class ModelBuilder:
         return load_dense_gemm_kernel(self.kernel_cache_dir)
 
     def _int8_gemm(self) -> Int8GemmKernel | None:
-        """tandem's packed int8 GEMM where VNNI is this CPU's fastest multiply (no AMX: with
-        AMX, oneDNN's `torch._int_mm` runs int8 on the tiles, which the kernel does not)."""
-        if not CpuFeatures.detect().int8_fastest:
+        """tandem's packed int8 GEMM where it has a path here: AMX's int8 tiles, or VNNI's
+        vpdpbusd (kernels/int8_gemm.py); elsewhere `torch._int_mm`."""
+        if self.device.type != "cpu":
             return None
         return load_int8_gemm_kernel(self.kernel_cache_dir)
 

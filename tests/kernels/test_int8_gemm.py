@@ -1,6 +1,7 @@
 """tandem's packed int8 GEMM (csrc/int8_gemm.c): the integers torch._int_mm gives, for every
-tile shape and thread split; the dequantizing form, the separate dequantize pass's bits; and a
-build without VNNI that refuses rather than guesses."""
+tile shape and thread split; the dequantizing form, the separate dequantize pass's bits; AMX's
+int8 tiles (csrc/int8_gemm_amx.h) and the vpdpbusd tiles giving the same bits; and a build
+without VNNI that refuses rather than guesses."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tandem.platform.cpu_modes import CpuFeatures
 from tests.support.kernel_builds import build_for
 
 VNNI = CpuFeatures.detect().avx512_vnni
+AMX = CpuFeatures.detect().amx
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the packed GEMM's only path needs AVX-512-VNNI")
 
 
@@ -30,7 +32,7 @@ def _reference(a: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_isa_follows_the_cpu(kernel) -> None:
-    assert kernel.isa == ("avx512-vnni" if VNNI else "none")
+    assert kernel.isa == ("amx-int8" if AMX and VNNI else "avx512-vnni" if VNNI else "none")
 
 
 def test_packing_keeps_every_value_and_the_column_sums(kernel) -> None:
@@ -208,3 +210,45 @@ def test_a_build_without_vnni_refuses_every_product(tmp_path: Path) -> None:
 def test_the_loader_gives_the_kernel_only_with_its_vnni_path(tmp_path: Path) -> None:
     loaded = load_int8_gemm_kernel(tmp_path)
     assert (loaded is not None) == VNNI
+
+
+@pytest.mark.skipif(not (AMX and VNNI), reason="AMX's int8 tiles")
+def test_amx_tiles_and_the_vnni_tiles_give_the_same_bits(kernel, rows_kernel, tmp_path: Path) -> None:
+    """On a CPU with AMX, products whose K is a multiple of 64 run on the int8 tiles (units of up
+    to two 16-row tiles by two blocks, the last tile with fewer rows, a last unit of one block,
+    several row groups at K = 4,096), other K on vpdpbusd. A build for a CPU without AMX runs
+    them all on vpdpbusd: the int32 products, the dequantizing epilogue (outliers, bias,
+    residual, fp32 and bf16) and the gated one are bit for bit the same, on one thread and on two."""
+    vnni = Int8GemmKernel(build_for(SOURCE, "icelake-server", tmp_path))
+    assert kernel.isa == "amx-int8" and vnni.isa == "avx512-vnni"
+    generator = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    cases = ((1, 64, 16), (15, 576, 48), (16, 128, 32), (17, 576, 160), (33, 1536, 80), (64, 576, 960),
+             (100, 96, 48), (700, 4096, 64))
+    try:
+        for num_threads in (1, threads):
+            torch.set_num_threads(num_threads)
+            for rows, in_features, out_features in cases:
+                columns = torch.randint(-128, 128, (in_features, out_features), generator=generator, dtype=torch.int8)
+                a = torch.randint(-128, 128, (rows, in_features), generator=generator, dtype=torch.int8)
+                got = kernel.matmul(a, kernel.pack(columns))
+                assert torch.equal(got, vnni.matmul(a, vnni.pack(columns))), (rows, in_features, out_features)
+                assert torch.equal(got, _reference(a, columns)), (rows, in_features, out_features)
+                x = torch.randn(rows, in_features, generator=generator) * 4
+                x[:, 3] *= 50  # an outlier channel
+                col_scales = torch.rand(out_features, generator=generator) / 100
+                quantized = rows_kernel.quantize_rows(x, 4)
+                for dtype in (torch.float32, torch.bfloat16):
+                    bias = torch.randn(out_features, generator=generator).to(dtype)
+                    residual = torch.randn(rows, out_features, generator=generator).to(dtype)
+                    outputs = [built.matmul_dequantize(quantized.values, built.pack(columns), quantized.scales,
+                                                       col_scales, quantized.outlier_index, quantized.outlier_value,
+                                                       columns, dtype, bias, residual) for built in (kernel, vnni)]
+                    assert torch.equal(*outputs), (rows, in_features, out_features, dtype)
+                    if out_features % 32 == 0:
+                        middles = [built.gated(quantized.values, built.pack_gate_up(columns), quantized.scales,
+                                               col_scales, quantized.outlier_index, quantized.outlier_value,
+                                               columns, dtype) for built in (kernel, vnni)]
+                        assert torch.equal(*middles), (rows, in_features, out_features, dtype)
+    finally:
+        torch.set_num_threads(threads)

@@ -130,8 +130,21 @@ static const tile_fn TILES[PANEL_BLOCKS][TILE_ROWS] = {TILE_ROW(1), TILE_ROW(2),
 #define HAS_VNNI 0
 #endif
 
-/* Which path this build has: "avx512-vnni", or "none" (the GEMM then refuses every call). */
-const char *tandem_int8_gemm_isa(void) { return HAS_VNNI ? "avx512-vnni" : "none"; }
+#if HAS_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAS_AMX_INT8 1
+#include "int8_gemm_amx.h"
+#else
+#define HAS_AMX_INT8 0
+#endif
+
+/* Which path this build has: "amx-int8" (the tiles where K is a multiple of 64, vpdpbusd for
+ * other K), "avx512-vnni", or "none" (the GEMM then refuses every call). */
+const char *tandem_int8_gemm_isa(void) {
+#if HAS_AMX_INT8
+    if (amx_permitted()) return "amx-int8";
+#endif
+    return HAS_VNNI ? "avx512-vnni" : "none";
+}
 
 int tandem_int8_gemm_max_inner(void) { return MAX_INNER; }
 
@@ -159,6 +172,10 @@ void tandem_int8_pack(const int8_t *columns, int64_t K, int64_t N, int8_t *packe
 static int int8_gemm(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, const int8_t *packed,
                      const int32_t *compensation, int32_t *c, int64_t N, const void *dq, int num_threads) {
     if (!HAS_VNNI || K % 4 != 0 || N % 16 != 0 || K > MAX_INNER || M < 0) return -1;
+#if HAS_AMX_INT8
+    if (K % AMX8_STEP_K == 0 && amx_permitted())
+        return amx_int8_gemm(a, a_stride, M, K, packed, c, N, (const Int8Dequantize *)dq, num_threads);
+#endif
 #if HAS_VNNI
     const int64_t blocks = N / 16, quads = K / 4;
     GEMM_FOR_EACH_TILE(M, blocks, PANEL_BLOCKS, TILE_ROWS, packed, quads * 64,
