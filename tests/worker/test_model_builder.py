@@ -36,3 +36,18 @@ def test_the_ranks_of_one_host_share_the_read(world_size: int, nnodes: int, rank
     builder = ModelBuilder(EngineConfig("m", parallel=parallel), rank, torch.device("cpu"), torch.float32,
                            TensorParallel(rank, world_size), PipelineStage(0, 1, 0, 1), None, world_size, tmp_path)
     assert builder.read_share() == expected
+
+
+def test_the_packed_int8_gemm_is_taken_wherever_it_has_a_path(tmp_path) -> None:
+    """`--quantization int8` multiplies through tandem's packed GEMM wherever its library has a
+    path (AMX's int8 tiles or VNNI), not only where VNNI is the fastest multiply: on an AMX
+    CPU `torch._int_mm` repacked every call (decode-heavy ~1,000 against ~1,730 output tok/s)."""
+    from tandem.kernels.int8_gemm import load_int8_gemm_kernel
+
+    builder = ModelBuilder(EngineConfig("m"), 0, torch.device("cpu"), torch.bfloat16, TensorParallel(0, 1),
+                           PipelineStage(0, 1, 0, 1), None, 1, tmp_path)
+    loaded = load_int8_gemm_kernel(tmp_path / "probe")
+    taken = builder._int8_gemm()
+    assert (taken is not None) == (loaded is not None)
+    if taken is not None:
+        assert taken.isa == loaded.isa
