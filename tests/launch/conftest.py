@@ -16,10 +16,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.up_cluster import AGENT_GGUF, AGENT_MODEL, RouterLog, Up, start_up
+from tests.support.up_cluster import (
+    AGENT_GGUF,
+    AGENT_MODEL,
+    AGENT_OUTPUT_CAP,
+    RouterLog,
+    Up,
+    start_up,
+)
 
 AGENT_SAMPLING = ('{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, '
-                  '"max_new_tokens": 1024}')
+                  f'"max_new_tokens": {AGENT_OUTPUT_CAP}}}')
 
 
 @pytest.fixture(scope="package")

@@ -28,6 +28,9 @@ _START_TIMEOUT = 240.0
 # The agent model the harness tests (OpenCode, Claude Code, Codex) run: a tools-aware template.
 AGENT_MODEL = "qwen2.5-coder-0.5b"
 AGENT_GGUF = default_cache_dir() / "models" / f"{AGENT_MODEL}.gguf"
+# The agent cluster's cut-off for a turn whose request names none (Codex sends no
+# max_output_tokens): tests/launch/conftest.py passes it as the server's default.
+AGENT_OUTPUT_CAP = 1024
 
 
 @dataclass
