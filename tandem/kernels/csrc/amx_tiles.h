@@ -1,5 +1,5 @@
 /*
- * What every AMX kernel needs before its first tile instruction (dense_gemm_amx.h,
+ * What every AMX kernel needs before its first tile instruction (amx_gemm.h,
  * prefill_attention_amx.h): the tile configuration's memory layout (palette 1) and the OS's
  * permission, which Linux grants per process on request (arch_prctl; kernels since 5.16).
  */
