@@ -19,7 +19,12 @@ from tandem.platform.cpu_modes import (
     exact_requested,
     is_quantized_checkpoint,
 )
-from tandem.platform.device import resolve_device, resolve_dtype
+from tandem.platform.device import (
+    resolve_block_size,
+    resolve_chunk_blocks,
+    resolve_device,
+    resolve_dtype,
+)
 from tandem.sizing.experts import expert_layout
 from tandem.sizing.kv import KV_INT8_SCALE_BYTES  # noqa: F401 - the int8 row's scale, for the engine
 from tandem.sizing.memory import DEFAULT_MEMORY_UTILIZATION
@@ -373,7 +378,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    # None: 64 tokens on a CPU, 16 on a GPU (platform/device.py says why), settled by EngineConfig.
+    block_size: int | None = None
     kv_cache_memory_bytes: int | None = None  # None: derived from free memory at start
     enable_prefix_caching: bool = True
     # "auto": the model's dtype; "bfloat16": bf16 rows (an fp32 model's cache at half the
@@ -537,7 +543,7 @@ class KVTiersConfig:
     disk_path: str | None = None  # local-disk tier directory; None: off
     disk_bytes: int = 16 << 30
     store_url: str | None = None  # cluster store: redis://host:port, valkey://..., mooncake://...
-    chunk_blocks: int = 16
+    chunk_blocks: int | None = None  # None: 256 tokens' worth, settled by EngineConfig
     admit_after: int = 2  # sightings before a chunk may enter disk / cluster; 1: every chunk
     max_concurrent_loads: int = 4
     load_timeout: float = 10.0  # a load not done by then: the prompt is computed instead
@@ -753,6 +759,13 @@ class EngineConfig:
         one_rank = not self.parallel.splits_model
         decodes = self.kv_transfer.role != "prefill"
         object.__setattr__(self, "load", self.load.settled_for(self.model, one_rank, decodes))
+        # The block size's and the tier chunk's `None` depend on the device.
+        block_size = resolve_block_size(self.cache.block_size, self.load.device)
+        if block_size != self.cache.block_size:
+            object.__setattr__(self, "cache", replace(self.cache, block_size=block_size))
+        chunk_blocks = resolve_chunk_blocks(self.kv_tiers.chunk_blocks, block_size)
+        if chunk_blocks != self.kv_tiers.chunk_blocks:
+            object.__setattr__(self, "kv_tiers", replace(self.kv_tiers, chunk_blocks=chunk_blocks))
 
     @property
     def runs_ahead_possible(self) -> bool:

@@ -32,7 +32,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
-        block_size: int = 16,
+        block_size: int | None = None,
         kv_cache_memory: str | int | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",

@@ -30,8 +30,10 @@ def tandem_server_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     log_path = tmp_path_factory.mktemp("server") / "tandem-serve.log"
     # --max-tokens-policy reject: the error cases check vLLM's 400 for a max_tokens past the
     # context (the default, cap, has its own server in tests/server/test_max_tokens_policy.py).
+    # --block-size 16: its tests count the cached tokens of short prompts in blocks of 16 (a CPU's
+    # default is 64; tests/launch's clusters run it).
     server = start_server(log_path, "--kv-cache-memory", "256MiB", "--max-num-seqs", "16",
-                          "--max-tokens-policy", "reject")
+                          "--max-tokens-policy", "reject", "--block-size", "16")
     yield server
     left = stop_server(server)
     assert not left, f"processes left after SIGINT: {left}"

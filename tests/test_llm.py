@@ -100,11 +100,12 @@ def test_single_stream_matches_transformers(llm: LLM, reference: torch.nn.Module
 
 def test_prefix_cache_hit_gives_cold_tokens(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    system = "You are a careful assistant. Answer briefly and cite the rule you used. " * 4
+    system = "You are a careful assistant. Answer briefly and cite the rule you used. " * 8
+    block = llm.engine.core.block_size  # 64 tokens, a CPU's default
     first = llm.generate([system + "What is a prime number?"], params)[0]
     assert first.num_cached_tokens == 0
     again = llm.generate([system + "What is a prime number?"], params)[0]
-    assert again.num_cached_tokens >= 16 * (len(again.prompt_token_ids) // 16 - 1)
+    assert again.num_cached_tokens >= block * (len(again.prompt_token_ids) // block - 1)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     other = llm.generate([system + "What is an even number?"], params)[0]
     assert other.num_cached_tokens > 0
@@ -118,10 +119,12 @@ def test_load_counts_a_waiting_prompt_net_of_its_cached_prefix(llm: LLM) -> None
     """A router balances prefill work by this figure: a queued agent turn whose history is
     cached must count only its new tokens."""
     engine = llm.engine
-    history = "Tool output: the build passed, 41 tests ran, none failed. " * 6
+    history = "Tool output: the build passed, 41 tests ran, none failed. " * 12
     first = llm.generate([history], SamplingParams(max_tokens=1))[0]
     ids = first.prompt_token_ids + engine.tokenize(" Now run the linter and report back.")
-    cached = len(first.prompt_token_ids) // 16 * 16
+    block = engine.core.block_size
+    cached = len(first.prompt_token_ids) // block * block
+    assert cached > 0
     request_id = engine.add_request(None, None, SamplingParams(max_tokens=1), prompt_token_ids=ids)
     try:
         assert engine.load().waiting_prefill_tokens == len(ids) - cached
@@ -135,7 +138,7 @@ def test_preemption_gives_same_tokens() -> None:
     roomy = LLM(kv_cache_memory="64MiB").generate(prompts, params)
     # 24 blocks of 16 tokens cannot hold 8 sequences of ~50 tokens at once
     block_bytes = 2 * 30 * 3 * 64 * 4 * 16
-    tight_llm = LLM(kv_cache_memory=24 * block_bytes, enable_prefix_caching=False)
+    tight_llm = LLM(kv_cache_memory=24 * block_bytes, enable_prefix_caching=False, block_size=16)
     tight = tight_llm.generate(prompts, params)
     assert tight_llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]

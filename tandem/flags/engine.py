@@ -58,7 +58,8 @@ ENGINE_FLAGS = FlagTable("engine", (
          "--max-cudagraph-batch sequences replay CUDA graphs captured at start", False, switch=True),
     Flag("--max-cudagraph-batch", "GPU: the largest decode batch captured as a CUDA graph; bigger "
          "ones run eagerly (default: 128)", 128, type=int, metavar="N"),
-    Flag("--block-size", "tokens per KV block (default: 16)", 16, type=int),
+    Flag("--block-size", "tokens per KV block (default: 64 on a CPU, where longer blocks read faster, "
+         "16 on a GPU); a prefix is cached in whole blocks", type=int),
     Flag("--kv-cache-memory", "KV cache budget, e.g. 2GiB (default: 25%% of free RAM, at most 4GiB)",
          metavar="SIZE"),
     Flag("--lazy-kv-cache", "CPU: commit the KV budget's pages as they are first written instead of "
@@ -161,8 +162,8 @@ ENGINE_FLAGS = FlagTable("engine", (
     Flag("--kv-store",
          "cluster KV store every worker reads and writes: redis://HOST:PORT, valkey://HOST:PORT, "
          "or mooncake://MASTER:PORT[?segment=1GiB] for Mooncake Store (default: off)", metavar="URL"),
-    Flag("--kv-chunk-blocks", "KV blocks per tier chunk, the unit stored and loaded (default: 16)",
-         16, type=int, metavar="N"),
+    Flag("--kv-chunk-blocks", "KV blocks per tier chunk, the unit stored and loaded (default: 256 "
+         "tokens' worth: 4 blocks of 64 on a CPU, 16 of 16 on a GPU)", type=int, metavar="N"),
     Flag("--kv-store-admit-after",
          "a chunk enters the disk tier and the cluster store once N requests contained it, or at once "
          "when its request continues a prefix seen in N (a conversation's next turn); keeps one-shot "
@@ -278,11 +279,11 @@ def kv_tiers_config(args: argparse.Namespace) -> KVTiersConfig:
         disk_path=get("kv_offload_disk_path"),
         disk_bytes=size(get("kv_offload_disk_bytes"), KVTiersConfig.disk_bytes),
         store_url=get("kv_store"),
-        chunk_blocks=get("kv_chunk_blocks") or KVTiersConfig.chunk_blocks,
+        chunk_blocks=get("kv_chunk_blocks"),  # None: 256 tokens' worth (EngineConfig settles it)
         admit_after=get("kv_store_admit_after") or KVTiersConfig.admit_after,
         codec="raw" if get("kv_tier_dtype") in (None, "auto") else get("kv_tier_dtype"),
     )
-    if config.chunk_blocks < 1 or config.admit_after < 1:
+    if (config.chunk_blocks is not None and config.chunk_blocks < 1) or config.admit_after < 1:
         raise ValueError("--kv-chunk-blocks and --kv-store-admit-after must be at least 1")
     return config
 

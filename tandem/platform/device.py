@@ -62,6 +62,35 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
+# Tokens per KV block when --block-size is not given. On a CPU a block of 16 tokens is 2 KiB a kv
+# head at head size 64: a decode step's attention jumps to another place in the pool every 16
+# keys, where the hardware prefetchers start again. Blocks of 64 made decode attention ~11%
+# faster and a decode-heavy batch 3-8% (docs/performance.md, "The KV block size on a CPU"); vLLM's
+# CPU backend defaults to 128. A GPU's paged attention gains nothing from longer blocks, and 16
+# keeps the prefix cache's granularity fine (vLLM's and SGLang's GPU default).
+CPU_BLOCK_SIZE = 64
+GPU_BLOCK_SIZE = 16
+# Tokens per KV tier chunk when --kv-chunk-blocks is not given: 16 blocks of 16 tokens, kept in
+# tokens whatever the block size, so a turn's tail that reaches the tiers does not grow with it.
+TIER_CHUNK_TOKENS = 256
+
+
+def resolve_block_size(choice: int | None, device: str) -> int:
+    """`None` (no --block-size): CPU_BLOCK_SIZE on the CPU, GPU_BLOCK_SIZE on a GPU; else as given."""
+    if choice is not None:
+        return choice
+    return GPU_BLOCK_SIZE if device == "cuda" else CPU_BLOCK_SIZE
+
+
+def resolve_chunk_blocks(choice: int | None, block_size: int) -> int:
+    """`None` (no --kv-chunk-blocks): the blocks that make TIER_CHUNK_TOKENS, at least one. (A
+    block size out of range is refused after this, by config_checks.py.)"""
+    if choice is not None:
+        return choice
+    valid = isinstance(block_size, int) and block_size >= 1
+    return max(1, TIER_CHUNK_TOKENS // block_size) if valid else 1
+
+
 def resolve_dtype(choice: str, device: str, exact: bool = False) -> str:
     """`auto`: bfloat16 on a GPU; on the CPU the default mode's dtype (platform/cpu_modes.py:
     bfloat16 where the CPU multiplies it natively), float32 when `exact` or when the process

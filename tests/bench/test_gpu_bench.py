@@ -45,7 +45,7 @@ def test_kv_room_beside_vllm_and_a_contiguous_cache(tmp_path, capsys, kv: str, r
                   num_key_value_heads=2, head_dim=64, vocab_size=1024)
     (tmp_path / "config.json").write_text(json.dumps(config))
     llm = LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=512,
-              kv_cache_dtype=kv)
+              kv_cache_dtype=kv, block_size=16)  # a GPU's default block
     try:
         room = kv_room(llm, config, 512, 256, 80 << 30, kv)
     finally:

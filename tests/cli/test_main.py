@@ -13,8 +13,8 @@ import sys
 
 TANDEM = [sys.executable, "-m", "tandem.cli.main"]
 # 64 MiB of float32 KV for SmolLM2-135M (30 layers x 3 KV heads x 64 dims, K and V):
-# 737,280 bytes a 16-token block, so 91 whole blocks.
-KV_LINE = re.compile(r"KV cache: 91 blocks = 1456 tokens \(0\.06 GiB, float32\); max model len 1456; "
+# 2,949,120 bytes a block of 64 tokens (a CPU's default), so 22 whole blocks.
+KV_LINE = re.compile(r"KV cache: 22 blocks = 1408 tokens \(0\.06 GiB, float32\); max model len 1408; "
                      r"(cpu|torch) attention; 1 rank; ready in \d+\.\d s")
 
 

@@ -93,7 +93,9 @@ def test_the_default_model_over_two_stages_gives_one_rank_s_tokens() -> None:
     with LLM(kv_cache_memory="64MiB", num_threads=1, pipeline_parallel_size=2) as two:
         assert [o.outputs[0].token_ids for o in two.generate(DEFAULT_PROMPTS, greedy)] == expected
         assert [[s.token_ids for s in o.outputs] for o in two.generate(DEFAULT_PROMPTS[:2], seeded)] == expected_seeded
-        assert two.engine.block_pool.num_blocks == 2 * blocks_one
+        # Each a floor of the same budget over a block (half of it a stage): twice, or one more.
+        blocks_two = two.engine.block_pool.num_blocks
+        assert blocks_two in (2 * blocks_one, 2 * blocks_one + 1)
         core = two.engine.core
         split = memory_split_lines(core.config, core.worker_infos, core.num_blocks)
     assert [line.split(":")[0] for line in split] == ["rank 0 (stage 0, layers 0-14, tp rank 0)",
@@ -101,7 +103,7 @@ def test_the_default_model_over_two_stages_gives_one_rank_s_tokens() -> None:
     # Each stage holds half the layers and one of embedding / head: what the plan says, and
     # what the ranks measure.
     assert all("weights 0.30 GiB" in line and "planned: weights 0.30 GiB" in line for line in split)
-    assert all("KV 0.06 GiB = 182 blocks" in line for line in split)
+    assert all(f"KV 0.06 GiB = {blocks_two} blocks" in line for line in split)
 
 
 @pytest.mark.parametrize("victim", [0, 1])

@@ -62,10 +62,10 @@ def test_the_default_model_split_over_ranks_gives_one_rank_s_tokens(size: int) -
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
                "Q: What is 7 times 8?\nA:"]
     greedy = SamplingParams(max_tokens=16, temperature=0)
-    with LLM(kv_cache_memory="64MiB", num_threads=1) as one:
+    with LLM(kv_cache_memory="64MiB", num_threads=1, block_size=16) as one:
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
         blocks_one = one.engine.block_pool.num_blocks
-    with LLM(kv_cache_memory="64MiB", num_threads=1, tensor_parallel_size=size) as split:
+    with LLM(kv_cache_memory="64MiB", num_threads=1, block_size=16, tensor_parallel_size=size) as split:
         assert [o.outputs[0].token_ids for o in split.generate(prompts, greedy)] == expected
         largest_share = -(-3 // size)  # KV heads on rank 0
         assert split.engine.block_pool.num_blocks == blocks_one * 3 // largest_share

@@ -21,8 +21,8 @@ import pytest
 from tests.support.live_server import TEST_SECRET, LiveServer, start_server, stop_server
 
 MODEL = "smollm2-135m"
-BLOCK = 16  # tokens per KV block (the default --block-size)
-WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1")
+BLOCK = 16  # tokens per KV block: the counts below are in blocks of the workers' --block-size
+WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--block-size", str(BLOCK))
 SYSTEM = "You are a helpful assistant who answers questions about cities briefly and precisely. " * 6
 
 

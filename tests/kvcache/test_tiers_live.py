@@ -16,7 +16,7 @@ from tandem.config import KVTiersConfig
 from tandem.launch.redis_server import RedisServer
 from tandem.types import RequestOutput, SamplingParams
 
-BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4  # SmolLM2-135M, fp32, 16-token blocks
+BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4  # SmolLM2-135M, fp32, 16-token blocks (each engine here asks for them)
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 SHARED = "The history of the old harbour town is long and full of stories about ships. " * 24
 FILLERS = [f"Filler document {i}: " + f"an unrelated passage about topic {i} and more words. " * 30
@@ -42,13 +42,13 @@ def assert_idle(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def cold_outputs() -> list[str]:
-    with LLM(kv_cache_memory=512 * BLOCK_BYTES, max_num_batched_tokens=512) as llm:
+    with LLM(block_size=16, kv_cache_memory=512 * BLOCK_BYTES, max_num_batched_tokens=512) as llm:
         return [o.outputs[0].text for o in llm.generate([SHARED + "Question: who built it?"], GREEDY)]
 
 
 @pytest.fixture(scope="module")
 def cpu_llm() -> Iterator[LLM]:
-    llm = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512,
+    llm = LLM(block_size=16, kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512,
               kv_tiers=KVTiersConfig(cpu_bytes=256 << 20, chunk_blocks=4))
     yield llm
     llm.shutdown()
@@ -87,7 +87,7 @@ def evict_from_device(llm: LLM) -> None:
 
 
 def tier_llm(kv_cache_dtype: str = "auto", **tiers) -> LLM:
-    return LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype,
+    return LLM(block_size=16, kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype,
                kv_tiers=KVTiersConfig(chunk_blocks=4, admit_after=1, **tiers))
 
 
@@ -245,8 +245,8 @@ def test_a_second_sighting_on_another_engine_admits_a_prefix_to_the_cluster_stor
         redis_server: RedisServer, cold_outputs: list[str]) -> None:
     _flush(redis_server)
     tiers = KVTiersConfig(chunk_blocks=4, admit_after=2, store_url=redis_server.url)
-    first = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
-    second = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
+    first = LLM(block_size=16, kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
+    second = LLM(block_size=16, kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
     try:
         first.generate([PROMPT], GREEDY)  # first sighting anywhere: nothing stored
         drain_writes(first)
@@ -272,8 +272,8 @@ def test_a_conversations_next_turn_on_another_engine_reads_this_turn_from_the_cl
     store at once, because turn 1 continues a known prefix (the shared system prompt)."""
     _flush(redis_server)
     tiers = KVTiersConfig(chunk_blocks=4, admit_after=2, store_url=redis_server.url)
-    first = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
-    second = LLM(kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
+    first = LLM(block_size=16, kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
+    second = LLM(block_size=16, kv_cache_memory=64 * BLOCK_BYTES, max_num_batched_tokens=512, kv_tiers=tiers)
     try:
         system = first.engine.tokenize(SHARED)
         first.generate([system + first.engine.tokenize(" Another session's question?")], GREEDY)
@@ -282,7 +282,7 @@ def test_a_conversations_next_turn_on_another_engine_reads_this_turn_from_the_cl
         drain_writes(first)
         turn2 = turn1 + list(reply.outputs[0].token_ids) + second.engine.tokenize(" And then what?")
         out = second.generate([turn2], GREEDY)[0]
-        with LLM(kv_cache_memory=512 * BLOCK_BYTES, max_num_batched_tokens=512) as plain:
+        with LLM(block_size=16, kv_cache_memory=512 * BLOCK_BYTES, max_num_batched_tokens=512) as plain:
             assert out.outputs[0].token_ids == plain.generate([turn2], GREEDY)[0].outputs[0].token_ids
         # Everything turn 1 computed, in whole blocks (its reply's last token was never fed back).
         assert out.num_cached_tokens == (len(turn1) + len(reply.outputs[0].token_ids) - 1) // 16 * 16

@@ -254,6 +254,8 @@ def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
             {"role": "user", "content": "What should I eat in Lisbon?"},
         ]
         before = _transfers(up, endpoints["decode-0"])
+        block = up.load(endpoints["decode-0"])["block_size"]
+        assert block == 64  # the workers' own default on a CPU
         first = _chat(url, messages, 8)
         after = _transfers(up, endpoints["decode-0"])
         usage = first["usage"]
@@ -261,16 +263,16 @@ def test_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
         assert after["pulls"] == before["pulls"] + 1
         assert after["pull_failures"] == before["pull_failures"]
         # every whole block of the prompt moved (none was cached on the decode worker yet)
-        assert after["blocks_received"] - before["blocks_received"] == usage["prompt_tokens"] // 16
+        assert after["blocks_received"] - before["blocks_received"] == usage["prompt_tokens"] // block
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # a new prompt
 
         # Again: split again, and the prefill worker finds the prompt in its prefix cache:
-        # every whole 16-token block short of the last token (always computed).
+        # every whole block short of the last token (always computed).
         again = _chat(url, messages, 8)
         assert _transfers(up, endpoints["decode-0"])["pulls"] == after["pulls"] + 1
         assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached == (again["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
+        assert cached == (again["usage"]["prompt_tokens"] - 1) // block * block > 0
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=90)

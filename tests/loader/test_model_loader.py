@@ -81,7 +81,7 @@ def test_a_deepseek_v3_config_runs_with_dummy_weights_on_a_latent_cache(tmp_path
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert read_model_config(tmp_path).kv_spec.values_per_token(3) == 3 * (16 + 8)
-    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory="4MiB")
+    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory="4MiB", block_size=16)  # 39 tokens: 2 whole blocks
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = list(range(1, 40))
     first = llm.generate([prompt], params)[0]

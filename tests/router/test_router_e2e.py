@@ -34,7 +34,8 @@ from tests.support.live_server import TEST_SECRET, LiveServer, start_server, sto
 from tests.support.router_helpers import MODEL_TIMEOUTS, read_stream, stream_text, wait_for
 
 MODEL = "smollm2-135m"
-WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "16")
+# Blocks of 16 tokens, as the session's server (tests/conftest.py) that the answers are compared with.
+WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "16", "--block-size", "16")
 PD_MIN = 32
 WEATHER_TOOL = {
     "type": "function",

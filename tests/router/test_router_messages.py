@@ -25,8 +25,8 @@ from tests.support.pd_cluster import PdCluster, pd_cluster
 from tests.support.router_helpers import MODEL_TIMEOUTS, metric
 
 MODEL = "smollm2-135m"
-WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "16")
-BLOCK = 16
+BLOCK = 16  # the workers' --block-size, as the session's server's (tests/conftest.py)
+WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "16", "--block-size", str(BLOCK))
 # The SDK has no temperature (newer Claude models take none); Claude Code sends one, and so do these.
 GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0}}
 KEY = "sk-claude-code"

@@ -23,7 +23,8 @@ from tests.support.live_server import LiveServer, start_server, stop_server
 from tests.support.router_helpers import ThreadServer, metric, wait_for
 
 MODEL = "smollm2-135m"
-WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8")
+# Blocks of 16 tokens: the turns' shared prefixes are a few blocks of that size.
+WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "8", "--block-size", "16")
 SYSTEM = (
     "You are a helpful assistant for a travel agency. You answer questions about cities, "
     "their history, food and weather briefly and precisely. "

@@ -13,7 +13,8 @@ import pytest
 from tests.support.pd_cluster import PdCluster, pd_cluster, streamed_reasoning_and_content
 from tests.support.router_helpers import metric
 
-ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--reasoning-parser", "deepseek_r1")
+# Blocks of 16 tokens: a short prompt still hands a block off.
+ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--reasoning-parser", "deepseek_r1", "--block-size", "16")
 # SmolLM2 does not think: the request leaves a think block open, as DeepSeek-R1's template does.
 THINKING = {
     "messages": [{"role": "user", "content": "What is 2 + 2? Explain."},

@@ -39,7 +39,8 @@ from tests.support.router_helpers import metric
 MODEL = "smollm2-135m"
 TOOL_MODEL = "qwen2.5-coder-0.5b"
 TOOL_GGUF = default_cache_dir() / "models" / f"{TOOL_MODEL}.gguf"
-WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "16")
+# Blocks of 16 tokens, as the session's server (tests/conftest.py) that the answers are compared with.
+WORKER_ARGS = ("--kv-cache-memory", "256MiB", "--threads", "1", "--max-num-seqs", "16", "--block-size", "16")
 PD_MIN = 32
 CONTEXT = ("You are a helpful assistant for a travel agency. You answer questions about cities, "
            "their history, food and weather briefly and precisely. ") * 5

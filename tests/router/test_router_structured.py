@@ -25,7 +25,8 @@ from tests.support.router_helpers import metric
 
 MODEL = "qwen2.5-coder-0.5b"
 GGUF = default_cache_dir() / "models" / f"{MODEL}.gguf"
-ARGS = (MODEL, "--kv-cache-memory", "512MiB", "--threads", "1", "--max-num-seqs", "4")
+# Blocks of 16 tokens: a short prompt still hands a block off.
+ARGS = (MODEL, "--kv-cache-memory", "512MiB", "--threads", "1", "--max-num-seqs", "4", "--block-size", "16")
 
 CITY = {"type": "object",
         "properties": {"city": {"type": "string", "maxLength": 20},

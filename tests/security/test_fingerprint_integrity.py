@@ -47,7 +47,7 @@ def revisions(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _run(model: Path, disk: Path) -> tuple[int, str, int, dict]:
     """Serve the prompt with a disk tier; its root hash, fingerprint, cached tokens and counters."""
-    with LLM(str(model), kv_cache_memory=32 << 20, max_num_batched_tokens=512,
+    with LLM(str(model), kv_cache_memory=32 << 20, max_num_batched_tokens=512, block_size=16,  # chunks of 64 tokens
              kv_tiers=KVTiersConfig(disk_path=str(disk), disk_bytes=1 << 30, chunk_blocks=4, admit_after=1)) as llm:
         core = llm.engine.core
         out = llm.generate([PROMPT], GREEDY)[0]

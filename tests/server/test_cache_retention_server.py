@@ -28,7 +28,7 @@ SYSTEM_WORDS = 40  # a system prompt of ~170 tokens: 10 or so blocks
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     live = start_server(tmp_path_factory.mktemp("retain") / "serve.log", "--kv-cache-memory", KV_MEMORY,
-                        "--max-num-seqs", "4")
+                        "--max-num-seqs", "4", "--block-size", str(BLOCK))
     yield live
     left = stop_server(live)
     assert not left, f"processes left after SIGINT: {left}"

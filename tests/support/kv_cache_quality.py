@@ -34,7 +34,7 @@ class CacheRun:
 
 
 def measure_cache(kv_cache_dtype: str) -> CacheRun:
-    llm = LLM(kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype, block_size=16)  # short prompts fill blocks
     try:
         tokens = llm.tokenizer.encode(long_text())[:1024]
         value = perplexity(llm.engine, tokens, step_tokens=64)

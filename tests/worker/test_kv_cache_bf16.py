@@ -19,7 +19,7 @@ PROMPT = ("You are a helpful assistant who answers questions about geography in 
 def _run(kv_cache_dtype: str, attention_backend: str = "auto") -> tuple[int, torch.dtype, str, str, int]:
     params = SamplingParams(max_tokens=8, temperature=0)
     llm = LLM("smollm2-135m", exact=True, kv_cache_memory="32MiB", max_model_len=256, kv_cache_dtype=kv_cache_dtype,
-              attention_backend=attention_backend)
+              attention_backend=attention_backend, block_size=16)  # the short prompt still fills a block
     try:
         runner = llm.engine.core.executor.worker.runner
         first = llm.generate([PROMPT], params)[0]

@@ -1,8 +1,9 @@
 """The KV tiers as a connector: CPU memory, local disk and a cluster store below the device pool.
 
-Unit: a **chunk** of `chunk_blocks` consecutive blocks of a request's tokens (default 16 blocks
-= 256 tokens), keyed by the fingerprinted chain hash of its last block (tiers/chunk.py), so the
-key names the whole prefix, the model, its revision and the cache salt.
+Unit: a **chunk** of `chunk_blocks` consecutive blocks of a request's tokens (by default 256
+tokens' worth: 4 blocks of 64 on a CPU, 16 of 16 on a GPU), keyed by the fingerprinted chain
+hash of its last block (tiers/chunk.py), so the key names the whole prefix, the model, its
+revision and the cache salt.
 
 **Store.** As a request's computation completes a chunk, the step's metadata names it and the
 worker side, after the forward pass, copies the chunk's blocks out of the KV cache:

@@ -16,7 +16,7 @@ def _run(backend: str) -> tuple[int, list[list[int]]]:
     prompts = ["The capital of France is", "Write a haiku about the sea. " * 3]
     params = SamplingParams(max_tokens=4, temperature=0)
     llm = LLM("smollm2-135m", attention_backend=backend, kv_cache_memory="32MiB", max_model_len=64,
-              kv_cache_dtype="int8")
+              kv_cache_dtype="int8", block_size=16)  # the Triton kernels' GPU default block
     try:
         first = llm.generate(prompts, params)
         second = llm.generate([prompts[1] + " And again"], params)

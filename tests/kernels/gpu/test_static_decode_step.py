@@ -41,7 +41,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(model: Path, static: bool) -> tuple[list[list[int]], int]:
     # The plain path runs on the torch backend: test_triton_backend_model holds the Triton
     # kernels' tokens equal to it, and it is ~100x faster than the interpreter.
-    llm = LLM(str(model), attention_backend="triton" if static else "torch", kv_cache_memory="64MiB", max_model_len=128)
+    llm = LLM(str(model), attention_backend="triton" if static else "torch", kv_cache_memory="64MiB", max_model_len=128,
+              block_size=16)  # a GPU's default block: 128 positions are 8 blocks
     try:
         runner = llm.engine.core.executor.worker.runner
         if static:  # 128 positions: 8 blocks, so the decode kernel splits them in two

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def _tokens(backend: str) -> list[list[int]]:
     prompts = ["The capital of France is", "Write a haiku about the sea. " * 3]
     params = SamplingParams(max_tokens=4, temperature=0)
-    llm = LLM("smollm2-135m", attention_backend=backend, kv_cache_memory="64MiB")
+    llm = LLM("smollm2-135m", attention_backend=backend, kv_cache_memory="64MiB", block_size=16)  # a GPU's default
     try:
         first = llm.generate(prompts, params)
         second = llm.generate([prompts[1] + " And again"], params)
