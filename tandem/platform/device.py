@@ -65,9 +65,9 @@ def resolve_device(choice: str) -> str:
 # Tokens per KV block when --block-size is not given. On a CPU a block of 16 tokens is 2 KiB a kv
 # head at head size 64: a decode step's attention jumps to another place in the pool every 16
 # keys, where the hardware prefetchers start again. Blocks of 64 made decode attention ~11%
-# faster and a decode-heavy batch 3-8% (docs/performance.md, "The KV block size on a CPU"); vLLM's
-# CPU backend defaults to 128. A GPU's paged attention gains nothing from longer blocks, and 16
-# keeps the prefix cache's granularity fine (vLLM's and SGLang's GPU default).
+# faster and a decode-heavy batch 3-12%, and an agent's turns no slower (docs/performance.md,
+# "The KV block size as a CPU default"); vLLM's CPU backend defaults to 128. On a GPU, 16 as
+# vLLM there: no GPU run here has measured longer blocks, and 16 keeps the prefix cache fine.
 CPU_BLOCK_SIZE = 64
 GPU_BLOCK_SIZE = 16
 # Tokens per KV tier chunk when --kv-chunk-blocks is not given: 16 blocks of 16 tokens, kept in
