@@ -91,6 +91,8 @@ def test_the_flags_leave_block_and_chunk_to_the_device() -> None:
     assert engine_config(args).cache.block_size == 32
     with pytest.raises(ValueError, match="--block-size must be a whole number"):
         engine_config(build_parser().parse_args(["generate", "--prompt", "hi", "--block-size", "0"]))
+    with pytest.raises(ValueError, match="--kv-chunk-blocks and --kv-store-admit-after must be at least 1"):
+        engine_config(build_parser().parse_args(["serve", "--kv-chunk-blocks", "0"]))  # not a silent 16
 
 
 def test_the_api_process_settles_the_device_without_torch() -> None:
