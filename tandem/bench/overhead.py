@@ -12,7 +12,7 @@ gives it per step and as a share of the step.
 in the same run, in a subprocess that runs this very file with PATH first on `sys.path`.
 So this module must only use what every tandem version has: `tandem.llm.LLM`,
 `tandem.types.SamplingParams`, `llm.engine.add_request/step/has_unfinished` and
-`llm.engine.runner.model`. Runs alternate (ours, baseline, ours, ...) so a machine
+`llm.engine.runner.model` (its `greedy_tokens`, the head without logits, where it has one). Runs alternate (ours, baseline, ours, ...) so a machine
 that drifts affects both alike; the medians of the repeats are reported.
 """
 
@@ -43,38 +43,47 @@ def measure(model: str | None, batch: int, steps: int, threads: int | None) -> d
     llm = LLM(model, kv_cache_memory="256MiB", num_threads=threads)
     engine = llm.engine
     runner = engine.runner
-    spent = {"model": 0.0}
+    spent = {"model": 0.0, "head": 0.0}
 
-    def timed(fn: Any) -> Any:
+    def timed(fn: Any, head: bool = False) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent["model"] += time.perf_counter() - started
+                seconds = time.perf_counter() - started
+                spent["model"] += seconds
+                if head:
+                    spent["head"] += seconds
         return wrapper
 
     model = runner.model
     model.forward = timed(model.forward)
-    model.compute_logits = timed(model.compute_logits)
+    model.compute_logits = timed(model.compute_logits, head=True)
+    # Greedy rows take the head's tokens without logits where the model can (greedy_tokens);
+    # that is the LM head's arithmetic too, so it counts as the model's time.
+    if hasattr(model, "greedy_tokens"):
+        model.greedy_tokens = timed(model.greedy_tokens, head=True)
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(None, None, params, prompt_token_ids=list(_PROMPT))
     engine.step()  # the prefill, untimed
     engine.step()
-    step_times, model_times = [], []
+    step_times, model_times, head_times = [], [], []
     while engine.has_unfinished() and len(step_times) < steps:
-        spent["model"] = 0.0
+        spent["model"] = spent["head"] = 0.0
         started = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - started)
         model_times.append(spent["model"])
+        head_times.append(spent["head"])
     while engine.has_unfinished():
         engine.step()
     step = statistics.median(step_times)
     forward = statistics.median(model_times)
     overheads = sorted(s - m for s, m in zip(step_times, model_times, strict=True))
-    return {"step_s": step, "model_s": forward, "overhead_s": statistics.median(overheads),
+    return {"step_s": step, "model_s": forward, "head_s": statistics.median(head_times),
+            "overhead_s": statistics.median(overheads),
             "overhead_p90_s": overheads[int(0.9 * (len(overheads) - 1))], "steps": len(step_times)}
 
 

@@ -27,6 +27,8 @@ def test_overhead_bench_measures_us_and_a_baseline(tmp_path: Path) -> None:
     assert "overhead: baseline / tandem = " in done.stdout
     results = json.loads(output.read_text())["results"]
     assert results["tandem"]["steps"] == 20
+    # Greedy rows take the head's tokens without logits (greedy_tokens): model time, not overhead.
+    assert 0 < results["tandem"]["head_s"] < results["tandem"]["model_s"]
     assert abs(results["tandem"]["overhead_s"] * 1e6 - rows["tandem"][2]) <= 1
 
 
