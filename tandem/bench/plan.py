@@ -176,7 +176,8 @@ def run_plan_bench(args: argparse.Namespace) -> int:
                               warmup=[warmup_turn(sizer, args.seed)])
             measured = measured_figures(result)
             simulated = simulate(sim_workload(workload, rate, args.seed), layout, costs,
-                                 EngineLimits(max_num_batched_tokens=int(costs.meta.get("max_num_batched_tokens", 2048))))
+                                 EngineLimits(max_num_batched_tokens=int(costs.meta.get("max_num_batched_tokens", 2048)),
+                                              block_size=costs.block_size))
             predicted = predicted_figures(simulated)
             report["mixes"][name] = {"description": mix.description, "rate": rate, "measured": measured,
                                      "predicted": predicted, "wall_s": time.perf_counter() - started,

@@ -144,7 +144,7 @@ def cmd_plan_pools(args: argparse.Namespace) -> int:
                      system_tokens=args.system, input_min=args.input[0], input_max=args.input[1],
                      output_min=args.output[0], output_max=args.output[1], seed=args.seed)
     slo = Slo(args.ttft_p90, args.tpot_p90)
-    limits = EngineLimits(args.max_num_batched_tokens, args.max_num_seqs)
+    limits = EngineLimits(args.max_num_batched_tokens, args.max_num_seqs, costs.block_size)
     ranked = search(mix.sample(), costs, slo, args.max_workers, limits, args.pd_min_prompt_tokens)
     if args.json:
         print(json.dumps([{"layout": c.layout.describe(), "workers": c.layout.workers, "meets": c.meets,

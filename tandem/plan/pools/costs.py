@@ -52,6 +52,11 @@ class Measurement:
     seconds: float
 
 
+# The KV block size of every engine before a CPU's default became 64 tokens (2026-12-06), so of
+# every profile that does not say its own.
+LEGACY_PROFILE_BLOCK_SIZE = 16
+
+
 @dataclass
 class CostModel:
     """Fitted step costs plus the handoff and HTTP costs, as `tandem plan profile` writes them."""
@@ -66,6 +71,15 @@ class CostModel:
     transfer_fixed_s: float = 0.0
     http_overhead_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block of the engine the profile measured: the simulator caches prefixes
+        in whole blocks of it. A profile written before the field measured blocks of 16, then
+        every engine's default."""
+        value = self.meta.get("block_size", LEGACY_PROFILE_BLOCK_SIZE)
+        valid = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        return value if valid else LEGACY_PROFILE_BLOCK_SIZE
 
     @property
     def coefficients(self) -> tuple[float, ...]:

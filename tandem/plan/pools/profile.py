@@ -167,7 +167,7 @@ def measure_profile(settings: ProfileSettings, progress: Callable[[str], None] =
              kv_cache_memory=settings.kv_cache_memory) as llm:
         engine = llm.engine
         vocab = engine.model_config.vocab_size
-        block = engine.core.scheduler.kv_manager.block_size if hasattr(engine.core.scheduler, "kv_manager") else 16
+        block = engine.core.block_size  # cached contexts are whole blocks of it
         measure_prefill(engine, 64, 0, rng, vocab, block)  # warm up kernels and allocator
         for n, context in settings.prefill_grid:
             if n > settings.max_num_batched_tokens:
@@ -191,7 +191,8 @@ def measure_profile(settings: ProfileSettings, progress: Callable[[str], None] =
     progress(f"KV handoff: {kv_per_token} bytes a token at {bandwidth / 1e9:.1f} GB/s; HTTP round trip "
              f"{http * 1e3:.2f} ms")
     meta = {"model": settings.model or "smollm2-135m", "dtype": dtype, "threads": settings.threads,
-            "max_num_batched_tokens": settings.max_num_batched_tokens, "kv_bytes_per_token": kv_per_token,
+            "max_num_batched_tokens": settings.max_num_batched_tokens, "block_size": block,
+            "kv_bytes_per_token": kv_per_token,
             "transfer_bytes_per_s": bandwidth, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": _machine()}
     model = CostModel.fit(measurements, transfer_s_per_token=kv_per_token / bandwidth,

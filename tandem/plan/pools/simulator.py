@@ -75,7 +75,7 @@ class Layout:
 class EngineLimits:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    block_size: int = 16
+    block_size: int = 16  # the profiled engine's (CostModel.block_size); 16 for a bare EngineLimits()
 
 
 @dataclass

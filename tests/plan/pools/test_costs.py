@@ -50,3 +50,14 @@ def test_a_profile_round_trips_and_a_bad_file_is_named(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text(json.dumps({"fixed": 1}))
     with pytest.raises(ValueError, match="bad.json is not a profile"):
         CostModel.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize(("meta", "block_size"), [
+    ({"block_size": 64}, 64),
+    ({}, 16),  # a profile from before the field: engines then took blocks of 16
+    ({"block_size": 0}, 16),
+    ({"block_size": True}, 16),
+    ({"block_size": "64"}, 16),
+])
+def test_a_profile_says_its_engines_block_size(meta: dict, block_size: int) -> None:
+    assert CostModel(0.03, 0.0005, 0.0002, 2e-8, 9e-8, 0.001, meta=meta).block_size == block_size

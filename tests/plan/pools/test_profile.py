@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ def test_profile_measures_real_steps_and_fits_them(profiled: tuple[CostModel, li
     assert seconds[(((192, 0),), 0)] > seconds[(((16, 0),), 0)]  # more tokens, longer step
     assert model.fixed_s > 0 and model.per_prompt_token_s > 0
     assert model.meta["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32
+    assert model.block_size == 64  # a CPU engine's default: the simulator caches in its blocks
     assert 0 < model.transfer_s_per_token < 1e-3 and model.http_overhead_s > 0
     table = format_profile(model, measurements)
     assert "prefill 192 after 0" in table and "decode x6 at" in table
@@ -62,3 +64,21 @@ def test_plan_pools_names_a_bad_profile(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "tandem", "plan", "pools", "--profile", str(tmp_path / "x.json"),
                              "--rate", "1"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "x.json is not a profile" in result.stderr
+
+
+def test_plan_pools_caches_in_the_profiles_blocks(profiled: tuple[CostModel, list], tmp_path: Path) -> None:
+    """A session's next turn finds its earlier turns cached in whole blocks of the profiled
+    engine's size: blocks of 64 leave more of each turn to compute than blocks of 16."""
+    model, _ = profiled
+    cached = {}
+    for block_size in (16, 64):
+        model.meta["block_size"] = block_size
+        model.save(tmp_path / f"profile{block_size}.json")
+        result = subprocess.run(
+            [sys.executable, "-m", "tandem", "plan", "pools", "--profile", str(tmp_path / f"profile{block_size}.json"),
+             "--rate", "0.2", "--sessions", "8", "--turns", "3-3", "--system", "300", "--input", "20-60",
+             "--output", "8", "--max-workers", "1", "--json"],
+            capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        cached[block_size] = json.loads(result.stdout)[0]["cached_ratio"]
+    assert 0 < cached[64] < cached[16]
