@@ -38,6 +38,9 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Live
                                               "--kv-transfer-hold-timeout", "0.001", secret=TEST_SECRET)
         started["decode"] = start_server(logs / "decode.log", "--role", "decode", *WORKER_ARGS,
                                          "--kv-transfer-fetch-timeout", "3", secret=TEST_SECRET)
+        # A GPU's blocks (16 tokens) beside the CPU decode worker's (64, the default here).
+        started["small_blocks"] = start_server(logs / "small_blocks.log", "--role", "prefill", *WORKER_ARGS,
+                                               "--block-size", "16", secret=TEST_SECRET)
         yield started
     finally:
         for server in started.values():
@@ -148,4 +151,29 @@ def test_the_kv_pull_is_refused_after_the_lease(workers: dict[str, LiveServer], 
     assert after["pull_failures"] == before["pull_failures"] + 1  # refused: computed here
     load = _idle(workers["short_lease"])
     assert load["kv_blocks_used"] == 0 and load["kv_transfer"].get("held", 0) == 0
+    assert _idle(decode)["kv_blocks_used"] == 0
+
+
+def test_a_prefill_worker_of_another_block_size_is_not_split_to(workers: dict[str, LiveServer], tandem_server: str,
+                                                                start_router: Callable[..., str]) -> None:
+    """The decode worker would refuse a handoff of 16-token blocks into its 64-token ones and
+    compute the prompt again: once the router has both workers' /load, it serves the request
+    whole on the decode worker and never asks the prefill worker."""
+    small, decode = workers["small_blocks"], workers["decode"]
+    assert (small.load()["block_size"], decode.load()["block_size"]) == (16, 64)
+    url = _router(start_router, small.url, decode.url)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        listed = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
+        if all((w.get("load") or {}).get("block_size") for w in listed):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the router never read its workers' /load: {listed}")
+    prompts_before = small.load()["prefix_cache_queries"]
+    pulls_before = decode.load()["kv_transfer"]["pulls"]
+    body = _body()
+    assert _stream(url, body) == (_expected(tandem_server, body), [])
+    assert small.load()["prefix_cache_queries"] == prompts_before  # never asked
+    assert decode.load()["kv_transfer"]["pulls"] == pulls_before  # nothing to pull: served whole
     assert _idle(decode)["kv_blocks_used"] == 0

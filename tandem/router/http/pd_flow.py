@@ -49,7 +49,7 @@ from tandem.router.pd.split import (
     prefill_body,
     prefill_outcome,
 )
-from tandem.router.workers.registry import WorkerEndpoint
+from tandem.router.workers.registry import WorkerEndpoint, other_block_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,10 @@ class PdFlow:
         decode = self.hops.choose(call, WHOLE_ROLES, "decode")
         if decode is None:
             raise no_worker("decode")
+        other_blocks = self._other_block_sizes(decode)
+        if other_blocks is None:  # no prefill worker could hand this decode worker its KV
+            call.reason = "block sizes differ"
+            return await self.direct.serve(call, request)
         call.route = "pd"
         sent = time.monotonic()
         try:
@@ -122,6 +126,7 @@ class PdFlow:
                 prefill_body(call.body, decode.url),
                 "prefill",
                 call.prompt_tokens,
+                avoid=other_blocks,
             )
         except (APIError, Answered) as exc:
             reason = (
@@ -259,6 +264,26 @@ class PdFlow:
 
     def _priced(self, call: Call, reply: dict[str, Any]) -> dict[str, Any]:
         return self.accounting.priced_reply(reply, call.identity.model)
+
+    def _other_block_sizes(self, decode: WorkerEndpoint) -> frozenset[str] | None:
+        """The prefill workers whose KV blocks are of another size than `decode`'s (a GPU's 16
+        tokens beside a CPU's 64, say): the decode worker would refuse their handoff and compute
+        the prompt again, so they are the hop's last resort. None when every prefill worker is
+        one of them: the request is served whole. Sizes not yet reported count as equal."""
+        pool = self.hops.registry.pool(PREFILL_ROLES)
+        other = other_block_sizes(pool, decode)
+        if not other or len(other) < len(pool):
+            return other
+        key = f"blocks {decode.url}"
+        if key not in self._warned_no_pd:
+            self._warned_no_pd.add(key)
+            logger.warning(
+                "no prefill worker shares decode worker %s's KV block size (%s tokens; the prefill "
+                "workers': %s): its requests are served whole; give every worker the same "
+                "--block-size to split them", decode.url, decode.block_size,
+                ", ".join(sorted({str(w.block_size) for w in pool})),
+            )
+        return None
 
     def _warn_no_pd(self, worker: WorkerEndpoint) -> None:
         if worker.url not in self._warned_no_pd:

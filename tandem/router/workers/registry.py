@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -130,6 +130,13 @@ class WorkerEndpoint:
         return self.spec.role
 
     @property
+    def block_size(self) -> int | None:
+        """Tokens per KV block, as the worker's last /load said; None before it has answered
+        (or if it did not say). A prefill/decode handoff needs both sides' to be equal."""
+        value = self.load.raw.get("block_size") if self.load is not None else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    @property
     def healthy(self) -> bool:
         return self.health.healthy
 
@@ -194,6 +201,14 @@ class WorkerEndpoint:
             "load_age_s": None if self.load_at is None else round(now - self.load_at, 3),
             "load": None if self.load is None else self.load.raw,
         }
+
+
+def other_block_sizes(pool: Sequence[WorkerEndpoint], worker: WorkerEndpoint) -> frozenset[str]:
+    """The URLs in `pool` whose KV blocks are of another size than `worker`'s, by their last
+    /load; a size not yet reported counts as equal."""
+    if worker.block_size is None:
+        return frozenset()
+    return frozenset(w.url for w in pool if w.block_size is not None and w.block_size != worker.block_size)
 
 
 class WorkerRegistry:

@@ -6,7 +6,13 @@ import httpx
 
 from tandem.router.config import HealthPolicy, ScoringConfig, WorkerSpec
 from tandem.router.workers.health import HealthMonitor
-from tandem.router.workers.registry import HealthState, WorkerRegistry
+from tandem.router.workers.registry import (
+    HealthState,
+    LoadSnapshot,
+    WorkerEndpoint,
+    WorkerRegistry,
+    other_block_sizes,
+)
 
 POLICY = HealthPolicy()
 
@@ -70,3 +76,18 @@ def test_a_worker_going_down_tells_whoever_waits_on_it() -> None:
     assert calls == ["stream"] and not worker.healthy
     monitor.record(worker, False, "ConnectTimeout")  # already down: no second call
     assert calls == ["stream"]
+
+
+def test_workers_of_another_block_size_are_named_once_both_have_said() -> None:
+    """A prefill worker can hand a decode worker its KV only in blocks of the same size."""
+    policy = HealthPolicy()
+    decode = WorkerEndpoint(WorkerSpec("http://d:1", "decode"), policy)
+    same, other, silent = (WorkerEndpoint(WorkerSpec(f"http://p{i}:1", "prefill"), policy) for i in range(3))
+    pool = [same, other, silent]
+    assert decode.block_size is None and other_block_sizes(pool, decode) == frozenset()  # nothing known yet
+    decode.on_load(LoadSnapshot.from_json({"block_size": 64}), 1.0, 0.0)
+    same.on_load(LoadSnapshot.from_json({"block_size": 64}), 1.0, 0.0)
+    other.on_load(LoadSnapshot.from_json({"block_size": 16}), 1.0, 0.0)
+    silent.on_load(LoadSnapshot.from_json({"block_size": True}), 1.0, 0.0)  # not a size: unknown
+    assert (decode.block_size, other.block_size, silent.block_size) == (64, 16, None)
+    assert other_block_sizes(pool, decode) == frozenset({"http://p1:1"})
