@@ -106,6 +106,7 @@ class PdFlow:
         self.books = books
         self.metrics = metrics
         self._warned_no_pd: set[str] = set()
+        self._warned_blocks: set[str] = set()  # decode workers no prefill worker can hand KV to
 
     async def serve(self, call: Call, request: Request) -> Response:
         decode = self.hops.choose(call, WHOLE_ROLES, "decode")
@@ -274,9 +275,8 @@ class PdFlow:
         other = other_block_sizes(pool, decode)
         if not other or len(other) < len(pool):
             return other
-        key = f"blocks {decode.url}"
-        if key not in self._warned_no_pd:
-            self._warned_no_pd.add(key)
+        if decode.url not in self._warned_blocks:
+            self._warned_blocks.add(decode.url)
             logger.warning(
                 "no prefill worker shares decode worker %s's KV block size (%s tokens; the prefill "
                 "workers': %s): its requests are served whole; give every worker the same "
