@@ -121,12 +121,14 @@ def test_bf16_queries_over_a_bf16_cache(kernel, lengths, heads, kv_heads, dim, b
 
 @pytest.mark.parametrize(("group", "dim"), [(3, 64), (4, 64), (5, 64), (7, 64), (8, 64),
                                             (4, 128), (6, 128), (7, 128), (8, 128), (5, 128)])
-def test_each_grouped_head_count_with_a_path_of_its_own(kernel, group, dim) -> None:
-    """The dot-product path has a build for each common (query heads a kv head, head size)
-    pair (Llama 3's 4, Qwen2.5-1.5B's 6, Qwen2.5-0.5B's 7, ...), where the compiler keeps the
-    group in registers, and one for any other count (5 here): with enough sequences for an
-    item to take a kv head's whole group, every build against the reference."""
-    _check_against_reference(kernel, [40] * 10 + [131, 5], 2 * group, 2, dim, 16, torch.bfloat16, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_grouped_head_count_with_a_path_of_its_own(kernel, group, dim, dtype) -> None:
+    """The fp32 vector path and the bf16 dot-product path have a build for each common (query
+    heads a kv head, head size) pair (Llama 3's 4, Qwen2.5-1.5B's 6, Qwen2.5-0.5B's 7, ...),
+    where the compiler keeps the group in registers, and one for any other count (5 here):
+    with enough sequences for an item to take a kv head's whole group, every build against the
+    reference."""
+    _check_against_reference(kernel, [40] * 10 + [131, 5], 2 * group, 2, dim, 16, dtype, dtype)
 
 
 @pytest.mark.parametrize(
