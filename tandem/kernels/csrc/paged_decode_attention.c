@@ -235,6 +235,19 @@ DEFINE_ATTEND(_f8, uint8_t, dot_f8, axpy_f8, 0)
 
 #define MAX_GROUP 16 /* query heads a work item at most */
 
+/* The (query heads an item, head size) pairs with a build of their own, X(ARG, HEADS, DIM) each:
+ * a model's grouped query heads (SmolLM2's 3, Llama 3.2's 4, Qwen2.5-0.5B's 7 at head size 64;
+ * Llama 3's 4, Qwen2.5-1.5B's 6, Qwen2.5-7B's 7 at 128). With the count a variable the compiler
+ * kept the group's query and output vectors in memory and looped over them: 64 sequences of
+ * ~140 keys, 2 threads, cold layer caches, medians of 9, on the 2-core AMX Xeon, µs a layer,
+ * variable -> literal in bf16: Qwen2.5-0.5B's 14 heads on 2, 541 -> 438; 12 on 2 at 128, 881 ->
+ * 780; 32 on 8 at 128, 2,756 -> 2,261. Bit-identical either way. Each pair's build is a
+ * function of its own, so each adds to the library's first-use compile. */
+#define GROUPED_BUILDS(X, ARG) X(ARG, 3, 64) X(ARG, 4, 64) X(ARG, 7, 64) X(ARG, 8, 64) \
+    X(ARG, 4, 128) X(ARG, 6, 128) X(ARG, 7, 128) X(ARG, 8, 128)
+/* SmolLM2's pair alone: the bf16, int8 and fp8 caches' vector paths (below). */
+#define SMOLLM2_BUILD(X, ARG) X(ARG, 3, 64)
+
 /* An item's query rows as an int8 cache's rotated rows meet them: `values` of q_rows rotated
  * into `buffer` (returned), or q_rows itself where the cache is not rotated (`rotation` 0). */
 static inline const float *rotated_query(const float *q_rows, float *buffer, int64_t values, int64_t rotation) {
@@ -620,38 +633,27 @@ static inline __attribute__((always_inline)) void attend_item_dp(
     }
 }
 
-/* One item's keys [begin, len), with head_dim and the item's query heads literals where they are
- * a common pair (a model's grouped query heads: SmolLM2's 3, Llama 3.2's 4, Qwen2.5-0.5B's 7 at
- * head size 64; Llama 3's 4, Qwen2.5-1.5B's 6, Qwen2.5-7B's 7 at 128). With the count a
- * variable the compiler kept the group's query and output vectors in memory and looped over
- * them: 64 sequences of ~140 keys, 2 threads, cold layer caches, medians of 9, on the 2-core
- * AMX Xeon, µs a layer, variable -> literal: Qwen2.5-0.5B's 14 heads on 2, 541 -> 438; 12 on
- * 2 at 128, 881 -> 780; 32 on 8 at 128, 2,756 -> 2,261. Bit-identical either way. */
-#define ATTEND_DP_AS(HEADS, DIM)                                                                         \
-    attend_item_dp(q_rows, out_rows, k_head, v_head, table, begin, len, HEADS, DIM, block_size, scale, partial, \
-                   stats)
+/* One item's keys [begin, len): a pair's own build (GROUPED_BUILDS), else head_dim a literal
+ * where it is a common size. */
+#define ATTEND_DP_AS(UNUSED, HEADS, DIM)                                                         \
+    if (heads == (HEADS) && head_dim == (DIM)) {                                                \
+        attend_item_dp(q_rows, out_rows, k_head, v_head, table, begin, len, HEADS, DIM, block_size, scale, partial, \
+                       stats);                                                                  \
+        return;                                                                                 \
+    }
 static void attend_dp(const uint16_t *q_rows, uint16_t *out_rows, const uint16_t *k_head, const uint16_t *v_head,
                       const int64_t *table, int64_t begin, int64_t len, int64_t heads, int64_t head_dim,
                       int64_t block_size, float scale, float *partial, float *stats) {
-    if (head_dim == 64) {
-        switch (heads) {
-        case 3: ATTEND_DP_AS(3, 64); return;
-        case 4: ATTEND_DP_AS(4, 64); return;
-        case 7: ATTEND_DP_AS(7, 64); return;
-        case 8: ATTEND_DP_AS(8, 64); return;
-        default: ATTEND_DP_AS(heads, 64); return;
-        }
-    }
-    if (head_dim == 128) {
-        switch (heads) {
-        case 4: ATTEND_DP_AS(4, 128); return;
-        case 6: ATTEND_DP_AS(6, 128); return;
-        case 7: ATTEND_DP_AS(7, 128); return;
-        case 8: ATTEND_DP_AS(8, 128); return;
-        default: ATTEND_DP_AS(heads, 128); return;
-        }
-    }
-    ATTEND_DP_AS(heads, head_dim);
+    GROUPED_BUILDS(ATTEND_DP_AS, )
+    if (head_dim == 64)
+        attend_item_dp(q_rows, out_rows, k_head, v_head, table, begin, len, heads, 64, block_size, scale, partial,
+                       stats);
+    else if (head_dim == 128)
+        attend_item_dp(q_rows, out_rows, k_head, v_head, table, begin, len, heads, 128, block_size, scale, partial,
+                       stats);
+    else
+        attend_item_dp(q_rows, out_rows, k_head, v_head, table, begin, len, heads, head_dim, block_size, scale,
+                       partial, stats);
 }
 #undef ATTEND_DP_AS
 
@@ -943,48 +945,35 @@ DEFINE_ATTEND_VEC8(_f8, uint8_t, load8_f8, 0)
 #endif
 
 #if HAS_VECTOR_PATH
-/* With the head size, and the item's query heads, literals where they are a common pair (as
- * attend_dp's), so the per-chunk loops unroll and the accumulators stay in registers: fp32,
- * Qwen2.5-0.5B's group of 7, 64 sequences of ~140 keys over 24 cold caches on the 2-core AMX
- * Xeon, 655 -> 559 µs a layer. Only fp32 caches (exact fp32, and the default mode where the
- * CPU has no bf16 dot products) get every pair (GROUPED 1): each pair's build is a function of
- * its own, and every pair for all four kinds of cache took the library's compile (its first
- * use's) from 7 to 14 s on that box. */
+/* A pair's own build (BUILDS: GROUPED_BUILDS or SMOLLM2_BUILD), else the head size a literal
+ * where it is a common one, so the per-chunk loops unroll and the accumulators stay in
+ * registers. fp32, Qwen2.5-0.5B's group of 7, 64 sequences of ~140 keys over 24 cold caches on
+ * the 2-core AMX Xeon: 655 -> 559 µs a layer with its own build. Only fp32 caches (exact fp32,
+ * and the default mode where the CPU has no bf16 dot products) get every pair: every pair for
+ * all four kinds of cache took the library's first-use compile from 7 to 14 s on that box. */
 #define ATTEND_VEC_AS(SUFFIX, HEADS, DIM)                                                        \
-    attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, begin, len, HEADS, DIM, block_size, scale, stats)
-#define DEFINE_DISPATCH_VEC(SUFFIX, KV_T, GROUPED)                                               \
+    if (heads == (HEADS) && head_dim == (DIM)) {                                                \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, begin, len, HEADS, DIM, block_size, scale, \
+                                stats);                                                         \
+        return;                                                                                 \
+    }
+#define DEFINE_DISPATCH_VEC(SUFFIX, KV_T, BUILDS)                                                \
 static void attend_vector##SUFFIX(const float *q_rows, float *out_rows, const KV_T *k_head,      \
                                   const KV_T *v_head, const int64_t *table, int64_t begin,       \
                                   int64_t len, int64_t heads, int64_t head_dim, int64_t block_size, \
                                   float scale, float *stats) {                                   \
-    if (head_dim == 64) {                                                                        \
-        switch (GROUPED ? heads : heads == 3 ? 3 : 0) {                                          \
-        case 3: ATTEND_VEC_AS(SUFFIX, 3, 64); return;                                            \
-        case 4: if (GROUPED) { ATTEND_VEC_AS(SUFFIX, 4, 64); return; } break;                    \
-        case 7: if (GROUPED) { ATTEND_VEC_AS(SUFFIX, 7, 64); return; } break;                    \
-        case 8: if (GROUPED) { ATTEND_VEC_AS(SUFFIX, 8, 64); return; } break;                    \
-        default: break;                                                                          \
-        }                                                                                        \
-        ATTEND_VEC_AS(SUFFIX, heads, 64);                                                        \
-        return;                                                                                  \
-    }                                                                                            \
-    if (head_dim == 128) {                                                                       \
-        switch (GROUPED ? heads : 0) {                                                           \
-        case 4: if (GROUPED) { ATTEND_VEC_AS(SUFFIX, 4, 128); return; } break;                   \
-        case 6: if (GROUPED) { ATTEND_VEC_AS(SUFFIX, 6, 128); return; } break;                   \
-        case 7: if (GROUPED) { ATTEND_VEC_AS(SUFFIX, 7, 128); return; } break;                   \
-        case 8: if (GROUPED) { ATTEND_VEC_AS(SUFFIX, 8, 128); return; } break;                   \
-        default: break;                                                                          \
-        }                                                                                        \
-        ATTEND_VEC_AS(SUFFIX, heads, 128);                                                       \
-        return;                                                                                  \
-    }                                                                                            \
-    ATTEND_VEC_AS(SUFFIX, heads, head_dim);                                                      \
+    BUILDS(ATTEND_VEC_AS, SUFFIX)                                                                \
+    if (head_dim == 64)                                                                          \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, begin, len, heads, 64, block_size, scale, stats); \
+    else if (head_dim == 128)                                                                    \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, begin, len, heads, 128, block_size, scale, stats); \
+    else                                                                                         \
+        attend_item_vec##SUFFIX(q_rows, out_rows, k_head, v_head, table, begin, len, heads, head_dim, block_size, scale, stats); \
 }
-DEFINE_DISPATCH_VEC(, float, 1)
-DEFINE_DISPATCH_VEC(_bf16, uint16_t, 0)
-DEFINE_DISPATCH_VEC(_i8, int8_t, 0)
-DEFINE_DISPATCH_VEC(_f8, uint8_t, 0)
+DEFINE_DISPATCH_VEC(, float, GROUPED_BUILDS)
+DEFINE_DISPATCH_VEC(_bf16, uint16_t, SMOLLM2_BUILD)
+DEFINE_DISPATCH_VEC(_i8, int8_t, SMOLLM2_BUILD)
+DEFINE_DISPATCH_VEC(_f8, uint8_t, SMOLLM2_BUILD)
 #endif
 
 
