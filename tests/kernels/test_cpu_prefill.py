@@ -81,8 +81,9 @@ def _reference(q, cache, block_ids, context: int, scale: float) -> torch.Tensor:
         (17, 17, 4, 4, 32, 4),  # no grouping, blocks smaller than a key group
         (16, 48, 6, 1, 64, 16),  # exactly one tile after three full key groups
         (21, 40, 4, 2, 48, 16),  # a head size of 16 x odd: bf16 pairs end in half a block
-        # contexts of several 256-key ranges, which a group's heads take in turns (AMX)
-        (200, 700, 14, 2, 64, 16),  # 7 heads an item over 3 ranges
+        # contexts of several key ranges (AMX: 128 keys at head sizes 32-64, 512 above), which a
+        # group's heads take in turns
+        (200, 700, 14, 2, 64, 16),  # 7 heads an item over several ranges
         (72, 600, 12, 2, 128, 32),  # a head size whose output stays in memory, 6 heads an item
         (19, 530, 14, 2, 64, 16),  # too few tiles for whole groups: one head an item
     ],

@@ -10,24 +10,31 @@
  * take prefill steps. With this path both are tandem's again.
  *
  * A work item is 16 query rows of one head (one A tile; a last tile of fewer rows is copied to
- * a zeroed buffer, so every tile has 16 rows) against its causal keys, 32 at a time:
- *   S = Q K^T      tmm0: a 32-dim chunk of Q; tmm4: K^T of 16 keys at a time (B tiles, a
- *                  dim pair a row: the gather writes K transposed in 32-bit words); tmm1,
- *                  tmm7: S of the two 16-key halves (16 x 16 fp32), summed over the head's
- *                  dim chunks. The next block's S is issued before this block's softmax
- *                  (amx_block_scores), so the two overlap
- *   softmax        row by row in AVX-512 on the stored S: scale, causal mask, running maximum,
- *                  exp2 (a degree-3 polynomial: P is rounded to bf16), row sums, the rescale of the
- *                  accumulated output; P rounded to bf16 is one A tile (tmm6)
- *   O += P V       tmm7: V of the 32 keys for 16 dims (B tiles: V is gathered in key pairs,
- *                  as for the lane tiles' vdpbf16ps); tmm2-5: up to 64 dims of P V at a time,
- *                  stored and added to the fp32 output rows, which stay in memory (the tiles
- *                  cannot be rescaled in place).
+ * a zeroed buffer, so every tile has 16 rows) against its causal keys. The call first gathers
+ * each kv head's K transposed in 32-bit words (the S products' B tiles, a dim pair a row) and
+ * its V in key pairs (the P V products' B tiles), in registers (amx_gather_key_group,
+ * amx_gather_value_pairs). Then, at head sizes 32 and 64, each range of 128 keys goes in three
+ * phases (amx_attend_range_phased):
+ *   S = Q K^T      every 16-key group's S on the tiles (Q's 32-dim chunks in tmm0-1, four
+ *                  accumulators in turn, K^T through tmm6-7), stored as [16][128] fp32
+ *   softmax        row by row in AVX-512 over the whole range: causal mask, one maximum a row
+ *                  (the 16 rows folded together), exp2 (a degree-3 polynomial: P is rounded to
+ *                  bf16) written as bf16 over its own row of S, one row sum, one correction
+ *   O += P V       the output's four 16-dim tiles loaded once a range (rescaled in memory
+ *                  first where a row's maximum moved), P and V's B tiles through the range.
+ * Where S, the softmax and P V took turns block by block (32 keys), each block's tile products
+ * waited on the vector stores before them and paid a fold and a rescale; in phases, SmolLM2's
+ * heads ran 1.15-1.3x as fast on the 2-core AMX Xeon (1,024 queries over themselves 1,536 ->
+ * 1,264 us, 512 after 512 cached 1,100 -> 864) and Qwen2.5-0.5B's 1.1-1.16x (480 queries after
+ * 8,352 cached 13.1 -> 11.3 ms), including the gathers in registers. Head sizes above 64 go a
+ * block at a time (amx_attend_range: S of the next block issued before this block's softmax, P
+ * V stored and added to the output rows in memory), the accumulators for all of O not fitting
+ * in the eight tiles.
  * Every tile has 16 rows of 64 bytes, so a thread configures them once.
  *
  * An item is one query tile for the query heads that share a kv head (the whole group, or a
  * divisor of it when there would be too few items to balance): they take turns over ranges of
- * 512 keys, so a range's K and V come from memory once and from cache for the other heads.
+ * keys, so a range's K and V come from memory once and from cache for the other heads.
  * One head an item read its kv head's whole K and V per tile: 2.25 MiB at 8,800 tokens and
  * head size 64, more than the core's L2, so every tile streamed it again from L3. Grouped,
  * 480 queries after 8,352 cached tokens took 14.0 ms instead of 17.5-18.0 at Qwen2.5-0.5B's
@@ -44,6 +51,15 @@
 
 #define AMX_KEYS 32 /* keys a block: one P tile's row */
 
+/* Blocks a range: the heads of one item take turns over a range of blocks, so its K and V are
+ * read from memory once per item and from cache by the other heads. Head sizes above 64 (one
+ * block at a time): 512 keys, 128 KiB of K and V at head size 64 (256 and 1,024 keys were 1-5%
+ * slower). Head sizes 32 and 64 (in phases): 128 keys, so a range's K and V (32 KiB at head
+ * size 64) stay in L1 for the other heads; 64, 256 and 512 keys were 4-15% slower. */
+#define AMX_RANGE_BLOCKS 16
+#define AMX_PHASE_BLOCKS 4
+#define AMX_PHASE_KEYS (AMX_PHASE_BLOCKS * AMX_KEYS)
+
 static void amx_attention_configure(void) {
     AmxTileConfig config;
     memset(&config, 0, sizeof config);
@@ -55,20 +71,65 @@ static void amx_attention_configure(void) {
     _tile_loadconfig(&config);
 }
 
-/* One kv head's keys transposed for the S tiles: [padded / 16][dim / 2][16] 32-bit words (a
- * group of 16 keys, then a dim pair, then the key), zero beyond `context`. */
-static void amx_gather_keys(const char *k_head, const int64_t *block_ids, int64_t context, int64_t padded,
-                            int64_t dim, int64_t block_size, uint32_t *out) {
-    const int64_t words = dim / 2;
-    for (int64_t t = 0; t < padded; t++) {
-        uint32_t *column = out + (t / 16) * words * 16 + t % 16;
-        if (t >= context) {
-            for (int64_t w = 0; w < words; w++) column[w * 16] = 0;
-            continue;
+/* Keys [t0, t0 + 16) of one kv head transposed for the S tiles: `out` [dim / 2][16] 32-bit
+ * words (a dim pair a row, key k in column k), each 16 words of the 16 rows through a 16 x 16
+ * transpose in registers; keys at or past `context` are zero. A word at a time, the gathers
+ * were ~20% of the kernel's time at SmolLM2's shapes, and their loop over kv heads left one of
+ * two threads idle with 3 kv heads. */
+static inline void amx_gather_key_group(const char *k_head, const int64_t *block_ids, int64_t context, int64_t t0,
+                                        int64_t dim, int64_t block_size, uint32_t *out) {
+    const uint32_t *rows[16];
+    static const uint32_t zeros[MAX_DIM / 2] __attribute__((aligned(64)));
+    for (int k = 0; k < 16; k++) {
+        const int64_t t = t0 + k;
+        rows[k] = t < context ? (const uint32_t *)(k_head + (size_t)(block_ids[t / block_size] * block_size + t % block_size) * dim * 2)
+                              : zeros;
+    }
+    for (int64_t c = 0; c < dim / 32; c++) {
+        __m512i r[16], a[16], b[16];
+        for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512(rows[k] + 16 * c);
+        for (int k = 0; k < 16; k += 2) {
+            a[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+            a[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
         }
-        const int64_t slot = block_ids[t / block_size] * block_size + t % block_size;
-        const uint32_t *row = (const uint32_t *)(k_head + (size_t)slot * dim * 2);
-        for (int64_t w = 0; w < words; w++) column[w * 16] = row[w];
+        for (int k = 0; k < 16; k += 4) {
+            b[k] = _mm512_unpacklo_epi64(a[k], a[k + 2]);
+            b[k + 1] = _mm512_unpackhi_epi64(a[k], a[k + 2]);
+            b[k + 2] = _mm512_unpacklo_epi64(a[k + 1], a[k + 3]);
+            b[k + 3] = _mm512_unpackhi_epi64(a[k + 1], a[k + 3]);
+        }
+        /* b[4i + j], 128-bit lane l: word 4l + j of rows 4i .. 4i + 3 */
+        for (int k = 0; k < 16; k += 8)
+            for (int j = 0; j < 4; j++) {
+                a[k + j] = _mm512_shuffle_i32x4(b[k + j], b[k + 4 + j], 0x88);
+                a[k + 4 + j] = _mm512_shuffle_i32x4(b[k + j], b[k + 4 + j], 0xDD);
+            }
+        for (int j = 0; j < 8; j++) {
+            r[j] = _mm512_shuffle_i32x4(a[j], a[j + 8], 0x88);
+            r[j + 8] = _mm512_shuffle_i32x4(a[j], a[j + 8], 0xDD);
+        }
+        /* r[m]: word 16c + m of the 16 keys, key k in lane k */
+        for (int m = 0; m < 16; m++) _mm512_store_si512(out + (16 * c + m) * 16, r[m]);
+    }
+}
+
+/* Keys [t0, t1) (even bounds) of one kv head's values in key pairs for the P V tiles: row t / 2
+ * of `out` holds keys t and t + 1 interleaved dim by dim; keys at or past `context` are zero. */
+static inline void amx_gather_value_pairs(const char *v_head, const int64_t *block_ids, int64_t context, int64_t t0,
+                                          int64_t t1, int64_t dim, int64_t block_size, uint16_t *out) {
+    static const uint16_t zeros[MAX_DIM] __attribute__((aligned(64)));
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t t = t0; t < t1; t += 2) {
+        const uint16_t *even = t < context ? (const uint16_t *)v_head + (block_ids[t / block_size] * block_size + t % block_size) * dim : zeros;
+        const uint16_t *odd = t + 1 < context ? (const uint16_t *)v_head + (block_ids[(t + 1) / block_size] * block_size + (t + 1) % block_size) * dim : zeros;
+        uint16_t *row = out + (t / 2) * dim * 2;
+        for (int64_t d = 0; d < dim; d += 32) {
+            const __m512i a = _mm512_loadu_si512(even + d), b = _mm512_loadu_si512(odd + d);
+            _mm512_store_si512(row + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_store_si512(row + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
+        }
     }
 }
 
@@ -204,33 +265,26 @@ static void amx_write_rows(const Problem *p, const float *o, const float *total,
 }
 
 /* One query head's running state over its 16 rows, kept between ranges of keys: each row's
- * running maximum, sums and correction, the output so far (`o`, at the current maxima) and,
- * for the resident items, the O tiles' contents between ranges (the output is o + tiles). */
+ * running maximum, sums and correction, and the output so far (`o`, at the current maxima). */
 typedef struct {
     float top[16] __attribute__((aligned(64)));
     float sums[16] __attribute__((aligned(64)));
     float correction[16] __attribute__((aligned(64)));
-    float tiles[16 * 64] __attribute__((aligned(64)));
     float o[16 * MAX_DIM] __attribute__((aligned(64)));
 } AmxHeadState;
 
 static void amx_state_start(AmxHeadState *state, int64_t dim) {
     for (int r = 0; r < 16; r++) state->top[r] = -1e30f;
     memset(state->sums, 0, sizeof state->sums);
-    memset(state->tiles, 0, sizeof state->tiles);
     memset(state->o, 0, sizeof(float) * 16 * dim);
 }
 
 /* S = Q K^T of one block (16 queries x 32 keys) into s [16][32] fp32, through tmm1 and tmm7
- * (tmm0 the query's 32-dim chunks, tmm4 K^T's B tiles). Both paths below issue the next
- * block's scores before this block's softmax: nothing in the softmax waits for them, so the
- * vector units work through it while the tiles multiply, where in the order S, softmax, P V
- * of each block in turn the two took turns. On the 2-core AMX Xeon, the two orders built side
- * by side in one process and called alternately (bit-identical output; medians of 15):
- * SmolLM2's heads, 640 and 1,024 queries over themselves, 607-685 -> 583-665 and 1,496-1,580
- * -> 1,420-1,510 us; Qwen2.5-0.5B's, 512 queries after 1,536 cached, 3,232-3,323 -> 3,099-3,252;
- * head size 128 (the path with O in memory): no change (834-880 against 852-869). Only the
- * scores overlap so: a block's P V needs its own softmax, and the tiles are all in use. */
+ * (tmm0 the query's 32-dim chunks, tmm4 K^T's B tiles), for the block-at-a-time path (head
+ * sizes above 64). That path issues the next block's scores before this block's softmax, so
+ * the vector units work through the softmax while the tiles multiply (with the output's tiles
+ * resident, at head size 64 before the phases: 1,024 queries over themselves 1,496-1,580 ->
+ * 1,420-1,510 us; head size 128: no change, 834-880 against 852-869). */
 static inline void amx_block_scores(const char *q_tile, int64_t a_stride, const uint32_t *keys, int64_t dim,
                                     int64_t key0, float *s) {
     _tile_zero(1);
@@ -282,87 +336,181 @@ static void amx_attend_range(const Problem *p, const char *q_tile, int64_t a_str
     }
 }
 
-/* Blocks [b0, b1) with the output in tiles (head sizes of 32 and 64: two or four 16-dim O
- * tiles, loaded from and stored back to the state around the range), which P V accumulates
- * into across blocks while every row's maximum stays; where one moves, the tiles are added to
- * `o` in memory, `o` is rescaled row by row, and the tiles restart from zero. Tiles: tmm0 Q
- * (scores) then P (values); tmm1, tmm7 S (scores) then B tiles of V, with tmm4; tmm4 the
- * B tiles of K^T; tmm2, tmm3, tmm5, tmm6 O. Saves each block's P V store and the pass that
- * added it to the output: the spilled item's per-block work besides the softmax. */
-static void amx_attend_range_resident(const Problem *p, const char *q_tile, int64_t a_stride, const uint32_t *keys,
-                                      const char *values, AmxHeadState *state, const int32_t *position,
-                                      int64_t first, int64_t b0, int64_t b1) {
-    const int64_t dim = p->dim, chunks = dim / 32, v_stride = dim * 4;
-    float scores[2][16 * AMX_KEYS] __attribute__((aligned(64)));
-    uint16_t probs[16 * AMX_KEYS] __attribute__((aligned(64)));
-    float *o = state->o, *tiles = state->tiles;
-    _tile_loadd(2, tiles, dim * 4);
-    _tile_loadd(3, tiles + 16, dim * 4);
-    if (chunks > 1) {
-        _tile_loadd(5, tiles + 32, dim * 4);
-        _tile_loadd(6, tiles + 48, dim * 4);
-    }
-    if (b0 < b1) amx_block_scores(q_tile, a_stride, keys, dim, b0 * AMX_KEYS, scores[0]);
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t key0 = b * AMX_KEYS;
-        float *s = scores[(b - b0) % 2];
-        if (b + 1 < b1) amx_block_scores(q_tile, a_stride, keys, dim, key0 + AMX_KEYS, scores[(b + 1 - b0) % 2]);
-        if (!amx_softmax(p, s, probs, state->top, state->sums, state->correction, position, key0, first) && b > 0) {
-            _tile_stored(2, tiles, dim * 4);
-            _tile_stored(3, tiles + 16, dim * 4);
-            if (chunks > 1) {
-                _tile_stored(5, tiles + 32, dim * 4);
-                _tile_stored(6, tiles + 48, dim * 4);
-            }
-            for (int r = 0; r < 16; r++) {
-                const __m512 scale = _mm512_set1_ps(state->correction[r]);
-                for (int64_t d = 0; d < dim; d += 16)
-                    _mm512_store_ps(o + r * dim + d,
-                                    _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(o + r * dim + d),
-                                                                _mm512_load_ps(tiles + r * dim + d)), scale));
-            }
-            _tile_zero(2);
-            _tile_zero(3);
-            if (chunks > 1) {
-                _tile_zero(5);
-                _tile_zero(6);
-            }
-        }
-        /* O tiles += P V: V of the block's 32 keys, 16 dims a B tile */
-        const char *v_block = values + key0 / 2 * dim * 4;
-        _tile_loadd(0, probs, AMX_KEYS * 2);
-        _tile_loadd(4, v_block, v_stride);
-        _tile_dpbf16ps(2, 0, 4);
-        _tile_loadd(1, v_block + 16 * 4, v_stride);
-        _tile_dpbf16ps(3, 0, 1);
+/* One head's range [b0, b1) in three phases (head sizes 32 and 64): every block's S = Q K^T on
+ * the tiles into `scores` [16][AMX_PHASE_KEYS] fp32, then the softmax over the whole range row
+ * by row in AVX-512 (one maximum and one rescale a range, P written as bf16 over its own
+ * scores' row), then O += P V on the tiles with O loaded from and stored back to the state. */
+static void amx_attend_range_phased(const Problem *p, const char *q_tile, int64_t a_stride, const uint32_t *keys,
+                                    const char *values, AmxHeadState *state, const int32_t *position,
+                                    int64_t b0, int64_t b1, float *scores) {
+    const int64_t dim = p->dim, chunks = dim / 32, key0 = b0 * AMX_KEYS, n = (b1 - b0) * AMX_KEYS;
+    const int64_t srow = AMX_PHASE_KEYS, sbytes = AMX_PHASE_KEYS * 4;
+    const int64_t group_bytes = dim * 32; /* one 16-key group of K^T */
+    const char *k_base = (const char *)keys + (key0 / 16) * group_bytes;
+    /* phase 1: S */
+    _tile_loadd(0, q_tile, a_stride);
+    if (chunks > 1) _tile_loadd(1, q_tile + 64, a_stride);
+    /* units of four 16-key groups: four independent accumulators (tmm2-5), so each chain's
+     * second product comes four products after its first */
+    const int64_t groups = 2 * (b1 - b0);
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+        const char *kg = k_base + g * group_bytes;
+        float *sg = scores + g * 16;
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_loadd(6, kg, 64);
+        _tile_dpbf16ps(2, 0, 6);
+        _tile_loadd(7, kg + group_bytes, 64);
+        _tile_dpbf16ps(3, 0, 7);
+        _tile_loadd(6, kg + 2 * group_bytes, 64);
+        _tile_dpbf16ps(4, 0, 6);
+        _tile_loadd(7, kg + 3 * group_bytes, 64);
+        _tile_dpbf16ps(5, 0, 7);
         if (chunks > 1) {
-            _tile_loadd(7, v_block + 32 * 4, v_stride);
-            _tile_dpbf16ps(5, 0, 7);
-            _tile_loadd(4, v_block + 48 * 4, v_stride);
-            _tile_dpbf16ps(6, 0, 4);
+            _tile_loadd(6, kg + 1024, 64);
+            _tile_dpbf16ps(2, 1, 6);
+            _tile_loadd(7, kg + group_bytes + 1024, 64);
+            _tile_dpbf16ps(3, 1, 7);
+            _tile_loadd(6, kg + 2 * group_bytes + 1024, 64);
+            _tile_dpbf16ps(4, 1, 6);
+            _tile_loadd(7, kg + 3 * group_bytes + 1024, 64);
+            _tile_dpbf16ps(5, 1, 7);
+        }
+        _tile_stored(2, sg, sbytes);
+        _tile_stored(3, sg + 16, sbytes);
+        _tile_stored(4, sg + 32, sbytes);
+        _tile_stored(5, sg + 48, sbytes);
+    }
+    if (g < groups) { /* a range of an odd block count: its last block */
+        const char *kg = k_base + g * group_bytes;
+        float *sg = scores + g * 16;
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(6, kg, 64);
+        _tile_dpbf16ps(2, 0, 6);
+        _tile_loadd(7, kg + group_bytes, 64);
+        _tile_dpbf16ps(3, 0, 7);
+        if (chunks > 1) {
+            _tile_loadd(6, kg + 1024, 64);
+            _tile_dpbf16ps(2, 1, 6);
+            _tile_loadd(7, kg + group_bytes + 1024, 64);
+            _tile_dpbf16ps(3, 1, 7);
+        }
+        _tile_stored(2, sg, sbytes);
+        _tile_stored(3, sg + 16, sbytes);
+    }
+    /* phase 2: the softmax, row by row */
+    const __m512 scale = _mm512_set1_ps(p->log2_scale);
+    float range_max[16] __attribute__((aligned(64)));
+    __m512 max_half[8], even_max = _mm512_setzero_ps();
+    for (int r = 0; r < 16; r++) {
+        float *s = scores + r * srow;
+        const int64_t last = position[r] - key0; /* keys past it are masked */
+        if (last < n - 1) {
+            const int64_t from = last + 1 > 0 ? last + 1 : 0;
+            for (int64_t j = from / 16 * 16; j < n; j += 16) {
+                const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32((int32_t)j),
+                                                      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+                const __mmask16 hidden = _mm512_cmpgt_epi32_mask(lane, _mm512_set1_epi32((int32_t)last));
+                _mm512_mask_store_ps(s + j, hidden, _mm512_set1_ps(-1e30f));
+            }
+        }
+        __m512 m0 = _mm512_load_ps(s), m1 = _mm512_load_ps(s + 16);
+        for (int64_t j = 32; j < n; j += 32) {
+            m0 = _mm512_max_ps(m0, _mm512_load_ps(s + j));
+            m1 = _mm512_max_ps(m1, _mm512_load_ps(s + j + 16));
+        }
+        if (r % 2 == 0)
+            even_max = _mm512_max_ps(m0, m1);
+        else
+            max_half[r / 2] = amx_pair_rows(even_max, _mm512_max_ps(m0, m1), 0);
+    }
+    _mm512_store_ps(range_max, amx_fold_rows(max_half, 0));
+    const __m512 old_top = _mm512_load_ps(state->top);
+    const __m512 new_top = _mm512_max_ps(old_top, _mm512_load_ps(range_max));
+    const __m512 correction = (__m512)exp2_nonpositive((vec)_mm512_mul_ps(_mm512_sub_ps(old_top, new_top), scale), 5);
+    _mm512_store_ps(state->correction, correction);
+    _mm512_store_ps(state->top, new_top);
+    float offsets[16] __attribute__((aligned(64))), row_sums[16] __attribute__((aligned(64)));
+    __m512 sum_half[8], even_sum = _mm512_setzero_ps();
+    _mm512_store_ps(offsets, _mm512_mul_ps(new_top, scale));
+    for (int r = 0; r < 16; r++) {
+        float *s = scores + r * srow;
+        uint16_t *probs = (uint16_t *)s;
+        const __m512 offset = _mm512_set1_ps(offsets[r]);
+        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 32) {
+            const __m512 p0 = (__m512)exp2_nonpositive((vec)_mm512_fmsub_ps(_mm512_load_ps(s + j), scale, offset), 3);
+            const __m512 p1 = (__m512)exp2_nonpositive((vec)_mm512_fmsub_ps(_mm512_load_ps(s + j + 16), scale, offset), 3);
+            _mm512_store_si512(probs + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            sum0 = _mm512_add_ps(sum0, p0);
+            sum1 = _mm512_add_ps(sum1, p1);
+        }
+        if (r % 2 == 0)
+            even_sum = _mm512_add_ps(sum0, sum1);
+        else
+            sum_half[r / 2] = amx_pair_rows(even_sum, _mm512_add_ps(sum0, sum1), 1);
+    }
+    _mm512_store_ps(row_sums, amx_fold_rows(sum_half, 1));
+    _mm512_store_ps(state->sums, _mm512_fmadd_ps(_mm512_load_ps(state->sums), correction, _mm512_load_ps(row_sums)));
+    /* phase 3: O = O * correction + P V */
+    float *o = state->o;
+    if (_mm512_cmpneq_ps_mask(correction, _mm512_set1_ps(1.0f)) != 0)
+        for (int r = 0; r < 16; r++) {
+            const __m512 c = _mm512_set1_ps(state->correction[r]);
+            for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(o + r * dim + d, _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), c));
+        }
+    const int64_t v_stride = dim * 4;
+    _tile_loadd(2, o, v_stride);
+    _tile_loadd(3, o + 16, v_stride);
+    if (chunks > 1) {
+        _tile_loadd(4, o + 32, v_stride);
+        _tile_loadd(5, o + 48, v_stride);
+    }
+    const char *probs = (const char *)scores;
+    for (int64_t b = 0; b < b1 - b0; b++) {
+        const char *v_block = values + (key0 + b * AMX_KEYS) / 2 * dim * 4;
+        if (b % 2 == 0) {
+            _tile_loadd(0, probs + b * 64, sbytes);
+            _tile_loadd(6, v_block, v_stride);
+            _tile_dpbf16ps(2, 0, 6);
+            _tile_loadd(7, v_block + 64, v_stride);
+            _tile_dpbf16ps(3, 0, 7);
+            if (chunks > 1) {
+                _tile_loadd(6, v_block + 128, v_stride);
+                _tile_dpbf16ps(4, 0, 6);
+                _tile_loadd(7, v_block + 192, v_stride);
+                _tile_dpbf16ps(5, 0, 7);
+            }
+        } else {
+            _tile_loadd(1, probs + b * 64, sbytes);
+            _tile_loadd(6, v_block, v_stride);
+            _tile_dpbf16ps(2, 1, 6);
+            _tile_loadd(7, v_block + 64, v_stride);
+            _tile_dpbf16ps(3, 1, 7);
+            if (chunks > 1) {
+                _tile_loadd(6, v_block + 128, v_stride);
+                _tile_dpbf16ps(4, 1, 6);
+                _tile_loadd(7, v_block + 192, v_stride);
+                _tile_dpbf16ps(5, 1, 7);
+            }
         }
     }
-    _tile_stored(2, tiles, dim * 4);
-    _tile_stored(3, tiles + 16, dim * 4);
+    _tile_stored(2, o, v_stride);
+    _tile_stored(3, o + 16, v_stride);
     if (chunks > 1) {
-        _tile_stored(5, tiles + 32, dim * 4);
-        _tile_stored(6, tiles + 48, dim * 4);
+        _tile_stored(4, o + 32, v_stride);
+        _tile_stored(5, o + 48, v_stride);
     }
 }
 
-/* The item's rows of one head, all blocks seen: O (+ the tiles) / total, rounded to bf16. */
+/* The item's rows of one head, all blocks seen: O / total, rounded to bf16. */
 static void amx_finish(const Problem *p, AmxHeadState *state, int64_t head, int64_t t0, int64_t rows) {
-    const int64_t dim = p->dim;
-    if (dim <= 64)
-        for (int64_t i = 0; i < 16 * dim; i += 16)
-            _mm512_store_ps(state->o + i, _mm512_add_ps(_mm512_load_ps(state->o + i), _mm512_load_ps(state->tiles + i)));
     amx_write_rows(p, state->o, state->sums, head, t0, rows);
 }
-
-/* Blocks a range: the heads of one item take turns over a range of blocks, so its K and V are
- * read from memory once per item and from cache by the other heads (512 keys are 128 KiB of K
- * and V at head size 64; 256 and 1,024 keys were 1-5% slower). */
-#define AMX_RANGE_BLOCKS 16
 
 #define AMX_MAX_HEADS 16 /* query heads an item takes at most */
 
@@ -401,12 +549,18 @@ static int amx_prefill_attention(const void *q, const void *kv_cache, const int6
     };
     const size_t plane = (size_t)num_kv_heads * num_blocks * block_size * head_dim * 2;
     const size_t cache_head = (size_t)num_blocks * block_size * head_dim * 2;
-#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
-    for (int64_t h = 0; h < num_kv_heads; h++) {
-        amx_gather_keys((const char *)kv_cache + h * cache_head, block_ids, context_len, padded, head_dim,
-                        block_size, (uint32_t *)(keys + h * head_bytes));
-        gather_value_pairs((const char *)kv_cache + plane + h * cache_head, block_ids, context_len, padded,
-                           head_dim, block_size, values + h * head_bytes);
+    const int64_t spans = (padded + 255) / 256; /* the gather's items: 256 keys of a kv head */
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t item = 0; item < num_kv_heads * spans; item++) {
+        const int64_t h = item / spans, t0 = item % spans * 256, t1 = t0 + 256 < padded ? t0 + 256 : padded;
+        const char *k_head = (const char *)kv_cache + h * cache_head;
+        const char *v_head = (const char *)kv_cache + plane + h * cache_head;
+        uint32_t *k_out = (uint32_t *)(keys + h * head_bytes);
+        for (int64_t t = t0; t < t1; t += 16)
+            amx_gather_key_group(k_head, block_ids, context_len, t, head_dim, block_size,
+                                 k_out + (t / 16) * (head_dim / 2) * 16);
+        amx_gather_value_pairs(v_head, block_ids, context_len, t0, t1, head_dim, block_size,
+                               (uint16_t *)(values + h * head_bytes));
     }
     const int64_t tiles = (q_len + 15) / 16, group = problem.group;
     const int64_t per_item = amx_heads_per_item(tiles, num_kv_heads, group, num_threads);
@@ -417,7 +571,8 @@ static int amx_prefill_attention(const void *q, const void *kv_cache, const int6
     {
         AmxHeadState *states = aligned_alloc(64, sizeof(AmxHeadState) * per_item);
         uint16_t *tails = aligned_alloc(64, sizeof(uint16_t) * 16 * MAX_DIM * per_item);
-        if (states == NULL || tails == NULL) {
+        float *scores = aligned_alloc(64, sizeof(float) * 16 * AMX_PHASE_KEYS); /* the phases' S, then P */
+        if (states == NULL || tails == NULL || scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -425,7 +580,7 @@ static int amx_prefill_attention(const void *q, const void *kv_cache, const int6
         /* The last tiles see the longest context: hand them out first. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < tiles * parts; item++) {
-            if (states == NULL || tails == NULL) continue;
+            if (states == NULL || tails == NULL || scores == NULL) continue;
             const int64_t tile = tiles - 1 - item / parts, part = item % parts;
             const int64_t head0 = part * per_item, kv_head = head0 / group;
             const int64_t t0 = tile * 16, rows = q_len - t0 < 16 ? q_len - t0 : 16;
@@ -450,18 +605,24 @@ static int amx_prefill_attention(const void *q, const void *kv_cache, const int6
             const uint32_t *item_keys = (const uint32_t *)(keys + kv_head * head_bytes);
             const char *item_values = values + kv_head * head_bytes;
             const int64_t first = problem.cached + t0, blocks = (first + rows - 1) / AMX_KEYS + 1;
-            const int64_t range = per_item > 1 ? AMX_RANGE_BLOCKS : blocks;
+            const int64_t range = head_dim <= 64 ? AMX_PHASE_BLOCKS : per_item > 1 ? AMX_RANGE_BLOCKS : blocks;
             for (int64_t b0 = 0; b0 < blocks; b0 += range) {
                 const int64_t b1 = b0 + range < blocks ? b0 + range : blocks;
-                for (int64_t i = 0; i < per_item; i++)
-                    (head_dim <= 64 ? amx_attend_range_resident : amx_attend_range)(
-                        &problem, q_tiles[i], strides[i], item_keys, item_values, &states[i], position, first, b0, b1);
+                for (int64_t i = 0; i < per_item; i++) {
+                    if (head_dim <= 64)
+                        amx_attend_range_phased(&problem, q_tiles[i], strides[i], item_keys, item_values, &states[i],
+                                                position, b0, b1, scores);
+                    else
+                        amx_attend_range(&problem, q_tiles[i], strides[i], item_keys, item_values, &states[i],
+                                         position, first, b0, b1);
+                }
             }
             for (int64_t i = 0; i < per_item; i++) amx_finish(&problem, &states[i], head0 + i, t0, rows);
         }
         _tile_release();
         free(states);
         free(tails);
+        free(scores);
     }
     free(keys);
     free(values);
