@@ -23,7 +23,6 @@
 #ifndef TANDEM_AMX_GEMM_H
 #define TANDEM_AMX_GEMM_H
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -62,59 +61,11 @@ typedef struct {
     const void *c;
 } AmxUnit;
 
-/* What two threads that share a range of items have not taken yet: items [low, high), packed
- * as low | high << 32 so that one compare-and-swap claims from either end. */
-typedef struct {
-    uint64_t range;
-} __attribute__((aligned(64))) AmxClaim;
-
 /* How a product's items are cut: items are (row group, panel) pairs, a thread's consecutive
- * items one group's panels, so a group's activations stay in L2 while it meets every panel.
- * `claims` NULL: the items are split statically over the threads; else (amx_gemm_claims) each
- * pair of threads claims its range's items from both ends. */
+ * items one group's panels, so a group's activations stay in L2 while it meets every panel. */
 typedef struct {
     int64_t M, blocks, units, groups, panel_blocks, panels;
-    AmxClaim *claims;
 } AmxGemmPlan;
-
-/* Rows from which a product's items are claimed (amx_gemm_claims) rather than split statically. */
-#define AMX_CLAIM_MIN_ROWS 256
-#define AMX_MAX_PAIRS 64 /* thread pairs claiming (more threads: the static split) */
-
-/* Items claimed from both ends, for products of AMX_CLAIM_MIN_ROWS rows or more: the threads
- * of a pair walk their range's items from either end, a quarter of what is left at a time, and
- * meet wherever their speeds put the middle. Split statically, a prefill's products (compute
- * bound) left one thread waiting at the end of each whenever the other core ran slower for a
- * while, as this box's virtual cores do: 2.4% of a prefill-heavy pass in libgomp's wait under
- * the GEMM. Steps of a few rows (memory bound) keep the static split: there a thread left
- * alone at the end reads at the whole memory's rate, and claiming gained nothing. `claims`:
- * AMX_MAX_PAIRS entries, owned by the caller for the parallel region. */
-static void amx_gemm_claims(AmxGemmPlan *plan, AmxClaim *claims, int num_threads) {
-    const int64_t pairs = (num_threads + 1) / 2, items = plan->groups * plan->panels;
-    if (plan->M < AMX_CLAIM_MIN_ROWS || num_threads < 2 || pairs > AMX_MAX_PAIRS) return;
-    for (int64_t p = 0; p < pairs; p++) {
-        const uint64_t low = (uint64_t)(p * items / pairs), high = (uint64_t)((p + 1) * items / pairs);
-        claims[p].range = low | high << 32;
-    }
-    plan->claims = claims;
-}
-
-/* Claims items of `claim` from its low end (from_top 0) or its high end: a quarter of what is
- * left, one at least. Returns 0 when none are left, else sets [*first, *end). */
-static inline int amx_claim_items(AmxClaim *claim, int from_top, int64_t *first, int64_t *end) {
-    uint64_t old = __atomic_load_n(&claim->range, __ATOMIC_RELAXED);
-    for (;;) {
-        const uint64_t low = old & 0xFFFFFFFFu, high = old >> 32;
-        if (low >= high) return 0;
-        const uint64_t take = (high - low) / 4 > 0 ? (high - low) / 4 : 1;
-        const uint64_t next = from_top ? low | (high - take) << 32 : (low + take) | high << 32;
-        if (__atomic_compare_exchange_n(&claim->range, &old, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-            *first = (int64_t)(from_top ? high - take : low);
-            *end = (int64_t)(from_top ? high : low + take);
-            return 1;
-        }
-    }
-}
 
 /* The plan for M rows of row_bytes bytes of activations against N columns on num_threads. The
  * rows' units are dealt evenly over the groups (sizes differ by one unit at most): with groups
@@ -126,7 +77,7 @@ static inline int amx_claim_items(AmxClaim *claim, int from_top, int64_t *first,
  * threads, medians: o / down / q,k,v 36-41 / 111 / 62-70 us -> 33-35 / 99-104 / 59-60 at 64
  * rows; 2,048 rows q,k,v 1,016 -> 910 us). */
 static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int num_threads) {
-    AmxGemmPlan plan = {.M = M, .blocks = N / 16, .claims = NULL};
+    AmxGemmPlan plan = {.M = M, .blocks = N / 16};
     int64_t group_rows = AMX_GROUP_BYTES / row_bytes / AMX_UNIT_ROWS * AMX_UNIT_ROWS;
     if (group_rows < AMX_GROUP_MIN_ROWS) group_rows = AMX_GROUP_MIN_ROWS;
     plan.units = (M + AMX_UNIT_ROWS - 1) / AMX_UNIT_ROWS;
@@ -178,85 +129,59 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
         if (TWO_ROWS && TWO_BLOCKS) _tile_stored(3, c + 3072, 64);                                         \
     }
 
-/* A thread's state across the items it multiplies: the two sums buffers, the unit whose
- * epilogue waits (runs between the next unit's tile steps), the tile configuration. */
-typedef struct {
-    char buffers[2][4096] __attribute__((aligned(64)));
-    int configured0, configured1, next_buffer;
-    AmxUnit pending;
-    const AmxUnit *waiting;
-} AmxItemsState;
-
 /* NAME##_items(plan, a, a_stride, k_steps, packed, block_bytes, output): this thread's share of
  * the plan's items, to be called by every thread of a parallel region (it holds an orphaned
- * `omp for`, or claims items from plan->claims); a block's packed data is block_bytes long.
- * Ends with the last unit's epilogue and the tiles released. EPILOGUE(unit, output, from, to)
- * writes rows [from, to) of a unit. */
+ * `omp for`); a block's packed data is block_bytes long. Ends with the last unit's epilogue
+ * and the tiles released. EPILOGUE(unit, output, from, to) writes rows [from, to) of a unit. */
 #define DEFINE_AMX_GEMM(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE)                                              \
     AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_1, 0, 0)                                        \
     AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_2, 0, 1)                                        \
     AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 2_1, 1, 0)                                        \
     AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 2_2, 1, 1)                                        \
-    static inline void NAME##_item(const AmxGemmPlan *plan, int64_t item, const char *a, int64_t a_stride, \
-                                   int64_t k_steps, const char *packed, int64_t block_bytes,               \
-                                   const OUTPUT *output, AmxItemsState *st) {                              \
-        const int64_t M = plan->M, blocks = plan->blocks, units = plan->units, groups = plan->groups;      \
-        const int64_t panel_blocks = plan->panel_blocks, panels = plan->panels;                            \
-        const int64_t panel = item % panels * panel_blocks;                                                \
-        const int64_t group = item / panels;                                                               \
-        const int64_t first = group * units / groups * AMX_UNIT_ROWS;                                      \
-        const int64_t last = (group + 1) * units / groups * AMX_UNIT_ROWS;                                 \
-        const int64_t end = last < M ? last : M;                                                           \
-        const int64_t width = blocks - panel < panel_blocks ? blocks - panel : panel_blocks;               \
-        for (int64_t m = first; m < end; m += AMX_UNIT_ROWS) {                                             \
-            const int64_t rows = end - m < AMX_UNIT_ROWS ? end - m : AMX_UNIT_ROWS;                        \
-            const int rows0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, rows1 = (int)rows - rows0;           \
-            if (rows0 != st->configured0 || rows1 != st->configured1) { /* all tiles are stored by now */  \
-                amx_gemm_configure(rows0, rows1);                                                          \
-                st->configured0 = rows0;                                                                   \
-                st->configured1 = rows1;                                                                   \
-            }                                                                                              \
-            const char *rows_a = a + m * a_stride;                                                         \
-            for (int64_t block = panel; block < panel + width; block += 2) {                               \
-                const int two_blocks = block + 1 < panel + width;                                          \
-                const char *b0 = packed + block * block_bytes, *b1 = b0 + block_bytes;                     \
-                const AmxUnit *waiting = st->waiting;                                                      \
-                char *c = st->buffers[st->next_buffer];                                                    \
-                st->next_buffer ^= 1;                                                                      \
-                if (rows1 > 0 && two_blocks) NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
-                else if (rows1 > 0) NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
-                else if (two_blocks) NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
-                else NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output);              \
-                if (rows1 > 0 && two_blocks) NAME##_store_2_2(c);                                          \
-                else if (rows1 > 0) NAME##_store_2_1(c);                                                   \
-                else if (two_blocks) NAME##_store_1_2(c);                                                  \
-                else NAME##_store_1_1(c);                                                                  \
-                st->pending = (AmxUnit){m, rows, block, two_blocks, c};                                    \
-                st->waiting = &st->pending;                                                                \
-            }                                                                                              \
-        }                                                                                                  \
-    }                                                                                                      \
     static void NAME##_items(const AmxGemmPlan *plan, const char *a, int64_t a_stride, int64_t k_steps,    \
                              const char *packed, int64_t block_bytes, const OUTPUT *output) {              \
-        AmxItemsState st;                                                                                  \
-        st.configured0 = st.configured1 = -1;                                                              \
-        st.next_buffer = 0;                                                                                \
-        st.waiting = NULL;                                                                                 \
-        const int64_t items = plan->groups * plan->panels;                                                 \
-        if (plan->claims == NULL) { /* the same for every thread: all or none meet the omp for */          \
-            _Pragma("omp for schedule(static)")                                                            \
-            for (int64_t item = 0; item < items; item++)                                                   \
-                NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st);           \
-        } else {                                                                                           \
-            AmxClaim *claim = plan->claims + omp_get_thread_num() / 2;                                     \
-            const int from_top = omp_get_thread_num() % 2;                                                 \
-            int64_t first, end;                                                                            \
-            while (amx_claim_items(claim, from_top, &first, &end))                                         \
-                for (int64_t i = 0; i < end - first; i++)                                                  \
-                    NAME##_item(plan, from_top ? end - 1 - i : first + i, a, a_stride, k_steps, packed,    \
-                                block_bytes, output, &st);                                                 \
+        char buffers[2][4096] __attribute__((aligned(64)));                                                \
+        int configured0 = -1, configured1 = -1, next_buffer = 0;                                           \
+        AmxUnit pending = {0, 0, 0, 0, NULL};                                                              \
+        const AmxUnit *waiting = NULL;                                                                     \
+        const int64_t M = plan->M, blocks = plan->blocks, units = plan->units, groups = plan->groups;      \
+        const int64_t panel_blocks = plan->panel_blocks, panels = plan->panels;                            \
+        _Pragma("omp for schedule(static)")                                                                \
+        for (int64_t item = 0; item < groups * panels; item++) {                                           \
+            const int64_t panel = item % panels * panel_blocks;                                            \
+            const int64_t group = item / panels;                                                           \
+            const int64_t first = group * units / groups * AMX_UNIT_ROWS;                                  \
+            const int64_t last = (group + 1) * units / groups * AMX_UNIT_ROWS;                             \
+            const int64_t end = last < M ? last : M;                                                       \
+            const int64_t width = blocks - panel < panel_blocks ? blocks - panel : panel_blocks;           \
+            for (int64_t m = first; m < end; m += AMX_UNIT_ROWS) {                                         \
+                const int64_t rows = end - m < AMX_UNIT_ROWS ? end - m : AMX_UNIT_ROWS;                    \
+                const int rows0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, rows1 = (int)rows - rows0;       \
+                if (rows0 != configured0 || rows1 != configured1) { /* all tiles are stored by now */      \
+                    amx_gemm_configure(rows0, rows1);                                                      \
+                    configured0 = rows0;                                                                   \
+                    configured1 = rows1;                                                                   \
+                }                                                                                          \
+                const char *rows_a = a + m * a_stride;                                                     \
+                for (int64_t block = panel; block < panel + width; block += 2) {                           \
+                    const int two_blocks = block + 1 < panel + width;                                      \
+                    const char *b0 = packed + block * block_bytes, *b1 = b0 + block_bytes;                 \
+                    char *c = buffers[next_buffer];                                                        \
+                    next_buffer ^= 1;                                                                      \
+                    if (rows1 > 0 && two_blocks) NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
+                    else if (rows1 > 0) NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
+                    else if (two_blocks) NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
+                    else NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output);          \
+                    if (rows1 > 0 && two_blocks) NAME##_store_2_2(c);                                      \
+                    else if (rows1 > 0) NAME##_store_2_1(c);                                               \
+                    else if (two_blocks) NAME##_store_1_2(c);                                              \
+                    else NAME##_store_1_1(c);                                                              \
+                    pending = (AmxUnit){m, rows, block, two_blocks, c};                                    \
+                    waiting = &pending;                                                                    \
+                }                                                                                          \
+            }                                                                                              \
         }                                                                                                  \
-        if (st.waiting != NULL) EPILOGUE(st.waiting, output, 0, st.waiting->rows);                         \
-        if (st.configured0 >= 0) _tile_release();                                                          \
+        if (waiting != NULL) EPILOGUE(waiting, output, 0, waiting->rows);                                  \
+        if (configured0 >= 0) _tile_release();                                                             \
     }
 #endif

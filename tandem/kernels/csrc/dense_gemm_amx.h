@@ -112,9 +112,7 @@ DEFINE_AMX_GEMM(amx_bf16, _tile_dpbf16ps, AmxOutput, amx_epilogue_rows)
 static int amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed,
                           const void *bias, const void *residual, void *out, int64_t N, int gated,
                           int64_t *ids, int num_threads) {
-    AmxGemmPlan plan = amx_gemm_plan(M, K * 2, N, num_threads);
-    AmxClaim claims[AMX_MAX_PAIRS];
-    amx_gemm_claims(&plan, claims, num_threads);
+    const AmxGemmPlan plan = amx_gemm_plan(M, K * 2, N, num_threads);
     const int64_t a_stride = x_stride * 2, block_bytes = K * 2 * 16;
     /* ids: each row's argmax, merged from the threads' (value, column, first NaN) */
     float *merged_value = NULL;
