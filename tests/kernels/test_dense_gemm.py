@@ -165,6 +165,26 @@ def test_a_row_strided_view_and_the_thread_split(kernel) -> None:
             assert torch.equal(kernel.matmul(x, packed), got)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_any_thread_count_gives_one_threads_bits(kernel, threads) -> None:
+    """Items (row groups by panels) split over 2, 3 or 4 threads, several groups at 700 rows:
+    every unit multiplied once, whichever thread takes it, so the bits are one thread's."""
+    generator = torch.Generator().manual_seed(threads)
+    for dtype in _dtypes(kernel):
+        weight = torch.randn(960, 576, generator=generator).to(dtype)
+        packed = kernel.pack(weight)
+        x = torch.randn(700, 576, generator=generator).to(dtype)
+        with _one_thread():
+            want = kernel.matmul(x, packed)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = kernel.matmul(x, packed)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(got, want)
+
+
 def test_shapes_and_rows_it_refuses(kernel) -> None:
     assert not kernel.fits(torch.zeros(40, 64))  # not a multiple of 16 outputs
     assert not kernel.fits(torch.zeros(32, 64, dtype=torch.float16))

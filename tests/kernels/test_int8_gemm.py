@@ -79,18 +79,21 @@ def test_extremes_and_a_row_strided_view(kernel) -> None:
 
 
 @needs_vnni
-def test_the_thread_split_does_not_change_the_products(kernel) -> None:
+@pytest.mark.parametrize(("rows", "threads"), [(64, None), (300, 2), (300, 3)])
+def test_the_thread_split_does_not_change_the_products(kernel, rows, threads) -> None:
+    """One thread's bits over 2 and 3 threads, at 64 rows and at 300 (several row units)."""
     generator = torch.Generator().manual_seed(3)
     columns = torch.randint(-128, 128, (64, 576), generator=generator, dtype=torch.int8)
-    a = torch.randint(-128, 128, (64, 64), generator=generator, dtype=torch.int8)
+    a = torch.randint(-128, 128, (rows, 64), generator=generator, dtype=torch.int8)
     packed = kernel.pack(columns)
-    threads = torch.get_num_threads()
+    before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = kernel.matmul(a, packed)
+        torch.set_num_threads(threads or before)
+        assert torch.equal(one, kernel.matmul(a, packed))
     finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, kernel.matmul(a, packed))
+        torch.set_num_threads(before)
 
 
 def test_shapes_it_refuses(kernel) -> None:
