@@ -23,10 +23,12 @@
  *   O += P V       the output's four 16-dim tiles loaded once a range (rescaled in memory
  *                  first where a row's maximum moved), P and V's B tiles through the range.
  * Where S, the softmax and P V took turns block by block (32 keys), each block's tile products
- * waited on the vector stores before them and paid a fold and a rescale; in phases, SmolLM2's
- * heads ran 1.15-1.3x as fast on the 2-core AMX Xeon (1,024 queries over themselves 1,536 ->
- * 1,264 us, 512 after 512 cached 1,100 -> 864) and Qwen2.5-0.5B's 1.1-1.16x (480 queries after
- * 8,352 cached 13.1 -> 11.3 ms), including the gathers in registers. Head sizes above 64 go a
+ * waited on the vector stores before them and paid a fold and a rescale; in phases, with the
+ * gathers in registers, on the 2-core AMX Xeon: with random queries and keys, whose maxima
+ * keep moving, SmolLM2's heads 1.15-1.3x as fast and Qwen2.5-0.5B's 1.1-1.16x; with the maxima
+ * settled on a first key (an attention sink, as real heads have) 1.06-1.11x and 1.03-1.07x. In
+ * the engine (one process, the layer stack's kernel swapped pass by pass): SmolLM2's
+ * prefill-heavy 1.07x, Qwen2.5-0.5B's 8,000-token prompt unchanged. Head sizes above 64 go a
  * block at a time (amx_attend_range: S of the next block issued before this block's softmax, P
  * V stored and added to the output rows in memory), the accumulators for all of O not fitting
  * in the eight tiles.
