@@ -15,8 +15,9 @@
  * its V in key pairs (the P V products' B tiles), in registers (amx_gather_key_group,
  * amx_gather_value_pairs). Then, at head sizes 32 and 64, each range of 128 keys goes in three
  * phases (amx_attend_range_phased):
- *   S = Q K^T      every 16-key group's S on the tiles (Q's 32-dim chunks in tmm0-1, four
- *                  accumulators in turn, K^T through tmm6-7), stored as [16][128] fp32
+ *   S = Q K^T      every 16-key group's S on the tiles (Q's 32-dim chunks in tmm0-1, a block's
+ *                  two groups in tmm2-3 and the next block's in tmm4-5, K^T through tmm6-7),
+ *                  stored as [16][128] fp32
  *   softmax        row by row in AVX-512 over the whole range: causal mask, one maximum a row
  *                  (the 16 rows folded together), exp2 (a degree-3 polynomial: P is rounded to
  *                  bf16) written as bf16 over its own row of S, one row sum, one correction
@@ -338,6 +339,44 @@ static void amx_attend_range(const Problem *p, const char *q_tile, int64_t a_str
     }
 }
 
+/* The phases' tile steps for one block of 32 keys, the tile numbers constants as the
+ * intrinsics need them. AMX_PHASE_SCORES: S of the block's two 16-key groups into the
+ * accumulators A and B (Q's 32-dim chunks in tmm0-1, K^T through tmm6-7), stored at sb.
+ * AMX_PHASE_VALUES: P (bf16, 16 rows of the block's 32 keys) into tile P, then the output's
+ * 16-dim tiles tmm2-5 += P V, V's key pairs through tmm6-7. */
+#define AMX_PHASE_SCORES(A, B, kb, group_bytes, chunks, sb, sbytes)  \
+    do {                                                             \
+        _tile_zero(A);                                               \
+        _tile_zero(B);                                               \
+        _tile_loadd(6, (kb), 64);                                    \
+        _tile_dpbf16ps(A, 0, 6);                                     \
+        _tile_loadd(7, (kb) + (group_bytes), 64);                    \
+        _tile_dpbf16ps(B, 0, 7);                                     \
+        if ((chunks) > 1) {                                          \
+            _tile_loadd(6, (kb) + 1024, 64);                         \
+            _tile_dpbf16ps(A, 1, 6);                                 \
+            _tile_loadd(7, (kb) + (group_bytes) + 1024, 64);         \
+            _tile_dpbf16ps(B, 1, 7);                                 \
+        }                                                            \
+        _tile_stored(A, (sb), (sbytes));                             \
+        _tile_stored(B, (sb) + 16, (sbytes));                        \
+    } while (0)
+
+#define AMX_PHASE_VALUES(P, probs, sbytes, v_block, v_stride, chunks) \
+    do {                                                              \
+        _tile_loadd(P, (probs), (sbytes));                            \
+        _tile_loadd(6, (v_block), (v_stride));                        \
+        _tile_dpbf16ps(2, P, 6);                                      \
+        _tile_loadd(7, (v_block) + 64, (v_stride));                   \
+        _tile_dpbf16ps(3, P, 7);                                      \
+        if ((chunks) > 1) {                                           \
+            _tile_loadd(6, (v_block) + 128, (v_stride));              \
+            _tile_dpbf16ps(4, P, 6);                                  \
+            _tile_loadd(7, (v_block) + 192, (v_stride));              \
+            _tile_dpbf16ps(5, P, 7);                                  \
+        }                                                             \
+    } while (0)
+
 /* One head's range [b0, b1) in three phases (head sizes 32 and 64): every block's S = Q K^T on
  * the tiles into `scores` [16][AMX_PHASE_KEYS] fp32, then the softmax over the whole range row
  * by row in AVX-512 (one maximum and one rescale a range, P written as bf16 over its own
@@ -352,57 +391,14 @@ static void amx_attend_range_phased(const Problem *p, const char *q_tile, int64_
     /* phase 1: S */
     _tile_loadd(0, q_tile, a_stride);
     if (chunks > 1) _tile_loadd(1, q_tile + 64, a_stride);
-    /* units of four 16-key groups: four independent accumulators (tmm2-5), so each chain's
-     * second product comes four products after its first */
-    const int64_t groups = 2 * (b1 - b0);
-    int64_t g = 0;
-    for (; g + 4 <= groups; g += 4) {
-        const char *kg = k_base + g * group_bytes;
-        float *sg = scores + g * 16;
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_loadd(6, kg, 64);
-        _tile_dpbf16ps(2, 0, 6);
-        _tile_loadd(7, kg + group_bytes, 64);
-        _tile_dpbf16ps(3, 0, 7);
-        _tile_loadd(6, kg + 2 * group_bytes, 64);
-        _tile_dpbf16ps(4, 0, 6);
-        _tile_loadd(7, kg + 3 * group_bytes, 64);
-        _tile_dpbf16ps(5, 0, 7);
-        if (chunks > 1) {
-            _tile_loadd(6, kg + 1024, 64);
-            _tile_dpbf16ps(2, 1, 6);
-            _tile_loadd(7, kg + group_bytes + 1024, 64);
-            _tile_dpbf16ps(3, 1, 7);
-            _tile_loadd(6, kg + 2 * group_bytes + 1024, 64);
-            _tile_dpbf16ps(4, 1, 6);
-            _tile_loadd(7, kg + 3 * group_bytes + 1024, 64);
-            _tile_dpbf16ps(5, 1, 7);
-        }
-        _tile_stored(2, sg, sbytes);
-        _tile_stored(3, sg + 16, sbytes);
-        _tile_stored(4, sg + 32, sbytes);
-        _tile_stored(5, sg + 48, sbytes);
-    }
-    if (g < groups) { /* a range of an odd block count: its last block */
-        const char *kg = k_base + g * group_bytes;
-        float *sg = scores + g * 16;
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_loadd(6, kg, 64);
-        _tile_dpbf16ps(2, 0, 6);
-        _tile_loadd(7, kg + group_bytes, 64);
-        _tile_dpbf16ps(3, 0, 7);
-        if (chunks > 1) {
-            _tile_loadd(6, kg + 1024, 64);
-            _tile_dpbf16ps(2, 1, 6);
-            _tile_loadd(7, kg + group_bytes + 1024, 64);
-            _tile_dpbf16ps(3, 1, 7);
-        }
-        _tile_stored(2, sg, sbytes);
-        _tile_stored(3, sg + 16, sbytes);
+    /* a block's two 16-key groups into tmm2-3, the next block's into tmm4-5 */
+    for (int64_t b = 0; b < b1 - b0; b++) {
+        const char *kb = k_base + 2 * b * group_bytes;
+        float *sb = scores + b * AMX_KEYS;
+        if (b % 2 == 0)
+            AMX_PHASE_SCORES(2, 3, kb, group_bytes, chunks, sb, sbytes);
+        else
+            AMX_PHASE_SCORES(4, 5, kb, group_bytes, chunks, sb, sbytes);
     }
     /* phase 2: the softmax, row by row */
     const __m512 scale = _mm512_set1_ps(p->log2_scale);
@@ -475,31 +471,10 @@ static void amx_attend_range_phased(const Problem *p, const char *q_tile, int64_
     const char *probs = (const char *)scores;
     for (int64_t b = 0; b < b1 - b0; b++) {
         const char *v_block = values + (key0 + b * AMX_KEYS) / 2 * dim * 4;
-        if (b % 2 == 0) {
-            _tile_loadd(0, probs + b * 64, sbytes);
-            _tile_loadd(6, v_block, v_stride);
-            _tile_dpbf16ps(2, 0, 6);
-            _tile_loadd(7, v_block + 64, v_stride);
-            _tile_dpbf16ps(3, 0, 7);
-            if (chunks > 1) {
-                _tile_loadd(6, v_block + 128, v_stride);
-                _tile_dpbf16ps(4, 0, 6);
-                _tile_loadd(7, v_block + 192, v_stride);
-                _tile_dpbf16ps(5, 0, 7);
-            }
-        } else {
-            _tile_loadd(1, probs + b * 64, sbytes);
-            _tile_loadd(6, v_block, v_stride);
-            _tile_dpbf16ps(2, 1, 6);
-            _tile_loadd(7, v_block + 64, v_stride);
-            _tile_dpbf16ps(3, 1, 7);
-            if (chunks > 1) {
-                _tile_loadd(6, v_block + 128, v_stride);
-                _tile_dpbf16ps(4, 1, 6);
-                _tile_loadd(7, v_block + 192, v_stride);
-                _tile_dpbf16ps(5, 1, 7);
-            }
-        }
+        if (b % 2 == 0) /* P in tmm0 or tmm1 in turn, so a block's P loads while the last one's multiply */
+            AMX_PHASE_VALUES(0, probs + b * 64, sbytes, v_block, v_stride, chunks);
+        else
+            AMX_PHASE_VALUES(1, probs + b * 64, sbytes, v_block, v_stride, chunks);
     }
     _tile_stored(2, o, v_stride);
     _tile_stored(3, o + 16, v_stride);
