@@ -19,10 +19,17 @@
  * step's tile instructions of the next unit: run after them, its ~600 vector instructions
  * (1,000 with the gated silu) did not fit the reorder window beside the waiting tile products,
  * and took 10-25% of a bf16 GEMM at K = 576.
+ *
+ * A tile load from L2 costs about as much as a product, so from AMX_SNAKE_MIN_ROWS rows the
+ * units go in a snake that keeps one operand of each in L1 (AMX_GEMM_ITEM_), and from
+ * AMX_CLAIM_MIN_ROWS the threads claim items rather than split them statically (AmxClaim).
+ * The A rows must start on 64-byte lines (decode_stack.c's scratch): a row that spans two
+ * lines made a 2,048-row product a third slower.
  */
 #ifndef TANDEM_AMX_GEMM_H
 #define TANDEM_AMX_GEMM_H
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -61,6 +68,36 @@ typedef struct {
     const void *c;
 } AmxUnit;
 
+/* What is left of a thread's share of the items, [low, high), packed as low | high << 32 so
+ * that one compare-and-swap takes an item from either end: the owner from the low end, its
+ * partner (thread me ^ 1), done with its own share, from the high end. */
+typedef struct {
+    uint64_t range;
+} __attribute__((aligned(64))) AmxClaim;
+
+/* From AMX_CLAIM_MIN_ROWS rows (a prefill's products, compute bound) the threads claim their
+ * shares' items, and one that finishes first takes its partner's last ones. Split statically,
+ * a thread whose core ran slower for a while (this kind of VM's virtual cores do) left the other
+ * waiting at the end of every product: the GEMM's time in a prefill pass was 25-40% over its
+ * median in 14 of 62 passes, against 1 of 46 with the claims. Steps of a few rows (memory
+ * bound) keep the static split. */
+#define AMX_CLAIM_MIN_ROWS 256
+#define AMX_MAX_CLAIMS 64 /* threads that claim (a larger team: the static split) */
+
+/* One item of `claim`: its lowest (from_top 0) or its highest. Returns 0 when none is left. */
+static inline int amx_claim_item(AmxClaim *claim, int from_top, int64_t *item) {
+    uint64_t old = __atomic_load_n(&claim->range, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t low = old & 0xFFFFFFFFu, high = old >> 32;
+        if (low >= high) return 0;
+        const uint64_t next = from_top ? low | (high - 1) << 32 : (low + 1) | high << 32;
+        if (__atomic_compare_exchange_n(&claim->range, &old, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            *item = (int64_t)(from_top ? high - 1 : low);
+            return 1;
+        }
+    }
+}
+
 /* How a product's items are cut: items are (row group, panel) pairs, a thread's consecutive
  * items one group's panels, so a group's activations stay in L2 while it meets every panel. */
 typedef struct {
@@ -89,34 +126,50 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
     return plan;
 }
 
+/* From this many rows the units go in a snake (AMX_GEMM_ITEM_). Fewer rows read their weights
+ * from memory once a step, and there the snake made no step faster: decode-heavy's 64 rows went
+ * 2-3% slower in the engine. */
+#define AMX_SNAKE_MIN_ROWS 256
+#define AMX_STREAM_A 1
+#define AMX_STREAM_B 2
+/* A tile load; STREAM marks an operand the next unit does not share (TILELOADDT1), so that it
+ * is not kept in L1 in place of the one that unit will read again. */
+#define AMX_LOAD_TILE(STREAM, TILE, BASE, STRIDE)                                                          \
+    do {                                                                                                   \
+        if (STREAM) _tile_stream_loadd(TILE, BASE, STRIDE);                                                \
+        else _tile_loadd(TILE, BASE, STRIDE);                                                              \
+    } while (0)
+
 /* One unit shape's products over all of K into tmm0-3: a (its first row, a_stride bytes
  * between rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS), k_steps steps
- * of 64 bytes of A and one 1 KiB B tile a block. The previous unit's epilogue (pending, if any)
+ * of 64 bytes of A and one 1 KiB B tile a block, from the last step to the first if reverse;
+ * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed. The previous unit's epilogue (pending, if any)
  * is done a few rows a step between the tile instructions. The compiler needs the tile numbers
  * as constants, hence one function per shape. */
 #define AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, SHAPE, TWO_ROWS, TWO_BLOCKS)               \
     static inline void NAME##_multiply_##SHAPE(const char *a, int64_t a_stride, int64_t k_steps,           \
                                                const char *b0, const char *b1, const AmxUnit *pending,     \
-                                               const OUTPUT *output) {                                     \
+                                               const OUTPUT *output, int reverse, int stream) {            \
         const int64_t per_step = pending != NULL ? (pending->rows + k_steps - 1) / k_steps : 0;            \
         _tile_zero(0);                                                                                     \
         if (TWO_BLOCKS) _tile_zero(1);                                                                     \
         if (TWO_ROWS) _tile_zero(2);                                                                       \
         if (TWO_ROWS && TWO_BLOCKS) _tile_zero(3);                                                         \
-        for (int64_t q = 0; q < k_steps; q++) {                                                            \
-            _tile_loadd(4, a + q * 64, a_stride);                                                          \
-            _tile_loadd(6, b0 + q * 1024, 64);                                                             \
+        for (int64_t step = 0; step < k_steps; step++) {                                                   \
+            const int64_t q = reverse ? k_steps - 1 - step : step;                                         \
+            AMX_LOAD_TILE(stream & AMX_STREAM_A, 4, a + q * 64, a_stride);                                 \
+            AMX_LOAD_TILE(stream & AMX_STREAM_B, 6, b0 + q * 1024, 64);                                    \
             TILE_PRODUCT(0, 4, 6);                                                                         \
             if (TWO_BLOCKS) {                                                                              \
-                _tile_loadd(7, b1 + q * 1024, 64);                                                         \
+                AMX_LOAD_TILE(stream & AMX_STREAM_B, 7, b1 + q * 1024, 64);                                \
                 TILE_PRODUCT(1, 4, 7);                                                                     \
             }                                                                                              \
             if (TWO_ROWS) {                                                                                \
-                _tile_loadd(5, a + AMX_ROWS * a_stride + q * 64, a_stride);                                \
+                AMX_LOAD_TILE(stream & AMX_STREAM_A, 5, a + AMX_ROWS * a_stride + q * 64, a_stride);       \
                 TILE_PRODUCT(2, 5, 6);                                                                     \
                 if (TWO_BLOCKS) TILE_PRODUCT(3, 5, 7);                                                     \
             }                                                                                              \
-            const int64_t from = q * per_step;                                                             \
+            const int64_t from = step * per_step;                                                          \
             if (from < (per_step > 0 ? pending->rows : 0))                                                 \
                 EPILOGUE(pending, output, from, from + per_step < pending->rows ? from + per_step          \
                                                                                  : pending->rows);        \
@@ -129,59 +182,108 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
         if (TWO_ROWS && TWO_BLOCKS) _tile_stored(3, c + 3072, 64);                                         \
     }
 
-/* NAME##_items(plan, a, a_stride, k_steps, packed, block_bytes, output): this thread's share of
- * the plan's items, to be called by every thread of a parallel region (it holds an orphaned
- * `omp for`); a block's packed data is block_bytes long. Ends with the last unit's epilogue
- * and the tiles released. EPILOGUE(unit, output, from, to) writes rows [from, to) of a unit. */
-#define DEFINE_AMX_GEMM(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE)                                              \
-    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_1, 0, 0)                                        \
-    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_2, 0, 1)                                        \
-    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 2_1, 1, 0)                                        \
-    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 2_2, 1, 1)                                        \
-    static void NAME##_items(const AmxGemmPlan *plan, const char *a, int64_t a_stride, int64_t k_steps,    \
-                             const char *packed, int64_t block_bytes, const OUTPUT *output) {              \
-        char buffers[2][4096] __attribute__((aligned(64)));                                                \
-        int configured0 = -1, configured1 = -1, next_buffer = 0;                                           \
-        AmxUnit pending = {0, 0, 0, 0, NULL};                                                              \
-        const AmxUnit *waiting = NULL;                                                                     \
-        const int64_t M = plan->M, blocks = plan->blocks, units = plan->units, groups = plan->groups;      \
-        const int64_t panel_blocks = plan->panel_blocks, panels = plan->panels;                            \
-        _Pragma("omp for schedule(static)")                                                                \
-        for (int64_t item = 0; item < groups * panels; item++) {                                           \
-            const int64_t panel = item % panels * panel_blocks;                                            \
-            const int64_t group = item / panels;                                                           \
-            const int64_t first = group * units / groups * AMX_UNIT_ROWS;                                  \
-            const int64_t last = (group + 1) * units / groups * AMX_UNIT_ROWS;                             \
-            const int64_t end = last < M ? last : M;                                                       \
-            const int64_t width = blocks - panel < panel_blocks ? blocks - panel : panel_blocks;           \
-            for (int64_t m = first; m < end; m += AMX_UNIT_ROWS) {                                         \
-                const int64_t rows = end - m < AMX_UNIT_ROWS ? end - m : AMX_UNIT_ROWS;                    \
-                const int rows0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, rows1 = (int)rows - rows0;       \
-                if (rows0 != configured0 || rows1 != configured1) { /* all tiles are stored by now */      \
-                    amx_gemm_configure(rows0, rows1);                                                      \
-                    configured0 = rows0;                                                                   \
-                    configured1 = rows1;                                                                   \
-                }                                                                                          \
-                const char *rows_a = a + m * a_stride;                                                     \
-                for (int64_t block = panel; block < panel + width; block += 2) {                           \
-                    const int two_blocks = block + 1 < panel + width;                                      \
-                    const char *b0 = packed + block * block_bytes, *b1 = b0 + block_bytes;                 \
-                    char *c = buffers[next_buffer];                                                        \
-                    next_buffer ^= 1;                                                                      \
-                    if (rows1 > 0 && two_blocks) NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
-                    else if (rows1 > 0) NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
-                    else if (two_blocks) NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output); \
-                    else NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output);          \
-                    if (rows1 > 0 && two_blocks) NAME##_store_2_2(c);                                      \
-                    else if (rows1 > 0) NAME##_store_2_1(c);                                               \
-                    else if (two_blocks) NAME##_store_1_2(c);                                              \
-                    else NAME##_store_1_1(c);                                                              \
-                    pending = (AmxUnit){m, rows, block, two_blocks, c};                                    \
-                    waiting = &pending;                                                                    \
-                }                                                                                          \
-            }                                                                                              \
-        }                                                                                                  \
-        if (waiting != NULL) EPILOGUE(waiting, output, 0, waiting->rows);                                  \
-        if (configured0 >= 0) _tile_release();                                                             \
+/* A thread's state across the items it multiplies: the two sums buffers, the unit whose
+ * epilogue waits (it runs between the next unit's tile steps), the tile configuration. */
+typedef struct {
+    char buffers[2][4096] __attribute__((aligned(64)));
+    int configured0, configured1, next_buffer;
+    AmxUnit pending;
+    const AmxUnit *waiting;
+} AmxItemsState;
+
+/* One item: its group's units, each over the panel's block pairs. The units go in a snake: a
+ * unit takes the panel's pairs in the order the last one ended, so every unit shares an operand
+ * (its A rows, or a pair's B tiles) with the one before it, and walks K the other way from it,
+ * so it starts on the steps of that operand still in L1; the operand the next unit does not
+ * share is streamed (AMX_LOAD_TILE). A unit's direction is fixed by its rows and columns
+ * (a checkerboard), so the bits do not depend on which thread takes the item. */
+#define AMX_GEMM_ITEM_(NAME, OUTPUT)                                                                         \
+    static inline void NAME##_item(const AmxGemmPlan *plan, int64_t item, const char *a, int64_t a_stride,   \
+                                   int64_t k_steps, const char *packed, int64_t block_bytes,                 \
+                                   const OUTPUT *output, AmxItemsState *st) {                                \
+        const int64_t M = plan->M, blocks = plan->blocks, units = plan->units, groups = plan->groups;        \
+        const int64_t panel_blocks = plan->panel_blocks, panels = plan->panels;                              \
+        const int64_t panel = item % panels * panel_blocks, group = item / panels;                           \
+        const int64_t first = group * units / groups * AMX_UNIT_ROWS;                                        \
+        const int64_t last = (group + 1) * units / groups * AMX_UNIT_ROWS;                                   \
+        const int64_t end = last < M ? last : M;                                                             \
+        const int64_t width = blocks - panel < panel_blocks ? blocks - panel : panel_blocks;                 \
+        const int64_t pairs = (width + 1) / 2;                                                               \
+        const int snake = M >= AMX_SNAKE_MIN_ROWS;                                                           \
+        for (int64_t m = first; m < end; m += AMX_UNIT_ROWS) {                                               \
+            const int64_t rows = end - m < AMX_UNIT_ROWS ? end - m : AMX_UNIT_ROWS;                          \
+            const int rows0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, rows1 = (int)rows - rows0;             \
+            if (rows0 != st->configured0 || rows1 != st->configured1) { /* all tiles are stored by now */    \
+                amx_gemm_configure(rows0, rows1);                                                            \
+                st->configured0 = rows0;                                                                     \
+                st->configured1 = rows1;                                                                     \
+            }                                                                                                \
+            const char *rows_a = a + m * a_stride;                                                           \
+            const int64_t unit = (m - first) / AMX_UNIT_ROWS;                                                \
+            for (int64_t j = 0; j < pairs; j++) {                                                            \
+                const int64_t block = panel + 2 * (snake && unit % 2 ? pairs - 1 - j : j);                   \
+                const int reverse = snake && (m / AMX_UNIT_ROWS + block / 2) % 2;                            \
+                /* the next unit shares this pair's B (its last pair) or these rows (the others) */          \
+                const int stream = !snake ? 0 : j == pairs - 1 ? AMX_STREAM_A : AMX_STREAM_B;                \
+                const int two_blocks = block + 1 < panel + width;                                            \
+                const char *b0 = packed + block * block_bytes, *b1 = b0 + block_bytes;                       \
+                const AmxUnit *waiting = st->waiting;                                                        \
+                char *c = st->buffers[st->next_buffer];                                                      \
+                st->next_buffer ^= 1;                                                                        \
+                if (rows1 > 0 && two_blocks)                                                                 \
+                    NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
+                else if (rows1 > 0)                                                                          \
+                    NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
+                else if (two_blocks)                                                                         \
+                    NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
+                else                                                                                         \
+                    NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
+                if (rows1 > 0 && two_blocks) NAME##_store_2_2(c);                                            \
+                else if (rows1 > 0) NAME##_store_2_1(c);                                                     \
+                else if (two_blocks) NAME##_store_1_2(c);                                                    \
+                else NAME##_store_1_1(c);                                                                    \
+                st->pending = (AmxUnit){m, rows, block, two_blocks, c};                                      \
+                st->waiting = &st->pending;                                                                  \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+/* NAME##_items(plan, a, a_stride, k_steps, packed, block_bytes, output, claims): this thread's
+ * share of the plan's items, to be called by every thread of a parallel region; a block's
+ * packed data is block_bytes long. Ends with the last unit's epilogue and the tiles released.
+ * EPILOGUE(unit, output, from, to) writes rows [from, to) of a unit. claims: AMX_MAX_CLAIMS
+ * entries shared by the region (amx_claim_items), or NULL for the static split. */
+#define DEFINE_AMX_GEMM(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE)                                                \
+    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_1, 0, 0)                                          \
+    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_2, 0, 1)                                          \
+    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 2_1, 1, 0)                                          \
+    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 2_2, 1, 1)                                          \
+    AMX_GEMM_ITEM_(NAME, OUTPUT)                                                                             \
+    static void NAME##_items(const AmxGemmPlan *plan, const char *a, int64_t a_stride, int64_t k_steps,      \
+                             const char *packed, int64_t block_bytes, const OUTPUT *output,                  \
+                             AmxClaim *claims) {                                                             \
+        AmxItemsState st;                                                                                    \
+        st.configured0 = st.configured1 = -1;                                                                \
+        st.next_buffer = 0;                                                                                  \
+        st.waiting = NULL;                                                                                   \
+        const int64_t items = plan->groups * plan->panels;                                                   \
+        const int team = omp_get_num_threads(), me = omp_get_thread_num();                                   \
+        if (claims == NULL || plan->M < AMX_CLAIM_MIN_ROWS || team < 2 || team > AMX_MAX_CLAIMS) {           \
+            _Pragma("omp for schedule(static)") /* the same test for every thread: all or none meet it */    \
+            for (int64_t item = 0; item < items; item++)                                                     \
+                NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st);             \
+        } else {                                                                                             \
+            _Pragma("omp single") /* its barrier: every share is set before any is claimed */                \
+            for (int t = 0; t < team; t++)                                                                   \
+                claims[t].range = (uint64_t)(t * items / team) | (uint64_t)((t + 1) * items / team) << 32;   \
+            int64_t item;                                                                                    \
+            while (amx_claim_item(claims + me, 0, &item))                                                    \
+                NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st);             \
+            if ((me ^ 1) < team)                                                                             \
+                while (amx_claim_item(claims + (me ^ 1), 1, &item))                                          \
+                    NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st);         \
+        }                                                                                                    \
+        if (st.waiting != NULL) EPILOGUE(st.waiting, output, 0, st.waiting->rows);                           \
+        if (st.configured0 >= 0) _tile_release();                                                            \
     }
 #endif

@@ -113,6 +113,7 @@ static int amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K,
                           const void *bias, const void *residual, void *out, int64_t N, int gated,
                           int64_t *ids, int num_threads) {
     const AmxGemmPlan plan = amx_gemm_plan(M, K * 2, N, num_threads);
+    AmxClaim claims[AMX_MAX_CLAIMS]; /* the threads' shares of the items (amx_gemm.h) */
     const int64_t a_stride = x_stride * 2, block_bytes = K * 2 * 16;
     /* ids: each row's argmax, merged from the threads' (value, column, first NaN) */
     float *merged_value = NULL;
@@ -152,7 +153,7 @@ static int amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K,
         const AmxOutput output = {bias, residual, out, N, gated, ids != NULL ? &lanes : NULL};
         if (!failed) /* every thread reads the same `failed` here: none or all share the items */
             amx_bf16_items(&plan, (const char *)x, a_stride, K / AMX_STEP_K, (const char *)packed, block_bytes,
-                           &output);
+                           &output, claims);
         if (ids != NULL && !failed)
             for (int64_t m = 0; m < M; m++) {
                 float value = -__builtin_inff();

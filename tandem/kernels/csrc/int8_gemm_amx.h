@@ -62,13 +62,15 @@ DEFINE_AMX_GEMM(amx_int8, _tile_dpbssd, AmxInt8Output, amx_int8_epilogue_rows)
 
 /* c [M, N] (row stride N) = a [M, K] (row stride a_stride) @ the packed matrix, or (dq not
  * NULL) those products dequantized; int8_gemm's arguments, checked by it, K a multiple of 64.
- * Items are amx_gemm.h's (row group, panel) pairs, split statically over the threads. */
+ * Items are amx_gemm.h's (row group, panel) pairs, claimed by the threads from 256 rows. */
 static int amx_int8_gemm(const int8_t *a, int64_t a_stride, int64_t M, int64_t K, const int8_t *packed, int32_t *c,
                          int64_t N, const Int8Dequantize *dq, int num_threads) {
     const AmxGemmPlan plan = amx_gemm_plan(M, K, N, num_threads);
     const AmxInt8Output output = {c, N, dq};
+    AmxClaim claims[AMX_MAX_CLAIMS];
 #pragma omp parallel num_threads(num_threads)
-    amx_int8_items(&plan, (const char *)a, a_stride, K / AMX8_STEP_K, (const char *)packed, K * 16, &output);
+    amx_int8_items(&plan, (const char *)a, a_stride, K / AMX8_STEP_K, (const char *)packed, K * 16, &output,
+                   claims);
     return 0;
 }
 #endif
