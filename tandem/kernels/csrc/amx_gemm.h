@@ -143,8 +143,8 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
 /* One unit shape's products over all of K into tmm0-3: a (its first row, a_stride bytes
  * between rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS), k_steps steps
  * of 64 bytes of A and one 1 KiB B tile a block, from the last step to the first if reverse;
- * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed. The previous unit's epilogue (pending, if any)
- * is done a few rows a step between the tile instructions. The compiler needs the tile numbers
+ * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed. The previous unit's
+ * epilogue (pending, if any) is done a few rows a step between the tile instructions. The compiler needs the tile numbers
  * as constants, hence one function per shape. */
 #define AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, SHAPE, TWO_ROWS, TWO_BLOCKS)               \
     static inline void NAME##_multiply_##SHAPE(const char *a, int64_t a_stride, int64_t k_steps,           \
@@ -252,7 +252,7 @@ typedef struct {
  * share of the plan's items, to be called by every thread of a parallel region; a block's
  * packed data is block_bytes long. Ends with the last unit's epilogue and the tiles released.
  * EPILOGUE(unit, output, from, to) writes rows [from, to) of a unit. claims: AMX_MAX_CLAIMS
- * entries shared by the region (amx_claim_items), or NULL for the static split. */
+ * entries shared by the region (amx_claim_item), or NULL for the static split. */
 #define DEFINE_AMX_GEMM(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE)                                                \
     AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_1, 0, 0)                                          \
     AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_2, 0, 1)                                          \
