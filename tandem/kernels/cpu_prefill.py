@@ -46,12 +46,16 @@ class PrefillAttentionKernel:
         try:
             loaded = ctypes.CDLL(str(library))
             self._attend = loaded.tandem_prefill_attention
+            self._spans = loaded.tandem_prefill_attention_spans
             uses_bf16_dot = loaded.tandem_prefill_uses_bf16_dot
             uses_amx = loaded.tandem_prefill_uses_amx
         except (OSError, AttributeError) as error:
             raise KernelBuildError(f"cannot load {library}: {error}") from error
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 9, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        self._spans.restype = ctypes.c_int
+        self._spans.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 7, ctypes.c_int,
+                                ctypes.c_float, ctypes.c_int]
         uses_bf16_dot.restype = ctypes.c_int
         uses_amx.restype = ctypes.c_int
         self.amx = bool(uses_amx())  # bf16 products on AMX tiles (head sizes a multiple of 32)
@@ -67,6 +71,11 @@ class PrefillAttentionKernel:
     def attend_entry(self) -> object:
         """The C function, for the layer stack (csrc/decode_stack.c) to call directly."""
         return self._attend
+
+    def spans_entry(self) -> object:
+        """The C function that takes every prefill chunk of a step in one call, for the layer
+        stack."""
+        return self._spans
 
     @staticmethod
     def takes_head_dim(head_dim: int) -> bool:
@@ -103,8 +112,33 @@ class PrefillAttentionKernel:
             num_heads, num_kv_heads, head_dim, block_size, num_blocks, q.stride(0), out.stride(0),
             _KINDS[q.dtype], scale, torch.get_num_threads(),
         )
-        if status == -1:
-            raise MemoryError("prefill attention could not allocate its context buffers")
-        if status != 0:
-            raise ValueError(f"prefill attention does not take head size {head_dim}")
+        _check(status, head_dim)
         return out
+
+    def attend_spans(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     starts: list[int], lengths: list[int], contexts: list[int], scale: float,
+                     out: torch.Tensor) -> torch.Tensor:
+        """Every prefill chunk of a step in one call, as the layer stack makes it: chunk i is
+        rows [starts[i], starts[i] + lengths[i]) of q [tokens, heads, dim] and of `out` (q's
+        dtype, dense heads), attending to the first contexts[i] tokens of the sequence whose
+        blocks are block_tables[i] (int64 [chunks, table width])."""
+        _, num_heads, head_dim = q.shape
+        _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+        tables = block_tables.to(torch.int64).contiguous()
+        starts_t, lengths_t, contexts_t = (torch.tensor(v, dtype=torch.int64) for v in (starts, lengths, contexts))
+        status = self._spans(
+            q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[1], starts_t.data_ptr(),
+            lengths_t.data_ptr(), contexts_t.data_ptr(), len(starts), out.data_ptr(), num_heads, num_kv_heads,
+            head_dim, block_size, num_blocks, q.stride(0), out.stride(0), _KINDS[q.dtype], scale,
+            torch.get_num_threads(),
+        )
+        _check(status, head_dim)
+        return out
+
+
+def _check(status: int, head_dim: int) -> None:
+    """A C call's status as the error it stands for."""
+    if status == -1:
+        raise MemoryError("prefill attention could not allocate its context buffers")
+    if status != 0:
+        raise ValueError(f"prefill attention does not take head size {head_dim}")

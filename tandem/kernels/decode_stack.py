@@ -42,7 +42,7 @@ class Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in ("gemm4", "gemm5", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
                                           "write_kv", "attend", "dense_gemm", "dense_silu_mul", "quantize_rows",
                                           "int8_dequantize", "int8_gated", "prefill", "write_i8", "write_bf16",
-                                          "write_f8", "gemv_coded", "attend_in_team")]
+                                          "write_f8", "gemv_coded", "attend_in_team", "prefill_spans")]
 
 
 # `Matrix.bits` for the dense GEMM's packed layouts, the int8 GEMM's and fp32 rows' lossless
@@ -141,6 +141,7 @@ class DecodeStackKernel:
             *(_address(entry) for entry in attention.rounding_write_entries()),
             _address(gemv.coded_entry()) if gemv and dtype == torch.float32 else None,
             _address(attention.team_entry()),
+            _address(prefill.spans_entry()) if prefill is not None and self.prefills else None,
         )
 
     @classmethod

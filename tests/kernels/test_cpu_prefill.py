@@ -165,6 +165,44 @@ def test_the_kernel_writes_the_rows_it_is_given(kernel) -> None:
         assert not bad.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128)])
+def test_a_steps_chunks_in_one_call_are_each_chunks_own_call(kernel, dtype, heads, kv_heads, dim) -> None:
+    """The layer stack hands every prefill chunk of a step to one call (on AMX tiles, one
+    parallel region for every chunk's tiles, the longest first): each chunk's rows are what a
+    call of its own gives, bit for bit, whatever the chunks' sizes and cached prefixes, and the
+    rows between chunks are left alone."""
+    generator = torch.Generator().manual_seed(dim + heads)
+    block = 16
+    chunks = [(5, 5), (37, 100), (1, 1), (64, 64), (20, 300), (130, 130)]  # (queries, context)
+    used = [-(-context // block) for _, context in chunks]
+    blocks = sum(used) + 2
+    cache = torch.full(kv_cache_shape(blocks, block, kv_heads, dim), float("nan"))
+    order = torch.randperm(blocks, generator=generator)
+    tables = torch.zeros(len(chunks), max(used), dtype=torch.int64)
+    flat = cache.view(2, kv_heads, -1, dim)
+    taken = 0
+    for i, ((_, context), count) in enumerate(zip(chunks, used, strict=True)):
+        ids = order[taken : taken + count]
+        taken += count
+        tables[i, :count] = ids
+        slots = ids.repeat_interleave(block) * block + torch.arange(block).repeat(count)
+        flat[:, :, slots[:context]] = torch.randn(2, kv_heads, context, dim, generator=generator)
+    cache = cache.to(dtype)
+    gap, starts, rows = 3, [], 0  # rows no chunk owns between chunks
+    for q_len, _ in chunks:
+        starts.append(rows)
+        rows += q_len + gap
+    fused = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    q = fused[:, : heads * dim].view(rows, heads, dim)  # a view into the fused projection
+    out = torch.full((rows, heads, dim), 7.0, dtype=dtype)
+    kernel.attend_spans(q, cache, tables, starts, [n for n, _ in chunks], [c for _, c in chunks], dim**-0.5, out)
+    for i, (q_len, context) in enumerate(chunks):
+        alone = kernel(q[starts[i] : starts[i] + q_len], cache, tables[i, : used[i]], context, dim**-0.5)
+        assert torch.equal(out[starts[i] : starts[i] + q_len], alone), f"chunk {i}"
+        assert (out[starts[i] + q_len : starts[i] + q_len + gap] == 7.0).all()
+
+
 _GUARDED_READ = """
 import ctypes, mmap, sys, torch
 from tandem.kernels.cpu_prefill import PrefillAttentionKernel

@@ -99,6 +99,11 @@ typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void
                          int num_threads);
 
 typedef int (*attend_in_team_fn)(int q_bf16, int kv_kind, int64_t head_dim, int64_t heads_per_item);
+typedef int (*prefill_spans_fn)(const void *q, const void *kv_cache, const int64_t *block_tables, int64_t table_stride,
+                                const int64_t *span_start, const int64_t *span_len, const int64_t *span_context,
+                                int64_t spans, void *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, int64_t num_blocks, int64_t q_stride, int64_t out_stride, int kind,
+                                float scale, int num_threads);
 
 /* The kernels, from the libraries that hold them, for the step's element type. */
 struct Kernels {
@@ -120,6 +125,7 @@ struct Kernels {
     fp8_kv_fn write_f8;
     coded_gemv_fn gemv_coded; /* tandem_coded_gemv (fp32 rows, CODED matrices) */
     attend_in_team_fn attend_in_team; /* tandem_decode_attention_in_team: whether `attend` runs as a team's */
+    prefill_spans_fn prefill_spans;   /* tandem_prefill_attention_spans: every prefill chunk in one call, or NULL */
 };
 
 /* A matrix in q4_gemm.c's layout, [n, k] at 4, 5 or 8 bits a level, or (bits 32 / 16) plain
@@ -277,8 +283,9 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
 }
 
 /* The attention of one layer, as the CPU backend runs a step: the decode rows in one call,
- * then each prefill chunk over its sequence's cached context (its own keys and values were
- * written first), each writing its rows of `attn`. */
+ * then the prefill chunks, each over its sequence's cached context (its own keys and values
+ * were written first), each writing its rows of `attn`: all in one call where the prefill
+ * kernel takes them so (a step of many short prompts made a call each), else a call each. */
 static int attention(const struct Kernels *kernels, const struct Step *step, const struct Layer *layer,
                      const char *qkv, char *attn, int64_t heads_per_item) {
     const char *kv_cache = layer->kv_cache;
@@ -293,6 +300,11 @@ static int attention(const struct Kernels *kernels, const struct Step *step, con
                                  step->scale * layer->k_scale, step->num_threads);
         if (status == 0 && layer->v_scale != 1.0f) scale_rows(attn, step->decodes * q_width, layer->v_scale, bf16);
     }
+    if (step->spans > 0 && status == 0 && kernels->prefill_spans != NULL)
+        return kernels->prefill_spans(qkv, kv_cache, step->span_blocks, step->span_table_stride, step->span_start,
+                                      step->span_len, step->span_context, step->spans, attn, step->heads,
+                                      step->kv_heads, step->head_dim, step->block_size, step->num_blocks, width,
+                                      q_width, bf16, step->scale, step->num_threads);
     for (int64_t i = 0; i < step->spans && status == 0; i++) {
         const int64_t start = step->span_start[i];
         status = kernels->prefill(qkv + bytes * (size_t)(start * width), kv_cache,

@@ -520,6 +520,51 @@ int tandem_prefill_uses_amx(void) {
 #endif
 }
 
+/*
+ * Every prefill chunk of a step, one call: span i's queries are the q_len = span_len[i] rows
+ * from row span_start[i] of q (and of out), attending to the first span_context[i] tokens of
+ * the sequence whose blocks are block_tables + i * table_stride. On the tiles, the spans share
+ * one parallel region for their gathers and one for their tiles
+ * (amx_prefill_attention_spans); elsewhere, each span is tandem_prefill_attention's call.
+ * Returns as that does, at the first span that fails.
+ */
+int tandem_prefill_attention(const void *q, const void *kv_cache, const int64_t *block_ids, void *out,
+                             int64_t q_len, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t q_stride,
+                             int64_t out_stride, int kind, float scale, int num_threads);
+
+int tandem_prefill_attention_spans(const void *q, const void *kv_cache, const int64_t *block_tables,
+                                   int64_t table_stride, const int64_t *span_start, const int64_t *span_len,
+                                   const int64_t *span_context, int64_t spans, void *out, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                                   int64_t q_stride, int64_t out_stride, int kind, float scale, int num_threads) {
+    if (head_dim % LANES != 0 || head_dim > MAX_DIM) return -2;
+    const size_t element = kind == 0 ? 4 : 2;
+#if HAS_AMX
+    if (kind == 1 && head_dim % 32 == 0 && amx_permitted()) {
+        AmxSpan *each = malloc(sizeof(AmxSpan) * (size_t)(spans > 0 ? spans : 1));
+        if (each == NULL) return -1;
+        for (int64_t i = 0; i < spans; i++)
+            each[i] = (AmxSpan){(const char *)q + (size_t)span_start[i] * q_stride * element,
+                                (char *)out + (size_t)span_start[i] * out_stride * element,
+                                block_tables + i * table_stride, span_len[i], span_context[i]};
+        const int status = amx_prefill_attention_spans(each, spans, kv_cache, num_heads, num_kv_heads, head_dim,
+                                                       block_size, num_blocks, q_stride, out_stride, scale,
+                                                       num_threads);
+        free(each);
+        return status;
+    }
+#endif
+    for (int64_t i = 0; i < spans; i++) {
+        const int status = tandem_prefill_attention(
+            (const char *)q + (size_t)span_start[i] * q_stride * element, kv_cache, block_tables + i * table_stride,
+            (char *)out + (size_t)span_start[i] * out_stride * element, span_len[i], span_context[i], num_heads,
+            num_kv_heads, head_dim, block_size, num_blocks, q_stride, out_stride, kind, scale, num_threads);
+        if (status != 0) return status;
+    }
+    return 0;
+}
+
 /* 2^x of the softmax's exponential at `degree` (3, 5 or 7) for n values x <= 0 (n a multiple of
  * 16): what the tests check the polynomials' accuracy on, since a wrong coefficient that scales
  * every probability alike cancels in the normalisation and hides from the attention's tests. */
