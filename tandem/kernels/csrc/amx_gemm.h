@@ -22,9 +22,7 @@
  *
  * A tile load from L2 costs about as much as a product, so from AMX_SNAKE_MIN_ROWS rows the
  * units go in a snake that keeps one operand of each in L1 (AMX_GEMM_ITEM_), and from
- * AMX_CLAIM_MIN_ROWS the threads claim items rather than split them statically (AmxClaim);
- * below it, where the weights come from memory, each item asks for the next one's panel while it
- * multiplies (AMX_GEMM_ITEM_).
+ * AMX_CLAIM_MIN_ROWS the threads claim items rather than split them statically (AmxClaim).
  * The A rows must start on 64-byte lines (decode_stack.c's scratch): a row that spans two
  * lines made a 2,048-row product a third slower.
  */
@@ -145,15 +143,13 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
 /* One unit shape's products over all of K into tmm0-3: a (its first row, a_stride bytes
  * between rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS), k_steps steps
  * of 64 bytes of A and one 1 KiB B tile a block, from the last step to the first if reverse;
- * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed; with each step, ahead_step
- * bytes from `ahead` (if not NULL) asked into L2, step by step. The previous unit's
+ * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed. The previous unit's
  * epilogue (pending, if any) is done a few rows a step between the tile instructions. The compiler needs the tile numbers
  * as constants, hence one function per shape. */
 #define AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, SHAPE, TWO_ROWS, TWO_BLOCKS)               \
     static inline void NAME##_multiply_##SHAPE(const char *a, int64_t a_stride, int64_t k_steps,           \
                                                const char *b0, const char *b1, const AmxUnit *pending,     \
-                                               const OUTPUT *output, int reverse, int stream,              \
-                                               const char *ahead, int64_t ahead_step) {                    \
+                                               const OUTPUT *output, int reverse, int stream) {            \
         const int64_t per_step = pending != NULL ? (pending->rows + k_steps - 1) / k_steps : 0;            \
         _tile_zero(0);                                                                                     \
         if (TWO_BLOCKS) _tile_zero(1);                                                                     \
@@ -173,9 +169,6 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
                 TILE_PRODUCT(2, 5, 6);                                                                     \
                 if (TWO_BLOCKS) TILE_PRODUCT(3, 5, 7);                                                     \
             }                                                                                              \
-            if (ahead != NULL)                                                                             \
-                for (int64_t line = 0; line < ahead_step; line += 64)                                      \
-                    _mm_prefetch(ahead + step * ahead_step + line, _MM_HINT_T1);                           \
             const int64_t from = step * per_step;                                                          \
             if (from < (per_step > 0 ? pending->rows : 0))                                                 \
                 EPILOGUE(pending, output, from, from + per_step < pending->rows ? from + per_step          \
@@ -198,16 +191,7 @@ typedef struct {
     const AmxUnit *waiting;
 } AmxItemsState;
 
-/* One item: its group's units, each over the panel's block pairs. `next` (next_bytes long, or
- * NULL) is the panel of the item this thread takes next, asked into L2 in equal parts over this
- * item's tile steps. Below AMX_SNAKE_MIN_ROWS a product reads its weights from memory: the
- * first unit of an item waits on the panel's lines, its second multiplies them from L2 while
- * the memory idles, unless something asks for what comes next. Asked for this way, SmolLM2's
- * 64-row products took 4.8% less time in decode-heavy (1,701 -> 1,619 ms a pass, medians of 8,
- * builds swapped pass by pass in one engine; the gated gate/up 821 -> 753 ms), the passes 3.3%
- * (4.54 -> 4.39 s). Asking only during the second unit, and prefetcht0 (into L1), gained less
- * (one round of four builds, ms: 1,813 none, 1,610 this, 1,662 and 1,737). From
- * AMX_SNAKE_MIN_ROWS (compute bound, items claimed) nothing is asked for. The units go in a snake: a
+/* One item: its group's units, each over the panel's block pairs. The units go in a snake: a
  * unit takes the panel's pairs in the order the last one ended, so every unit shares an operand
  * (its A rows, or a pair's B tiles) with the one before it, and walks K the other way from it,
  * so it starts on the steps of that operand still in L1; the operand the next unit does not
@@ -216,8 +200,7 @@ typedef struct {
 #define AMX_GEMM_ITEM_(NAME, OUTPUT)                                                                         \
     static inline void NAME##_item(const AmxGemmPlan *plan, int64_t item, const char *a, int64_t a_stride,   \
                                    int64_t k_steps, const char *packed, int64_t block_bytes,                 \
-                                   const OUTPUT *output, AmxItemsState *st, const char *next,                \
-                                   int64_t next_bytes) {                                                     \
+                                   const OUTPUT *output, AmxItemsState *st) {                                \
         const int64_t M = plan->M, blocks = plan->blocks, units = plan->units, groups = plan->groups;        \
         const int64_t panel_blocks = plan->panel_blocks, panels = plan->panels;                              \
         const int64_t panel = item % panels * panel_blocks, group = item / panels;                           \
@@ -227,9 +210,6 @@ typedef struct {
         const int64_t width = blocks - panel < panel_blocks ? blocks - panel : panel_blocks;                 \
         const int64_t pairs = (width + 1) / 2;                                                               \
         const int snake = M >= AMX_SNAKE_MIN_ROWS;                                                           \
-        /* the next item's panel, asked for in equal parts over this item's k steps */                       \
-        const int64_t spans = (end - first + AMX_UNIT_ROWS - 1) / AMX_UNIT_ROWS * pairs;                     \
-        const int64_t ahead_step = spans > 0 ? (next_bytes / spans / k_steps + 63) / 64 * 64 : 0;            \
         for (int64_t m = first; m < end; m += AMX_UNIT_ROWS) {                                               \
             const int64_t rows = end - m < AMX_UNIT_ROWS ? end - m : AMX_UNIT_ROWS;                          \
             const int rows0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, rows1 = (int)rows - rows0;             \
@@ -248,17 +228,16 @@ typedef struct {
                 const int two_blocks = block + 1 < panel + width;                                            \
                 const char *b0 = packed + block * block_bytes, *b1 = b0 + block_bytes;                       \
                 const AmxUnit *waiting = st->waiting;                                                        \
-                const char *ahead = next != NULL ? next + (unit * pairs + j) * k_steps * ahead_step : NULL;  \
                 char *c = st->buffers[st->next_buffer];                                                      \
                 st->next_buffer ^= 1;                                                                        \
                 if (rows1 > 0 && two_blocks)                                                                 \
-                    NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, ahead, ahead_step); \
+                    NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
                 else if (rows1 > 0)                                                                          \
-                    NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, ahead, ahead_step); \
+                    NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
                 else if (two_blocks)                                                                         \
-                    NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, ahead, ahead_step); \
+                    NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
                 else                                                                                         \
-                    NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, ahead, ahead_step); \
+                    NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
                 if (rows1 > 0 && two_blocks) NAME##_store_2_2(c);                                            \
                 else if (rows1 > 0) NAME##_store_2_1(c);                                                     \
                 else if (two_blocks) NAME##_store_1_2(c);                                                    \
@@ -270,8 +249,8 @@ typedef struct {
     }
 
 /* NAME##_items(plan, a, a_stride, k_steps, packed, block_bytes, output, claims): this thread's
- * share of the plan's items, to be called by every thread of a parallel region (which it does
- * not wait for: the region's end does); a block's packed data is block_bytes long. Ends with the last unit's epilogue and the tiles released.
+ * share of the plan's items, to be called by every thread of a parallel region; a block's
+ * packed data is block_bytes long. Ends with the last unit's epilogue and the tiles released.
  * EPILOGUE(unit, output, from, to) writes rows [from, to) of a unit. claims: AMX_MAX_CLAIMS
  * entries shared by the region (amx_claim_item), or NULL for the static split. */
 #define DEFINE_AMX_GEMM(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE)                                                \
@@ -290,27 +269,19 @@ typedef struct {
         const int64_t items = plan->groups * plan->panels;                                                   \
         const int team = omp_get_num_threads(), me = omp_get_thread_num();                                   \
         if (claims == NULL || plan->M < AMX_CLAIM_MIN_ROWS || team < 2 || team > AMX_MAX_CLAIMS) {           \
-            /* a thread's share: consecutive items, each (below AMX_SNAKE_MIN_ROWS rows) asking for */      \
-            /* the next one's panel (AMX_GEMM_ITEM_) */                                                      \
-            const int64_t low = me * items / team, high = (me + 1) * items / team;                           \
-            for (int64_t item = low; item < high; item++) {                                                  \
-                const int64_t block = (item + 1) % plan->panels * plan->panel_blocks;                        \
-                const int64_t width = plan->blocks - block < plan->panel_blocks ? plan->blocks - block       \
-                                                                                 : plan->panel_blocks;       \
-                const int ask = item + 1 < high && plan->M < AMX_SNAKE_MIN_ROWS;                             \
-                NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st,              \
-                            ask ? packed + block * block_bytes : NULL, width * block_bytes);                 \
-            }                                                                                                \
+            _Pragma("omp for schedule(static)") /* the same test for every thread: all or none meet it */    \
+            for (int64_t item = 0; item < items; item++)                                                     \
+                NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st);             \
         } else {                                                                                             \
             _Pragma("omp single") /* its barrier: every share is set before any is claimed */                \
             for (int t = 0; t < team; t++)                                                                   \
                 claims[t].range = (uint64_t)(t * items / team) | (uint64_t)((t + 1) * items / team) << 32;   \
             int64_t item;                                                                                    \
             while (amx_claim_item(claims + me, 0, &item))                                                    \
-                NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st, NULL, 0);             \
+                NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st);             \
             if ((me ^ 1) < team)                                                                             \
                 while (amx_claim_item(claims + (me ^ 1), 1, &item))                                          \
-                    NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st, NULL, 0);         \
+                    NAME##_item(plan, item, a, a_stride, k_steps, packed, block_bytes, output, &st);         \
         }                                                                                                    \
         if (st.waiting != NULL) EPILOGUE(st.waiting, output, 0, st.waiting->rows);                           \
         if (st.configured0 >= 0) _tile_release();                                                            \
