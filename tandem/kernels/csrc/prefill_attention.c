@@ -520,6 +520,12 @@ int tandem_prefill_uses_amx(void) {
 #endif
 }
 
+/* Defined below; the spans' entry calls it a chunk at a time where the tiles do not run. */
+int tandem_prefill_attention(const void *q, const void *kv_cache, const int64_t *block_ids, void *out,
+                             int64_t q_len, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t q_stride,
+                             int64_t out_stride, int kind, float scale, int num_threads);
+
 /*
  * Every prefill chunk of a step, one call: span i's queries are the q_len = span_len[i] rows
  * from row span_start[i] of q (and of out), attending to the first span_context[i] tokens of
@@ -528,11 +534,6 @@ int tandem_prefill_uses_amx(void) {
  * (amx_prefill_attention_spans); elsewhere, each span is tandem_prefill_attention's call.
  * Returns as that does, at the first span that fails.
  */
-int tandem_prefill_attention(const void *q, const void *kv_cache, const int64_t *block_ids, void *out,
-                             int64_t q_len, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t q_stride,
-                             int64_t out_stride, int kind, float scale, int num_threads);
-
 int tandem_prefill_attention_spans(const void *q, const void *kv_cache, const int64_t *block_tables,
                                    int64_t table_stride, const int64_t *span_start, const int64_t *span_len,
                                    const int64_t *span_context, int64_t spans, void *out, int64_t num_heads,
