@@ -140,16 +140,28 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
         else _tile_loadd(TILE, BASE, STRIDE);                                                              \
     } while (0)
 
+/* Below AMX_SNAKE_MIN_ROWS an item's first unit reads its blocks from memory (a step's weights,
+ * once). A tile load waits for all its 16 lines, and the next step's B loads into the same tiles
+ * wait for this step's products, so each step paid the memory's latency in turn. The first unit
+ * asks, a step at a time, for the lines AMX_PREFETCH_BYTES ahead in each block into L1. On the
+ * 2-core AMX Xeon, decode-heavy's 64-row products (timed builds swapped pass by pass in one
+ * engine, medians of 4): SmolLM2 2,000 -> 1,884 ms a pass, Qwen2.5-0.5B 6,418 -> 6,075; 2 KiB
+ * ahead 1,876 and 6,204, 16 KiB ahead 4% slower than none. Software prefetches into L2 made no
+ * difference. (The whole next panel asked for into L2 helped SmolLM2 and cost Qwen2.5-0.5B 13-20%.) */
+#define AMX_PREFETCH_BYTES 4096
+
 /* One unit shape's products over all of K into tmm0-3: a (its first row, a_stride bytes
  * between rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS), k_steps steps
  * of 64 bytes of A and one 1 KiB B tile a block, from the last step to the first if reverse;
- * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed. The previous unit's
- * epilogue (pending, if any) is done a few rows a step between the tile instructions. The compiler needs the tile numbers
- * as constants, hence one function per shape. */
-#define AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, SHAPE, TWO_ROWS, TWO_BLOCKS)               \
+ * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed; with `prefetch`, each block's
+ * lines AMX_PREFETCH_BYTES ahead asked for into L1 (forward only). The previous unit's epilogue
+ * (pending, if any) is done a few rows a step between the tile instructions. The compiler needs
+ * the tile numbers as constants, hence one function per shape. */
+#define AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, SHAPE, TWO_ROWS, TWO_BLOCKS)                  \
     static inline void NAME##_multiply_##SHAPE(const char *a, int64_t a_stride, int64_t k_steps,           \
                                                const char *b0, const char *b1, const AmxUnit *pending,     \
-                                               const OUTPUT *output, int reverse, int stream) {            \
+                                               const OUTPUT *output, int reverse, int stream,              \
+                                               int prefetch) {                                             \
         const int64_t per_step = pending != NULL ? (pending->rows + k_steps - 1) / k_steps : 0;            \
         _tile_zero(0);                                                                                     \
         if (TWO_BLOCKS) _tile_zero(1);                                                                     \
@@ -158,6 +170,11 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
         for (int64_t step = 0; step < k_steps; step++) {                                                   \
             const int64_t q = reverse ? k_steps - 1 - step : step;                                         \
             AMX_LOAD_TILE(stream & AMX_STREAM_A, 4, a + q * 64, a_stride);                                 \
+            if (prefetch)                                                                                  \
+                for (int line = 0; line < 1024; line += 64) {                                              \
+                    _mm_prefetch(b0 + q * 1024 + AMX_PREFETCH_BYTES + line, _MM_HINT_T0);                  \
+                    if (TWO_BLOCKS) _mm_prefetch(b1 + q * 1024 + AMX_PREFETCH_BYTES + line, _MM_HINT_T0);  \
+                }                                                                                          \
             AMX_LOAD_TILE(stream & AMX_STREAM_B, 6, b0 + q * 1024, 64);                                    \
             TILE_PRODUCT(0, 4, 6);                                                                         \
             if (TWO_BLOCKS) {                                                                              \
@@ -172,7 +189,7 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
             const int64_t from = step * per_step;                                                          \
             if (from < (per_step > 0 ? pending->rows : 0))                                                 \
                 EPILOGUE(pending, output, from, from + per_step < pending->rows ? from + per_step          \
-                                                                                 : pending->rows);        \
+                                                                                 : pending->rows);         \
         }                                                                                                  \
     }                                                                                                      \
     static inline void NAME##_store_##SHAPE(char *c) {                                                     \
@@ -226,18 +243,23 @@ typedef struct {
                 /* the next unit shares this pair's B (its last pair) or these rows (the others) */          \
                 const int stream = !snake ? 0 : j == pairs - 1 ? AMX_STREAM_A : AMX_STREAM_B;                \
                 const int two_blocks = block + 1 < panel + width;                                            \
+                const int prefetch = !snake && m == first; /* the item's first unit: from memory */          \
                 const char *b0 = packed + block * block_bytes, *b1 = b0 + block_bytes;                       \
                 const AmxUnit *waiting = st->waiting;                                                        \
                 char *c = st->buffers[st->next_buffer];                                                      \
                 st->next_buffer ^= 1;                                                                        \
                 if (rows1 > 0 && two_blocks)                                                                 \
-                    NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
+                    NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, \
+                                         prefetch);                                                          \
                 else if (rows1 > 0)                                                                          \
-                    NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
+                    NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, \
+                                         prefetch);                                                          \
                 else if (two_blocks)                                                                         \
-                    NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
+                    NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, \
+                                         prefetch);                                                          \
                 else                                                                                         \
-                    NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream); \
+                    NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, \
+                                         prefetch);                                                          \
                 if (rows1 > 0 && two_blocks) NAME##_store_2_2(c);                                            \
                 else if (rows1 > 0) NAME##_store_2_1(c);                                                     \
                 else if (two_blocks) NAME##_store_1_2(c);                                                    \
