@@ -250,7 +250,8 @@ static inline int amx_softmax(const Problem *p, float *s, uint16_t *probs, float
     return _mm512_cmpneq_ps_mask(kept, _mm512_set1_ps(1.0f)) == 0;
 }
 
-/* The item's output rows: O / total, rounded to bf16 (nearest even). */
+/* The item's output rows: O / total, rounded to bf16 (nearest even: vcvtneps2bf16, one instruction
+ * where the integer rounding took five; denormals are flushed process-wide either way). */
 static void amx_write_rows(const Problem *p, const float *o, const float *total, int64_t head, int64_t t0,
                            int64_t rows) {
     const int64_t dim = p->dim;
@@ -259,10 +260,7 @@ static void amx_write_rows(const Problem *p, const float *o, const float *total,
         uint16_t *row = (uint16_t *)(p->out + ((size_t)(t0 + r) * p->out_stride + (size_t)head * dim) * 2);
         for (int64_t d = 0; d < dim; d += 16) {
             const __m512 value = _mm512_mul_ps(_mm512_load_ps(o + r * dim + d), inverse);
-            const __m512i bits = _mm512_castps_si512(value);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-            _mm256_storeu_si256((__m256i *)(row + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+            _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(value));
         }
     }
 }
