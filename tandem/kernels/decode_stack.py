@@ -41,7 +41,7 @@ def _address(function: object) -> int:
 class Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in ("gemm4", "gemm5", "gemm8", "gemv32", "gemv16", "rms_norm", "rotary", "silu_mul",
                                           "write_kv", "attend", "dense_gemm", "dense_silu_mul", "quantize_rows",
-                                          "int8_dequantize", "int8_gated", "prefill", "write_i8", "write_bf16",
+                                          "int8_dequantize", "int8_gated", "write_i8", "write_bf16",
                                           "write_f8", "gemv_coded", "attend_in_team", "prefill_spans")]
 
 
@@ -137,7 +137,6 @@ class DecodeStackKernel:
             _address(dense.gemm_entry()) if dense else None, _address(dense.silu_mul_entry()) if dense else None,
             _address(rows.quantize_entry()) if rows else None,
             _address(gemm.dequantize_entry()) if gemm else None, _address(gemm.gated_entry()) if gemm else None,
-            _address(prefill.attend_entry()) if prefill is not None and self.prefills else None,
             *(_address(entry) for entry in attention.rounding_write_entries()),
             _address(gemv.coded_entry()) if gemv and dtype == torch.float32 else None,
             _address(attention.team_entry()),

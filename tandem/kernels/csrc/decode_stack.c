@@ -26,8 +26,8 @@
  *
  * A step with prefill chunks (a prompt's chunk, or decode tokens and chunks together) runs the
  * same sequence, its attention as the CPU backend's: the decode rows in one decode-attention
- * call, then each chunk through tandem_prefill_attention (prefill_attention.c) over its
- * sequence's cached context, each writing its rows. The Python between a prefill step's
+ * call, then every chunk in one tandem_prefill_attention_spans call (prefill_attention.c), each
+ * over its sequence's cached context, each writing its rows. The Python between a prefill step's
  * kernels was 5% of a bf16 or exact prefill-heavy pass, 15% in the default mode.
  *
  * Per layer, for T tokens with hidden size H (elements of `element_bytes` each):
@@ -88,10 +88,6 @@ typedef int (*int8_gated_fn)(const int8_t *a, int64_t a_stride, int64_t m, int64
                              const int32_t *compensation, int64_t n, const float *row_scales, const float *col_scales,
                              int64_t outliers, const int32_t *outlier_index, const float *outlier_value,
                              const int8_t *weight_t, float *h, int kind, int num_threads);
-typedef int (*prefill_fn)(const void *q, const void *kv_cache, const int64_t *block_ids, void *out, int64_t q_len,
-                          int64_t context_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t num_blocks, int64_t q_stride, int64_t out_stride, int kind,
-                          float scale, int num_threads);
 typedef int (*attend_fn)(const void *q, int q_bf16, int64_t q_stride, const void *kv_cache, int kv_kind,
                          const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -120,12 +116,11 @@ struct Kernels {
     quantize_fn quantize_rows;        /* tandem_quantize_rows (int8 matrices' rows) */
     int8_dequantize_fn int8_dequantize; /* tandem_int8_gemm_dequantize */
     int8_gated_fn int8_gated;         /* tandem_int8_gemm_gated */
-    prefill_fn prefill;               /* tandem_prefill_attention (steps with prefill chunks) */
     round_kv_fn write_i8, write_bf16; /* a cache in another dtype than the rows' (Step.kv_kind) */
     fp8_kv_fn write_f8;
     coded_gemv_fn gemv_coded; /* tandem_coded_gemv (fp32 rows, CODED matrices) */
     attend_in_team_fn attend_in_team; /* tandem_decode_attention_in_team: whether `attend` runs as a team's */
-    prefill_spans_fn prefill_spans;   /* tandem_prefill_attention_spans: every prefill chunk in one call, or NULL */
+    prefill_spans_fn prefill_spans;   /* tandem_prefill_attention_spans (steps with prefill chunks) */
 };
 
 /* A matrix in q4_gemm.c's layout, [n, k] at 4, 5 or 8 bits a level, or (bits 32 / 16) plain
@@ -283,14 +278,13 @@ static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, cons
 }
 
 /* The attention of one layer, as the CPU backend runs a step: the decode rows in one call,
- * then the prefill chunks, each over its sequence's cached context (its own keys and values
- * were written first), each writing its rows of `attn`: all in one call where the prefill
- * kernel takes them so (a step of many short prompts made a call each), else a call each. */
+ * then the prefill chunks in one call (a step of many short prompts made a call each), each
+ * over its sequence's cached context (its own keys and values were written first), each
+ * writing its rows of `attn`. */
 static int attention(const struct Kernels *kernels, const struct Step *step, const struct Layer *layer,
                      const char *qkv, char *attn, int64_t heads_per_item) {
     const char *kv_cache = layer->kv_cache;
     const int64_t width = (step->heads + 2 * step->kv_heads) * step->head_dim, q_width = step->heads * step->head_dim;
-    const size_t bytes = (size_t)step->element_bytes;
     const int bf16 = step->element_bytes == 2;
     int status = 0;
     if (step->decodes > 0) {
@@ -300,19 +294,11 @@ static int attention(const struct Kernels *kernels, const struct Step *step, con
                                  step->scale * layer->k_scale, step->num_threads);
         if (status == 0 && layer->v_scale != 1.0f) scale_rows(attn, step->decodes * q_width, layer->v_scale, bf16);
     }
-    if (step->spans > 0 && status == 0 && kernels->prefill_spans != NULL)
-        return kernels->prefill_spans(qkv, kv_cache, step->span_blocks, step->span_table_stride, step->span_start,
-                                      step->span_len, step->span_context, step->spans, attn, step->heads,
-                                      step->kv_heads, step->head_dim, step->block_size, step->num_blocks, width,
-                                      q_width, bf16, step->scale, step->num_threads);
-    for (int64_t i = 0; i < step->spans && status == 0; i++) {
-        const int64_t start = step->span_start[i];
-        status = kernels->prefill(qkv + bytes * (size_t)(start * width), kv_cache,
-                                  step->span_blocks + i * step->span_table_stride, attn + bytes * (size_t)(start * q_width),
-                                  step->span_len[i], step->span_context[i], step->heads, step->kv_heads, step->head_dim,
-                                  step->block_size, step->num_blocks, width, q_width, bf16, step->scale,
-                                  step->num_threads);
-    }
+    if (step->spans > 0 && status == 0)
+        status = kernels->prefill_spans(qkv, kv_cache, step->span_blocks, step->span_table_stride, step->span_start,
+                                        step->span_len, step->span_context, step->spans, attn, step->heads,
+                                        step->kv_heads, step->head_dim, step->block_size, step->num_blocks, width,
+                                        q_width, bf16, step->scale, step->num_threads);
     return status;
 }
 
