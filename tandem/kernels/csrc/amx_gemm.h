@@ -146,7 +146,7 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
  * asks, a step at a time, for the lines AMX_PREFETCH_BYTES ahead in each block into L1. On the
  * 2-core AMX Xeon, decode-heavy's 64-row products (timed builds swapped pass by pass in one
  * engine, medians of 4): SmolLM2 2,000 -> 1,884 ms a pass, Qwen2.5-0.5B 6,418 -> 6,075; 2 KiB
- * ahead 1,876 and 6,204, 16 KiB ahead 4% slower than none. Software prefetches into L2 made no
+ * ahead 1,876 and 6,204, 16 KiB ahead 5% slower than none. Software prefetches into L2 made no
  * difference. (The whole next panel asked for into L2 helped SmolLM2 and cost Qwen2.5-0.5B 13-20%.) */
 #define AMX_PREFETCH_BYTES 4096
 
