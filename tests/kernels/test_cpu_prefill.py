@@ -102,6 +102,21 @@ def test_kernel_matches_masked_sdpa(kernel, q_len, context, heads, kv_heads, dim
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize(("q_len", "context", "heads", "kv_heads", "dim"),
+                         [(200, 700, 9, 3, 64), (72, 600, 12, 2, 128)])
+def test_bf16_outputs_are_rounded_to_nearest(kernel, q_len, context, heads, kv_heads, dim) -> None:
+    """The output rows' rounding to bf16 is to nearest: about half the outputs land above the
+    fp32 reference in magnitude (0.499 here), where truncating toward zero leaves ~0.2. The
+    tolerance of the test above lets either through."""
+    generator = torch.Generator().manual_seed(7)
+    cache, block_ids = _paged(context, kv_heads, dim, 16, torch.bfloat16, generator)
+    q = torch.randn(q_len, heads, dim, generator=generator).to(torch.bfloat16)
+    got = kernel(q, cache, block_ids, context, dim**-0.5).float()
+    want = _reference(q, cache, block_ids, context, dim**-0.5)
+    above = (got.abs() > want.abs()).float().mean().item()
+    assert 0.4 < above < 0.6
+
+
 @pytest.mark.parametrize(
     ("context", "q_len", "heads", "kv_heads", "dim"),
     [(200, 60, 9, 3, 64), (700, 130, 14, 2, 64), (600, 100, 12, 2, 128)],  # 1 and 3 key ranges
