@@ -673,6 +673,42 @@ static inline void attend_span_item(const uint16_t *q, int64_t q_stride, const u
               block_size, scale, rows + item * group * head_dim, stats + item * group * 2);
 }
 
+/* Asks for one 64-byte line (prefetcht2, as the next group's rows are asked for). An asm
+ * statement, not __builtin_prefetch: GCC 12 at -O3 deleted a loop of nothing but
+ * __builtin_prefetch calls once it was inlined into the item loop below (the library held none
+ * of prefetch_item_start's requests, and none of its gain). */
+static inline void prefetch_line(const char *line) {
+#if defined(__x86_64__)
+    __asm__ volatile("prefetcht2 %0" : : "m"(*line));
+#else
+    __builtin_prefetch(line, 0, 1);
+#endif
+}
+
+/* Asks for the first 16 key and value rows of work item `item` of whole contexts (its kv head's
+ * rows in its sequence's first block) while the item before it is attended. The loops below deal
+ * the items to the threads in turn (static, 1), so a thread's next item is `item` + its team's
+ * size. An item's own rows are asked for a group ahead (locate_group), but its first group met
+ * them cold, keys and then values, every item: 64 sequences x 3 kv heads a layer for decode-heavy.
+ * On the 2-core AMX Xeon, decode-heavy's 64-row steps in one engine, builds swapped pass by pass
+ * (medians of 8): attention 12.8 -> 12.1 ms a step (7 of 8 rounds lower), the layer stack 31.1 ->
+ * 29.6; the items in turn with no prefetch were 1% faster than claimed one by one (dynamic, 1),
+ * within the noise. */
+static inline void prefetch_item_start(const uint16_t *kv_cache, const uint16_t *v_base, const int64_t *block_tables,
+                                       const int64_t *context_lens, int64_t num_kv_heads, int64_t slices,
+                                       int64_t head_dim, int64_t block_size, int64_t head_stride,
+                                       int64_t table_stride, int64_t item) {
+    const int64_t seq = item / (num_kv_heads * slices), kv_head = (item / slices) % num_kv_heads;
+    const int64_t keys = context_lens[seq] < 16 ? context_lens[seq] : 16, row_bytes = head_dim * 2;
+    if (keys <= 0 || block_size < keys) return; /* the rows are not one run in one block */
+    const size_t offset = (size_t)(block_tables[seq * table_stride] * block_size) * head_dim + kv_head * head_stride;
+    const char *k_rows = (const char *)(kv_cache + offset), *v_rows = (const char *)(v_base + offset);
+    for (int64_t byte = 0; byte < keys * row_bytes; byte += 64) {
+        prefetch_line(k_rows + byte);
+        prefetch_line(v_rows + byte);
+    }
+}
+
 /* Work item `item` of whole contexts: `heads_per_item` query heads of a (sequence, kv head)
  * pair, into bf16 out. */
 static inline void attend_heads_item(const uint16_t *q, int64_t q_stride, const uint16_t *kv_cache,
@@ -723,8 +759,11 @@ static int paged_decode_attention_dp(
     }
     const int64_t slices = group / heads_per_item;
     const int64_t items = num_seqs * num_kv_heads * slices;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
+        if (item + num_threads < items)
+            prefetch_item_start(kv_cache, v_base, block_tables, context_lens, num_kv_heads, slices, head_dim,
+                                block_size, head_stride, table_stride, item + num_threads);
         attend_heads_item(q, q_stride, kv_cache, v_base, block_tables, context_lens, out, num_heads, num_kv_heads,
                           head_dim, block_size, head_stride, table_stride, heads_per_item, item, scale);
     }
@@ -777,9 +816,12 @@ static int paged_decode_attention_dp_team(
         return 0;
     }
     const int64_t slices = group / heads_per_item;
-    const int64_t items = num_seqs * num_kv_heads * slices;
-#pragma omp for schedule(dynamic, 1)
+    const int64_t items = num_seqs * num_kv_heads * slices, team = omp_get_num_threads();
+#pragma omp for schedule(static, 1)
     for (int64_t item = 0; item < items; item++) {
+        if (item + team < items)
+            prefetch_item_start(kv_cache, v_base, block_tables, context_lens, num_kv_heads, slices, head_dim,
+                                block_size, head_stride, table_stride, item + team);
         attend_heads_item(q, q_stride, kv_cache, v_base, block_tables, context_lens, out, num_heads, num_kv_heads,
                           head_dim, block_size, head_stride, table_stride, heads_per_item, item, scale);
     }
