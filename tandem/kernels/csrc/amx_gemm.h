@@ -147,16 +147,23 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
  * 2-core AMX Xeon, decode-heavy's 64-row products (timed builds swapped pass by pass in one
  * engine, medians of 4): SmolLM2 2,000 -> 1,884 ms a pass, Qwen2.5-0.5B 6,418 -> 6,075; 2 KiB
  * ahead 1,876 and 6,204, 16 KiB ahead 5% slower than none. Software prefetches into L2 made no
- * difference. (The whole next panel asked for into L2 helped SmolLM2 and cost Qwen2.5-0.5B 13-20%.) */
+ * difference. (The whole next panel asked for into L2 helped SmolLM2 and cost Qwen2.5-0.5B 13-20%.)
+ * Past a block's end the requests go on into the next pair's blocks (two blocks on: for the
+ * item's last pair, the first pair of the next panel, which a thread's static share takes next),
+ * so a pair's first 4 KiB of each block no longer come cold: with SmolLM2's K = 576 (18 KiB
+ * blocks) that was a fifth of the bytes. Decode-heavy's 64-row products, medians of 6, 6 and 10
+ * rounds as above: 2,223 -> 1,997, 1,846 -> 1,797, 2,599 -> 2,436 ms a pass; Qwen2.5-0.5B (28
+ * and 152 KiB blocks) 7,065 -> 7,042. */
 #define AMX_PREFETCH_BYTES 4096
 
 /* One unit shape's products over all of K into tmm0-3: a (its first row, a_stride bytes
  * between rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS), k_steps steps
  * of 64 bytes of A and one 1 KiB B tile a block, from the last step to the first if reverse;
  * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed; with `prefetch`, each block's
- * lines AMX_PREFETCH_BYTES ahead asked for into L1 (forward only). The previous unit's epilogue
- * (pending, if any) is done a few rows a step between the tile instructions. The compiler needs
- * the tile numbers as constants, hence one function per shape. */
+ * lines AMX_PREFETCH_BYTES ahead (past its end, the block two on's) asked for into L1 (forward
+ * only). The previous unit's epilogue (pending, if any) is done a few rows a step between the
+ * tile instructions. The compiler needs the tile numbers as constants, hence one function per
+ * shape. */
 #define AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, SHAPE, TWO_ROWS, TWO_BLOCKS)                  \
     static inline void NAME##_multiply_##SHAPE(const char *a, int64_t a_stride, int64_t k_steps,           \
                                                const char *b0, const char *b1, const AmxUnit *pending,     \
@@ -170,11 +177,14 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
         for (int64_t step = 0; step < k_steps; step++) {                                                   \
             const int64_t q = reverse ? k_steps - 1 - step : step;                                         \
             AMX_LOAD_TILE(stream & AMX_STREAM_A, 4, a + q * 64, a_stride);                                 \
-            if (prefetch)                                                                                  \
+            if (prefetch) {                                                                                \
+                const int64_t ahead_ = q * 1024 + AMX_PREFETCH_BYTES;                                      \
+                const int64_t at_ = ahead_ + (ahead_ >= k_steps * 1024 ? k_steps * 1024 : 0);              \
                 for (int line = 0; line < 1024; line += 64) {                                              \
-                    _mm_prefetch(b0 + q * 1024 + AMX_PREFETCH_BYTES + line, _MM_HINT_T0);                  \
-                    if (TWO_BLOCKS) _mm_prefetch(b1 + q * 1024 + AMX_PREFETCH_BYTES + line, _MM_HINT_T0);  \
+                    _mm_prefetch(b0 + at_ + line, _MM_HINT_T0);                                            \
+                    if (TWO_BLOCKS) _mm_prefetch(b1 + at_ + line, _MM_HINT_T0);                            \
                 }                                                                                          \
+            }                                                                                              \
             AMX_LOAD_TILE(stream & AMX_STREAM_B, 6, b0 + q * 1024, 64);                                    \
             TILE_PRODUCT(0, 4, 6);                                                                         \
             if (TWO_BLOCKS) {                                                                              \
