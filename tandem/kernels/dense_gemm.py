@@ -27,7 +27,9 @@ _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _PTR = ctypes.c_void_p
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
+KIND_BF16_W8 = 3  # bf16 rows, 8-bit weights (csrc/dense_gemm.c)
 BLOCK_COLUMNS = 16  # output columns a packed block holds
+W8_STEP = 32  # the 8-bit weights' inner dimension comes in AMX tile steps of 32
 
 
 def _pointer(x: torch.Tensor | None) -> int | None:
@@ -36,15 +38,33 @@ def _pointer(x: torch.Tensor | None) -> int | None:
 
 class PackedDense(NamedTuple):
     """An [out, in] matrix in the kernel's blocks (fp32: [out/16, in, 16]; bf16: [out/16,
-    in/2, 16, 2])."""
+    in/2, 16, 2]; 8-bit weights for bf16 rows: the bf16 blocks' order in int8 values, then one
+    fp32 scale an output column, all in `values`)."""
 
     values: torch.Tensor
     in_features: int
     out_features: int
 
+    @property
+    def rows_dtype(self) -> torch.dtype:
+        """The dtype of the rows it multiplies (and of its products)."""
+        return torch.bfloat16 if self.values.dtype == torch.int8 else self.values.dtype
+
+    @property
+    def kind(self) -> int:
+        """The C kernel's kind for this matrix."""
+        return KIND_BF16_W8 if self.values.dtype == torch.int8 else _KINDS[self.values.dtype]
+
     def weight(self) -> torch.Tensor:
-        """The matrix back as [out, in] (torch ops; for tests)."""
+        """The matrix back as [out, in] (torch ops; for tests): 8-bit values times their scales
+        in fp32."""
         blocks = self.out_features // BLOCK_COLUMNS
+        if self.values.dtype == torch.int8:
+            count = self.out_features * self.in_features
+            scales = self.values[count:].view(torch.float32)
+            pairs = self.values[:count].reshape(blocks, self.in_features // 2, BLOCK_COLUMNS, 2)
+            levels = pairs.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+            return levels.float() * scales.unsqueeze(1)
         if self.values.dtype == torch.float32:
             return self.values.reshape(blocks, self.in_features, BLOCK_COLUMNS).permute(0, 2, 1).reshape(
                 self.out_features, self.in_features)
@@ -84,15 +104,23 @@ class DenseGemmKernel:
         bf16 = self.isa in ("amx-bf16", "avx512-bf16")
         return (dtype == torch.float32 and self.isa != "none") or (dtype == torch.bfloat16 and bf16)
 
-    def fits(self, weight: torch.Tensor) -> bool:
-        """Whether this [out, in] matrix can be packed and multiplied here."""
+    def fits(self, weight: torch.Tensor, bits: int = 16) -> bool:
+        """Whether this [out, in] matrix can be packed and multiplied here (bits 8: as 8-bit
+        weights for bf16 rows, AMX's tiles only, `in` a multiple of 32)."""
         out_features, in_features = weight.shape
+        if bits == 8:
+            return (weight.dim() == 2 and weight.device.type == "cpu" and self.isa == "amx-bf16"
+                    and weight.dtype == torch.bfloat16 and out_features % BLOCK_COLUMNS == 0 and out_features > 0
+                    and in_features > 0 and in_features % W8_STEP == 0)
         return (weight.dim() == 2 and weight.device.type == "cpu" and self.multiplies(weight.dtype)
                 and out_features % BLOCK_COLUMNS == 0 and out_features > 0 and in_features > 0
                 and (weight.dtype == torch.float32 or in_features % 2 == 0))
 
-    def pack(self, weight: torch.Tensor) -> PackedDense:
-        """[out, in] fp32 or bf16 -> the packed matrix (the same dtype)."""
+    def pack(self, weight: torch.Tensor, bits: int = 16) -> PackedDense:
+        """[out, in] fp32 or bf16 -> the packed matrix (the same dtype); bits 8: a bf16 matrix
+        -> its 8-bit weights (`pack_8bit`)."""
+        if bits == 8:
+            return self.pack_8bit(weight)
         if not self.fits(weight):
             raise ValueError(f"the dense GEMM packs CPU [out, in] matrices with out % 16 == 0 (in even for bf16) in "
                              f"a dtype it multiplies ({self.isa} build), got {tuple(weight.shape)} {weight.dtype}")
@@ -102,7 +130,23 @@ class DenseGemmKernel:
                    torch.get_num_threads())
         return PackedDense(values, weight.shape[1], weight.shape[0])
 
-    def pack_gated(self, gate_up: torch.Tensor) -> PackedDense:
+    def pack_8bit(self, weight: torch.Tensor) -> PackedDense:
+        """A bf16 [out, in] matrix -> 8-bit weights for bf16 rows (W8A16): each output row
+        rounded to int8 with one fp32 scale (its largest magnitude / 127, symmetric, to
+        nearest), in the bf16 blocks' order, the scales after the values."""
+        if not self.fits(weight, bits=8):
+            raise ValueError(f"8-bit weights need AMX's tiles and a bf16 CPU [out, in] matrix with out % 16 == 0 and "
+                             f"in % {W8_STEP} == 0 ({self.isa} build), got {tuple(weight.shape)} {weight.dtype}")
+        out_features, in_features = weight.shape
+        w = weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp_min_(1e-12).div_(127.0)
+        levels = torch.round(w / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+        blocks = levels.reshape(out_features // BLOCK_COLUMNS, BLOCK_COLUMNS, in_features // 2, 2)
+        packed = blocks.permute(0, 2, 1, 3).reshape(-1)
+        values = torch.cat([packed, scales.contiguous().view(torch.int8)])
+        return PackedDense(values, in_features, out_features)
+
+    def pack_gated(self, gate_up: torch.Tensor, bits: int = 16) -> PackedDense:
         """A gated MLP's [2 x intermediate, in] gate-then-up matrix -> packed with its blocks
         alternating gate and up (the same 16 intermediate columns each pair), for
         `silu_mul`. `out_features` is 2 x intermediate; `weight()` gives the interleaved rows."""
@@ -110,7 +154,7 @@ class DenseGemmKernel:
         if rows % (2 * BLOCK_COLUMNS) != 0:
             raise ValueError(f"a gate/up matrix of 2 x intermediate rows, intermediate % 16 == 0, got {rows}")
         halves = gate_up.detach().reshape(2, rows // (2 * BLOCK_COLUMNS), BLOCK_COLUMNS, in_features)
-        return self.pack(halves.transpose(0, 1).reshape(rows, in_features))
+        return self.pack(halves.transpose(0, 1).reshape(rows, in_features), bits)
 
     def silu_mul(self, x: torch.Tensor, packed: PackedDense, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu(x @ gate.T (+ gate bias)) * (x @ up.T (+ up bias)) -> [M, intermediate] from a
@@ -121,14 +165,14 @@ class DenseGemmKernel:
         intermediate = packed.out_features // 2
         out = torch.empty(x.shape[0], intermediate, dtype=dtype)
         status = self._silu_mul(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.values.data_ptr(),
-                                _KINDS[dtype], _pointer(bias), out.data_ptr(), intermediate, torch.get_num_threads())
+                                packed.kind, _pointer(bias), out.data_ptr(), intermediate, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"the gated dense GEMM refused a {tuple(x.shape)} {dtype} product ({self.isa} build)")
         return out
 
     @staticmethod
     def _check_rows(x: torch.Tensor, packed: PackedDense) -> torch.dtype:
-        dtype = packed.values.dtype
+        dtype = packed.rows_dtype
         if x.dim() != 2 or x.dtype != dtype or x.stride(1) != 1 or x.shape[1] != packed.in_features:
             raise ValueError(f"{dtype} rows [M, {packed.in_features}] with a dense last dimension expected, got "
                              f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
@@ -143,7 +187,7 @@ class DenseGemmKernel:
         bias = None if bias is None else bias.to(dtype).contiguous()
         residual = None if residual is None else residual.to(dtype).contiguous()
         out = torch.empty(rows, packed.out_features, dtype=dtype)
-        status = self._gemm(x.data_ptr(), x.stride(0), rows, in_features, packed.values.data_ptr(), _KINDS[dtype],
+        status = self._gemm(x.data_ptr(), x.stride(0), rows, in_features, packed.values.data_ptr(), packed.kind,
                             _pointer(bias), _pointer(residual), out.data_ptr(), packed.out_features,
                             torch.get_num_threads())
         if status != 0:

@@ -156,20 +156,57 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
  * and 152 KiB blocks) 7,065 -> 7,042. */
 #define AMX_PREFETCH_BYTES 4096
 
+/* 8-bit weights widened on the way (WIDENS, dense_gemm_amx.h's kind 3): a block's packed data
+ * is the bf16 layout's with each value one signed byte (a k step's B tile, 512 bytes). An
+ * item's first unit widens each step's bytes to the bf16 tile (1 KiB, exact: every byte is an
+ * integer bf16 holds) into the thread's buffer one step ahead of its products, so the vector
+ * widening runs beside the tiles, and the item's other units read the widened tiles there;
+ * the weights' scales multiply the sums in the epilogue. Below the snake the units go pair by
+ * pair (AMX_GEMM_ITEM_'s pair_major), so the buffer is one pair's and stays in L1 or L2; with
+ * the panel's four blocks widened before the second unit read them (unit by unit, as bf16
+ * goes), the buffer had left the caches between the engine's GEMMs. The bytes read from memory
+ * are half the bf16 matrix's, and the widening costs about 6 vector instructions a 32-byte
+ * row: on the 2-core AMX Xeon, a decode-heavy step of 64 sequences in one engine process
+ * against bf16 weights, the GEMMs' ms a step: Qwen2.5-Coder-0.5B 46.7 -> 36.8 (gate/up 25.4
+ * -> 19.5, down 15.2 -> 10.9), SmolLM2-135M 13.7-14.2 -> 13.3-13.4; the same step with the
+ * widening left out (wrong products, a bound) SmolLM2 11.3. */
+#define AMX_WIDE_STEP_BYTES 512
+#if defined(__AVX512BF16__)
+static inline void amx_widen_step(const int8_t *bytes, char *tile) {
+    for (int i = 0; i < AMX_WIDE_STEP_BYTES; i += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + i))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + i + 16))));
+        _mm512_store_si512(tile + i * 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+#else
+static inline void amx_widen_step(const int8_t *bytes, char *tile) { (void)bytes, (void)tile; }
+#endif
+
 /* One unit shape's products over all of K into tmm0-3: a (its first row, a_stride bytes
  * between rows), b0 / b1 (the blocks' packed data; b1 unused unless TWO_BLOCKS), k_steps steps
  * of 64 bytes of A and one 1 KiB B tile a block, from the last step to the first if reverse;
  * the operands in `stream` (AMX_STREAM_A, AMX_STREAM_B) streamed; with `prefetch`, each block's
  * lines AMX_PREFETCH_BYTES ahead (past its end, the block two on's) asked for into L1 (forward
- * only). The previous unit's epilogue (pending, if any) is done a few rows a step between the
+ * only). s0 / s1: the blocks' data in memory, which `prefetch` asks for: b0 / b1 themselves, or
+ * under WIDENS the bytes widened into b0 / b1 as the unit goes (NULL: b0 / b1 already hold the
+ * tiles). The previous unit's epilogue (pending, if any) is done a few rows a step between the
  * tile instructions. The compiler needs the tile numbers as constants, hence one function per
  * shape. */
-#define AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, SHAPE, TWO_ROWS, TWO_BLOCKS)                  \
+#define AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, WIDENS, SHAPE, TWO_ROWS, TWO_BLOCKS)          \
     static inline void NAME##_multiply_##SHAPE(const char *a, int64_t a_stride, int64_t k_steps,           \
-                                               const char *b0, const char *b1, const AmxUnit *pending,     \
+                                               const char *b0, const char *b1, const char *s0,             \
+                                               const char *s1, const AmxUnit *pending,                     \
                                                const OUTPUT *output, int reverse, int stream,              \
                                                int prefetch) {                                             \
         const int64_t per_step = pending != NULL ? (pending->rows + k_steps - 1) / k_steps : 0;            \
+        const int64_t s_step = WIDENS ? AMX_WIDE_STEP_BYTES : 1024;                                        \
+        const int widen = WIDENS && s0 != NULL;                                                            \
+        if (widen) {                                                                                       \
+            const int64_t q0_ = reverse ? k_steps - 1 : 0;                                                 \
+            amx_widen_step((const int8_t *)s0 + q0_ * s_step, (char *)b0 + q0_ * 1024);                    \
+            if (TWO_BLOCKS) amx_widen_step((const int8_t *)s1 + q0_ * s_step, (char *)b1 + q0_ * 1024);    \
+        }                                                                                                  \
         _tile_zero(0);                                                                                     \
         if (TWO_BLOCKS) _tile_zero(1);                                                                     \
         if (TWO_ROWS) _tile_zero(2);                                                                       \
@@ -178,11 +215,11 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
             const int64_t q = reverse ? k_steps - 1 - step : step;                                         \
             AMX_LOAD_TILE(stream & AMX_STREAM_A, 4, a + q * 64, a_stride);                                 \
             if (prefetch) {                                                                                \
-                const int64_t ahead_ = q * 1024 + AMX_PREFETCH_BYTES;                                      \
-                const int64_t at_ = ahead_ + (ahead_ >= k_steps * 1024 ? k_steps * 1024 : 0);              \
-                for (int line = 0; line < 1024; line += 64) {                                              \
-                    _mm_prefetch(b0 + at_ + line, _MM_HINT_T0);                                            \
-                    if (TWO_BLOCKS) _mm_prefetch(b1 + at_ + line, _MM_HINT_T0);                            \
+                const int64_t ahead_ = q * s_step + AMX_PREFETCH_BYTES * s_step / 1024;                    \
+                const int64_t at_ = ahead_ + (ahead_ >= k_steps * s_step ? k_steps * s_step : 0);          \
+                for (int line = 0; line < s_step; line += 64) {                                            \
+                    _mm_prefetch(s0 + at_ + line, _MM_HINT_T0);                                            \
+                    if (TWO_BLOCKS) _mm_prefetch(s1 + at_ + line, _MM_HINT_T0);                            \
                 }                                                                                          \
             }                                                                                              \
             AMX_LOAD_TILE(stream & AMX_STREAM_B, 6, b0 + q * 1024, 64);                                    \
@@ -195,6 +232,11 @@ static AmxGemmPlan amx_gemm_plan(int64_t M, int64_t row_bytes, int64_t N, int nu
                 AMX_LOAD_TILE(stream & AMX_STREAM_A, 5, a + AMX_ROWS * a_stride + q * 64, a_stride);       \
                 TILE_PRODUCT(2, 5, 6);                                                                     \
                 if (TWO_BLOCKS) TILE_PRODUCT(3, 5, 7);                                                     \
+            }                                                                                              \
+            if (widen && step + 1 < k_steps) { /* the next step's tiles, while these products run */       \
+                const int64_t qn_ = reverse ? q - 1 : q + 1;                                               \
+                amx_widen_step((const int8_t *)s0 + qn_ * s_step, (char *)b0 + qn_ * 1024);                \
+                if (TWO_BLOCKS) amx_widen_step((const int8_t *)s1 + qn_ * s_step, (char *)b1 + qn_ * 1024); \
             }                                                                                              \
             const int64_t from = step * per_step;                                                          \
             if (from < (per_step > 0 ? pending->rows : 0))                                                 \
@@ -216,6 +258,7 @@ typedef struct {
     int configured0, configured1, next_buffer;
     AmxUnit pending;
     const AmxUnit *waiting;
+    char *widened; /* WIDENS: widened tiles, [block][k step][1 KiB]: one pair's, or (the snake) the panel's */
 } AmxItemsState;
 
 /* One item: its group's units, each over the panel's block pairs. The units go in a snake: a
@@ -224,80 +267,92 @@ typedef struct {
  * so it starts on the steps of that operand still in L1; the operand the next unit does not
  * share is streamed (AMX_LOAD_TILE). A unit's direction is fixed by its rows and columns
  * (a checkerboard), so the bits do not depend on which thread takes the item. */
-#define AMX_GEMM_ITEM_(NAME, OUTPUT)                                                                         \
-    static inline void NAME##_item(const AmxGemmPlan *plan, int64_t item, const char *a, int64_t a_stride,   \
-                                   int64_t k_steps, const char *packed, int64_t block_bytes,                 \
-                                   const OUTPUT *output, AmxItemsState *st) {                                \
-        const int64_t M = plan->M, blocks = plan->blocks, units = plan->units, groups = plan->groups;        \
-        const int64_t panel_blocks = plan->panel_blocks, panels = plan->panels;                              \
-        const int64_t panel = item % panels * panel_blocks, group = item / panels;                           \
-        const int64_t first = group * units / groups * AMX_UNIT_ROWS;                                        \
-        const int64_t last = (group + 1) * units / groups * AMX_UNIT_ROWS;                                   \
-        const int64_t end = last < M ? last : M;                                                             \
-        const int64_t width = blocks - panel < panel_blocks ? blocks - panel : panel_blocks;                 \
-        const int64_t pairs = (width + 1) / 2;                                                               \
-        const int snake = M >= AMX_SNAKE_MIN_ROWS;                                                           \
-        for (int64_t m = first; m < end; m += AMX_UNIT_ROWS) {                                               \
-            const int64_t rows = end - m < AMX_UNIT_ROWS ? end - m : AMX_UNIT_ROWS;                          \
-            const int rows0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, rows1 = (int)rows - rows0;             \
-            if (rows0 != st->configured0 || rows1 != st->configured1) { /* all tiles are stored by now */    \
-                amx_gemm_configure(rows0, rows1);                                                            \
-                st->configured0 = rows0;                                                                     \
-                st->configured1 = rows1;                                                                     \
-            }                                                                                                \
-            const char *rows_a = a + m * a_stride;                                                           \
-            const int64_t unit = (m - first) / AMX_UNIT_ROWS;                                                \
-            for (int64_t j = 0; j < pairs; j++) {                                                            \
-                const int64_t block = panel + 2 * (snake && unit % 2 ? pairs - 1 - j : j);                   \
-                const int reverse = snake && (m / AMX_UNIT_ROWS + block / 2) % 2;                            \
-                /* the next unit shares this pair's B (its last pair) or these rows (the others) */          \
-                const int stream = !snake ? 0 : j == pairs - 1 ? AMX_STREAM_A : AMX_STREAM_B;                \
-                const int two_blocks = block + 1 < panel + width;                                            \
-                const int prefetch = !snake && m == first; /* the item's first unit: from memory */          \
-                const char *b0 = packed + block * block_bytes, *b1 = b0 + block_bytes;                       \
-                const AmxUnit *waiting = st->waiting;                                                        \
-                char *c = st->buffers[st->next_buffer];                                                      \
-                st->next_buffer ^= 1;                                                                        \
-                if (rows1 > 0 && two_blocks)                                                                 \
-                    NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, \
-                                         prefetch);                                                          \
-                else if (rows1 > 0)                                                                          \
-                    NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, \
-                                         prefetch);                                                          \
-                else if (two_blocks)                                                                         \
-                    NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, \
-                                         prefetch);                                                          \
-                else                                                                                         \
-                    NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, waiting, output, reverse, stream, \
-                                         prefetch);                                                          \
-                if (rows1 > 0 && two_blocks) NAME##_store_2_2(c);                                            \
-                else if (rows1 > 0) NAME##_store_2_1(c);                                                     \
-                else if (two_blocks) NAME##_store_1_2(c);                                                    \
-                else NAME##_store_1_1(c);                                                                    \
-                st->pending = (AmxUnit){m, rows, block, two_blocks, c};                                      \
-                st->waiting = &st->pending;                                                                  \
-            }                                                                                                \
-        }                                                                                                    \
+#define AMX_GEMM_ITEM_(NAME, OUTPUT, WIDENS)                                                                  \
+    static inline void NAME##_item(const AmxGemmPlan *plan, int64_t item, const char *a, int64_t a_stride,    \
+                                   int64_t k_steps, const char *packed, int64_t block_bytes,                  \
+                                   const OUTPUT *output, AmxItemsState *st) {                                 \
+        const int64_t M = plan->M, blocks = plan->blocks, units = plan->units, groups = plan->groups;         \
+        const int64_t panel_blocks = plan->panel_blocks, panels = plan->panels;                               \
+        const int64_t panel = item % panels * panel_blocks, group = item / panels;                            \
+        const int64_t first = group * units / groups * AMX_UNIT_ROWS;                                         \
+        const int64_t last = (group + 1) * units / groups * AMX_UNIT_ROWS;                                    \
+        const int64_t end = last < M ? last : M;                                                              \
+        const int64_t width = blocks - panel < panel_blocks ? blocks - panel : panel_blocks;                  \
+        const int64_t pairs = (width + 1) / 2;                                                                \
+        const int snake = M >= AMX_SNAKE_MIN_ROWS;                                                            \
+        /* WIDENS below the snake: pair by pair, each pair's units in turn, so the tiles the first            \
+         * widens wait for the others in a buffer of one pair, kept in L1 or L2 over the item */              \
+        const int pair_major = WIDENS && !snake;                                                              \
+        const int64_t unit_count = (end - first + AMX_UNIT_ROWS - 1) / AMX_UNIT_ROWS;                         \
+        for (int64_t next = 0; next < unit_count * pairs; next++) {                                           \
+            const int64_t unit = pair_major ? next % unit_count : next / pairs;                               \
+            const int64_t j = pair_major ? next / unit_count : next % pairs;                                  \
+            const int64_t m = first + unit * AMX_UNIT_ROWS;                                                   \
+            const int64_t rows = end - m < AMX_UNIT_ROWS ? end - m : AMX_UNIT_ROWS;                           \
+            const int rows0 = rows < AMX_ROWS ? (int)rows : AMX_ROWS, rows1 = (int)rows - rows0;              \
+            if (rows0 != st->configured0 || rows1 != st->configured1) { /* all tiles are stored by now */     \
+                amx_gemm_configure(rows0, rows1);                                                             \
+                st->configured0 = rows0;                                                                      \
+                st->configured1 = rows1;                                                                      \
+            }                                                                                                 \
+            const char *rows_a = a + m * a_stride;                                                            \
+            const int64_t block = panel + 2 * (snake && unit % 2 ? pairs - 1 - j : j);                        \
+            const int reverse = snake && (m / AMX_UNIT_ROWS + block / 2) % 2;                                 \
+            /* the next unit shares this pair's B (its last pair) or these rows (the others) */               \
+            const int stream = !snake ? 0 : j == pairs - 1 ? AMX_STREAM_A : AMX_STREAM_B;                     \
+            const int two_blocks = block + 1 < panel + width;                                                 \
+            const int prefetch = !snake && m == first; /* the item's first unit: from memory */               \
+            const char *s0 = packed + block * block_bytes, *s1 = s0 + block_bytes;                            \
+            const char *b0 = s0, *b1 = s1;                                                                    \
+            if (WIDENS) { /* the first unit widens the bytes, the others read its tiles */                    \
+                b0 = st->widened + (pair_major ? 0 : (block - panel) * k_steps * 1024);                       \
+                b1 = b0 + k_steps * 1024;                                                                     \
+                if (m != first) s0 = s1 = NULL;                                                               \
+            }                                                                                                 \
+            const AmxUnit *waiting = st->waiting;                                                             \
+            char *c = st->buffers[st->next_buffer];                                                           \
+            st->next_buffer ^= 1;                                                                             \
+            if (rows1 > 0 && two_blocks)                                                                      \
+                NAME##_multiply_2_2(rows_a, a_stride, k_steps, b0, b1, s0, s1, waiting, output, reverse, stream, \
+                                     prefetch);                                                               \
+            else if (rows1 > 0)                                                                               \
+                NAME##_multiply_2_1(rows_a, a_stride, k_steps, b0, b1, s0, s1, waiting, output, reverse, stream, \
+                                     prefetch);                                                               \
+            else if (two_blocks)                                                                              \
+                NAME##_multiply_1_2(rows_a, a_stride, k_steps, b0, b1, s0, s1, waiting, output, reverse, stream, \
+                                     prefetch);                                                               \
+            else                                                                                              \
+                NAME##_multiply_1_1(rows_a, a_stride, k_steps, b0, b1, s0, s1, waiting, output, reverse, stream, \
+                                     prefetch);                                                               \
+            if (rows1 > 0 && two_blocks) NAME##_store_2_2(c);                                                 \
+            else if (rows1 > 0) NAME##_store_2_1(c);                                                          \
+            else if (two_blocks) NAME##_store_1_2(c);                                                         \
+            else NAME##_store_1_1(c);                                                                         \
+            st->pending = (AmxUnit){m, rows, block, two_blocks, c};                                           \
+            st->waiting = &st->pending;                                                                       \
+        }                                                                                                     \
     }
 
 /* NAME##_items(plan, a, a_stride, k_steps, packed, block_bytes, output, claims): this thread's
  * share of the plan's items, to be called by every thread of a parallel region; a block's
  * packed data is block_bytes long. Ends with the last unit's epilogue and the tiles released.
  * EPILOGUE(unit, output, from, to) writes rows [from, to) of a unit. claims: AMX_MAX_CLAIMS
- * entries shared by the region (amx_claim_item), or NULL for the static split. */
-#define DEFINE_AMX_GEMM(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE)                                                \
-    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_1, 0, 0)                                          \
-    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 1_2, 0, 1)                                          \
-    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 2_1, 1, 0)                                          \
-    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, 2_2, 1, 1)                                          \
-    AMX_GEMM_ITEM_(NAME, OUTPUT)                                                                             \
+ * entries shared by the region (amx_claim_item), or NULL for the static split. WIDENS: the blocks
+ * are bytes (amx_widen_step), and widened is the thread's AMX_PANEL_BLOCKS x k_steps KiB buffer. */
+#define DEFINE_AMX_GEMM(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, WIDENS)                                        \
+    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, WIDENS, 1_1, 0, 0)                                    \
+    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, WIDENS, 1_2, 0, 1)                                    \
+    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, WIDENS, 2_1, 1, 0)                                    \
+    AMX_GEMM_UNIT_(NAME, TILE_PRODUCT, OUTPUT, EPILOGUE, WIDENS, 2_2, 1, 1)                                    \
+    AMX_GEMM_ITEM_(NAME, OUTPUT, WIDENS)                                                                     \
     static void NAME##_items(const AmxGemmPlan *plan, const char *a, int64_t a_stride, int64_t k_steps,      \
                              const char *packed, int64_t block_bytes, const OUTPUT *output,                  \
-                             AmxClaim *claims) {                                                             \
+                             AmxClaim *claims, char *widened) {                                              \
         AmxItemsState st;                                                                                    \
         st.configured0 = st.configured1 = -1;                                                                \
         st.next_buffer = 0;                                                                                  \
         st.waiting = NULL;                                                                                   \
+        st.widened = widened;                                                                                \
         const int64_t items = plan->groups * plan->panels;                                                   \
         const int team = omp_get_num_threads(), me = omp_get_thread_num();                                   \
         if (claims == NULL || plan->M < AMX_CLAIM_MIN_ROWS || team < 2 || team > AMX_MAX_CLAIMS) {           \

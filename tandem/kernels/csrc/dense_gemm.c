@@ -24,6 +24,12 @@
  */
 #include <stdint.h>
 
+/* bf16 rows times 8-bit weights (W8A16), AMX's tiles only: the bf16 layout below with each
+ * value one signed byte ([N/16][K/2][16][2] int8), then N fp32 scales, one a column (as packed:
+ * a gated matrix's interleaved order); each byte is widened to bf16 in L1 on its way to the
+ * tiles (amx_gemm.h's WIDENS) and the scales multiply the sums in the epilogue. */
+#define KIND_BF16_W8 3
+
 #include "avx512_math.h"
 #include "gemm_split.h"
 #include <string.h>
@@ -245,12 +251,20 @@ static inline tile_fn pick_tile(int kind, int gated, int64_t width, int64_t rows
  * columns (gated: N = 2 x intermediate, and the tiles write N / 2 columns). */
 static int dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int kind,
                       const void *bias, const void *residual, void *out, int64_t N, int gated, int num_threads) {
+    if (kind == KIND_BF16_W8) {
+#if HAS_AMX
+        if (N % (gated ? 32 : 16) == 0 && M >= 0 && K % AMX_STEP_K == 0 && amx_permitted())
+            return amx_dense_gemm(x, x_stride, M, K, packed, (const float *)((const int8_t *)packed + N * K), bias,
+                                  residual, out, N, gated, NULL, num_threads);
+#endif
+        return -1;
+    }
     if (N % (gated ? 32 : 16) != 0 || M < 0 || (kind == 1 && K % 2 != 0) || (kind == 0 && !HAS_F32)
         || (kind == 1 && !HAS_BF16) || kind < 0 || kind > 1)
         return -1;
 #if HAS_AMX
     if (kind == 1 && K % AMX_STEP_K == 0 && amx_permitted()) {
-        return amx_dense_gemm(x, x_stride, M, K, packed, bias, residual, out, N, gated, NULL, num_threads);
+        return amx_dense_gemm(x, x_stride, M, K, packed, NULL, bias, residual, out, N, gated, NULL, num_threads);
     }
 #endif
 #if HAS_AVX2
@@ -270,8 +284,9 @@ static int dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, con
 }
 
 /* out [M, N] = x [M, K] (row stride x_stride elements) @ packed^T (+ bias [N]) (+ residual
- * [M, N]); all in the kind (0 fp32, 1 bf16). Returns 0, or -1 where this build cannot (out
- * untouched). out may alias residual: each element is read before it is written. */
+ * [M, N]); all in the kind (0 fp32, 1 bf16; KIND_BF16_W8: bf16, the weights bytes and scales).
+ * Returns 0, or -1 where this build cannot (out untouched). out may alias residual: each
+ * element is read before it is written. */
 int tandem_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed, int kind,
                       const void *bias, const void *residual, void *out, int64_t N, int num_threads) {
     return dense_gemm(x, x_stride, M, K, packed, kind, bias, residual, out, N, 0, num_threads);
@@ -295,7 +310,7 @@ int tandem_dense_gemm_argmax(const void *x, int64_t x_stride, int64_t M, int64_t
                              int64_t *ids, int num_threads) {
 #if HAS_AMX
     if (N % 16 == 0 && M >= 0 && K % AMX_STEP_K == 0 && N <= INT32_MAX && amx_permitted())
-        return amx_dense_gemm(x, x_stride, M, K, packed, NULL, NULL, NULL, N, 0, ids, num_threads);
+        return amx_dense_gemm(x, x_stride, M, K, packed, NULL, NULL, NULL, NULL, N, 0, ids, num_threads);
 #else
     (void)x, (void)x_stride, (void)M, (void)K, (void)packed, (void)N, (void)ids, (void)num_threads;
 #endif

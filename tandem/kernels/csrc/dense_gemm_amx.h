@@ -48,6 +48,7 @@ typedef struct {
     int64_t N;
     int gated;
     const AmxArgmax *argmax;
+    const float *scales; /* 8-bit weights: each packed column's fp32 scale (NULL: bf16 weights) */
 } AmxOutput;
 
 /* A chunk of 16 columns from `column` of row m into the running argmax: the value the bf16
@@ -86,35 +87,42 @@ static inline void amx_epilogue_rows(const AmxUnit *unit, const AmxOutput *o, in
     for (int64_t i = from; i < to; i++) {
         const float *row = (const float *)unit->c + (i / AMX_ROWS) * 512 + (i % AMX_ROWS) * 16;
         const int64_t m = unit->m + i, block = unit->block, N = o->N;
+        __m512 first = _mm512_load_ps(row), second = _mm512_load_ps(row + 256);
+        if (o->scales != NULL) {
+            first = _mm512_mul_ps(first, _mm512_loadu_ps(o->scales + block * 16));
+            if (unit->two_blocks) second = _mm512_mul_ps(second, _mm512_loadu_ps(o->scales + block * 16 + 16));
+        }
         if (o->argmax != NULL) {
-            amx_argmax_chunk(o->argmax, m, _mm512_load_ps(row), block * 16);
-            if (unit->two_blocks) amx_argmax_chunk(o->argmax, m, _mm512_load_ps(row + 256), block * 16 + 16);
+            amx_argmax_chunk(o->argmax, m, first, block * 16);
+            if (unit->two_blocks) amx_argmax_chunk(o->argmax, m, second, block * 16 + 16);
             continue;
         }
         if (o->gated) {
-            store_gated_chunk(_mm512_load_ps(row), _mm512_load_ps(row + 256), 2, o->bias, o->out, block * 8, N / 2,
-                              m * (N / 2) + block * 8);
+            store_gated_chunk(first, second, 2, o->bias, o->out, block * 8, N / 2, m * (N / 2) + block * 8);
             continue;
         }
-        store_chunk(_mm512_load_ps(row), 2, o->bias, o->residual, o->out, block * 16, m * N + block * 16);
+        store_chunk(first, 2, o->bias, o->residual, o->out, block * 16, m * N + block * 16);
         if (unit->two_blocks)
-            store_chunk(_mm512_load_ps(row + 256), 2, o->bias, o->residual, o->out, block * 16 + 16,
-                        m * N + block * 16 + 16);
+            store_chunk(second, 2, o->bias, o->residual, o->out, block * 16 + 16, m * N + block * 16 + 16);
     }
 }
 
-DEFINE_AMX_GEMM(amx_bf16, _tile_dpbf16ps, AmxOutput, amx_epilogue_rows)
+DEFINE_AMX_GEMM(amx_bf16, _tile_dpbf16ps, AmxOutput, amx_epilogue_rows, 0)
+DEFINE_AMX_GEMM(amx_w8, _tile_dpbf16ps, AmxOutput, amx_epilogue_rows, 1)
 
 /* The bf16 product on the tiles. Same arguments and result as dense_gemm (kind 1); the caller
  * checked them. With ids, each row's argmax instead of the product (`tandem_dense_gemm_argmax`).
  * Each unit's epilogue runs while the next unit multiplies (amx_gemm.h): run one after the
  * other, the epilogue (a rounding of 1,024 sums) took a third of a unit's time at K = 576. */
 static int amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *packed,
-                          const void *bias, const void *residual, void *out, int64_t N, int gated,
-                          int64_t *ids, int num_threads) {
+                          const float *scales, const void *bias, const void *residual, void *out, int64_t N,
+                          int gated, int64_t *ids, int num_threads) {
     const AmxGemmPlan plan = amx_gemm_plan(M, K * 2, N, num_threads);
     AmxClaim claims[AMX_MAX_CLAIMS]; /* the threads' shares of the items (amx_gemm.h) */
-    const int64_t a_stride = x_stride * 2, block_bytes = K * 2 * 16;
+    const int widens = scales != NULL; /* 8-bit weights: widened into a buffer of each thread's */
+    const int64_t a_stride = x_stride * 2, block_bytes = K * (widens ? 1 : 2) * 16;
+    /* a thread's widened tiles: one block pair below the snake (amx_gemm.h's pair_major), else a panel */
+    const size_t panel_bytes = (size_t)(M < AMX_SNAKE_MIN_ROWS ? 2 : AMX_PANEL_BLOCKS) * (size_t)(K / AMX_STEP_K) * 1024;
     /* ids: each row's argmax, merged from the threads' (value, column, first NaN) */
     float *merged_value = NULL;
     int32_t *merged_column = NULL, *merged_nan = NULL;
@@ -132,6 +140,11 @@ static int amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K,
 #pragma omp parallel num_threads(num_threads) if (!failed)
     {
         AmxArgmax lanes = {NULL, NULL, NULL};
+        char *widened = widens ? aligned_alloc(64, panel_bytes) : NULL;
+        if (widens && widened == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
         if (ids != NULL && !failed) {
             const size_t count = (size_t)M * 16;
             lanes.value = aligned_alloc(64, sizeof(float) * count);
@@ -147,13 +160,16 @@ static int amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K,
                 }
             }
         }
-        if (ids != NULL) { /* every thread's allocation is known before any reads `failed` */
+        if (ids != NULL || widens) { /* every thread's allocation is known before any reads `failed` */
 #pragma omp barrier
         }
-        const AmxOutput output = {bias, residual, out, N, gated, ids != NULL ? &lanes : NULL};
-        if (!failed) /* every thread reads the same `failed` here: none or all share the items */
+        const AmxOutput output = {bias, residual, out, N, gated, ids != NULL ? &lanes : NULL, scales};
+        if (!failed && widens) /* every thread reads the same `failed` here: none or all share the items */
+            amx_w8_items(&plan, (const char *)x, a_stride, K / AMX_STEP_K, (const char *)packed, block_bytes,
+                         &output, claims, widened);
+        else if (!failed)
             amx_bf16_items(&plan, (const char *)x, a_stride, K / AMX_STEP_K, (const char *)packed, block_bytes,
-                           &output, claims);
+                           &output, claims, NULL);
         if (ids != NULL && !failed)
             for (int64_t m = 0; m < M; m++) {
                 float value = -__builtin_inff();
@@ -174,6 +190,7 @@ static int amx_dense_gemm(const void *x, int64_t x_stride, int64_t M, int64_t K,
                     if (nan < merged_nan[m]) merged_nan[m] = nan;
                 }
             }
+        free(widened);
         free(lanes.value);
         free(lanes.column);
         free(lanes.nan);

@@ -58,7 +58,7 @@ static inline void amx_int8_epilogue_rows(const AmxUnit *unit, const AmxInt8Outp
     }
 }
 
-DEFINE_AMX_GEMM(amx_int8, _tile_dpbssd, AmxInt8Output, amx_int8_epilogue_rows)
+DEFINE_AMX_GEMM(amx_int8, _tile_dpbssd, AmxInt8Output, amx_int8_epilogue_rows, 0)
 
 /* c [M, N] (row stride N) = a [M, K] (row stride a_stride) @ the packed matrix, or (dq not
  * NULL) those products dequantized; int8_gemm's arguments, checked by it, K a multiple of 64.
@@ -70,7 +70,7 @@ static int amx_int8_gemm(const int8_t *a, int64_t a_stride, int64_t M, int64_t K
     AmxClaim claims[AMX_MAX_CLAIMS];
 #pragma omp parallel num_threads(num_threads)
     amx_int8_items(&plan, (const char *)a, a_stride, K / AMX8_STEP_K, (const char *)packed, K * 16, &output,
-                   claims);
+                   claims, NULL);
     return 0;
 }
 #endif
