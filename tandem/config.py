@@ -430,9 +430,10 @@ class LoadConfig:
     decode_weights: str = "auto"  # auto | none | float16 | bfloat16 | int4 | float32
     decode_weights_max_tokens: int = 2
     # Steps larger than the small-step copy's reach: "int8" multiplies 8-bit weights by 8-bit
-    # activations (W8A8, layers/int8.py), twice bf16's multiply-adds per instruction; "none":
-    # the run dtype's weights; "auto" as for decode_weights.
-    quantization: str = "auto"  # auto | none | int8
+    # activations (W8A8, layers/int8.py), twice bf16's multiply-adds per instruction; "w8a16"
+    # reads 8-bit weights widened to bf16 on AMX's tiles (kernels/dense_gemm.py), half the
+    # bytes; "none": the run dtype's weights; "auto" as for decode_weights.
+    quantization: str = "auto"  # auto | none | int8 | w8a16
     # --exact: every "auto" above means the token-identical fp32 path (float32, none, none).
     exact: bool = False
     # Which of dtype / quantization / decode_weights were "auto" (for the start-up line), and

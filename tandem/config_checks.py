@@ -37,8 +37,11 @@ def check_engine_config(config: EngineConfig) -> None:
         raise ValueError(f"--block-size must be a whole number of tokens from 1 to {MAX_BLOCK_SIZE}, not {block_size!r}")
     if not 0 < config.cache.memory_utilization <= 1:
         raise ValueError(f"--memory-utilization must be in (0, 1], not {config.cache.memory_utilization!r}")
-    if load.quantization not in ("none", "int8"):
-        raise ValueError(f"--quantization must be none or int8, not {load.quantization!r}")
+    if load.quantization not in ("none", "int8", "w8a16"):
+        raise ValueError(f"--quantization must be none, int8 or w8a16, not {load.quantization!r}")
+    if load.quantization == "w8a16" and load.dtype != "bfloat16":
+        raise ValueError(f"--quantization w8a16 widens 8-bit weights to bf16 rows: it needs --dtype bfloat16, "
+                         f"not {load.dtype}")
     if load.device == "cuda":
         if load.quantization != "none" or load.decode_weights != "none":
             raise ValueError("--quantization and --decode-weights are CPU kernels; on a GPU the model runs in "

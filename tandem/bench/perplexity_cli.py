@@ -35,6 +35,8 @@ MODES: dict[str, tuple[str, dict[str, str]]] = {
     "bf16+int8": ("bf16 + int8 (W8A8)", _mode("bfloat16", quantization="int8")),
     "fp32+int8+int4": ("fp32 + int8 + int4 decode", _mode("float32", "int4", "int8")),
     "bf16+int8+int4": ("bf16 + int8 + int4 decode", _mode("bfloat16", "int4", "int8")),
+    "bf16+w8a16": ("bf16 + 8-bit weights (W8A16)", _mode("bfloat16", quantization="w8a16")),
+    "bf16+w8a16+int4": ("bf16 + W8A16 + int4 decode", _mode("bfloat16", "int4", "w8a16")),
     "default": ("this CPU's default mode", {}),
 }
 

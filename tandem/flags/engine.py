@@ -110,7 +110,10 @@ ENGINE_FLAGS = FlagTable("engine", (
          "products, about twice bf16's rate on prefill and batched decode; perplexity within 0.6%% "
          "of fp32 on the default model; the LM head and any --decode-weights steps keep their "
          "weights; auto = int8 in the CPU's default mode (--dtype auto) for a quantized (GGUF) "
-         "checkpoint on a CPU with AMX or AVX-512-VNNI and one rank, else none (default: auto)", "auto", choices=("auto", "none", "int8")),
+         "checkpoint on a CPU with AMX or AVX-512-VNNI and one rank, else none (default: auto). "
+         "w8a16: with --dtype bfloat16 on a CPU with AMX, the decoder layers' projections keep "
+         "8-bit weights (a scale per output row) widened to bf16 on the tiles: half the bytes a "
+         "batched decode step reads", "auto", choices=("auto", "none", "int8", "w8a16")),
     Flag("--no-weight-packing", "keep weights dense for F.linear instead of oneDNN's packed layout",
          False, switch=True),
     Flag("--attention-backend",

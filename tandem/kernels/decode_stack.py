@@ -48,7 +48,7 @@ class Kernels(ctypes.Structure):
 # `Matrix.bits` for the dense GEMM's packed layouts, the int8 GEMM's and fp32 rows' lossless
 # codes (the C side's names), apart from the bit counts a small step's matrices give (4, 5, 8,
 # 16, 32).
-PACKED, PACKED_GATED, INT8, INT8_GATED, CODED = 101, 102, 103, 104, 105
+PACKED, PACKED_GATED, INT8, INT8_GATED, CODED, PACKED_W8, PACKED_W8_GATED = 101, 102, 103, 104, 105, 106, 107
 
 
 class Matrix(ctypes.Structure):
@@ -73,9 +73,11 @@ class Matrix(ctypes.Structure):
         gate/up layout, whose GEMM writes silu(gate) * up). `bias` (contiguous, kept alive by
         the caller): in the rows' dtype for a packed matrix, bf16 added after a 4/8-bit
         product; a GEMV's rows bring their own fp32 one."""
-        if isinstance(matrix, PackedDense):
-            return cls(matrix.values.data_ptr(), None, None, matrix.out_features, matrix.in_features,
-                       PACKED_GATED if gated else PACKED, bias=_pointer(bias))
+        if isinstance(matrix, PackedDense):  # 8-bit weights (int8 values) read by the same GEMM, kind 3
+            w8 = matrix.values.dtype == torch.int8
+            bits = (PACKED_W8_GATED if w8 else PACKED_GATED) if gated else (PACKED_W8 if w8 else PACKED)
+            return cls(matrix.values.data_ptr(), None, None, matrix.out_features, matrix.in_features, bits,
+                       bias=_pointer(bias))
         if isinstance(matrix, DenseRows) and matrix.codes is not None:  # fp32 rows read from their codes
             return cls(matrix.codes.data_ptr(), None, None, matrix.weight.shape[0], matrix.weight.shape[1], CODED,
                        bias=_pointer(matrix.bias))

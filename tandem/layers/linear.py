@@ -345,17 +345,19 @@ class LinearWeights:
         self.small_step = plan
         return weight.numel() * 2
 
-    def pack_for_cpu(self, drop_dense: bool, dense_gemm: DenseGemmKernel | None = None) -> int:
+    def pack_for_cpu(self, drop_dense: bool, dense_gemm: DenseGemmKernel | None = None, weight_bits: int = 16) -> int:
         """Reorder the weight for tandem's packed GEMM where `dense_gemm` takes it, else for
         oneDNN; returns the bytes of dense weight released. An int8 layer has nothing to pack:
-        it only drops its dense weight."""
+        it only drops its dense weight. `weight_bits` 8: 8-bit weights for bf16 rows
+        (`--quantization w8a16`) where the GEMM takes them, else the dtype's."""
         weight = self.weight.detach()
         if self.int8 is not None:
             return self._release_dense() if drop_dense else 0
         if self.int4 is not None:
             return 0
-        if dense_gemm is not None and dense_gemm.fits(weight):
-            self.dense_packed, self.dense_gemm = dense_gemm.pack(weight), dense_gemm
+        bits = weight_bits if dense_gemm is not None and dense_gemm.fits(weight, weight_bits) else 16
+        if dense_gemm is not None and dense_gemm.fits(weight, bits):
+            self.dense_packed, self.dense_gemm = dense_gemm.pack(weight, bits), dense_gemm
         elif _packable(weight):
             self.packed_weight = _pack(weight)
         else:
@@ -554,22 +556,31 @@ def quantize_int8(model: nn.Module, kernel: Int8RowsKernel | None = None, gemm: 
     return sum(m.quantize_int8(kernel, gemm) for m in model.modules() if isinstance(m, LinearWeights))
 
 
-def pack_weights_for_cpu(model: nn.Module, dense_gemm: DenseGemmKernel | None = None) -> int:
+def pack_weights_for_cpu(model: nn.Module, dense_gemm: DenseGemmKernel | None = None, weight_bits: int = 16) -> int:
     """Pack every linear layer and the LM head, for tandem's packed GEMM where `dense_gemm` is
     given and takes the matrix, else for oneDNN, dropping their dense copies, except a head
-    tied to the embedding (the embedding reads it). Returns the layers packed; 0 when neither
-    is available."""
+    tied to the embedding (the embedding reads it). `weight_bits` 8: the decoder layers'
+    projections as 8-bit weights where the GEMM takes them (the LM head keeps the dtype's: its
+    logits pick the tokens). Returns the layers packed; 0 when neither is available."""
     if dense_gemm is None and not onednn_available():
         return 0
     layers = [m for m in model.modules() if isinstance(m, LinearWeights)]
     for layer in layers:
-        layer.pack_for_cpu(drop_dense=not getattr(layer, "tied", False), dense_gemm=dense_gemm)
+        bits = weight_bits if isinstance(layer, Linear) else 16
+        layer.pack_for_cpu(drop_dense=not getattr(layer, "tied", False), dense_gemm=dense_gemm, weight_bits=bits)
         if isinstance(layer, Linear) and layer.small_dense is not None:
             # plain rows that lossless codes stand for go now, not once every matrix is packed:
             # the build's peak holds a matrix twice, not the model (a head waits for
             # release_coded_rows: the bounded-greedy head reads its rows after packing)
             layer.small_dense.release_plain_rows()
     return len(layers)
+
+
+def count_8bit_packed(model: nn.Module) -> int:
+    """The projections whose larger steps read 8-bit packed weights (`--quantization w8a16`)."""
+    return sum(1 for m in model.modules() if isinstance(m, Linear)
+               and any(p is not None and p.values.dtype == torch.int8
+                       for p in (m.dense_packed, getattr(m, "gated_packed", None))))
 
 
 class Linear(LinearWeights, nn.Module):
@@ -736,15 +747,17 @@ class GateUpLinear(MergedLinear):
         super().__init__(in_features, [intermediate, intermediate], bias, tp)
         self.intermediate = self.out_sizes[0]
 
-    def pack_for_cpu(self, drop_dense: bool, dense_gemm: DenseGemmKernel | None = None) -> int:
-        """tandem's packed GEMM with the silu-mul epilogue where `dense_gemm` takes the matrix,
-        else oneDNN's two halves with silu and mul as post-ops. Either way the result is
-        rounded once from fp32 and does not depend on which small-step passes are attached."""
+    def pack_for_cpu(self, drop_dense: bool, dense_gemm: DenseGemmKernel | None = None, weight_bits: int = 16) -> int:
+        """tandem's packed GEMM with the silu-mul epilogue where `dense_gemm` takes the matrix
+        (8-bit weights with `weight_bits` 8 where it takes those), else oneDNN's two halves with
+        silu and mul as post-ops. Either way the result is rounded once from fp32 and does not
+        depend on which small-step passes are attached."""
         weight = self.weight.detach()
         if self.int8 is not None or self.int4 is not None:
             return super().pack_for_cpu(drop_dense)
+        bits = weight_bits if dense_gemm is not None and dense_gemm.fits(weight, weight_bits) else 16
         if dense_gemm is not None and dense_gemm.fits(weight) and self.intermediate % BLOCK_COLUMNS == 0:
-            self.gated_packed, self.dense_gemm = dense_gemm.pack_gated(weight), dense_gemm
+            self.gated_packed, self.dense_gemm = dense_gemm.pack_gated(weight, bits), dense_gemm
         elif _packable(weight):
             gate, up = weight.split(self.intermediate)
             self.packed_halves = (_pack(gate), _pack(up))

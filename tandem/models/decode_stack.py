@@ -244,7 +244,7 @@ def _packed_fits(layer: DecoderLayer, dtype: torch.dtype) -> bool:
     if not isinstance(gate_up, GateUpLinear):
         return False
     packed = [p.dense_packed for p in projections.values()] + [gate_up.gated_packed]
-    return all(m is not None and m.values.dtype == dtype for m in packed)
+    return all(m is not None and m.rows_dtype == dtype for m in packed)
 
 
 def _int8_fits(layer: DecoderLayer) -> tuple[Int8RowsKernel, Int8GemmKernel] | None:

@@ -24,6 +24,10 @@ fp32 (`tandem bench perplexity`, docs/performance.md):
   1,623-1,663 and 5,800-6,130 (alternating runs, docs/performance.md). And only for a checkpoint that is
   itself quantized (a GGUF file), the checkpoints it was measured on (SmolLM2 +0.14-0.22%);
   a full-precision checkpoint keeps its weights.
+- **8-bit weights for bf16 rows** (`--quantization w8a16`, AMX only) are not part of the mode:
+  on the default model its 64-row GEMMs are bound by the tiles more than by the weights'
+  bytes, so it bought nothing measurable there, while greedy agreement with fp32 fell
+  (docs/engine.md); Qwen2.5-Coder-0.5B's decode-heavy steps took 17% less, by flag.
 - One rank only: a tensor- or pipeline-parallel engine takes these modes by flag.
 - `--exact` is fp32 with no rounding of its own: steps of one or two tokens read the checkpoint's
   plain fp32 rows through tandem's GEMV kernel (`--decode-weights float32`, and the C decode

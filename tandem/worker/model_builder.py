@@ -39,6 +39,7 @@ from tandem.layers.linear import (
     attach_bf16_gemv,
     attach_gpu_gemv,
     attach_small_step_weights,
+    count_8bit_packed,
     onednn_bf16_available,
     pack_weights_for_cpu,
     quantize_int8,
@@ -145,8 +146,16 @@ class ModelBuilder:
                 logger.info("--quantization int8: %d projections hold 8-bit weights for steps of more than %s tokens, "
                             "multiplied by %s", quantized, small_step.max_tokens if small_step is not None else 0,
                             "tandem's packed int8 GEMM (VNNI)" if gemm is not None else "torch._int_mm (oneDNN)")
-        if load.pack_weights and pack_weights_for_cpu(model, dense_gemm) and self.rank == 0:
+        w8 = load.quantization == "w8a16"
+        if load.pack_weights and pack_weights_for_cpu(model, dense_gemm, 8 if w8 else 16) and self.rank == 0:
             logger.info("linear weights packed for %s", "tandem's packed GEMM" if dense_gemm is not None else "oneDNN")
+            if w8:
+                held = count_8bit_packed(model)
+                logger.info("--quantization w8a16: %d projections hold 8-bit weights (a scale per output row) "
+                            "widened to bf16 on the AMX tiles for steps of more than %s tokens%s", held,
+                            small_step.max_tokens if small_step is not None else 0,
+                            "" if held else " (none: this CPU or build has no AMX bf16 tiles, or --no-weight-packing; "
+                            "the dtype's weights run)")
         if self.dtype == torch.bfloat16 and not onednn_bf16_available():
             self._attach_bf16_gemv(model)
         ops = load_layer_ops(self.kernel_cache_dir)

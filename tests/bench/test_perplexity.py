@@ -65,7 +65,7 @@ def test_int8_on_the_default_model_stays_within_1_percent_of_fp32() -> None:
 
 def test_an_unknown_quantization_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    with pytest.raises(ValueError, match="--quantization must be none or int8"):
+    with pytest.raises(ValueError, match="--quantization must be none, int8 or w8a16"):
         LLM(str(tmp_path), load_format="dummy", kv_cache_memory="8MiB", quantization="int4")
 
 

@@ -109,6 +109,22 @@ def test_steps_of_8_bit_weights_go_through_the_packed_8_bit_weights() -> None:
     assert stacked == layered
 
 
+@pytest.mark.skipif(not CpuFeatures.detect().amx, reason="8-bit weights for bf16 rows are widened on AMX tiles only")
+def test_steps_of_8_bit_weights_for_bf16_rows_go_through_the_packed_8_bit_weights() -> None:
+    """`--quantization w8a16`: larger steps read the projections' 8-bit packed weights (the LM
+    head keeps bf16), widened to bf16 on the tiles by the same GEMM the module path calls: the
+    module path's bits."""
+    with LLM(dtype="bfloat16", decode_weights="int4", quantization="w8a16", kv_cache_memory="64MiB",
+             enable_prefix_caching=False) as llm:
+        model = llm.engine.runner.model
+        layer = model.model.layers[0]
+        assert layer.mlp.gate_up_proj.gated_packed.values.dtype == torch.int8
+        assert layer.mlp.down_proj.dense_packed.values.dtype == torch.int8
+        assert model.lm_head.dense_packed is None or model.lm_head.dense_packed.values.dtype == torch.bfloat16
+        stacked, layered = _stacked_then_layered(llm, PROMPTS + ["Once upon a time"], torch.bfloat16)
+    assert stacked == layered
+
+
 def test_8_bit_weights_under_fp32_rows_keep_the_module_path_past_the_small_steps() -> None:
     """The stack's fp32 norm rounds otherwise than torch's, which 8-bit rows can turn into
     other tokens: fp32 rows over 8-bit weights keep the module path for larger steps."""
@@ -266,8 +282,9 @@ def _prefills_stacked_then_layered(llm: LLM) -> tuple[list, list, list[tuple[int
 @pytest.mark.parametrize("kwargs", [
     {"dtype": "bfloat16", "quantization": "none", "decode_weights": "bfloat16"},
     {"dtype": "bfloat16", "quantization": "int8", "decode_weights": "int4"},  # the default mode with VNNI
+    {"dtype": "bfloat16", "quantization": "w8a16", "decode_weights": "int4"},
     {"exact": True},
-], ids=["bf16", "default mode", "exact"])
+], ids=["bf16", "default mode", "w8a16", "exact"])
 def test_prefill_chunks_go_through_the_stack_with_the_module_paths_bits(kwargs: dict) -> None:
     """Prompt chunks, alone, several to a step, after a cached chunk and beside decode tokens:
     the stack's prefill attention (decode rows, then each chunk over its context) gives the

@@ -127,13 +127,17 @@ struct Kernels {
  * fp32 / bf16 rows for dense_gemv.c, or (PACKED) dense_gemm.c's packed blocks in the rows'
  * dtype, or (PACKED_GATED) its gate/up layout with n = 2 x intermediate, or (INT8) int8_gemm.c's
  * packed 8-bit blocks with what its epilogue reads, or (INT8_GATED) its gate/up pairs, or
- * (CODED) fp32 rows as dense_gemv.c's lossless codes. */
+ * (CODED) fp32 rows as dense_gemv.c's lossless codes, or (PACKED_W8, PACKED_W8_GATED) the packed
+ * layouts with 8-bit weights for bf16 rows (`--quantization w8a16`). */
 /* (apart from the bit counts 4, 5, 8, 16 and 32) */
 #define PACKED 101
 #define PACKED_GATED 102
 #define INT8 103
 #define INT8_GATED 104
 #define CODED 105
+#define PACKED_W8 106       /* PACKED and PACKED_GATED with 8-bit weights: dense_gemm.c's kind 3 */
+#define PACKED_W8_GATED 107
+#define KIND_BF16_W8 3
 struct Matrix {
     const uint8_t *levels; /* bits 32 / 16: the fp32 / bf16 [n, k] rows; CODED: their codes; PACKED*, INT8*: the packed blocks */
     const uint16_t *scales, *mins;
@@ -253,8 +257,9 @@ static void scale_rows(void *out, int64_t count, float factor, int bf16) {
 static int gemm(const struct Kernels *kernels, const struct Matrix *matrix, const void *x, const void *residual,
                 void *out, int64_t rows, int bf16, const struct Quantized *q, int num_threads) {
     if (matrix->bits == INT8) return int8_product(kernels, matrix, x, bf16, residual, out, rows, bf16, q, num_threads);
-    if (matrix->bits == PACKED)
-        return kernels->dense_gemm(x, matrix->k, rows, matrix->k, matrix->levels, bf16, matrix->bias, residual, out,
+    if (matrix->bits == PACKED || matrix->bits == PACKED_W8)
+        return kernels->dense_gemm(x, matrix->k, rows, matrix->k, matrix->levels,
+                                   matrix->bits == PACKED_W8 ? KIND_BF16_W8 : bf16, matrix->bias, residual, out,
                                    matrix->n, num_threads);
     if (matrix->bits == CODED) {
         kernels->gemv_coded(matrix->levels, matrix->bias, x, residual, out, rows, matrix->n,
@@ -513,8 +518,9 @@ int tandem_decode_stack(const struct Kernels *kernels, const struct Layer *layer
             status = int8_product(kernels, down, act, 0, hidden, hidden, t, bf16, &q, threads);
             continue;
         }
-        if (up->bits == PACKED_GATED) {
-            if ((status = kernels->dense_silu_mul(normed, step->hidden, t, step->hidden, up->levels, bf16, up->bias,
+        if (up->bits == PACKED_GATED || up->bits == PACKED_W8_GATED) {
+            if ((status = kernels->dense_silu_mul(normed, step->hidden, t, step->hidden, up->levels,
+                                                  up->bits == PACKED_W8_GATED ? KIND_BF16_W8 : bf16, up->bias,
                                                   act, step->intermediate, threads)) != 0)
                 break;
         } else {
