@@ -127,7 +127,9 @@ def rows_kernel(tmp_path_factory: pytest.TempPathFactory):
 def test_the_dequantizing_gemm_gives_the_separate_passs_bits(kernel, rows_kernel, rows, in_features, out_features,
                                                               dtype) -> None:
     """Every tile shape, with and without outliers, bias and residual: the epilogue's output
-    equals the int32 products dequantized by int8_rows.c's pass, bit for bit."""
+    equals the int32 products dequantized by int8_rows.c's pass, bit for bit. Outlier counts:
+    none and tandem's 4 (the epilogue's unrolled rows), 3 (its loop over a row's count) and 9
+    (more than a row's terms hold: the per-chunk path)."""
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
     columns = torch.randint(-127, 128, (in_features, out_features), generator=generator, dtype=torch.int8)
     packed = kernel.pack(columns)
@@ -135,7 +137,7 @@ def test_the_dequantizing_gemm_gives_the_separate_passs_bits(kernel, rows_kernel
     col_scales = torch.rand(out_features, generator=generator) / 100
     bias = torch.randn(out_features, generator=generator).to(dtype)
     residual = torch.randn(rows, out_features, generator=generator).to(dtype)
-    for outliers in (0, 4):
+    for outliers in (0, 3, 4, 9):
         quantized = rows_kernel.quantize_rows(x, min(outliers, in_features))
         products = kernel.matmul(quantized.values, packed)
         for extra in ((None, None), (bias, residual)):
@@ -152,7 +154,7 @@ def test_the_dequantizing_gemm_gives_the_separate_passs_bits(kernel, rows_kernel
 def test_the_gated_gemm_gives_the_separate_passs_middle(kernel, rows_kernel, rows, intermediate, dtype) -> None:
     """A gate/up matrix packed in pairs: silu(gate) * up from the epilogue, quantized for the
     down projection, is the separate pass's (dequantize, silu-mul, quantize) bit for bit, with
-    and without outliers; panels of one pair and of two."""
+    no outliers, 3, 4 and 9 a row; panels of one pair and of two."""
     generator = torch.Generator().manual_seed(rows * intermediate)
     in_features = 96
     columns = torch.randint(-127, 128, (in_features, 2 * intermediate), generator=generator, dtype=torch.int8)
@@ -161,7 +163,7 @@ def test_the_gated_gemm_gives_the_separate_passs_middle(kernel, rows_kernel, row
     assert torch.equal(packed.columns(), pairs)
     x = torch.randn(rows, in_features, generator=generator).to(dtype) * 4
     col_scales = torch.rand(2 * intermediate, generator=generator) / 100
-    for outliers in (0, 4):
+    for outliers in (0, 3, 4, 9):
         quantized = rows_kernel.quantize_rows(x, outliers)
         want = rows_kernel.gated_quantize(kernel.matmul(quantized.values, kernel.pack(columns)), quantized,
                                           col_scales, columns, dtype, outliers)

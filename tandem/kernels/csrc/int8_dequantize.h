@@ -81,6 +81,62 @@ static inline void dequantize_chunk(const Int8Dequantize *d, __m512i products, i
     store16(d->out, d->kind, m * d->cols + n, p, mask);
 }
 
+/* A row's part of the dequantize step, looked up once for all the chunks a GEMM tile holds in
+ * that row: its scale and its outliers' values as vectors, and their weight rows. Per chunk,
+ * dequantize_value reloaded these and walked the outliers in a loop of the call's count; in
+ * the VNNI GEMM's 6 x 4 tile (int8_gemm.c) the epilogue was a fifth of the tile's time at K
+ * = 576 on the 2-core Zen 4 EPYC. The arithmetic is dequantize_value's, in its order. */
+#define ROW_TERMS_OUTLIERS 8 /* more a row: dequantize_value */
+typedef struct {
+    __m512 scale;
+    int64_t outliers;
+    __m512 value[ROW_TERMS_OUTLIERS];
+    const int8_t *column[ROW_TERMS_OUTLIERS]; /* each outlier's weight row in weight_t */
+} Int8RowTerms;
+
+/* Row m's terms; 0 where it has more outliers than they hold. */
+static inline int row_terms(const Int8Dequantize *d, int64_t m, Int8RowTerms *t) {
+    if (d->outliers > ROW_TERMS_OUTLIERS) return 0;
+    t->scale = _mm512_set1_ps(d->row_scales[m]);
+    t->outliers = d->outliers;
+    for (int64_t j = 0; j < d->outliers; j++) {
+        t->value[j] = _mm512_set1_ps(d->outlier_value[m * d->outliers + j]);
+        t->column[j] = d->weight_t + (int64_t)d->outlier_index[m * d->outliers + j] * d->cols;
+    }
+    return 1;
+}
+
+/* dequantize_value for 16 whole columns from n of the row `t` holds, its outlier count
+ * `outliers` (t->outliers) a literal where the caller can make it one. */
+static inline __attribute__((always_inline)) __m512 dequantize_row_value(const Int8Dequantize *d,
+                                                                         const Int8RowTerms *t, __m512i products,
+                                                                         int64_t n, int64_t outliers) {
+    /* the empty asm statements keep -ffast-math from regrouping the products across the
+     * row's chunks (the scale is the same for all of them): dequantize_value's bits */
+    __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(products), t->scale);
+    __asm__("" : "+v"(p));
+    if (outliers > 0) {
+        __m512 extra = _mm512_setzero_ps();
+        for (int64_t j = 0; j < outliers; j++) {
+            const __m128i column = _mm_loadu_si128((const __m128i *)(t->column[j] + n));
+            extra = _mm512_fmadd_ps(t->value[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(column)), extra);
+        }
+        p = _mm512_add_ps(p, extra);
+        __asm__("" : "+v"(p));
+    }
+    return _mm512_mul_ps(p, _mm512_loadu_ps(d->col_scales + n));
+}
+
+/* dequantize_chunk for 16 whole columns from n of row m, whose terms `t` holds. */
+static inline __attribute__((always_inline)) void dequantize_row_chunk(const Int8Dequantize *d,
+                                                                       const Int8RowTerms *t, __m512i products,
+                                                                       int64_t m, int64_t n, int64_t outliers) {
+    __m512 p = dequantize_row_value(d, t, products, n, outliers);
+    if (d->bias != NULL) p = _mm512_add_ps(p, load16(d->bias, d->kind, n, (__mmask16)0xFFFF));
+    if (d->residual != NULL) p = _mm512_add_ps(p, load16(d->residual, d->kind, m * d->cols + n, (__mmask16)0xFFFF));
+    store16(d->out, d->kind, m * d->cols + n, p, (__mmask16)0xFFFF);
+}
+
 /* A value rounded to bf16 and widened back, 16 lanes. */
 static inline __m512 round_bf16x16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));

@@ -70,6 +70,30 @@ static inline void gated_pair(const Int8Dequantize *dq, __m512i gate, __m512i up
     _mm512_storeu_ps((float *)dq->out + m * half + at, gated_chunk(g, u, dq->kind));
 }
 
+/* gated_pair for a row whose terms `t` holds (`outliers` its count, a literal where it can be). */
+static inline __attribute__((always_inline)) void gated_row_pair(const Int8Dequantize *dq, const Int8RowTerms *t,
+                                                                 __m512i gate, __m512i up, int64_t m, int64_t at,
+                                                                 int64_t outliers) {
+    const int64_t half = dq->cols / 2;
+    const __m512 g = dequantize_row_value(dq, t, gate, at, outliers);
+    const __m512 u = dequantize_row_value(dq, t, up, half + at, outliers);
+    _mm512_storeu_ps((float *)dq->out + m * half + at, gated_chunk(g, u, dq->kind));
+}
+
+/* The dequantizing epilogue of a tile's row i (int8 products acc_row[BLOCKS] at columns n..):
+ * the row's terms looked up once, the outlier loop unrolled for tandem's default count (4,
+ * tandem/layers/int8.py OUTLIER_CHANNELS) and for none. */
+#define ROW_EPILOGUE(ACC, BLOCKS, M, N, COUNT)                                                       \
+    do {                                                                                            \
+        if (!dq->gated) {                                                                           \
+            _Pragma("GCC unroll 8") for (int j_ = 0; j_ < (BLOCKS); j_++)                          \
+                dequantize_row_chunk(dq, &terms_, (ACC)[j_], (M), (N) + 16 * j_, (COUNT));          \
+        } else {                                                                                    \
+            _Pragma("GCC unroll 8") for (int j_ = 0; j_ + 1 < (BLOCKS); j_ += 2)                   \
+                gated_row_pair(dq, &terms_, (ACC)[j_], (ACC)[j_ + 1], (M), (N) / 2 + 8 * j_, (COUNT)); \
+        }                                                                                           \
+    } while (0)
+
 #define DEFINE_TILE(ROWS, BLOCKS)                                                                     \
 TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                                                   \
     const int8_t *a, int64_t a_stride, int64_t quads, const int8_t *panel, const int32_t *compensation,\
@@ -106,12 +130,22 @@ TILE_ATTRIBUTES static void tile_##ROWS##_##BLOCKS(                             
         _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                        \
             _Pragma("GCC unroll 8") for (int j = 0; j < BLOCKS; j++)                                  \
                 _mm512_storeu_si512(c + i * c_stride + 16 * j, acc[i][j]);                            \
-    } else if (!dq->gated) {                                                                          \
-        for (int i = 0; i < ROWS; i++)                                                                \
-            for (int j = 0; j < BLOCKS; j++) dequantize_chunk(dq, acc[i][j], m + i, n + 16 * j, (__mmask16)0xFFFF); \
-    } else { /* blocks j, j + 1: a gate/up pair (a gated panel holds whole pairs) */                  \
-        for (int i = 0; i < ROWS; i++)                                                                \
-            for (int j = 0; j + 1 < BLOCKS; j += 2) gated_pair(dq, acc[i][j], acc[i][j + 1], m + i, n / 2 + 8 * j); \
+    } else {                                                                                          \
+        for (int i = 0; i < ROWS; i++) {                                                              \
+            Int8RowTerms terms_;                                                                      \
+            if (!row_terms(dq, m + i, &terms_)) {                                                     \
+                for (int j = 0; j < BLOCKS; j++)                                                      \
+                    if (!dq->gated) dequantize_chunk(dq, acc[i][j], m + i, n + 16 * j, (__mmask16)0xFFFF); \
+                for (int j = 0; dq->gated && j + 1 < BLOCKS; j += 2) /* blocks j, j + 1: a gate/up pair */ \
+                    gated_pair(dq, acc[i][j], acc[i][j + 1], m + i, n / 2 + 8 * j);                   \
+            } else if (terms_.outliers == 4) {                                                        \
+                ROW_EPILOGUE(acc[i], BLOCKS, m + i, n, 4);                                            \
+            } else if (terms_.outliers == 0) {                                                        \
+                ROW_EPILOGUE(acc[i], BLOCKS, m + i, n, 0);                                            \
+            } else {                                                                                  \
+                ROW_EPILOGUE(acc[i], BLOCKS, m + i, n, terms_.outliers);                              \
+            }                                                                                         \
+        }                                                                                             \
     }                                                                                                 \
 }
 #define DEFINE_TILES(BLOCKS) DEFINE_TILE(1, BLOCKS) DEFINE_TILE(2, BLOCKS) DEFINE_TILE(3, BLOCKS) \
